@@ -1,0 +1,39 @@
+"""Shared pytest set-up: the `gpu` marker skips without CUDA; tiktoken reads its offline cache."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+# tiktoken's GPT-2 files: use the checkout's sibling shared/ cache unless the user set one.
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken-cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch missing is a hard error elsewhere
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shakespeare_path() -> Path:
+    """Local Tiny Shakespeare (../shared/data/tinyshakespeare.txt or $TINYSHAKESPEARE)."""
+    p = Path(os.environ.get("TINYSHAKESPEARE", SHARED / "data" / "tinyshakespeare.txt"))
+    if not p.is_file():
+        pytest.skip(f"Tiny Shakespeare not found at {p}; set TINYSHAKESPEARE=PATH")
+    return p
