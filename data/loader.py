@@ -1,0 +1,219 @@
+"""Read a prepared data directory: meta, tokenizer, and deterministic random-window batches.
+
+Batches follow nanoGPT's ``get_batch``: ``batch_size`` windows of ``seq_len + 1`` consecutive tokens
+at random offsets of a memory-mapped ``uint16`` token file; inputs are a window's first ``seq_len``
+tokens, targets the same window shifted by one. Unlike nanoGPT the offsets come from a NumPy
+``Generator`` seeded with ``[seed, split_id, step, micro_step, rank]``, so a batch depends on those
+numbers only (identical across attention backends, restarts and resumes).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.meta import (
+    FORMAT_VERSION,
+    PREPARE_HINT,
+    SPLITS,
+    TOKEN_DTYPE,
+    bin_path,
+    check_bin_file,
+    load_meta,
+)
+from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
+
+__all__ = ["BinDataset", "load_meta", "tokenizer_from_meta", "SPLITS", "FORMAT_VERSION"]
+
+SPLIT_IDS = {"train": 0, "val": 1}
+# Marks eval_batches' seed sequences [seed, split_id, _EVAL_STREAM, i]; 4 entries, so they can never
+# equal batch()'s 5-entry sequences.
+_EVAL_STREAM = 0x6576616C  # "eval"
+_FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of files up to 32 MB ...
+_PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
+
+
+def tokenizer_from_meta(meta: dict) -> GPT2Tokenizer | CharTokenizer:
+    """Tokenizer of a prepared directory (from ``load_meta``): ``.encode(str) -> list[int]``,
+    ``.decode(ids) -> str``, ``.vocab_size``, ``.name``.
+
+    Raises:
+        ValueError: unknown tokenizer name, or a char ``itos`` inconsistent with ``vocab_size``.
+        RuntimeError: tiktoken's GPT-2 files cannot be loaded (offline without ``TIKTOKEN_CACHE_DIR``).
+    """
+    tok = make_tokenizer(meta["tokenizer"], itos=meta.get("itos"))
+    if tok.vocab_size != meta["vocab_size"]:
+        raise ValueError(
+            f"meta.json says vocab_size={meta['vocab_size']} but its {meta['tokenizer']} tokenizer has "
+            f"{tok.vocab_size} tokens; the meta.json is corrupt: delete the directory's files and re-run "
+            f"`{PREPARE_HINT}`."
+        )
+    return tok
+
+
+def _nonneg_int(name: str, value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+class BinDataset:
+    """One split of a prepared data directory, served as random windows.
+
+    Args:
+        data_dir: a directory written by ``data.prepare.prepare`` (``meta.json``, ``train.bin``, ``val.bin``).
+        split: ``"train"`` or ``"val"``.
+        seq_len: tokens per sample (model context length), >= 1.
+        check_ids: verify that token ids are < ``vocab_size`` (all ids of files up to 16M tokens, else the
+            first and last 1M); catches a ``.bin`` paired with the wrong ``meta.json``.
+
+    Attributes:
+        num_tokens (int): tokens in this split. ``vocab_size`` (int), ``meta`` (dict), ``path`` (Path).
+
+    Raises:
+        ValueError: unknown split, seq_len < 1, bad meta (see ``load_meta``), ``.bin`` size != 2 * tokens
+            (names the file, says to delete it and re-prepare), token id >= vocab_size, or a split
+            shorter than ``seq_len + 1`` tokens (message gives both numbers and the fixes).
+        FileNotFoundError: ``meta.json`` or the ``.bin`` file is missing.
+
+    Keeps one read-only ``np.memmap`` of the file; pickling (e.g. to DataLoader workers) re-opens it.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int, *, check_ids: bool = True):
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
+        seq_len = _nonneg_int("seq_len", seq_len)
+        if seq_len < 1:
+            raise ValueError("seq_len must be >= 1")
+        self.data_dir = Path(data_dir)
+        self.split = split
+        self.split_id = SPLIT_IDS[split]
+        self.seq_len = seq_len
+        self.meta = load_meta(self.data_dir)
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.path = bin_path(self.data_dir, split)
+        self.num_tokens: int = self.meta[f"{split}_tokens"]
+        check_bin_file(self.path, self.num_tokens)
+        if self.num_tokens < seq_len + 1:
+            fraction = "larger" if split == "val" else "smaller"
+            raise ValueError(
+                f"the {split} split of {self.data_dir} has {self.num_tokens} tokens, but seq_len={seq_len} "
+                f"needs at least {seq_len + 1} (a window of seq_len + 1 tokens: inputs + shifted targets). "
+                f"Use a smaller seq_len (at most {max(self.num_tokens - 1, 0)} here), a bigger corpus, or "
+                f"a {fraction} val_fraction."
+            )
+        self._data = self._open()
+        if check_ids:
+            self._check_ids()
+
+    # -- file handling
+    def _open(self) -> np.memmap:
+        return np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r", shape=(self.num_tokens,))
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_data", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._data = self._open()
+
+    def _check_ids(self) -> None:
+        n = self.num_tokens
+        if n <= _FULL_ID_CHECK_TOKENS:
+            top = int(self._data.max())
+        else:
+            k = _PARTIAL_ID_CHECK_TOKENS
+            top = max(int(self._data[:k].max()), int(self._data[-k:].max()))
+        if top >= self.vocab_size:
+            raise ValueError(
+                f"{self.path} holds token id {top}, but {self.data_dir / 'meta.json'} says "
+                f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
+                f"Delete {self.path.parent}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
+            )
+
+    # -- batches
+    def _windows(self, rng: np.random.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # start in [0, num_tokens - seq_len - 1], so start + seq_len + 1 <= num_tokens
+        starts = rng.integers(0, self.num_tokens - self.seq_len, size=batch_size)
+        span = self.seq_len + 1
+        win = np.stack([self._data[s : s + span] for s in starts.tolist()]).astype(np.int64)
+        x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))
+        y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
+        return x, y
+
+    def batch(
+        self, batch_size: int, *, seed: int, step: int, micro_step: int = 0, rank: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows for one (micro-)batch.
+
+        Start offsets are ``np.random.default_rng([seed, split_id, step, micro_step, rank]).integers(
+        0, num_tokens - seq_len, size=batch_size)`` (split_id: train 0, val 1), uniform over all windows;
+        the batch depends on these numbers and the data only.
+
+        Returns:
+            (x, y): int64 CPU tensors of shape (batch_size, seq_len); ``y[:, t] == x[:, t + 1]`` for
+            t < seq_len - 1 and ``y[:, -1]`` is the token after ``x[:, -1]``.
+
+        Raises:
+            TypeError / ValueError: a non-int or negative argument, or batch_size < 1.
+        """
+        batch_size = _nonneg_int("batch_size", batch_size)
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        key = [
+            _nonneg_int("seed", seed),
+            self.split_id,
+            _nonneg_int("step", step),
+            _nonneg_int("micro_step", micro_step),
+            _nonneg_int("rank", rank),
+        ]
+        return self._windows(np.random.default_rng(key), batch_size)
+
+    def eval_batches(
+        self, n_batches: int, batch_size: int, seed: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed list of ``n_batches`` (x, y) batches, for evaluation.
+
+        Batch ``i`` uses ``np.random.default_rng([seed, split_id, EVAL_STREAM, i])``: deterministic,
+        independent of ``batch()``'s stream, and the first k batches do not depend on ``n_batches``.
+
+        Returns:
+            list of (x, y), each int64 of shape (batch_size, seq_len) (as in ``batch``).
+
+        Raises:
+            TypeError / ValueError: a non-int or negative argument, or batch_size < 1.
+        """
+        n_batches = _nonneg_int("n_batches", n_batches)
+        batch_size = _nonneg_int("batch_size", batch_size)
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        seed = _nonneg_int("seed", seed)
+        return [
+            self._windows(np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size)
+            for i in range(n_batches)
+        ]
+
+    def tokens(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Token ids ``[start, stop)`` of the split as an int64 array (a copy)."""
+        return np.asarray(self._data[start:stop], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"BinDataset({str(self.data_dir)!r}, split={self.split!r}, seq_len={self.seq_len}, "
+            f"num_tokens={self.num_tokens}, vocab_size={self.vocab_size})"
+        )

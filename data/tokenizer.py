@@ -1,0 +1,174 @@
+"""Tokenizers of the data step: OpenAI's GPT-2 BPE (via tiktoken) and a character-level vocabulary.
+
+Both expose ``name``, ``vocab_size``, ``encode(text) -> list[int]``,
+``encode_array(text) -> np.ndarray`` (int64, shape (n,)) and ``decode(ids) -> str``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+TOKENIZERS = ("gpt2", "char")
+GPT2_VOCAB_SIZE = 50257
+MAX_VOCAB = 2**16  # ids are stored as uint16
+
+
+def _as_int_list(ids: Iterable[int]) -> list[int]:
+    """Token ids given as list / tuple / 1-D numpy array / 1-D torch tensor -> list of Python ints."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    return [int(i) for i in ids]
+
+
+@functools.lru_cache(maxsize=1)
+def _gpt2_encoding():
+    try:
+        import tiktoken
+    except ImportError as e:  # pragma: no cover - tiktoken is a declared dependency
+        raise RuntimeError("tokenizer 'gpt2' needs the tiktoken package: pip install tiktoken") from e
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except Exception as e:  # tiktoken raises requests/urllib/OSError variants when offline
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
+        raise RuntimeError(
+            f"could not load tiktoken's GPT-2 BPE files ({type(e).__name__}: {e}). Without network access, "
+            "set TIKTOKEN_CACHE_DIR to a directory that holds tiktoken's cached GPT-2 files (currently "
+            f"{cache}), or use the character-level tokenizer (tokenizer=char)."
+        ) from e
+
+
+class GPT2Tokenizer:
+    """GPT-2 byte-level BPE (tiktoken ``gpt2``, vocab 50257), without special tokens.
+
+    ``encode`` uses ``encode_ordinary``: text such as ``"<|endoftext|>"`` is encoded as plain text.
+    Lossless: ``decode(encode(t)) == t`` for any str ``t``.
+
+    Raises:
+        RuntimeError (on construction): tiktoken cannot load its BPE files (offline without cache).
+    """
+
+    name = "gpt2"
+
+    def __init__(self) -> None:
+        self._enc = _gpt2_encoding()
+        self.vocab_size: int = self._enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        """str -> list of token ids in [0, 50257)."""
+        return self._enc.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """str -> int64 array of shape (n_tokens,)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids (list, 1-D numpy array or 1-D torch tensor) -> str.
+
+        A byte sequence that is not valid UTF-8 (e.g. a window cut inside a multi-byte character)
+        decodes with U+FFFD replacement characters.
+        """
+        return self._enc.decode(_as_int_list(ids))
+
+    def __repr__(self) -> str:
+        return f"GPT2Tokenizer(vocab_size={self.vocab_size})"
+
+
+class CharTokenizer:
+    """Character-level tokenizer: id ``i`` <-> ``itos[i]`` (one Unicode code point each).
+
+    Args:
+        itos: the distinct characters; ``prepare`` uses ``sorted(set(text))`` (code point order).
+
+    Raises:
+        ValueError: ``itos`` holds something other than single characters, repeats one, or has
+            more than 65536 entries (ids must fit in uint16).
+    """
+
+    name = "char"
+
+    def __init__(self, itos: Sequence[str]) -> None:
+        itos = list(itos)
+        bad = [c for c in itos if not isinstance(c, str) or len(c) != 1]
+        if bad:
+            raise ValueError(f"char vocabulary entries must be single characters, got {bad[:5]!r}")
+        if len(set(itos)) != len(itos):
+            raise ValueError("char vocabulary has repeated characters; re-run the prepare step")
+        if len(itos) > MAX_VOCAB:
+            raise ValueError(
+                f"the text has {len(itos)} distinct characters, more than the {MAX_VOCAB} ids a uint16 "
+                "token file can hold; use tokenizer=gpt2 for this corpus"
+            )
+        self.itos: list[str] = itos
+        self.stoi: dict[str, int] = {c: i for i, c in enumerate(itos)}
+        self.vocab_size: int = len(itos)
+        codes = np.array([ord(c) for c in itos], dtype=np.int64)
+        self._order = np.argsort(codes)
+        self._sorted_codes = codes[self._order]
+
+    @classmethod
+    def from_text(cls, text: str) -> CharTokenizer:
+        """Vocabulary = the sorted distinct characters of ``text``."""
+        return cls(sorted(set(text)))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """str -> int64 array of shape (len(text),) (vectorised lookup of the code points).
+
+        Raises:
+            ValueError: ``text`` has a character outside the vocabulary (names it).
+        """
+        if not text:
+            return np.zeros(0, dtype=np.int64)
+        codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4").astype(np.int64)
+        if self.vocab_size == 0:
+            raise ValueError("the char vocabulary is empty; it cannot encode any text")
+        pos = np.minimum(np.searchsorted(self._sorted_codes, codes), self.vocab_size - 1)
+        unknown = self._sorted_codes[pos] != codes
+        if unknown.any():
+            first = int(np.flatnonzero(unknown)[0])
+            raise ValueError(
+                f"character {text[first]!r} (U+{ord(text[first]):04X}) at position {first} is not in this "
+                f"{self.vocab_size}-character vocabulary; char-level data must be encoded with the "
+                "vocabulary of its own corpus"
+            )
+        return self._order[pos].astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        """str -> list of ids (same errors as ``encode_array``)."""
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Token ids (list, 1-D numpy array or 1-D torch tensor) -> str.
+
+        Raises:
+            ValueError: an id outside [0, vocab_size).
+        """
+        ids = _as_int_list(ids)
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the char vocabulary [0, {self.vocab_size})")
+        return "".join([self.itos[i] for i in ids])
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+def make_tokenizer(name: str, *, text: str | None = None, itos: Sequence[str] | None = None):
+    """Build tokenizer ``name``: ``"gpt2"``, or ``"char"`` from ``itos`` or else from ``text``'s characters.
+
+    Raises:
+        ValueError: unknown name, or ``"char"`` without ``itos`` / ``text``.
+        RuntimeError: GPT-2 BPE files cannot be loaded (see ``GPT2Tokenizer``).
+    """
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "char":
+        if itos is not None:
+            return CharTokenizer(itos)
+        if text is not None:
+            return CharTokenizer.from_text(text)
+        raise ValueError("the char tokenizer needs its vocabulary: pass itos=... or text=...")
+    raise ValueError(f"unknown tokenizer {name!r}; use one of {TOKENIZERS}")

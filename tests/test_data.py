@@ -1,0 +1,400 @@
+"""Tests of the data step (data/prepare.py, data/loader.py) on real Tiny Shakespeare and small texts.
+
+References are independent of the code under test: hashlib for the hash, tiktoken / Python's str
+for tokenization, and a corpus of distinct characters whose char-level ids are 0..n-1 in order, so
+every window's expected content is known in closed form.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiktoken
+import torch
+
+from data import prepare as prep
+from data.loader import BinDataset, load_meta, tokenizer_from_meta
+from data.prepare import ensure_prepared, prepare
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE_GPT2_TOKENS = 338_025
+
+
+def _ids(path: Path) -> np.ndarray:
+    return np.fromfile(path, dtype="<u2").astype(np.int64)
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_bytes(text.encode("utf-8"))
+    return path
+
+
+def _distinct_corpus(tmp_path: Path, n: int = 500) -> Path:
+    """n distinct characters in increasing code point order: char ids are exactly 0..n-1 in order."""
+    return _write(tmp_path / "distinct.txt", "".join(chr(0x100 + i) for i in range(n)))
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory, shakespeare_path) -> Path:
+    out = tmp_path_factory.mktemp("shakespeare_gpt2")
+    prepare(str(shakespeare_path), out, tokenizer="gpt2")
+    return out
+
+
+@pytest.fixture(scope="module")
+def char_dir(tmp_path_factory, shakespeare_path) -> Path:
+    out = tmp_path_factory.mktemp("shakespeare_char")
+    prepare(shakespeare_path, out, tokenizer="char")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ prepare
+def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
+    raw = shakespeare_path.read_bytes()
+    text = raw.decode("utf-8")
+    meta = json.loads((gpt2_dir / "meta.json").read_text())
+    train, val = _ids(gpt2_dir / "train.bin"), _ids(gpt2_dir / "val.bin")
+    total = len(train) + len(val)
+
+    assert total == SHAKESPEARE_GPT2_TOKENS
+    assert len(train) == int(total * 0.9) == 304_222 and len(val) == 33_803
+    assert meta == {
+        "format_version": 1,
+        "tokenizer": "gpt2",
+        "vocab_size": 50257,
+        "train_tokens": len(train),
+        "val_tokens": len(val),
+        "val_fraction": 0.1,
+        "source": str(shakespeare_path.resolve()),
+        "source_sha256": hashlib.sha256(raw).hexdigest(),
+        "dtype": "uint16",
+    }
+    assert (gpt2_dir / "train.bin").stat().st_size == 2 * len(train)
+    # independent reference: tiktoken directly
+    enc = tiktoken.get_encoding("gpt2")
+    assert np.array_equal(np.concatenate([train, val]), np.array(enc.encode_ordinary(text)))
+    tok = tokenizer_from_meta(load_meta(gpt2_dir))
+    assert tok.decode(train) + tok.decode(val) == text
+    assert tok.encode("Hello world") == enc.encode_ordinary("Hello world")
+    assert load_meta(gpt2_dir) == meta
+
+
+def test_prepare_char_round_trip_and_meta(char_dir, shakespeare_path):
+    text = shakespeare_path.read_text(encoding="utf-8")
+    meta = load_meta(char_dir)
+    train, val = _ids(char_dir / "train.bin"), _ids(char_dir / "val.bin")
+
+    chars = sorted(set(text))
+    assert meta["tokenizer"] == "char" and meta["itos"] == chars and meta["vocab_size"] == len(chars) == 65
+    assert len(train) + len(val) == len(text) == 1_115_394
+    assert (meta["train_tokens"], meta["val_tokens"]) == (len(train), len(val)) == (1_003_854, 111_540)
+    assert meta["source_sha256"] == hashlib.sha256(shakespeare_path.read_bytes()).hexdigest()
+    # independent reference: str -> index in the sorted character list
+    stoi = {c: i for i, c in enumerate(chars)}
+    assert np.array_equal(np.concatenate([train, val]), np.array([stoi[c] for c in text]))
+    tok = tokenizer_from_meta(meta)
+    assert tok.decode(train) + tok.decode(val) == text
+    assert tok.decode(torch.from_numpy(val[:50])) == text[len(train) : len(train) + 50]
+
+
+def test_prepare_unicode_text_round_trips(tmp_path):
+    text = "naïve café — 東京 🚀\r\nline two\ttabs\n\ufeffBOM-like\n" * 3
+    src = _write(tmp_path / "u.txt", text)
+    for name in ("gpt2", "char"):
+        out = tmp_path / name
+        meta = prepare(src, out, tokenizer=name, val_fraction=0.25)
+        ids = np.concatenate([_ids(out / "train.bin"), _ids(out / "val.bin")])
+        assert meta["train_tokens"] == int(len(ids) * 0.75)
+        assert tokenizer_from_meta(meta).decode(ids) == text  # exact, incl. \r\n
+
+
+def test_cli_module_and_script(tmp_path, shakespeare_path):
+    src = _distinct_corpus(tmp_path, 300)
+    out = tmp_path / "cli_char"
+    res = subprocess.run(
+        [sys.executable, "-m", "data.prepare", "--source", str(src), "--out-dir", str(out),
+         "--tokenizer", "char", "--val-fraction", "0.2"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "240 train + 60 val tokens" in res.stdout
+    assert load_meta(out)["val_fraction"] == 0.2
+    assert np.array_equal(_ids(out / "train.bin"), np.arange(240))
+
+    # `python data/prepare.py` from another working directory, GPT-2 on the real corpus
+    out = tmp_path / "cli_gpt2"
+    res = subprocess.run(
+        [sys.executable, str(REPO / "data" / "prepare.py"), "--source", str(shakespeare_path),
+         "--out-dir", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    meta = load_meta(out)
+    assert meta["train_tokens"] + meta["val_tokens"] == SHAKESPEARE_GPT2_TOKENS
+
+    res = subprocess.run(
+        [sys.executable, "-m", "data.prepare", "--source", str(tmp_path / "nope.txt"), "--out-dir", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 1 and "nope.txt" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_atomic_prepare_leaves_no_valid_looking_dir(tmp_path, monkeypatch):
+    src = _write(tmp_path / "a.txt", "abcdefghij" * 20)
+    out = tmp_path / "out"
+    prepare(src, out, tokenizer="char")
+    assert (out / "meta.json").is_file()
+
+    real = prep._write_array
+    calls = []
+
+    def failing(path, ids):  # the second .bin write "dies"
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("simulated kill")
+        real(path, ids)
+
+    monkeypatch.setattr(prep, "_write_array", failing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_write(tmp_path / "b.txt", "zyxw" * 30), out, tokenizer="char")
+    assert not (out / "meta.json").exists()  # old meta removed before writing, new one never written
+    assert not [p for p in os.listdir(out) if p.startswith(".tmp-")]
+    with pytest.raises(FileNotFoundError, match="not a prepared data directory"):
+        BinDataset(out, "train", 4)
+    monkeypatch.undo()
+    # ensure_prepared repairs the directory
+    meta = ensure_prepared(tmp_path / "b.txt", out, "char")
+    assert meta["itos"] == ["w", "x", "y", "z"]
+
+
+# ---------------------------------------------------------------------------------- ensure_prepared
+def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, caplog):
+    src = _write(tmp_path / "s.txt", "To be, or not to be, that is the question.\n" * 40)
+    out = tmp_path / "out"
+    meta = ensure_prepared(src, out, "char")
+    files = [out / "train.bin", out / "val.bin", out / "meta.json"]
+    mtimes = [f.stat().st_mtime_ns for f in files]
+
+    caplog.set_level("INFO", logger="data.prepare")
+    assert ensure_prepared(str(src), out, "char") == meta
+    assert [f.stat().st_mtime_ns for f in files] == mtimes  # nothing rewritten
+
+    caplog.clear()
+    meta2 = ensure_prepared(src, out, "gpt2")  # tokenizer changed
+    assert meta2["tokenizer"] == "gpt2" and "itos" not in meta2
+    assert "tokenizer 'char', requested 'gpt2'" in caplog.text
+    assert load_meta(out) == meta2
+
+    caplog.clear()
+    _write(src, "Different content now.\n" * 40)  # source changed -> sha256 differs
+    meta3 = ensure_prepared(src, out, "gpt2")
+    assert meta3["source_sha256"] == hashlib.sha256(src.read_bytes()).hexdigest() != meta2["source_sha256"]
+    assert "source changed" in caplog.text
+
+    caplog.clear()
+    meta4 = ensure_prepared(src, out, "gpt2", val_fraction=0.5)
+    assert meta4["val_fraction"] == 0.5 and "val_fraction" in caplog.text
+
+    caplog.clear()
+    with open(out / "val.bin", "r+b") as f:  # truncated file -> re-prepared
+        f.truncate(2)
+    assert ensure_prepared(src, out, "gpt2", val_fraction=0.5) == meta4
+    assert (out / "val.bin").stat().st_size == 2 * meta4["val_tokens"] and "bytes" in caplog.text
+
+
+def test_ensure_prepared_missing_source_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing\.txt.*data\.source=PATH"):
+        ensure_prepared(tmp_path / "missing.txt", tmp_path / "out", "char")
+
+
+# ------------------------------------------------------------------------------------- input errors
+def test_non_utf8_source_error(tmp_path):
+    src = tmp_path / "latin1.txt"
+    src.write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8.*offset 3.*Convert"):
+        prepare(src, tmp_path / "out", tokenizer="char")
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
+def test_missing_source_and_bad_arguments(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no_such\.txt.*does not exist"):
+        prepare(tmp_path / "no_such.txt", tmp_path / "out")
+    with pytest.raises(IsADirectoryError):
+        prepare(tmp_path, tmp_path / "out")
+    src = _write(tmp_path / "ok.txt", "hello there")
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        prepare(src, tmp_path / "out", tokenizer="bpe")
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="val_fraction"):
+            prepare(src, tmp_path / "out", val_fraction=bad)
+    with pytest.raises(ValueError, match="empty"):
+        prepare(_write(tmp_path / "empty.txt", ""), tmp_path / "out", tokenizer="char")
+    with pytest.raises(ValueError, match="at least 2"):
+        prepare(_write(tmp_path / "one.txt", "x"), tmp_path / "out", tokenizer="char")
+
+
+def test_download_failure_says_to_pass_local_path(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(prep.urllib.request, "urlopen", offline)
+    with pytest.raises(RuntimeError, match=r"could not download https://.*tinyshakespeare.*data\.source=PATH"):
+        prepare(None, tmp_path / "out", tokenizer="char")
+    assert not (tmp_path / "out" / "input.txt").exists()
+
+
+def test_default_source_reuses_downloaded_input(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    _write(out / "input.txt", "First Citizen:\nBefore we proceed any further, hear me speak.\n")
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("must not download when input.txt exists")
+
+    monkeypatch.setattr(prep.urllib.request, "urlopen", no_network)
+    meta = ensure_prepared(None, out, "char")
+    assert meta["source"] == prep.TINY_SHAKESPEARE_URL
+    mtime = (out / "meta.json").stat().st_mtime_ns
+    assert ensure_prepared(None, out, "char") == meta
+    assert (out / "meta.json").stat().st_mtime_ns == mtime
+
+
+# --------------------------------------------------------------------------------------- the loader
+@pytest.fixture
+def distinct_dir(tmp_path) -> Path:
+    out = tmp_path / "distinct"
+    prepare(_distinct_corpus(tmp_path, 500), out, tokenizer="char")  # train ids 0..449, val 450..499
+    return out
+
+
+def test_batch_windows_are_consecutive_and_shifted(distinct_dir):
+    ds = BinDataset(distinct_dir, "train", seq_len=16)
+    assert ds.num_tokens == len(ds) == 450
+    seen_starts = set()
+    for step in range(200):
+        x, y = ds.batch(8, seed=3, step=step)
+        assert x.shape == y.shape == (8, 16) and x.dtype == y.dtype == torch.int64
+        starts = x[:, 0]
+        expected = starts[:, None] + torch.arange(16)
+        assert torch.equal(x, expected) and torch.equal(y, expected + 1)  # ids == positions here
+        seen_starts.update(starts.tolist())
+    # uniform over every valid window: first (start 0) and last (ends at the final token) both occur
+    assert min(seen_starts) == 0 and max(seen_starts) == 450 - 17
+
+    val = BinDataset(distinct_dir, "val", seq_len=16)
+    x, y = val.batch(4, seed=3, step=0)
+    assert int(x.min()) >= 450 and int(y.max()) <= 499 and torch.equal(y[:, :-1], x[:, 1:])
+
+
+def test_batch_determinism(gpt2_dir):
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    ds = BinDataset(gpt2_dir, "train", seq_len=64)
+    ref = ds.batch(4, seed=seed, step=7, micro_step=1, rank=2)
+    # same numbers -> same batch, also from a second dataset object and after pickling
+    for other in (ds, BinDataset(gpt2_dir, "train", seq_len=64), pickle.loads(pickle.dumps(ds))):
+        again = other.batch(4, seed=seed, step=7, micro_step=1, rank=2)
+        assert torch.equal(again[0], ref[0]) and torch.equal(again[1], ref[1])
+    # any number changed -> a different batch
+    for kwargs in (
+        dict(seed=seed + 1, step=7, micro_step=1, rank=2),
+        dict(seed=seed, step=8, micro_step=1, rank=2),
+        dict(seed=seed, step=7, micro_step=0, rank=2),
+        dict(seed=seed, step=7, micro_step=1, rank=3),
+    ):
+        assert not torch.equal(ds.batch(4, **kwargs)[0], ref[0]), kwargs
+    # the data itself matches: y is x shifted by one inside the token stream
+    x, y = ref
+    stream = _ids(gpt2_dir / "train.bin")
+    assert torch.equal(y[:, :-1], x[:, 1:])
+    for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
+        window = np.concatenate([row_x, row_y[-1:]])
+        starts = np.flatnonzero(stream[: len(stream) - 64] == window[0])
+        assert any(np.array_equal(stream[s : s + 65], window) for s in starts)
+    # the split is part of the key too
+    val = BinDataset(gpt2_dir, "val", seq_len=64)
+    assert not torch.equal(val.batch(4, seed=seed, step=7, micro_step=1, rank=2)[0], ref[0])
+
+
+def test_eval_batches_fixed(distinct_dir):
+    ds = BinDataset(distinct_dir, "val", seq_len=8)
+    a = ds.eval_batches(5, 3, seed=11)
+    b = BinDataset(distinct_dir, "val", seq_len=8).eval_batches(5, 3, seed=11)
+    assert len(a) == 5 and all(x.shape == (3, 8) and x.dtype == torch.int64 for x, _ in a)
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+    prefix = ds.eval_batches(2, 3, seed=11)  # first batches do not depend on n_batches
+    assert all(torch.equal(p[0], q[0]) for p, q in zip(prefix, a, strict=False))
+    assert not torch.equal(ds.eval_batches(1, 3, seed=12)[0][0], a[0][0])
+    for x, y in a:
+        assert torch.equal(y, x + 1) and int(x.min()) >= 450
+
+
+def test_too_short_split_names_both_numbers(tmp_path):
+    out = tmp_path / "short"
+    # 30 characters -> 27 train + 3 val tokens
+    prepare(_write(tmp_path / "s.txt", "abcdefghijklmnopqrstuvwxyz0123"), out, tokenizer="char")
+    assert load_meta(out)["val_tokens"] == 3
+    with pytest.raises(ValueError) as err:
+        BinDataset(out, "val", seq_len=8)
+    msg = str(err.value)
+    assert "has 3 tokens" in msg and "seq_len=8" in msg and "at least 9" in msg and "smaller seq_len" in msg
+    # sorted vocab "0123abc...": the val text "123" is ids 1, 2, 3 and has exactly one window
+    x, y = BinDataset(out, "val", seq_len=2).batch(2, seed=0, step=0)
+    assert x.tolist() == [[1, 2]] * 2 and y.tolist() == [[2, 3]] * 2
+
+
+def test_truncated_bin_and_mismatched_meta_errors(tmp_path):
+    src = _write(tmp_path / "s.txt", "the quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "out"
+    meta = prepare(src, out, tokenizer="char")
+
+    with open(out / "train.bin", "r+b") as f:
+        f.truncate(2 * meta["train_tokens"] - 2)
+    pattern = re.escape(str(out / "train.bin")) + r" is \d+ bytes.*truncated.*Delete"
+    with pytest.raises(ValueError, match=pattern):
+        BinDataset(out, "train", 8)
+    BinDataset(out, "val", 8)  # the other split is fine
+
+    prepare(src, out, tokenizer="char")
+    bad = dict(meta, val_tokens=meta["val_tokens"] + 5)
+    (out / "meta.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"val\.bin is \d+ bytes, but .*meta\.json says.*re-run"):
+        BinDataset(out, "val", 8)
+
+    (out / "meta.json").write_text(json.dumps(dict(meta, vocab_size=5)))  # ids up to 27 in the bins
+    with pytest.raises(ValueError, match=r"holds token id \d+.*vocab_size=5.*different prepare runs"):
+        BinDataset(out, "train", 8)
+
+    (out / "meta.json").write_text(json.dumps(dict(meta, format_version=2)))
+    with pytest.raises(ValueError, match=r"format_version=2.*re-run"):
+        BinDataset(out, "train", 8)
+
+    (out / "val.bin").unlink()
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(FileNotFoundError, match=r"val\.bin not found"):
+        BinDataset(out, "val", 8)
+
+
+def test_loader_argument_errors(distinct_dir):
+    with pytest.raises(ValueError, match="unknown split"):
+        BinDataset(distinct_dir, "test", 8)
+    with pytest.raises(ValueError, match="seq_len"):
+        BinDataset(distinct_dir, "train", 0)
+    ds = BinDataset(distinct_dir, "train", 8)
+    with pytest.raises(ValueError, match="seed"):
+        ds.batch(2, seed=-1, step=0)
+    with pytest.raises(TypeError, match="step"):
+        ds.batch(2, seed=0, step=1.5)
+    with pytest.raises(ValueError, match="batch_size"):
+        ds.batch(0, seed=0, step=0)
+    assert ds.batch(1, seed=np.int64(5), step=np.int32(1))[0].shape == (1, 8)
