@@ -1,0 +1,267 @@
+"""Causal self-attention backends behind one function, selected by name.
+
+Every backend computes the same function, causal scaled dot-product attention without dropout
+(Vaswani et al. 2017, "Attention Is All You Need", eq. 1, with a causal mask as in GPT-2):
+
+    o[b, h, i] = sum_{j <= i} softmax_j(q[b, h, i] . k[b, h, j] / sqrt(d)) * v[b, h, j]
+
+Inputs are q, k, v of shape (B, H, N, d) (batch, heads, sequence length, head dim), all the same shape,
+dtype and device; any strides are accepted. The output has shape (B, H, N, d) and the dtype of v.
+
+Backends (``ATTENTION_BACKENDS``):
+
+* ``"naive"``: materialises the N x N score matrix, scores and softmax in float32 (or float64 when the
+  inputs are float64), then casts the probabilities to v.dtype and multiplies by v. Memory O(B*H*N^2).
+* ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)``. With
+  ``sdpa_backend="auto"`` PyTorch picks the kernel; any other value of ``SDPA_BACKENDS`` pins one kernel
+  with ``torch.nn.attention.sdpa_kernel`` and raises a clear RuntimeError if it cannot run.
+* ``"flash"``: our Triton FlashAttention-2 kernel, ``kernels.flash_attention(q, k, v, causal=True)``,
+  imported lazily on first use (it needs a CUDA GPU, or TRITON_INTERPRET=1 for slow CPU testing).
+
+A new backend is added with one call, ``register_attention_backend(name, fn)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "SDPA_BACKENDS",
+    "attention",
+    "available_attention_backends",
+    "check_attention_backend",
+    "check_sdpa_backend",
+    "register_attention_backend",
+    "sdpa_backend_that_ran",
+]
+
+#: Built-in attention backends (names accepted by ``attention`` and ``GPTConfig.attention``).
+ATTENTION_BACKENDS: tuple[str, ...] = ("naive", "sdpa", "flash")
+
+#: Kernel choices for the ``"sdpa"`` backend. ``"auto"`` lets PyTorch choose; the others pin one kernel.
+SDPA_BACKENDS: tuple[str, ...] = ("auto", "flash", "cudnn", "efficient", "math")
+
+#: A backend function: ``fn(q, k, v, sdpa_backend) -> o`` with q, k, v, o of shape (B, H, N, d).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
+
+_REGISTRY: dict[str, AttentionFn] = {}
+
+
+def register_attention_backend(name: str, fn: AttentionFn, *, overwrite: bool = False) -> None:
+    """Register ``fn`` as attention backend ``name``.
+
+    Args:
+        name: backend name, as used in ``attention(..., backend=name)`` and ``GPTConfig.attention``.
+        fn: ``fn(q, k, v, sdpa_backend) -> o``; q, k, v (B, H, N, d) of one dtype/device (any strides),
+            o (B, H, N, d) in v.dtype. Must compute causal attention with scale 1/sqrt(d) and no dropout,
+            so that all backends are the same function (the loss-parity checks rely on it).
+        overwrite: allow replacing an existing backend.
+
+    Raises:
+        ValueError: ``name`` is already registered and ``overwrite`` is False (pass overwrite=True or
+            pick another name), or ``name`` is not a non-empty string.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attention backend name must be a non-empty string, got {name!r}")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(
+            f"attention backend {name!r} is already registered; pass overwrite=True to replace it "
+            "or register under another name"
+        )
+    _REGISTRY[name] = fn
+
+
+def available_attention_backends() -> tuple[str, ...]:
+    """Names of all registered backends (the built-ins of ``ATTENTION_BACKENDS`` plus any added later)."""
+    return tuple(_REGISTRY)
+
+
+def check_attention_backend(name: str) -> None:
+    """Raise ValueError naming the valid choices if ``name`` is not a registered attention backend."""
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid names: {', '.join(_REGISTRY)} "
+            "(set attention=<one of these>)"
+        )
+
+
+def check_sdpa_backend(name: str) -> None:
+    """Raise ValueError naming the valid choices if ``name`` is not one of ``SDPA_BACKENDS``."""
+    if name not in SDPA_BACKENDS:
+        raise ValueError(
+            f"unknown sdpa_backend {name!r}; valid names: {', '.join(SDPA_BACKENDS)} "
+            "(set attention.sdpa_backend=auto to let PyTorch choose)"
+        )
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4:
+        raise ValueError(f"attention expects q, k, v of shape (B, H, N, d); got q of shape {tuple(q.shape)}")
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(
+            "attention expects q, k, v of the same shape (B, H, N, d); got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(
+            "attention expects q, k, v with one dtype and device; got "
+            f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}"
+        )
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto"
+) -> torch.Tensor:
+    """Causal scaled dot-product attention (scale 1/sqrt(d), no dropout) with the chosen backend.
+
+    Args:
+        q, k, v: (B, H, N, d) tensors, same shape, dtype and device; strided views are fine.
+        backend: one of ``available_attention_backends()`` (built-ins: ``ATTENTION_BACKENDS``).
+        sdpa_backend: one of ``SDPA_BACKENDS``; only used by the ``"sdpa"`` backend.
+
+    Returns:
+        o: (B, H, N, d) in v.dtype.
+
+    Raises:
+        ValueError: unknown backend / sdpa_backend (the message lists the valid names), or bad shapes.
+        RuntimeError: a pinned sdpa_backend cannot run on these inputs (the message says how to fix it);
+            the flash kernel is unavailable (from ``kernels``).
+    """
+    check_attention_backend(backend)
+    check_sdpa_backend(sdpa_backend)
+    _check_qkv(q, k, v)
+    return _REGISTRY[backend](q, k, v, sdpa_backend)
+
+
+# --------------------------------------------------------------------------------------- naive
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+    """Materialised attention: S = q k^T / sqrt(d) and P = softmax(S) in >= float32, then (P.to(v)) @ v.
+
+    Memory: one (B, H, N, N) float32 score buffer (scaled and masked in place) and the float32 softmax
+    output (kept by autograd for softmax's backward), plus its v.dtype cast (kept for the matmul's backward;
+    no copy when v is float32).
+    """
+    d = q.shape[-1]
+    n = q.shape[-2]
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
+    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))  # (B, H, N, N)
+    # In place is safe: matmul's backward needs its inputs, not its output; masked_fill_'s backward needs
+    # only the mask.
+    scores.mul_(1.0 / math.sqrt(d))
+    above_diagonal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+    scores.masked_fill_(above_diagonal, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
+
+
+# ---------------------------------------------------------------------------------------- sdpa
+
+
+def _sdpa_enum(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
+_SDPA_HINTS = {
+    "flash": "needs float16/bfloat16 on a CUDA GPU (sm80+) and head_dim <= 256 (on CPU, PyTorch's own CPU "
+    "flash kernel runs in most builds)",
+    "cudnn": "needs a CUDA GPU (sm80+) with cuDNN >= 9 and float16/bfloat16",
+    "efficient": "needs a CUDA GPU (float32/float16/bfloat16)",
+    "math": "runs everywhere",
+}
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+    if sdpa_backend == "auto":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with sdpa_kernel([_sdpa_enum(sdpa_backend)]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    except RuntimeError as err:
+        others = ", ".join(b for b in SDPA_BACKENDS if b not in ("auto", sdpa_backend))
+        raise RuntimeError(
+            f"attention.sdpa_backend={sdpa_backend} was pinned, but PyTorch's {sdpa_backend!r} SDPA kernel "
+            f"cannot run for q/k/v of shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device} "
+            f"({sdpa_backend} {_SDPA_HINTS[sdpa_backend]}). "
+            f"Fix: set attention.sdpa_backend=auto to let PyTorch choose, or pin another of: {others}. "
+            f"PyTorch said: {err}"
+        ) from err
+
+
+_ENUM_TO_NAME = {
+    "MATH": "math",
+    "FLASH_ATTENTION": "flash",
+    "EFFICIENT_ATTENTION": "efficient",
+    "CUDNN_ATTENTION": "cudnn",
+    "OVERRIDEABLE": "overrideable",
+    "ERROR": "error",
+}
+
+
+def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> str:
+    """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` uses, for logs.
+
+    A pinned ``sdpa_backend`` is returned as is (if it could not run, ``attention`` raises instead).
+    For ``"auto"`` this asks PyTorch's private dispatcher helper ``torch._fused_sdp_choice`` (same inputs,
+    is_causal=True, respecting any active ``sdpa_kernel`` context) and maps its answer to one of
+    ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"`` (or ``"overrideable"``). On CPU PyTorch has its
+    own C++ flash kernel, so CPU float inputs usually report ``"flash"`` meaning that CPU kernel, not the
+    CUDA FlashAttention. If the private helper is missing or fails (it may change between PyTorch
+    versions), returns ``"math"`` on CPU and ``"unknown"`` elsewhere. Best effort only: the real dispatcher
+    can still differ in corner cases (e.g. requires_grad-dependent choices).
+
+    Args:
+        q, k, v: (B, H, N, d) tensors as passed to ``attention``.
+        sdpa_backend: one of ``SDPA_BACKENDS``.
+
+    Returns:
+        a backend name (str).
+
+    Raises:
+        ValueError: unknown ``sdpa_backend``.
+    """
+    check_sdpa_backend(sdpa_backend)
+    if sdpa_backend != "auto":
+        return sdpa_backend
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True)
+        member = choice if isinstance(choice, SDPBackend) else SDPBackend(int(choice))
+        return _ENUM_TO_NAME.get(member.name, member.name.lower())
+    except Exception:  # private API: any failure means "we don't know"
+        return "math" if q.device.type == "cpu" else "unknown"
+
+
+# --------------------------------------------------------------------------------------- flash
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+    try:
+        from kernels import flash_attention
+    except ImportError as err:
+        raise RuntimeError(
+            "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
+            f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
+        ) from err
+    return flash_attention(q, k, v, causal=True)
+
+
+register_attention_backend("naive", _naive)
+register_attention_backend("sdpa", _sdpa)
+register_attention_backend("flash", _flash)

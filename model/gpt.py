@@ -1,0 +1,451 @@
+"""GPT-2 language model with a swappable attention backend.
+
+Architecture as in GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners",
+section 2.3) and Karpathy's nanoGPT: learned token + position embeddings, a stack of pre-LayerNorm
+transformer blocks (x + attn(ln_1(x)), then x + mlp(ln_2(x))), a final LayerNorm and an lm_head whose
+weight is tied to the token embedding. Attention uses one fused projection ``c_attn`` (n_embd -> 3*n_embd)
+and an output projection ``c_proj``; the MLP is n_embd -> 4*n_embd -> n_embd with tanh-approximated GELU.
+Initialisation follows GPT-2: weights N(0, 0.02), biases 0, and the residual output projections
+(``attn.c_proj`` and ``mlp.c_proj``) N(0, 0.02/sqrt(2*n_layer)).
+
+Dropout: ``GPTConfig.dropout`` is applied to the embedding sum, to the attention output projection and to
+the MLP output (residual dropout). No backend applies dropout to the attention probabilities, so
+``naive``, ``sdpa`` and ``flash`` compute exactly the same function and can be swapped on the same weights.
+
+Parameter names match nanoGPT (``transformer.wte``, ``transformer.h.0.attn.c_attn`` ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .attention import attention, check_attention_backend, check_sdpa_backend
+
+__all__ = ["GPT", "GPTConfig", "PRESETS"]
+
+#: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(n_layer=2, n_head=4, n_embd=128),
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+}
+
+#: Head-dim range our Triton flash kernel supports.
+FLASH_HEAD_DIM_RANGE = (8, 256)
+
+
+@dataclass
+class GPTConfig:
+    """GPT hyper-parameters; validated on construction (and by ``dataclasses.replace``).
+
+    Attributes:
+        block_size: maximum sequence length in tokens (size of the position embedding).
+        vocab_size: number of token ids (50304 = GPT-2's 50257 padded up to a multiple of 64).
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block; head_dim = n_embd // n_head.
+        n_embd: model width (d_model).
+        dropout: residual/embedding dropout probability in [0, 1); no attention-probability dropout.
+        bias: whether Linear layers and LayerNorms have biases (GPT-2: True).
+        attention: attention backend, one of ``model.attention.available_attention_backends()``.
+        sdpa_backend: SDPA kernel when attention == "sdpa", one of ``SDPA_BACKENDS``.
+
+    Raises:
+        ValueError: a non-positive size, dropout outside [0, 1), n_embd not divisible by n_head,
+            unknown attention / sdpa_backend, or head_dim outside 8..256 with attention="flash".
+    """
+
+    block_size: int = 1024
+    vocab_size: int = 50304
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    attention: str = "sdpa"
+    sdpa_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.n_embd % self.n_head != 0:
+            suggestion = self.n_head * max(1, round(self.n_embd / self.n_head))
+            raise ValueError(
+                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; choose n_embd a multiple "
+                f"of n_head (e.g. n_embd={suggestion}) or an n_head that divides n_embd"
+            )
+        check_attention_backend(self.attention)
+        check_sdpa_backend(self.sdpa_backend)
+        if self.attention == "flash":
+            lo, hi = FLASH_HEAD_DIM_RANGE
+            if not lo <= self.head_dim <= hi:
+                raise ValueError(
+                    f"attention=flash supports head_dim in {lo}..{hi}, but n_embd={self.n_embd} / "
+                    f"n_head={self.n_head} gives head_dim={self.head_dim}; change n_head or use "
+                    "attention=sdpa"
+                )
+
+    @property
+    def head_dim(self) -> int:
+        """Per-head width d = n_embd // n_head."""
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> GPTConfig:
+        """Config for preset ``name`` (a key of ``PRESETS``) with keyword ``overrides`` applied on top.
+
+        Raises:
+            ValueError: unknown preset (lists the valid ones) or an invalid resulting config.
+            TypeError: an override that is not a GPTConfig field.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with a fused qkv projection; backend chosen by name.
+
+    Input and output (B, N, n_embd). q, k, v are strided (B, H, N, d) views of the c_attn output
+    (no copy); the backend gets them as they are.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.attention_backend = config.attention
+        self.sdpa_backend = config.sdpa_backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        H = self.n_head
+        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, N, C), strided
+        q = q.view(B, N, H, C // H).transpose(1, 2)  # (B, H, N, d)
+        k = k.view(B, N, H, C // H).transpose(1, 2)
+        v = v.view(B, N, H, C // H).transpose(1, 2)
+        y = attention(q, k, v, self.attention_backend, self.sdpa_backend)  # (B, H, N, d)
+        y = y.transpose(1, 2).reshape(B, N, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: Linear(C, 4C) -> GELU(tanh approximation, as GPT-2) -> Linear(4C, C)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)). (B, N, C) -> (B, N, C)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 decoder-only language model (see the module docstring for the architecture and sources).
+
+    Args:
+        config: a validated ``GPTConfig``.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying (GPT-2 / nanoGPT)
+
+        self.apply(self._init_weights)
+        resid_std = 0.02 / math.sqrt(2 * config.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=resid_std)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        # nn.LayerNorm defaults (weight 1, bias 0) are GPT-2's.
+
+    # ------------------------------------------------------------------------------ forward
+
+    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
+        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+            raise TypeError(f"idx must hold integer token ids (e.g. torch.int64), got dtype {idx.dtype}")
+        n = idx.shape[1]
+        if n > self.config.block_size:
+            raise ValueError(
+                f"sequence length {n} exceeds block_size={self.config.block_size} (no position embedding "
+                f"beyond it); feed at most {self.config.block_size} tokens (e.g. idx[:, -block_size:]), "
+                "or build/crop the model with a larger block_size"
+            )
+        pos = torch.arange(n, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.transformer.ln_f(x)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for every position, and the mean next-token cross-entropy if ``targets`` is given.
+
+        Args:
+            idx: (B, N) integer token ids in [0, vocab_size), N <= block_size.
+            targets: optional (B, N) integer ids; -1 marks positions excluded from the loss.
+
+        Returns:
+            logits: (B, N, vocab_size); float32 when the model runs in float16/bfloat16 (e.g. under
+                autocast), otherwise the parameter dtype (float32 or float64).
+            loss: scalar mean cross-entropy in nats over non-ignored positions (same dtype as logits),
+                or None when ``targets`` is None.
+
+        Raises:
+            ValueError: idx not 2-D, or N > block_size. TypeError: non-integer idx.
+        """
+        x = self._hidden(idx)
+        logits = self.lm_head(x)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        loss = None
+        if targets is not None:
+            if targets.shape != idx.shape:
+                raise ValueError(
+                    f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
+                )
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1).long(), ignore_index=-1
+            )
+        return logits, loss
+
+    # ------------------------------------------------------------------------------ attention backend
+
+    def set_attention_backend(self, name: str, sdpa_backend: str | None = None) -> None:
+        """Switch every block's attention backend in place (weights untouched); updates ``self.config``.
+
+        Args:
+            name: attention backend (see ``model.attention.available_attention_backends()``).
+            sdpa_backend: SDPA kernel (one of ``SDPA_BACKENDS``); None keeps the current one.
+
+        Raises:
+            ValueError: unknown name / sdpa_backend, or head_dim unsupported by flash. On error nothing
+                is changed.
+        """
+        new_sdpa = self.config.sdpa_backend if sdpa_backend is None else sdpa_backend
+        new_config = dataclasses.replace(self.config, attention=name, sdpa_backend=new_sdpa)  # validates
+        self.config = new_config
+        for block in self.transformer.h:
+            block.attn.attention_backend = name
+            block.attn.sdpa_backend = new_sdpa
+
+    @contextlib.contextmanager
+    def use_attention_backend(self, name: str, sdpa_backend: str | None = None) -> Iterator[GPT]:
+        """Context manager: run with backend ``name`` (and ``sdpa_backend``), restoring the previous
+        backend on exit, also when the body raises. Used for loss parity between backends on one set
+        of weights::
+
+            with model.use_attention_backend("naive"):
+                _, ref_loss = model(x, y)
+
+        Yields the model. Raises ValueError like ``set_attention_backend``.
+        """
+        previous = (self.config.attention, self.config.sdpa_backend)
+        self.set_attention_backend(name, sdpa_backend)
+        try:
+            yield self
+        finally:
+            self.set_attention_backend(*previous)
+
+    @property
+    def attention_backend(self) -> str:
+        """Name of the attention backend currently used by the blocks."""
+        return self.config.attention
+
+    # ------------------------------------------------------------------------------ accounting
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Number of parameters (tied lm_head/wte weight counted once).
+
+        With ``non_embedding=True`` (nanoGPT's convention) the position embedding is subtracted; the token
+        embedding is kept because, tied, it is also the lm_head weight whose matmul costs real FLOPs
+        (2 * n_embd * vocab_size per token forward). This is the N used by ``flops_per_token``.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at sequence length ``seq_len``.
+
+        PaLM (Chowdhery et al. 2022), appendix B: 6*N + 12*L*H*Q*T, with N = ``num_params()`` (non-position-
+        embedding parameters, lm_head included), L = n_layer, H*Q = n_embd, T = seq_len. The 12*L*H*Q*T term
+        counts the two attention matmuls (q k^T and P v) over the full T x T matrix; with a causal mask only
+        about half of it is needed, so we count half:
+
+            flops_per_token = 6*N + 6 * n_layer * n_embd * seq_len
+
+        Returns FLOPs (float). Raises ValueError if seq_len is not a positive int.
+        """
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+            raise ValueError(f"seq_len must be a positive int (tokens), got {seq_len!r}")
+        cfg = self.config
+        return float(6 * self.num_params(non_embedding=True) + 6 * cfg.n_layer * cfg.n_embd * seq_len)
+
+    def estimate_mfu(self, tokens_per_sec: float, seq_len: int, peak_flops: float = 989e12) -> float:
+        """Model FLOPs utilisation: tokens_per_sec * flops_per_token(seq_len) / peak_flops (PaLM app. B).
+
+        Args:
+            tokens_per_sec: training throughput in tokens/s (summed over the devices that ``peak_flops``
+                covers).
+            seq_len: training sequence length in tokens.
+            peak_flops: peak FLOP/s of the hardware; default 989e12 = dense BF16 tensor-core peak of one
+                H100/H200 SXM (multiply by the number of GPUs for multi-GPU throughput).
+
+        Returns:
+            MFU as a fraction (in [0, 1] for physically possible inputs).
+
+        Raises:
+            ValueError: negative tokens_per_sec, non-positive peak_flops, bad seq_len.
+        """
+        if tokens_per_sec < 0:
+            raise ValueError(f"tokens_per_sec must be >= 0, got {tokens_per_sec!r}")
+        if peak_flops <= 0:
+            raise ValueError(f"peak_flops must be > 0 (FLOP/s), got {peak_flops!r}")
+        return float(tokens_per_sec) * self.flops_per_token(seq_len) / float(peak_flops)
+
+    # ------------------------------------------------------------------------------ optimizer
+
+    def configure_optimizers(
+        self,
+        weight_decay: float,
+        learning_rate: float,
+        betas: tuple[float, float],
+        device_type: str,
+    ) -> torch.optim.AdamW:
+        """AdamW with weight decay on parameters of dim >= 2 (Linear/embedding weights) only.
+
+        Biases and LayerNorm weights (dim < 2) get weight_decay=0. The tied wte/lm_head weight appears
+        once. ``fused=True`` when device_type == "cuda" and this PyTorch's AdamW supports it.
+
+        Args:
+            weight_decay: decoupled weight decay for the decay group.
+            learning_rate: initial learning rate (schedulers may change it later).
+            betas: Adam (beta1, beta2).
+            device_type: "cuda" or "cpu" (where the parameters live).
+
+        Returns:
+            torch.optim.AdamW with param_groups [decay, no_decay] (in that order).
+        """
+        params = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        extra = {}
+        if device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters:
+            extra["fused"] = True
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), **extra)
+
+    # ------------------------------------------------------------------------------ utilities
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the maximum sequence length to ``block_size`` in place (keeps the first position rows).
+
+        Raises ValueError if block_size is not in 1..config.block_size.
+        """
+        if not isinstance(block_size, int) or not 0 < block_size <= self.config.block_size:
+            raise ValueError(
+                f"crop_block_size needs 1 <= block_size <= {self.config.block_size}, got {block_size!r}"
+            )
+        self.config = dataclasses.replace(self.config, block_size=block_size)
+        wpe = self.transformer.wpe
+        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+        wpe.num_embeddings = block_size
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens autoregressively (no KV cache; context cropped to block_size).
+
+        Args:
+            idx: (B, N) int64 prompt token ids.
+            max_new_tokens: number of tokens to append.
+            temperature: logits are divided by it; <= 0 means greedy (argmax).
+            top_k: if given, sample only among the top_k most likely tokens.
+            generator: optional torch.Generator for reproducible sampling.
+
+        Returns:
+            (B, N + max_new_tokens) int64 token ids (prompt included).
+
+        Call ``model.eval()`` first if the model has dropout.
+        """
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.config.block_size :]
+            logits = self.lm_head(self._hidden(context)[:, -1, :]).float()  # (B, V)
+            if temperature <= 0:
+                next_id = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                probs = torch.softmax(logits, dim=-1)
+                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat([idx, next_id.to(idx.dtype)], dim=1)
+        return idx
