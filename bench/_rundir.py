@@ -1,0 +1,168 @@
+"""Read the files of a training run directory (see spec: `.hydra/config.yaml`, `metrics.jsonl`,
+`summary.json`), tolerant of missing keys, partial files and older config layouts."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+RUN_MARKERS = ("summary.json", "metrics.jsonl", ".hydra/config.yaml")
+
+
+class RunDirError(FileNotFoundError):
+    """A run directory (or a required file in it) is missing or unreadable."""
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """Every directory at or under `root` holding one of RUN_MARKERS, sorted, skipping `wandb/`,
+    `ckpt/` and hidden folders. Raises RunDirError when `root` is not a directory."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RunDirError(f"sweep directory {root} does not exist (pass the Hydra multirun folder, "
+                          f"e.g. multirun/2025-01-01_12-00-00)")
+    found = set()
+    for marker in ("summary.json", "metrics.jsonl", "config.yaml"):
+        for p in root.rglob(marker):
+            run = p.parent.parent if p.parent.name == ".hydra" else p.parent
+            if marker == "config.yaml" and p.parent.name != ".hydra":
+                continue
+            rel = run.relative_to(root).parts if run != root else ()
+            if any(part in ("wandb", "ckpt") or part.startswith(".") for part in rel):
+                continue
+            found.add(run)
+    return sorted(found, key=lambda p: (len(p.parts), _natural_key(p.name)))
+
+
+def _natural_key(name: str) -> tuple:
+    import re
+
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
+    """Parsed lines of `run_dir/metrics.jsonl` (a path to the file itself is accepted too).
+
+    Blank lines are skipped; an unparsable line (e.g. a truncated last line of a killed run) is skipped
+    with a warning on stderr. Missing file: [] or, with `required`, RunDirError.
+    """
+    path = Path(run_dir)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        if required:
+            raise RunDirError(f"{path} not found: pass a run directory written by train.py "
+                              f"(it holds metrics.jsonl) or the metrics.jsonl file itself")
+        return []
+    rows = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{lineno}: unparsable JSON line skipped", file=sys.stderr)
+                continue
+            if isinstance(obj, dict):
+                rows.append(obj)
+    return rows
+
+
+def read_summary(run_dir: str | Path) -> dict:
+    """`run_dir/summary.json` as a dict, {} when missing or unreadable (warning on stderr)."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"warning: {path}: unreadable summary ({exc})", file=sys.stderr)
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def read_config(run_dir: str | Path) -> dict:
+    """`run_dir/.hydra/config.yaml` as a plain dict with interpolations left unresolved ({} if absent)."""
+    path = Path(run_dir) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return {}
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:
+        try:
+            import yaml
+
+            cfg = yaml.safe_load(path.read_text())
+        except Exception as exc:
+            print(f"warning: {path}: unreadable config ({exc})", file=sys.stderr)
+            return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def cfg_get(cfg: dict, dotted: str, default: Any = None) -> Any:
+    """cfg['a']['b'] for 'a.b'; `default` when any level is missing or not a mapping."""
+    cur: Any = cfg
+    for key in dotted.split("."):
+        if not isinstance(cur, dict) or key not in cur:
+            return default
+        cur = cur[key]
+    return cur
+
+
+def _is_plain(v: Any) -> bool:
+    return v is not None and not (isinstance(v, str) and "${" in v)
+
+
+def attention_label(cfg: dict, summary: dict) -> str | None:
+    """Backend label: config `attention.name` (else `attention.backend`, else `attention` as a string,
+    else `model.attention`), then summary['attention']; sdpa pinned to a backend becomes 'sdpa-<backend>'."""
+    name = None
+    for key in ("attention.name", "attention.backend", "attention", "model.attention"):
+        v = cfg_get(cfg, key)
+        if _is_plain(v) and not isinstance(v, dict):
+            name = str(v)
+            break
+    if name is None and _is_plain(summary.get("attention")):
+        name = str(summary["attention"])
+    if name == "sdpa":
+        for key in ("attention.sdpa_backend", "sdpa_backend", "model.sdpa_backend"):
+            sb = cfg_get(cfg, key)
+            if _is_plain(sb) and str(sb) != "auto":
+                return f"sdpa-{sb}"
+    return name
+
+
+def seq_len_of(cfg: dict, summary: dict) -> int | None:
+    """Sequence length: config `seq_len` (else `data.seq_len`, `model.block_size`), else summary."""
+    for v in (cfg_get(cfg, "seq_len"), cfg_get(cfg, "data.seq_len"), cfg_get(cfg, "model.block_size"),
+              summary.get("seq_len")):
+        try:
+            if _is_plain(v):
+                return int(v)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def series(rows: list[dict], key: str) -> dict[int, float]:
+    """{step: value} for rows having `key` and an integer 'step' (a later duplicate step, e.g. after a
+    resume, replaces the earlier one), sorted by step. Non-numeric values are skipped; NaN is kept."""
+    out: dict[int, float] = {}
+    for r in rows:
+        if key in r and "step" in r:
+            try:
+                out[int(r["step"])] = float(r[key])
+            except (TypeError, ValueError):
+                continue
+    return dict(sorted(out.items()))
+
+
+def finite(x: Any) -> bool:
+    """True for a real finite number."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

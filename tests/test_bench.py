@@ -1,0 +1,344 @@
+"""Tests of bench/: attention benchmark plumbing (CPU dry run), sweep report and loss-curve compare
+on synthetic run directories. CPU only; no assertions on timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bench import attention as ba
+from bench import compare as bc
+from bench import report as br
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_KEYS = {
+    "provider", "N", "d", "B", "H", "mode", "ms_median", "tflops", "peak_gib", "status", "max_abs_err",
+}
+
+
+@pytest.fixture
+def seed() -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {s}")  # shown by pytest on failure
+    return s
+
+
+def _run_bench(tmp_path: Path, *args: str) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.attention", "--dry-run", "--out", str(tmp_path), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "| N |" in proc.stdout  # markdown table printed
+    for ext in ("json", "md", "png"):
+        p = tmp_path / f"attention_cpu.{ext}"
+        assert p.is_file() and p.stat().st_size > 0, p
+    return json.loads((tmp_path / "attention_cpu.json").read_text())
+
+
+def _check_flops(rec: dict) -> None:
+    b, h, n, d = rec["B"], rec["H"], rec["N"], rec["d"]
+    fwd = 4.0 * b * h * n * n * d / 2.0  # causal forward
+    flops = fwd * {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}[rec["mode"]]
+    if rec["ms_median"] <= 0:  # bwd = fwdbwd - fwd can come out <= 0 from CPU timing noise
+        assert rec["mode"] == "bwd" and rec["tflops"] is None
+        return
+    assert rec["tflops"] == pytest.approx(flops / (rec["ms_median"] * 1e-3) / 1e12, rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------- attention
+
+
+def test_attention_dry_run_plumbing(tmp_path):
+    data = _run_bench(tmp_path, "--providers", "naive,sdpa-math", "--inject-failure", "sdpa-math:error",
+                      "--cpu-reps", "1")
+    meta, recs = data["metadata"], data["records"]
+    for key in ("gpu", "torch", "triton", "cuda", "date", "dtype"):
+        assert key in meta
+    assert "hostname" not in json.dumps(meta).lower()
+    assert len(recs) == 2 * 2 * 3  # providers x seqlens x modes
+    for r in recs:
+        assert RECORD_KEYS <= set(r)
+        assert r["B"] == max(1, 64 // r["N"]) and r["H"] == 64 // r["d"]
+    naive = [r for r in recs if r["provider"] == "naive"]
+    assert all(r["status"] == "ok" for r in naive), naive
+    for r in naive:
+        _check_flops(r)
+        assert r["max_abs_err"] < 1e-4
+    failed = [r for r in recs if r["provider"] == "sdpa-math"]
+    assert all(r["status"].startswith("error:") and "injected" in r["status"] for r in failed)
+    assert all(r["ms_median"] is None and r["tflops"] is None for r in failed)
+    md = (tmp_path / "attention_cpu.md").read_text()
+    assert "naive" in md and "ERR" in md
+
+
+def test_attention_dry_run_flash(tmp_path):
+    kernels = pytest.importorskip("kernels")
+    if not hasattr(kernels, "flash_attention"):
+        pytest.skip("kernels.flash_attention not written yet")
+    data = _run_bench(tmp_path, "--providers", "flash,naive", "--seqlens", "32", "--cpu-reps", "1")
+    flash = [r for r in data["records"] if r["provider"] == "flash"]
+    assert [r["mode"] for r in flash] == ["fwd", "bwd", "fwdbwd"]
+    for r in flash:
+        assert r["status"] == "ok", r  # checked against the float32 reference inside the benchmark
+        assert r["max_abs_err"] < 1e-3
+        _check_flops(r)
+
+
+def test_flops_formula():
+    assert ba.attention_flops(2, 3, 5, 7, "fwd") == 2 * 2 * 3 * 5 * 5 * 7
+    assert ba.attention_flops(2, 3, 5, 7, "bwd") == 2.5 * 2 * 2 * 3 * 5 * 5 * 7
+    assert ba.attention_flops(2, 3, 5, 7, "fwdbwd") == 3.5 * 2 * 2 * 3 * 5 * 5 * 7
+    assert ba.shape_for(16384, 2048, 32768, 128) == (1, 16)
+    assert ba.shape_for(16384, 2048, 512, 64) == (32, 32)
+    with pytest.raises(ValueError, match="multiple"):
+        ba.shape_for(16384, 2048, 512, 96)
+
+
+def _attention_f64(q, k, v):
+    n = q.shape[-2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def test_reference_attention_matches_float64_autograd(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64) for _ in range(4))
+    o_ref, grads = ba.reference_attention(q, k, v, do, chunk=8)  # 37 rows: 4 full chunks + 1 partial
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o = _attention_f64(qq, kk, vv)
+    o.backward(do)
+    assert o_ref.dtype == torch.float32
+    torch.testing.assert_close(o_ref.double(), o.detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, (qq.grad, kk.grad, vv.grad), strict=True):
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind, expect", [("oom", "oom"), ("error", "error:"), ("wrong", "mismatch:")])
+def test_bench_provider_failures_recorded(kind, expect, seed):
+    inp = ba.make_inputs(2, 2, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
+                         need_grads=True)
+    timer = ba.Timer(torch.device("cpu"), cpu_reps=1)
+    cpu = torch.device("cpu")
+    factory = lambda: ba.inject_failure(ba.build_provider("sdpa-math", n=16, device=cpu), kind)
+    recs = ba.bench_provider("sdpa-math", factory, inp, modes=ba.MODES, timer=timer, tol=(5e-3, 1e-2))
+    assert [r["mode"] for r in recs] == list(ba.MODES)
+    for r in recs:
+        assert r["status"].startswith(expect), r
+        assert r["ms_median"] is None and r["tflops"] is None  # failing providers are not timed
+    if kind == "wrong":
+        assert recs[0]["max_abs_err"] == pytest.approx(0.5, abs=1e-5)
+
+
+def test_bench_provider_ok_checks_grads(seed):
+    inp = ba.make_inputs(2, 3, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
+                         need_grads=True)
+    timer = ba.Timer(torch.device("cpu"), cpu_reps=1)
+    factory = lambda: ba.build_provider("sdpa-math", n=16, device=torch.device("cpu"))
+    recs = ba.bench_provider("sdpa-math", factory, inp, modes=("fwd", "bwd"), timer=timer, tol=(5e-3, 1e-2))
+    assert [r["status"] for r in recs] == ["ok", "ok"]
+    assert set(recs[1]["errors"]) == {"o", "dq", "dk", "dv"}
+    assert recs[1]["max_abs_err"] < 1e-4
+
+
+def _fake_record(provider, n, d, mode, status="ok", tflops=None, peak=None):
+    return {"provider": provider, "N": n, "d": d, "B": 16384 // n, "H": 2048 // d, "mode": mode,
+            "ms_median": 1.0 if status == "ok" else None, "tflops": tflops if status == "ok" else None,
+            "peak_gib": peak, "peak_extra_gib": None if peak is None else peak / 2, "status": status,
+            "max_abs_err": 1e-3, "errors": {"o": 1e-3}}
+
+
+def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    recs = []
+    for d in (64, 128):
+        for n in (1024, 32768):
+            for p in ("flash", "sdpa-flash", "flex", "naive"):
+                for m in ("fwd", "bwd", "fwdbwd"):
+                    if p == "naive" and n == 32768:
+                        recs.append(_fake_record(p, n, d, m, status="oom"))
+                    else:
+                        recs.append(_fake_record(p, n, d, m, tflops=float(rng.uniform(50, 500)),
+                                                 peak=float(rng.uniform(1, 9))))
+    md = ba.markdown_report(recs, {"gpu": "NVIDIA H200", "dtype": "bfloat16"})
+    idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in recs}
+    ratio = idx[("flash", 1024, 128, "bwd")]["tflops"] / idx[("flex", 1024, 128, "bwd")]["tflops"]
+    assert f"{ratio:.2f}×" in md
+    assert "OOM" in md and "peak memory of one forward+backward" in md
+    peak = idx[("sdpa-flash", 32768, 64, "fwd")]["peak_gib"]
+    assert f"{peak:.2f} / {peak / 2:.2f}" in md
+    png = ba.plot_report(recs, tmp_path / "a.png")
+    assert png.stat().st_size > 0
+    # --merge semantics: same key replaced in place, new keys appended
+    new = [_fake_record("flash", 1024, 64, "fwd", tflops=1.0),
+           _fake_record("flash", 2048, 64, "fwd", tflops=2.0)]
+    merged = ba.merge_records(recs, new)
+    assert len(merged) == len(recs) + 1
+    assert idx[("flash", 1024, 64, "fwd")] not in merged and new[0] in merged and merged[-1] is new[1]
+
+
+# ------------------------------------------------------------------------------------ synthetic runs
+
+
+def _random_walk(rng: np.random.Generator, n: int, start: float = 10.0) -> np.ndarray:
+    return start - np.cumsum(np.abs(rng.normal(0.02, 0.05, n))) + rng.normal(0, 0.05, n)
+
+
+def make_run(root: Path, name: str, backend: str, seq_len: int, *, status: str = "ok",
+             train: dict[int, float] | None = None, val: dict[int, float] | None = None,
+             tps: list[float] | None = None, sdpa_backend: str | None = None) -> Path:
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    att = f"  name: {backend}\n" + (f"  sdpa_backend: {sdpa_backend}\n" if sdpa_backend else "")
+    (d / ".hydra" / "config.yaml").write_text(
+        f"attention:\n{att}seq_len: {seq_len}\nrun_name: ${{now:%H}}_{backend}\n"
+        f"wandb:\n  project: flashgpt-test\n  group: sweep-test\n")
+    train = train or {}
+    val = val or {}
+    tps = tps or []
+    steps = sorted(set(train) | set(val))
+    with (d / "metrics.jsonl").open("w") as f:
+        for i, s in enumerate(steps):
+            row = {"step": s}
+            if s in train:
+                row["train/loss"] = train[s]
+            if s in val:
+                row["val/loss"] = val[s]
+            if i < len(tps):
+                row.update({"perf/tokens_per_sec": tps[i], "perf/mfu": tps[i] / 1e6,
+                            "mem/peak_gib": 1.5 + i * 0.01})
+            f.write(json.dumps(row) + "\n")
+    summary = {"status": status, "attention": backend, "seq_len": seq_len, "steps": steps[-1] if steps else 0}
+    if train:
+        summary["final/train_loss"] = train[max(train)]
+    if status == "ok":
+        summary["mem/peak_gib"] = 2.0
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+def test_report_sweep(tmp_path, seed, capsys):
+    rng = np.random.default_rng(seed)
+    sweep, out = tmp_path / "multirun", tmp_path / "out"
+    expected_tps = {}
+    for i, (backend, n) in enumerate([("naive", 256), ("flash", 256), ("flash", 512), ("sdpa", 512)]):
+        tps = list(rng.uniform(1e4, 1e5, 20))
+        loss = _random_walk(rng, 20)
+        make_run(sweep, f"{i}_{backend}_n{n}", backend, n, train=dict(enumerate(loss.tolist(), 1)), tps=tps,
+                 sdpa_backend="flash" if backend == "sdpa" else None)
+        label = backend if backend != "sdpa" else "sdpa-flash"
+        expected_tps[(label, n)] = float(np.median(tps[2:]))  # first 10 % of 20 points dropped
+    make_run(sweep, "4_naive_n512", "naive", 512, status="oom")
+    make_run(sweep, "5_flash_n1024", "flash", 1024, status="nonfinite", train={1: 9.0, 2: float("nan")})
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    assert br.main([str(sweep), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    names = ("0_naive_n256", "1_flash_n256", "2_flash_n512", "3_sdpa_n512", "4_naive_n512", "5_flash_n1024")
+    for name in names:
+        assert name in md
+    assert "OOM" in md and "nonfinite" in md and "sdpa-flash" in md
+    pivot = md.split("## tokens/sec")[1].split("##")[0]
+    row512 = next(line for line in pivot.splitlines() if line.startswith("| 512 |"))
+    assert "OOM" in row512
+    rep = json.loads((out / "report.json").read_text())
+    assert len(rep["runs"]) == 6
+    for r in rep["runs"]:
+        if r["status"] == "ok":
+            assert r["tokens_per_sec"] == pytest.approx(expected_tps[(r["backend"], r["seq_len"])], rel=1e-12)
+    pngs = list(out.glob("report_*.png"))
+    assert pngs and all(p.stat().st_size > 0 for p in pngs)
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, capsys):
+    rng = np.random.default_rng(seed)
+    make_run(tmp_path / "s", "0_flash_n128", "flash", 128, train={1: float(rng.normal())}, tps=[1e4])
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert br.main([str(tmp_path / "s"), "--wandb"]) == 0
+    assert "W&B logging skipped" in capsys.readouterr().out
+    assert br.main([str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.slow
+def test_report_wandb_offline(tmp_path, seed, monkeypatch, capsys):
+    pytest.importorskip("wandb")
+    rng = np.random.default_rng(seed)
+    make_run(tmp_path / "s", "0_flash_n128", "flash", 128, train={1: float(rng.normal())}, tps=[1e4, 2e4])
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert br.main([str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--wandb"]) == 0
+    assert "group 'sweep-test'" in capsys.readouterr().out
+    files = list((tmp_path / "o" / "wandb").rglob("*.wandb"))
+    assert files and b"report/table" in files[0].read_bytes()
+
+
+def _expected_diffs(a: dict, b: dict, window: int) -> dict:
+    steps = sorted(set(a) & set(b))
+    x, y = np.array([a[s] for s in steps]), np.array([b[s] for s in steps])
+    k = len(steps) // window
+    wx, wy = x[: k * window].reshape(k, window).mean(1), y[: k * window].reshape(k, window).mean(1)
+    return {"aligned": len(steps), "max": np.abs(x - y).max(), "mean": np.abs(x - y).mean(),
+            "win": np.abs(wx - wy).max()}
+
+
+def test_compare_diffs_and_exit_codes(tmp_path, seed, capsys):
+    rng = np.random.default_rng(seed)
+    ref_train = dict(enumerate(_random_walk(rng, 120).tolist(), 1))
+    near_train = {s: v + rng.normal(0, 0.01) for s, v in ref_train.items() if s <= 100 and s != 7}
+    far_train = {s: v + 0.3 + rng.normal(0, 0.01) for s, v in ref_train.items()}
+    ref_val = {s: ref_train[s] + 0.1 for s in (0 + 50, 100, 120)}
+    near_val = {50: ref_val[50] + 0.001, 100: ref_val[100] - 0.002}
+    far_val = {s: v + 0.3 for s, v in ref_val.items()}
+    r0 = make_run(tmp_path, "ref", "naive", 256, train=ref_train, val=ref_val)
+    r1 = make_run(tmp_path, "near", "flash", 256, train=near_train, val=near_val)
+    r2 = make_run(tmp_path, "far", "sdpa", 256, train=far_train, val=far_val)
+    js, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
+
+    rc = bc.main([str(r0), str(r1), str(r2), "--window", "10", "--out", str(png), "--json", str(js)])
+    assert rc == 0
+    assert png.is_file() and png.stat().st_size > 0
+    res = json.loads(js.read_text())["results"]
+    for got, other, oval in ((res[0], near_train, near_val), (res[1], far_train, far_val)):
+        want = _expected_diffs(ref_train, other, 10)
+        assert got["aligned_steps"] == want["aligned"]
+        assert got["max_abs_diff"] == pytest.approx(want["max"], rel=1e-12)
+        assert got["mean_abs_diff"] == pytest.approx(want["mean"], rel=1e-12)
+        assert got["window_max_abs_diff"] == pytest.approx(want["win"], rel=1e-12)
+        last = max(set(ref_val) & set(oval))
+        assert got["val_step"] == last
+        assert got["final_val_abs_diff"] == pytest.approx(abs(oval[last] - ref_val[last]), rel=1e-12)
+    out = capsys.readouterr().out
+    assert "naive N=256 (reference)" in out and "flash N=256" in out
+
+    # near passes, far exceeds (train ~0.3 and val 0.3 apart)
+    assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.05", "--val-tolerance", "0.05",
+                    "--out", str(png)]) == 0
+    assert bc.main([str(r0), str(r2), "--window", "10", "--tolerance", "0.05", "--out", str(png)]) == 1
+    assert "--tolerance" in capsys.readouterr().out
+    assert bc.main([str(r0), str(r2), "--window", "10", "--val-tolerance", "0.05", "--out", str(png)]) == 1
+    assert bc.main([str(r0), str(r2), "--tolerance", "1.0", "--val-tolerance", "1.0", "--out", str(png)]) == 0
+
+
+def test_compare_nan_and_missing(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    base = _random_walk(rng, 30).tolist()
+    r0 = make_run(tmp_path, "a", "naive", 64, train=dict(enumerate(base, 1)))
+    bad = dict(enumerate(base, 1))
+    bad[30] = float("nan")
+    r1 = make_run(tmp_path, "b", "flash", 64, train=bad)
+    png = tmp_path / "c.png"
+    assert bc.main([str(r0), str(r1), "--tolerance", "10", "--out", str(png)]) == 1  # NaN never passes
+    assert bc.main([str(r0), str(tmp_path / "nope"), "--out", str(png)]) == 2
+    (tmp_path / "empty").mkdir()
+    assert bc.main([str(r0), str(tmp_path / "empty"), "--out", str(png)]) == 2
+    assert bc.main([str(r0), "--out", str(png)]) == 2
