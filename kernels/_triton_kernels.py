@@ -1,0 +1,516 @@
+"""Triton kernels of our FlashAttention-2 (forward, backward preprocess, dK/dV, dQ).
+
+Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning" (2023), section 3.1 (forward) and section 3.2 (backward), with the online softmax of
+Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018). Written from the papers.
+
+Conventions shared by every kernel
+----------------------------------
+* Layout: q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any strides (last one 1 is checked by the wrapper,
+  the kernels only need the four strides). LSE and Delta are contiguous float32 (B, Hq, Nq).
+* GQA/MQA: query head h reads key/value head h // GROUP with GROUP = Hq // Hkv (no k/v copies).
+* Scores are kept in base-2 units: s2 = (q . k) * softmax_scale * log2(e), so exp(x) becomes
+  exp2(x2). LSE is stored in natural-log units: lse = ln(sum_j exp(softmax_scale * q_i . k_j)).
+* Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq).
+  A query row that sees no key (possible when Nq > Nk) gets o = 0, lse = -inf and zero gradients.
+* Causal key blocks wholly above the diagonal are skipped through the loop bounds; the remaining
+  key blocks are split into "full" blocks (no mask computed at all) and "masked" blocks (diagonal
+  and/or sequence-end blocks).
+* Head dim d is padded to BLOCK_D = max(16, next_pow2(d)) with masked loads/stores (EVEN_D skips it).
+* Batch/head indices are int64 before multiplying by strides; the block start offsets are too.
+* No atomics: every output element is written by exactly one program -> deterministic backward.
+
+The functions below are plain Python functions; `build_kernels(interpret)` turns them into Triton
+JIT functions (GPU) or interpreter functions (TRITON_INTERPRET=1, CPU) at first use. Building at
+call time (not import time) means the interpreter choice follows the TRITON_INTERPRET environment
+variable when the kernel is launched, even if this module was imported before it was set.
+"""
+
+import types
+
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------------------------------
+# small helpers (inlined by Triton)
+# ---------------------------------------------------------------------------------------------
+
+
+def _row_max(x):
+    """max over axis 1 (compiled version)."""
+    return tl.max(x, 1)
+
+
+def _row_sum(x):
+    """sum over axis 1 (compiled version)."""
+    return tl.sum(x, 1)
+
+
+# Interpreter versions. tl.max / tl.sum / tl.zeros are @triton.jit functions of Triton's standard
+# library, built when *triton* is imported: if that happened before TRITON_INTERPRET=1 was set they
+# are compiled-mode JITFunctions and cannot be called from interpreted code. The builtin tl.reduce with
+# Triton's own combine functions works in both cases (the interpreter maps them to numpy), and the
+# kernels use tl.full instead of tl.zeros. So the interpreter works whatever the import order.
+def _row_max_interp(x):
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+def _row_sum_interp(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+def _load_tile(ptrs, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking rows and/or (padded head-dim) columns only when needed."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+def _store_tile(ptrs, x, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Store a 2-D tile with the same masking rules as `_load_tile`."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            tl.store(ptrs, x, mask=row_mask[:, None] & col_mask[None, :])
+        else:
+            tl.store(ptrs, x, mask=row_mask[:, None])
+    else:
+        if CHECK_COLS:
+            tl.store(ptrs, x, mask=col_mask[None, :])
+        else:
+            tl.store(ptrs, x)
+
+
+def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range of the query block starting at row m0: returns (full_end, hi).
+
+    Key blocks [0, full_end) need no mask at all; blocks [full_end, hi) need the causal and/or the
+    sequence-end mask; keys >= hi are invisible to every row of the block (skipped).
+    All quantities are clamped to >= 0 before any division (Triton integer division truncates).
+    """
+    if CAUSAL:
+        delta = N_K - N_Q
+        # last row of the block (m0 + BLOCK_M - 1) sees keys < m0 + BLOCK_M + delta
+        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + delta, 0), N_K)
+        # the first row (m0) sees keys < m0 + delta + 1; blocks entirely below that are full
+        full_end = tl.minimum(tl.maximum(m0 + delta + 1, 0), N_K)
+    else:
+        hi = N_K
+        full_end = N_K
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+    return full_end, hi
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+
+
+def _fwd_inner(
+    acc, m_i, l_i, q, k_base, v_base, lo, hi,
+    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Stream key/value blocks [lo, hi) through the online softmax of one query block."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < N_K
+        start_64 = tl.cast(start_n, tl.int64)
+        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if MASKED:
+            valid = col_ok[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, _row_max(qk))
+        if MASKED:
+            # a row with no visible key so far keeps m = -inf; use 0 as the shift so that
+            # exp2(-inf - shift) = 0 instead of exp2(-inf + inf) = NaN
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + _row_sum(p)
+        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+def _fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, scale_log2,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask_d = offs_d < HEAD_DIM
+
+    m0_64 = tl.cast(m0, tl.int64)
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
+              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+
+    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
+    # full key blocks: no mask computation at all
+    acc, m_i, l_i = _fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, 0, full_end,
+        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+    # diagonal / sequence-end blocks: masked
+    acc, m_i, l_i = _fwd_inner(
+        acc, m_i, l_i, q, k_base, v_base, full_end, hi,
+        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_ptrs = (O + b * stride_ob + h * stride_oh + m0_64 * stride_om
+              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    _store_tile(o_ptrs, o.to(O.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
+    # natural-log LSE: (m + log2 l) * ln 2 ; -inf for rows that see no key
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse_ptrs = LSE + (b * H_Q + h) * N_Q + offs_m
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=mask_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+
+
+def _bwd_preprocess_kernel(
+    O, DO, DLSE, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    H_Q, N_Q, HEAD_DIM,
+    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    """Delta_i = sum_d dO_id * O_id in float32 (paper section 3.2), minus dLSE_i when the LSE output
+    also receives a gradient (d lse_i / d s_ij = P_ij, which folds into dS = P * (dP - Delta))."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    m0_64 = tl.cast(pid_m * BLOCK_M, tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + rows
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask_d = offs_d < HEAD_DIM
+    o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
+                   + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   mask_m, mask_d, not EVEN_M, not EVEN_D)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
+                    + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    mask_m, mask_d, not EVEN_M, not EVEN_D)
+    delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
+    row_ptr = (b * H_Q + h) * N_Q + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
+    tl.store(DELTA + row_ptr, delta, mask=mask_m)
+
+
+def _load_row_stats(LSE, DELTA, row_ptr, mask_rows):
+    """LSE converted to base 2 (+inf for rows that see no key or are padding, so P = 0) and Delta."""
+    lse = tl.load(LSE + row_ptr, mask=mask_rows, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + row_ptr, mask=mask_rows, other=0.0)
+    return lse2, delta
+
+
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, lo, hi,
+    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
+    stride_qm, stride_qd, stride_dom, stride_dod,
+    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head."""
+    for start_m in range(lo, hi, BLOCK_M):
+        start_64 = tl.cast(start_m, tl.int64)
+        rows = start_m + offs_m
+        mask_r = rows < N_Q
+        q = _load_tile(q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm
+                       + offs_d[None, :] * stride_qd, mask_r, mask_d, not EVEN_M, not EVEN_D)
+        do = _load_tile(do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom
+                        + offs_d[None, :] * stride_dod, mask_r, mask_d, not EVEN_M, not EVEN_D)
+        lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
+        # transposed scores: (BLOCK_N keys, BLOCK_M queries)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+        p_t = tl.math.exp2(qk_t - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(offs_n[:, None] <= rows[None, :] + (N_K - N_Q), p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV of one key/value block (paper section 3.2, K/V block is the outer loop).
+
+    Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
+    over the query blocks that can see this key block; P is recomputed from q, k and LSE.
+    """
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    n0_64 = tl.cast(n0, tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n = offs_n < N_K
+    mask_d = offs_d < HEAD_DIM
+
+    tile_n = tl.arange(0, BLOCK_N)[:, None]
+    k = _load_tile(K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn
+                   + tile_n * stride_kn + offs_d[None, :] * stride_kd, mask_n, mask_d, not EVEN_N, not EVEN_D)
+    v = _load_tile(V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn
+                   + tile_n * stride_vn + offs_d[None, :] * stride_vd, mask_n, mask_d, not EVEN_N, not EVEN_D)
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
+
+    if CAUSAL:
+        delta_qk = N_K - N_Q
+        # first query that sees key n0 is n0 - delta_qk; blocks before it are skipped
+        start_m = (tl.maximum(n0 - delta_qk, 0) // BLOCK_M) * BLOCK_M
+        # query blocks starting at or after the first row that sees the whole key block are unmasked
+        full_start = tl.maximum(n0 + BLOCK_N - 1 - delta_qk, 0)
+        full_start = ((full_start + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        full_start = tl.maximum(tl.minimum(full_start, ((N_Q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M), start_m)
+    else:
+        start_m = 0
+        full_start = 0
+
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        stat_base = (b * H_Q + h) * N_Q
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, full_start,
+            offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            True, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION,
+        )
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, full_start, N_Q,
+            offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
+            stride_qm, stride_qd, stride_dom, stride_dod,
+            False, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION,
+        )
+
+    dk = dk * softmax_scale
+    _store_tile(DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn
+                + tile_n * stride_dkn + offs_d[None, :] * stride_dkd,
+                dk.to(DK.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
+    _store_tile(DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn
+                + tile_n * stride_dvn + offs_d[None, :] * stride_dvd,
+                dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
+
+
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, lo, hi,
+    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        col_ok = cols < N_K
+        start_64 = tl.cast(start_n, tl.int64)
+        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASKED:
+            valid = col_ok[None, :]
+            if CAUSAL:
+                valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ of one query block (paper section 3.2, separate kernel so no atomics are needed).
+
+    Grid: (cdiv(Nq, BLOCK_M), Hq, B); loops over the visible key blocks like the forward.
+    """
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    m0_64 = tl.cast(m0, tl.int64)
+    tile_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + tile_m
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask_d = offs_d < HEAD_DIM
+
+    q = _load_tile(Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
+                   + tile_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   mask_m, mask_d, not EVEN_M, not EVEN_D)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
+                    + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    mask_m, mask_d, not EVEN_M, not EVEN_D)
+    lse2, delta = _load_row_stats(LSE, DELTA, (b * H_Q + h) * N_Q + offs_m, mask_m)
+
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+
+    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, 0, full_end,
+        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+    dq = _bwd_dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, full_end, hi,
+        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+    dq = dq * softmax_scale
+    _store_tile(DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm
+                + tile_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+                dq.to(DQ.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
+
+
+# ---------------------------------------------------------------------------------------------
+# building JIT / interpreter versions on demand
+# ---------------------------------------------------------------------------------------------
+
+_HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
+            _bwd_dkdv_inner, _bwd_dq_inner)
+_KERNELS = {
+    "fwd": _fwd_kernel,
+    "bwd_pre": _bwd_preprocess_kernel,
+    "bwd_dkdv": _bwd_dkdv_kernel,
+    "bwd_dq": _bwd_dq_kernel,
+}
+_INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
+_BUILT: dict = {}
+
+
+def mode_problem(interpret: bool):
+    """Why kernels of this mode cannot be built in this process (str), or None.
+
+    Compiled (GPU) kernels need Triton's standard library (tl.sum, tl.max) as JIT functions; if
+    triton was imported while TRITON_INTERPRET=1 was set they are interpreter functions instead and
+    no GPU kernel can be compiled in this process. (The other direction is handled, see above.)
+    """
+    if not interpret and not isinstance(tl.sum, triton.JITFunction):
+        return ("triton was imported while TRITON_INTERPRET=1 was set, so this process can only run the "
+                "Triton interpreter; compiled GPU kernels need TRITON_INTERPRET unset before anything "
+                "imports triton (run GPU jobs/tests in a process without it)")
+    return None
+
+
+def _clone(fn, namespace: dict):
+    """Copy of `fn` whose global names resolve in `namespace` (same code, source and annotations)."""
+    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__annotations__ = dict(fn.__annotations__)
+    new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
+    new.__module__ = fn.__module__
+    return new
+
+
+def build_kernels(interpret: bool) -> dict:
+    """Return {"fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"} -> launchable kernel, built once per mode.
+
+    interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
+    interpret=True : `triton.runtime.interpreter.InterpretedFunction`s (TRITON_INTERPRET=1, CPU).
+    In interpreter mode the helpers stay plain Python functions: they then run with the already
+    patched `triton.language`, which is much faster than re-patching on every nested call.
+    """
+    if interpret in _BUILT:
+        return _BUILT[interpret]
+    namespace = dict(globals())
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        wrap_kernel = InterpretedFunction
+        wrap_helper = lambda f: f
+    else:
+        wrap_kernel = triton.JITFunction
+        wrap_helper = triton.JITFunction
+    for fn in _HELPERS:
+        impl = _INTERPRETER_HELPERS.get(fn.__name__, fn) if interpret else fn
+        namespace[fn.__name__] = wrap_helper(_clone(impl, namespace))
+    built = {}
+    for name, fn in _KERNELS.items():
+        built[name] = namespace[fn.__name__] = wrap_kernel(_clone(fn, namespace))
+    _BUILT[interpret] = built
+    return built

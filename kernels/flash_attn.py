@@ -1,0 +1,374 @@
+"""FlashAttention-2 in Triton: input validation, kernel launchers, torch.library custom ops, public API.
+
+Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning" (2023): forward section 3.1, backward section 3.2; online softmax from Milakov &
+Gimelshein (2018). The Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in
+`kernels/tiles.py` (`get_tile_config`).
+
+Custom ops (torch >= 2.4 `torch.library.custom_op`), so torch.compile traces callers without graph
+breaks:
+* `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)`
+* `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`
+Both have fake (meta) implementations; autograd of the forward op calls the backward op.
+Validation happens in `flash_attention` (the Python wrapper), before the op and any Triton launch.
+
+Interpreter: kernels run under the Triton interpreter when the environment variable
+TRITON_INTERPRET is truthy *at call time* (read on every call, so importing this package before
+setting it is fine). CPU tensors are only accepted in that mode.
+"""
+
+import importlib.util
+import math
+import os
+
+import torch
+
+from .tiles import block_d_for, get_tile_config
+
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM = 8
+MAX_HEAD_DIM = 256
+_MAX_GRID_YZ = 65535  # CUDA limit of grid dims y and z (heads, batch)
+
+
+class FlashAttentionUnavailableError(RuntimeError, ValueError):
+    """Flash attention cannot run on this device (no CUDA / no Triton / CPU without TRITON_INTERPRET).
+
+    Subclasses both RuntimeError (what `check_flash_available` documents) and ValueError (the
+    argument-validation errors of `flash_attention`), so either `except` clause catches it.
+    """
+
+
+def interpret_enabled() -> bool:
+    """True when TRITON_INTERPRET is set to a truthy value (1/true/yes/on) right now."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _device_problem(device: torch.device) -> str | None:
+    """Why flash attention cannot run on `device`, or None when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return ("flash attention needs the `triton` package, which is not installed; install it "
+                "(pip install triton, Linux + CUDA) or use attention=sdpa, the portable choice.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return (f"flash attention was asked to run on {device}, but torch.cuda.is_available() is "
+                    "False; use a CUDA build of torch on a GPU machine, or attention=sdpa (portable).")
+        return None
+    if device.type == "cpu" and interpret_enabled():
+        return None
+    return (f"flash attention needs a CUDA GPU, but the tensors are on {device}. For slow CPU testing "
+            "set TRITON_INTERPRET=1 (Triton interpreter); otherwise attention=sdpa is the portable choice.")
+
+
+def check_flash_available(device) -> None:
+    """Raise if flash attention cannot run on `device` (str or torch.device); return None otherwise.
+
+    Runs on: CUDA devices (with triton installed), and CPU when TRITON_INTERPRET=1 (slow, testing).
+    Raises:
+        FlashAttentionUnavailableError (a RuntimeError): the message says flash needs a CUDA GPU, or
+        TRITON_INTERPRET=1 for slow testing, and that attention=sdpa is the portable choice.
+    """
+    problem = _device_problem(torch.device(device))
+    if problem is not None:
+        raise FlashAttentionUnavailableError(problem)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (Python wrapper, before the custom op)
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate(q, k, v, causal, softmax_scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    layouts = (("q", q, "(B, Hq, Nq, d)"), ("k", k, "(B, Hkv, Nk, d)"), ("v", v, "(B, Hkv, Nk, d)"))
+    for name, t, layout in layouts:
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D {layout} in SDPA layout, got shape {tuple(t.shape)}; "
+                "for (B, N, H, d) tensors pass x.transpose(1, 2) (no copy needed)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; flash attention supports float16, bfloat16 and float32 "
+                f"- cast with {name}.to(torch.bfloat16) (or float16/float32)")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must have the same dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; "
+            "cast them to one dtype first")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on the same device, got q={q.device}, k={k.device}, v={v.device}; "
+            "move them with .to(device)")
+    problem = _device_problem(q.device)
+    if problem is not None:
+        raise FlashAttentionUnavailableError(problem)
+    B, Hq, Nq, d = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(
+            f"batch size mismatch: q has B={B}, k has B={k.shape[0]}, v has B={v.shape[0]}; "
+            "q, k and v must share dim 0")
+    if k.shape[3] != d or v.shape[3] != d:
+        raise ValueError(
+            f"head dim mismatch: q has d={d}, k has d={k.shape[3]}, v has d={v.shape[3]}; "
+            "q, k and v must share the last dim")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must have the same sequence length Nk (dim 2), got k: {k.shape[2]}, v: {v.shape[2]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"k and v must have the same number of heads Hkv (dim 1), got k: {k.shape[1]}, v: {v.shape[1]}")
+    Hkv, Nk = k.shape[1], k.shape[2]
+    if min(B, Hq, Hkv) == 0:
+        raise ValueError(
+            f"empty batch or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}; B, Hq, Hkv must be >= 1")
+    if Nq == 0 or Nk == 0:
+        raise ValueError(
+            f"sequence length must be >= 1, got Nq={Nq} (q dim 2), Nk={Nk} (k/v dim 2); "
+            "skip the attention call for empty sequences")
+    if Hq % Hkv != 0:
+        raise ValueError(
+            f"number of query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA); "
+            "choose n_head divisible by n_kv_head")
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"head dim d={d} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; "
+            "change n_embd / n_head or use attention=sdpa")
+    if Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
+        raise ValueError(
+            f"B={B} and Hq={Hq} must each be <= {_MAX_GRID_YZ} (CUDA grid limit); split the batch")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale):
+            raise ValueError(f"softmax_scale must be finite, got {softmax_scale}; None means 1/sqrt(d)")
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """The kernels accept any strides except a non-unit stride on the last (head) dim: copy then."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (called inside the custom ops, with validated inputs)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_precision(dtype: torch.dtype):
+    # float32 inputs must not go through tf32 tensor cores (10-bit mantissa) -> "ieee";
+    # fp16/bf16 use Triton's default (tensor cores); the argument is ignored for 16-bit inputs.
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _kernels(interpret: bool) -> dict:
+    from . import _triton_kernels
+
+    problem = _triton_kernels.mode_problem(interpret)
+    if problem is not None:
+        raise FlashAttentionUnavailableError(problem)
+    return _triton_kernels.build_kernels(interpret)
+
+
+class _device_ctx:
+    """`torch.cuda.device(t.device)` for CUDA tensors (Triton launches on the current device)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+
+
+def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    interp = interpret_enabled()
+    cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
+    block_d = block_d_for(d)
+    grid = (_cdiv(Nq, cfg.block_m), Hq, B)
+    with _device_ctx(q):
+        _kernels(interp)["fwd"][grid](
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E,
+            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
+            DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return o, lse
+
+
+def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None):
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
+    do = _unit_last_stride(do.to(q.dtype))
+    lse = lse.to(torch.float32).contiguous()
+    interp = interpret_enabled()
+    block_d = block_d_for(d)
+    even_d = d == block_d
+    prec = _dot_precision(q.dtype)
+    kern = _kernels(interp)
+
+    delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+
+    with _device_ctx(q):
+        cfg = get_tile_config("bwd_pre", d, q.dtype, causal, Nq, Nk, interpret=interp)
+        kern["bwd_pre"][(_cdiv(Nq, cfg.block_m), Hq, B)](
+            o, do, dlse if dlse is not None else delta, delta,
+            *o.stride(), *do.stride(),
+            Hq, Nq, d,
+            HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        cfg = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
+        kern["bwd_dkdv"][(_cdiv(Nk, cfg.block_n), Hkv, B)](
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E,
+            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        cfg = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
+        kern["bwd_dq"][(_cdiv(Nq, cfg.block_m), Hq, B)](
+            q, k, v, do, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E,
+            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashgpt::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation."""
+    return _launch_fwd(q, k, v, causal, softmax_scale)
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale):
+    B, Hq, Nq, d = q.shape
+    return q.new_empty((B, Hq, Nq, d)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashgpt::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient
+    of the lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
+    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse)
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
+    return dq, dk, dv, None, None
+
+
+flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# public API
+# ---------------------------------------------------------------------------------------------
+
+
+def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False):
+    """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
+
+    Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of
+    Milakov & Gimelshein 2018. Memory is O(N) (no N x N tensor); the backward recomputes P from
+    q, k and the saved LSE and is deterministic (no atomics: bitwise-identical gradients run to run).
+
+    Args:
+        q: (B, Hq, Nq, d) query, SDPA layout.
+        k, v: (B, Hkv, Nk, d) key / value; Hq must be a multiple of Hkv (GQA/MQA: query head h uses
+            kv head h // (Hq // Hkv), without copying k/v).
+            dtype float16, bfloat16 or float32 (same for q, k, v); all accumulation is float32; fp32
+            matmuls use IEEE precision (no tf32). d in [8, 256] (any value, padded internally).
+            Any strides; only a non-unit stride on the last dim forces a copy (.contiguous()).
+            Same device: CUDA, or CPU with TRITON_INTERPRET=1 (Triton interpreter; slow, for tests;
+            bfloat16 is not reliable under the interpreter).
+        causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (Nk - Nq)
+            (FlashAttention >= 2.1, torch.nn.attention.bias.causal_lower_right). When Nq > Nk the
+            first Nq - Nk query rows see no key: their output is 0, their lse is -inf and they get
+            zero gradients (no NaN).
+        softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
+        return_lse: also return lse.
+    Returns:
+        o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
+        lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
+        Both are differentiable (custom op flashgpt::flash_attn_fwd with registered autograd).
+    Raises (before any kernel launch):
+        TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
+            non-numeric softmax_scale.
+        ValueError: wrong rank, batch / head-dim / Nk / Hkv mismatch, Hq not a multiple of Hkv,
+            d outside [8, 256], an empty dim (N == 0), tensors on different devices,
+            non-finite softmax_scale.
+        FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
+            TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
+    """
+    _validate(q, k, v, causal, softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    o, lse = flash_attn_fwd(q, k, v, causal, scale)
+    return (o, lse) if return_lse else o

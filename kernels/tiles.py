@@ -1,0 +1,140 @@
+"""Tile configuration of the FlashAttention-2 kernels, kept in one place so it can be tuned.
+
+`get_tile_config(kernel, head_dim, dtype, causal, n_q, n_k)` returns the `TileConfig`
+(BLOCK_M, BLOCK_N, num_warps, num_stages) for one of the four kernels:
+
+* "fwd"      : forward; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
+* "bwd_pre"  : Delta = rowsum(dO * O); only BLOCK_M and num_warps are used.
+* "bwd_dkdv" : dK/dV; BLOCK_N keys per program (outer), streams BLOCK_M query rows at a time.
+* "bwd_dq"   : dQ; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
+
+The GPU values are starting points for Hopper (H100/H200, 227 KB shared memory per block); they
+have not been tuned yet. Under TRITON_INTERPRET=1 (CPU testing) small blocks are used so the tests
+are quick and still cover several blocks, the diagonal and the sequence end.
+
+Tile sizes never change the math: every configuration computes the same result up to float32
+rounding (the tests check this with `override_tile_config`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+KERNEL_NAMES = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch configuration of one kernel. Blocks are powers of two >= 16 (tl.dot needs >= 16)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def block_d_for(head_dim: int) -> int:
+    """Padded head dim BLOCK_D = max(16, next power of two >= head_dim)."""
+    return max(16, _next_pow2(head_dim))
+
+
+_OVERRIDES: dict[str, TileConfig] = {}
+
+
+@contextlib.contextmanager
+def override_tile_config(**configs: TileConfig) -> Iterator[None]:
+    """Temporarily force tile configs, e.g. `with override_tile_config(fwd=TileConfig(32, 16, 4, 1)):`.
+
+    Keys are kernel names (see KERNEL_NAMES). Meant for tests and tuning; not thread-safe.
+    Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
+    """
+    for name, cfg in configs.items():
+        if name not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {name!r}; expected one of {KERNEL_NAMES}")
+        for blk in (cfg.block_m, cfg.block_n):
+            if blk < 16 or blk & (blk - 1):
+                raise ValueError(f"{name}: block sizes must be powers of two >= 16, got {cfg}")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(configs)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool) -> TileConfig:
+    """Untuned Hopper starting points (the lead tunes these on the H200)."""
+    wide = dtype == torch.float32  # 4-byte tiles: halve the blocks / stages to fit registers and smem
+    if kernel == "fwd":
+        if block_d <= 64:
+            cfg = TileConfig(128, 64, 4, 3)
+        elif block_d <= 128:
+            cfg = TileConfig(128, 64, 8, 3)
+        else:
+            cfg = TileConfig(64, 32, 8, 2)
+        if wide:
+            cfg = TileConfig(max(32, cfg.block_m // 2), max(32, cfg.block_n // 2), cfg.num_warps, 2)
+        return cfg
+    if kernel == "bwd_pre":
+        return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
+    # backward dK/dV and dQ
+    if block_d <= 64:
+        cfg = TileConfig(64, 64, 4, 3)
+    elif block_d <= 128:
+        cfg = TileConfig(64, 64, 8, 2)
+    else:
+        cfg = TileConfig(32, 32, 8, 1)
+    if wide:
+        cfg = TileConfig(32, 32, 4 if block_d <= 64 else 8, 1)
+    return cfg
+
+
+def get_tile_config(
+    kernel: str,
+    head_dim: int,
+    dtype: torch.dtype,
+    causal: bool,
+    n_q: int,
+    n_k: int,
+    *,
+    interpret: bool = False,
+) -> TileConfig:
+    """Choose (BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` in KERNEL_NAMES.
+
+    Args:
+        kernel: "fwd" | "bwd_pre" | "bwd_dkdv" | "bwd_dq".
+        head_dim: d (8..256); the kernels pad it to BLOCK_D = max(16, next_pow2(d)).
+        dtype: torch.float16 | torch.bfloat16 | torch.float32 (input dtype).
+        causal: causal masking on/off (currently unused; kept for tuning).
+        n_q, n_k: query / key sequence lengths; blocks are capped at max(16, next_pow2(n)) so short
+            sequences do not launch mostly-empty tiles.
+        interpret: True under TRITON_INTERPRET=1 (small CPU-friendly blocks).
+    Returns: TileConfig. BLOCK_M always indexes query rows, BLOCK_N key rows.
+    Raises: ValueError for an unknown kernel name.
+    """
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
+    if kernel in _OVERRIDES:
+        return _OVERRIDES[kernel]
+    if interpret:
+        # asymmetric on purpose: exercises BLOCK_M != BLOCK_N loop bounds in the CPU tests
+        cfg = {
+            "fwd": TileConfig(32, 16, 4, 1),
+            "bwd_pre": TileConfig(32, 16, 4, 1),
+            "bwd_dkdv": TileConfig(16, 32, 4, 1),
+            "bwd_dq": TileConfig(32, 16, 4, 1),
+        }[kernel]
+    else:
+        cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal)
+    cap_m = max(16, _next_pow2(n_q))
+    cap_n = max(16, _next_pow2(n_k))
+    return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages)

@@ -1,0 +1,492 @@
+"""CPU tests of our Triton FlashAttention-2 (kernels/) under the Triton interpreter.
+
+Interpreter choice. Classic Triton decides "interpret or compile" for @triton.jit functions when they
+are decorated, i.e. at import time -- including Triton's own standard library (tl.sum, tl.max, ...),
+which is built when `triton` is imported. So on a machine without CUDA this module sets
+TRITON_INTERPRET=1 *before* importing triton/kernels. On a CUDA machine it does not: importing triton
+in interpreter mode would make the GPU tests of the same pytest process uncompilable. Our package is
+robust to either order anyway: it reads TRITON_INTERPRET at call time, builds its kernels lazily per
+mode, and avoids calling Triton's standard-library JIT functions from interpreted code. The variable
+is restored right after the imports (other test modules see the user's setting) and an autouse
+fixture sets it for every test here.
+
+Reference: float64 PyTorch attention with an explicit softmax and a bottom-right causal mask,
+gradients by autograd in float64. Inputs: fresh torch.randn per test, seeded by a per-test random
+seed that every assertion message shows. float32 is checked tightly, float16 loosely (bfloat16
+loads are wrong under the interpreter, so bf16 is only tested on the GPU: tests/test_flash_gpu.py).
+"""
+
+import os
+
+import torch
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / kernels (see docstring)
+
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import triton  # noqa: E402, F401
+
+import kernels  # noqa: E402
+from kernels import (  # noqa: E402
+    FlashAttentionUnavailableError,
+    TileConfig,
+    check_flash_available,
+    flash_attention,
+    get_tile_config,
+    override_tile_config,
+)
+from kernels import flash_attn as fa  # noqa: E402
+
+if _PREVIOUS_INTERPRET is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+REPO = Path(__file__).resolve().parents[1]
+# the Triton interpreter triggers a numpy deprecation warning on every scalar conversion
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # max|ours - ref| / max(max|ref|, 1)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def seed() -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"random seed: {s}")
+    return s
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def reference(q, k, v, causal, scale):
+    """float64 attention: explicit softmax, bottom-right causal mask (key j visible to query i iff
+    j <= i + Nk - Nq); rows without any visible key give o = 0 and lse = -inf. Differentiable."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    nq, nk = s.shape[-2:]
+    i = torch.arange(nq)[:, None]
+    j = torch.arange(nk)[None, :]
+    mask = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool)
+    row_any = mask.any(-1, keepdim=True)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(~row_any, 0.0)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse) * mask
+    o = p @ v
+    lse = lse.squeeze(-1).masked_fill(~row_any.squeeze(-1), float("-inf"))
+    return o, lse
+
+
+def rel_err(ours, ref):
+    ours, ref = ours.double(), ref.double()
+    return ((ours - ref).abs().max() / ref.abs().max().clamp_min(1.0)).item()
+
+
+def make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Nq, d, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Nk, d, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Nk, d, generator=g).to(dtype)
+    do = torch.randn(B, Hq, Nq, d, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def run_flash(q, k, v, do, causal, scale=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    o.backward(do)
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def run_reference(q, k, v, do, causal, scale):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o, lse = reference(q, k, v, causal, scale)
+    o.backward(do.double())
+    return o.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def check_against_reference(seed, ours, ref, dtype, what):
+    o, lse, dq, dk, dv = ours
+    o_r, lse_r, dq_r, dk_r, dv_r = ref
+    tol = TOL[dtype]
+    msg = f"seed={seed} {what}"
+    assert o.dtype == dtype and lse.dtype == torch.float32, msg
+    for name, t in (("o", o), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{msg}: NaN in {name}"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_r)), f"{msg}: lse -inf rows differ"
+    fin = torch.isfinite(lse_r)
+    if fin.any():
+        lse_err = (lse.double()[fin] - lse_r[fin]).abs().max().item()
+        assert lse_err <= 4 * tol * max(1.0, lse_r[fin].abs().max().item()), f"{msg}: lse err {lse_err:.3g}"
+    for name, a, b in (("o", o, o_r), ("dq", dq, dq_r), ("dk", dk, dk_r), ("dv", dv, dv_r)):
+        err = rel_err(a, b)
+        assert err <= tol, f"{msg}: {name} rel err {err:.3g} > {tol}"
+
+
+# ------------------------------------------------------------------------- numerical coverage
+
+# (B, Hq, Hkv, Nq, Nk, d, causal, dtype): a covering set, not the cross product.
+F32, F16 = torch.float32, torch.float16
+CASES = [
+    (1, 2, 2, 1, 1, 16, True, F32),        # single token
+    (2, 2, 2, 17, 17, 40, True, F32),      # odd N, non-pow2 d
+    (1, 2, 2, 64, 64, 64, False, F32),     # exact multiple of the blocks
+    (1, 2, 2, 100, 100, 16, True, F32),
+    (1, 1, 1, 129, 129, 128, True, F32),   # one past a block boundary, d=128
+    (1, 2, 2, 129, 129, 40, False, F32),
+    (1, 2, 2, 17, 100, 40, True, F32),     # Nq < Nk (bottom-right causal)
+    (1, 2, 2, 1, 64, 16, True, F32),       # decode-like: one query, many keys
+    (1, 2, 2, 33, 129, 64, False, F32),
+    (1, 2, 2, 100, 17, 16, True, F32),     # Nq > Nk: 83 rows see no key
+    (1, 2, 2, 129, 64, 64, False, F32),
+    (1, 2, 2, 64, 1, 16, True, F32),       # only the last query row sees the one key
+    (2, 4, 1, 64, 64, 64, True, F32),      # MQA
+    (1, 4, 2, 100, 100, 40, True, F32),    # GQA
+    (1, 4, 2, 17, 64, 16, True, F32),      # GQA, Nq < Nk
+    (1, 4, 1, 100, 33, 16, True, F32),     # MQA, Nq > Nk
+    (1, 2, 2, 33, 33, 8, True, F32),       # smallest d
+    (1, 1, 1, 33, 33, 256, True, F32),     # largest d
+    (1, 2, 2, 50, 50, 96, False, F32),
+    (2, 2, 2, 100, 100, 64, True, F16),
+    (1, 4, 2, 129, 129, 128, True, F16),
+    (1, 2, 2, 17, 64, 40, False, F16),
+    (1, 2, 1, 100, 17, 16, True, F16),
+]
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,d,causal,dtype", CASES)
+def test_matches_float64_reference(seed, B, Hq, Hkv, Nq, Nk, d, causal, dtype):
+    q, k, v, do = make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype)
+    scale = 1.0 / math.sqrt(d)
+    ours = run_flash(q, k, v, do, causal)
+    ref = run_reference(q, k, v, do, causal, scale)
+    check_against_reference(seed, ours, ref, dtype, f"case={(B, Hq, Hkv, Nq, Nk, d, causal, dtype)}")
+
+
+def test_custom_softmax_scale(seed):
+    q, k, v, do = make_inputs(seed, 1, 2, 2, 40, 40, 32, F32)
+    ours = run_flash(q, k, v, do, True, scale=0.37)
+    ref = run_reference(q, k, v, do, True, 0.37)
+    check_against_reference(seed, ours, ref, F32, "softmax_scale=0.37")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2)])
+def test_strided_fused_qkv_no_copy(seed, monkeypatch, dtype, Hq, Hkv):
+    """q, k, v sliced from one fused (B, N, Hq + 2 Hkv, d) projection and transposed to (B, H, N, d):
+    the kernels read them through their strides (no .contiguous() copy); x.grad matches float64."""
+    B, N, d = 2, 70, 24
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, Hq + 2 * Hkv, d, generator=g).to(dtype)
+    do = torch.randn(B, Hq, N, d, generator=g).to(dtype)
+
+    def split(t):
+        return (t[:, :, :Hq].transpose(1, 2), t[:, :, Hq:Hq + Hkv].transpose(1, 2),
+                t[:, :, Hq + Hkv:].transpose(1, 2))
+
+    copies = []
+    real = fa._unit_last_stride
+
+    def spy(t):
+        out = real(t)
+        copies.append(out is not t)
+        return out
+
+    monkeypatch.setattr(fa, "_unit_last_stride", spy)
+    xf = x.detach().clone().requires_grad_()
+    q, k, v = split(xf)
+    assert not q.is_contiguous() and not k.is_contiguous()
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    o.backward(do)
+    assert copies and not any(copies), f"seed={seed}: an input was copied"
+
+    xr = x.detach().double().requires_grad_()
+    o_r, lse_r = reference(*split(xr), True, 1.0 / math.sqrt(d))
+    o_r.backward(do.double())
+    tol = TOL[dtype]
+    for name, a, b in (("o", o, o_r), ("lse", lse, lse_r), ("dx", xf.grad, xr.grad)):
+        err = rel_err(a, b)
+        assert err <= tol, f"seed={seed} {name} rel err {err:.3g}"
+
+
+def test_non_unit_last_stride_is_copied(seed):
+    """A head dim with stride != 1 (e.g. every other column) is made contiguous, results unchanged."""
+    g = torch.Generator().manual_seed(seed)
+    big = torch.randn(1, 2, 30, 64, generator=g)
+    q, k, v = big[..., ::2], big.flip(2)[..., ::2], big[..., 1::2]
+    assert q.stride(-1) == 2
+    o = flash_attention(q, k, v, causal=False)
+    o_r, _ = reference(q, k, v, False, 1.0 / math.sqrt(32))
+    assert rel_err(o, o_r) <= TOL[F32], f"seed={seed}"
+
+
+def test_lse_gradient(seed):
+    """return_lse=True: a loss that uses lse backpropagates through it (dS gets P * dlse)."""
+    q, k, v, do = make_inputs(seed, 1, 4, 2, 40, 50, 16, F32)
+    dlse = torch.randn(1, 4, 40, generator=torch.Generator().manual_seed(seed + 1))
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_attention(qa, ka, va, causal=True, return_lse=True)
+    ((o * do).sum() + (lse * dlse).sum()).backward()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    o_r, lse_r = reference(qr, kr, vr, True, 0.25)
+    ((o_r * do.double()).sum() + (lse_r * dlse.double()).sum()).backward()
+    for name, a, b in (("dq", qa.grad, qr.grad), ("dk", ka.grad, kr.grad), ("dv", va.grad, vr.grad)):
+        err = rel_err(a, b)
+        assert err <= TOL[F32], f"seed={seed} {name} rel err {err:.3g}"
+
+
+def test_rows_without_keys_are_zero(seed):
+    """Causal with Nq > Nk: the first Nq - Nk rows see no key -> o = 0, lse = -inf, zero gradients."""
+    Nq, Nk = 50, 20
+    q, k, v, do = make_inputs(seed, 1, 2, 2, Nq, Nk, 16, F32)
+    o, lse, dq, dk, dv = run_flash(q, k, v, do, True)
+    empty = Nq - Nk
+    assert torch.all(o[:, :, :empty] == 0), f"seed={seed}"
+    assert torch.all(torch.isneginf(lse[:, :, :empty])), f"seed={seed}"
+    assert torch.isfinite(lse[:, :, empty:]).all(), f"seed={seed}"
+    assert torch.all(dq[:, :, :empty] == 0), f"seed={seed}"
+    for t in (o, dq, dk, dv):
+        assert torch.isfinite(t).all(), f"seed={seed}"
+
+
+def test_backward_is_deterministic(seed):
+    """No atomics: two backward passes give bitwise-identical gradients."""
+    q, k, v, do = make_inputs(seed, 1, 4, 2, 70, 70, 32, F32)
+    first = run_flash(q, k, v, do, True)[2:]
+    second = run_flash(q, k, v, do, True)[2:]
+    for name, a, b in zip(("dq", "dk", "dv"), first, second, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs between runs"
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        dict(fwd=TileConfig(16, 16, 4, 1), bwd_dkdv=TileConfig(16, 16, 4, 1), bwd_dq=TileConfig(16, 16, 4, 1),
+             bwd_pre=TileConfig(16, 16, 4, 1)),
+        dict(fwd=TileConfig(16, 64, 4, 1), bwd_dkdv=TileConfig(64, 16, 4, 1),
+             bwd_dq=TileConfig(16, 32, 4, 1)),
+        dict(fwd=TileConfig(128, 128, 4, 1), bwd_dkdv=TileConfig(128, 128, 4, 1),
+             bwd_dq=TileConfig(128, 128, 4, 1), bwd_pre=TileConfig(128, 16, 4, 1)),
+    ],
+    ids=["all16", "mixed", "all128"],
+)
+def test_tile_configs_agree(seed, configs):
+    """Tile sizes change only rounding: compare against the float64 reference under several tilings
+    (blocks smaller than, mixed with, and larger than the sequence), causal with Nq != Nk and GQA."""
+    q, k, v, do = make_inputs(seed, 1, 4, 2, 45, 77, 24, F32)
+    with override_tile_config(**configs):
+        ours = run_flash(q, k, v, do, True)
+    ref = run_reference(q, k, v, do, True, 1.0 / math.sqrt(24))
+    check_against_reference(seed, ours, ref, F32, f"tiles={configs}")
+
+
+def test_tile_config_values():
+    """Every GPU/interpreter config: power-of-two blocks >= 16 (tl.dot minimum), sane warps/stages."""
+    for interp in (False, True):
+        for kernel in ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"):
+            for d in (8, 40, 64, 80, 128, 256):
+                for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                    for n in (1, 17, 1024, 16384):
+                        cfg = get_tile_config(kernel, d, dtype, True, n, n, interpret=interp)
+                        for blk in (cfg.block_m, cfg.block_n):
+                            assert blk >= 16 and blk & (blk - 1) == 0, (kernel, d, dtype, n, cfg)
+                        assert cfg.num_warps in (1, 2, 4, 8, 16) and cfg.num_stages >= 1, cfg
+    with pytest.raises(ValueError, match="unknown kernel"):
+        get_tile_config("bwd", 64, torch.float16, True, 16, 16)
+    with pytest.raises(ValueError, match="powers of two"):
+        with override_tile_config(fwd=TileConfig(24, 16, 4, 1)):
+            pass
+
+
+# ------------------------------------------------------------------------------------- errors
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape).to(dtype)
+
+
+def _qkv(q=(1, 1, 4, 16), k=(1, 1, 4, 16), v=(1, 1, 4, 16)):
+    return lambda: (_t(*q), _t(*k), _t(*v))
+
+
+ERROR_CASES = [
+    ("not a tensor", lambda: (1.0, _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, TypeError,
+     "q must be a torch.Tensor"),
+    ("rank", _qkv(q=(1, 4, 16)), {}, ValueError, "q must be 4-D"),
+    ("rank v", _qkv(v=(1, 1, 1, 4, 16)), {}, ValueError, "v must be 4-D"),
+    ("dtype", lambda: (_t(1, 1, 4, 16, dtype=torch.float64),) * 3, {}, TypeError,
+     "float16, bfloat16 and float32"),
+    ("int dtype", lambda: (torch.ones(1, 1, 4, 16, dtype=torch.int32),) * 3, {}, TypeError, "q has dtype"),
+    ("dtype mismatch", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16, dtype=torch.float16), _t(1, 1, 4, 16)), {},
+     TypeError, "same dtype"),
+    ("batch", _qkv(q=(2, 1, 4, 16)), {}, ValueError, "batch size mismatch"),
+    ("head dim", _qkv(k=(1, 1, 4, 32), v=(1, 1, 4, 32)), {}, ValueError, "head dim mismatch"),
+    ("Nk", _qkv(v=(1, 1, 5, 16)), {}, ValueError, "same sequence length"),
+    ("Hkv", _qkv(q=(1, 2, 4, 16), k=(1, 2, 4, 16)), {}, ValueError, "same number of heads"),
+    ("GQA", _qkv(q=(1, 3, 4, 16), k=(1, 2, 4, 16), v=(1, 2, 4, 16)), {}, ValueError, "multiple of"),
+    ("d small", _qkv((1, 1, 4, 4), (1, 1, 4, 4), (1, 1, 4, 4)), {}, ValueError,
+     r"outside the supported range \[8, 256\]"),
+    ("d large", _qkv((1, 1, 2, 264), (1, 1, 2, 264), (1, 1, 2, 264)), {}, ValueError,
+     r"outside the supported range \[8, 256\]"),
+    ("Nq zero", _qkv(q=(1, 1, 0, 16)), {}, ValueError, "must be >= 1"),
+    ("Nk zero", _qkv(k=(1, 1, 0, 16), v=(1, 1, 0, 16)), {}, ValueError, "must be >= 1"),
+    ("B zero", _qkv((0, 1, 4, 16), (0, 1, 4, 16), (0, 1, 4, 16)), {}, ValueError, "empty batch or head"),
+    ("causal", _qkv(), {"causal": 1}, TypeError, "causal must be a bool"),
+    ("scale type", _qkv(), {"softmax_scale": "0.1"}, TypeError, "softmax_scale"),
+    ("scale nan", _qkv(), {"softmax_scale": float("nan")}, ValueError, "finite"),
+    ("device", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16).to("meta"), _t(1, 1, 4, 16)), {}, ValueError,
+     "same device"),
+]
+
+
+@pytest.mark.parametrize("name,make,kwargs,exc,match", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_errors(monkeypatch, name, make, kwargs, exc, match):
+    launched = []
+    monkeypatch.setattr(fa, "_kernels", lambda interp: launched.append(interp))
+    with pytest.raises(exc, match=match):
+        flash_attention(*make(), **kwargs)
+    assert not launched, "a kernel was launched before validation failed"
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = _t(1, 1, 4, 16)
+    with pytest.raises(FlashAttentionUnavailableError) as info:
+        flash_attention(q, q, q)
+    msg = str(info.value)
+    assert "CUDA GPU" in msg and "TRITON_INTERPRET=1" in msg and "sdpa" in msg
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        check_flash_available("cpu")
+    with pytest.raises(RuntimeError, match="sdpa"):
+        check_flash_available(torch.device("meta"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert check_flash_available("cpu") is None
+
+
+def _run_python(code: str, env_interpret):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if env_interpret is not None:
+        env["TRITON_INTERPRET"] = env_interpret
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_interpreter_chosen_at_call_time():
+    """Worst import order: triton and kernels imported *before* TRITON_INTERPRET=1 is set (fresh
+    process). Our kernels still run under the interpreter and match SDPA."""
+    code = (
+        "import os, torch, triton, triton.language, kernels\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "q = torch.randn(1, 2, 20, 16, requires_grad=True)\n"
+        "o = kernels.flash_attention(q, q, q, causal=True)\n"
+        "o.sum().backward()\n"
+        "r = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+        "assert (o - r).abs().max() < 1e-5, (o - r).abs().max()\n"
+        "assert torch.isfinite(q.grad).all()\n"
+        "print('ok')\n"
+    )
+    out = _run_python(code, None)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_compiled_mode_after_interpreter_import_is_a_clear_error():
+    """triton imported with TRITON_INTERPRET=1, then unset: compiled kernels cannot be built in that
+    process; we say so (FlashAttentionUnavailableError) instead of failing inside Triton."""
+    code = (
+        "import os, triton, triton.language\n"
+        "del os.environ['TRITON_INTERPRET']\n"
+        "from kernels import flash_attn as fa\n"
+        "try:\n"
+        "    fa._kernels(False)\n"
+        "except fa.FlashAttentionUnavailableError as err:\n"
+        "    assert 'TRITON_INTERPRET' in str(err), err\n"
+        "    print('ok')\n"
+    )
+    out = _run_python(code, "1")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+
+
+def test_matches_sdpa_causal_lower_right(seed):
+    """Independent check of the mask convention: PyTorch SDPA with causal_lower_right (Nq < Nk)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    q, k, v, _ = make_inputs(seed, 2, 2, 2, 23, 61, 32, F32)
+    o = flash_attention(q, k, v, causal=True)
+    r = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=causal_lower_right(23, 61))
+    assert rel_err(o, r) <= TOL[F32], f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_strided_equals_contiguous_bitwise(seed, dtype):
+    """Reading through strides changes nothing: bitwise-identical o and gradients vs contiguous copies."""
+    B, N, H, d = 1, 45, 2, 40
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, 3, H, d, generator=g).to(dtype)
+    do = torch.randn(B, H, N, d, generator=g).to(dtype)
+    results = []
+    for contiguous in (False, True):
+        xx = x.clone().requires_grad_()
+        q, k, v = (xx[:, :, i].transpose(1, 2) for i in range(3))
+        if contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o = flash_attention(q, k, v, causal=True)
+        o.backward(do)
+        results.append((o.detach(), xx.grad))
+    assert torch.equal(results[0][0], results[1][0]), f"seed={seed}"
+    assert torch.equal(results[0][1], results[1][1]), f"seed={seed}"
+
+
+# ------------------------------------------------------------------------ custom ops / compile
+
+
+def test_custom_ops_opcheck(seed):
+    """torch.library.opcheck: schema, fake (meta) kernels and autograd registration are consistent."""
+    q, k, v, do = make_inputs(seed, 1, 2, 1, 20, 24, 16, F32)
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd.default, (q, k, v, True, 0.25))
+    o, lse = torch.ops.flashgpt.flash_attn_fwd(q.detach(), k.detach(), v.detach(), True, 0.25)
+    torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), o, lse, True, 0.25))
+
+
+def test_torch_compile_fullgraph(seed):
+    """torch.compile(fullgraph=True) traces through flash_attention (custom op, no graph break)."""
+    q, k, v, do = make_inputs(seed, 1, 4, 2, 24, 24, 16, F32)
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, causal=True) * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    out = compiled(qa, ka, va)
+    out.backward(do)
+    qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = f(qb, kb, vb)
+    ref.backward(do)
+    assert torch.equal(out, ref), f"seed={seed}"
+    for a, b in ((qa, qb), (ka, kb), (va, vb)):
+        assert torch.equal(a.grad, b.grad), f"seed={seed}"
+
+
+def test_public_api_exports():
+    assert callable(kernels.flash_attention) and callable(kernels.check_flash_available)
+    assert hasattr(torch.ops.flashgpt, "flash_attn_fwd") and hasattr(torch.ops.flashgpt, "flash_attn_bwd")
