@@ -1,0 +1,130 @@
+"""Helpers for the train.py tests: run train.py in a subprocess, read its run directory.
+
+The tiny runs use the character-level Tiny Shakespeare (vocab 65): on a CPU the GPT-2 BPE's 50304-way
+output layer costs ~20x more per step than the rest of the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+TRAIN = REPO / "train.py"
+
+
+def prepare_char_data(base: Path, source: Path) -> Path:
+    """Prepare Tiny Shakespeare (char tokenizer) into ``base/shakespeare_char`` once (idempotent)."""
+    from data.prepare import ensure_prepared
+
+    out = base / "shakespeare_char"
+    ensure_prepared(str(source), str(out), "char", 0.1)
+    return out
+
+
+def tiny_overrides(data_dir: Path, source: Path, out_dir: Path, **extra) -> list[str]:
+    """Overrides for a 16-step tiny run: seq_len 64, 1024 tokens/step (8 x 64 x 2 micro-batches), dropout 0.1
+    (so RNG state matters for resume), log every step, eval every 8, checkpoint every 8, W&B disabled.
+    ``extra`` (key=value, dots as ``__``) appends/overrides."""
+    base = {
+        "model": "tiny",
+        "data": "shakespeare_char",
+        "data.source": str(source),
+        "data.dir": str(data_dir),
+        "attention": "naive",
+        "seq_len": 64,
+        "seed": 7,
+        "max_steps": 16,
+        "batch.tokens_per_step": 1024,
+        "batch.micro_batch_size": 8,
+        "model.dropout": 0.1,
+        "optim.lr": 2e-3,
+        "optim.min_lr": 2e-4,
+        "optim.warmup_steps": 4,
+        "optim.decay_steps": 16,
+        "eval.interval": 8,
+        "eval.batches": 2,
+        "log_interval": 1,
+        "checkpoint.interval": 8,
+        "wandb.mode": "disabled",
+        "out_dir": str(out_dir),
+    }
+    for k, v in extra.items():
+        base[k.replace("__", ".")] = v
+    return [f"{k}={_fmt(v)}" for k, v in base.items()]
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def train_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("WANDB_SILENT", "true")
+    env["HYDRA_FULL_ERROR"] = "1"
+    env.pop("TRITON_INTERPRET", None)
+    env.setdefault(
+        "OMP_NUM_THREADS", "1"
+    )  # the tiny model gains nothing from a second thread; CI has two cores
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_train(
+    args: list[str], *, timeout: float = 300, env: dict | None = None, launcher: list[str] | None = None
+):
+    """Run ``python train.py ARGS`` (or ``launcher + [train.py] + ARGS``); returns CompletedProcess (text)."""
+    cmd = (launcher or [sys.executable]) + [str(TRAIN), *args]
+    return subprocess.run(
+        cmd, cwd=str(REPO), env=env or train_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def describe(proc) -> str:
+    out, err = proc.stdout[-4000:], proc.stderr[-4000:]
+    return f"exit {proc.returncode}\n--- stdout ---\n{out}\n--- stderr ---\n{err}"
+
+
+def read_jsonl(run_dir: Path) -> list[dict]:
+    p = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """step -> train/loss from metrics.jsonl (a later line for the same step wins)."""
+    return {r["step"]: r["train/loss"] for r in read_jsonl(run_dir) if "train/loss" in r}
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val/loss"] for r in read_jsonl(run_dir) if "val/loss" in r}
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def compose_cfg(overrides: list[str], *, return_hydra_config: bool = False):
+    """The config train.py would get for ``overrides`` (Hydra compose API, in-process)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def run_inprocess(overrides: list[str], out_dir: Path):
+    """``trainer.loop.run`` on the composed config, in this process (for checks that stop before training
+    or for short runs); returns its Outcome."""
+    from trainer.loop import run
+
+    cfg = compose_cfg(overrides)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return run(cfg, out_dir=Path(out_dir), multirun=False, overrides=overrides)

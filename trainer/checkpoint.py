@@ -1,0 +1,148 @@
+"""Atomic checkpoints: write a temp file, flush + fsync, rename; keep the newest N; load the newest good one.
+
+Layout: ``<out_dir>/ckpt/step_00000100.pt`` (``step`` = optimizer steps completed). A save that dies midway
+(crash, full disk, a second signal) leaves at most a ``.step_*.pt.tmp*`` file, which is never read and is
+removed by the next save; the previous checkpoints are untouched because ``os.replace`` is atomic on POSIX.
+
+A checkpoint is a dict saved with ``torch.save`` that loads with ``torch.load(weights_only=True)`` (only
+tensors, numbers, strings, lists, tuples, dicts): model and optimizer state dicts, step, data position,
+RNG states (as tensors), the resolved config and the W&B run id. See ``trainer/loop.py`` for the keys.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+CKPT_DIR_NAME = "ckpt"
+_NAME_RE = re.compile(r"^step_(\d+)\.pt$")
+
+
+def ckpt_dir(out_dir: str | os.PathLike) -> Path:
+    """``<out_dir>/ckpt``."""
+    return Path(out_dir) / CKPT_DIR_NAME
+
+
+def ckpt_path(out_dir: str | os.PathLike, step: int) -> Path:
+    """Path of the checkpoint for ``step`` completed optimizer steps."""
+    return ckpt_dir(out_dir) / f"step_{step:08d}.pt"
+
+
+def list_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, path) of every finished checkpoint in ``<out_dir>/ckpt``, newest (highest step) first."""
+    d = ckpt_dir(out_dir)
+    if not d.is_dir():
+        return []
+    found = []
+    for p in d.iterdir():
+        m = _NAME_RE.match(p.name)
+        if m and p.is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found, reverse=True)
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict, out_dir: str | os.PathLike, step: int, keep: int) -> Path:
+    """Save ``state`` atomically as ``<out_dir>/ckpt/step_{step:08d}.pt`` and keep only the newest ``keep``.
+
+    Algorithm: ``torch.save`` into ``.step_N.pt.tmp<pid>`` in the same folder, ``flush`` + ``os.fsync``,
+    ``os.replace`` onto the final name, fsync the folder; only then delete checkpoints beyond ``keep``
+    and stale temp files. If anything raises before the rename, the temp file is deleted and the error
+    re-raised: existing checkpoints are never touched by a failed save.
+
+    Returns the checkpoint path. Raises whatever torch.save / the filesystem raise (OSError for a full disk).
+    """
+    d = ckpt_dir(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = ckpt_path(out_dir, step)
+    tmp = d / f".{final.name}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(d)
+    for _, old in list_checkpoints(out_dir)[keep:]:
+        old.unlink(missing_ok=True)
+    for stale in d.glob(".step_*.pt.tmp*"):
+        stale.unlink(missing_ok=True)
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
+    """``torch.load(path, weights_only=True)``; raises on a truncated/corrupt file (RuntimeError, EOFError,
+    ValueError for a file that is not a flashgpt checkpoint)."""
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(state, dict) or "model" not in state or "step" not in state:
+        raise ValueError(f"{path} is not a flashgpt checkpoint (no 'model'/'step' entries)")
+    return state
+
+
+def load_newest(
+    out_dir: str | os.PathLike, map_location="cpu", warn=print
+) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint of ``out_dir`` that loads, as (path, state); (None, None) if there is none.
+
+    Unloadable files (truncated, corrupt) are skipped with a warning naming them, and the next older one
+    is tried.
+    """
+    for _, path in list_checkpoints(out_dir):
+        try:
+            return path, load_checkpoint(path, map_location)
+        except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
+            warn(f"warning: checkpoint {path} does not load ({type(e).__name__}: {e}); trying an older one")
+    return None, None
+
+
+# ------------------------------------------------------------------------------------------- RNG state
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch CPU, CUDA (all devices), numpy global, python ``random``) as
+    ``weights_only``-loadable values (tensors, ints, tuples)."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_plain, np_state[2:])),
+        "python": (py_state[0], list(py_state[1]), py_state[2]),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _plain(x):
+    return x.item() if hasattr(x, "item") else x
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore states saved by ``rng_state``."""
+    torch.set_rng_state(state["torch"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

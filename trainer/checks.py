@@ -1,0 +1,418 @@
+"""Config validation for train.py, run before any GPU work (trainer/README: "what the trainer checks").
+
+Every error is a ``ConfigError`` whose message names the config key, the bad value and a valid value or
+the fix; ``train.py`` prints it and exits with status 2 (no traceback: it is a user error, not a bug).
+
+Order of use in the trainer:
+1. ``resolve_plan(cfg, ...)``: pure config arithmetic (backends, shapes, batch split, devices, enums);
+2. ``check_data_source(cfg)`` then the data is prepared, then ``check_data_fits(cfg, meta)``;
+3. ``probe_attention(plan, cfg)``: flash availability and a pinned SDPA backend, tried on a tiny tensor
+   with the real head dim and dtype on the target device;
+4. on resume, ``check_resume_compatible(saved, new)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SDPA_BACKENDS_FALLBACK = ("auto", "flash", "cudnn", "efficient", "math")
+ATTENTION_BACKENDS_FALLBACK = ("naive", "sdpa", "flash")
+FLASH_HEAD_DIM_RANGE_FALLBACK = (8, 256)
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+NONFINITE_MODES = ("stop", "skip")
+PARITY_REFERENCES = ("naive", "sdpa")
+#: Model-shape keys that a resume may not change (they change parameter shapes).
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+
+#: Dense bf16 tensor-core peak FLOP/s by GPU name fragment (vendor data sheets), for MFU.
+PEAK_FLOPS_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 70e12,
+    "4090": 165e12,
+}
+DEFAULT_PEAK_FLOPS = 989e12
+
+
+class ConfigError(Exception):
+    """A mistake in the run's config or inputs. ``str(err)`` names the key and a valid value (the fix)."""
+
+
+@dataclass
+class Plan:
+    """Settings derived from the config by ``resolve_plan`` (all validated).
+
+    Attributes:
+        device_type: "cuda" or "cpu".
+        autocast_dtype: "bfloat16" for bf16 autocast, or None (plain float32).
+        compile: whether to torch.compile the model.
+        micro_batch_size: sequences per forward/backward per rank.
+        grad_accum: micro-batches per optimizer step per rank.
+        eval_batch_size: sequences per validation batch.
+        world_size: number of DDP processes.
+        head_dim: n_embd // n_head.
+        peak_flops: FLOP/s per device for MFU (float) or None to decide from the GPU name later.
+    """
+
+    device_type: str
+    autocast_dtype: str | None
+    compile: bool
+    micro_batch_size: int
+    grad_accum: int
+    eval_batch_size: int
+    world_size: int
+    head_dim: int
+    peak_flops: float | None
+    notes: list[str] = field(default_factory=list)
+
+
+def _attention_backends() -> tuple[str, ...]:
+    try:
+        from model.attention import available_attention_backends
+
+        return tuple(available_attention_backends())
+    except ImportError:  # pragma: no cover - model package missing
+        return ATTENTION_BACKENDS_FALLBACK
+
+
+def _sdpa_backends() -> tuple[str, ...]:
+    try:
+        from model import SDPA_BACKENDS
+
+        return tuple(SDPA_BACKENDS)
+    except ImportError:  # pragma: no cover
+        return SDPA_BACKENDS_FALLBACK
+
+
+def _flash_head_dim_range() -> tuple[int, int]:
+    try:
+        from model.gpt import FLASH_HEAD_DIM_RANGE
+
+        return tuple(FLASH_HEAD_DIM_RANGE)
+    except ImportError:  # pragma: no cover
+        return FLASH_HEAD_DIM_RANGE_FALLBACK
+
+
+def _pos_int(cfg, key: str, value, *, allow_zero: bool = False, example: int = 1) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        kind = "a non-negative" if allow_zero else "a positive"
+        raise ConfigError(f"{key}={value!r} must be {kind} integer, e.g. {key}={example}")
+    return value
+
+
+def _choice(key: str, value, choices) -> str:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(map(str, choices))}")
+    return value
+
+
+def _multiples_near(n: int, unit: int) -> str:
+    lo = (n // unit) * unit
+    hi = lo + unit
+    return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
+
+
+def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
+    """Validate the config's static settings and derive the batch split and devices.
+
+    Args:
+        cfg: the Hydra/OmegaConf run config (configs/config.yaml layout).
+        world_size: number of DDP processes (WORLD_SIZE, 1 without torchrun).
+        cuda_available: torch.cuda.is_available() (passed in so this function does no device work).
+
+    Returns:
+        Plan.
+
+    Raises:
+        ConfigError: naming the key and a valid value, for: unknown attention backend or sdpa_backend,
+            n_embd not divisible by n_head, head dim out of the flash kernel's range, seq_len larger than an
+            explicit model.block_size, batch.micro_batch_size / micro_tokens / tokens_per_step that do not
+            divide, device=cuda without CUDA, attention=flash without CUDA (unless TRITON_INTERPRET=1), and
+            bad enum values (dtype, compile, nonfinite, wandb.mode, parity.reference).
+    """
+    seq_len = _pos_int(cfg, "seq_len", cfg.seq_len, example=1024)
+    _pos_int(cfg, "max_steps", cfg.max_steps, example=1000)
+    _pos_int(cfg, "log_interval", cfg.log_interval, example=10)
+    _pos_int(cfg, "eval.interval", cfg.eval.interval, allow_zero=True, example=100)
+    _pos_int(cfg, "eval.batches", cfg.eval.batches, example=20)
+    _pos_int(cfg, "checkpoint.interval", cfg.checkpoint.interval, allow_zero=True, example=500)
+    _pos_int(cfg, "checkpoint.keep", cfg.checkpoint.keep, example=3)
+    _pos_int(cfg, "parity.every", cfg.parity.every, allow_zero=True, example=50)
+    _pos_int(cfg, "optim.warmup_steps", cfg.optim.warmup_steps, allow_zero=True, example=100)
+    if cfg.optim.decay_steps is not None:
+        _pos_int(cfg, "optim.decay_steps", cfg.optim.decay_steps, example=cfg.max_steps)
+    _choice("nonfinite", cfg.nonfinite, NONFINITE_MODES)
+    _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
+    _choice("parity.reference", cfg.parity.reference, PARITY_REFERENCES)
+    _choice("dtype", cfg.dtype, ("auto", "bfloat16", "float32"))
+    _choice("device", cfg.device, ("auto", "cuda", "cpu"))
+    if cfg.compile not in (True, False, "auto"):
+        raise ConfigError(f"compile={cfg.compile!r} is not valid; choose one of: true, false, auto")
+    if not float(cfg.optim.lr) > 0 or not 0 <= float(cfg.optim.min_lr) <= float(cfg.optim.lr):
+        raise ConfigError(
+            f"optim.lr={cfg.optim.lr} / optim.min_lr={cfg.optim.min_lr}: need 0 <= min_lr <= lr and lr > 0, "
+            "e.g. optim.lr=6e-4 optim.min_lr=6e-5"
+        )
+
+    # --- attention backend
+    attn = cfg.attention.name
+    _choice("attention.name (attention=...)", attn, _attention_backends())
+    sdpa_backend = cfg.attention.get("sdpa_backend", "auto")
+    _choice("attention.sdpa_backend", sdpa_backend, _sdpa_backends())
+
+    # --- model shape
+    m = cfg.model
+    n_head = _pos_int(cfg, "model.n_head", m.n_head, example=12)
+    n_embd = _pos_int(cfg, "model.n_embd", m.n_embd, example=768)
+    _pos_int(cfg, "model.n_layer", m.n_layer, example=12)
+    if n_embd % n_head:
+        divisors = [h for h in range(1, min(n_embd, 64) + 1) if n_embd % h == 0]
+        raise ConfigError(
+            f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use model.n_embd="
+            f"{_multiples_near(n_embd, n_head)} or a model.n_head dividing {n_embd} (e.g. {divisors[-3:]})"
+        )
+    head_dim = n_embd // n_head
+    if m.block_size is not None:
+        _pos_int(cfg, "model.block_size", m.block_size, example=seq_len)
+        if seq_len > m.block_size:
+            raise ConfigError(
+                f"seq_len={seq_len} is larger than model.block_size={m.block_size}; "
+                f"use seq_len<={m.block_size} "
+                f"or model.block_size={seq_len} (or model.block_size=null to follow seq_len)"
+            )
+    if not 0.0 <= float(m.dropout) < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1), e.g. model.dropout=0.0")
+
+    # --- devices
+    if cfg.device == "cuda" and not cuda_available:
+        raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
+    device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
+    if attn == "flash":
+        lo, hi = _flash_head_dim_range()
+        if not lo <= head_dim <= hi:
+            raise ConfigError(
+                f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
+                f"{n_head} gives {head_dim}; change model.n_head (e.g. model.n_head={max(1, n_embd // 64)}) "
+                "or use attention=sdpa"
+            )
+        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(
+                "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
+                "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
+            )
+    if cfg.dtype == "auto":
+        autocast_dtype = "bfloat16" if device_type == "cuda" else None
+    else:
+        autocast_dtype = "bfloat16" if cfg.dtype == "bfloat16" else None
+    compile_ = (device_type == "cuda") if cfg.compile == "auto" else bool(cfg.compile)
+
+    # --- batch split
+    b = cfg.batch
+    tokens_per_step = _pos_int(cfg, "batch.tokens_per_step", b.tokens_per_step, example=65536)
+    if b.get("micro_tokens") is not None:
+        micro_tokens = _pos_int(cfg, "batch.micro_tokens", b.micro_tokens, example=16384)
+        if micro_tokens % seq_len or micro_tokens < seq_len:
+            raise ConfigError(
+                f"batch.micro_tokens={micro_tokens} must be a positive multiple of seq_len={seq_len} "
+                f"(it sets micro_batch_size = micro_tokens // seq_len); use batch.micro_tokens="
+                f"{max(seq_len, (micro_tokens // seq_len) * seq_len)}"
+            )
+        micro_batch_size = micro_tokens // seq_len
+    else:
+        if b.micro_batch_size is None:
+            raise ConfigError(
+                "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_batch_size=8"
+            )
+        micro_batch_size = _pos_int(cfg, "batch.micro_batch_size", b.micro_batch_size, example=8)
+    per_micro = micro_batch_size * seq_len * world_size
+    if tokens_per_step % per_micro:
+        raise ConfigError(
+            f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
+            f"micro_batch_size({micro_batch_size}) "
+            f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
+            f"{_multiples_near(tokens_per_step, per_micro)}, or a smaller batch.micro_batch_size"
+        )
+    grad_accum = tokens_per_step // per_micro
+    eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
+    _pos_int(cfg, "eval.batch_size", eval_bs, example=micro_batch_size)
+
+    # --- MFU peak
+    pf = cfg.perf.peak_flops
+    if pf == "auto" or pf is None:
+        peak = None
+    else:
+        try:
+            peak = float(pf)
+        except (TypeError, ValueError):
+            peak = -1.0
+        if not peak > 0:
+            raise ConfigError(f"perf.peak_flops={pf!r} must be 'auto' or a positive FLOP/s, e.g. 989e12")
+
+    return Plan(
+        device_type=device_type,
+        autocast_dtype=autocast_dtype,
+        compile=compile_,
+        micro_batch_size=micro_batch_size,
+        grad_accum=grad_accum,
+        eval_batch_size=int(eval_bs),
+        world_size=world_size,
+        head_dim=head_dim,
+        peak_flops=peak,
+    )
+
+
+def peak_flops_for(device_name: str | None) -> float:
+    """bf16 dense peak FLOP/s for a GPU name (``torch.cuda.get_device_name()``); 989e12 when unknown/CPU."""
+    for frag, flops in PEAK_FLOPS_BF16.items():
+        if device_name and frag in device_name:
+            return flops
+    return DEFAULT_PEAK_FLOPS
+
+
+def check_data_source(cfg) -> None:
+    """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent).
+
+    Raises:
+        ConfigError naming data.source / data.dir and the fix.
+    """
+    src = cfg.data.source
+    if src is not None and not str(src).startswith(("http://", "https://")):
+        p = Path(str(src)).expanduser()
+        if not p.exists():
+            raise ConfigError(
+                f"data.source={src} does not exist; pass an existing UTF-8 text file, e.g. "
+                "data.source=../shared/data/tinyshakespeare.txt (or data.source=null to download "
+                "Tiny Shakespeare)"
+            )
+        if not p.is_file():
+            raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")
+        try:
+            with open(p, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise ConfigError(f"data.source={src} is not readable ({e.strerror}); fix its permissions") from e
+    d = Path(str(cfg.data.dir)).expanduser()
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
+
+
+def check_data_fits(cfg, meta: dict) -> None:
+    """The prepared corpus must hold at least seq_len + 1 tokens in each split (one window + its target).
+
+    Raises:
+        ConfigError naming seq_len, the split's token count and the largest valid seq_len.
+    """
+    need = cfg.seq_len + 1
+    for split in ("train", "val"):
+        have = int(meta[f"{split}_tokens"])
+        if have < need:
+            raise ConfigError(
+                f"seq_len={cfg.seq_len} needs {need} tokens per window, but the {split} split of "
+                f"{cfg.data.dir} has only {have}; use seq_len<={have - 1} or a larger corpus "
+                "(data.source=...)"
+            )
+    if meta.get("tokenizer") != cfg.data.tokenizer:  # pragma: no cover - ensure_prepared re-prepares
+        raise ConfigError(
+            f"data.tokenizer={cfg.data.tokenizer} but {cfg.data.dir}/meta.json is for {meta.get('tokenizer')}"
+        )
+
+
+def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
+    """Try the configured attention on a tiny tensor of the real head dim and dtype on ``device``.
+
+    For attention=flash: ``kernels.check_flash_available(device)`` when present. For a pinned SDPA backend
+    (attention.sdpa_backend != auto): a (1, min(2, n_head), min(seq_len, 128), head_dim) causal forward and
+    backward under ``sdpa_kernel([that backend])``; if it raises, the other SDPA backends are tried too so
+    the error can list the ones that do run.
+
+    Raises:
+        ConfigError naming attention / attention.sdpa_backend, the shapes, and a backend that runs.
+    """
+    import torch
+
+    name = cfg.attention.name
+    if name == "flash":
+        try:
+            import kernels
+        except ImportError as e:
+            raise ConfigError(
+                f"attention=flash: the kernels package failed to import ({e}); use attention=sdpa"
+            ) from e
+        check = getattr(kernels, "check_flash_available", None)
+        if check is not None:
+            try:
+                check(torch.device(device))
+            except RuntimeError as e:
+                raise ConfigError(f"attention=flash cannot run here: {e}") from e
+    sdpa_backend = cfg.attention.get("sdpa_backend", "auto")
+    if name != "sdpa" or sdpa_backend == "auto":
+        return
+    from model.attention import attention as attention_fn
+
+    dtype = torch.bfloat16 if plan.autocast_dtype == "bfloat16" else torch.float32
+    shape = (1, min(2, n_head), min(cfg.seq_len, 128), plan.head_dim)
+
+    def runs(backend: str) -> str | None:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG streams alone
+            q, k, v = (
+                torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
+                for _ in range(3)
+            )
+            attention_fn(q, k, v, "sdpa", backend).sum().backward()
+            return None
+        except Exception as e:  # noqa: BLE001 - any failure means "cannot run"
+            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    err = runs(sdpa_backend)
+    if err is None:
+        return
+    ok = [b for b in _sdpa_backends() if b not in ("auto", sdpa_backend) and runs(b) is None]
+    raise ConfigError(
+        f"attention.sdpa_backend={sdpa_backend} cannot run head_dim={plan.head_dim}, "
+        f"dtype={str(dtype)[6:]} on "
+        f"{device} ({err}); use attention.sdpa_backend=auto"
+        + (f" or one that runs here: {', '.join(ok)}" if ok else "")
+    )
+
+
+def check_resume_compatible(saved: dict, new: dict) -> list[str]:
+    """Compare a checkpoint's model/tokenizer settings with the new run's.
+
+    Args:
+        saved / new: dicts with "model_args" (GPTConfig fields), "tokenizer" (name) and "vocab_size" (of the
+            tokenizer), and "attention" (name, sdpa_backend).
+
+    Returns:
+        Human-readable notes about allowed changes (attention backend), to log.
+
+    Raises:
+        ConfigError listing every model-shape or tokenizer key that differs (old -> new).
+    """
+    diffs = []
+    for key in SHAPE_KEYS:
+        a, b = saved["model_args"].get(key), new["model_args"].get(key)
+        if a != b:
+            hint = " (follows seq_len)" if key == "block_size" else ""
+            diffs.append(f"model.{key}: {a} -> {b}{hint}")
+    for key in ("tokenizer", "vocab_size"):
+        a, b = saved.get(key), new.get(key)
+        if a != b:
+            diffs.append(f"data.{key}: {a} -> {b}")
+    if diffs:
+        raise ConfigError(
+            "resume=true refused: the checkpoint was trained with a different model shape or tokenizer: "
+            + "; ".join(diffs)
+            + ". Resume with the original values, or start a new run (resume=false, a new out_dir)"
+        )
+    notes = []
+    if tuple(saved.get("attention", ())) != tuple(new.get("attention", ())):
+        notes.append(
+            f"attention backend changed on resume: {saved.get('attention')} -> {new.get('attention')}"
+        )
+    return notes

@@ -1,0 +1,822 @@
+"""The training loop behind ``train.py`` (Hydra entry point): set-up, steps, eval, logging, checkpoints.
+
+Step numbering: ``step`` counts optimizer updates completed. Update ``s`` (1-based) uses the data of
+``BinDataset.batch(..., seed=cfg.seed, step=s - 1, micro_step=m, rank=r)`` for micro-batches m of rank r,
+so the data depend only on (seed, s, m, r), whatever the backend and across resumes. Metrics logged at
+``step=s`` describe update s (its loss is computed before the update); ``val/loss`` at step s is measured
+after s updates (step 0 = at initialisation). A checkpoint ``ckpt/step_{s}.pt`` holds the state after s
+updates; resuming from it continues with update s + 1.
+
+Exit statuses (``summary.json["status"]``, also in the W&B summary and the last metrics.jsonl line):
+``ok`` (exit 0), ``interrupted`` (SIGTERM/SIGINT: checkpoint saved, exit 128 + signal), ``nonfinite``
+(exit 1; nothing saved), ``oom`` (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error``
+(config error: exit 2; unexpected exception: traceback, exit 1). Under ``-m`` (multirun) only
+``interrupted`` and unexpected exceptions stop the sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf, open_dict
+
+from trainer import checkpoint as ckpt
+from trainer.checks import (
+    ConfigError,
+    Plan,
+    check_data_fits,
+    check_data_source,
+    check_resume_compatible,
+    peak_flops_for,
+    probe_attention,
+    resolve_plan,
+)
+from trainer.metrics import RunLogger
+from trainer.signals import PreemptionHandler
+
+EXIT_OK = 0
+EXIT_NONFINITE = 1
+EXIT_CONFIG = 2
+GIB = float(1 << 30)
+
+
+class NonFiniteError(Exception):
+    """Loss or gradient norm not finite at ``step`` with nonfinite=stop."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        super().__init__(f"non-finite loss/grad norm at step {step}: loss={loss}, grad_norm={grad_norm}")
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+
+
+@dataclass
+class Outcome:
+    """How a run ended: ``status`` (see module docstring) and the process exit code it asks for."""
+
+    status: str
+    exit_code: int
+
+
+@dataclass
+class DistInfo:
+    """torch.distributed facts for this process (``enabled`` False without torchrun)."""
+
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the torchrun process group (NCCL on CUDA, gloo on CPU) when ``WORLD_SIZE`` > 1 is set."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ:
+        return DistInfo()
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(True, dist.get_rank(), local_rank, dist.get_world_size())
+
+
+def lr_at(step: int, optim, max_steps: int) -> float:
+    """Learning rate for update ``step`` (1-based): linear warmup over ``optim.warmup_steps`` updates to
+    ``optim.lr``, then cosine decay to ``optim.min_lr`` at ``optim.decay_steps`` (default max_steps), then
+    flat."""
+    warmup = int(optim.warmup_steps)
+    decay = int(optim.decay_steps or max_steps)
+    if warmup and step <= warmup:
+        return float(optim.lr) * step / warmup
+    if step >= decay:
+        return float(optim.min_lr)
+    progress = (step - warmup) / max(1, decay - warmup)
+    return float(optim.min_lr) + 0.5 * (1.0 + math.cos(math.pi * progress)) * (
+        float(optim.lr) - float(optim.min_lr)
+    )
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    return (torch.cuda.OutOfMemoryError,)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class Trainer:
+    """One training run. ``run()`` returns an ``Outcome``; ConfigError from set-up is raised to the caller."""
+
+    def __init__(
+        self, cfg, plan: Plan, dist: DistInfo, out_dir: Path, *, multirun: bool, overrides: list[str]
+    ):
+        self.cfg = cfg
+        self.plan = plan
+        self.dist = dist
+        self.out_dir = Path(out_dir)
+        self.multirun = multirun
+        self.overrides = overrides
+        self.log = RunLogger(self.out_dir, enabled=dist.is_main)
+        self.say = (lambda *a, **k: print(*a, **k, flush=True)) if dist.is_main else (lambda *a, **k: None)
+        self.step = 0
+        self.skipped = 0
+        self.last_ckpt: Path | None = None
+        self.last_ckpt_step = -1
+        self.last_train_loss: float | None = None
+        self.last_val_loss: float | None = None
+        self._peak_bytes = 0
+        self._step_tps: list[float] = []
+        self._step_ms: list[float] = []
+        self._steps_here = 0
+
+    # ------------------------------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Data, model, optimizer, resume, W&B. Raises ConfigError for user errors (before GPU allocation)."""
+        cfg, plan, d = self.cfg, self.plan, self.dist
+        if plan.device_type == "cuda":
+            self.device = torch.device("cuda", d.local_rank)
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        else:
+            self.device = torch.device("cpu")
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(int(cfg.seed) + d.rank)
+        self.autocast = (
+            torch.autocast(device_type=plan.device_type, dtype=torch.bfloat16)
+            if plan.autocast_dtype == "bfloat16"
+            else contextlib.nullcontext()
+        )
+
+        # data: rank 0 prepares, the others wait and get its error, if any
+        err = None
+        if d.is_main:
+            try:
+                from data.prepare import ensure_prepared
+
+                ensure_prepared(
+                    cfg.data.source, cfg.data.dir, cfg.data.tokenizer, float(cfg.data.val_fraction)
+                )
+            except (OSError, ValueError, RuntimeError) as e:
+                err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
+        err = self._broadcast(err)
+        if err:
+            raise ConfigError(err)
+        from data.loader import BinDataset, load_meta
+
+        meta = load_meta(cfg.data.dir)
+        check_data_fits(cfg, meta)
+        self.meta = meta
+
+        # model config
+        from model import GPT, GPTConfig
+
+        m = cfg.model
+        vocab = int(m.vocab_size) if m.vocab_size is not None else -(-int(meta["vocab_size"]) // 64) * 64
+        if vocab < int(meta["vocab_size"]):
+            raise ConfigError(
+                f"model.vocab_size={vocab} is smaller than the tokenizer's {meta['vocab_size']}; "
+                "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
+            )
+        try:
+            self.gpt_config = GPTConfig(
+                block_size=int(m.block_size) if m.block_size is not None else int(cfg.seq_len),
+                vocab_size=vocab,
+                n_layer=int(m.n_layer),
+                n_head=int(m.n_head),
+                n_embd=int(m.n_embd),
+                dropout=float(m.dropout),
+                bias=bool(m.bias),
+                attention=cfg.attention.name,
+                sdpa_backend=cfg.attention.get("sdpa_backend", "auto"),
+            )
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from e
+        probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
+
+        # resume: find and check the checkpoint before building anything on the GPU
+        state = None
+        if cfg.resume:
+            path = None
+            if d.is_main:
+                path, state = ckpt.load_newest(self.out_dir, map_location="cpu", warn=self.say)
+            path = self._broadcast(str(path) if path else None)
+            if path is None:
+                raise ConfigError(self._no_checkpoint_message())
+            if state is None:
+                state = ckpt.load_checkpoint(path, map_location="cpu")
+            notes = check_resume_compatible(
+                {
+                    "model_args": state["model_args"],
+                    "tokenizer": state["tokenizer"]["name"],
+                    "vocab_size": state["tokenizer"]["vocab_size"],
+                    "attention": state.get("attention", ()),
+                },
+                {
+                    "model_args": dataclasses.asdict(self.gpt_config),
+                    "tokenizer": cfg.data.tokenizer,
+                    "vocab_size": int(meta["vocab_size"]),
+                    "attention": self._attention_id(),
+                },
+            )
+            self.resume_path, self.resume_notes = Path(path), notes
+
+        # model, optimizer
+        self.raw_model = GPT(self.gpt_config).to(self.device)
+        o = cfg.optim
+        self.optimizer = self.raw_model.configure_optimizers(
+            float(o.weight_decay), float(o.lr), (float(o.beta1), float(o.beta2)), plan.device_type
+        )
+        if state is not None:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            self.skipped = int(state.get("skipped_steps", 0))
+            self.last_ckpt, self.last_ckpt_step = self.resume_path, self.step
+            rngs = state["rng"]
+            if len(rngs) != d.world_size:
+                self.say(
+                    f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
+                )
+            ckpt.set_rng_state(rngs[d.rank % len(rngs)])
+        self.fwd_model = torch.compile(self.raw_model) if plan.compile else self.raw_model
+        if d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.train_model = DDP(
+                self.fwd_model, device_ids=[d.local_rank] if plan.device_type == "cuda" else None
+            )
+        else:
+            self.train_model = self.fwd_model
+
+        self.train_ds = BinDataset(cfg.data.dir, "train", int(cfg.seq_len))
+        self.val_ds = BinDataset(cfg.data.dir, "val", int(cfg.seq_len))
+        self.eval_batches = self.val_ds.eval_batches(
+            int(cfg.eval.batches), plan.eval_batch_size, int(cfg.seed)
+        )
+        self.peak_flops = plan.peak_flops or peak_flops_for(
+            torch.cuda.get_device_name(self.device) if plan.device_type == "cuda" else None
+        )
+        self.backend_ran = self._backend_that_ran()
+
+        # logging
+        wandb_id = state.get("wandb_run_id") if state is not None else None
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved["derived"] = self._derived()
+        group = cfg.wandb.group
+        if group is None and self.multirun:
+            group = self.out_dir.parent.name
+        if d.is_main:
+            (self.out_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        self.log.start_wandb(
+            mode=cfg.wandb.mode,
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            group=group,
+            name=cfg.wandb.name or self.out_dir.name,
+            tags=list(cfg.wandb.tags),
+            config=resolved,
+            run_id=wandb_id,
+        )
+        self.log.set_summary(
+            {
+                "status": "running",
+                "attention": cfg.attention.name,
+                "attention/backend_ran": self.backend_ran,
+                "seq_len": int(cfg.seq_len),
+                "steps": self.step,
+                "max_steps": int(cfg.max_steps),
+                "wandb_run_id": self.log.wandb_id,
+                "out_dir": str(self.out_dir),
+                **self._derived(),
+            }
+        )
+        d_ = self._derived()
+        self.say(
+            f"flashgpt: {d_['n_params'] / 1e6:.2f}M params | attention={cfg.attention.name} "
+            f"(ran: {self.backend_ran}) | seq_len={cfg.seq_len} | device={self.device} x{d.world_size} | "
+            f"dtype={plan.autocast_dtype or 'float32'} | compile={plan.compile} | "
+            f"micro_batch={plan.micro_batch_size} "
+            f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
+            f"out_dir={self.out_dir}"
+        )
+        if cfg.resume:
+            self.say(f"resumed from {self.resume_path} at step {self.step}")
+            for note in self.resume_notes:
+                self.say(note)
+            self.log.log(
+                self.step,
+                {"event": "resume", "from": str(self.resume_path), "notes": self.resume_notes},
+                wandb_too=False,
+            )
+            if self.resume_notes:
+                self.log.update_config({"resume_notes": self.resume_notes})
+
+    def _attention_id(self) -> list[str]:
+        return [self.cfg.attention.name, self.cfg.attention.get("sdpa_backend", "auto")]
+
+    def _derived(self) -> dict:
+        return {
+            "n_params": self.raw_model.num_params() if hasattr(self, "raw_model") else 0,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "grad_accum": self.plan.grad_accum,
+            "world_size": self.dist.world_size,
+            "device": str(self.device),
+            "dtype": self.plan.autocast_dtype or "float32",
+            "compile": self.plan.compile,
+            "block_size": self.gpt_config.block_size,
+            "vocab_size": self.gpt_config.vocab_size,
+            "tokens_per_step": int(self.cfg.batch.tokens_per_step),
+            "peak_flops": getattr(self, "peak_flops", None),
+        }
+
+    def _no_checkpoint_message(self) -> str:
+        runs = (
+            sorted(
+                (p.parent.parent for p in Path("runs").glob("*/ckpt/step_*.pt")),
+                key=lambda p: p.stat().st_mtime,
+            )
+            if Path("runs").is_dir()
+            else []
+        )
+        hint = f" (newest run with checkpoints: out_dir={runs[-1]})" if runs else ""
+        return (
+            f"resume=true but {self.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
+            f"of the run to continue>{hint}, or resume=false to start a new run"
+        )
+
+    def _backend_that_ran(self) -> str:
+        name = self.cfg.attention.name
+        if name != "sdpa":
+            return name
+        try:
+            from model.attention import sdpa_backend_that_ran
+
+            dtype = torch.bfloat16 if self.plan.autocast_dtype == "bfloat16" else torch.float32
+            shape = (
+                1,
+                self.gpt_config.n_head,
+                int(self.cfg.seq_len),
+                self.gpt_config.n_embd // self.gpt_config.n_head,
+            )
+            gen = torch.Generator(device=self.device).manual_seed(0)  # leaves the global RNG streams alone
+            q = torch.randn(shape, device=self.device, dtype=dtype, generator=gen)
+            return "sdpa:" + str(
+                sdpa_backend_that_ran(q, q, q, self.cfg.attention.get("sdpa_backend", "auto"))
+            )
+        except Exception as e:  # noqa: BLE001 - best effort, for logging only
+            return f"sdpa:unknown ({type(e).__name__})"
+
+    def _broadcast(self, obj):
+        if not self.dist.enabled:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def peak_gib(self) -> float:
+        """Peak GPU memory of training (parity excluded), GiB; 0.0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0.0
+        return max(self._peak_bytes, torch.cuda.max_memory_allocated(self.device)) / GIB
+
+    def _batch(self, s: int, micro: int):
+        x, y = self.train_ds.batch(
+            self.plan.micro_batch_size,
+            seed=int(self.cfg.seed),
+            step=s - 1,
+            micro_step=micro,
+            rank=self.dist.rank,
+        )
+        nb = self.device.type == "cuda"
+        if nb:
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    # ------------------------------------------------------------------------------------------ steps
+    def _train_step(self, s: int) -> tuple[float, float]:
+        """Forward/backward over the micro-batches of update ``s``, then clip.
+
+        Returns (mean loss over micro-batches and ranks, global grad norm before clipping) as floats."""
+        cfg, accum = self.cfg, self.plan.grad_accum
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for micro in range(accum):
+            x, y = self._batch(s, micro)
+            sync_ctx = (
+                self.train_model.no_sync()
+                if self.dist.enabled and micro < accum - 1
+                else contextlib.nullcontext()
+            )
+            with sync_ctx:
+                with self.autocast:
+                    _, loss = self.train_model(x, y)
+                if cfg.debug.raise_oom_at_step is not None and s == int(cfg.debug.raise_oom_at_step):
+                    raise torch.cuda.OutOfMemoryError(
+                        f"CUDA out of memory (simulated by debug.raise_oom_at_step={s})"
+                    )
+                if cfg.debug.nan_at_step is not None and s == int(cfg.debug.nan_at_step):
+                    loss = loss * float("nan")
+                (loss / accum).backward()
+            loss_sum += loss.detach().float()
+        loss_mean = self._all_reduce_sum(loss_sum / accum) / self.dist.world_size
+        clip = float(cfg.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.raw_model.parameters(), clip if clip > 0 else float("inf")
+        )
+        return float(loss_mean.item()), float(grad_norm.item())
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the fixed validation batches (split over ranks, then all-reduced)."""
+        model = self.fwd_model
+        model.eval()
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for x, y in self.eval_batches[self.dist.rank :: self.dist.world_size]:
+            with self.autocast:
+                _, loss = model(x.to(self.device), y.to(self.device))
+            totals[0] += loss.double()
+            totals[1] += 1
+        model.train()
+        totals = self._all_reduce_sum(totals)
+        return float(totals[0] / totals[1])
+
+    def _parity(self, s: int) -> dict:
+        """Loss/logits of update s's first micro-batch with the run's backend and the reference backend,
+        without gradients, on the current weights (before update s). Memory it uses is kept out of
+        ``mem/peak_gib`` (peak recorded before, stats reset after)."""
+        ref = self.cfg.parity.reference
+        cuda = self.device.type == "cuda"
+        if cuda:
+            self._sync()
+            self._peak_bytes = max(self._peak_bytes, torch.cuda.max_memory_allocated(self.device))
+        model = self.raw_model
+        out: dict = {"parity/reference": ref}
+        reason = None
+        was_training = model.training
+        model.eval()
+        try:
+            x, y = self._batch(s, 0)
+            with torch.no_grad(), self.autocast:
+                logits, loss = model(x, y)
+                with model.use_attention_backend(ref, "auto" if ref == "sdpa" else None):
+                    ref_logits, ref_loss = model(x, y)
+                out["parity/loss_abs_diff"] = float((loss.float() - ref_loss.float()).abs().item())
+                out["parity/logits_max_abs_diff"] = float(
+                    ref_logits.float().sub_(logits.float()).abs_().max().item()
+                )
+            del logits, ref_logits, loss, ref_loss
+        except _oom_types() as e:
+            reason = f"out of memory in the {ref} reference at seq_len={self.cfg.seq_len}: {_first_line(e)}"
+        except Exception as e:  # noqa: BLE001 - parity must never kill the run
+            reason = f"{ref} reference failed: {_first_line(e)}"
+        finally:
+            model.train(was_training)
+        if reason is not None:
+            out = {"parity/reference": ref, "parity/skipped": reason}
+            gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return out
+
+    def _save(self, s: int) -> Path:
+        rng = ckpt.rng_state()
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            rngs: list = [None] * self.dist.world_size
+            dist.all_gather_object(rngs, rng)
+        else:
+            rngs = [rng]
+        path = None
+        if self.dist.is_main:
+            state = {
+                "format_version": 1,
+                "step": s,
+                "data_step": s,
+                "seed": int(self.cfg.seed),
+                "model": self.raw_model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "rng": rngs,
+                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "model_args": dataclasses.asdict(self.gpt_config),
+                "tokenizer": {"name": self.cfg.data.tokenizer, "vocab_size": int(self.meta["vocab_size"])},
+                "attention": self._attention_id(),
+                "wandb_run_id": self.log.wandb_id,
+                "skipped_steps": self.skipped,
+                "world_size": self.dist.world_size,
+                "torch_version": str(torch.__version__),
+            }
+            path = ckpt.save_checkpoint(state, self.out_dir, s, int(self.cfg.checkpoint.keep))
+        path = self._broadcast(str(path) if path else None)
+        self.last_ckpt, self.last_ckpt_step = Path(path), s
+        return self.last_ckpt
+
+    def _stop_requested(self, handler: PreemptionHandler) -> int:
+        """Signal number if any rank got SIGTERM/SIGINT (agreed across ranks), else 0."""
+        flag = torch.tensor([handler.signum or 0], dtype=torch.int64, device=self.device)
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    # ------------------------------------------------------------------------------------------ loop
+    def run(self) -> Outcome:
+        """Train to ``max_steps`` (or a stop signal / fault); returns the Outcome (summary written)."""
+        handler = PreemptionHandler(
+            grace_s=2.0 if self.dist.enabled else 0.0, verbose=self.dist.is_main
+        ).install()
+        oom = None
+        try:
+            return self._loop(handler)
+        except _oom_types() as e:
+            oom = _first_line(e)
+        except NonFiniteError as e:
+            return self._end_nonfinite(e)
+        except BaseException as e:
+            self._finish("error", {"error": _first_line(e)}, exit_code=1)
+            raise
+        finally:
+            handler.uninstall()
+        return self._end_oom(oom)  # outside the except block: the traceback's tensors are released
+
+    def _loop(self, handler: PreemptionHandler) -> Outcome:
+        cfg = self.cfg
+        max_steps = int(cfg.max_steps)
+        if self.step == 0 and cfg.eval.at_start:
+            self.last_val_loss = self.evaluate()
+            self.log.log(0, {"val/loss": self.last_val_loss})
+            self.say(f"step {0:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
+        win_tokens, win_time, win_steps = 0, 0.0, 0
+        every = int(cfg.parity.every)
+        while self.step < max_steps:
+            s = self.step + 1
+            lr = lr_at(s, cfg.optim, max_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            parity = self._parity(s) if every and s % every == 0 and self.dist.is_main else None
+
+            self._sync()
+            t0 = time.perf_counter()
+            loss, grad_norm = self._train_step(s)
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            if finite:
+                self.optimizer.step()
+            elif cfg.nonfinite == "stop":
+                raise NonFiniteError(s, loss, grad_norm)
+            else:
+                self.skipped += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            self._sync()
+            dt = time.perf_counter() - t0
+            self.step = s
+            self._steps_here += 1
+
+            tokens = int(cfg.batch.tokens_per_step)
+            if self._steps_here > int(cfg.perf.exclude_first_steps):
+                self._step_tps.append(tokens / dt)
+                self._step_ms.append(dt * 1e3)
+            win_tokens, win_time, win_steps = win_tokens + tokens, win_time + dt, win_steps + 1
+            if finite:
+                self.last_train_loss = loss
+
+            metrics: dict = {}
+            if s % int(cfg.log_interval) == 0 or s == max_steps or not finite:
+                tps = win_tokens / win_time
+                mfu = self.raw_model.estimate_mfu(
+                    tps / self.dist.world_size, int(cfg.seq_len), self.peak_flops
+                )
+                metrics.update(
+                    {
+                        "lr": lr,
+                        "perf/tokens_per_sec": tps,
+                        "perf/mfu": mfu,
+                        "perf/step_ms": 1e3 * win_time / win_steps,
+                        "mem/peak_gib": self.peak_gib(),
+                    }
+                )
+                if finite:
+                    metrics.update({"train/loss": loss, "train/grad_norm": grad_norm})
+                if cfg.nonfinite == "skip":
+                    metrics["train/skipped_steps"] = self.skipped
+                self.say(
+                    f"step {s:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
+                    f"mfu {100 * mfu:.2f}% | {1e3 * win_time / win_steps:.1f} ms/step | "
+                    f"peak {self.peak_gib():.2f} GiB"
+                    + ("" if finite else f" | skipped (total {self.skipped})")
+                )
+                win_tokens, win_time, win_steps = 0, 0.0, 0
+            if parity is not None:
+                metrics.update(parity)
+                if "parity/skipped" in parity:
+                    self.say(f"step {s:>6} | parity skipped: {parity['parity/skipped']}")
+            eval_every = int(cfg.eval.interval)
+            if (eval_every and s % eval_every == 0) or s == max_steps:
+                self.last_val_loss = self.evaluate()
+                metrics["val/loss"] = self.last_val_loss
+                self.say(f"step {s:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
+            if metrics:
+                self.log.log(s, metrics)
+
+            ck_every = int(cfg.checkpoint.interval)
+            if (ck_every and s % ck_every == 0) or (s == max_steps and cfg.checkpoint.at_end):
+                self._save(s)
+            if cfg.debug.step_sleep_s:
+                time.sleep(float(cfg.debug.step_sleep_s))
+            signum = self._stop_requested(handler)
+            if signum and s < max_steps:
+                return self._end_interrupted(s, signum)
+
+        self._finish("ok", {}, exit_code=0)
+        return Outcome("ok", EXIT_OK)
+
+    # ------------------------------------------------------------------------------------------ endings
+    def _final_figures(self) -> dict:
+        tps_list = self._step_tps
+        ms_list = self._step_ms
+        out = {
+            "steps": self.step,
+            "final/train_loss": self.last_train_loss,
+            "final/val_loss": self.last_val_loss,
+            "mem/peak_gib": self.peak_gib(),
+            "train/skipped_steps": self.skipped,
+            "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+        }
+        if tps_list:
+            tps = statistics.median(tps_list)
+            out["perf/tokens_per_sec"] = tps
+            out["perf/step_ms"] = statistics.median(ms_list)
+            out["perf/mfu"] = self.raw_model.estimate_mfu(
+                tps / self.dist.world_size, int(self.cfg.seq_len), self.peak_flops
+            )
+            out["perf/timed_steps"] = len(tps_list)
+        return out
+
+    def _finish(self, status: str, extra: dict, exit_code: int) -> None:
+        """Write the final summary (summary.json + W&B), a last metrics.jsonl line, close W&B."""
+        try:
+            figures = self._final_figures()
+        except Exception:  # noqa: BLE001 - never let reporting hide the real ending
+            figures = {}
+        summary = {
+            "status": status,
+            "attention": self.cfg.attention.name,
+            "seq_len": int(self.cfg.seq_len),
+            **figures,
+            **extra,
+        }
+        self.log.set_summary(summary)
+        self.log.log(
+            self.step,
+            {"status": status, **{k: v for k, v in extra.items() if k != "resume_hint"}},
+            wandb_too=False,
+        )
+        self.log.close(exit_code=exit_code)
+
+    def resume_command(self) -> str:
+        keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
+        return " ".join(["python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
+
+    def _end_interrupted(self, s: int, signum: int) -> Outcome:
+        import signal
+
+        if self.last_ckpt_step != s:
+            self._save(s)
+        name = signal.Signals(signum).name
+        hint = self.resume_command()
+        self.log.mark_preempting()
+        self._finish("interrupted", {"signal": name, "resume_hint": hint}, exit_code=0)
+        self.say(f"{name}: stopped after step {s}; checkpoint {self.last_ckpt}\nresume with:\n  {hint}")
+        return Outcome("interrupted", 128 + signum)
+
+    def _end_nonfinite(self, e: NonFiniteError) -> Outcome:
+        config_file = self.out_dir / ".hydra" / "config.yaml"
+        last = str(self.last_ckpt) if self.last_ckpt else "none (no checkpoint saved yet)"
+        msg = (
+            f"non-finite {'loss' if not math.isfinite(e.loss) else 'gradient norm'} at step {e.step} "
+            f"(loss={e.loss}, grad_norm={e.grad_norm}); run stopped, nothing saved after it. "
+            f"Last good checkpoint: {last}. Config: {config_file}. "
+            "Fix: lower optim.lr or optim.grad_clip and resume=true from that checkpoint, "
+            "or use nonfinite=skip"
+        )
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        self._finish("nonfinite", {"error": msg, "nonfinite/step": e.step}, exit_code=EXIT_NONFINITE)
+        return Outcome("nonfinite", EXIT_NONFINITE)
+
+    def _end_oom(self, message: str) -> Outcome:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        mem: dict = {"mem/peak_gib": self.peak_gib()}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            mem["mem/total_gib"] = torch.cuda.get_device_properties(self.device).total_memory / GIB
+            mem["mem/reserved_peak_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        s = self.step + 1
+        text = (
+            f"CUDA out of memory at step {s}: attention={self.cfg.attention.name} seq_len={self.cfg.seq_len} "
+            f"micro_batch_size={self.plan.micro_batch_size} peak {mem['mem/peak_gib']:.2f} GiB"
+            + (f" of {mem['mem/total_gib']:.1f} GiB" if "mem/total_gib" in mem else "")
+            + f" ({message}). Lower batch.micro_batch_size / batch.micro_tokens or seq_len, "
+            "or use attention=flash"
+        )
+        print(f"oom: {text}", file=sys.stderr, flush=True)
+        self._finish(
+            "oom",
+            {"error": text, "oom/step": s, "micro_batch_size": self.plan.micro_batch_size, **mem},
+            exit_code=0,
+        )
+        return Outcome("oom", int(self.cfg.oom_exit_code))
+
+
+def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool) -> Outcome:
+    """Print ``config error: ...`` (no traceback) and record status "error" in summary.json."""
+    if is_main:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        try:
+            from trainer.metrics import write_json_atomic
+
+            if out_dir.is_dir():
+                write_json_atomic(
+                    out_dir / "summary.json",
+                    {
+                        "status": "error",
+                        "error": str(e),
+                        "attention": cfg.attention.get("name"),
+                        "seq_len": cfg.get("seq_len"),
+                    },
+                )
+        except OSError:
+            pass
+    return Outcome("error", EXIT_CONFIG)
+
+
+def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
+    """Validate, set up and train one run; never raises for user errors (returns their Outcome)."""
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    is_main = int(os.environ.get("RANK", "0")) == 0
+    with open_dict(cfg):
+        cfg.out_dir = str(out_dir)
+    try:
+        plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
+        check_data_source(cfg)
+    except ConfigError as e:
+        return report_config_error(e, out_dir, cfg, is_main)
+    dist = init_distributed(plan.device_type)
+    try:
+        if dist.enabled:
+            out_dir = Path(_broadcast_obj(str(out_dir)))
+            with open_dict(cfg):
+                cfg.out_dir = str(out_dir)
+        trainer = Trainer(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
+        try:
+            trainer.setup()
+        except ConfigError as e:
+            trainer.log.close(exit_code=EXIT_CONFIG)
+            return report_config_error(e, out_dir, cfg, dist.is_main)
+        return trainer.run()
+    finally:
+        if dist.enabled:
+            import torch.distributed as tdist
+
+            tdist.destroy_process_group()
+
+
+def _broadcast_obj(obj):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

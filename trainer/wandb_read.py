@@ -1,0 +1,236 @@
+"""Read an offline W&B run back from its `.wandb` transaction log (no network, no mocking).
+
+An offline run (``wandb.init(mode="offline")``) writes ``<dir>/wandb/offline-run-<time>-<id>/run-<id>.wandb``.
+That file is a LevelDB-style log (the format of LevelDB's write-ahead log, which wandb adopted):
+
+* a 7-byte file header: ``b":W&B"``, the magic ``0xBEE1`` (uint16 little endian) and a version byte (0);
+* then 32 KiB blocks holding chunks, each with a 7-byte header
+  ``<crc32:uint32 LE><length:uint16 LE><type:uint8>`` followed by ``length`` bytes; type 1 = FULL record,
+  2 = FIRST, 3 = MIDDLE, 4 = LAST piece of a record that spans blocks. A block tail shorter than a chunk
+  header is zero padding. The CRC is zlib's CRC-32 of the data seeded with the CRC-32 of the type byte
+  (as in ``wandb/sdk/internal/datastore.py`` of older wandb versions; wandb 0.31 no longer ships it in
+  Python, and its Go core writes the same format).
+* each record is a serialized ``wandb.proto.wandb_internal_pb2.Record`` protobuf.
+
+Older wandb versions ship a reader (``wandb.sdk.internal.datastore.DataStore``); it is used when present, and
+the small reader below otherwise (wandb 0.31, installed here, has none).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+_FILE_HEADER = struct.Struct("<4sHB")
+_CHUNK_HEADER = struct.Struct("<IHB")
+_IDENT = b":W&B"
+_MAGIC = 0xBEE1
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+class WandbFileError(ValueError):
+    """The file is not a readable W&B transaction log (bad header, checksum or truncated chunk)."""
+
+
+def _iter_raw_records(data: bytes, path: str, verify_crc: bool = True) -> Iterator[bytes]:
+    """Yield each record's serialized bytes from the LevelDB-style log in ``data``.
+
+    A truncated final chunk (a run killed while writing) ends the iteration quietly; a bad header or
+    checksum raises WandbFileError naming the file and offset.
+    """
+    if len(data) < _FILE_HEADER.size:
+        raise WandbFileError(f"{path}: too short ({len(data)} bytes) to be a W&B run file")
+    ident, magic, version = _FILE_HEADER.unpack_from(data, 0)
+    if ident != _IDENT or magic != _MAGIC or version != 0:
+        raise WandbFileError(
+            f"{path}: not a W&B run file (header {ident!r} {magic:#x} v{version}; expected b':W&B' 0xbee1 v0)"
+        )
+    pos = _FILE_HEADER.size
+    pending: bytearray | None = None
+    while pos < len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _CHUNK_HEADER.size:  # block trailer padding
+            pos += left
+            continue
+        if pos + _CHUNK_HEADER.size > len(data):
+            return  # truncated header at the end of a killed run
+        crc, length, ctype = _CHUNK_HEADER.unpack_from(data, pos)
+        if crc == 0 and length == 0 and ctype == 0:  # zero padding up to the block end
+            pos += left
+            continue
+        start = pos + _CHUNK_HEADER.size
+        end = start + length
+        if end > len(data):
+            return  # truncated chunk: the writer was killed mid-record
+        chunk = data[start:end]
+        if verify_crc:
+            want = zlib.crc32(chunk, zlib.crc32(bytes([ctype]))) & 0xFFFFFFFF
+            if want != crc:
+                raise WandbFileError(f"{path}: checksum mismatch at byte {pos} (chunk type {ctype})")
+        pos = end
+        if ctype == _FULL:
+            yield bytes(chunk)
+        elif ctype == _FIRST:
+            pending = bytearray(chunk)
+        elif ctype == _MIDDLE and pending is not None:
+            pending += chunk
+        elif ctype == _LAST and pending is not None:
+            pending += chunk
+            yield bytes(pending)
+            pending = None
+        else:
+            raise WandbFileError(f"{path}: unexpected chunk type {ctype} at byte {pos}")
+
+
+def _raw_records(path: str) -> Iterator[bytes]:
+    """Serialized records of ``path``: wandb's own DataStore reader when this wandb has one, else ours."""
+    try:
+        from wandb.sdk.internal import datastore  # wandb <= 0.2x
+    except ImportError:
+        datastore = None
+    if datastore is not None and hasattr(datastore, "DataStore"):
+        store = datastore.DataStore()
+        store.open_for_scan(path)
+        while True:
+            raw = store.scan_data()
+            if raw is None:
+                return
+            yield raw
+    else:
+        yield from _iter_raw_records(Path(path).read_bytes(), path)
+
+
+def iter_records(wandb_file: str | Path):
+    """Yield the ``wandb_internal_pb2.Record`` messages of one ``.wandb`` file, in write order."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = str(wandb_file)
+    for raw in _raw_records(path):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        yield rec
+
+
+def _item_path(item) -> list[str]:
+    return [item.key] if item.key else list(item.nested_key)
+
+
+def _history_value(item):
+    """Decode a HistoryItem: newer wandb uses typed fields (oneof ``value``), older ones ``value_json``."""
+    which = item.WhichOneof("value") if "value" in item.DESCRIPTOR.oneofs_by_name else None
+    if which == "none":
+        return None
+    if which in ("boolean", "integer", "number", "text"):
+        return getattr(item, which)
+    if which == "json":
+        return json.loads(item.json)
+    return json.loads(item.value_json) if item.value_json else None
+
+
+def _set_path(d: dict, path: list[str], value) -> None:
+    for key in path[:-1]:
+        d = d.setdefault(key, {})
+    d[path[-1]] = value
+
+
+def _del_path(d: dict, path: list[str]) -> None:
+    for key in path[:-1]:
+        d = d.get(key, {})
+    d.pop(path[-1], None)
+
+
+def _apply_config(config: dict, rec) -> None:
+    for item in rec.update:
+        _set_path(config, _item_path(item), json.loads(item.value_json))
+    for item in rec.remove:
+        _del_path(config, _item_path(item))
+
+
+def read_wandb_file(wandb_file: str | Path) -> dict:
+    """Parse one ``.wandb`` file into ``dict(history, summary, config, run_id)``.
+
+    history: list of dicts, one per ``wandb.log`` call, with ``_step`` set (int) and the logged keys
+    (keys containing "/" such as ``train/loss`` are kept flat, as W&B logs them).
+    summary: the final run summary (later updates win). config: the run config (nested dicts), without
+    wandb's internal ``_wandb`` entry. run_id: the 8-character W&B run id. Also group, name, tags (from the
+    run record).
+    Raises WandbFileError for a file that is not a W&B log.
+    """
+    history: list[dict] = []
+    summary: dict = {}
+    config: dict = {}
+    run_id = ""
+    extra: dict = {}
+    for rec in iter_records(wandb_file):
+        kind = rec.WhichOneof("record_type")
+        if kind == "run":
+            run_id = rec.run.run_id or run_id
+            extra = {"group": rec.run.run_group, "name": rec.run.display_name, "tags": list(rec.run.tags)}
+            _apply_config(config, rec.run.config)
+            for item in rec.run.summary.update:
+                _set_path(summary, _item_path(item), json.loads(item.value_json))
+        elif kind == "config":
+            _apply_config(config, rec.config)
+        elif kind == "history":
+            row: dict = {}
+            for item in rec.history.item:
+                _set_path(row, _item_path(item), _history_value(item))
+            if "_step" not in row:
+                row["_step"] = int(rec.history.step.num)
+            row["_step"] = int(row["_step"])
+            history.append(row)
+        elif kind == "summary":
+            for item in rec.summary.update:
+                _set_path(summary, _item_path(item), json.loads(item.value_json))
+            for item in rec.summary.remove:
+                _del_path(summary, _item_path(item))
+    config.pop("_wandb", None)
+    return {"history": history, "summary": summary, "config": config, "run_id": run_id, **extra}
+
+
+def find_wandb_files(run_dir: str | Path) -> list[Path]:
+    """All ``*.wandb`` files of a run directory (``<run_dir>/wandb/*/run-*.wandb``), oldest first.
+
+    The folder names start with the start time (``offline-run-YYYYMMDD_HHMMSS-<id>``), so a name sort is a
+    time sort; a resumed run has one folder per process that logged to it.
+    """
+    run_dir = Path(run_dir)
+    files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+    if not files:
+        files = sorted(run_dir.glob("*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+    return files
+
+
+def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
+    """Read what an offline W&B run logged: dict(history=list[dict], summary=dict, config=dict, run_id=str).
+
+    Accepts a ``.wandb`` file, a W&B run folder (``offline-run-*``), or a trainer run directory (holding
+    ``wandb/``). When a run directory holds several W&B folders of the same run id (a resumed run), they are
+    merged in time order: histories concatenated, config and summary updated by the later ones. Folders of
+    other run ids than the newest one are ignored.
+    Raises FileNotFoundError when no ``.wandb`` file is found, WandbFileError for a damaged header/checksum.
+    """
+    p = Path(run_dir_or_wandb_file)
+    if p.is_file():
+        return read_wandb_file(p)
+    files = find_wandb_files(p)
+    if not files:
+        files = sorted(p.glob("run-*.wandb"))
+    if not files:
+        raise FileNotFoundError(
+            f"no W&B run file (*.wandb) under {p}; was the run started with wandb.mode=offline|online?"
+        )
+    runs = [read_wandb_file(f) for f in files]
+    newest_id = runs[-1]["run_id"]
+    merged = {**runs[-1], "history": [], "summary": {}, "config": {}}
+    for run in runs:
+        if run["run_id"] != newest_id:
+            continue
+        merged["history"].extend(run["history"])
+        merged["summary"].update(run["summary"])
+        merged["config"].update(run["config"])
+    return merged
