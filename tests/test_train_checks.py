@@ -1,0 +1,209 @@
+"""Config validation (trainer/checks.py): each user error is caught before any model is built, and the
+message names the key and a valid value. Runs in-process through Hydra's compose API + trainer.loop.run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from helpers_train import compose_cfg, prepare_char_data, run_inprocess, tiny_overrides
+
+from trainer.checks import ConfigError, check_resume_compatible, resolve_plan
+
+
+@pytest.fixture(scope="module")
+def char_data(tmp_path_factory, shakespeare_path):
+    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
+
+
+@pytest.fixture
+def expect_error(char_data, shakespeare_path, tmp_path, capsys, monkeypatch):
+    """Run with overrides; assert exit status 2 and return the printed error (one line, no traceback)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def check(**extra) -> str:
+        out = tmp_path / "run"
+        outcome = run_inprocess(tiny_overrides(char_data, shakespeare_path, out, **extra), out)
+        err = capsys.readouterr().err
+        assert (outcome.status, outcome.exit_code) == ("error", 2), err
+        assert err.startswith("config error: ") and "Traceback" not in err
+        assert not (out / "ckpt").exists() and not (out / "wandb").exists()  # stopped before training
+        return err
+
+    return check
+
+
+def test_seq_len_larger_than_block_size(expect_error):
+    err = expect_error(**{"model.block_size": 32})
+    assert "seq_len=64 is larger than model.block_size=32" in err and "model.block_size=64" in err
+
+
+def test_seq_len_larger_than_data(expect_error, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1760 chars: val split ~176
+    err = expect_error(
+        **{"data.source": small, "data.dir": tmp_path / "small", "seq_len": 256, "batch.micro_batch_size": 4}
+    )
+    val_tokens = json.loads((tmp_path / "small" / "meta.json").read_text())["val_tokens"]
+    assert val_tokens < 256
+    assert (
+        "seq_len=256 needs 257 tokens" in err
+        and f"val split of {tmp_path / 'small'} has only {val_tokens}" in err
+    )
+    assert f"use seq_len<={val_tokens - 1}" in err
+
+
+def test_n_embd_not_divisible_by_n_head(expect_error):
+    err = expect_error(**{"model.n_head": 3})
+    assert "model.n_embd=128 is not divisible by model.n_head=3" in err
+
+
+def test_unknown_attention_backend(expect_error):
+    err = expect_error(**{"attention.name": "fast"})
+    assert "attention.name (attention=...)='fast' is not valid" in err and "naive, sdpa, flash" in err
+
+
+def test_unknown_attention_group_is_rejected_by_hydra():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="attention"):
+        compose_cfg(["attention=fast"])
+
+
+def test_flash_without_cuda_points_to_sdpa(expect_error):
+    err = expect_error(attention="flash")
+    assert "needs a CUDA GPU" in err and "attention=sdpa" in err and "TRITON_INTERPRET=1" in err
+
+
+def test_flash_head_dim_out_of_range(expect_error):
+    err = expect_error(attention="flash", **{"model.n_head": 32})  # 128 / 32 = 4
+    assert "head dims 8..256" in err and "gives 4" in err and "attention=sdpa" in err
+
+
+def test_pinned_sdpa_backend_that_cannot_run(expect_error):
+    err = expect_error(attention="sdpa", **{"attention.sdpa_backend": "cudnn"})
+    assert "attention.sdpa_backend=cudnn cannot run head_dim=32, dtype=float32 on cpu" in err
+    assert "attention.sdpa_backend=auto" in err and "math" in err  # math always runs on the CPU
+
+
+def test_missing_data_file(expect_error, tmp_path):
+    err = expect_error(**{"data.source": tmp_path / "nope.txt", "data.dir": tmp_path / "d"})
+    assert f"data.source={tmp_path / 'nope.txt'} does not exist" in err
+    err = expect_error(**{"data.source": tmp_path, "data.dir": tmp_path / "d"})
+    assert "is not a file" in err
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_data_file(expect_error, tmp_path):
+    f = tmp_path / "secret.txt"
+    f.write_text("hello")
+    f.chmod(0)
+    err = expect_error(**{"data.source": f, "data.dir": tmp_path / "d"})
+    assert "is not readable" in err
+
+
+def test_batch_does_not_divide_tokens_per_step(expect_error):
+    err = expect_error(**{"batch.tokens_per_step": 1000})
+    assert "batch.tokens_per_step=1000 is not a multiple of micro_batch_size(8) x seq_len(64)" in err
+    assert "batch.tokens_per_step=512 or 1024" in err
+    err = expect_error(**{"batch.micro_batch_size": None, "batch.micro_tokens": 100})
+    assert "batch.micro_tokens=100 must be a positive multiple of seq_len=64" in err
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("nonfinite", "ignore", "nonfinite='ignore' is not valid; choose one of: stop, skip"),
+        (
+            "wandb.mode",
+            "cloud",
+            "wandb.mode='cloud' is not valid; choose one of: auto, online, offline, disabled",
+        ),
+        ("parity.reference", "flash", "parity.reference='flash' is not valid; choose one of: naive, sdpa"),
+        ("dtype", "float16", "dtype='float16' is not valid"),
+        ("max_steps", 0, "max_steps=0 must be a positive integer"),
+    ],
+)
+def test_enum_and_range_errors(expect_error, key, value, expected):
+    assert expected in expect_error(**{key: value})
+
+
+def test_device_cuda_without_gpu(expect_error):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert "device=cuda but no CUDA GPU" in expect_error(device="cuda")
+
+
+def test_resume_without_checkpoint(expect_error):
+    err = expect_error(resume=True)
+    assert "resume=true but" in err and "has no loadable checkpoint" in err and "out_dir=" in err
+
+
+def test_flash_allowed_under_triton_interpret(monkeypatch):
+    cfg = compose_cfg(["model=tiny", "attention=flash", "seq_len=64"])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError):
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_plan(cfg, world_size=1, cuda_available=False).device_type == "cpu"
+
+
+def test_check_resume_compatible_lists_all_differences():
+    base = {
+        "model_args": {
+            "n_layer": 2,
+            "n_head": 4,
+            "n_embd": 128,
+            "block_size": 64,
+            "vocab_size": 128,
+            "bias": True,
+        },
+        "tokenizer": "char",
+        "vocab_size": 65,
+        "attention": ["naive", "auto"],
+    }
+    assert check_resume_compatible(base, {**base, "model_args": {**base["model_args"]}}) == []
+    notes = check_resume_compatible(base, {**base, "attention": ["sdpa", "auto"]})
+    assert notes == ["attention backend changed on resume: ['naive', 'auto'] -> ['sdpa', 'auto']"]
+    with pytest.raises(ConfigError) as e:
+        check_resume_compatible(
+            base, {**base, "model_args": {**base["model_args"], "n_head": 8}, "tokenizer": "gpt2"}
+        )
+    assert "model.n_head: 4 -> 8" in str(e.value) and "data.tokenizer: char -> gpt2" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+
+@pytest.mark.parametrize("seq_len", [1024, 2048, 4096, 8192, 16384])
+def test_context_sweep_fixes_tokens_per_step(seq_len):
+    cfg = compose_cfg(["experiment=context_sweep", f"seq_len={seq_len}"], return_hydra_config=True)
+    plan = resolve_plan(cfg, world_size=1, cuda_available=True)
+    assert plan.micro_batch_size * seq_len == 16384 and plan.grad_accum == 8
+    assert cfg.batch.tokens_per_step == 131072 and cfg.model.name == "gpt2"
+    sweep = cfg.hydra.sweep
+    assert "context_sweep" in sweep.dir
+    assert sweep._get_node("subdir")._value() == "${hydra.job.num}_${attention.name}_n${seq_len}"
+
+
+def test_block_size_follows_seq_len_and_presets_compose():
+    cfg = compose_cfg(["attention=naive", "seq_len=8192"])
+    assert cfg.model.block_size is None and cfg.model.name == "gpt2" and cfg.attention.name == "naive"
+    assert cfg.attention.get("sdpa_backend") is None
+    assert compose_cfg([]).attention.sdpa_backend == "auto"
+    tiny = compose_cfg(["experiment=cpu_tiny"])
+    assert tiny.model.name == "tiny" and tiny.data.tokenizer == "char" and tiny.seq_len == 256
+    plan = resolve_plan(tiny, world_size=1, cuda_available=False)
+    assert (plan.device_type, plan.compile, plan.autocast_dtype) == ("cpu", False, None)
+    gpu = resolve_plan(
+        compose_cfg(["experiment=gpt2_shakespeare", "seq_len=8192"]), world_size=1, cuda_available=True
+    )
+    assert (gpu.device_type, gpu.compile, gpu.autocast_dtype, gpu.micro_batch_size) == (
+        "cuda",
+        True,
+        "bfloat16",
+        2,
+    )

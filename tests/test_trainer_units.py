@@ -1,0 +1,287 @@
+"""Unit tests of the trainer helpers: LR schedule, atomic checkpoints, RNG state, signals, W&B mode,
+the offline W&B reader (on files written by an independent writer below), and parity logging."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import pytest
+import torch
+from helpers_train import REPO
+from omegaconf import OmegaConf
+
+from trainer import checkpoint as ckpt
+from trainer.loop import Trainer, lr_at
+from trainer.metrics import resolve_wandb_mode
+from trainer.signals import PreemptionHandler
+from trainer.wandb_read import WandbFileError, read_offline_run
+
+
+@pytest.fixture
+def seed():
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={s}")
+    return s
+
+
+# ------------------------------------------------------------------------------------------ LR
+
+
+def test_lr_schedule_warmup_then_cosine():
+    o = OmegaConf.create({"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, "decay_steps": None})
+    assert lr_at(1, o, 110) == pytest.approx(1e-4)
+    assert lr_at(10, o, 110) == pytest.approx(1e-3)
+    mid = 10 + 50  # half-way through the 100 decay steps: cos(pi/2) = 0
+    assert lr_at(mid, o, 110) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))
+    assert lr_at(110, o, 110) == pytest.approx(1e-4) and lr_at(500, o, 110) == pytest.approx(1e-4)
+    lrs = [lr_at(s, o, 110) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    o2 = OmegaConf.create({"lr": 1.0, "min_lr": 0.0, "warmup_steps": 0, "decay_steps": 4})
+    assert [lr_at(s, o2, 100) for s in range(1, 5)] == pytest.approx(
+        [0.5 * (1 + math.cos(math.pi * s / 4)) for s in range(1, 5)]
+    )
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+
+
+def _state(step: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed + step)
+    return {"step": step, "model": {"w": torch.randn(16, 16, generator=g)}, "optimizer": {}, "rng": []}
+
+
+def test_save_keeps_newest_n(tmp_path, seed):
+    for step in range(1, 6):
+        ckpt.save_checkpoint(_state(step, seed), tmp_path, step, keep=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5, 4]
+    path, state = ckpt.load_newest(tmp_path)
+    assert path.name == "step_00000005.pt" and torch.equal(state["model"]["w"], _state(5, seed)["model"]["w"])
+    assert not list((tmp_path / "ckpt").glob(".*tmp*"))
+
+
+def test_interrupted_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, seed):
+    ckpt.save_checkpoint(_state(1, seed), tmp_path, 1, keep=3)
+    before = (tmp_path / "ckpt" / "step_00000001.pt").read_bytes()
+    real_save = torch.save
+
+    def dies_midway(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        f.truncate(f.tell() // 2)  # half a file written, then the disk "fills up"
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.save_checkpoint(_state(2, seed), tmp_path, 2, keep=1)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001.pt"]  # no temp file left
+    assert (tmp_path / "ckpt" / "step_00000001.pt").read_bytes() == before
+    path, state = ckpt.load_newest(tmp_path)
+    assert state["step"] == 1 and torch.equal(state["model"]["w"], _state(1, seed)["model"]["w"])
+
+
+def test_load_newest_skips_a_corrupt_file(tmp_path, seed):
+    ckpt.save_checkpoint(_state(3, seed), tmp_path, 3, keep=5)
+    good = (tmp_path / "ckpt" / "step_00000003.pt").read_bytes()
+    (tmp_path / "ckpt" / "step_00000007.pt").write_bytes(good[: len(good) // 3])  # e.g. copied half-way
+    warnings = []
+    path, state = ckpt.load_newest(tmp_path, warn=warnings.append)
+    assert path.name == "step_00000003.pt" and state["step"] == 3
+    assert len(warnings) == 1 and "step_00000007.pt does not load" in warnings[0]
+    assert ckpt.load_newest(tmp_path / "nothing") == (None, None)
+
+
+def test_rng_state_round_trip_is_loadable_weights_only(tmp_path, seed):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    state = ckpt.rng_state()
+    torch.save({"rng": state}, tmp_path / "r.pt")
+    first = (torch.rand(5), np.random.rand(3), random.random())
+    ckpt.set_rng_state(torch.load(tmp_path / "r.pt", weights_only=True)["rng"])
+    again = (torch.rand(5), np.random.rand(3), random.random())
+    assert torch.equal(first[0], again[0]) and (first[1] == again[1]).all() and first[2] == again[2]
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+def test_first_signal_sets_the_flag():
+    handler = PreemptionHandler(verbose=False).install()
+    try:
+        assert not handler.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert handler.requested and handler.signum == signal.SIGTERM
+    finally:
+        handler.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_second_signal_exits_at_once():
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from trainer.signals import PreemptionHandler
+        h = PreemptionHandler().install()
+        os.kill(os.getpid(), signal.SIGINT)
+        assert h.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr
+    assert "SIGINT received" in proc.stderr and "second signal (SIGINT): exiting now" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ W&B mode
+
+
+def test_wandb_mode_auto(monkeypatch, tmp_path):
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert resolve_wandb_mode("auto") == "offline"
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    (tmp_path / "netrc").chmod(0o600)
+    assert resolve_wandb_mode("auto") == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert resolve_wandb_mode("auto") == "disabled"
+    assert resolve_wandb_mode("offline") == "offline"
+
+
+# ------------------------------------------------------------------------------------------ W&B reader
+
+
+def _write_leveldb_log(path, records: list[bytes], block: int = 32768) -> None:
+    """Independent writer of the LevelDB log format (header ':W&B' 0xBEE1 v0; chunks split at blocks)."""
+    out = bytearray(b":W&B" + struct.pack("<HB", 0xBEE1, 0))
+    for data in records:
+        first = True
+        while True:
+            left = block - len(out) % block
+            if left < 7:
+                out += b"\0" * left
+                left = block
+            n = min(len(data), left - 7)
+            chunk, data = data[:n], data[n:]
+            kind = (1 if not data else 2) if first else (4 if not data else 3)
+            crc = zlib.crc32(chunk, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF
+            out += struct.pack("<IHB", crc, len(chunk), kind) + chunk
+            first = False
+            if not data:
+                break
+    path.write_bytes(bytes(out))
+
+
+def _records(seed: int) -> tuple[list[bytes], list[float]]:
+    import json
+    import random
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rng = random.Random(seed)
+    run = pb.Record()
+    run.run.run_id = "abcd1234"
+    run.run.run_group = "g"
+    item = run.run.config.update.add()
+    item.key, item.value_json = "attention", json.dumps({"name": "sdpa"})
+    recs, losses = [run.SerializeToString()], []
+    for step in range(200):
+        r = pb.Record()
+        loss = rng.uniform(1, 5)
+        losses.append(loss)
+        for key, value in (("train/loss", loss), ("_step", step), ("note", "x" * rng.randint(0, 400))):
+            it = r.history.item.add()
+            it.nested_key.append(key)
+            it.value_json = json.dumps(value)
+        recs.append(r.SerializeToString())
+    big = pb.Record()  # one record spanning three blocks (FIRST, MIDDLE, LAST chunks)
+    s = big.summary.update.add()
+    s.key, s.value_json = "blob", json.dumps("y" * 70000)
+    s = big.summary.update.add()
+    s.key, s.value_json = "status", json.dumps("ok")
+    recs.append(big.SerializeToString())
+    return recs, losses
+
+
+def test_reader_parses_records_across_blocks(tmp_path, seed):
+    recs, losses = _records(seed)
+    f = tmp_path / "run-abcd1234.wandb"
+    _write_leveldb_log(f, recs)
+    assert f.stat().st_size > 3 * 32768
+    run = read_offline_run(f)
+    assert run["run_id"] == "abcd1234" and run["group"] == "g"
+    assert run["config"] == {"attention": {"name": "sdpa"}}
+    assert [h["_step"] for h in run["history"]] == list(range(200))
+    assert [h["train/loss"] for h in run["history"]] == losses
+    assert run["summary"]["status"] == "ok" and len(run["summary"]["blob"]) == 70000
+    # a run killed mid-write: the truncated last record is dropped, the rest reads
+    f.write_bytes(f.read_bytes()[:-1000])
+    assert len(read_offline_run(f)["history"]) == 200
+
+
+def test_reader_rejects_bad_header_and_checksum(tmp_path, seed):
+    recs, _ = _records(seed)
+    f = tmp_path / "run-x.wandb"
+    _write_leveldb_log(f, recs[:3])
+    raw = bytearray(f.read_bytes())
+    raw[20] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(WandbFileError, match="checksum mismatch"):
+        read_offline_run(f)
+    f.write_bytes(b"PK\x03\x04" + bytes(raw[4:]))
+    with pytest.raises(WandbFileError, match="not a W&B run file"):
+        read_offline_run(f)
+    with pytest.raises(FileNotFoundError, match="no W&B run file"):
+        read_offline_run(tmp_path / "empty_dir_that_does_not_exist")
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+def _parity_trainer(model, ref: str) -> Trainer:
+    """A Trainer with just what ``_parity`` uses (CPU, float32), around ``model``."""
+    t = Trainer.__new__(Trainer)
+    t.cfg = OmegaConf.create({"parity": {"reference": ref}, "seq_len": 32})
+    t.device = torch.device("cpu")
+    t.raw_model = model
+    t.autocast = contextlib.nullcontext()
+    t._peak_bytes = 0
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
+    t._batch = lambda s, micro: (x, torch.roll(x, -1, dims=1))
+    return t
+
+
+def test_parity_small_diff_and_skip_on_oom(seed, monkeypatch):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, attention="sdpa"))
+    t = _parity_trainer(model, "naive")
+    out = t._parity(4)
+    assert out["parity/reference"] == "naive" and "parity/skipped" not in out
+    assert 0 <= out["parity/loss_abs_diff"] < 1e-5 and 0 <= out["parity/logits_max_abs_diff"] < 1e-4
+    assert model.training and model.attention_backend == "sdpa"
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(model, "use_attention_backend", oom)
+    out = t._parity(8)
+    assert set(out) == {"parity/reference", "parity/skipped"}
+    assert out["parity/skipped"].startswith("out of memory in the naive reference at seq_len=32")
+    assert model.training and model.attention_backend == "sdpa"
