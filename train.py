@@ -16,6 +16,7 @@ is in ``trainer/loop.py``.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+_RANK_DIR_PREFIX = "flashgpt-rank"
+
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
@@ -32,9 +35,10 @@ def main(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
-    outcome = run(
-        cfg, out_dir=Path(hc.runtime.output_dir), multirun=multirun, overrides=list(hc.overrides.task)
-    )
+    out_dir = Path(hc.runtime.output_dir)
+    outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
+    if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
+        shutil.rmtree(out_dir, ignore_errors=True)
     if outcome.exit_code == 0:
         return
     if multirun and outcome.status != "interrupted":
@@ -50,7 +54,7 @@ def _quiet_non_main_ranks() -> None:
         return
     extra = ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     if not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
-        extra.append(f"hydra.run.dir={tempfile.gettempdir()}/flashgpt-rank{rank}-{os.getpid()}")
+        extra.append(f"hydra.run.dir={tempfile.gettempdir()}/{_RANK_DIR_PREFIX}{rank}-{os.getpid()}")
     sys.argv.extend(extra)
 
 

@@ -12,6 +12,7 @@ import math
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -288,8 +289,11 @@ def test_torchrun_two_gloo_processes(tiny, tmp_path):
     out = tmp_path / "ddp"
     args = tiny(out, max_steps=4, eval__interval=2)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    rank_dirs = set(Path(tempfile.gettempdir()).glob("flashgpt-rank*"))
     proc = run_train(args, launcher=launcher, timeout=300)
     assert proc.returncode == 0, describe(proc)
+    assert set(Path(tempfile.gettempdir()).glob("flashgpt-rank*")) == rank_dirs  # rank 1's Hydra dir removed
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".hydra")) == [".hydra"]
     s = summary(out)
     assert s["status"] == "ok" and s["world_size"] == 2 and s["grad_accum"] == 1 and s["steps"] == 4
     losses = train_losses(out)

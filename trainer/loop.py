@@ -151,6 +151,7 @@ class Trainer:
         if plan.device_type == "cuda":
             self.device = torch.device("cuda", d.local_rank)
             torch.cuda.set_device(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # a previous multirun job's peak is not ours
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         else:
@@ -789,6 +790,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     is_main = int(os.environ.get("RANK", "0")) == 0
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
+        cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
     try:
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
         check_data_source(cfg)
@@ -806,12 +808,27 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         except ConfigError as e:
             trainer.log.close(exit_code=EXIT_CONFIG)
             return report_config_error(e, out_dir, cfg, dist.is_main)
+        except BaseException:
+            trainer.log.close(exit_code=1)
+            raise
         return trainer.run()
     finally:
+        trainer = None
+        _release_memory(plan)
         if dist.enabled:
             import torch.distributed as tdist
 
             tdist.destroy_process_group()
+
+
+def _release_memory(plan: Plan) -> None:
+    """Free what a finished run holds, so the next run of a multirun sweep (same process) starts clean:
+    torch.compile's caches (they keep the old model alive), garbage, the CUDA caching allocator."""
+    if plan.compile:
+        torch._dynamo.reset()
+    gc.collect()
+    if plan.device_type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _broadcast_obj(obj):
