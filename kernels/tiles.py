@@ -72,30 +72,36 @@ def override_tile_config(**configs: TileConfig) -> Iterator[None]:
 
 
 def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool) -> TileConfig:
-    """Untuned Hopper starting points (the lead tunes these on the H200)."""
-    wide = dtype == torch.float32  # 4-byte tiles: halve the blocks / stages to fit registers and smem
+    """Untuned Hopper starting points (the lead tunes these on the H200).
+
+    Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
+    below compiles without register spills and fits shared memory; the fp16/bf16 d <= 128 ones use
+    wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness path, not a fast one):
+    its tiles are small to avoid spills.
+    """
+    if dtype == torch.float32:
+        if kernel == "fwd":
+            return TileConfig(32, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
+        if kernel == "bwd_dkdv":
+            if block_d <= 64:
+                return TileConfig(32, 32, 8, 1)
+            return TileConfig(64, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
+        if kernel == "bwd_dq":
+            return TileConfig(32, 32, 8, 1) if block_d <= 64 else TileConfig(16, 16, 4, 1)
     if kernel == "fwd":
         if block_d <= 64:
-            cfg = TileConfig(128, 64, 4, 3)
-        elif block_d <= 128:
-            cfg = TileConfig(128, 64, 8, 3)
-        else:
-            cfg = TileConfig(64, 32, 8, 2)
-        if wide:
-            cfg = TileConfig(max(32, cfg.block_m // 2), max(32, cfg.block_n // 2), cfg.num_warps, 2)
-        return cfg
+            return TileConfig(128, 64, 4, 3)
+        if block_d <= 128:
+            return TileConfig(128, 64, 8, 3)
+        return TileConfig(64, 32, 8, 2)
     if kernel == "bwd_pre":
         return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
-    # backward dK/dV and dQ
+    # backward dK/dV and dQ (fp16 / bf16)
     if block_d <= 64:
-        cfg = TileConfig(64, 64, 4, 3)
-    elif block_d <= 128:
-        cfg = TileConfig(64, 64, 8, 2)
-    else:
-        cfg = TileConfig(32, 32, 8, 1)
-    if wide:
-        cfg = TileConfig(32, 32, 4 if block_d <= 64 else 8, 1)
-    return cfg
+        return TileConfig(64, 64, 4, 3)
+    if block_d <= 128:
+        return TileConfig(64, 64, 8, 2)
+    return TileConfig(32, 32, 8, 1)
 
 
 def get_tile_config(

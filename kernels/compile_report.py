@@ -1,0 +1,138 @@
+"""Offline compile report of the flash kernels for an NVIDIA target -- no GPU needed.
+
+Triton ships ptxas, so the full pipeline (Triton IR -> PTX -> cubin) runs on any machine. For each
+(kernel, dtype, head dim) and its tile config from `kernels.tiles.get_tile_config` (or explicit
+blocks), this prints shared memory, registers per thread, spill bytes and whether Hopper wgmma
+is used. Useful to reject configs that spill or exceed shared memory before spending GPU time.
+
+The compile mimics a real launch: pointers and strides divisible by 16 (true when d % 16 == 0 for
+contiguous/fused layouts), last-dim strides == 1, GROUP == 1 unless --gqa (Triton specializes
+integer arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False).
+
+Usage:  python -m kernels.compile_report --dtype bf16 fp16 --d 64 128 [--arch 90] [--gqa]
+        python -m kernels.compile_report --kernel bwd_dkdv --d 128 --blocks 64 64 --warps 8 --stages 2
+"""
+
+import argparse
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from .tiles import KERNEL_NAMES, TileConfig, block_d_for, get_tile_config
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
+_F32_TENSORS = ("LSE", "DELTA", "DLSE")
+_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
+
+
+@dataclass
+class CompileInfo:
+    kernel: str
+    dtype: str
+    head_dim: int
+    config: TileConfig
+    shared_bytes: int
+    registers: int | None
+    spill_store_bytes: int | None
+    spill_load_bytes: int | None
+    uses_wgmma: bool
+
+    def line(self) -> str:
+        c = self.config
+        return (f"{self.kernel:9s} {self.dtype:5s} d={self.head_dim:<4d} {c.block_m:>3d}x{c.block_n:<3d} "
+                f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
+                f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
+                f"wgmma={self.uses_wgmma}")
+
+
+def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
+                   config: TileConfig | None = None, arch: int = 90, gqa: bool = False) -> CompileInfo:
+    """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
+
+    Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._triton_kernels import build_kernels
+
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
+    cfg = config or get_tile_config(kernel, head_dim, dtype, causal, 1 << 20, 1 << 20)
+    fn = build_kernels(False)[kernel]
+    names = fn.arg_names
+    block_d = block_d_for(head_dim)
+    aligned = head_dim % 16 == 0
+    values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=False,
+                  EVEN_N=False, EVEN_D=head_dim == block_d, HAS_DLSE=False,
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+    signature, constants, divisible = {}, {}, []
+    for i, name in enumerate(names):
+        if name in _TENSORS or name in _F32_TENSORS:
+            signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
+            divisible.append(i)
+        elif name.startswith("stride_") and name.endswith("d"):
+            signature[name], constants[name] = "constexpr", 1
+        elif name == "GROUP" and not gqa:
+            signature[name], constants[name] = "constexpr", 1
+        elif name.startswith("stride_") or name in _INTS:
+            signature[name] = "i32"
+            if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K"):
+                divisible.append(i)
+        elif name in ("scale_log2", "softmax_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name], constants[name] = "constexpr", values[name]
+    src = ASTSource(fn, signature, constants, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    regs = st = ld = None
+    ptxas = triton.knobs.nvidia.ptxas.path
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(compiled.asm["ptx"])
+        f.flush()
+        suffix = "a" if arch == 90 else ""
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
+    m = re.search(r"Used (\d+) registers", out.stderr)
+    regs = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    if m:
+        st, ld = int(m.group(1)), int(m.group(2))
+    return CompileInfo(kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
+                       "wgmma" in compiled.asm["ptx"])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=KERNEL_NAMES)
+    p.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
+    p.add_argument("--d", nargs="+", type=int, default=[64, 128])
+    p.add_argument("--arch", type=int, default=90, help="SM version, e.g. 90 for H100/H200, 80 for A100")
+    p.add_argument("--non-causal", action="store_true")
+    p.add_argument("--gqa", action="store_true", help="compile with a runtime GROUP (GQA/MQA) instead of 1")
+    p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=2)
+    args = p.parse_args(argv)
+    cfg = TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages) if args.blocks else None
+    for dt in args.dtype:
+        for d in args.d:
+            for kernel in args.kernel:
+                try:
+                    info = compile_kernel(kernel, DTYPES[dt], d, causal=not args.non_causal, config=cfg,
+                                          arch=args.arch, gqa=args.gqa)
+                    print(info.line(), flush=True)
+                except Exception as err:  # report and continue with the other configs
+                    print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
