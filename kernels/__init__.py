@@ -1,10 +1,19 @@
-"""Our Triton FlashAttention-2 (Dao 2023, sections 3.1/3.2).
+"""Our Triton FlashAttention-2 (Dao 2023, sections 3.1 forward / 3.2 backward).
 
 Public API:
 * `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False)`
-* `check_flash_available(device)` -> None or raises FlashAttentionUnavailableError (a RuntimeError)
+* `check_flash_available(device)` -> None, or raises FlashAttentionUnavailableError (a RuntimeError)
 * custom ops `torch.ops.flashgpt.flash_attn_fwd` / `torch.ops.flashgpt.flash_attn_bwd`
-* tile configuration: `kernels.tiles.get_tile_config` (one place to tune block sizes)
+
+Files:
+* `flash_attn.py`      validation, launchers, custom ops, public API
+* `_triton_kernels.py` the Triton kernels (forward, backward preprocess, dK/dV, dQ)
+* `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen
+* `compile_report.py`  `python -m kernels.compile_report`: compile for sm_90 without a GPU and print
+                       shared memory, registers and spills per tile config (for tuning)
+
+Importing this package does not import triton; kernels are built on first use, for the interpreter
+when TRITON_INTERPRET is set at call time, compiled otherwise.
 """
 
 from .flash_attn import (

@@ -162,6 +162,9 @@ def _fwd_kernel(
 ):
     """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        # later query blocks see more keys: schedule them first (less tail imbalance)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
@@ -406,6 +409,8 @@ def _bwd_dq_kernel(
     Grid: (cdiv(Nq, BLOCK_M), Hq, B); loops over the visible key blocks like the forward.
     """
     pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP

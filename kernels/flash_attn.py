@@ -17,6 +17,7 @@ TRITON_INTERPRET is truthy *at call time* (read on every call, so importing this
 setting it is fine). CPU tensors are only accepted in that mode.
 """
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -177,22 +178,16 @@ def _kernels(interpret: bool) -> dict:
     return _triton_kernels.build_kernels(interpret)
 
 
-class _device_ctx:
-    """`torch.cuda.device(t.device)` for CUDA tensors (Triton launches on the current device)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+def _device_ctx(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's device."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
+    if q.dtype == torch.bfloat16 and interpret_enabled():
+        # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
+        o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale)
+        return o.to(torch.bfloat16), lse
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -216,6 +211,10 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
 
 
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None):
+    if q.dtype == torch.bfloat16 and interpret_enabled():
+        grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
+                            softmax_scale, dlse)
+        return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -347,7 +346,7 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
             matmuls use IEEE precision (no tf32). d in [8, 256] (any value, padded internally).
             Any strides; only a non-unit stride on the last dim forces a copy (.contiguous()).
             Same device: CUDA, or CPU with TRITON_INTERPRET=1 (Triton interpreter; slow, for tests;
-            bfloat16 is not reliable under the interpreter).
+            numpy has no bfloat16, so there bf16 inputs are computed in float32 and cast back).
         causal: bottom-right aligned causal mask: query i sees key j iff j <= i + (Nk - Nq)
             (FlashAttention >= 2.1, torch.nn.attention.bias.causal_lower_right). When Nq > Nk the
             first Nq - Nk query rows see no key: their output is 0, their lse is -inf and they get
