@@ -46,9 +46,12 @@ def interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None  # once, at import (not traceable by dynamo)
+
+
 def _device_problem(device: torch.device) -> str | None:
     """Why flash attention cannot run on `device`, or None when it can."""
-    if importlib.util.find_spec("triton") is None:
+    if not _HAS_TRITON:
         return ("flash attention needs the `triton` package, which is not installed; install it "
                 "(pip install triton, Linux + CUDA) or use attention=sdpa, the portable choice.")
     if device.type == "cuda":
@@ -103,7 +106,9 @@ def _validate(q, k, v, causal, softmax_scale) -> None:
         raise ValueError(
             f"q, k, v must be on the same device, got q={q.device}, k={k.device}, v={v.device}; "
             "move them with .to(device)")
-    problem = _device_problem(q.device)
+    # The device check reads the environment (TRITON_INTERPRET), which dynamo cannot trace; while
+    # torch.compile traces, skip it (callers check first: the trainer calls check_flash_available).
+    problem = None if torch.compiler.is_compiling() else _device_problem(q.device)
     if problem is not None:
         raise FlashAttentionUnavailableError(problem)
     B, Hq, Nq, d = q.shape

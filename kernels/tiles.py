@@ -71,8 +71,8 @@ def override_tile_config(**configs: TileConfig) -> Iterator[None]:
         _OVERRIDES.update(saved)
 
 
-def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool) -> TileConfig:
-    """Untuned Hopper starting points (the lead tunes these on the H200).
+def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: int) -> TileConfig:
+    """Hopper tile configs (n = max(Nq, Nk)).
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
     below compiles without register spills and fits shared memory; the fp16/bf16 d <= 128 ones use
@@ -88,19 +88,29 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool) -> 
             return TileConfig(64, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
         if kernel == "bwd_dq":
             return TileConfig(32, 32, 8, 1) if block_d <= 64 else TileConfig(16, 16, 4, 1)
+    # fp16 / bf16: tuned on the H200 with `python -m bench.tune` (causal bf16, B*N = 16384, H*d = 2048);
+    # bench/NOTES.md has the search and the timings. Short sequences (N <= 1024) prefer smaller tiles
+    # (more programs in flight); long ones the larger tiles.
+    short = n <= 1024
     if kernel == "fwd":
         if block_d <= 64:
-            return TileConfig(128, 64, 4, 3)
+            return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 64, 8, 3)
         if block_d <= 128:
-            return TileConfig(128, 64, 8, 3)
+            return TileConfig(128, 32, 8, 3) if short else TileConfig(128, 128, 8, 3)
         return TileConfig(64, 32, 8, 2)
     if kernel == "bwd_pre":
         return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
-    # backward dK/dV and dQ (fp16 / bf16)
+    if kernel == "bwd_dkdv":
+        if block_d <= 64:
+            return TileConfig(32, 64, 4, 3) if short else TileConfig(64, 128, 4, 2)
+        if block_d <= 128:
+            return TileConfig(64, 128, 8, 3)
+        return TileConfig(32, 32, 8, 1)
+    # bwd_dq
     if block_d <= 64:
-        return TileConfig(64, 64, 4, 3)
+        return TileConfig(64, 32, 4, 3) if short else TileConfig(128, 64, 8, 3)
     if block_d <= 128:
-        return TileConfig(64, 64, 8, 2)
+        return TileConfig(128, 32, 8, 3)
     return TileConfig(32, 32, 8, 1)
 
 
@@ -140,7 +150,7 @@ def get_tile_config(
             "bwd_dq": TileConfig(32, 16, 4, 1),
         }[kernel]
     else:
-        cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal)
+        cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal, max(n_q, n_k))
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
     return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages)

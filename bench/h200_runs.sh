@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The H200 training runs whose results are committed under bench/results/ and quoted in the README.
+# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | sweep | preempt)
+# Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
+set -uo pipefail
+PHASE=${1:?phase}
+OUT=${2:-runs/h200}
+SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+mkdir -p "$OUT"
+common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
+
+case "$PHASE" in
+smoke)  # 20 steps per backend, eager, to catch GPU-only faults quickly
+  for a in sdpa flash naive; do
+    python train.py experiment=gpt2_shakespeare attention=$a seq_len=1024 max_steps=20 compile=false \
+      batch.tokens_per_step=16384 eval.interval=0 eval.batches=2 checkpoint.at_end=false \
+      "${common[@]}" out_dir="$OUT/smoke_$a" || echo "SMOKE FAILED: $a"
+  done
+  python train.py experiment=gpt2_shakespeare attention=flash seq_len=1024 max_steps=20 compile=true \
+    batch.tokens_per_step=16384 eval.interval=0 eval.batches=2 checkpoint.at_end=false \
+    "${common[@]}" out_dir="$OUT/smoke_flash_compile" || echo "SMOKE FAILED: flash compile" ;;
+throughput)  # GPT-2 124M with torch.compile: tokens/sec, MFU, peak memory at seq_len 1024 and 8192
+  for n in 1024 8192; do for a in sdpa flash; do
+    python train.py experiment=gpt2_shakespeare attention=$a seq_len=$n max_steps=60 compile=true \
+      eval.interval=0 eval.batches=2 checkpoint.at_end=false perf.exclude_first_steps=10 \
+      "${common[@]}" out_dir="$OUT/throughput_${a}_n$n"
+  done; done ;;
+compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss logged every step
+  for a in flash sdpa naive; do
+    python train.py experiment=gpt2_shakespeare attention=$a seq_len=1024 max_steps=500 compile=false \
+      batch.tokens_per_step=16384 log_interval=1 eval.interval=100 eval.batches=10 checkpoint.at_end=false \
+      wandb.group=compare_n1024 "${common[@]}" out_dir="$OUT/compare_$a"
+  done
+  python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive \
+    --window 20 --out "$OUT/compare.png" --json "$OUT/compare.json" ;;
+sweep)  # context-length sweep, 100 steps each, eager (compile time would dominate 15 short runs)
+  python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384 \
+    compile=false batch.tokens_per_step=16384 "${common[@]}" hydra.sweep.dir="$OUT/sweep"
+  python -m bench.report "$OUT/sweep" --out "$OUT/sweep" ;;
+preempt)  # flash at seq_len 8192: SIGTERM mid-way, resume, compare with an uninterrupted run
+  args=(experiment=gpt2_shakespeare attention=flash seq_len=8192 max_steps=60 compile=false deterministic=true
+        batch.tokens_per_step=16384 log_interval=1 eval.interval=0 eval.batches=2 checkpoint.interval=0
+        "${common[@]}")
+  python train.py "${args[@]}" out_dir="$OUT/preempt_full"
+  python train.py "${args[@]}" out_dir="$OUT/preempt_killed" & pid=$!
+  for _ in $(seq 600); do  # wait until step 25 is logged, then SIGTERM
+    grep -q '"step": 25,' "$OUT/preempt_killed/metrics.jsonl" 2>/dev/null && break; sleep 0.2; done
+  kill -TERM $pid; wait $pid; echo "killed run exit code: $?"
+  python train.py "${args[@]}" out_dir="$OUT/preempt_killed" resume=true
+  python -m bench.compare "$OUT/preempt_full" "$OUT/preempt_killed" --window 1 --tolerance 0 \
+    --out "$OUT/preempt.png" --json "$OUT/preempt.json" ;;
+*) echo "unknown phase $PHASE"; exit 2 ;;
+esac
