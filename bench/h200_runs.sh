@@ -21,7 +21,7 @@ smoke)  # 20 steps per backend, eager, to catch GPU-only faults quickly
     "${common[@]}" out_dir="$OUT/smoke_flash_compile" || echo "SMOKE FAILED: flash compile" ;;
 throughput)  # GPT-2 124M with torch.compile: tokens/sec, MFU, peak memory at seq_len 1024 and 8192
   for n in 1024 8192; do for a in sdpa flash; do
-    python train.py experiment=gpt2_shakespeare attention=$a seq_len=$n max_steps=30 compile=true \
+    python train.py experiment=gpt2_shakespeare attention=$a seq_len=$n max_steps=60 compile=true \
       eval.interval=0 eval.batches=2 checkpoint.at_end=false perf.exclude_first_steps=10 \
       "${common[@]}" out_dir="$OUT/throughput_${a}_n$n"
   done; done ;;

@@ -102,13 +102,13 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
         return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
     if kernel == "bwd_dkdv":
         if block_d <= 64:
-            return TileConfig(64, 64, 4, 3) if short else TileConfig(64, 128, 4, 2)
+            return TileConfig(32, 64, 4, 3) if short else TileConfig(64, 128, 4, 2)
         if block_d <= 128:
             return TileConfig(64, 128, 8, 3)
         return TileConfig(32, 32, 8, 1)
     # bwd_dq
     if block_d <= 64:
-        return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 64, 8, 3)
+        return TileConfig(64, 32, 4, 3) if short else TileConfig(128, 64, 8, 3)
     if block_d <= 128:
         return TileConfig(128, 32, 8, 3)
     return TileConfig(32, 32, 8, 1)
