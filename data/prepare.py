@@ -96,7 +96,7 @@ def split_point(num_tokens: int, val_fraction: float) -> int:
     return min(max(int(num_tokens * (1.0 - val_fraction)), 1), num_tokens - 1)
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through a hidden temporary file in the same directory, then ``os.replace`` it.
 
     A killed process leaves at most a ``.tmp-*`` file, never a partial ``path``.
@@ -115,12 +115,12 @@ def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 def _write_array(path: Path, ids: np.ndarray) -> None:
     arr = np.ascontiguousarray(ids, dtype=TOKEN_DTYPE)
-    _atomic_write(path, lambda f: f.write(memoryview(arr).cast("B")))
+    atomic_write(path, lambda f: f.write(memoryview(arr).cast("B")))
 
 
 def _write_meta(path: Path, meta: dict) -> None:
     payload = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
-    _atomic_write(path, lambda f: f.write(payload))
+    atomic_write(path, lambda f: f.write(payload))
 
 
 def _download(url: str, dest: Path) -> None:
@@ -141,7 +141,7 @@ def _download(url: str, dest: Path) -> None:
         raise RuntimeError(f"could not download {url} ({type(e).__name__}: {e}). {hint}") from e
     if not payload:
         raise RuntimeError(f"downloading {url} returned no data. {hint}")
-    _atomic_write(dest, lambda f: f.write(payload))
+    atomic_write(dest, lambda f: f.write(payload))
 
 
 def _meta_source(out_dir: Path) -> str | None:

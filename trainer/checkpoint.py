@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.prepare import atomic_write
+
 CKPT_DIR_NAME = "ckpt"
 _NAME_RE = re.compile(r"^step_(\d+)\.pt$")
 
@@ -72,20 +74,11 @@ def save_checkpoint(state: dict, out_dir: str | os.PathLike, step: int, keep: in
     d = ckpt_dir(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     final = ckpt_path(out_dir, step)
-    tmp = d / f".{final.name}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(final, lambda f: torch.save(state, f))
     _fsync_dir(d)
     for _, old in list_checkpoints(out_dir)[keep:]:
         old.unlink(missing_ok=True)
-    for stale in d.glob(".step_*.pt.tmp*"):
+    for stale in d.glob(".tmp-*-step_*.pt"):  # left by a process killed mid-save
         stale.unlink(missing_ok=True)
     return final
 
