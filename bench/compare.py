@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.compare RUN_DIR RUN_DIR [RUN_DIR ...] [--tolerance X] [--val-tolerance Y]
-                            [--window 20] [--out compare.png] [--json OUT]
+                            [--window 20] [--out PNG] [--json OUT]
 
 Each RUN_DIR is a run directory written by train.py (or its metrics.jsonl). For every run after the
 first (the reference), on the aligned steps (steps where both logged ``train/loss``):
@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--val-tolerance", type=float, default=None,
                    help="max allowed final val-loss difference (exit 1 when exceeded)")
     p.add_argument("--window", type=int, default=20, help="points per averaging window (default 20)")
-    p.add_argument("--out", default="compare.png", help="PNG path (default ./compare.png)")
+    p.add_argument("--out", default=None, help="PNG path (default: compare.png in the first run's directory)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
     if args.window < 1:
@@ -233,13 +233,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.label = f"{r.label} ({r.path.resolve().name})"
     ref, others = runs[0], runs[1:]
     results, failures = [], []
+    statuses = {r.label: _rundir.read_summary(r.path).get("status", "ok") for r in runs}
+    for label, status in statuses.items():
+        if status != "ok":  # a diverged, OOM or interrupted run: its curve stops early
+            print(f"warning: {label} ended with status {status!r}; only its logged steps are compared",
+                  file=sys.stderr)
     for run in others:
         res = compare_pair(ref, run, args.window)
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
+        if args.tolerance is not None or args.val_tolerance is not None:
+            res["failures"] += [f"{lab}: status {statuses[lab]!r} (not a complete run)"
+                                for lab in (ref.label, run.label) if statuses[lab] != "ok"]
         failures += res["failures"]
         results.append(res)
     print(text_table(ref, results, args.window))
-    png = plot(ref, others, Path(args.out), args.window)
+    png = plot(ref, others, Path(args.out) if args.out else ref.path / "compare.png", args.window)
     print(f"\nwrote {png}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ Usage::
     python -m bench.report SWEEP_DIR [--out DIR] [--wandb] [--warmup-frac 0.1]
 
 Reads every run directory under SWEEP_DIR (any folder holding `summary.json`, `metrics.jsonl` or
-`.hydra/config.yaml`; see spec/INTERFACES.md "Run directory") and writes into --out (default
+`.hydra/config.yaml`; the run-directory layout is in README.md) and writes into --out (default
 SWEEP_DIR):
 
 * ``report.md``  — all runs (long table), then pivot tables with rows = seq_len and one column per

@@ -288,6 +288,8 @@ def stale_reason(
     """
     out = Path(out_dir).expanduser()
     src_path, src_label = _resolve_source(source, out, fetch=False)
+    if not (out / META_NAME).is_file():
+        return "not prepared yet"
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError) as e:

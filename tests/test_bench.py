@@ -342,3 +342,18 @@ def test_compare_nan_and_missing(tmp_path, seed):
     (tmp_path / "empty").mkdir()
     assert bc.main([str(r0), str(tmp_path / "empty"), "--out", str(png)]) == 2
     assert bc.main([str(r0), "--out", str(png)]) == 2
+
+
+def test_compare_flags_incomplete_runs(tmp_path, seed, capsys):
+    """A run that diverged (status nonfinite) fails a tolerance check even where its few points agree,
+    and the PNG defaults to the first run's directory."""
+    rng = np.random.default_rng(seed)
+    base = dict(enumerate(_random_walk(rng, 40).tolist(), 1))
+    r0 = make_run(tmp_path, "ok", "sdpa", 64, train=base)
+    r1 = make_run(tmp_path, "diverged", "flash", 64, status="nonfinite",
+                  train={s: v for s, v in base.items() if s <= 3})
+    assert bc.main([str(r0), str(r1)]) == 0  # no tolerance asked: report only, with a warning
+    assert (r0 / "compare.png").is_file()
+    assert "status 'nonfinite'" in capsys.readouterr().err
+    assert bc.main([str(r0), str(r1), "--tolerance", "1.0"]) == 1
+    assert "not a complete run" in capsys.readouterr().out

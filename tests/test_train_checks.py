@@ -123,6 +123,10 @@ def test_batch_does_not_divide_tokens_per_step(expect_error):
         ("parity.reference", "flash", "parity.reference='flash' is not valid; choose one of: naive, sdpa"),
         ("dtype", "float16", "dtype='float16' is not valid"),
         ("max_steps", 0, "max_steps=0 must be a positive integer"),
+        ("optim.lr", "abc", "optim.lr='abc' is not a finite number"),
+        ("optim.lr", "inf", "optim.lr=inf is not a finite number"),
+        ("optim.beta1", 1.5, "optim.beta1=1.5 must be in [0, 1)"),
+        ("optim.weight_decay", -5, "optim.weight_decay=-5 must be >= 0"),
     ],
 )
 def test_enum_and_range_errors(expect_error, key, value, expected):
@@ -207,3 +211,42 @@ def test_block_size_follows_seq_len_and_presets_compose():
         "bfloat16",
         2,
     )
+
+
+def test_wandb_online_without_login(expect_error, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    err = expect_error(**{"wandb.mode": "online"})
+    assert "wandb.mode=online but no W&B API key" in err and "wandb login" in err and "offline" in err
+
+
+def test_data_dir_holding_another_corpus_is_not_overwritten(expect_error, char_data, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("A different corpus, long enough for a few windows of text. " * 200)
+    before = (char_data / "meta.json").read_text()
+    err = expect_error(**{"data.source": other})
+    assert f"data.dir={char_data} holds data prepared from" in err and "data.dir=data/<name>" in err
+    assert (char_data / "meta.json").read_text() == before  # the shared data were not re-prepared
+
+
+def _finished_run(path):
+    path.mkdir(parents=True, exist_ok=True)
+    summary = {"status": "ok", "final/val_loss": 2.5, "attention": "naive", "seq_len": 64}
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 4.0}\n')
+    return (path / "summary.json").read_text(), (path / "metrics.jsonl").read_text()
+
+
+def test_new_run_in_an_existing_run_dir_is_refused(expect_error, tmp_path):
+    summary, metrics = _finished_run(tmp_path / "run")
+    err = expect_error()
+    assert "already holds a run" in err and "resume=true" in err and "new out_dir" in err
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_refused_resume_leaves_the_run_untouched(expect_error, tmp_path):
+    summary, metrics = _finished_run(tmp_path / "run")
+    expect_error(resume=True)  # no checkpoint to resume from
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics

@@ -13,6 +13,8 @@ Order of use in the trainer:
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +119,42 @@ def _multiples_near(n: int, unit: int) -> str:
     return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
 
 
+def _finite_float(key: str, value, example: str) -> float:
+    """``float(value)``, or ConfigError naming ``key`` when it is not a finite number."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        raise ConfigError(f"{key}={value!r} is not a finite number, e.g. {example}")
+    return x
+
+
+def check_out_dir(cfg, out_dir: Path) -> None:
+    """Refuse to start a new run (resume=false) in a directory that already holds one.
+
+    A run directory holds a run once it has checkpoints or a summary.json of a run that trained (any
+    status but "error", which a refused config leaves); starting afresh there would
+    append a second curve to its metrics.jsonl, overwrite its summary and mix two runs in one W&B run.
+    Raises:
+        ConfigError naming out_dir and the fixes (resume=true, or another out_dir).
+    """
+    if cfg.resume:
+        return
+    out_dir = Path(out_dir)
+    ckpts = list((out_dir / "ckpt").glob("step_*.pt")) if (out_dir / "ckpt").is_dir() else []
+    try:
+        status = json.loads((out_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        status = None
+    # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
+    if ckpts or status not in (None, "error"):
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
+            "continue it, or choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)"
+        )
+
+
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     """Validate the config's static settings and derive the batch split and devices.
 
@@ -148,16 +186,33 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         _pos_int(cfg, "optim.decay_steps", cfg.optim.decay_steps, example=cfg.max_steps)
     _choice("nonfinite", cfg.nonfinite, NONFINITE_MODES)
     _choice("wandb.mode", cfg.wandb.mode, WANDB_MODES)
+    if cfg.wandb.mode == "online":
+        from trainer.metrics import wandb_logged_in
+
+        if not wandb_logged_in():
+            raise ConfigError(
+                "wandb.mode=online but no W&B API key is configured; run `wandb login` (or set "
+                "WANDB_API_KEY), or use wandb.mode=auto (online when logged in, else offline) or offline"
+            )
     _choice("parity.reference", cfg.parity.reference, PARITY_REFERENCES)
     _choice("dtype", cfg.dtype, ("auto", "bfloat16", "float32"))
     _choice("device", cfg.device, ("auto", "cuda", "cpu"))
     if cfg.compile not in (True, False, "auto"):
         raise ConfigError(f"compile={cfg.compile!r} is not valid; choose one of: true, false, auto")
-    if not float(cfg.optim.lr) > 0 or not 0 <= float(cfg.optim.min_lr) <= float(cfg.optim.lr):
+    lr = _finite_float("optim.lr", cfg.optim.lr, "optim.lr=6e-4")
+    min_lr = _finite_float("optim.min_lr", cfg.optim.min_lr, "optim.min_lr=6e-5")
+    if not lr > 0 or not 0 <= min_lr <= lr:
         raise ConfigError(
             f"optim.lr={cfg.optim.lr} / optim.min_lr={cfg.optim.min_lr}: need 0 <= min_lr <= lr and lr > 0, "
             "e.g. optim.lr=6e-4 optim.min_lr=6e-5"
         )
+    for key, example in (("beta1", "0.9"), ("beta2", "0.95")):
+        beta = _finite_float(f"optim.{key}", cfg.optim[key], f"optim.{key}={example}")
+        if not 0 <= beta < 1:
+            raise ConfigError(f"optim.{key}={cfg.optim[key]} must be in [0, 1), e.g. optim.{key}={example}")
+    for key, example in (("weight_decay", "0.1"), ("grad_clip", "1.0")):
+        if _finite_float(f"optim.{key}", cfg.optim[key], f"optim.{key}={example}") < 0:
+            raise ConfigError(f"optim.{key}={cfg.optim[key]} must be >= 0, e.g. optim.{key}={example}")
 
     # --- attention backend
     attn = cfg.attention.name
@@ -299,6 +354,53 @@ def check_data_source(cfg) -> None:
     d = Path(str(cfg.data.dir)).expanduser()
     if d.exists() and not d.is_dir():
         raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
+    _check_data_dir_matches(cfg, d)
+
+
+def _prepared_meta(data_dir: Path) -> dict | None:
+    """The meta.json of a prepared data directory, or None (absent or unreadable)."""
+    try:
+        return json.loads((data_dir / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _check_data_dir_matches(cfg, data_dir: Path) -> None:
+    """Refuse to re-prepare a data directory that holds another corpus or tokenizer: other runs (and their
+    resumes) read it. The user points data.dir at a directory of its own instead."""
+    meta = _prepared_meta(data_dir)
+    if meta is None:
+        return
+    fix = f"set data.dir=data/<name> for this corpus/tokenizer (or delete {data_dir} to re-prepare it)"
+    if meta.get("tokenizer") != cfg.data.tokenizer:
+        raise ConfigError(
+            f"data.dir={cfg.data.dir} holds data tokenized with {meta.get('tokenizer')!r}, but "
+            f"data.tokenizer={cfg.data.tokenizer}; {fix}"
+        )
+    src = cfg.data.source
+    if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
+        return
+    import hashlib
+
+    digest = hashlib.sha256(Path(str(src)).expanduser().read_bytes()).hexdigest()
+    if digest != meta["source_sha256"]:
+        raise ConfigError(
+            f"data.dir={cfg.data.dir} holds data prepared from {meta.get('source')}, which differs from "
+            f"data.source={src} (sha256); {fix}"
+        )
+
+
+def effective_data_source(cfg) -> str | None:
+    """``data.source``; when it is null (download) and ``data.dir`` already holds data prepared from a
+    local file that still exists, that file (so a resume or a rerun needs neither the network nor the
+    original ``data.source=`` override)."""
+    if cfg.data.source is not None:
+        return cfg.data.source
+    meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
+    src = (meta or {}).get("source")
+    if src and not str(src).startswith(("http://", "https://")) and Path(src).is_file():
+        return str(src)
+    return None
 
 
 def check_data_fits(cfg, meta: dict) -> None:

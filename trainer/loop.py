@@ -36,7 +36,9 @@ from trainer.checks import (
     Plan,
     check_data_fits,
     check_data_source,
+    check_out_dir,
     check_resume_compatible,
+    effective_data_source,
     peak_flops_for,
     probe_attention,
     resolve_plan,
@@ -132,7 +134,7 @@ class Trainer:
         self.multirun = multirun
         self.overrides = overrides
         self.log = RunLogger(self.out_dir, enabled=dist.is_main)
-        self.say = (lambda *a, **k: print(*a, **k, flush=True)) if dist.is_main else (lambda *a, **k: None)
+        self.say = self._say if dist.is_main else (lambda *a, **k: None)
         self.step = 0
         self.skipped = 0
         self.last_ckpt: Path | None = None
@@ -143,6 +145,16 @@ class Trainer:
         self._step_tps: list[float] = []
         self._step_ms: list[float] = []
         self._steps_here = 0
+
+    def _say(self, msg: str) -> None:
+        """Progress line: to the console and appended to <out_dir>/train.log (beside Hydra's log lines),
+        so a run started under nohup keeps its history."""
+        print(msg, flush=True)
+        try:
+            with open(self.out_dir / "train.log", "a") as f:
+                f.write(msg + "\n")
+        except OSError:
+            pass
 
     # ------------------------------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -172,7 +184,7 @@ class Trainer:
                 from data.prepare import ensure_prepared
 
                 ensure_prepared(
-                    cfg.data.source, cfg.data.dir, cfg.data.tokenizer, float(cfg.data.val_fraction)
+                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer, float(cfg.data.val_fraction)
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -728,8 +740,8 @@ class Trainer:
             f"non-finite {'loss' if not math.isfinite(e.loss) else 'gradient norm'} at step {e.step} "
             f"(loss={e.loss}, grad_norm={e.grad_norm}); run stopped, nothing saved after it. "
             f"Last good checkpoint: {last}. Config: {config_file}. "
-            "Fix: lower optim.lr or optim.grad_clip and resume=true from that checkpoint, "
-            "or use nonfinite=skip"
+            "Fix: lower optim.lr or optim.grad_clip and resume from that checkpoint "
+            f"(`{self.resume_command()}` plus the new optim values), or use nonfinite=skip"
         )
         print(f"error: {msg}", file=sys.stderr, flush=True)
         self._finish("nonfinite", {"error": msg, "nonfinite/step": e.step}, exit_code=EXIT_NONFINITE)
@@ -767,7 +779,9 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool) -> Ou
         try:
             from trainer.metrics import write_json_atomic
 
-            if out_dir.is_dir():
+            # Record the error only in a run directory of our own: a refused resume or a refused
+            # re-use of an existing run must leave that run's summary as it was.
+            if out_dir.is_dir() and not cfg.resume and not (out_dir / "summary.json").exists():
                 write_json_atomic(
                     out_dir / "summary.json",
                     {
@@ -792,6 +806,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
     try:
+        check_out_dir(cfg, out_dir)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
         check_data_source(cfg)
     except ConfigError as e:
