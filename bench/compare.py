@@ -3,7 +3,7 @@
 Usage::
 
     python -m bench.compare RUN_DIR RUN_DIR [RUN_DIR ...] [--tolerance X] [--val-tolerance Y]
-                            [--window 20] [--out PNG] [--json OUT]
+                            [--window 20] [--max-step N] [--out PNG] [--json OUT]
 
 Each RUN_DIR is a run directory written by train.py (or its metrics.jsonl). For every run after the
 first (the reference), on the aligned steps (steps where both logged ``train/loss``):
@@ -214,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--val-tolerance", type=float, default=None,
                    help="max allowed final val-loss difference (exit 1 when exceeded)")
     p.add_argument("--window", type=int, default=20, help="points per averaging window (default 20)")
+    p.add_argument("--max-step", type=int, default=None,
+                   help="compare only steps <= this (e.g. the first 300 of longer runs)")
     p.add_argument("--out", default=None, help="PNG path (default: compare.png in the first run's directory)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -231,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in runs:  # make duplicate labels unique with the folder name
         if labels.count(r.label) > 1:
             r.label = f"{r.label} ({r.path.resolve().name})"
+    if args.max_step is not None:
+        for r in runs:
+            r.train = {s: v for s, v in r.train.items() if s <= args.max_step}
+            r.val = {s: v for s, v in r.val.items() if s <= args.max_step}
     ref, others = runs[0], runs[1:]
     results, failures = [], []
     statuses = {r.label: _rundir.read_summary(r.path).get("status", "ok") for r in runs}

@@ -32,7 +32,9 @@ compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss l
       wandb.group=compare_n1024 "${common[@]}" out_dir="$OUT/compare_$a"
   done
   python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive \
-    --window 20 --out "$OUT/compare.png" --json "$OUT/compare.json" ;;
+    --window 20 --out "$OUT/compare.png" --json "$OUT/compare.json"
+  python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive \
+    --window 20 --max-step 300 --out "$OUT/compare_300.png" --json "$OUT/compare_300.json" ;;
 sweep)  # context-length sweep, 100 steps each, eager (compile time would dominate 15 short runs)
   python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384 \
     compile=false batch.tokens_per_step=16384 "${common[@]}" hydra.sweep.dir="$OUT/sweep"

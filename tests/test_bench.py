@@ -357,3 +357,15 @@ def test_compare_flags_incomplete_runs(tmp_path, seed, capsys):
     assert "status 'nonfinite'" in capsys.readouterr().err
     assert bc.main([str(r0), str(r1), "--tolerance", "1.0"]) == 1
     assert "not a complete run" in capsys.readouterr().out
+
+
+def test_compare_max_step(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    ref = dict(enumerate(_random_walk(rng, 60).tolist(), 1))
+    other = {s: v + (0.0 if s <= 30 else 0.5) for s, v in ref.items()}  # diverges after step 30
+    r0 = make_run(tmp_path, "a", "sdpa", 64, train=ref)
+    r1 = make_run(tmp_path, "b", "flash", 64, train=other)
+    png = tmp_path / "c.png"
+    assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--out", str(png)]) == 1
+    assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--max-step", "30",
+                    "--out", str(png)]) == 0
