@@ -86,8 +86,13 @@ def read_summary(run_dir: str | Path) -> dict:
 
 
 def read_config(run_dir: str | Path) -> dict:
-    """`run_dir/.hydra/config.yaml` as a plain dict with interpolations left unresolved ({} if absent)."""
-    path = Path(run_dir) / ".hydra" / "config.yaml"
+    """The run's config as a plain dict: `run_dir/config.resolved.yaml` (written by the trainer when the run
+    starts, so a later refused command cannot change it), else Hydra's `.hydra/config.yaml` with
+    interpolations left unresolved ({} if neither exists). Hydra rewrites `.hydra/` for every command
+    pointed at the directory, even one the trainer then refuses."""
+    path = Path(run_dir) / "config.resolved.yaml"
+    if not path.is_file():
+        path = Path(run_dir) / ".hydra" / "config.yaml"
     if not path.is_file():
         return {}
     try:

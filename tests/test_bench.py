@@ -369,3 +369,15 @@ def test_compare_max_step(tmp_path, seed):
     assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--out", str(png)]) == 1
     assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--max-step", "30",
                     "--out", str(png)]) == 0
+
+
+def test_run_config_prefers_the_trainers_copy(tmp_path):
+    """Hydra rewrites .hydra/config.yaml for every command aimed at a run dir (also one the trainer then
+    refuses); the trainer's config.resolved.yaml, written when the run started, is the run's config."""
+    from bench import _rundir
+
+    d = make_run(tmp_path, "r", "sdpa", 128, train={1: 4.0})  # .hydra says seq_len 128 (a refused command)
+    assert _rundir.read_config(d)["seq_len"] == 128
+    (d / "config.resolved.yaml").write_text("attention:\n  name: sdpa\nseq_len: 256\n")
+    assert _rundir.read_config(d)["seq_len"] == 256
+    assert bc.load_run(d).label == "sdpa N=256"

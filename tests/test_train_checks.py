@@ -127,6 +127,9 @@ def test_batch_does_not_divide_tokens_per_step(expect_error):
         ("optim.lr", "inf", "optim.lr=inf is not a finite number"),
         ("optim.beta1", 1.5, "optim.beta1=1.5 must be in [0, 1)"),
         ("optim.weight_decay", -5, "optim.weight_decay=-5 must be >= 0"),
+        ("optim.lr", True, "optim.lr=True is not a finite number"),
+        ("seed", "abc", "seed='abc' must be a non-negative integer"),
+        ("data.val_fraction", 0.2, "was split with val_fraction=0.1, but data.val_fraction=0.2"),
     ],
 )
 def test_enum_and_range_errors(expect_error, key, value, expected):

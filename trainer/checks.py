@@ -122,7 +122,7 @@ def _multiples_near(n: int, unit: int) -> str:
 def _finite_float(key: str, value, example: str) -> float:
     """``float(value)``, or ConfigError naming ``key`` when it is not a finite number."""
     try:
-        x = float(value)
+        x = math.nan if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
         x = math.nan
     if not math.isfinite(x):
@@ -174,6 +174,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             bad enum values (dtype, compile, nonfinite, wandb.mode, parity.reference).
     """
     seq_len = _pos_int(cfg, "seq_len", cfg.seq_len, example=1024)
+    _pos_int(cfg, "seed", cfg.seed, allow_zero=True, example=1337)
     _pos_int(cfg, "max_steps", cfg.max_steps, example=1000)
     _pos_int(cfg, "log_interval", cfg.log_interval, example=10)
     _pos_int(cfg, "eval.interval", cfg.eval.interval, allow_zero=True, example=100)
@@ -366,8 +367,8 @@ def _prepared_meta(data_dir: Path) -> dict | None:
 
 
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
-    """Refuse to re-prepare a data directory that holds another corpus or tokenizer: other runs (and their
-    resumes) read it. The user points data.dir at a directory of its own instead."""
+    """Refuse to re-prepare a data directory that holds another corpus, tokenizer or train/val split: other
+    runs (and their resumes) read it. The user points data.dir at a directory of its own instead."""
     meta = _prepared_meta(data_dir)
     if meta is None:
         return
@@ -376,6 +377,16 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
         raise ConfigError(
             f"data.dir={cfg.data.dir} holds data tokenized with {meta.get('tokenizer')!r}, but "
             f"data.tokenizer={cfg.data.tokenizer}; {fix}"
+        )
+    try:
+        same_split = abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
+    except (TypeError, ValueError):
+        same_split = True  # an older meta.json without val_fraction: data.prepare decides
+    if not same_split:
+        raise ConfigError(
+            f"data.dir={cfg.data.dir} was split with val_fraction={meta.get('val_fraction')}, but "
+            f"data.val_fraction={cfg.data.val_fraction}; "
+            f"use data.val_fraction={meta.get('val_fraction')} or {fix}"
         )
     src = cfg.data.source
     if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
