@@ -3,14 +3,14 @@
     python train.py                                         # GPT-2 124M, sdpa, seq_len 1024
     python train.py experiment=cpu_tiny attention=naive     # tiny model on the CPU
     python train.py attention=sdpa seq_len=8192             # block size follows seq_len
-    python train.py resume=true out_dir=runs/<run>          # continue a run from its newest checkpoint
+    python train.py <run's overrides> resume=true out_dir=runs/<run>   # continue from the newest checkpoint
     python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384
     torchrun --nproc_per_node=N train.py ...                # DDP (NCCL on GPU, gloo on CPU)
 
-Run directory (``out_dir``, = Hydra's run dir): ``.hydra/`` (resolved config), ``metrics.jsonl``,
-``summary.json``, ``ckpt/``, ``wandb/``. Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``),
-1 non-finite loss, 2 config error, 128 + signal after SIGTERM/SIGINT (checkpoint saved). The training loop
-is in ``trainer/loop.py``.
+Run directory (``out_dir``, = Hydra's run dir): ``config.resolved.yaml``, ``.hydra/``, ``metrics.jsonl``,
+``summary.json``, ``train.log``, ``ckpt/``, ``wandb/``.
+Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss, 2 config error,
+128 + signal after SIGTERM/SIGINT (checkpoint saved). The training loop is in ``trainer/loop.py``.
 """
 
 from __future__ import annotations
