@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 training runs whose results are committed under bench/results/ and quoted in the README.
-# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | sweep | preempt)
+# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed | sweep | preempt)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
 PHASE=${1:?phase}
@@ -35,6 +35,34 @@ compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss l
     --window 20 --out "$OUT/compare.png" --json "$OUT/compare.json"
   python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive \
     --window 20 --max-step 300 --out "$OUT/compare_300.png" --json "$OUT/compare_300.json" ;;
+parity)  # issue-3 criterion over seeds, and its noise floor: 300-step runs at seq_len 1024 (same seed = same
+  # init and data). flash and sdpa (cuDNN here) for seeds 1337-1339; SDPA's own exact kernels (FlashAttention-2,
+  # efficient) for seed 1337; with WITH_FP32=1 also a float32 run without TF32 (closest to exact arithmetic).
+  p=(experiment=gpt2_shakespeare seq_len=1024 max_steps=300 compile=false batch.tokens_per_step=16384
+     log_interval=1 eval.interval=100 eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false
+     wandb.group=parity_n1024 "${common[@]}")
+  for s in 1337 1338 1339; do for a in flash sdpa; do
+    python train.py "${p[@]}" attention=$a seed=$s out_dir="$OUT/p300_${a}_s$s"
+  done; done
+  python train.py "${p[@]}" attention=sdpa attention.sdpa_backend=flash out_dir="$OUT/p300_sdpafa2_s1337"
+  python train.py "${p[@]}" attention=sdpa attention.sdpa_backend=efficient out_dir="$OUT/p300_sdpaeff_s1337"
+  [ -n "${WITH_FP32:-}" ] && python train.py "${p[@]}" attention=sdpa dtype=float32 tf32=false out_dir="$OUT/p300_fp32_s1337"
+  python -m bench.compare "$OUT"/p300_sdpa_s1337 "$OUT"/p300_flash_s1337 "$OUT"/p300_sdpafa2_s1337 \
+    "$OUT"/p300_sdpaeff_s1337 --window 20 --out "$OUT/parity_s1337.png" \
+    --json "$OUT/parity_s1337.json"
+  for s in 1338 1339; do
+    python -m bench.compare "$OUT"/p300_sdpa_s$s "$OUT"/p300_flash_s$s --window 20 \
+      --out "$OUT/parity_s$s.png" --json "$OUT/parity_s$s.json"
+  done ;;
+compare_seed)  # the 500-step comparison of `compare` with a second seed, plus SDPA's FlashAttention-2 at seed 1337
+  c=(experiment=gpt2_shakespeare seq_len=1024 max_steps=500 compile=false batch.tokens_per_step=16384 log_interval=1
+     eval.interval=100 eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false wandb.group=compare_n1024 "${common[@]}")
+  for a in flash sdpa naive; do
+    python train.py "${c[@]}" attention=$a seed=1338 out_dir="$OUT/compare_${a}_s1338"
+  done
+  python train.py "${c[@]}" attention=sdpa attention.sdpa_backend=flash out_dir="$OUT/compare_sdpafa2"
+  python -m bench.compare "$OUT"/compare_sdpa_s1338 "$OUT"/compare_flash_s1338 "$OUT"/compare_naive_s1338 \
+    --window 20 --out "$OUT/compare_s1338.png" --json "$OUT/compare_s1338.json" ;;
 sweep)  # context-length sweep, 100 steps each, eager (compile time would dominate 15 short runs)
   python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384 \
     compile=false batch.tokens_per_step=16384 "${common[@]}" hydra.sweep.dir="$OUT/sweep"

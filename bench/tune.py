@@ -7,6 +7,12 @@ separable: dK/dV candidates are timed with dQ at its default and vice versa (the
 launches, so their times add). Results go to --out as JSON lines; `bench/NOTES.md` records what was chosen.
 
     python -m bench.tune --seqlens 1024,4096,16384 --headdims 64,128 --out /tmp/tune.jsonl
+
+`--kernels bwd` is the joint backward search: each candidate is a (dK/dV tile, dQ tile, fused or two
+launches) plan, timed like `bench/attention.py` times a provider -- forward+backward through
+`flash_attention`'s autograd, minus the forward -- so host-side costs between launches count too.
+
+    python -m bench.tune --kernels bwd --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
 """
 
 from __future__ import annotations
@@ -37,6 +43,85 @@ def candidates(kernel: str, d: int):
         yield TileConfig(bm, bn, w, s)
 
 
+def bwd_plans(d: int):
+    """Candidate backward plans (dkdv TileConfig, dq TileConfig, fused) for the joint search."""
+    T = TileConfig
+    if d >= 128:
+        for s in (2, 3):
+            for dq in ((128, 32), (128, 64), (64, 64)):
+                yield T(64, 128, 8, s), T(*dq, 8, s), True
+        for dq in ((128, 32), (64, 64)):
+            yield T(64, 64, 8, 3), T(*dq, 8, 3), True
+        yield T(32, 128, 8, 3), T(128, 32, 8, 3), True
+    else:
+        for dkdv in ((64, 128), (64, 64), (32, 128), (128, 64)):
+            for dq in ((128, 64), (64, 64), (128, 32)):
+                yield T(*dkdv, 8, 3), T(*dq, 8, 3), True
+        for dkdv in ((64, 64), (32, 64), (32, 128)):
+            for dq in ((64, 64), (64, 32)):
+                yield T(*dkdv, 4, 3), T(*dq, 4, 3), True
+        yield T(64, 128, 8, 2), T(128, 64, 8, 2), True
+
+
+def time_autograd(q, k, v, do, dkdv, dq, fused):
+    """(fwd+bwd ms, fwd ms) through flash_attention's autograd with the given backward plan."""
+    from kernels import flash_attention
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        return flash_attention(*leaves, causal=True)
+
+    def fwdbwd():
+        fwd().backward(do)
+
+    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, fuse_bwd=fused):
+        try:
+            fwdbwd()
+            torch.cuda.synchronize()
+        except Exception as e:  # out of shared memory / registers: skip the plan
+            return None, None, type(e).__name__
+        t_all = triton.testing.do_bench(fwdbwd, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
+        t_fwd = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    return t_all, t_fwd, None
+
+
+def tune_bwd(a, out) -> None:
+    """Joint backward search (see the module docstring); prints the best plan per (d, N)."""
+    dev = torch.device("cuda")
+    for d in map(int, a.headdims.split(",")):
+        for n in map(int, a.seqlens.split(",")):
+            b, h = max(1, a.tokens // n), a.hidden // d
+            gen = torch.Generator(device=dev).manual_seed(n * 1000 + d)
+            q, k, v, do = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen)
+                           for _ in range(4))
+            bwd_flops = 2.5 * 2 * b * h * n * n * d
+            d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
+            d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
+            plans = [(d1, d2, False), (d1, d2, None)] + list(bwd_plans(d))
+            rows, t0 = [], time.time()
+            for dkdv, dq, fused in plans:
+                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, fused)
+                tag = "default" if fused is None else ("fused" if fused else "two")
+                rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=list(dkdv.__dict__.values()),
+                           dq=list(dq.__dict__.values()), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd, err=err)
+                if t_all is not None:
+                    rec["bwd_tflops"] = bwd_flops / (t_all - t_fwd) / 1e9
+                    rows.append((t_all - t_fwd, dkdv, dq, tag))
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                print(f"  d={d} N={n} {tag:7s} dkdv={tuple(dkdv.__dict__.values())} "
+                      f"dq={tuple(dq.__dict__.values())}: "
+                      + (f"bwd {t_all - t_fwd:.3f} ms {rec['bwd_tflops']:.0f} TF/s" if err is None else err),
+                      flush=True)
+            rows.sort(key=lambda r: r[0])
+            ms, dkdv, dq, tag = rows[0]
+            print(f"BEST bwd d={d} N={n}: {tag} dkdv={dkdv} dq={dq} {ms:.3f} ms "
+                  f"({bwd_flops / ms / 1e9:.0f} TF/s) [{time.time() - t0:.0f}s]", flush=True)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+
+
 def time_config(kernel, cfg, q, k, v, o, lse, do, scale):
     with override_tile_config(**{kernel: cfg}):
         if kernel == "fwd":
@@ -62,6 +147,10 @@ def main() -> None:
     a = p.parse_args()
     dev = torch.device("cuda")
     out = open(a.out, "a")
+    if a.kernels == "bwd":
+        tune_bwd(a, out)
+        out.close()
+        return
     best = {}
     for d in map(int, a.headdims.split(",")):
         for n in map(int, a.seqlens.split(",")):

@@ -290,7 +290,8 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-def _bwd_dkdv_kernel(
+def _bwd_dkdv_program(
+    pid_n, hk, b,
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -302,14 +303,12 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dK, dV of one key/value block (paper section 3.2, K/V block is the outer loop).
+    """dK, dV of key/value block `pid_n` of kv head `hk` (int64) in batch `b` (int64).
 
-    Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
-    over the query blocks that can see this key block; P is recomputed from q, k and LSE.
+    Paper section 3.2 with the K/V block as the outer loop: loops over the GROUP query heads that
+    share this kv head and over the query blocks that can see this key block; P is recomputed from
+    q, k and LSE. Used by `_bwd_dkdv_kernel` and by the fused `_bwd_kernel`.
     """
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
     n0 = pid_n * BLOCK_N
     n0_64 = tl.cast(n0, tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -365,6 +364,33 @@ def _bwd_dkdv_kernel(
                 dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
 
 
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dK, dV (paper section 3.2). Grid: (cdiv(Nk, BLOCK_N), Hkv, B); see `_bwd_dkdv_program`."""
+    _bwd_dkdv_program(
+        tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+        Q, K, V, DO, LSE, DELTA, DK, DV,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+        H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+
+
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, lo, hi,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
@@ -393,7 +419,8 @@ def _bwd_dq_inner(
     return dq
 
 
-def _bwd_dq_kernel(
+def _bwd_dq_program(
+    pid_m, h, b,
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -404,15 +431,12 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """dQ of one query block (paper section 3.2, separate kernel so no atomics are needed).
+    """dQ of query block `pid_m` of query head `h` (int64) in batch `b` (int64).
 
-    Grid: (cdiv(Nq, BLOCK_M), Hq, B); loops over the visible key blocks like the forward.
+    Paper section 3.2, computed by its own program (not accumulated from the dK/dV programs) so no
+    atomics are needed; loops over the visible key blocks like the forward. Used by `_bwd_dq_kernel`
+    and by the fused `_bwd_kernel`.
     """
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     m0_64 = tl.cast(m0, tl.int64)
@@ -452,17 +476,104 @@ def _bwd_dq_kernel(
                 dq.to(DQ.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
 
 
+def _bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """dQ (paper section 3.2). Grid: (cdiv(Nq, BLOCK_M), Hq, B); see `_bwd_dq_program`."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
+    _bwd_dq_program(
+        pid_m, tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
+        Q, K, V, DO, LSE, DELTA, DQ,
+        stride_qb, stride_qh, stride_qm, stride_qd,
+        stride_kb, stride_kh, stride_kn, stride_kd,
+        stride_vb, stride_vh, stride_vn, stride_vd,
+        stride_dob, stride_doh, stride_dom, stride_dod,
+        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+    )
+
+
+def _bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2, N_KV_BLOCKS, N_Q_BLOCKS,
+    CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
+):
+    """The whole backward after the Delta pass in one launch: dK/dV programs and dQ programs.
+
+    Grid: (N_KV_BLOCKS + GROUP * N_Q_BLOCKS, Hkv, B). Programs 0 .. N_KV_BLOCKS-1 of kv head hk
+    compute dK/dV of key block pid (tiles BLOCK_M1 x BLOCK_N1, `_bwd_dkdv_program`); the rest compute
+    dQ of one query block of one of the GROUP query heads of hk (tiles BLOCK_M2 x BLOCK_N2,
+    `_bwd_dq_program`), heaviest causal blocks first in both parts. Same arithmetic as the two
+    separate kernels (bitwise-identical results for the same tiles), one launch instead of two, and
+    the tail of one part overlaps the other. Every output element still has exactly one writer.
+    """
+    pid = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if pid < N_KV_BLOCKS:
+        _bwd_dkdv_program(
+            pid, hk, b,
+            Q, K, V, DO, LSE, DELTA, DK, DV,
+            stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+            stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+            H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+            CAUSAL, BLOCK_M1, BLOCK_N1, BLOCK_D, EVEN_M1, EVEN_N1, EVEN_D, DOT_PRECISION,
+        )
+    else:
+        j = pid - N_KV_BLOCKS
+        g = j // N_Q_BLOCKS
+        pid_m = j - g * N_Q_BLOCKS
+        if CAUSAL:
+            pid_m = N_Q_BLOCKS - 1 - pid_m  # heaviest query blocks first
+        _bwd_dq_program(
+            pid_m, hk * GROUP + g, b,
+            Q, K, V, DO, LSE, DELTA, DQ,
+            stride_qb, stride_qh, stride_qm, stride_qd,
+            stride_kb, stride_kh, stride_kn, stride_kd,
+            stride_vb, stride_vh, stride_vn, stride_vd,
+            stride_dob, stride_doh, stride_dom, stride_dod,
+            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+            H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+            CAUSAL, BLOCK_M2, BLOCK_N2, BLOCK_D, EVEN_M2, EVEN_N2, EVEN_D, DOT_PRECISION,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # building JIT / interpreter versions on demand
 # ---------------------------------------------------------------------------------------------
 
 _HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
-            _bwd_dkdv_inner, _bwd_dq_inner)
+            _bwd_dkdv_inner, _bwd_dq_inner, _bwd_dkdv_program, _bwd_dq_program)
 _KERNELS = {
     "fwd": _fwd_kernel,
     "bwd_pre": _bwd_preprocess_kernel,
     "bwd_dkdv": _bwd_dkdv_kernel,
     "bwd_dq": _bwd_dq_kernel,
+    "bwd": _bwd_kernel,
 }
 _INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
 _BUILT: dict = {}
@@ -493,7 +604,7 @@ def _clone(fn, namespace: dict):
 
 
 def build_kernels(interpret: bool) -> dict:
-    """Return {"fwd", "bwd_pre", "bwd_dkdv", "bwd_dq"} -> launchable kernel, built once per mode.
+    """Return {"fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd"} -> launchable kernel, built once per mode.
 
     interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
     interpret=True : `triton.runtime.interpreter.InterpretedFunction`s (TRITON_INTERPRET=1, CPU).

@@ -27,7 +27,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
-_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
+_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "N_KV_BLOCKS", "N_Q_BLOCKS")
+# the fused dK/dV + dQ kernel: tiles of "bwd_dkdv" (M1, N1, warps, stages) and "bwd_dq" (M2, N2)
+FUSED_BWD = "bwd"
 
 
 @dataclass
@@ -51,9 +53,12 @@ class CompileInfo:
 
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
-                   config: TileConfig | None = None, arch: int = 90, gqa: bool = False) -> CompileInfo:
+                   config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
+                   config2: TileConfig | None = None) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
+    kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
+    config, `config2` its dQ tile; defaults from `get_tile_config`).
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -62,16 +67,24 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
 
     from ._triton_kernels import build_kernels
 
-    if kernel not in KERNEL_NAMES:
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
-    cfg = config or get_tile_config(kernel, head_dim, dtype, causal, 1 << 20, 1 << 20)
+    if kernel not in KERNEL_NAMES + (FUSED_BWD,):
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES + (FUSED_BWD,)}")
+    big = 1 << 20
+    if kernel == FUSED_BWD:
+        cfg = config or get_tile_config("bwd_dkdv", head_dim, dtype, causal, big, big)
+        cfg2 = config2 or get_tile_config("bwd_dq", head_dim, dtype, causal, big, big)
+    else:
+        cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
+        cfg2 = cfg
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=False,
                   EVEN_N=False, EVEN_D=head_dim == block_d, HAS_DLSE=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+                  BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=False, EVEN_N1=False,
+                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False)
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
         if name in _TENSORS or name in _F32_TENSORS:
@@ -83,7 +96,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
             signature[name], constants[name] = "constexpr", 1
         elif name.startswith("stride_") or name in _INTS:
             signature[name] = "i32"
-            if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K"):
+            if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K", "N_KV_BLOCKS", "N_Q_BLOCKS"):
                 divisible.append(i)
         elif name in ("scale_log2", "softmax_scale"):
             signature[name] = "fp32"
@@ -111,7 +124,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=KERNEL_NAMES)
+    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES) + [FUSED_BWD],
+                   choices=list(KERNEL_NAMES) + [FUSED_BWD])
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])
     p.add_argument("--arch", type=int, default=90, help="SM version, e.g. 90 for H100/H200, 80 for A100")

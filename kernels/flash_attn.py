@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from .tiles import block_d_for, get_tile_config
+from .tiles import block_d_for, get_tile_config, use_fused_bwd
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -248,24 +248,39 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        cfg = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        kern["bwd_dkdv"][(_cdiv(Nk, cfg.block_n), Hkv, B)](
-            q, k, v, do, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E,
-            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        cfg = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        kern["bwd_dq"][(_cdiv(Nq, cfg.block_m), Hq, B)](
-            q, k, v, do, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E,
-            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
+        c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
+        scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
+        if use_fused_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
+            n_kv_blocks, n_q_blocks = _cdiv(Nk, c1.block_n), _cdiv(Nq, c2.block_m)
+            kern["bwd"][(n_kv_blocks + (Hq // Hkv) * n_q_blocks, Hkv, B)](
+                q, k, v, do, lse, delta, dq, dk, dv,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
+                *scale_args, n_kv_blocks, n_q_blocks,
+                CAUSAL=causal, BLOCK_D=block_d, EVEN_D=even_d, DOT_PRECISION=prec,
+                BLOCK_M1=c1.block_m, BLOCK_N1=c1.block_n,
+                EVEN_M1=Nq % c1.block_m == 0, EVEN_N1=Nk % c1.block_n == 0,
+                BLOCK_M2=c2.block_m, BLOCK_N2=c2.block_n,
+                EVEN_M2=Nq % c2.block_m == 0, EVEN_N2=Nk % c2.block_n == 0,
+                num_warps=c1.num_warps, num_stages=c1.num_stages,
+            )
+        else:
+            kern["bwd_dkdv"][(_cdiv(Nk, c1.block_n), Hkv, B)](
+                q, k, v, do, lse, delta, dk, dv,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                *scale_args,
+                CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
+                EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
+                DOT_PRECISION=prec, num_warps=c1.num_warps, num_stages=c1.num_stages,
+            )
+            kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
+                q, k, v, do, lse, delta, dq,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                *scale_args,
+                CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
+                EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
+                DOT_PRECISION=prec, num_warps=c2.num_warps, num_stages=c2.num_stages,
+            )
     return dq, dk, dv
 
 

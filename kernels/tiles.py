@@ -8,9 +8,13 @@
 * "bwd_dkdv" : dK/dV; BLOCK_N keys per program (outer), streams BLOCK_M query rows at a time.
 * "bwd_dq"   : dQ; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
 
-The GPU values are starting points for Hopper (H100/H200, 227 KB shared memory per block); they
-have not been tuned yet. Under TRITON_INTERPRET=1 (CPU testing) small blocks are used so the tests
-are quick and still cover several blocks, the diagonal and the sequence end.
+`use_fused_bwd(...)` says whether the dK/dV and dQ programs run as one launch (the fused `_bwd_kernel`,
+with the "bwd_dkdv" and "bwd_dq" tiles and the "bwd_dkdv" num_warps / num_stages) or as two kernels
+(the default; see its docstring).
+
+The GPU values were tuned on the H200 (`python -m bench.tune`, bench/NOTES.md). Under TRITON_INTERPRET=1
+(CPU testing) small blocks are used so the tests are quick and still cover several blocks, the diagonal
+and the sequence end.
 
 Tile sizes never change the math: every configuration computes the same result up to float32
 rounding (the tests check this with `override_tile_config`).
@@ -47,28 +51,36 @@ def block_d_for(head_dim: int) -> int:
 
 
 _OVERRIDES: dict[str, TileConfig] = {}
+_FUSE_OVERRIDE: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
-def override_tile_config(**configs: TileConfig) -> Iterator[None]:
+def override_tile_config(*, fuse_bwd: bool | None = None, **configs: TileConfig) -> Iterator[None]:
     """Temporarily force tile configs, e.g. `with override_tile_config(fwd=TileConfig(32, 16, 4, 1)):`.
 
-    Keys are kernel names (see KERNEL_NAMES). Meant for tests and tuning; not thread-safe.
+    Keys are kernel names (see KERNEL_NAMES); `fuse_bwd=True/False` forces the fused / two-kernel
+    backward (None: the default choice of `use_fused_bwd`). Meant for tests and tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
+    if fuse_bwd is not None and not isinstance(fuse_bwd, bool):
+        raise ValueError(f"fuse_bwd must be True, False or None, got {fuse_bwd!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES:
             raise ValueError(f"unknown kernel {name!r}; expected one of {KERNEL_NAMES}")
         for blk in (cfg.block_m, cfg.block_n):
             if blk < 16 or blk & (blk - 1):
                 raise ValueError(f"{name}: block sizes must be powers of two >= 16, got {cfg}")
-    saved = dict(_OVERRIDES)
+    saved, saved_fuse = dict(_OVERRIDES), dict(_FUSE_OVERRIDE)
     _OVERRIDES.update(configs)
+    if fuse_bwd is not None:
+        _FUSE_OVERRIDE["fuse"] = fuse_bwd
     try:
         yield
     finally:
         _OVERRIDES.clear()
         _OVERRIDES.update(saved)
+        _FUSE_OVERRIDE.clear()
+        _FUSE_OVERRIDE.update(saved_fuse)
 
 
 def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: int) -> TileConfig:
@@ -154,3 +166,19 @@ def get_tile_config(
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
     return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages)
+
+
+def use_fused_bwd(
+    head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int, *, interpret: bool = False
+) -> bool:
+    """Whether the backward runs its dK/dV and dQ programs in one launch (`_bwd_kernel`).
+
+    Default: two launches (dK/dV kernel, then dQ kernel) at every shape. The fused launch was measured
+    on the H200 (`python -m bench.tune --kernels bwd`, bench/NOTES.md, variant v2) and was never
+    faster beyond noise: one launch has one register allocation, the larger one of the dK/dV program,
+    which halves the occupancy of the dQ programs. `override_tile_config(fuse_bwd=True)` selects it
+    (it then uses the dK/dV config's num_warps / num_stages). Both paths compute bitwise-identical
+    gradients for the same tiles (same code per program).
+    """
+    del head_dim, dtype, causal, n_q, n_k, interpret  # the choice does not depend on the shape (yet)
+    return _FUSE_OVERRIDE.get("fuse", False)

@@ -303,6 +303,38 @@ def test_tile_configs_agree(seed, configs):
     check_against_reference(seed, ours, ref, F32, f"tiles={configs}")
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_fused_backward_equals_two_kernels_bitwise(seed, causal):
+    """The fused backward launch (dK/dV and dQ programs in one grid) runs the same per-program code as
+    the two separate kernels: same tiles -> bitwise-identical gradients; and both match float64.
+    GQA (Hq=4, Hkv=2, so the dQ programs of two query heads share a kv head's grid row), Nq != Nk."""
+    q, k, v, do = make_inputs(seed, 2, 4, 2, 45, 77, 24, F32)
+    tiles = dict(bwd_dkdv=TileConfig(16, 32, 4, 1), bwd_dq=TileConfig(32, 16, 4, 1))
+    with override_tile_config(fuse_bwd=True, **tiles):
+        fused = run_flash(q, k, v, do, causal)
+    with override_tile_config(fuse_bwd=False, **tiles):
+        split = run_flash(q, k, v, do, causal)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), fused, split, strict=True):
+        assert torch.equal(a, b), f"seed={seed} causal={causal}: {name} differs between fused and split"
+    ref = run_reference(q, k, v, do, causal, 1.0 / math.sqrt(24))
+    check_against_reference(seed, fused, ref, F32, f"fused causal={causal}")
+
+
+def test_fuse_bwd_default_and_override():
+    """Default: two launches (the fused one was not faster on the H200); the override selects either."""
+    from kernels.tiles import use_fused_bwd
+
+    assert not use_fused_bwd(64, torch.bfloat16, True, 1024, 1024)
+    with override_tile_config(fuse_bwd=True):
+        assert use_fused_bwd(64, torch.bfloat16, True, 1024, 1024)
+        with override_tile_config(fuse_bwd=False):
+            assert not use_fused_bwd(128, torch.float16, True, 4096, 4096)
+        assert use_fused_bwd(64, torch.bfloat16, True, 1024, 1024)
+    with pytest.raises(ValueError, match="fuse_bwd"):
+        with override_tile_config(fuse_bwd="yes"):
+            pass
+
+
 def test_tile_config_values():
     """Every GPU/interpreter config: power-of-two blocks >= 16 (tl.dot minimum), sane warps/stages."""
     for interp in (False, True):
@@ -440,7 +472,7 @@ def test_gpu_kernels_compile_for_sm90():
         "import os, sys, torch, triton\n"
         "if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)\n"
         "from kernels.compile_report import compile_kernel\n"
-        "for kernel in ('fwd', 'bwd_pre', 'bwd_dkdv', 'bwd_dq'):\n"
+        "for kernel in ('fwd', 'bwd_pre', 'bwd_dkdv', 'bwd_dq', 'bwd'):\n"
         "    info = compile_kernel(kernel, torch.bfloat16, 80, gqa=True)\n"
         "    assert info.shared_bytes <= 227 * 1024, info.line()\n"
         "    print(info.line())\n"

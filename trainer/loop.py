@@ -164,8 +164,9 @@ class Trainer:
             self.device = torch.device("cuda", d.local_rank)
             torch.cuda.set_device(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)  # a previous multirun job's peak is not ours
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            tf32 = bool(cfg.get("tf32", True))  # false: float32 runs use full-precision matmuls
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
         else:
             self.device = torch.device("cpu")
         if cfg.deterministic:
