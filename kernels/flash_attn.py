@@ -10,6 +10,8 @@ breaks:
 * `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)`
 * `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`
 Both have fake (meta) implementations; autograd of the forward op calls the backward op.
+`flash_attention` calls the custom op while torch.compile traces and, in eager mode, an equivalent
+torch.autograd.Function over the same launchers (no custom-op dispatch: less host time per call).
 Validation happens in `flash_attention` (the Python wrapper), before the op and any Triton launch.
 
 Interpreter: kernels run under the Triton interpreter when the environment variable
@@ -346,6 +348,34 @@ def _backward(ctx, do, dlse):
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _FlashAttnEager(torch.autograd.Function):
+    """Eager-mode autograd of the same launchers as the custom ops, without the custom-op dispatcher.
+
+    `flash_attention` uses this outside torch.compile and the custom op `flashgpt::flash_attn_fwd`
+    while dynamo traces (`torch.compiler.is_compiling()`). Same kernels, same tiles, so both paths give
+    bitwise-identical outputs and gradients (tested); this one saves the host time of the custom op's
+    dispatch and its Python autograd wrapper, which at short sequences (N <= 1024) is comparable to the
+    kernels' own run time (bench/NOTES.md, "Short sequences").
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, softmax_scale):
+        o, lse = _launch_fwd(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal = causal
+        ctx.softmax_scale = softmax_scale
+        ctx.set_materialize_grads(False)  # an unused lse output gets None, not a tensor of zeros
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _launch_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
+        return dq, dk, dv, None, None
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 # ---------------------------------------------------------------------------------------------
@@ -376,7 +406,9 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     Returns:
         o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
-        Both are differentiable (custom op flashgpt::flash_attn_fwd with registered autograd).
+        Both are differentiable: under torch.compile through the custom op flashgpt::flash_attn_fwd
+        (registered autograd and fake implementation, no graph break), in eager mode through an
+        autograd.Function calling the same kernels (bitwise-identical results, less host overhead).
     Raises (before any kernel launch):
         TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
             non-numeric softmax_scale.
@@ -389,5 +421,8 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     _validate(q, k, v, causal, softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    o, lse = flash_attn_fwd(q, k, v, causal, scale)
+    if torch.compiler.is_compiling():
+        o, lse = flash_attn_fwd(q, k, v, causal, scale)  # the custom op: traced as one node, no graph break
+    else:
+        o, lse = _FlashAttnEager.apply(q, k, v, causal, scale)  # same kernels, less host time per call
     return (o, lse) if return_lse else o
