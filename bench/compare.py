@@ -64,6 +64,10 @@ def load_run(path: str | Path) -> Run:
     backend, seq_len = _rundir.attention_label(cfg, summary), _rundir.seq_len_of(cfg, summary)
     if backend is not None:
         label = backend + (f" N={seq_len}" if seq_len is not None else "")
+        dtype = _rundir.cfg_get(cfg, "dtype")
+        if dtype in ("float32", "bfloat16"):  # an explicit dtype (not "auto") is part of what is compared
+            no_tf32 = dtype == "float32" and _rundir.cfg_get(cfg, "tf32") is False
+            label += f" {dtype}" + (" no-TF32" if no_tf32 else "")
     else:
         label = run_dir.resolve().name
     return Run(run_dir, label, train, _rundir.series(rows, "val/loss"))
