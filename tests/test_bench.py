@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -278,7 +279,14 @@ def test_report_wandb_offline(tmp_path, seed, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_SILENT", "true")
     assert br.main([str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--wandb"]) == 0
     assert "group 'sweep-test'" in capsys.readouterr().out
-    files = list((tmp_path / "o" / "wandb").rglob("*.wandb"))
+    # run.finish() returns when wandb's service has the data; in this (still running) process the service
+    # may write the offline file a moment later, so wait for it (bounded) instead of reading once
+    deadline = time.monotonic() + 60
+    while True:
+        files = list((tmp_path / "o" / "wandb").rglob("*.wandb"))
+        if (files and b"report/table" in files[0].read_bytes()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert files and b"report/table" in files[0].read_bytes()
 
 
