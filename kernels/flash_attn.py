@@ -355,7 +355,7 @@ class _FlashAttnEager(torch.autograd.Function):
     while dynamo traces (`torch.compiler.is_compiling()`). Same kernels, same tiles, so both paths give
     bitwise-identical outputs and gradients (tested); this one saves the host time of the custom op's
     dispatch and its Python autograd wrapper, which at short sequences (N <= 1024) is comparable to the
-    kernels' own run time (bench/NOTES.md, "Short sequences").
+    kernels' own run time (bench/NOTES.md, variant v3).
     """
 
     @staticmethod
