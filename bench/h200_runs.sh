@@ -62,7 +62,10 @@ compare_seed)  # the 500-step comparison of `compare` with a second seed, plus S
   done
   python train.py "${c[@]}" attention=sdpa attention.sdpa_backend=flash out_dir="$OUT/compare_sdpafa2"
   python -m bench.compare "$OUT"/compare_sdpa_s1338 "$OUT"/compare_flash_s1338 "$OUT"/compare_naive_s1338 \
-    --window 20 --out "$OUT/compare_s1338.png" --json "$OUT/compare_s1338.json" ;;
+    --window 20 --out "$OUT/compare_s1338.png" --json "$OUT/compare_s1338.json"
+  # needs the `compare` phase's runs: SDPA's two exact kernels against each other, beside flash and naive
+  python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive "$OUT"/compare_sdpafa2 \
+    --window 20 --out "$OUT/compare_noise.png" --json "$OUT/compare_noise.json" ;;
 sweep)  # context-length sweep, 100 steps each, eager (compile time would dominate 15 short runs)
   python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384 \
     compile=false batch.tokens_per_step=16384 "${common[@]}" hydra.sweep.dir="$OUT/sweep"
