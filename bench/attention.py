@@ -668,6 +668,10 @@ def markdown_report(records: Sequence[dict], meta: dict) -> str:
         "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference "
         "(not timed), — = not measured",
     ]
+    for inv in meta.get("invocations") or ():
+        lines.append(f"- merged (`--merge`): N = {inv.get('seqlens')}, d = {inv.get('headdims')}, providers "
+                     f"{inv.get('providers')} measured {inv.get('date')} (torch {inv.get('torch')}, "
+                     f"triton {inv.get('triton')})")
     if meta.get("dry_run"):
         lines.append("- **dry run** (CPU plumbing check): numbers are meaningless")
 
@@ -865,6 +869,17 @@ def merge_records(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
     return merged + [r for r in new if key(r) in fresh]
 
 
+_INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "torch", "triton", "gpu")
+
+
+def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
+    """The invocations whose records a merged file holds, oldest first: those listed in `previous_meta`
+    (or `previous_meta` itself when it lists none), then this one. Each: date, seqlens, headdims,
+    providers, torch, triton, gpu -- so a merged table says when each row was measured."""
+    earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
+    return [{k: m.get(k) for k in _INVOCATION_KEYS} for m in (*earlier, meta)]
+
+
 def write_outputs(records: Sequence[dict], meta: dict, out_dir: str | Path, tag: str,
                   *, png: bool = True) -> dict[str, Path]:
     """Write attention_<tag>.json/.md (and .png unless `png` is False) into `out_dir` (created);
@@ -988,10 +1003,12 @@ def main(argv: Sequence[str] | None = None) -> int:
            default_tol[1] if args.rtol_grad is None else args.rtol_grad)
     tag = args.tag or default_tag(device)
     previous: list[dict] = []
+    previous_meta: dict = {}
     if args.merge and output_paths(args.out, tag)["json"].is_file():
         try:
-            previous = json.loads(output_paths(args.out, tag)["json"].read_text())["records"]
-        except (OSError, ValueError, KeyError) as exc:
+            old = json.loads(output_paths(args.out, tag)["json"].read_text())
+            previous, previous_meta = old["records"], old.get("metadata") or {}
+        except (OSError, ValueError, KeyError, AttributeError) as exc:
             print(f"error: --merge: cannot read {output_paths(args.out, tag)['json']} ({exc}); "
                   f"fix or move it, or run without --merge", file=sys.stderr)
             return 2
@@ -1002,6 +1019,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tolerance={"o_abs": tol[0], "grad_rel": tol[1]},
         injected_failures=inject or None, merged_with_previous=bool(previous), complete=False,
     )
+    if previous:
+        meta["invocations"] = merged_invocations(previous_meta, meta)
 
     def save_partial(recs: list[dict]) -> None:
         write_outputs(merge_records(previous, recs), meta, args.out, tag, png=False)

@@ -95,6 +95,20 @@ def test_attention_dry_run_flash(tmp_path):
         _check_flops(r)
 
 
+def test_attention_merge_records_invocations(tmp_path):
+    """Two invocations with one tag and --merge: the file holds both runs' rows, and its metadata and
+    markdown say which seqlens were measured when."""
+    first = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--cpu-reps", "1")
+    assert "invocations" not in first["metadata"]
+    data = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "32", "--cpu-reps", "1", "--merge")
+    assert sorted({r["N"] for r in data["records"]}) == [16, 32]
+    inv = data["metadata"]["invocations"]
+    assert [i["seqlens"] for i in inv] == [[16], [32]]
+    assert inv[0]["date"] == first["metadata"]["date"]
+    md = (tmp_path / "attention_cpu.md").read_text()
+    assert md.count("merged (`--merge`)") == 2 and "N = [16]" in md and "N = [32]" in md
+
+
 def test_flops_formula():
     assert ba.attention_flops(2, 3, 5, 7, "fwd") == 2 * 2 * 3 * 5 * 5 * 7
     assert ba.attention_flops(2, 3, 5, 7, "bwd") == 2.5 * 2 * 2 * 3 * 5 * 5 * 7
