@@ -86,15 +86,21 @@ def time_autograd(q, k, v, do, dkdv, dq, fused):
     return t_all, t_fwd, None
 
 
+def shape_inputs(a, n: int, d: int, dev: torch.device):
+    """(B, H, (q, k, v, dO)) for one benchmark shape: B = max(1, tokens // N), H = hidden // d, bf16
+    standard normal from a generator seeded by (N, d), so every search sees the same data per shape."""
+    b, h = max(1, a.tokens // n), a.hidden // d
+    gen = torch.Generator(device=dev).manual_seed(n * 1000 + d)
+    qkvdo = tuple(torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    return b, h, qkvdo
+
+
 def tune_bwd(a, out) -> None:
     """Joint backward search (see the module docstring); prints the best plan per (d, N)."""
     dev = torch.device("cuda")
     for d in map(int, a.headdims.split(",")):
         for n in map(int, a.seqlens.split(",")):
-            b, h = max(1, a.tokens // n), a.hidden // d
-            gen = torch.Generator(device=dev).manual_seed(n * 1000 + d)
-            q, k, v, do = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen)
-                           for _ in range(4))
+            b, h, (q, k, v, do) = shape_inputs(a, n, d, dev)
             bwd_flops = 2.5 * 2 * b * h * n * n * d
             d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
             d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
@@ -154,10 +160,7 @@ def main() -> None:
     best = {}
     for d in map(int, a.headdims.split(",")):
         for n in map(int, a.seqlens.split(",")):
-            b, h = max(1, a.tokens // n), a.hidden // d
-            gen = torch.Generator(device=dev).manual_seed(n * 1000 + d)
-            q, k, v, do = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen)
-                           for _ in range(4))
+            b, h, (q, k, v, do) = shape_inputs(a, n, d, dev)
             scale = 1 / math.sqrt(d)
             o, lse = _launch_fwd(q, k, v, True, scale)
             flops_fwd = 2 * b * h * n * n * d

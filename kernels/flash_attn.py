@@ -337,12 +337,18 @@ def _setup_context(ctx, inputs, output):
     ctx.softmax_scale = softmax_scale
 
 
-def _backward(ctx, do, dlse):
+def _grads_from_saved(ctx, do, dlse, backward_fn):
+    """(dq, dk, dv, None, None) from the tensors the forward saved; `backward_fn` has the signature of
+    `flash_attn_bwd` (the custom op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = flash_attn_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
+    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
     return dq, dk, dv, None, None
+
+
+def _backward(ctx, do, dlse):
+    return _grads_from_saved(ctx, do, dlse, flash_attn_bwd)
 
 
 flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -369,11 +375,7 @@ class _FlashAttnEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv = _launch_bwd(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
-        return dq, dk, dv, None, None
+        return _grads_from_saved(ctx, do, dlse, _launch_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
