@@ -870,14 +870,45 @@ def merge_records(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
 
 
 _INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "torch", "triton", "gpu")
+# settings that make rows of two invocations incomparable (a merged table has one header for them)
+_MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run")
+
+
+def read_for_merge(path: Path) -> tuple[list[dict], dict]:
+    """(records, metadata) of an existing results JSON, checked to have the shape this script writes.
+    Raises ValueError (with what is wrong) for invalid JSON or another structure; OSError if unreadable."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError('expected an object with a "records" list')
+    meta = data.get("metadata", {})
+    if not isinstance(meta, dict):
+        raise ValueError('"metadata" must be an object')
+    for r in data["records"]:
+        if not isinstance(r, dict) or not {"provider", "N", "d", "mode"} <= set(r):
+            raise ValueError(f"a record lacks provider/N/d/mode: {str(r)[:80]}")
+    return data["records"], meta
+
+
+def merge_clash(previous_meta: dict, meta: dict) -> str | None:
+    """Which table-wide setting differs between an existing file and this invocation, or None."""
+    diffs = [f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})" for k in _MERGE_MUST_MATCH
+             if k in previous_meta and previous_meta[k] != meta.get(k)]
+    return ", ".join(diffs) or None
 
 
 def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
     """The invocations whose records a merged file holds, oldest first: those listed in `previous_meta`
-    (or `previous_meta` itself when it lists none), then this one. Each: date, seqlens, headdims,
-    providers, torch, triton, gpu -- so a merged table says when each row was measured."""
+    (or `previous_meta` itself when it lists none), then this one. An earlier invocation whose every
+    (N, d, provider) this one measured again is dropped (none of its rows is left). Each entry: date,
+    seqlens, headdims, providers, torch, triton, gpu -- so a merged table says when each row was measured."""
+    def cells(m: dict) -> set:
+        return {(n, d, p) for n in m.get("seqlens") or () for d in m.get("headdims") or ()
+                for p in m.get("providers") or ()}
+
     earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
-    return [{k: m.get(k) for k in _INVOCATION_KEYS} for m in (*earlier, meta)]
+    redone = cells(meta)
+    kept = [m for m in earlier if not (cells(m) and cells(m) <= redone)]
+    return [{k: m.get(k) for k in _INVOCATION_KEYS} for m in (*kept, meta)]
 
 
 def write_outputs(records: Sequence[dict], meta: dict, out_dir: str | Path, tag: str,
@@ -1006,9 +1037,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous_meta: dict = {}
     if args.merge and output_paths(args.out, tag)["json"].is_file():
         try:
-            old = json.loads(output_paths(args.out, tag)["json"].read_text())
-            previous, previous_meta = old["records"], old.get("metadata") or {}
-        except (OSError, ValueError, KeyError, AttributeError) as exc:
+            previous, previous_meta = read_for_merge(output_paths(args.out, tag)["json"])
+        except (OSError, ValueError) as exc:
             print(f"error: --merge: cannot read {output_paths(args.out, tag)['json']} ({exc}); "
                   f"fix or move it, or run without --merge", file=sys.stderr)
             return 2
@@ -1020,6 +1050,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         injected_failures=inject or None, merged_with_previous=bool(previous), complete=False,
     )
     if previous:
+        clash = merge_clash(previous_meta, meta)
+        if clash:
+            print(f"error: --merge: {output_paths(args.out, tag)['json']} was measured with {clash}; one "
+                  "table must hold comparable rows: use another --tag (or the same settings)",
+                  file=sys.stderr)
+            return 2
         meta["invocations"] = merged_invocations(previous_meta, meta)
 
     def save_partial(recs: list[dict]) -> None:

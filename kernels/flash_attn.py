@@ -10,8 +10,9 @@ breaks:
 * `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)`
 * `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`
 Both have fake (meta) implementations; autograd of the forward op calls the backward op.
-`flash_attention` calls the custom op while torch.compile traces and, in eager mode, an equivalent
-torch.autograd.Function over the same launchers (no custom-op dispatch: less host time per call).
+`flash_attention` calls, in plain eager mode, an equivalent torch.autograd.Function over the same
+launchers (no custom-op dispatch: less host time per call), and the custom op everywhere else
+(torch.compile tracing, FakeTensorMode / make_fx, functorch transforms such as vmap, tensor subclasses).
 Validation happens in `flash_attention` (the Python wrapper), before the op and any Triton launch.
 
 Interpreter: kernels run under the Triton interpreter when the environment variable
@@ -357,11 +358,11 @@ flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _FlashAttnEager(torch.autograd.Function):
     """Eager-mode autograd of the same launchers as the custom ops, without the custom-op dispatcher.
 
-    `flash_attention` uses this outside torch.compile and the custom op `flashgpt::flash_attn_fwd`
-    while dynamo traces (`torch.compiler.is_compiling()`). Same kernels, same tiles, so both paths give
-    bitwise-identical outputs and gradients (tested); this one saves the host time of the custom op's
-    dispatch and its Python autograd wrapper, which at short sequences (N <= 1024) is comparable to the
-    kernels' own run time (bench/NOTES.md, variant v3).
+    `flash_attention` uses this in plain eager mode (`_plain_eager_call`) and the custom op
+    `flashgpt::flash_attn_fwd` otherwise (torch.compile, fake tensors, vmap). Same kernels, same
+    tiles, so both paths give bitwise-identical outputs and gradients (tested); this one saves the
+    host time of the custom op's dispatch and its Python autograd wrapper, which at short sequences
+    (N <= 1024) is comparable to the kernels' own run time (bench/NOTES.md, variant v3).
     """
 
     @staticmethod
@@ -374,8 +375,29 @@ class _FlashAttnEager(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
+        # once_differentiable: the kernels' gradients carry no autograd history, so a double backward
+        # (create_graph=True, e.g. a gradient penalty) must raise, as the custom op does, not give zeros
         return _grads_from_saved(ctx, do, dlse, _launch_bwd)
+
+
+def _plain_eager_call(*tensors: torch.Tensor) -> bool:
+    """True when `flash_attention` may take the `_FlashAttnEager` path: no torch.compile tracing, no
+    dispatch mode (FakeTensorMode, make_fx, ...), no functorch transform (vmap, ...) and plain tensors.
+    Anything else gets the custom op, which those tools know how to handle (fake impl, schema)."""
+    if torch.compiler.is_compiling():
+        return False
+    if any(type(t) is not torch.Tensor for t in tensors):  # FakeTensor, DTensor, other subclasses
+        return False
+    try:
+        if torch._C._len_torch_dispatch_stack() > 0:
+            return False
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            return False
+    except AttributeError:  # private API moved in another torch version: take the always-correct path
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +430,10 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     Returns:
         o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
-        Both are differentiable: under torch.compile through the custom op flashgpt::flash_attn_fwd
-        (registered autograd and fake implementation, no graph break), in eager mode through an
-        autograd.Function calling the same kernels (bitwise-identical results, less host overhead).
+        Both are differentiable (once: a double backward raises): under torch.compile, fake tensors
+        and functorch transforms through the custom op flashgpt::flash_attn_fwd (registered autograd
+        and fake implementation, no graph break), in plain eager mode through an autograd.Function
+        calling the same kernels (bitwise-identical results, less host overhead).
     Raises (before any kernel launch):
         TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
             non-numeric softmax_scale.
@@ -423,8 +446,8 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     _validate(q, k, v, causal, softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    if torch.compiler.is_compiling():
-        o, lse = flash_attn_fwd(q, k, v, causal, scale)  # the custom op: traced as one node, no graph break
-    else:
+    if _plain_eager_call(q, k, v):
         o, lse = _FlashAttnEager.apply(q, k, v, causal, scale)  # same kernels, less host time per call
+    else:
+        o, lse = flash_attn_fwd(q, k, v, causal, scale)  # the custom op: compile, fake tensors, vmap, ...
     return (o, lse) if return_lse else o

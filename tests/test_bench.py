@@ -107,6 +107,34 @@ def test_attention_merge_records_invocations(tmp_path):
     assert inv[0]["date"] == first["metadata"]["date"]
     md = (tmp_path / "attention_cpu.md").read_text()
     assert md.count("merged (`--merge`)") == 2 and "N = [16]" in md and "N = [32]" in md
+    # measuring N=16 again replaces its rows: the first invocation's line goes, the new one is last
+    again = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--cpu-reps", "1", "--merge")
+    assert [i["seqlens"] for i in again["metadata"]["invocations"]] == [[32], [16]]
+    assert len(again["records"]) == len(data["records"])
+
+
+def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path):
+    """--merge onto a file of another shape, or measured with other table-wide settings: a clear error
+    (exit 2), and the file is left as it was."""
+    _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--cpu-reps", "1")
+    path = tmp_path / "attention_cpu.json"
+    good = path.read_text()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "bench.attention", "--dry-run", "--out", str(tmp_path),
+           "--providers", "naive", "--seqlens", "32", "--cpu-reps", "1", "--merge"]
+    for bad in ("[]", "null", '{"records": 5}', '{"records": [1, 2]}', '{"records": [], "metadata": "abc"}',
+                '{"records": [{"provider": "naive"}]}', "{not json"):
+        path.write_text(bad)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2, (bad, proc.stderr[-500:])
+        assert "error: --merge: cannot read" in proc.stderr, (bad, proc.stderr[-500:])
+        assert path.read_text() == bad
+    path.write_text(good)
+    proc = subprocess.run([*cmd, "--dtype", "float16"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert "dtype=" in proc.stderr and "another --tag" in proc.stderr, proc.stderr[-500:]
+    assert path.read_text() == good
 
 
 def test_flops_formula():

@@ -569,6 +569,35 @@ def test_eager_path_equals_custom_op_bitwise(seed):
         assert torch.equal(a, b), f"seed={seed}: {name} differs between the eager path and the custom op"
 
 
+def test_double_backward_raises(seed):
+    """The kernels' gradients are not themselves differentiable: a gradient penalty must raise, not
+    silently treat d(dq)/dq as zero (eager path: once_differentiable; custom op: no second formula)."""
+    q, k, v, _ = make_inputs(seed, 1, 2, 2, 16, 16, 16, F32)
+    q.requires_grad_()
+    o = flash_attention(q, k, v, causal=True)
+    (gq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
+        (o.sum() + gq.square().sum()).backward()
+
+
+def test_fake_tensors_vmap_and_make_fx_use_the_custom_op(seed):
+    """Outside plain eager mode flash_attention takes the custom op, which these tools understand:
+    FakeTensorMode (fake impl, no kernel), make_fx (traced as one node), vmap (per-sample fallback)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        fq, fk, fv = (torch.empty(1, 4, 24, 16) for _ in range(3))
+        assert flash_attention(fq, fk, fv).shape == (1, 4, 24, 16)
+    q, k, v, _ = make_inputs(seed, 1, 2, 1, 16, 16, 16, F32)
+    gm = make_fx(lambda q, k, v: flash_attention(q, k, v))(q, k, v)
+    assert any("flashgpt.flash_attn_fwd" in str(n.target) for n in gm.graph.nodes)
+    qs = torch.stack([q, -q])
+    batched = torch.func.vmap(lambda x: flash_attention(x, k, v))(qs)
+    for i in range(2):
+        assert torch.equal(batched[i], flash_attention(qs[i], k, v)), f"seed={seed} sample {i}"
+
+
 def test_compiled_graph_calls_the_custom_op(seed):
     """Under torch.compile, flash_attention is traced as the custom op (one node, no graph break)."""
     q, k, v, _ = make_inputs(seed, 1, 2, 2, 16, 16, 16, F32)

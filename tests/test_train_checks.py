@@ -123,6 +123,8 @@ def test_batch_does_not_divide_tokens_per_step(expect_error):
         ("parity.reference", "flash", "parity.reference='flash' is not valid; choose one of: naive, sdpa"),
         ("dtype", "float16", "dtype='float16' is not valid"),
         ("tf32", "maybe", "tf32='maybe' is not valid; choose true or false"),
+        ("tf32", 0, "tf32=0 is not valid; choose true or false"),
+        ("tf32", 1.0, "tf32=1.0 is not valid; choose true or false"),
         ("max_steps", 0, "max_steps=0 must be a positive integer"),
         ("optim.lr", "abc", "optim.lr='abc' is not a finite number"),
         ("optim.lr", "inf", "optim.lr=inf is not a finite number"),

@@ -200,7 +200,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     _choice("device", cfg.device, ("auto", "cuda", "cpu"))
     if cfg.compile not in (True, False, "auto"):
         raise ConfigError(f"compile={cfg.compile!r} is not valid; choose one of: true, false, auto")
-    if cfg.get("tf32", True) not in (True, False):
+    if not isinstance(cfg.get("tf32", True), bool):  # not `in (True, False)`: 1 == True and 0 == False
         raise ConfigError(f"tf32={cfg.get('tf32')!r} is not valid; choose true or false")
     lr = _finite_float("optim.lr", cfg.optim.lr, "optim.lr=6e-4")
     min_lr = _finite_float("optim.min_lr", cfg.optim.min_lr, "optim.min_lr=6e-5")
