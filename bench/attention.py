@@ -670,8 +670,10 @@ def markdown_report(records: Sequence[dict], meta: dict) -> str:
     ]
     for inv in meta.get("invocations") or ():
         lines.append(f"- merged (`--merge`): N = {inv.get('seqlens')}, d = {inv.get('headdims')}, providers "
-                     f"{inv.get('providers')} measured {inv.get('date')} (torch {inv.get('torch')}, "
-                     f"triton {inv.get('triton')})")
+                     f"{inv.get('providers')}, modes {inv.get('modes') or list(MODES)} measured "
+                     f"{inv.get('date')} (torch {inv.get('torch')}, triton {inv.get('triton')})")
+    if meta.get("complete") is False:
+        lines.append("- **incomplete**: the last invocation stopped before measuring every shape it lists")
     if meta.get("dry_run"):
         lines.append("- **dry run** (CPU plumbing check): numbers are meaningless")
 
@@ -869,7 +871,7 @@ def merge_records(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
     return merged + [r for r in new if key(r) in fresh]
 
 
-_INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "torch", "triton", "gpu")
+_INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "modes", "torch", "triton", "gpu")
 # settings that make rows of two invocations incomparable (a merged table has one header for them)
 _MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run")
 
@@ -883,9 +885,25 @@ def read_for_merge(path: Path) -> tuple[list[dict], dict]:
     meta = data.get("metadata", {})
     if not isinstance(meta, dict):
         raise ValueError('"metadata" must be an object')
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def is_str(x) -> bool:
+        return isinstance(x, str)
+
     for r in data["records"]:
-        if not isinstance(r, dict) or not {"provider", "N", "d", "mode"} <= set(r):
-            raise ValueError(f"a record lacks provider/N/d/mode: {str(r)[:80]}")
+        if not (isinstance(r, dict) and is_str(r.get("provider")) and is_str(r.get("mode"))
+                and is_int(r.get("N")) and is_int(r.get("d"))):
+            raise ValueError(f"a record needs provider, mode (strings), N, d (integers): {str(r)[:80]}")
+    invocations = meta.get("invocations", [])
+    if not isinstance(invocations, list) or not all(isinstance(m, dict) for m in invocations):
+        raise ValueError('"metadata.invocations" must be a list of objects')
+    for m in (meta, *invocations):
+        for key, ok in (("seqlens", is_int), ("headdims", is_int), ("providers", is_str), ("modes", is_str)):
+            if key in m and not (isinstance(m[key], list) and all(ok(x) for x in m[key])):
+                kind = "integers" if ok is is_int else "strings"
+                raise ValueError(f'metadata "{key}" must be a list of {kind}')
     return data["records"], meta
 
 
@@ -899,11 +917,11 @@ def merge_clash(previous_meta: dict, meta: dict) -> str | None:
 def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
     """The invocations whose records a merged file holds, oldest first: those listed in `previous_meta`
     (or `previous_meta` itself when it lists none), then this one. An earlier invocation whose every
-    (N, d, provider) this one measured again is dropped (none of its rows is left). Each entry: date,
+    (N, d, provider, mode) this one measured again is dropped (none of its rows is left). Each entry: date,
     seqlens, headdims, providers, torch, triton, gpu -- so a merged table says when each row was measured."""
     def cells(m: dict) -> set:
-        return {(n, d, p) for n in m.get("seqlens") or () for d in m.get("headdims") or ()
-                for p in m.get("providers") or ()}
+        return {(n, d, p, mode) for n in m.get("seqlens") or () for d in m.get("headdims") or ()
+                for p in m.get("providers") or () for mode in m.get("modes") or MODES}
 
     earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
     redone = cells(meta)

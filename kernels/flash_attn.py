@@ -375,11 +375,11 @@ class _FlashAttnEager(torch.autograd.Function):
         return o, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
-        # once_differentiable: the kernels' gradients carry no autograd history, so a double backward
-        # (create_graph=True, e.g. a gradient penalty) must raise, as the custom op does, not give zeros
-        return _grads_from_saved(ctx, do, dlse, _launch_bwd)
+        # With create_graph=True (a gradient penalty) grad mode is on here: go through the backward custom
+        # op, which has no autograd formula, so its graph node (with edges to q, k, v) raises if anything
+        # differentiates through these gradients -- never a silently dropped term. Otherwise launch directly.
+        return _grads_from_saved(ctx, do, dlse, flash_attn_bwd if torch.is_grad_enabled() else _launch_bwd)
 
 
 def _plain_eager_call(*tensors: torch.Tensor) -> bool:
@@ -388,7 +388,7 @@ def _plain_eager_call(*tensors: torch.Tensor) -> bool:
     Anything else gets the custom op, which those tools know how to handle (fake impl, schema)."""
     if torch.compiler.is_compiling():
         return False
-    if any(type(t) is not torch.Tensor for t in tensors):  # FakeTensor, DTensor, other subclasses
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors):  # FakeTensor, DTensor, ...
         return False
     try:
         if torch._C._len_torch_dispatch_stack() > 0:
@@ -430,10 +430,11 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     Returns:
         o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
-        Both are differentiable (once: a double backward raises): under torch.compile, fake tensors
-        and functorch transforms through the custom op flashgpt::flash_attn_fwd (registered autograd
-        and fake implementation, no graph break), in plain eager mode through an autograd.Function
-        calling the same kernels (bitwise-identical results, less host overhead).
+        Both are differentiable, to first order (differentiating the gradients again, e.g. a gradient
+        penalty, raises): under torch.compile, fake tensors, make_fx and vmap through the custom op
+        flashgpt::flash_attn_fwd (registered autograd and fake implementation, no graph break), in
+        plain eager mode through an autograd.Function calling the same kernels (bitwise-identical
+        results, less host overhead).
     Raises (before any kernel launch):
         TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
             non-numeric softmax_scale.

@@ -107,7 +107,11 @@ def test_attention_merge_records_invocations(tmp_path):
     assert inv[0]["date"] == first["metadata"]["date"]
     md = (tmp_path / "attention_cpu.md").read_text()
     assert md.count("merged (`--merge`)") == 2 and "N = [16]" in md and "N = [32]" in md
-    # measuring N=16 again replaces its rows: the first invocation's line goes, the new one is last
+    # re-measuring only the forward of N=16 keeps the first invocation (its bwd rows are left) ...
+    part = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--modes", "fwd",
+                      "--cpu-reps", "1", "--merge")
+    assert [i["seqlens"] for i in part["metadata"]["invocations"]] == [[16], [32], [16]]
+    # ... measuring all of N=16 again replaces its rows: both earlier N=16 lines go, the new one is last
     again = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--cpu-reps", "1", "--merge")
     assert [i["seqlens"] for i in again["metadata"]["invocations"]] == [[32], [16]]
     assert len(again["records"]) == len(data["records"])
@@ -122,8 +126,14 @@ def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "bench.attention", "--dry-run", "--out", str(tmp_path),
            "--providers", "naive", "--seqlens", "32", "--cpu-reps", "1", "--merge"]
+    rec = {"provider": "naive", "N": 16, "d": 16, "mode": "fwd"}
     for bad in ("[]", "null", '{"records": 5}', '{"records": [1, 2]}', '{"records": [], "metadata": "abc"}',
-                '{"records": [{"provider": "naive"}]}', "{not json"):
+                '{"records": [{"provider": "naive"}]}', "{not json",
+                '{"records": [{"provider": "naive", "N": "16", "d": 16, "mode": "fwd"}]}',
+                '{"records": [{"provider": ["x"], "N": 16, "d": 16, "mode": "fwd"}]}',
+                json.dumps({"records": [rec], "metadata": {"invocations": "abc"}}),
+                json.dumps({"records": [rec], "metadata": {"seqlens": 5}}),
+                json.dumps({"records": [rec], "metadata": {"invocations": [{"seqlens": [[16]]}]}})):
         path.write_text(bad)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, (bad, proc.stderr[-500:])

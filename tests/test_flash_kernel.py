@@ -569,15 +569,27 @@ def test_eager_path_equals_custom_op_bitwise(seed):
         assert torch.equal(a, b), f"seed={seed}: {name} differs between the eager path and the custom op"
 
 
-def test_double_backward_raises(seed):
-    """The kernels' gradients are not themselves differentiable: a gradient penalty must raise, not
-    silently treat d(dq)/dq as zero (eager path: once_differentiable; custom op: no second formula)."""
+@pytest.mark.parametrize("form", ["penalty_backward", "autograd_grad", "wgan_gp"])
+def test_double_backward_raises(seed, form):
+    """The kernels' gradients are not themselves differentiable: every form of gradient penalty must
+    raise, never silently drop the penalty's term (both paths: eager Function and custom op)."""
     q, k, v, _ = make_inputs(seed, 1, 2, 2, 16, 16, 16, F32)
-    q.requires_grad_()
-    o = flash_attention(q, k, v, causal=True)
-    (gq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
-        (o.sum() + gq.square().sum()).backward()
+    for use_op in (False, True):
+        qa = q.clone().requires_grad_()
+        if use_op:
+            o = torch.ops.flashgpt.flash_attn_fwd(qa, k, v, True, 0.25)[0]
+        else:
+            o = flash_attention(qa, k, v, causal=True, softmax_scale=0.25)
+        with pytest.raises(RuntimeError, match="no autograd formula|does not require grad"):
+            if form == "penalty_backward":  # grad of o.sum(): the incoming gradient needs no grad itself
+                (gq,) = torch.autograd.grad(o.sum(), qa, create_graph=True)
+                (o.square().sum() + gq.square().sum()).backward()
+            elif form == "autograd_grad":
+                (gq,) = torch.autograd.grad(o.square().sum(), qa, create_graph=True)
+                torch.autograd.grad(o.sum() + gq.square().sum(), qa)
+            else:
+                (gq,) = torch.autograd.grad(o, qa, grad_outputs=torch.ones_like(o), create_graph=True)
+                (o.square().mean() + ((gq.flatten(1).norm(dim=1) - 1) ** 2).mean()).backward()
 
 
 def test_fake_tensors_vmap_and_make_fx_use_the_custom_op(seed):

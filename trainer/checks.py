@@ -198,10 +198,15 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     _choice("parity.reference", cfg.parity.reference, PARITY_REFERENCES)
     _choice("dtype", cfg.dtype, ("auto", "bfloat16", "float32"))
     _choice("device", cfg.device, ("auto", "cuda", "cpu"))
-    if cfg.compile not in (True, False, "auto"):
+    if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):  # isinstance: 1 == True, 0 == False
         raise ConfigError(f"compile={cfg.compile!r} is not valid; choose one of: true, false, auto")
-    if not isinstance(cfg.get("tf32", True), bool):  # not `in (True, False)`: 1 == True and 0 == False
-        raise ConfigError(f"tf32={cfg.get('tf32')!r} is not valid; choose true or false")
+    for key in ("tf32", "deterministic", "resume", "eval.at_start", "checkpoint.at_end"):
+        node = cfg
+        for part in key.split("."):
+            node = node.get(part, True) if node is not None else True
+        value = node
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} is not valid; choose true or false")
     lr = _finite_float("optim.lr", cfg.optim.lr, "optim.lr=6e-4")
     min_lr = _finite_float("optim.min_lr", cfg.optim.min_lr, "optim.min_lr=6e-5")
     if not lr > 0 or not 0 <= min_lr <= lr:
