@@ -13,6 +13,9 @@ launches) plan, timed like `bench/attention.py` times a provider -- forward+back
 `flash_attention`'s autograd, minus the forward -- so host-side costs between launches count too.
 
     python -m bench.tune --kernels bwd --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
+
+`--kernels bwd --tma` searches the two-kernel backward with Hopper tensor-descriptor (TMA) loads
+(`override_tile_config(tma=True)`), against the pointer-load default of the same run.
 """
 
 from __future__ import annotations
@@ -63,7 +66,27 @@ def bwd_plans(d: int):
         yield T(64, 128, 8, 2), T(128, 64, 8, 2), True
 
 
-def time_autograd(q, k, v, do, dkdv, dq, fused):
+def tma_plans(d: int):
+    """Candidate plans of the two-kernel backward with tensor-descriptor (TMA) loads (`--tma`):
+    (dkdv TileConfig, dq TileConfig, fused=False, tma=True). Around the pointer-load optimum, plus
+    register caps that keep two dQ programs per SM (TMA's barriers cost the dQ kernel ~30 registers)."""
+    T = TileConfig
+    if d >= 128:
+        dq_default = T(128, 32, 8, 3)
+        for dkdv in ((64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (64, 64, 4, 3)):
+            yield T(*dkdv), dq_default, False, True
+        for dq in ((128, 32, 8, 3, 128), (128, 32, 8, 4), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+                   (128, 32, 8, 2, 128)):
+            yield T(64, 128, 8, 3), T(*dq), False, True
+    else:
+        dq_default = T(128, 64, 8, 3)
+        for dkdv in ((64, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)):
+            yield T(*dkdv), dq_default, False, True
+        for dq in ((128, 64, 8, 3, 128), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
+            yield T(64, 128, 4, 2), T(*dq), False, True
+
+
+def time_autograd(q, k, v, do, dkdv, dq, fused, tma=None):
     """(fwd+bwd ms, fwd ms) through flash_attention's autograd with the given backward plan."""
     from kernels import flash_attention
 
@@ -75,7 +98,7 @@ def time_autograd(q, k, v, do, dkdv, dq, fused):
     def fwdbwd():
         fwd().backward(do)
 
-    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, fuse_bwd=fused):
+    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, fuse_bwd=fused, tma=tma):
         try:
             fwdbwd()
             torch.cuda.synchronize()
@@ -104,19 +127,26 @@ def tune_bwd(a, out) -> None:
             bwd_flops = 2.5 * 2 * b * h * n * n * d
             d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
             d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
-            plans = [(d1, d2, False), (d1, d2, None)] + list(bwd_plans(d))
+            if a.tma:
+                plans = [(d1, d2, False, False), (d1, d2, False, True)] + list(tma_plans(d))
+            else:
+                plans = [(d1, d2, False, None), (d1, d2, None, None)] + [(*p, None) for p in bwd_plans(d)]
             rows, t0 = [], time.time()
-            for dkdv, dq, fused in plans:
-                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, fused)
+            for dkdv, dq, fused, tma in plans:
+                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, fused, tma)
                 tag = "default" if fused is None else ("fused" if fused else "two")
+                tag += "+tma" if tma else ""
                 rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=list(dkdv.__dict__.values()),
-                           dq=list(dq.__dict__.values()), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd, err=err)
+                           dq=list(dq.__dict__.values()), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd,
+                           err=err, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__,
+                           date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
                 if t_all is not None:
                     rec["bwd_tflops"] = bwd_flops / (t_all - t_fwd) / 1e9
                     rows.append((t_all - t_fwd, dkdv, dq, tag))
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(f"  d={d} N={n} {tag:7s} dkdv={tuple(dkdv.__dict__.values())} "
+                print(f"  d={d} N={n} {tag:11s} dkdv={tuple(dkdv.__dict__.values())} "
                       f"dq={tuple(dq.__dict__.values())}: "
                       + (f"bwd {t_all - t_fwd:.3f} ms {rec['bwd_tflops']:.0f} TF/s" if err is None else err),
                       flush=True)
@@ -150,6 +180,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--out", default="tune.jsonl")
+    p.add_argument("--tma", action="store_true",
+                   help="with --kernels bwd: search the two-kernel backward with tensor-descriptor "
+                        "(TMA) loads")
     a = p.parse_args()
     dev = torch.device("cuda")
     out = open(a.out, "a")

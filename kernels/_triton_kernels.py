@@ -265,18 +265,28 @@ def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, lo, hi,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
     stride_qm, stride_qd, stride_dom, stride_dod,
+    QD, DOD, q_row, q_col, do_row, do_col,
     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head."""
+    """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
+
+    USE_TMA: q and dO tiles come through the 2-D tensor descriptors QD / DOD (Hopper TMA) at rows
+    q_row + start_m / do_row + start_m and columns q_col / do_col; rows past N_Q may then hold
+    another head's data, which is harmless because their P is 0 (LSE = +inf) and so is their dS.
+    """
     for start_m in range(lo, hi, BLOCK_M):
-        start_64 = tl.cast(start_m, tl.int64)
         rows = start_m + offs_m
         mask_r = rows < N_Q
-        q = _load_tile(q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm
-                       + offs_d[None, :] * stride_qd, mask_r, mask_d, not EVEN_M, not EVEN_D)
-        do = _load_tile(do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom
-                        + offs_d[None, :] * stride_dod, mask_r, mask_d, not EVEN_M, not EVEN_D)
+        if USE_TMA:
+            q = QD.load([q_row + start_m, q_col])
+            do = DOD.load([do_row + start_m, do_col])
+        else:
+            start_64 = tl.cast(start_m, tl.int64)
+            q = _load_tile(q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm
+                           + offs_d[None, :] * stride_qd, mask_r, mask_d, not EVEN_M, not EVEN_D)
+            do = _load_tile(do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom
+                            + offs_d[None, :] * stride_dod, mask_r, mask_d, not EVEN_M, not EVEN_D)
         lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
         # transposed scores: (BLOCK_N keys, BLOCK_M queries)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
@@ -300,8 +310,10 @@ def _bwd_dkdv_program(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dK, dV of key/value block `pid_n` of kv head `hk` (int64) in batch `b` (int64).
 
@@ -342,17 +354,24 @@ def _bwd_dkdv_program(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         stat_base = (b * H_Q + h) * N_Q
+        # descriptor coordinates (int32; only used when USE_TMA)
+        q_row = (b * row_qb + h * row_qh).to(tl.int32)
+        q_col = (h * col_qh).to(tl.int32)
+        do_row = (b * row_dob + h * row_doh).to(tl.int32)
+        do_col = (h * col_doh).to(tl.int32)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, full_start,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
             stride_qm, stride_qd, stride_dom, stride_dod,
-            True, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION,
+            QD, DOD, q_row, q_col, do_row, do_col,
+            True, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
         )
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, full_start, N_Q,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
             stride_qm, stride_qd, stride_dom, stride_dod,
-            False, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION,
+            QD, DOD, q_row, q_col, do_row, do_col,
+            False, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
         )
 
     dk = dk * softmax_scale
@@ -373,10 +392,17 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """dK, dV (paper section 3.2). Grid: (cdiv(Nk, BLOCK_N), Hkv, B); see `_bwd_dkdv_program`."""
+    """dK, dV (paper section 3.2). Grid: (cdiv(Nk, BLOCK_N), Hkv, B); see `_bwd_dkdv_program`.
+
+    USE_TMA: QD / DOD are 2-D tensor descriptors (block BLOCK_M x BLOCK_D) over q / dO; query row n of
+    head h in batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
+    Otherwise QD / DOD are None and the tiles are loaded through pointers.
+    """
     _bwd_dkdv_program(
         tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
         Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -387,25 +413,37 @@ def _bwd_dkdv_kernel(
         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
         H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+        QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
+        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
 
 
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, lo, hi,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
+    KD, VD, k_row, k_col, v_row, v_col,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller)."""
+    """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
+
+    USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD; key rows past N_K may then
+    hold another head's data, which the sequence-end mask (P = 0, so dS = 0) makes harmless.
+    """
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < N_K
-        start_64 = tl.cast(start_n, tl.int64)
-        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-        k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
-        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-        v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        if USE_TMA:
+            k = KD.load([k_row + start_n, k_col])
+            v = VD.load([v_row + start_n, v_col])
+        else:
+            start_64 = tl.cast(start_n, tl.int64)
+            k_ptrs = (k_base + start_64 * stride_kn
+                      + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd))
+            k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+            v_ptrs = (v_base + start_64 * stride_vn
+                      + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd))
+            v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
@@ -428,8 +466,10 @@ def _bwd_dq_program(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """dQ of query block `pid_m` of query head `h` (int64) in batch `b` (int64).
 
@@ -459,16 +499,23 @@ def _bwd_dq_program(
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
+    # descriptor coordinates (int32; only used when USE_TMA)
+    k_row = (b * row_kb + hk * row_kh).to(tl.int32)
+    k_col = (hk * col_kh).to(tl.int32)
+    v_row = (b * row_vb + hk * row_vh).to(tl.int32)
+    v_col = (hk * col_vh).to(tl.int32)
     full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, 0, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        KD, VD, k_row, k_col, v_row, v_col,
+        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, full_end, hi,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        KD, VD, k_row, k_col, v_row, v_col,
+        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dq = dq * softmax_scale
     _store_tile(DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm
@@ -484,10 +531,16 @@ def _bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
+    KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
-    """dQ (paper section 3.2). Grid: (cdiv(Nq, BLOCK_M), Hq, B); see `_bwd_dq_program`."""
+    """dQ (paper section 3.2). Grid: (cdiv(Nq, BLOCK_M), Hq, B); see `_bwd_dq_program`.
+
+    USE_TMA: KD / VD are 2-D tensor descriptors (block BLOCK_N x BLOCK_D) over k / v, addressed like
+    QD in `_bwd_dkdv_kernel`; otherwise None.
+    """
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -500,7 +553,8 @@ def _bwd_dq_kernel(
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
         H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION,
+        KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
+        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
 
 
@@ -541,7 +595,8 @@ def _bwd_kernel(
             stride_dkb, stride_dkh, stride_dkn, stride_dkd,
             stride_dvb, stride_dvh, stride_dvn, stride_dvd,
             H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-            CAUSAL, BLOCK_M1, BLOCK_N1, BLOCK_D, EVEN_M1, EVEN_N1, EVEN_D, DOT_PRECISION,
+            None, None, 0, 0, 0, 0, 0, 0,
+            CAUSAL, BLOCK_M1, BLOCK_N1, BLOCK_D, EVEN_M1, EVEN_N1, EVEN_D, DOT_PRECISION, False,
         )
     else:
         j = pid - N_KV_BLOCKS
@@ -558,7 +613,8 @@ def _bwd_kernel(
             stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
             H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-            CAUSAL, BLOCK_M2, BLOCK_N2, BLOCK_D, EVEN_M2, EVEN_N2, EVEN_D, DOT_PRECISION,
+            None, None, 0, 0, 0, 0, 0, 0,
+            CAUSAL, BLOCK_M2, BLOCK_N2, BLOCK_D, EVEN_M2, EVEN_N2, EVEN_D, DOT_PRECISION, False,
         )
 
 

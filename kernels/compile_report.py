@@ -28,6 +28,9 @@ _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "N_KV_BLOCKS", "N_Q_BLOCKS")
+_DESCRIPTORS = ("QD", "DOD", "KD", "VD")
+_DESC_INTS = ("row_qb", "row_qh", "col_qh", "row_dob", "row_doh", "col_doh",
+              "row_kb", "row_kh", "col_kh", "row_vb", "row_vh", "col_vh")
 # the fused dK/dV + dQ kernel: tiles of "bwd_dkdv" (M1, N1, warps, stages) and "bwd_dq" (M2, N2)
 FUSED_BWD = "bwd"
 
@@ -43,22 +46,24 @@ class CompileInfo:
     spill_store_bytes: int | None
     spill_load_bytes: int | None
     uses_wgmma: bool
+    uses_tma: bool = False
 
     def line(self) -> str:
         c = self.config
         return (f"{self.kernel:9s} {self.dtype:5s} d={self.head_dim:<4d} {c.block_m:>3d}x{c.block_n:<3d} "
                 f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
                 f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
-                f"wgmma={self.uses_wgmma}")
+                f"wgmma={self.uses_wgmma} tma={self.uses_tma}")
 
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   config2: TileConfig | None = None) -> CompileInfo:
+                   config2: TileConfig | None = None, tma: bool = False) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
     config, `config2` its dQ tile; defaults from `get_tile_config`).
+    tma: compile the tensor-descriptor (TMA) loads of "bwd_dkdv" / "bwd_dq" (`use_tma_bwd`).
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -84,10 +89,19 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
                   EVEN_N=False, EVEN_D=head_dim == block_d, HAS_DLSE=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None,
                   BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=False, EVEN_N1=False,
-                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False)
+                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False,
+                  USE_TMA=tma)
+    tma_rows = cfg.block_m if kernel == "bwd_dkdv" else cfg.block_n
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
-        if name in _TENSORS or name in _F32_TENSORS:
+        if name in _DESCRIPTORS:
+            if tma:
+                signature[name] = f"tensordesc<{_TL_NAME[dtype]}[{tma_rows}, {block_d}]>"
+            else:
+                signature[name], constants[name] = "constexpr", None
+        elif name in _DESC_INTS:
+            signature[name] = "i32"
+        elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
             divisible.append(i)
         elif name.startswith("stride_") and name.endswith("d"):
@@ -104,7 +118,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
             signature[name], constants[name] = "constexpr", values[name]
     src = ASTSource(fn, signature, constants, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                                               maxnreg=cfg.maxnreg))
     regs = st = ld = None
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -119,7 +134,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     if m:
         st, ld = int(m.group(1)), int(m.group(2))
     return CompileInfo(kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
-                       "wgmma" in compiled.asm["ptx"])
+                       "wgmma" in compiled.asm["ptx"], "cp.async.bulk.tensor" in compiled.asm["ptx"])
 
 
 def main(argv=None) -> None:
@@ -134,6 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--tma", action="store_true", help="bwd_dkdv / bwd_dq with tensor-descriptor (TMA) loads")
     args = p.parse_args(argv)
     cfg = TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages) if args.blocks else None
     for dt in args.dtype:
@@ -141,7 +157,7 @@ def main(argv=None) -> None:
             for kernel in args.kernel:
                 try:
                     info = compile_kernel(kernel, DTYPES[dt], d, causal=not args.non_causal, config=cfg,
-                                          arch=args.arch, gqa=args.gqa)
+                                          arch=args.arch, gqa=args.gqa, tma=args.tma)
                     print(info.line(), flush=True)
                 except Exception as err:  # report and continue with the other configs
                     print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",

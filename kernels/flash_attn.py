@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from .tiles import block_d_for, get_tile_config, use_fused_bwd
+from .tiles import block_d_for, get_tile_config, use_fused_bwd, use_tma_bwd
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -213,9 +213,39 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
             DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )
     return o, lse
+
+
+def _tma_operand(t: torch.Tensor, block_rows: int, block_d: int):
+    """A 2-D TMA tensor descriptor over t (B, H, N, d) and its row/column map, or None.
+
+    Row n of head h in batch b is descriptor row b * row_b + h * row_h + n, column h * col_h, for
+    the two layouts the trainer and the benchmark produce: (B, H, N, d) with contiguous heads
+    (rows b*H*N + h*N + n) and the (B, N, H, d) memory of a fused qkv projection viewed as
+    (B, H, N, d) (rows b*N + n, heads side by side in a row). Anything else, or a tile TMA cannot
+    address (16-bit dtype, d == block_d, last stride 1, 16-byte aligned base and row stride), gives
+    None and the kernels load through pointers. Returns (descriptor, row_b, row_h, col_h).
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    B, H, N, d = t.shape
+    sb, sh, sn, sd = t.stride()
+    esz = t.element_size()
+    if (t.dtype not in (torch.float16, torch.bfloat16) or d != block_d or sd != 1
+            or t.data_ptr() % 16 or (sn * esz) % 16 or sn < d):
+        return None
+    if (H == 1 or sh == N * sn) and (B == 1 or sb == H * N * sn):
+        rows, cols, row_b, row_h, col_h = B * H * N, d, H * N, N, 0
+    elif (B == 1 or sb == N * sn) and sh >= d and (H - 1) * sh + d <= sn:
+        rows, cols, row_b, row_h, col_h = B * N, (H - 1) * sh + d, N, 0, sh
+    else:
+        return None
+    if rows >= 2**31:
+        return None
+    desc = TensorDescriptor(t, shape=[rows, cols], strides=[sn, 1], block_shape=[block_rows, block_d])
+    return desc, row_b, row_h, col_h
 
 
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None):
@@ -249,7 +279,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             Hq, Nq, d,
             HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
         )
         c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
         c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -265,24 +295,35 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
                 EVEN_M1=Nq % c1.block_m == 0, EVEN_N1=Nk % c1.block_n == 0,
                 BLOCK_M2=c2.block_m, BLOCK_N2=c2.block_n,
                 EVEN_M2=Nq % c2.block_m == 0, EVEN_N2=Nk % c2.block_n == 0,
-                num_warps=c1.num_warps, num_stages=c1.num_stages,
+                num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
             )
         else:
+            tma1 = tma2 = None
+            if use_tma_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
+                tq, tdo = _tma_operand(q, c1.block_m, block_d), _tma_operand(do, c1.block_m, block_d)
+                if tq is not None and tdo is not None:
+                    tma1 = (tq[0], tdo[0], *tq[1:], *tdo[1:])
+                tk, tv = _tma_operand(k, c2.block_n, block_d), _tma_operand(v, c2.block_n, block_d)
+                if tk is not None and tv is not None:
+                    tma2 = (tk[0], tv[0], *tk[1:], *tv[1:])
+            no_tma = (None, None, 0, 0, 0, 0, 0, 0)
             kern["bwd_dkdv"][(_cdiv(Nk, c1.block_n), Hkv, B)](
                 q, k, v, do, lse, delta, dk, dv,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-                *scale_args,
+                *scale_args, *(tma1 or no_tma),
                 CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
                 EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, num_warps=c1.num_warps, num_stages=c1.num_stages,
+                DOT_PRECISION=prec, USE_TMA=tma1 is not None,
+                num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
             )
             kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
                 q, k, v, do, lse, delta, dq,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                *scale_args,
+                *scale_args, *(tma2 or no_tma),
                 CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
                 EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, num_warps=c2.num_warps, num_stages=c2.num_stages,
+                DOT_PRECISION=prec, USE_TMA=tma2 is not None,
+                num_warps=c2.num_warps, num_stages=c2.num_stages, maxnreg=c2.maxnreg,
             )
     return dq, dk, dv
 

@@ -33,12 +33,17 @@ KERNEL_NAMES = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Launch configuration of one kernel. Blocks are powers of two >= 16 (tl.dot needs >= 16)."""
+    """Launch configuration of one kernel. Blocks are powers of two >= 16 (tl.dot needs >= 16).
+
+    maxnreg: optional cap on registers per thread (ptxas .maxnreg; None = the compiler's choice), to
+    keep two programs per SM where the compiler would otherwise take a few registers more.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: int | None = None
 
 
 def _next_pow2(x: int) -> int:
@@ -55,15 +60,19 @@ _FUSE_OVERRIDE: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
-def override_tile_config(*, fuse_bwd: bool | None = None, **configs: TileConfig) -> Iterator[None]:
+def override_tile_config(*, fuse_bwd: bool | None = None, tma: bool | None = None,
+                         **configs: TileConfig) -> Iterator[None]:
     """Temporarily force tile configs, e.g. `with override_tile_config(fwd=TileConfig(32, 16, 4, 1)):`.
 
     Keys are kernel names (see KERNEL_NAMES); `fuse_bwd=True/False` forces the fused / two-kernel
-    backward (None: the default choice of `use_fused_bwd`). Meant for tests and tuning; not thread-safe.
+    backward (None: the default choice of `use_fused_bwd`); `tma=True/False` forces the tensor-descriptor
+    (TMA) loads of the two-kernel backward on / off where the inputs allow them (None: `use_tma_bwd`'s
+    default). Meant for tests and tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
-    if fuse_bwd is not None and not isinstance(fuse_bwd, bool):
-        raise ValueError(f"fuse_bwd must be True, False or None, got {fuse_bwd!r}")
+    for name, flag in (("fuse_bwd", fuse_bwd), ("tma", tma)):
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True, False or None, got {flag!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES:
             raise ValueError(f"unknown kernel {name!r}; expected one of {KERNEL_NAMES}")
@@ -74,6 +83,8 @@ def override_tile_config(*, fuse_bwd: bool | None = None, **configs: TileConfig)
     _OVERRIDES.update(configs)
     if fuse_bwd is not None:
         _FUSE_OVERRIDE["fuse"] = fuse_bwd
+    if tma is not None:
+        _FUSE_OVERRIDE["tma"] = tma
     try:
         yield
     finally:
@@ -165,7 +176,8 @@ def get_tile_config(
         cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal, max(n_q, n_k))
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
-    return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages)
+    return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages,
+                      cfg.maxnreg)
 
 
 def use_fused_bwd(
@@ -182,3 +194,18 @@ def use_fused_bwd(
     """
     del head_dim, dtype, causal, n_q, n_k, interpret  # the choice does not depend on the shape (yet)
     return _FUSE_OVERRIDE.get("fuse", False)
+
+
+def use_tma_bwd(
+    head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int, *, interpret: bool = False
+) -> bool:
+    """Whether the two-kernel backward streams q/dO (dK/dV kernel) and k/v (dQ kernel) through Hopper
+    tensor descriptors (TMA) instead of pointer loads, where the inputs allow it (see
+    `kernels.flash_attn._tma_operand`: 16-bit dtype, d a power of two, 16-byte aligned rows).
+
+    Default: off (being measured, bench/NOTES.md). `override_tile_config(tma=True)` turns it on,
+    also under the interpreter (CPU tests). Same arithmetic either way: only how tiles reach the
+    kernel changes, so the gradients are bitwise identical.
+    """
+    del head_dim, dtype, causal, n_q, n_k, interpret
+    return _FUSE_OVERRIDE.get("tma", False)

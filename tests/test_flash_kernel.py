@@ -628,3 +628,67 @@ def test_compiled_graph_calls_the_custom_op(seed):
 def test_public_api_exports():
     assert callable(kernels.flash_attention) and callable(kernels.check_flash_available)
     assert hasattr(torch.ops.flashgpt, "flash_attn_fwd") and hasattr(torch.ops.flashgpt, "flash_attn_bwd")
+
+
+def _qkv_layout(seed, layout, B, Hq, Hkv, Nq, Nk, d, dtype):
+    """q, k, v, dO in one of the layouts `_tma_operand` addresses: "bhnd" (contiguous heads) or "fused"
+    ((B, N, H, d) memory of a fused qkv projection viewed as (B, H, N, d), Nq == Nk)."""
+    q, k, v, do = make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype)
+    if layout == "fused":
+        qkv = torch.cat([t.transpose(1, 2).reshape(B, Nq, -1) for t in (q, k, v)], dim=2)
+        q, k, v = (x.view(B, Nq, -1, d).transpose(1, 2) for x in qkv.split([Hq * d, Hkv * d, Hkv * d], 2))
+    return q, k, v, do
+
+
+@pytest.mark.parametrize("layout,Nq,Nk,causal", [("bhnd", 45, 77, True), ("bhnd", 77, 45, True),
+                                                  ("fused", 61, 61, True), ("fused", 40, 40, False)])
+def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq, Nk, causal):
+    """The tensor-descriptor (TMA) loads of the backward move the same tiles as the pointer loads, so
+    the gradients are bitwise identical; rows past the sequence end (another head's data through the
+    descriptor) must not leak in. GQA (Hq=4, Hkv=2), N not a multiple of the blocks, both layouts the
+    trainer and the benchmark use; and the TMA path must really be taken (spy on `_tma_operand`)."""
+    q, k, v, do = _qkv_layout(seed, layout, 2, 4, 2, Nq, Nk, 32, F16)
+    taken = []
+    real = fa._tma_operand
+    monkeypatch.setattr(fa, "_tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
+    with override_tile_config(tma=True):
+        tma = run_flash(q, k, v, do, causal)
+    assert len(taken) == 4 and all(t is not None for t in taken), "TMA path not taken"
+    with override_tile_config(tma=False):
+        ptr = run_flash(q, k, v, do, causal)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), tma, ptr, strict=True):
+        assert torch.equal(a, b), f"seed={seed} {layout}: {name} differs between TMA and pointer loads"
+    ref = run_reference(q, k, v, do, causal, 1.0 / math.sqrt(32))
+    check_against_reference(seed, tma, ref, F16, f"tma {layout}")
+
+
+def test_tma_operand_refuses_what_it_cannot_address():
+    """Layouts and dtypes a 2-D descriptor cannot address fall back to pointer loads (None), and the
+    row/column map of the two supported layouts addresses the right elements."""
+    t = torch.randn(2, 3, 40, 32, dtype=F16)
+    desc, rb, rh, ch = fa._tma_operand(t, 16, 32)
+    assert (rb, rh, ch) == (3 * 40, 40, 0) and desc.shape == [2 * 3 * 40, 32]
+    fused = torch.randn(2, 40, 3 * 3 * 32, dtype=F16)[..., : 3 * 32].view(2, 40, 3, 32).transpose(1, 2)
+    desc, rb, rh, ch = fa._tma_operand(fused, 16, 32)
+    assert (rb, rh, ch) == (40, 0, 32) and desc.strides == [3 * 3 * 32, 1]
+    b, h, n = 1, 2, 7  # element (b, h, n, :) sits at descriptor row b*rb + h*rh + n, column h*ch
+    flat = desc.base.as_strided((desc.shape[0], desc.shape[1]), (desc.strides[0], 1))
+    assert torch.equal(flat[b * rb + h * rh + n, h * ch: h * ch + 32], fused[b, h, n])
+    assert fa._tma_operand(t.float(), 16, 32) is None                  # not a 16-bit dtype
+    assert fa._tma_operand(t[..., :24], 16, 32) is None                # d != BLOCK_D (padded head dim)
+    assert fa._tma_operand(t.transpose(0, 1), 16, 32) is None          # heads outermost: no 2-D map
+    odd = torch.randn(2 * 3 * 40 * 32 + 1, dtype=F16)[1:].view(2, 3, 40, 32)
+    assert fa._tma_operand(odd, 16, 32) is None                        # base not 16-byte aligned
+
+
+def test_tma_default_and_override():
+    from kernels.tiles import use_tma_bwd
+
+    assert use_tma_bwd(128, torch.bfloat16, True, 4096, 4096) in (True, False)
+    with override_tile_config(tma=True):
+        assert use_tma_bwd(64, torch.float16, True, 64, 64)
+        with override_tile_config(tma=False):
+            assert not use_tma_bwd(64, torch.float16, True, 64, 64)
+    with pytest.raises(ValueError, match="tma"):
+        with override_tile_config(tma=1):
+            pass
