@@ -66,24 +66,30 @@ def bwd_plans(d: int):
         yield T(64, 128, 8, 2), T(128, 64, 8, 2), True
 
 
-def tma_plans(d: int):
-    """Candidate plans of the two-kernel backward with tensor-descriptor (TMA) loads (`--tma`):
-    (dkdv TileConfig, dq TileConfig, fused=False, tma=True). Around the pointer-load optimum, plus
-    register caps that keep two dQ programs per SM (TMA's barriers cost the dQ kernel ~30 registers)."""
+def tma_plans(d: int, n: int):
+    """Candidate plans of the two-kernel backward with tensor-descriptor (TMA) loads per kernel (`--tma`):
+    (dkdv TileConfig, dq TileConfig, fused=False, tma override None: each TileConfig's own `tma`).
+    Around the pointer-load optimum; the same tiles with and without TMA separate the two effects;
+    register caps that keep two dQ programs per SM (TMA's barriers cost the dQ kernel registers)."""
     T = TileConfig
     if d >= 128:
-        dq_default = T(128, 32, 8, 3)
-        for dkdv in ((64, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 4), (64, 64, 4, 3)):
-            yield T(*dkdv), dq_default, False, True
-        for dq in ((128, 32, 8, 3, 128), (128, 32, 8, 4), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
-                   (128, 32, 8, 2, 128)):
-            yield T(64, 128, 8, 3), T(*dq), False, True
+        k1, k1t = T(64, 128, 8, 3), T(64, 128, 8, 3, tma=True)
+        for dq in (T(128, 64, 8, 3, tma=True), T(128, 64, 8, 3), T(128, 32, 8, 3, 128, True),
+                   T(64, 64, 4, 3, tma=True), T(128, 64, 8, 3, 168, True)):
+            yield k1, dq, False, None
+        yield k1t, T(128, 64, 8, 3, tma=True), False, None
+        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True), False, None
     else:
-        dq_default = T(128, 64, 8, 3)
-        for dkdv in ((64, 128, 4, 2), (64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)):
-            yield T(*dkdv), dq_default, False, True
-        for dq in ((128, 64, 8, 3, 128), (64, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3)):
-            yield T(64, 128, 4, 2), T(*dq), False, True
+        if n <= 1024:
+            k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
+        else:
+            k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
+        for k1 in k1s:
+            for tma1 in (False, True):
+                for dq in dqs:
+                    for tma2 in (False, True):
+                        yield (T(k1.block_m, k1.block_n, k1.num_warps, k1.num_stages, tma=tma1),
+                               T(dq.block_m, dq.block_n, dq.num_warps, dq.num_stages, tma=tma2), False, None)
 
 
 def time_autograd(q, k, v, do, dkdv, dq, fused, tma=None):
@@ -128,7 +134,7 @@ def tune_bwd(a, out) -> None:
             d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
             d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
             if a.tma:
-                plans = [(d1, d2, False, False), (d1, d2, False, True)] + list(tma_plans(d))
+                plans = [(d1, d2, False, None)] + list(tma_plans(d, n))
             else:
                 plans = [(d1, d2, False, None), (d1, d2, None, None)] + [(*p, None) for p in bwd_plans(d)]
             rows, t0 = [], time.time()
@@ -136,6 +142,8 @@ def tune_bwd(a, out) -> None:
                 t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, fused, tma)
                 tag = "default" if fused is None else ("fused" if fused else "two")
                 tag += "+tma" if tma else ""
+                tag += "".join(f"+{part}:tma" for part, c in (("kv", dkdv), ("q", dq))
+                               if c.tma and tma is None)
                 rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=list(dkdv.__dict__.values()),
                            dq=list(dq.__dict__.values()), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd,
                            err=err, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -146,7 +154,7 @@ def tune_bwd(a, out) -> None:
                     rows.append((t_all - t_fwd, dkdv, dq, tag))
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(f"  d={d} N={n} {tag:11s} dkdv={tuple(dkdv.__dict__.values())} "
+                print(f"  d={d} N={n} {tag:16s} dkdv={tuple(dkdv.__dict__.values())} "
                       f"dq={tuple(dq.__dict__.values())}: "
                       + (f"bwd {t_all - t_fwd:.3f} ms {rec['bwd_tflops']:.0f} TF/s" if err is None else err),
                       flush=True)

@@ -459,23 +459,28 @@ def _bwd_dq_inner(
 
 def _bwd_dq_program(
     pid_m, h, b,
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ob, stride_oh, stride_om, stride_od,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
     KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """dQ of query block `pid_m` of query head `h` (int64) in batch `b` (int64).
 
     Paper section 3.2, computed by its own program (not accumulated from the dK/dV programs) so no
     atomics are needed; loops over the visible key blocks like the forward. Used by `_bwd_dq_kernel`
     and by the fused `_bwd_kernel`.
+
+    COMPUTE_DELTA: this program also computes Delta = rowsum(dO * O) (- dLSE) of its rows from O (and
+    DLSE when HAS_DLSE) and stores it to DELTA for the dK/dV kernel launched after it, instead of
+    reading what `_bwd_preprocess_kernel` wrote (one launch and one pass over O and dO fewer).
     """
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
@@ -493,7 +498,19 @@ def _bwd_dq_program(
     do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
                     + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                     mask_m, mask_d, not EVEN_M, not EVEN_D)
-    lse2, delta = _load_row_stats(LSE, DELTA, (b * H_Q + h) * N_Q + offs_m, mask_m)
+    row_ptr = (b * H_Q + h) * N_Q + offs_m
+    if COMPUTE_DELTA:
+        o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
+                       + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                       mask_m, mask_d, not EVEN_M, not EVEN_D)
+        delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
+        if HAS_DLSE:
+            delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
+        tl.store(DELTA + row_ptr, delta, mask=mask_m)
+        lse = tl.load(LSE + row_ptr, mask=mask_m, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    else:
+        lse2, delta = _load_row_stats(LSE, DELTA, row_ptr, mask_m)
 
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -524,19 +541,21 @@ def _bwd_dq_program(
 
 
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ob, stride_oh, stride_om, stride_od,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
     KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    USE_TMA: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     """dQ (paper section 3.2). Grid: (cdiv(Nq, BLOCK_M), Hq, B); see `_bwd_dq_program`.
+    With COMPUTE_DELTA it also writes Delta (launch it before `_bwd_dkdv_kernel`).
 
     USE_TMA: KD / VD are 2-D tensor descriptors (block BLOCK_N x BLOCK_D) over k / v, addressed like
     QD in `_bwd_dkdv_kernel`; otherwise None.
@@ -546,15 +565,17 @@ def _bwd_dq_kernel(
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
     _bwd_dq_program(
         pid_m, tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
-        Q, K, V, DO, LSE, DELTA, DQ,
+        Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
         stride_qb, stride_qh, stride_qm, stride_qd,
         stride_kb, stride_kh, stride_kn, stride_kd,
         stride_vb, stride_vh, stride_vn, stride_vd,
         stride_dob, stride_doh, stride_dom, stride_dod,
         stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+        stride_ob, stride_oh, stride_om, stride_od,
         H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
         KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
         CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
+        COMPUTE_DELTA, HAS_DLSE,
     )
 
 
@@ -606,15 +627,17 @@ def _bwd_kernel(
             pid_m = N_Q_BLOCKS - 1 - pid_m  # heaviest query blocks first
         _bwd_dq_program(
             pid_m, hk * GROUP + g, b,
-            Q, K, V, DO, LSE, DELTA, DQ,
+            Q, K, V, DO, LSE, DELTA, DQ, None, None,
             stride_qb, stride_qh, stride_qm, stride_qd,
             stride_kb, stride_kh, stride_kn, stride_kd,
             stride_vb, stride_vh, stride_vn, stride_vd,
             stride_dob, stride_doh, stride_dom, stride_dod,
             stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+            0, 0, 0, 0,
             H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
             None, None, 0, 0, 0, 0, 0, 0,
             CAUSAL, BLOCK_M2, BLOCK_N2, BLOCK_D, EVEN_M2, EVEN_N2, EVEN_D, DOT_PRECISION, False,
+            False, False,
         )
 
 

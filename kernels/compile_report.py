@@ -58,12 +58,14 @@ class CompileInfo:
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   config2: TileConfig | None = None, tma: bool = False) -> CompileInfo:
+                   config2: TileConfig | None = None, tma: bool | None = None) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
     config, `config2` its dQ tile; defaults from `get_tile_config`).
-    tma: compile the tensor-descriptor (TMA) loads of "bwd_dkdv" / "bwd_dq" (`use_tma_bwd`).
+    tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
+        None: as the tile config says (`TileConfig.tma`). "bwd_dq" is compiled as the two-kernel
+        backward launches it (computing Delta itself).
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -81,6 +83,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     else:
         cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
         cfg2 = cfg
+    if tma is None:
+        tma = kernel in ("bwd_dkdv", "bwd_dq") and cfg.tma
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
@@ -90,7 +94,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None,
                   BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=False, EVEN_N1=False,
                   BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False,
-                  USE_TMA=tma)
+                  USE_TMA=tma, COMPUTE_DELTA=True)
     tma_rows = cfg.block_m if kernel == "bwd_dkdv" else cfg.block_n
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
@@ -149,7 +153,9 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--tma", action="store_true", help="bwd_dkdv / bwd_dq with tensor-descriptor (TMA) loads")
+    p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
+                   help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
+                        "default: as the tile config says")
     args = p.parse_args(argv)
     cfg = TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages) if args.blocks else None
     for dt in args.dtype:

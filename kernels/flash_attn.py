@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from .tiles import block_d_for, get_tile_config, use_fused_bwd, use_tma_bwd
+from .tiles import block_d_for, get_tile_config, tma_override, use_fused_bwd
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -272,19 +272,20 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
     with _device_ctx(q):
-        cfg = get_tile_config("bwd_pre", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        kern["bwd_pre"][(_cdiv(Nq, cfg.block_m), Hq, B)](
-            o, do, dlse if dlse is not None else delta, delta,
-            *o.stride(), *do.stride(),
-            Hq, Nq, d,
-            HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
-            EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-        )
         c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
         c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
         scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
         if use_fused_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
+            # the dK/dV and dQ programs run concurrently: Delta must exist before the launch
+            cfg = get_tile_config("bwd_pre", d, q.dtype, causal, Nq, Nk, interpret=interp)
+            kern["bwd_pre"][(_cdiv(Nq, cfg.block_m), Hq, B)](
+                o, do, dlse if dlse is not None else delta, delta,
+                *o.stride(), *do.stride(),
+                Hq, Nq, d,
+                HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+                EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+            )
             n_kv_blocks, n_q_blocks = _cdiv(Nk, c1.block_n), _cdiv(Nq, c2.block_m)
             kern["bwd"][(n_kv_blocks + (Hq // Hkv) * n_q_blocks, Hkv, B)](
                 q, k, v, do, lse, delta, dq, dk, dv,
@@ -298,15 +299,28 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
                 num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
             )
         else:
+            forced = tma_override()
+            no_tma = (None, None, 0, 0, 0, 0, 0, 0)
             tma1 = tma2 = None
-            if use_tma_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
+            if c1.tma if forced is None else forced:
                 tq, tdo = _tma_operand(q, c1.block_m, block_d), _tma_operand(do, c1.block_m, block_d)
                 if tq is not None and tdo is not None:
                     tma1 = (tq[0], tdo[0], *tq[1:], *tdo[1:])
+            if c2.tma if forced is None else forced:
                 tk, tv = _tma_operand(k, c2.block_n, block_d), _tma_operand(v, c2.block_n, block_d)
                 if tk is not None and tv is not None:
                     tma2 = (tk[0], tv[0], *tk[1:], *tv[1:])
-            no_tma = (None, None, 0, 0, 0, 0, 0, 0)
+            # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
+            # store it for the dK/dV kernel (no separate preprocess launch)
+            kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
+                q, k, v, do, lse, delta, dq, o, dlse if dlse is not None else delta,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
+                *scale_args, *(tma2 or no_tma),
+                CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
+                EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
+                DOT_PRECISION=prec, USE_TMA=tma2 is not None, COMPUTE_DELTA=True, HAS_DLSE=dlse is not None,
+                num_warps=c2.num_warps, num_stages=c2.num_stages, maxnreg=c2.maxnreg,
+            )
             kern["bwd_dkdv"][(_cdiv(Nk, c1.block_n), Hkv, B)](
                 q, k, v, do, lse, delta, dk, dv,
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
@@ -315,15 +329,6 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
                 EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
                 DOT_PRECISION=prec, USE_TMA=tma1 is not None,
                 num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
-            )
-            kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
-                q, k, v, do, lse, delta, dq,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                *scale_args, *(tma2 or no_tma),
-                CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
-                EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, USE_TMA=tma2 is not None,
-                num_warps=c2.num_warps, num_stages=c2.num_stages, maxnreg=c2.maxnreg,
             )
     return dq, dk, dv
 

@@ -37,6 +37,9 @@ class TileConfig:
 
     maxnreg: optional cap on registers per thread (ptxas .maxnreg; None = the compiler's choice), to
     keep two programs per SM where the compiler would otherwise take a few registers more.
+    tma: "bwd_dkdv" / "bwd_dq" only: stream the tiles of the inner loop (q/dO, resp. k/v) through
+    Hopper tensor descriptors (TMA) where the inputs allow it (`kernels.flash_attn._tma_operand`);
+    only how tiles reach shared memory changes, the arithmetic and the result do not.
     """
 
     block_m: int
@@ -44,6 +47,7 @@ class TileConfig:
     num_warps: int
     num_stages: int
     maxnreg: int | None = None
+    tma: bool = False
 
 
 def _next_pow2(x: int) -> int:
@@ -66,8 +70,8 @@ def override_tile_config(*, fuse_bwd: bool | None = None, tma: bool | None = Non
 
     Keys are kernel names (see KERNEL_NAMES); `fuse_bwd=True/False` forces the fused / two-kernel
     backward (None: the default choice of `use_fused_bwd`); `tma=True/False` forces the tensor-descriptor
-    (TMA) loads of the two-kernel backward on / off where the inputs allow them (None: `use_tma_bwd`'s
-    default). Meant for tests and tuning; not thread-safe.
+    (TMA) loads of both kernels of the two-kernel backward on / off where the inputs allow them (None:
+    each kernel's `TileConfig.tma`). Meant for tests and tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
     for name, flag in (("fuse_bwd", fuse_bwd), ("tma", tma)):
@@ -177,7 +181,7 @@ def get_tile_config(
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
     return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages,
-                      cfg.maxnreg)
+                      cfg.maxnreg, cfg.tma)
 
 
 def use_fused_bwd(
@@ -196,16 +200,7 @@ def use_fused_bwd(
     return _FUSE_OVERRIDE.get("fuse", False)
 
 
-def use_tma_bwd(
-    head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int, *, interpret: bool = False
-) -> bool:
-    """Whether the two-kernel backward streams q/dO (dK/dV kernel) and k/v (dQ kernel) through Hopper
-    tensor descriptors (TMA) instead of pointer loads, where the inputs allow it (see
-    `kernels.flash_attn._tma_operand`: 16-bit dtype, d a power of two, 16-byte aligned rows).
 
-    Default: off (being measured, bench/NOTES.md). `override_tile_config(tma=True)` turns it on,
-    also under the interpreter (CPU tests). Same arithmetic either way: only how tiles reach the
-    kernel changes, so the gradients are bitwise identical.
-    """
-    del head_dim, dtype, causal, n_q, n_k, interpret
-    return _FUSE_OVERRIDE.get("tma", False)
+def tma_override() -> bool | None:
+    """The `override_tile_config(tma=...)` in force (True/False), or None (use `TileConfig.tma`)."""
+    return _FUSE_OVERRIDE.get("tma")

@@ -681,14 +681,24 @@ def test_tma_operand_refuses_what_it_cannot_address():
     assert fa._tma_operand(odd, 16, 32) is None                        # base not 16-byte aligned
 
 
-def test_tma_default_and_override():
-    from kernels.tiles import use_tma_bwd
-
-    assert use_tma_bwd(128, torch.bfloat16, True, 4096, 4096) in (True, False)
-    with override_tile_config(tma=True):
-        assert use_tma_bwd(64, torch.float16, True, 64, 64)
+def test_tma_default_and_override(seed, monkeypatch):
+    """TileConfig.tma picks TMA per backward kernel; override_tile_config(tma=...) forces both kernels
+    on or off (and validates its argument)."""
+    q, k, v, do = make_inputs(seed, 1, 2, 2, 40, 40, 32, F16)
+    taken = []
+    real = fa._tma_operand
+    monkeypatch.setattr(fa, "_tma_operand", lambda t, rows, bd: taken.append(rows) or real(t, rows, bd))
+    with override_tile_config(bwd_dkdv=TileConfig(16, 32, 4, 1, tma=False),
+                              bwd_dq=TileConfig(32, 16, 4, 1, tma=True)):
+        run_flash(q, k, v, do, True)
+        assert taken == [16, 16]  # only the dQ kernel's k and v (BLOCK_N = 16 rows)
+        taken.clear()
         with override_tile_config(tma=False):
-            assert not use_tma_bwd(64, torch.float16, True, 64, 64)
+            run_flash(q, k, v, do, True)
+            assert taken == []
+            with override_tile_config(tma=True):
+                run_flash(q, k, v, do, True)
+                assert sorted(taken) == [16, 16, 16, 16]
     with pytest.raises(ValueError, match="tma"):
         with override_tile_config(tma=1):
             pass
