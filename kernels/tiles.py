@@ -102,8 +102,9 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     """Hopper tile configs (n = max(Nq, Nk)).
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
-    below compiles without register spills and fits shared memory; the fp16/bf16 d <= 128 ones use
-    wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness path, not a fast one):
+    below fits shared memory and compiles without register spills except the long-sequence d <= 64
+    dK/dV tile (52/80 bytes spilled with TMA, 276/272 without; still the fastest measured); the
+    fp16/bf16 d <= 128 ones use wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness path, not a fast one):
     its tiles are small to avoid spills.
     """
     if dtype == torch.float32:
@@ -127,17 +128,19 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
         return TileConfig(64, 32, 8, 2)
     if kernel == "bwd_pre":
         return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
+    # Backward: tma=True streams the inner loop's tiles through tensor descriptors where the inputs
+    # allow it (else the same tile with pointer loads); `bench.tune --kernels bwd --tma`, NOTES v4.
     if kernel == "bwd_dkdv":
         if block_d <= 64:
-            return TileConfig(32, 64, 4, 3) if short else TileConfig(64, 128, 4, 2)
+            return TileConfig(32, 64, 4, 3) if short else TileConfig(64, 128, 4, 2, tma=True)
         if block_d <= 128:
             return TileConfig(64, 128, 8, 3)
         return TileConfig(32, 32, 8, 1)
     # bwd_dq
     if block_d <= 64:
-        return TileConfig(64, 32, 4, 3) if short else TileConfig(128, 64, 8, 3)
+        return TileConfig(64, 64, 4, 3, tma=True) if short else TileConfig(128, 64, 8, 3, tma=True)
     if block_d <= 128:
-        return TileConfig(128, 32, 8, 3)
+        return TileConfig(128, 64, 8, 3, maxnreg=168, tma=True)
     return TileConfig(32, 32, 8, 1)
 
 
