@@ -140,7 +140,7 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     if block_d <= 64:
         return TileConfig(64, 64, 4, 3, tma=True) if short else TileConfig(128, 64, 8, 3, tma=True)
     if block_d <= 128:
-        return TileConfig(128, 64, 8, 3, maxnreg=168, tma=True)
+        return TileConfig(128, 64, 8, 3, tma=True)
     return TileConfig(32, 32, 8, 1)
 
 
