@@ -104,8 +104,8 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
     below fits shared memory and compiles without register spills except the long-sequence d <= 64
     dK/dV tile (52/80 bytes spilled with TMA, 276/272 without; still the fastest measured); the
-    fp16/bf16 d <= 128 ones use wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness path, not a fast one):
-    its tiles are small to avoid spills.
+    fp16/bf16 d <= 128 ones use wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness
+    path, not a fast one): its tiles are small to avoid spills.
     """
     if dtype == torch.float32:
         if kernel == "fwd":
