@@ -1,8 +1,9 @@
 """Per-kernel GPU times and launch resources of one attention forward+backward (run on the GPU).
 
-For each provider ("flash", "flash-tma" = our backward with tensor-descriptor loads, "flex",
-"sdpa-flash", "sdpa-cudnn") and each (d, N) of the benchmark's shapes (causal bf16, B·N = --tokens,
-H·d = --hidden), it profiles a few forward+backward calls with torch.profiler and reports every CUDA
+For each provider ("flash" = our kernels with their default tiles, "flash-tma" / "flash-ptr" = our
+backward with tensor-descriptor loads forced on / off in both kernels, "flex", "sdpa-flash",
+"sdpa-cudnn") and each (d, N) of the benchmark's shapes (causal bf16, B·N = --tokens, H·d = --hidden),
+it profiles a few forward+backward calls with torch.profiler and reports every CUDA
 kernel: mean duration (µs), calls per step, registers per thread, shared memory, grid, block and the
 profiler's estimated occupancy. Useful to see where a provider's backward time goes (which kernel,
 how many registers, how many programs per SM) when the end-to-end numbers of `bench/attention.py`
@@ -88,8 +89,11 @@ def main() -> None:
         for n in map(int, a.seqlens.split(",")):
             b, h, (q, k, v, do) = shape_inputs(a, n, d, dev)
             for name in a.providers.split(","):
-                tma = name.endswith("-tma")
-                fn = build_provider(name.removesuffix("-tma"), n=n, device=dev)
+                # flash: the shipped defaults (TileConfig.tma per kernel); flash-tma / flash-ptr force the
+                # tensor-descriptor loads on / off in both backward kernels
+                ours = name.startswith("flash")
+                tma = {"-tma": True, "-ptr": False}.get(name[len("flash"):]) if ours else None
+                fn = build_provider("flash" if ours else name, n=n, device=dev)
                 with override_tile_config(tma=tma):
                     table = profile_provider(fn, q, k, v, do, a.steps)
                 total = sum(r["total_us"] for r in table) / a.steps

@@ -14,8 +14,8 @@ launches) plan, timed like `bench/attention.py` times a provider -- forward+back
 
     python -m bench.tune --kernels bwd --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
 
-`--kernels bwd --tma` searches the two-kernel backward with Hopper tensor-descriptor (TMA) loads
-(`override_tile_config(tma=True)`), against the pointer-load default of the same run.
+`--kernels bwd --tma` searches two-kernel backward plans whose tiles choose tensor-descriptor (TMA) loads
+per kernel (`TileConfig.tma`), against the current default plan of the same run.
 """
 
 from __future__ import annotations

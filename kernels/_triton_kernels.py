@@ -272,9 +272,11 @@ def _bwd_dkdv_inner(
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
     USE_TMA: q and dO tiles come through the 2-D tensor descriptors QD / DOD (Hopper TMA) at rows
-    q_row + start_m / do_row + start_m and columns q_col / do_col; rows past N_Q may then hold
-    another head's data, which is harmless because their P is 0 (LSE = +inf) and so is their dS.
+    q_row + start_m / do_row + start_m and columns q_col / do_col. Only with EVEN_M: past N_Q a
+    descriptor would read another head's (or batch element's) data, and a non-finite value there
+    would reach this head through 0 * inf in the dots; the pointer loads read zeros instead.
     """
+    tl.static_assert(EVEN_M or not USE_TMA, "TMA loads need N_Q % BLOCK_M == 0")
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         mask_r = rows < N_Q
@@ -427,9 +429,10 @@ def _bwd_dq_inner(
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
-    USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD; key rows past N_K may then
-    hold another head's data, which the sequence-end mask (P = 0, so dS = 0) makes harmless.
+    USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD; only with EVEN_N (see
+    `_bwd_dkdv_inner`).
     """
+    tl.static_assert(EVEN_N or not USE_TMA, "TMA loads need N_K % BLOCK_N == 0")
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < N_K

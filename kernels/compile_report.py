@@ -64,8 +64,10 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
     config, `config2` its dQ tile; defaults from `get_tile_config`).
     tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
-        None: as the tile config says (`TileConfig.tma`). "bwd_dq" is compiled as the two-kernel
-        backward launches it (computing Delta itself).
+        None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two). With TMA the
+        streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
+        "bwd_dq" is compiled as the two-kernel backward launches it (computing Delta itself).
+        Raises ValueError for tma=True where the launcher never uses TMA.
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -83,8 +85,14 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     else:
         cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
         cfg2 = cfg
+    tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
+                    and head_dim == block_d_for(head_dim))
     if tma is None:
-        tma = kernel in ("bwd_dkdv", "bwd_dq") and cfg.tma
+        tma = cfg.tma and tma_possible
+    elif tma and not tma_possible:
+        raise ValueError("TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
+                         f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
+                         "these run with pointer loads")
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
@@ -95,6 +103,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
                   BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=False, EVEN_N1=False,
                   BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False,
                   USE_TMA=tma, COMPUTE_DELTA=True)
+    if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
+        values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     tma_rows = cfg.block_m if kernel == "bwd_dkdv" else cfg.block_n
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):

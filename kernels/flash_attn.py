@@ -302,11 +302,12 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             forced = tma_override()
             no_tma = (None, None, 0, 0, 0, 0, 0, 0)
             tma1 = tma2 = None
-            if c1.tma if forced is None else forced:
+            # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
+            if (c1.tma if forced is None else forced) and Nq % c1.block_m == 0:
                 tq, tdo = _tma_operand(q, c1.block_m, block_d), _tma_operand(do, c1.block_m, block_d)
                 if tq is not None and tdo is not None:
                     tma1 = (tq[0], tdo[0], *tq[1:], *tdo[1:])
-            if c2.tma if forced is None else forced:
+            if (c2.tma if forced is None else forced) and Nk % c2.block_n == 0:
                 tk, tv = _tma_operand(k, c2.block_n, block_d), _tma_operand(v, c2.block_n, block_d)
                 if tk is not None and tv is not None:
                     tma2 = (tk[0], tv[0], *tk[1:], *tv[1:])

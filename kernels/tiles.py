@@ -38,8 +38,10 @@ class TileConfig:
     maxnreg: optional cap on registers per thread (ptxas .maxnreg; None = the compiler's choice), to
     keep two programs per SM where the compiler would otherwise take a few registers more.
     tma: "bwd_dkdv" / "bwd_dq" only: stream the tiles of the inner loop (q/dO, resp. k/v) through
-    Hopper tensor descriptors (TMA) where the inputs allow it (`kernels.flash_attn._tma_operand`);
-    only how tiles reach shared memory changes, the arithmetic and the result do not.
+    Hopper tensor descriptors (TMA) where the inputs allow it (`kernels.flash_attn._tma_operand`: 16-bit
+    dtype, d a power of two, one of two layouts) and the streamed length is a multiple of the block
+    (Nq % BLOCK_M for dK/dV, Nk % BLOCK_N for dQ); otherwise the same tile with pointer loads. Only how
+    tiles reach shared memory changes, the arithmetic and the result do not.
     """
 
     block_m: int
@@ -192,12 +194,15 @@ def use_fused_bwd(
 ) -> bool:
     """Whether the backward runs its dK/dV and dQ programs in one launch (`_bwd_kernel`).
 
-    Default: two launches (dK/dV kernel, then dQ kernel) at every shape. The fused launch was measured
+    Default: two launches (dQ kernel, which also computes Delta, then dK/dV kernel) at every shape.
+    The fused launch was measured
     on the H200 (`python -m bench.tune --kernels bwd`, bench/NOTES.md, variant v2) and was never
     faster beyond noise: one launch has one register allocation, the larger one of the dK/dV program,
     which halves the occupancy of the dQ programs. `override_tile_config(fuse_bwd=True)` selects it
-    (it then uses the dK/dV config's num_warps / num_stages). Both paths compute bitwise-identical
-    gradients for the same tiles (same code per program).
+    (it then uses the dK/dV config's num_warps / num_stages, a separate Delta pass and no TMA). Both
+    paths run the same dK/dV and dQ code per program for the same tiles; Delta's row sums come from
+    different kernels, so their bitwise equality is measured (CPU tests; on the H200 by a review run),
+    not guaranteed.
     """
     del head_dim, dtype, causal, n_q, n_k, interpret  # the choice does not depend on the shape (yet)
     return _FUSE_OVERRIDE.get("fuse", False)

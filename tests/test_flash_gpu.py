@@ -253,12 +253,12 @@ def test_torch_compile_fullgraph_gpu(seed):
         assert gerr <= 5e-2 * p.grad.float().abs().max().item() + 1e-6, f"seed={seed} grad err {gerr:.3g}"
 
 
-@pytest.mark.parametrize("layout,Hq,Hkv,N,d", [("bhnd", 8, 2, 1000, 128), ("fused", 12, 12, 1024, 64),
-                                               ("bhnd", 4, 4, 4096, 64), ("fused", 8, 8, 777, 128)])
+@pytest.mark.parametrize("layout,Hq,Hkv,N,d", [("bhnd", 8, 2, 1024, 128), ("fused", 12, 12, 1024, 64),
+                                               ("bhnd", 4, 4, 4096, 64), ("fused", 8, 8, 2048, 128)])
 def test_tma_backward_bitwise_gpu(seed, layout, Hq, Hkv, N, d):
     """Tensor-descriptor (TMA) loads in the compiled backward: same tiles, so bitwise-identical gradients
-    to the pointer loads (rows past N come from the next head through the descriptor and must not leak),
-    for contiguous heads with GQA and for the trainer's fused-qkv layout; and the TMA path was taken."""
+    to the pointer loads, for contiguous heads with GQA and for the trainer's fused-qkv layout (N a
+    multiple of the blocks: the launcher's condition for TMA)."""
     from kernels import flash_attn as fa
     from kernels.tiles import override_tile_config
 
@@ -275,3 +275,23 @@ def test_tma_backward_bitwise_gpu(seed, layout, Hq, Hkv, N, d):
         ptr = flash_with_grads(q, k, v, do, True)
     for name, a, b in zip(("o", "dq", "dk", "dv"), tma, ptr, strict=True):
         assert torch.equal(a, b), f"seed={seed} {layout}: {name} differs between TMA and pointer loads"
+
+
+@pytest.mark.parametrize("N", [2000, 2048])
+@pytest.mark.parametrize("which", ["q", "k", "v", "do"])
+def test_tma_neighbour_non_finite_does_not_leak_gpu(seed, which, N):
+    """Default tiles (TMA where chosen): a NaN/inf in head 1 must not reach head 0 (with N not a multiple of
+    the blocks a descriptor would read head 1's rows past N; the launcher then uses pointer loads); head 0
+    equals the pointer-load result bitwise."""
+    from kernels.tiles import override_tile_config
+
+    q, k, v, do = make_inputs(seed, 2, 4, 4, N, N, 64, BF16)
+    t = dict(q=q, k=k, v=v, do=do)[which]
+    t[:, 1] = float("nan")
+    t[:, 1, 5] = float("inf")
+    default = flash_with_grads(q, k, v, do, True)
+    with override_tile_config(tma=False):
+        pointers = flash_with_grads(q, k, v, do, True)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), default, pointers, strict=True):
+        assert torch.isfinite(a[:, 0]).all(), f"seed={seed} {which}: non-finite {name} leaked into head 0"
+        assert torch.equal(a[:, 0], b[:, 0]), f"seed={seed} {which}: {name} head 0 differs from pointer loads"

@@ -640,13 +640,13 @@ def _qkv_layout(seed, layout, B, Hq, Hkv, Nq, Nk, d, dtype):
     return q, k, v, do
 
 
-@pytest.mark.parametrize("layout,Nq,Nk,causal", [("bhnd", 45, 77, True), ("bhnd", 77, 45, True),
-                                                  ("fused", 61, 61, True), ("fused", 40, 40, False)])
+@pytest.mark.parametrize("layout,Nq,Nk,causal", [("bhnd", 48, 80, True), ("bhnd", 80, 48, True),
+                                                  ("fused", 64, 64, True), ("fused", 32, 32, False)])
 def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq, Nk, causal):
     """The tensor-descriptor (TMA) loads of the backward move the same tiles as the pointer loads, so
     the gradients are bitwise identical; rows past the sequence end (another head's data through the
-    descriptor) must not leak in. GQA (Hq=4, Hkv=2), N not a multiple of the blocks, both layouts the
-    trainer and the benchmark use; and the TMA path must really be taken (spy on `_tma_operand`)."""
+    descriptor) must not leak in. GQA (Hq=4, Hkv=2), Nq != Nk, both layouts the trainer and the
+    benchmark use; and the TMA path must really be taken (spy on `_tma_operand`)."""
     q, k, v, do = _qkv_layout(seed, layout, 2, 4, 2, Nq, Nk, 32, F16)
     taken = []
     real = fa._tma_operand
@@ -684,7 +684,7 @@ def test_tma_operand_refuses_what_it_cannot_address():
 def test_tma_default_and_override(seed, monkeypatch):
     """TileConfig.tma picks TMA per backward kernel; override_tile_config(tma=...) forces both kernels
     on or off (and validates its argument)."""
-    q, k, v, do = make_inputs(seed, 1, 2, 2, 40, 40, 32, F16)
+    q, k, v, do = make_inputs(seed, 1, 2, 2, 48, 48, 32, F16)
     taken = []
     real = fa._tma_operand
     monkeypatch.setattr(fa, "_tma_operand", lambda t, rows, bd: taken.append(rows) or real(t, rows, bd))
@@ -702,3 +702,34 @@ def test_tma_default_and_override(seed, monkeypatch):
     with pytest.raises(ValueError, match="tma"):
         with override_tile_config(tma=1):
             pass
+
+
+@pytest.mark.parametrize("N", [45, 48])
+@pytest.mark.parametrize("layout,which", [("bhnd", "q"), ("bhnd", "k"), ("bhnd", "v"), ("bhnd", "do"),
+                                          ("fused", "k"), ("fused", "do")])
+def test_tma_rows_past_the_end_do_not_leak_non_finite_values(seed, monkeypatch, layout, which, N):
+    """Through a descriptor, rows past N would be the next head's (contiguous heads) or the next batch
+    element's (fused qkv) data, and 0 * inf in the dots would carry a NaN/inf there into this head. So TMA
+    is used only when N is a multiple of the block (N = 48: taken; N = 45: pointer loads even when forced):
+    with TMA forced on, head 0 / batch 0 stays finite and bitwise equal to the pointer loads."""
+    B, H, d = 2, 2, 32
+    q, k, v, do = _qkv_layout(seed, layout, B, H, H, N, N, d, F16)
+    poisoned = dict(q=q, k=k, v=v, do=do)[which]
+    with torch.no_grad():
+        if layout == "bhnd":
+            poisoned[:, 1] = float("nan")
+            poisoned[:, 1, 3] = float("inf")
+        else:
+            poisoned[1] = float("nan")
+    keep = (slice(None), 0) if layout == "bhnd" else (0,)
+    taken = []
+    real = fa._tma_operand
+    monkeypatch.setattr(fa, "_tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
+    results = {}
+    for tma in (True, False):
+        with override_tile_config(tma=tma):
+            results[tma] = run_flash(q, k, v, do, True)
+    assert (len(taken) == 4) == (N % 16 == 0), f"N={N}: TMA taken {len(taken)} times"
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), results[True], results[False], strict=True):
+        assert torch.isfinite(a[keep]).all(), f"seed={seed} {layout}/{which}: non-finite {name} leaked in"
+        assert torch.equal(a[keep], b[keep]), f"seed={seed} {layout}/{which}: {name} differs TMA vs pointers"
