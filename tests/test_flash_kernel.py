@@ -119,6 +119,12 @@ def run_reference(q, k, v, do, causal, scale):
     return o.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def assert_bitwise_equal(seed, first, second, what, names=("o", "lse", "dq", "dk", "dv")):
+    """Two runs' (o, lse, dq, dk, dv) must be identical bit for bit."""
+    for name, a, b in zip(names, first, second, strict=True):
+        assert torch.equal(a, b), f"seed={seed} {what}: {name} differs"
+
+
 def check_against_reference(seed, ours, ref, dtype, what):
     o, lse, dq, dk, dv = ours
     o_r, lse_r, dq_r, dk_r, dv_r = ref
@@ -314,8 +320,7 @@ def test_fused_backward_equals_two_kernels_bitwise(seed, causal):
         fused = run_flash(q, k, v, do, causal)
     with override_tile_config(fuse_bwd=False, **tiles):
         split = run_flash(q, k, v, do, causal)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), fused, split, strict=True):
-        assert torch.equal(a, b), f"seed={seed} causal={causal}: {name} differs between fused and split"
+    assert_bitwise_equal(seed, fused, split, f"fused vs split, causal={causal}")
     ref = run_reference(q, k, v, do, causal, 1.0 / math.sqrt(24))
     check_against_reference(seed, fused, ref, F32, f"fused causal={causal}")
 
@@ -656,8 +661,7 @@ def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq
     assert len(taken) == 4 and all(t is not None for t in taken), "TMA path not taken"
     with override_tile_config(tma=False):
         ptr = run_flash(q, k, v, do, causal)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), tma, ptr, strict=True):
-        assert torch.equal(a, b), f"seed={seed} {layout}: {name} differs between TMA and pointer loads"
+    assert_bitwise_equal(seed, tma, ptr, f"{layout}: TMA vs pointer loads")
     ref = run_reference(q, k, v, do, causal, 1.0 / math.sqrt(32))
     check_against_reference(seed, tma, ref, F16, f"tma {layout}")
 
