@@ -248,6 +248,13 @@ def _tma_operand(t: torch.Tensor, block_rows: int, block_d: int):
     return desc, row_b, row_h, col_h
 
 
+def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_rows: int, block_d: int):
+    """Kernel arguments (desc_x, desc_y, row_b, row_h, col_h of x, then of y) when both tensors can be
+    streamed through descriptors (`_tma_operand`), else None (the kernel then uses pointer loads)."""
+    tx, ty = _tma_operand(x, block_rows, block_d), _tma_operand(y, block_rows, block_d)
+    return None if tx is None or ty is None else (tx[0], ty[0], *tx[1:], *ty[1:])
+
+
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
@@ -301,16 +308,11 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
         else:
             forced = tma_override()
             no_tma = (None, None, 0, 0, 0, 0, 0, 0)
-            tma1 = tma2 = None
             # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
-            if (c1.tma if forced is None else forced) and Nq % c1.block_m == 0:
-                tq, tdo = _tma_operand(q, c1.block_m, block_d), _tma_operand(do, c1.block_m, block_d)
-                if tq is not None and tdo is not None:
-                    tma1 = (tq[0], tdo[0], *tq[1:], *tdo[1:])
-            if (c2.tma if forced is None else forced) and Nk % c2.block_n == 0:
-                tk, tv = _tma_operand(k, c2.block_n, block_d), _tma_operand(v, c2.block_n, block_d)
-                if tk is not None and tv is not None:
-                    tma2 = (tk[0], tv[0], *tk[1:], *tv[1:])
+            want1 = (c1.tma if forced is None else forced) and Nq % c1.block_m == 0
+            want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
+            tma1 = _tma_pair(q, do, c1.block_m, block_d) if want1 else None
+            tma2 = _tma_pair(k, v, c2.block_n, block_d) if want2 else None
             # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
             # store it for the dK/dV kernel (no separate preprocess launch)
             kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
