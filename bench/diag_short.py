@@ -10,6 +10,7 @@ bench/NOTES.md v4 (bench/results/diag_short_h200.log).
 """
 
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -59,8 +60,7 @@ def main() -> None:
             print(n, d, "default", dq, measure(n, d), flush=True)
             print(n, d, "tma off", measure(n, d, tma=False), flush=True)
             if dq.maxnreg:
-                uncapped = TileConfig(dq.block_m, dq.block_n, dq.num_warps, dq.num_stages, None, dq.tma)
-                print(n, d, "no maxnreg", measure(n, d, bwd_dq=uncapped), flush=True)
+                print(n, d, "no maxnreg", measure(n, d, bwd_dq=replace(dq, maxnreg=None)), flush=True)
             old = TileConfig(128, 32, 8, 3) if d == 128 else TileConfig(64, 32, 4, 3)
             print(n, d, "old dq 128x32 ptr" if d == 128 else "old dq", measure(n, d, bwd_dq=old), flush=True)
 

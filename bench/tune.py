@@ -25,6 +25,7 @@ import itertools
 import json
 import math
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -88,8 +89,7 @@ def tma_plans(d: int, n: int):
             for tma1 in (False, True):
                 for dq in dqs:
                     for tma2 in (False, True):
-                        yield (T(k1.block_m, k1.block_n, k1.num_warps, k1.num_stages, tma=tma1),
-                               T(dq.block_m, dq.block_n, dq.num_warps, dq.num_stages, tma=tma2), False, None)
+                        yield replace(k1, tma=tma1), replace(dq, tma=tma2), False, None
 
 
 def time_autograd(q, k, v, do, dkdv, dq, fused, tma=None):
