@@ -114,24 +114,31 @@ def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
 
 
 def _fwd_inner(
-    acc, m_i, l_i, q, k_base, v_base, lo, hi,
+    acc, m_i, l_i, q, k_base, v_base, lo, hi, mask_from,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Stream key/value blocks [lo, hi) through the online softmax of one query block."""
+    """Stream key/value blocks [lo, hi) through the online softmax of one query block.
+
+    MASKED: blocks starting at or after `mask_from` (the diagonal and sequence-end blocks) get the
+    causal / sequence-end mask; the blocks before it skip the mask arithmetic. One loop, not one loop
+    per part: with two pipelined loops carrying the accumulator, ptxas serialises every wgmma of the
+    kernel (warning C7515, one wait after each wgmma; bench/NOTES.md v5).
+    """
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < N_K
         start_64 = tl.cast(start_n, tl.int64)
         k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-        k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
-            valid = col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
-            qk = tl.where(valid, qk, float("-inf"))
+            if start_n >= mask_from:
+                valid = col_ok[None, :]
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+                qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(qk))
         if MASKED:
             # a row with no visible key so far keeps m = -inf; use 0 as the shift so that
@@ -143,7 +150,7 @@ def _fwd_inner(
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
         v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-        v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+        v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -188,17 +195,11 @@ def _fwd_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
-    # full key blocks: no mask computation at all
+    # key blocks [0, full_end) without mask arithmetic, then the diagonal / sequence-end blocks masked
     acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, k_base, v_base, 0, full_end,
+        acc, m_i, l_i, q, k_base, v_base, 0, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
-    )
-    # diagonal / sequence-end blocks: masked
-    acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, k_base, v_base, full_end, hi,
-        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        CAUSAL or not EVEN_N, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
     )
 
     has_key = l_i > 0.0
@@ -262,7 +263,7 @@ def _load_row_stats(LSE, DELTA, row_ptr, mask_rows):
 
 
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, lo, hi,
+    dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, lo, hi, mask_to,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
     stride_qm, stride_qd, stride_dom, stride_dod,
     QD, DOD, q_row, q_col, do_row, do_col,
@@ -271,6 +272,9 @@ def _bwd_dkdv_inner(
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
+    MASKED: query blocks starting before `mask_to` (those on the diagonal) get the causal mask; the
+    later ones skip the mask arithmetic. One loop for both parts: with two pipelined loops carrying
+    dK / dV, ptxas serialises every wgmma of the kernel (see `_fwd_inner`).
     USE_TMA: q and dO tiles come through the 2-D tensor descriptors QD / DOD (Hopper TMA) at rows
     q_row + start_m / do_row + start_m and columns q_col / do_col. Only with EVEN_M: past N_Q a
     descriptor would read another head's (or batch element's) data, and a non-finite value there
@@ -294,7 +298,8 @@ def _bwd_dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where(offs_n[:, None] <= rows[None, :] + (N_K - N_Q), p_t, 0.0)
+            if start_m < mask_to:
+                p_t = tl.where(offs_n[:, None] <= rows[None, :] + (N_K - N_Q), p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -361,19 +366,14 @@ def _bwd_dkdv_program(
         q_col = (h * col_qh).to(tl.int32)
         do_row = (b * row_dob + h * row_doh).to(tl.int32)
         do_col = (h * col_doh).to(tl.int32)
+        # query blocks [start_m, full_start) straddle the diagonal (masked), the later ones see the
+        # whole key block
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, full_start,
+            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, N_Q, full_start,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
             stride_qm, stride_qd, stride_dom, stride_dod,
             QD, DOD, q_row, q_col, do_row, do_col,
-            True, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
-        )
-        dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, full_start, N_Q,
-            offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
-            stride_qm, stride_qd, stride_dom, stride_dod,
-            QD, DOD, q_row, q_col, do_row, do_col,
-            False, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
+            CAUSAL, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
         )
 
     dk = dk * softmax_scale
@@ -421,7 +421,7 @@ def _bwd_dkdv_kernel(
 
 
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, lo, hi,
+    dq, q, do, lse2, delta, k_base, v_base, lo, hi, mask_from,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
     KD, VD, k_row, k_col, v_row, v_col,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -429,6 +429,8 @@ def _bwd_dq_inner(
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
+    MASKED: key blocks starting at or after `mask_from` get the causal / sequence-end mask (one loop;
+    see `_fwd_inner` for why not two).
     USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD; only with EVEN_N (see
     `_bwd_dkdv_inner`).
     """
@@ -443,17 +445,18 @@ def _bwd_dq_inner(
             start_64 = tl.cast(start_n, tl.int64)
             k_ptrs = (k_base + start_64 * stride_kn
                       + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd))
-            k = _load_tile(k_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+            k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
             v_ptrs = (v_base + start_64 * stride_vn
                       + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd))
-            v = _load_tile(v_ptrs, col_ok, mask_d, MASKED and not EVEN_N, not EVEN_D)
+            v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            valid = col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
-            p = tl.where(valid, p, 0.0)
+            if start_n >= mask_from:
+                valid = col_ok[None, :]
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+                p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
@@ -525,17 +528,12 @@ def _bwd_dq_program(
     v_row = (b * row_vb + hk * row_vh).to(tl.int32)
     v_col = (hk * col_vh).to(tl.int32)
     full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
+    # key blocks [0, full_end) unmasked, [full_end, hi) masked
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, 0, full_end,
+        dq, q, do, lse2, delta, k_base, v_base, 0, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
         KD, VD, k_row, k_col, v_row, v_col,
-        False, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
-    )
-    dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, full_end, hi,
-        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        KD, VD, k_row, k_col, v_row, v_col,
-        True, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
+        CAUSAL or not EVEN_N, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
     dq = dq * softmax_scale
     _store_tile(DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm

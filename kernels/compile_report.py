@@ -7,7 +7,9 @@ is used. Useful to reject configs that spill or exceed shared memory before spen
 
 The compile mimics a real launch: pointers and strides divisible by 16 (true when d % 16 == 0 for
 contiguous/fused layouts), last-dim strides == 1, GROUP == 1 unless --gqa (Triton specializes
-integer arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False).
+integer arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False;
+--even for multiples). `serialized=True` flags ptxas warning C7515: every wgmma of the kernel waits for
+the previous one (a large loss; see bench/NOTES.md v5).
 
 Usage:  python -m kernels.compile_report --dtype bf16 fp16 --d 64 128 [--arch 90] [--gqa]
         python -m kernels.compile_report --kernel bwd_dkdv --d 128 --blocks 64 64 --warps 8 --stages 2
@@ -47,18 +49,20 @@ class CompileInfo:
     spill_load_bytes: int | None
     uses_wgmma: bool
     uses_tma: bool = False
+    wgmma_serialized: bool = False  # ptxas C7515: each wgmma waits for the previous one
 
     def line(self) -> str:
         c = self.config
         return (f"{self.kernel:9s} {self.dtype:5s} d={self.head_dim:<4d} {c.block_m:>3d}x{c.block_n:<3d} "
                 f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
                 f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
-                f"wgmma={self.uses_wgmma} tma={self.uses_tma}")
+                f"wgmma={self.uses_wgmma} tma={self.uses_tma} serialized={self.wgmma_serialized}")
 
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   config2: TileConfig | None = None, tma: bool | None = None) -> CompileInfo:
+                   config2: TileConfig | None = None, tma: bool | None = None,
+                   even: bool = False) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
@@ -68,6 +72,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
         "bwd_dq" is compiled as the two-kernel backward launches it (computing Delta itself).
         Raises ValueError for tma=True where the launcher never uses TMA.
+    even: compile as for sequence lengths that are multiples of the blocks (EVEN_M / EVEN_N), the
+        case of every benchmark shape; default False (the masked loads of ragged lengths).
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -97,11 +103,11 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
-    values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=False,
-                  EVEN_N=False, EVEN_D=head_dim == block_d, HAS_DLSE=False,
+    values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even,
+                  EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False,
                   DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-                  BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=False, EVEN_N1=False,
-                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=False, EVEN_N2=False,
+                  BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=even, EVEN_N1=even,
+                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=even, EVEN_N2=even,
                   USE_TMA=tma, COMPUTE_DELTA=True)
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
@@ -148,7 +154,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     if m:
         st, ld = int(m.group(1)), int(m.group(2))
     return CompileInfo(kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
-                       "wgmma" in compiled.asm["ptx"], "cp.async.bulk.tensor" in compiled.asm["ptx"])
+                       "wgmma" in compiled.asm["ptx"], "cp.async.bulk.tensor" in compiled.asm["ptx"],
+                       "C7515" in out.stderr)
 
 
 def main(argv=None) -> None:
@@ -163,6 +170,8 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--even", action="store_true",
+                   help="sequence lengths multiples of the blocks (as in every benchmark shape)")
     p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
                    help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
                         "default: as the tile config says")
@@ -173,7 +182,8 @@ def main(argv=None) -> None:
             for kernel in args.kernel:
                 try:
                     info = compile_kernel(kernel, DTYPES[dt], d, causal=not args.non_causal, config=cfg,
-                                          arch=args.arch, gqa=args.gqa, tma=args.tma)
+                                          arch=args.arch, gqa=args.gqa, tma=args.tma,
+                                          even=args.even)
                     print(info.line(), flush=True)
                 except Exception as err:  # report and continue with the other configs
                     print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",

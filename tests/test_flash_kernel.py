@@ -480,8 +480,32 @@ def test_gpu_kernels_compile_for_sm90():
         "for kernel in ('fwd', 'bwd_pre', 'bwd_dkdv', 'bwd_dq', 'bwd'):\n"
         "    info = compile_kernel(kernel, torch.bfloat16, 80, gqa=True)\n"
         "    assert info.shared_bytes <= 227 * 1024, info.line()\n"
+        "    assert not info.wgmma_serialized, info.line()\n"
         "    print(info.line())\n"
         "print(compile_kernel('fwd', torch.float32, 64, causal=False).line())\n"
+        "print('ok')\n"
+    )
+    out = _run_python(code, None)
+    if "SKIP" in out.stdout:
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_default_hopper_tiles_keep_wgmma_asynchronous():
+    """Performance guard without a GPU: with the default bf16 tiles (d = 64, 128; sequence lengths
+    multiples of the blocks or not) every kernel uses wgmma and ptxas does not serialise it (warning
+    C7515: a wait after every wgmma). Two pipelined loops carrying an accumulator did that to the forward
+    and dK/dV kernels (bench/NOTES.md v5), so a kernel edit that brings it back fails here."""
+    code = (
+        "import os, sys, torch, triton\n"
+        "if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)\n"
+        "from kernels.compile_report import compile_kernel\n"
+        "for d in (64, 128):\n"
+        "    for even in (False, True):\n"
+        "        for kernel in ('fwd', 'bwd_dkdv', 'bwd_dq', 'bwd'):\n"
+        "            info = compile_kernel(kernel, torch.bfloat16, d, even=even)\n"
+        "            print(info.line(), 'even' if even else 'ragged')\n"
+        "            assert info.uses_wgmma and not info.wgmma_serialized, info.line()\n"
         "print('ok')\n"
     )
     out = _run_python(code, None)
