@@ -34,7 +34,23 @@ from kernels.flash_attn import _launch_bwd, _launch_fwd
 from kernels.tiles import TileConfig, get_tile_config, override_tile_config
 
 
-def candidates(kernel: str, d: int):
+def parse_configs(text: str) -> list[TileConfig]:
+    """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads), e.g. '128x64x8x3,64x128x4x2t'."""
+    cfgs = []
+    for item in text.split(","):
+        item = item.strip()
+        tma = item.endswith("t")
+        parts = item.rstrip("t").split("x")
+        if len(parts) != 4 or not all(x.isdigit() for x in parts):
+            raise SystemExit(f"--configs: {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+        cfgs.append(TileConfig(*map(int, parts), tma=tma))
+    return cfgs
+
+
+def candidates(kernel: str, d: int, explicit: list[TileConfig] | None = None):
+    if explicit is not None:
+        yield from explicit
+        return
     if kernel == "fwd":
         space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
     elif kernel == "bwd_dkdv":
@@ -188,6 +204,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--out", default="tune.jsonl")
+    p.add_argument("--configs", type=parse_configs, default=None,
+                   help="explicit candidates for every kernel and d instead of the grid: "
+                        "BMxBNxWARPSxSTAGES[t],... ('t': TMA loads, bwd_dkdv / bwd_dq only)")
     p.add_argument("--tma", action="store_true",
                    help="with --kernels bwd: search the two-kernel backward with tensor-descriptor "
                         "(TMA) loads")
@@ -210,13 +229,19 @@ def main() -> None:
                 base_ms, _ = time_config(kernel, default, q, k, v, o, lse, do, scale)
                 rows = []
                 t0 = time.time()
-                for cfg in candidates(kernel, d):
+                for cfg in candidates(kernel, d, a.configs):
                     ms, err = time_config(kernel, cfg, q, k, v, o, lse, do, scale)
                     rec = dict(kernel=kernel, d=d, N=n, B=b, H=h, cfg=list(cfg.__dict__.values()),
                                ms=ms, err=err, default=list(default.__dict__.values()), default_ms=base_ms)
                     out.write(json.dumps(rec) + "\n")
                     if ms is not None:
                         rows.append((ms, cfg))
+                    if a.configs is not None:
+                        f = flops_fwd * (1 if kernel == "fwd" else 2.5)
+                        what = "" if kernel == "fwd" else " whole bwd"
+                        print(f"  {kernel:9s} d={d:3d} N={n:6d} {tuple(cfg.__dict__.values())}: "
+                              + (f"{ms:.3f} ms ({f / ms / 1e9:.0f} TF/s{what})" if ms is not None else err),
+                              flush=True)
                 rows.sort(key=lambda r: r[0])
                 top3 = [(round(m, 3), tuple(c.__dict__.values())) for m, c in rows[:3]]
                 f = flops_fwd * (1 if kernel == "fwd" else 2.5)

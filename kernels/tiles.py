@@ -104,9 +104,9 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     """Hopper tile configs (n = max(Nq, Nk)).
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
-    below fits shared memory and compiles without register spills except the long-sequence d <= 64
-    dK/dV tile (52/80 bytes spilled with TMA, 276/272 without; still the fastest measured); the
-    fp16/bf16 d <= 128 ones use wgmma. float32 runs the IEEE FMA path (no tensor cores; a correctness
+    below fits shared memory, uses wgmma without ptxas serialising it (C7515) and compiles without
+    register spills except the d = 128 dK/dV tile (4 bytes; with 3 stages it spills 132 and is
+    slower). float32 runs the IEEE FMA path (no tensor cores; a correctness
     path, not a fast one): its tiles are small to avoid spills.
     """
     if dtype == torch.float32:
@@ -125,18 +125,19 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     if kernel == "fwd":
         if block_d <= 64:
             return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 64, 8, 3)
-        if block_d <= 128:
-            return TileConfig(128, 32, 8, 3) if short else TileConfig(128, 128, 8, 3)
+        if block_d <= 128:  # 64x64 at N <= 1024: bench/results/ab_tiles_h200.log (NOTES v5)
+            return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 128, 8, 3)
         return TileConfig(64, 32, 8, 2)
     if kernel == "bwd_pre":
         return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
     # Backward: tma=True streams the inner loop's tiles through tensor descriptors where the inputs
     # allow it (else the same tile with pointer loads); `bench.tune --kernels bwd --tma`, NOTES v4.
+    # dK/dV re-tuned after the one-loop change (NOTES v5): the 64x128 d=64 tile spills ~900 bytes there.
     if kernel == "bwd_dkdv":
         if block_d <= 64:
-            return TileConfig(32, 64, 4, 3) if short else TileConfig(64, 128, 4, 2, tma=True)
+            return TileConfig(32, 64, 4, 3)
         if block_d <= 128:
-            return TileConfig(64, 128, 8, 3)
+            return TileConfig(64, 128, 8, 2)
         return TileConfig(32, 32, 8, 1)
     # bwd_dq
     if block_d <= 64:
