@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 training runs whose results are committed under bench/results/ and quoted in the README.
-# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed | sweep | preempt)
+# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed |
+#        compare_dropout | sweep | preempt)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
 PHASE=${1:?phase}
@@ -66,6 +67,17 @@ compare_seed)  # the 500-step comparison of `compare` with a second seed, plus S
   # needs the `compare` phase's runs: SDPA's two exact kernels against each other, beside flash and naive
   python -m bench.compare "$OUT"/compare_sdpa "$OUT"/compare_flash "$OUT"/compare_naive "$OUT"/compare_sdpafa2 \
     --window 20 --out "$OUT/compare_noise.png" --json "$OUT/compare_noise.json" ;;
+compare_dropout)  # the 500-step comparison of `compare` with residual/embedding dropout 0.2 (nanoGPT's Shakespeare
+  # setting; attention probabilities get none), seed 1337, plus a second sdpa run of the same config (its noise floor)
+  c=(experiment=gpt2_shakespeare seq_len=1024 max_steps=500 compile=false batch.tokens_per_step=16384 log_interval=1
+     eval.interval=100 eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false model.dropout=0.2
+     wandb.group=compare_dropout_n1024 "${common[@]}")
+  for a in flash sdpa naive; do
+    python train.py "${c[@]}" attention=$a out_dir="$OUT/compare_dropout_$a"
+  done
+  python train.py "${c[@]}" attention=sdpa out_dir="$OUT/compare_dropout_sdpa_repeat"
+  python -m bench.compare "$OUT"/compare_dropout_sdpa "$OUT"/compare_dropout_flash "$OUT"/compare_dropout_naive \
+    "$OUT"/compare_dropout_sdpa_repeat --window 20 --out "$OUT/compare_dropout.png" --json "$OUT/compare_dropout.json" ;;
 sweep)  # context-length sweep, 100 steps each, eager (compile time would dominate 15 short runs)
   python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384 \
     compile=false batch.tokens_per_step=16384 "${common[@]}" hydra.sweep.dir="$OUT/sweep"
