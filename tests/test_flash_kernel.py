@@ -468,27 +468,33 @@ def test_compiled_mode_after_interpreter_import_is_a_clear_error():
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
 
 
-def test_gpu_kernels_compile_for_sm90():
-    """The compiled (non-interpreter) path: compile every kernel for sm_90 with Triton's bundled ptxas
-    (no GPU needed) -- catches code that the interpreter accepts but the compiler rejects, and checks
-    the default Hopper tiles fit shared memory. Subprocess: compiled mode needs triton imported without
-    TRITON_INTERPRET. bf16 d=80 (padded head dim) with a runtime GQA group, causal; fp32 (IEEE dots)."""
+def _compile_for_sm90(body: str) -> None:
+    """Run `body` (Python source with `compile_kernel` imported) in a subprocess that compiles for sm_90
+    with Triton's bundled ptxas (compiled mode needs triton imported without TRITON_INTERPRET); skip when
+    ptxas is missing, fail unless the script ends by printing 'ok'."""
     code = (
         "import os, sys, torch, triton\n"
         "if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)\n"
-        "from kernels.compile_report import compile_kernel\n"
+        "from kernels.compile_report import compile_kernel\n" + body + "print('ok')\n"
+    )
+    out = _run_python(code, None)
+    if "SKIP" in out.stdout:
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_gpu_kernels_compile_for_sm90():
+    """The compiled (non-interpreter) path: compile every kernel for sm_90 (no GPU needed) -- catches
+    code that the interpreter accepts but the compiler rejects, and checks the default Hopper tiles fit
+    shared memory. bf16 d=80 (padded head dim) with a runtime GQA group, causal; fp32 (IEEE dots)."""
+    _compile_for_sm90(
         "for kernel in ('fwd', 'bwd_pre', 'bwd_dkdv', 'bwd_dq', 'bwd'):\n"
         "    info = compile_kernel(kernel, torch.bfloat16, 80, gqa=True)\n"
         "    assert info.shared_bytes <= 227 * 1024, info.line()\n"
         "    assert not info.wgmma_serialized, info.line()\n"
         "    print(info.line())\n"
         "print(compile_kernel('fwd', torch.float32, 64, causal=False).line())\n"
-        "print('ok')\n"
     )
-    out = _run_python(code, None)
-    if "SKIP" in out.stdout:
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_default_hopper_tiles_keep_wgmma_asynchronous():
@@ -496,22 +502,14 @@ def test_default_hopper_tiles_keep_wgmma_asynchronous():
     multiples of the blocks or not) every kernel uses wgmma and ptxas does not serialise it (warning
     C7515: a wait after every wgmma). Two pipelined loops carrying an accumulator did that to the forward
     and dK/dV kernels (bench/NOTES.md v5), so a kernel edit that brings it back fails here."""
-    code = (
-        "import os, sys, torch, triton\n"
-        "if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)\n"
-        "from kernels.compile_report import compile_kernel\n"
+    _compile_for_sm90(
         "for d in (64, 128):\n"
         "    for even in (False, True):\n"
         "        for kernel in ('fwd', 'bwd_dkdv', 'bwd_dq', 'bwd'):\n"
         "            info = compile_kernel(kernel, torch.bfloat16, d, even=even)\n"
         "            print(info.line(), 'even' if even else 'ragged')\n"
         "            assert info.uses_wgmma and not info.wgmma_serialized, info.line()\n"
-        "print('ok')\n"
     )
-    out = _run_python(code, None)
-    if "SKIP" in out.stdout:
-        pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
-    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def test_matches_sdpa_causal_lower_right(seed):
