@@ -40,7 +40,7 @@ def parse_configs(text: str) -> list[TileConfig]:
     for item in text.split(","):
         item = item.strip()
         tma = item.endswith("t")
-        parts = item.rstrip("t").split("x")
+        parts = (item[:-1] if tma else item).split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
             raise SystemExit(f"--configs: {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
         cfgs.append(TileConfig(*map(int, parts), tma=tma))

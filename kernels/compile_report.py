@@ -9,7 +9,7 @@ The compile mimics a real launch: pointers and strides divisible by 16 (true whe
 contiguous/fused layouts), last-dim strides == 1, GROUP == 1 unless --gqa (Triton specializes
 integer arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False;
 --even for multiples). `serialized=True` flags ptxas warning C7515: every wgmma of the kernel waits for
-the previous one (a large loss; see bench/NOTES.md v5).
+the previous one (removing it gave +2-12% on the H200 at d = 128; see bench/NOTES.md v5).
 
 Usage:  python -m kernels.compile_report --dtype bf16 fp16 --d 64 128 [--arch 90] [--gqa]
         python -m kernels.compile_report --kernel bwd_dkdv --d 128 --blocks 64 64 --warps 8 --stages 2

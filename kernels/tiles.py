@@ -104,10 +104,11 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     """Hopper tile configs (n = max(Nq, Nk)).
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
-    below fits shared memory, uses wgmma without ptxas serialising it (C7515) and compiles without
-    register spills except the d = 128 dK/dV tile (4 bytes when N is a multiple of the blocks, 28
-    otherwise; with 3 stages it spills 132 and is slower). float32 runs the IEEE FMA path (no tensor
-    cores; a correctness path, not a fast one): its tiles are small to avoid spills.
+    below fits shared memory and compiles without register spills except the d = 128 dK/dV tile
+    (4 bytes when N is a multiple of the blocks, 28 otherwise; with 3 stages it spills 132 and is
+    slower); the d <= 128 ones use wgmma, which ptxas does not serialise (C7515). float32 runs the
+    IEEE FMA path (no tensor cores; a correctness path, not a fast one): its tiles are small to avoid
+    spills.
     """
     if dtype == torch.float32:
         if kernel == "fwd":
