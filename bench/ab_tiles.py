@@ -8,7 +8,8 @@ rounds of the forward and backward TFLOP/s (causal bf16, B·N = --tokens, H·d =
 
 A plan is 'fwd=CFG', 'dkdv=CFG', 'dq=CFG', 'fused' (the one-launch backward) or several joined by '+',
 each CFG in the format of `bench.tune --configs` (BMxBNxWARPSxSTAGES[t]); 'default' is the current
-defaults.
+defaults; 'provider:NAME' times another provider of bench/attention.py instead (e.g. provider:flex,
+provider:sdpa-cudnn), as a yardstick in the same interleaved rounds.
 
     python -m bench.ab_tiles --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3
 """
@@ -21,6 +22,7 @@ import statistics
 import torch
 import triton
 
+from bench.attention import build_provider
 from bench.tune import parse_configs
 from kernels import flash_attention
 from kernels.tiles import override_tile_config
@@ -33,6 +35,8 @@ def parse_plan(text: str) -> dict:
     'fused' adds fuse_bwd=True."""
     if text == "default":
         return {}
+    if text.startswith("provider:"):
+        return {"provider": text.partition(":")[2]}
     plan = {}
     for part in text.split("+"):
         if part == "fused":
@@ -55,7 +59,13 @@ def measure(n: int, d: int, plans: list, a) -> None:
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     flops = 2 * b * h * n * n * d
 
+    impl = {name: build_provider(plan["provider"], n=n, device=dev) if "provider" in plan else None
+            for name, plan in plans}
+    current = [None]
+
     def fwd():
+        if current[0] is not None:
+            return current[0](*leaves)
         return flash_attention(*leaves, causal=True)
 
     def fwdbwd():
@@ -64,7 +74,9 @@ def measure(n: int, d: int, plans: list, a) -> None:
     res = {name: ([], []) for name, _ in plans}
     for _ in range(a.rounds):
         for name, plan in plans:
-            with override_tile_config(**plan):
+            current[0] = impl[name]
+            tiles = {} if "provider" in plan else plan
+            with override_tile_config(**tiles):
                 t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
                 res[name][0].append(flops / t_f / 1e9)
                 if not a.no_bwd:
