@@ -68,8 +68,9 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
     config, `config2` its dQ tile; defaults from `get_tile_config`).
     tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
-        None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two). With TMA the
-        streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
+        None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA
+        the streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
+        Without TMA a default config's `no_tma` alternative is compiled, as the launcher runs it.
         "bwd_dq" is compiled as the two-kernel backward launches it (computing Delta itself).
         Raises ValueError for tma=True where the launcher never uses TMA.
     even: compile as for sequence lengths that are multiples of the blocks (EVEN_M / EVEN_N), the
@@ -94,11 +95,15 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
                     and head_dim == block_d_for(head_dim))
     if tma is None:
-        tma = cfg.tma and tma_possible
+        tma = cfg.tma and tma_possible and even
     elif tma and not tma_possible:
         raise ValueError("TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
                          f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
                          "these run with pointer loads")
+    if kernel == FUSED_BWD:
+        cfg, cfg2 = cfg.no_tma or cfg, cfg2.no_tma or cfg2
+    elif not tma and cfg.no_tma is not None:
+        cfg = cfg2 = cfg.no_tma
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)

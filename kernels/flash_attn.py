@@ -187,8 +187,11 @@ def _kernels(interpret: bool) -> dict:
 
 
 def _device_ctx(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it the tensor's device."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensor's device (no switch, and no
+    host time spent, when it already is)."""
+    if not t.is_cuda or t.get_device() == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
@@ -283,6 +286,8 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
         c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
         scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
         if use_fused_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
+            # the fused kernel has no TMA path
+            c1, c2 = c1.no_tma or c1, c2.no_tma or c2
             # the dK/dV and dQ programs run concurrently: Delta must exist before the launch
             cfg = get_tile_config("bwd_pre", d, q.dtype, causal, Nq, Nk, interpret=interp)
             kern["bwd_pre"][(_cdiv(Nq, cfg.block_m), Hq, B)](
@@ -313,6 +318,11 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
             tma1 = _tma_pair(q, do, c1.block_m, block_d) if want1 else None
             tma2 = _tma_pair(k, v, c2.block_n, block_d) if want2 else None
+            # a tile chosen for TMA may name another one for pointer loads (tiles.TileConfig.no_tma)
+            if tma1 is None and c1.no_tma is not None:
+                c1 = c1.no_tma
+            if tma2 is None and c2.no_tma is not None:
+                c2 = c2.no_tma
             # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
             # store it for the dK/dV kernel (no separate preprocess launch)
             kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](

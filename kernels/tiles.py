@@ -23,6 +23,7 @@ rounding (the tests check this with `override_tile_config`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -40,8 +41,10 @@ class TileConfig:
     tma: "bwd_dkdv" / "bwd_dq" only: stream the tiles of the inner loop (q/dO, resp. k/v) through
     Hopper tensor descriptors (TMA) where the inputs allow it (`kernels.flash_attn._tma_operand`: 16-bit
     dtype, d a power of two, one of two layouts) and the streamed length is a multiple of the block
-    (Nq % BLOCK_M for dK/dV, Nk % BLOCK_N for dQ); otherwise the same tile with pointer loads. Only how
-    tiles reach shared memory changes, the arithmetic and the result do not.
+    (Nq % BLOCK_M for dK/dV, Nk % BLOCK_N for dQ); otherwise the same tile with pointer loads, or
+    `no_tma` if given. Only how tiles reach shared memory changes, the arithmetic and the result do not.
+    no_tma: the config to launch instead when a `tma=True` config cannot use TMA (a tile that is fast
+    with descriptors may spill with pointer loads: the d = 128 dK/dV tile, NOTES v6).
     """
 
     block_m: int
@@ -50,6 +53,7 @@ class TileConfig:
     num_stages: int
     maxnreg: int | None = None
     tma: bool = False
+    no_tma: TileConfig | None = None
 
 
 def _next_pow2(x: int) -> int:
@@ -104,9 +108,10 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     """Hopper tile configs (n = max(Nq, Nk)).
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
-    below fits shared memory and compiles without register spills except the d = 128 dK/dV tile
-    (4 bytes when N is a multiple of the blocks, 28 otherwise; with 3 stages it spills 132 and is
-    slower); the d <= 128 ones use wgmma, which ptxas does not serialise (C7515). float32 runs the
+    below fits shared memory and compiles without register spills except the d = 128 dK/dV pointer-load
+    alternative 64x128x8x2 (28 bytes with ragged N; its TMA replacement 64x64x4x2 spills none, and
+    would spill 116 bytes with pointer loads); the d <= 128 ones use wgmma, which ptxas does not
+    serialise (C7515). float32 runs the
     IEEE FMA path (no tensor cores; a correctness path, not a fast one): its tiles are small to avoid
     spills.
     """
@@ -138,7 +143,9 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
         if block_d <= 64:
             return TileConfig(32, 64, 4, 3)
         if block_d <= 128:
-            return TileConfig(64, 128, 8, 2)
+            # one warpgroup, 96.5 KiB: two programs per SM, one's exponentials overlap the other's
+            # wgmmas (NOTES v6). With pointer loads this tile spills 116 bytes: then 64x128x8x2.
+            return TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
         return TileConfig(32, 32, 8, 1)
     # bwd_dq
     if block_d <= 64:
@@ -175,6 +182,14 @@ def get_tile_config(
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
     if kernel in _OVERRIDES:
         return _OVERRIDES[kernel]
+    return _default_tile_config(kernel, head_dim, dtype, bool(causal), n_q, n_k, bool(interpret))
+
+
+@functools.lru_cache(maxsize=1024)
+def _default_tile_config(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int,
+                         interpret: bool) -> TileConfig:
+    """The default of `get_tile_config`, cached: it runs on every launch, and at short sequences the
+    host time of a call shows in the measured time (bench/NOTES.md v6)."""
     if interpret:
         # asymmetric on purpose: exercises BLOCK_M != BLOCK_N loop bounds in the CPU tests
         cfg = {
@@ -185,10 +200,16 @@ def get_tile_config(
         }[kernel]
     else:
         cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal, max(n_q, n_k))
+    return _capped(cfg, n_q, n_k)
+
+
+def _capped(cfg: TileConfig, n_q: int, n_k: int) -> TileConfig:
+    """cfg (and its no_tma alternative) with blocks capped at max(16, next_pow2(n))."""
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
+    alt = _capped(cfg.no_tma, n_q, n_k) if cfg.no_tma is not None else None
     return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages,
-                      cfg.maxnreg, cfg.tma)
+                      cfg.maxnreg, cfg.tma, alt)
 
 
 def use_fused_bwd(

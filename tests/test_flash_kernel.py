@@ -749,6 +749,40 @@ def test_tma_default_and_override(seed, monkeypatch):
 
 
 @pytest.mark.parametrize("N", [45, 48])
+def test_no_tma_alternative_tile(seed, monkeypatch, N):
+    """A tma=True tile with a `no_tma` alternative runs as is when TMA is taken (N a multiple of the
+    block) and is replaced by the alternative when it is not (N = 45, or TMA forced off, or the fused
+    backward); the results match the float64 reference either way."""
+    q, k, v, do = make_inputs(seed, 1, 2, 2, N, N, 32, F16)
+    launched = []
+    real = fa._kernels
+
+    class _Spy:
+        def __init__(self, name, kern):
+            self.name, self.kern = name, kern
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((self.name, kw.get("BLOCK_M", kw.get("BLOCK_M1")),
+                                 kw.get("BLOCK_N", kw.get("BLOCK_N1"))))
+                return self.kern[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(fa, "_kernels", lambda interp: {n: _Spy(n, kk) for n, kk in real(interp).items()})
+    ref = run_reference(q, k, v, do, True, 32 ** -0.5)
+    tile = TileConfig(16, 32, 4, 1, tma=True, no_tma=TileConfig(32, 16, 4, 1))
+    for forced, fuse, expect in ((None, None, (16, 32) if N % 16 == 0 else (32, 16)),
+                                 (False, None, (32, 16)), (None, True, (32, 16))):
+        launched.clear()
+        with override_tile_config(bwd_dkdv=tile, tma=forced, fuse_bwd=fuse):
+            out = run_flash(q, k, v, do, True)
+        dkdv = [blk for name, *blk in launched if name in ("bwd_dkdv", "bwd")]
+        assert dkdv == [list(expect)], f"N={N} tma={forced} fused={fuse}: launched {launched}"
+        for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref, strict=True):
+            assert rel_err(a, r) <= TOL[F16], f"seed={seed} N={N} {name}"
+
+
+@pytest.mark.parametrize("N", [45, 48])
 @pytest.mark.parametrize("layout,which", [("bhnd", "q"), ("bhnd", "k"), ("bhnd", "v"), ("bhnd", "do"),
                                           ("fused", "k"), ("fused", "do")])
 def test_tma_rows_past_the_end_do_not_leak_non_finite_values(seed, monkeypatch, layout, which, N):
