@@ -36,7 +36,11 @@ def parse_plan(text: str) -> dict:
     if text == "default":
         return {}
     if text.startswith("provider:"):
-        return {"provider": text.partition(":")[2]}
+        name = text.partition(":")[2]
+        if not name or "+" in name or "=" in name:
+            raise SystemExit(f"plan {text!r}: provider:NAME takes one provider of bench/attention.py "
+                             "(e.g. provider:flex) and no tile overrides")
+        return {"provider": name}
     plan = {}
     for part in text.split("+"):
         if part == "fused":

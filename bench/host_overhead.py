@@ -45,6 +45,9 @@ def main() -> None:
     p.add_argument("--plans", nargs="+", default=["default"],
                    help="flash tile plans as in bench.ab_tiles (default, dkdv=CFG, dq=CFG, fused, ...)")
     a = p.parse_args()
+    for plan in a.plans:
+        if "provider" in parse_plan(plan):
+            raise SystemExit(f"--plans {plan!r}: name other providers in --providers, not as a plan")
     dev = torch.device("cuda")
     for d in map(int, a.headdims.split(",")):
         for n in map(int, a.seqlens.split(",")):

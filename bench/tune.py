@@ -34,6 +34,14 @@ from kernels.flash_attn import _launch_bwd, _launch_fwd
 from kernels.tiles import TileConfig, get_tile_config, override_tile_config
 
 
+def cfg_fields(cfg: TileConfig) -> list:
+    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, maxnreg, tma] (+ no_tma's list if set)."""
+    out = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.tma]
+    if cfg.no_tma is not None:
+        out.append(cfg_fields(cfg.no_tma))
+    return out
+
+
 def parse_configs(text: str) -> list[TileConfig]:
     """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads), e.g. '128x64x8x3,64x128x4x2t'."""
     cfgs = []
@@ -160,8 +168,8 @@ def tune_bwd(a, out) -> None:
                 tag += "+tma" if tma else ""
                 tag += "".join(f"+{part}:tma" for part, c in (("kv", dkdv), ("q", dq))
                                if c.tma and tma is None)
-                rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=list(dkdv.__dict__.values()),
-                           dq=list(dq.__dict__.values()), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd,
+                rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=cfg_fields(dkdv),
+                           dq=cfg_fields(dq), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd,
                            err=err, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                            triton=triton.__version__,
                            date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -170,8 +178,8 @@ def tune_bwd(a, out) -> None:
                     rows.append((t_all - t_fwd, dkdv, dq, tag))
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
-                print(f"  d={d} N={n} {tag:16s} dkdv={tuple(dkdv.__dict__.values())} "
-                      f"dq={tuple(dq.__dict__.values())}: "
+                print(f"  d={d} N={n} {tag:16s} dkdv={tuple(cfg_fields(dkdv))} "
+                      f"dq={tuple(cfg_fields(dq))}: "
                       + (f"bwd {t_all - t_fwd:.3f} ms {rec['bwd_tflops']:.0f} TF/s" if err is None else err),
                       flush=True)
             rows.sort(key=lambda r: r[0])
@@ -231,19 +239,19 @@ def main() -> None:
                 t0 = time.time()
                 for cfg in candidates(kernel, d, a.configs):
                     ms, err = time_config(kernel, cfg, q, k, v, o, lse, do, scale)
-                    rec = dict(kernel=kernel, d=d, N=n, B=b, H=h, cfg=list(cfg.__dict__.values()),
-                               ms=ms, err=err, default=list(default.__dict__.values()), default_ms=base_ms)
+                    rec = dict(kernel=kernel, d=d, N=n, B=b, H=h, cfg=cfg_fields(cfg),
+                               ms=ms, err=err, default=cfg_fields(default), default_ms=base_ms)
                     out.write(json.dumps(rec) + "\n")
                     if ms is not None:
                         rows.append((ms, cfg))
                     if a.configs is not None:
                         f = flops_fwd * (1 if kernel == "fwd" else 2.5)
                         what = "" if kernel == "fwd" else " whole bwd"
-                        print(f"  {kernel:9s} d={d:3d} N={n:6d} {tuple(cfg.__dict__.values())}: "
+                        print(f"  {kernel:9s} d={d:3d} N={n:6d} {tuple(cfg_fields(cfg))}: "
                               + (f"{ms:.3f} ms ({f / ms / 1e9:.0f} TF/s{what})" if ms is not None else err),
                               flush=True)
                 rows.sort(key=lambda r: r[0])
-                top3 = [(round(m, 3), tuple(c.__dict__.values())) for m, c in rows[:3]]
+                top3 = [(round(m, 3), tuple(cfg_fields(c))) for m, c in rows[:3]]
                 f = flops_fwd * (1 if kernel == "fwd" else 2.5)
                 ms, cfg = rows[0]
                 best[(kernel, d, n)] = (cfg, ms)

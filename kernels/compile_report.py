@@ -70,7 +70,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
         None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA
         the streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
-        Without TMA a default config's `no_tma` alternative is compiled, as the launcher runs it.
+        Without TMA a config's `no_tma` alternative (default or passed in `config`) is compiled, as
+        the launcher runs it.
         "bwd_dq" is compiled as the two-kernel backward launches it (computing Delta itself).
         Raises ValueError for tma=True where the launcher never uses TMA.
     even: compile as for sequence lengths that are multiples of the blocks (EVEN_M / EVEN_N), the

@@ -77,7 +77,10 @@ def override_tile_config(*, fuse_bwd: bool | None = None, tma: bool | None = Non
     Keys are kernel names (see KERNEL_NAMES); `fuse_bwd=True/False` forces the fused / two-kernel
     backward (None: the default choice of `use_fused_bwd`); `tma=True/False` forces the tensor-descriptor
     (TMA) loads of both kernels of the two-kernel backward on / off where the inputs allow them (None:
-    each kernel's `TileConfig.tma`). Meant for tests and tuning; not thread-safe.
+    each kernel's `TileConfig.tma`). A kernel that then runs without TMA launches its config's `no_tma`
+    tile if it has one, so at d = 128 `tma=False` also changes the dK/dV tile (64x64x4x2 -> 64x128x8x2):
+    a comparison of TMA on / off there compares two tiles, not only the loads. Meant for tests and
+    tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
     for name, flag in (("fuse_bwd", fuse_bwd), ("tma", tma)):
@@ -109,9 +112,11 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
     below fits shared memory and compiles without register spills except the d = 128 dK/dV pointer-load
-    alternative 64x128x8x2 (28 bytes with ragged N; its TMA replacement 64x64x4x2 spills none, and
-    would spill 116 bytes with pointer loads); the d <= 128 ones use wgmma, which ptxas does not
-    serialise (C7515). float32 runs the
+    alternative 64x128x8x2 (4 bytes when N is a multiple of the blocks, 28 otherwise; the TMA tile
+    64x64x4x2 spills none, and would spill 116 bytes with pointer loads) and the fused backward at
+    d = 128 (24 / 52 bytes; off by default); the d <= 128 ones use wgmma, which ptxas does not serialise
+    (C7515) -- except tiles cut down to a short N (e.g. 64x64x8x2 at N <= 64), tiny shapes where it
+    does not matter. float32 runs the
     IEEE FMA path (no tensor cores; a correctness path, not a fast one): its tiles are small to avoid
     spills.
     """

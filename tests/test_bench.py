@@ -441,3 +441,40 @@ def test_run_config_prefers_the_trainers_copy(tmp_path):
     (d / "config.resolved.yaml").write_text("attention:\n  name: sdpa\nseq_len: 256\n")
     assert _rundir.read_config(d)["seq_len"] == 256
     assert bc.load_run(d).label == "sdpa N=256"
+
+
+# ------------------------------------------------------------------------------------------- tuning tools
+
+
+def test_tune_records_of_default_tiles_are_json():
+    """bench.tune writes every tile config it times into JSON lines, including defaults that carry a
+    `no_tma` alternative (the d = 128 dK/dV tile); a nested TileConfig must not break the record."""
+    from bench.tune import cfg_fields, parse_configs
+    from kernels.tiles import KERNEL_NAMES, TileConfig, get_tile_config
+
+    for kernel in KERNEL_NAMES:
+        for d in (64, 128):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                cfg = get_tile_config(kernel, d, dtype, True, 4096, 4096)
+                back = json.loads(json.dumps(cfg_fields(cfg)))
+                fields = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.tma]
+                assert back[:6] == fields
+                assert (len(back) == 7) == (cfg.no_tma is not None)
+    alt = TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
+    assert cfg_fields(alt) == [64, 64, 4, 2, None, True, [64, 128, 8, 2, None, False]]
+    assert parse_configs("64x64x4x2t,128x64x8x3") == [TileConfig(64, 64, 4, 2, tma=True),
+                                                       TileConfig(128, 64, 8, 3)]
+
+
+def test_ab_tiles_plans():
+    """Plan syntax of bench.ab_tiles (also used by bench.host_overhead / bench.ncu_target)."""
+    from bench.ab_tiles import parse_plan
+    from kernels.tiles import TileConfig
+
+    assert parse_plan("default") == {}
+    assert parse_plan("provider:flex") == {"provider": "flex"}
+    assert parse_plan("dkdv=64x64x4x2t+fused") == {"bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True),
+                                                   "fuse_bwd": True}
+    for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64"):
+        with pytest.raises(SystemExit):
+            parse_plan(bad)

@@ -771,13 +771,18 @@ def test_no_tma_alternative_tile(seed, monkeypatch, N):
     monkeypatch.setattr(fa, "_kernels", lambda interp: {n: _Spy(n, kk) for n, kk in real(interp).items()})
     ref = run_reference(q, k, v, do, True, 32 ** -0.5)
     tile = TileConfig(16, 32, 4, 1, tma=True, no_tma=TileConfig(32, 16, 4, 1))
+    dq_tile = TileConfig(32, 16, 4, 1, tma=True, no_tma=TileConfig(16, 16, 4, 1))
     for forced, fuse, expect in ((None, None, (16, 32) if N % 16 == 0 else (32, 16)),
                                  (False, None, (32, 16)), (None, True, (32, 16))):
         launched.clear()
-        with override_tile_config(bwd_dkdv=tile, tma=forced, fuse_bwd=fuse):
+        with override_tile_config(bwd_dkdv=tile, bwd_dq=dq_tile, tma=forced, fuse_bwd=fuse):
             out = run_flash(q, k, v, do, True)
         dkdv = [blk for name, *blk in launched if name in ("bwd_dkdv", "bwd")]
         assert dkdv == [list(expect)], f"N={N} tma={forced} fused={fuse}: launched {launched}"
+        if not fuse:  # dQ tile: BLOCK_N = 16 rows of k/v, TMA when Nk % 16 == 0 unless forced off
+            dq = [blk for name, *blk in launched if name == "bwd_dq"]
+            dq_expect = (32, 16) if (N % 16 == 0 and forced is None) else (16, 16)
+            assert dq == [list(dq_expect)], f"N={N} tma={forced}: dQ launched {launched}"
         for name, a, r in zip(("o", "lse", "dq", "dk", "dv"), out, ref, strict=True):
             assert rel_err(a, r) <= TOL[F16], f"seed={seed} N={N} {name}"
 
