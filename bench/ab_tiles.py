@@ -16,12 +16,12 @@ provider:sdpa-cudnn), as a yardstick in the same interleaved rounds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 import triton
 
+from bench._gpu import parser, require_cuda
 from bench.attention import build_provider
 from bench.tune import parse_configs
 from kernels import flash_attention
@@ -96,7 +96,7 @@ def measure(n: int, d: int, plans: list, a) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("python -m bench.ab_tiles", __doc__)
     p.add_argument("--d", type=int, required=True)
     p.add_argument("--seqlens", default="4096,16384")
     p.add_argument("--plans", nargs="+", required=True)
@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--no-bwd", action="store_true", help="forward only")
     a = p.parse_args()
+    require_cuda("python -m bench.ab_tiles")
     plans = [(name, parse_plan(name)) for name in a.plans]
     for n in map(int, a.seqlens.split(",")):
         measure(n, a.d, plans, a)

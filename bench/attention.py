@@ -988,7 +988,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=None,
                    help="B*N tokens per shape (default 16384; dry run 64)")
     p.add_argument("--hidden", type=int, default=None, help="H*d (default 2048; dry run 64)")
-    p.add_argument("--out", default="bench/results", help="output directory (default bench/results)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default bench/results on a GPU; outputs/bench on a CPU, so a "
+                        "dry run never lands beside the committed GPU results)")
     p.add_argument("--tag", default=None, help="file tag (default h200 / GPU-name slug / cpu)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny CPU run to test the plumbing (sets TRITON_INTERPRET=1 for flash)")
@@ -1021,6 +1023,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "CUDA machine", file=sys.stderr)
         return 2
     small = device.type != "cuda"  # CPU: tiny dry-run shapes unless given explicitly
+    if args.out is None:
+        args.out = "outputs/bench" if small else "bench/results"
     if small and not args.dry_run:
         print("[bench] no CUDA device: running the CPU dry-run configuration", file=sys.stderr)
     if small:

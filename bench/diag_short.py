@@ -6,7 +6,7 @@ for the default tiles, TMA forced off, the dQ tile without its register cap (whe
 previous dQ tile, plus the wall time per call when 50 calls are queued back to back. Used for
 bench/NOTES.md v4 (bench/results/diag_short_h200.log).
 
-    PYTHONPATH=. python bench/diag_short.py
+    python -m bench.diag_short
 """
 
 import time
@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 import triton
 
+from bench._gpu import parser, require_cuda
 from kernels import flash_attention
 from kernels.tiles import TileConfig, get_tile_config, override_tile_config
 
@@ -54,6 +55,8 @@ def measure(n: int, d: int, **overrides) -> str:
 
 
 def main() -> None:
+    parser("python -m bench.diag_short", __doc__).parse_args()
+    require_cuda("python -m bench.diag_short")
     for n in (512, 1024):
         for d in (64, 128):
             dq = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)

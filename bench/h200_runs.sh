@@ -4,9 +4,12 @@
 #        compare_dropout | sweep | preempt)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
-PHASE=${1:?phase}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
+case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt) ;;
+*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt)"; exit 2 ;;
+esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
 

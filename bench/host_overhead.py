@@ -10,13 +10,13 @@ sequences are host-bound, which makes their TFLOP/s in bench/attention.py noisy.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import triton
 
+from bench._gpu import parser, require_cuda
 from bench.ab_tiles import parse_plan
 from bench.attention import build_provider
 from kernels.tiles import override_tile_config
@@ -37,7 +37,7 @@ def host_ms(fn, calls: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("python -m bench.host_overhead", __doc__)
     p.add_argument("--seqlens", default="512,1024")
     p.add_argument("--headdims", default="64,128")
     p.add_argument("--providers", default="flash,flex,sdpa-cudnn")
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--plans", nargs="+", default=["default"],
                    help="flash tile plans as in bench.ab_tiles (default, dkdv=CFG, dq=CFG, fused, ...)")
     a = p.parse_args()
+    require_cuda("python -m bench.host_overhead")
     for plan in a.plans:
         if "provider" in parse_plan(plan):
             raise SystemExit(f"--plans {plan!r}: name other providers in --providers, not as a plan")

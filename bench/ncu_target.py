@@ -13,17 +13,16 @@ Shapes as in bench/attention.py: B = --tokens // N, H = --hidden // d.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
+from bench._gpu import parser, require_cuda
 from bench.ab_tiles import parse_plan
 from kernels import flash_attention
 from kernels.tiles import override_tile_config
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("python -m bench.ncu_target", __doc__)
     p.add_argument("--n", type=int, default=32768)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--tokens", type=int, default=16384)
@@ -31,6 +30,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=2, help="forward+backward passes, the first one compiles")
     p.add_argument("--plan", default="default", help="tile plan as in bench.ab_tiles (not provider:NAME)")
     a = p.parse_args()
+    require_cuda("python -m bench.ncu_target")
     plan = parse_plan(a.plan)
     if "provider" in plan:
         raise SystemExit("--plan: tile plans only (this script profiles flash_attention)")

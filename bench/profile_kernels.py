@@ -14,7 +14,6 @@ differ. Timings here include profiler overhead: the benchmark, not this, is the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections import defaultdict
@@ -22,6 +21,7 @@ from collections import defaultdict
 import torch
 import triton
 
+from bench._gpu import parser, require_cuda
 from bench.attention import build_provider
 from bench.tune import shape_inputs
 from kernels.tiles import override_tile_config
@@ -73,7 +73,7 @@ def profile_provider(fn, q, k, v, do, steps: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("python -m bench.profile_kernels", __doc__)
     p.add_argument("--seqlens", default="4096,16384")
     p.add_argument("--headdims", default="128")
     p.add_argument("--providers", default="flash,flash-tma,flex,sdpa-flash,sdpa-cudnn")
@@ -82,6 +82,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--json", default=None, help="write the tables here")
     a = p.parse_args()
+    require_cuda("python -m bench.profile_kernels")
     dev = torch.device("cuda")
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rows=[])

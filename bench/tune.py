@@ -20,7 +20,6 @@ per kernel (`TileConfig.tma`), against the current default plan of the same run.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -30,6 +29,7 @@ from dataclasses import replace
 import torch
 import triton
 
+from bench._gpu import parser, require_cuda
 from kernels.flash_attn import _launch_bwd, _launch_fwd
 from kernels.tiles import TileConfig, get_tile_config, override_tile_config
 
@@ -205,7 +205,7 @@ def time_config(kernel, cfg, q, k, v, o, lse, do, scale):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser("python -m bench.tune", __doc__)
     p.add_argument("--seqlens", default="1024,4096,16384")
     p.add_argument("--headdims", default="64,128")
     p.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq")
@@ -219,6 +219,7 @@ def main() -> None:
                    help="with --kernels bwd: search the two-kernel backward with tensor-descriptor "
                         "(TMA) loads")
     a = p.parse_args()
+    require_cuda("python -m bench.tune")
     dev = torch.device("cuda")
     out = open(a.out, "a")
     if a.kernels == "bwd":

@@ -478,3 +478,17 @@ def test_ab_tiles_plans():
     for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64"):
         with pytest.raises(SystemExit):
             parse_plan(bad)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a CUDA GPU")
+@pytest.mark.parametrize("argv", [["bench.ab_tiles", "--d", "64", "--plans", "default"], ["bench.tune"],
+                                  ["bench.host_overhead"], ["bench.ncu_target"], ["bench.profile_kernels"],
+                                  ["bench.diag_short"]])
+def test_gpu_only_scripts_exit_cleanly_without_cuda(tmp_path, argv):
+    """GPU-only bench scripts stop with status 2 and a message naming the fix (no traceback, no files)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []  # bench.tune used to create tune.jsonl before failing
