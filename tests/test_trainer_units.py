@@ -285,3 +285,20 @@ def test_parity_small_diff_and_skip_on_oom(seed, monkeypatch):
     assert set(out) == {"parity/reference", "parity/skipped"}
     assert out["parity/skipped"].startswith("out of memory in the naive reference at seq_len=32")
     assert model.training and model.attention_backend == "sdpa"
+
+
+def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
+    """The printed resume command must run as printed: flash on a CPU needs TRITON_INTERPRET=1 too."""
+    from types import SimpleNamespace
+
+    from trainer.loop import Trainer
+
+    run = SimpleNamespace(overrides=["experiment=cpu_tiny", "attention=flash", "resume=false", "out_dir=old"],
+                          out_dir=tmp_path / "run")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert Trainer.resume_command(run) == (
+        f"python train.py experiment=cpu_tiny attention=flash resume=true out_dir={tmp_path / 'run'}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert Trainer.resume_command(run).startswith("TRITON_INTERPRET=1 python train.py experiment=cpu_tiny")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert Trainer.resume_command(run).startswith("python train.py")

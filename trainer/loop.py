@@ -719,8 +719,11 @@ class Trainer:
         self.log.close(exit_code=exit_code)
 
     def resume_command(self) -> str:
+        """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set."""
         keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
-        return " ".join(["python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
+        interp = os.environ.get("TRITON_INTERPRET", "").strip()
+        env = [f"TRITON_INTERPRET={interp}"] if interp.lower() in ("1", "true", "yes", "on") else []
+        return " ".join([*env, "python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
 
     def _end_interrupted(self, s: int, signum: int) -> Outcome:
         import signal
