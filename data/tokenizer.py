@@ -37,7 +37,8 @@ def _gpt2_encoding():
         raise RuntimeError(
             f"could not load tiktoken's GPT-2 BPE files ({type(e).__name__}: {e}). Without network access, "
             "set TIKTOKEN_CACHE_DIR to a directory that holds tiktoken's cached GPT-2 files (currently "
-            f"{cache}), or use the character-level tokenizer (tokenizer=char)."
+            f"{cache}), or use the character-level tokenizer (train.py data=shakespeare_char; "
+            "python -m data.prepare --tokenizer char)."
         ) from e
 
 
