@@ -1,5 +1,4 @@
-"""Shared guard of the GPU-only bench scripts (ab_tiles, tune, host_overhead, ncu_target, profile_kernels,
-diag_short)."""
+"""Shared guard of the GPU-only bench scripts (ab_tiles, tune, host_overhead, ncu_target, profile_kernels)."""
 
 from __future__ import annotations
 

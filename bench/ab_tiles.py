@@ -6,7 +6,7 @@ forward+backward minus forward as the backward. Interleaving puts clock and ther
 plan alike, which separate runs do not (bench/NOTES.md v5). Prints, per (N, plan), the median over the
 rounds of the forward and backward TFLOP/s (causal bf16, B·N = --tokens, H·d = --hidden).
 
-A plan is 'fwd=CFG', 'dkdv=CFG', 'dq=CFG', 'fused' (the one-launch backward) or several joined by '+',
+A plan is 'fwd=CFG', 'dkdv=CFG', 'dq=CFG' or several joined by '+',
 each CFG in the format of `bench.tune --configs` (BMxBNxWARPSxSTAGES[t]); 'default' is the current
 defaults; 'provider:NAME' times another provider of bench/attention.py instead (e.g. provider:flex,
 provider:sdpa-cudnn), as a yardstick in the same interleaved rounds.
@@ -31,8 +31,7 @@ _KEYS = {"fwd": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
 
 
 def parse_plan(text: str) -> dict:
-    """'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig}; 'default' -> {};
-    'fused' adds fuse_bwd=True."""
+    """'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig}; 'default' -> {}."""
     if text == "default":
         return {}
     if text.startswith("provider:"):
@@ -43,12 +42,9 @@ def parse_plan(text: str) -> dict:
         return {"provider": name}
     plan = {}
     for part in text.split("+"):
-        if part == "fused":
-            plan["fuse_bwd"] = True
-            continue
         key, _, cfg = part.partition("=")
         if key not in _KEYS or not cfg:
-            raise SystemExit(f"plan part {part!r}: expected fwd=CFG, dkdv=CFG, dq=CFG or fused")
+            raise SystemExit(f"plan part {part!r}: expected fwd=CFG, dkdv=CFG or dq=CFG")
         plan[_KEYS[key]] = parse_configs(cfg)[0]
     return plan
 

@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--providers", default="flash,flex,sdpa-cudnn")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--plans", nargs="+", default=["default"],
-                   help="flash tile plans as in bench.ab_tiles (default, dkdv=CFG, dq=CFG, fused, ...)")
+                   help="flash tile plans as in bench.ab_tiles (default, dkdv=CFG, dq=CFG, ...)")
     a = p.parse_args()
     require_cuda("python -m bench.host_overhead")
     for plan in a.plans:

@@ -8,8 +8,8 @@ launches, so their times add). Results go to --out as JSON lines; `bench/NOTES.m
 
     python -m bench.tune --seqlens 1024,4096,16384 --headdims 64,128 --out /tmp/tune.jsonl
 
-`--kernels bwd` is the joint backward search: each candidate is a (dK/dV tile, dQ tile, fused or two
-launches) plan, timed like `bench/attention.py` times a provider -- forward+backward through
+`--kernels bwd` is the joint backward search: each candidate is a (dK/dV tile, dQ tile) plan, timed
+like `bench/attention.py` times a provider -- forward+backward through
 `flash_attention`'s autograd, minus the forward -- so host-side costs between launches count too.
 
     python -m bench.tune --kernels bwd --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
@@ -35,8 +35,8 @@ from kernels.tiles import TileConfig, get_tile_config, override_tile_config
 
 
 def cfg_fields(cfg: TileConfig) -> list:
-    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, maxnreg, tma] (+ no_tma's list if set)."""
-    out = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.tma]
+    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, tma] (+ no_tma's list if set)."""
+    out = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma]
     if cfg.no_tma is not None:
         out.append(cfg_fields(cfg.no_tma))
     return out
@@ -72,38 +72,37 @@ def candidates(kernel: str, d: int, explicit: list[TileConfig] | None = None):
 
 
 def bwd_plans(d: int):
-    """Candidate backward plans (dkdv TileConfig, dq TileConfig, fused) for the joint search."""
+    """Candidate backward plans (dkdv TileConfig, dq TileConfig, tma override None) for the joint search."""
     T = TileConfig
     if d >= 128:
         for s in (2, 3):
             for dq in ((128, 32), (128, 64), (64, 64)):
-                yield T(64, 128, 8, s), T(*dq, 8, s), True
+                yield T(64, 128, 8, s), T(*dq, 8, s), None
         for dq in ((128, 32), (64, 64)):
-            yield T(64, 64, 8, 3), T(*dq, 8, 3), True
-        yield T(32, 128, 8, 3), T(128, 32, 8, 3), True
+            yield T(64, 64, 8, 3), T(*dq, 8, 3), None
+        yield T(32, 128, 8, 3), T(128, 32, 8, 3), None
     else:
         for dkdv in ((64, 128), (64, 64), (32, 128), (128, 64)):
             for dq in ((128, 64), (64, 64), (128, 32)):
-                yield T(*dkdv, 8, 3), T(*dq, 8, 3), True
+                yield T(*dkdv, 8, 3), T(*dq, 8, 3), None
         for dkdv in ((64, 64), (32, 64), (32, 128)):
             for dq in ((64, 64), (64, 32)):
-                yield T(*dkdv, 4, 3), T(*dq, 4, 3), True
-        yield T(64, 128, 8, 2), T(128, 64, 8, 2), True
+                yield T(*dkdv, 4, 3), T(*dq, 4, 3), None
+        yield T(64, 128, 8, 2), T(128, 64, 8, 2), None
 
 
 def tma_plans(d: int, n: int):
     """Candidate plans of the two-kernel backward with tensor-descriptor (TMA) loads per kernel (`--tma`):
-    (dkdv TileConfig, dq TileConfig, fused=False, tma override None: each TileConfig's own `tma`).
-    Around the pointer-load optimum; the same tiles with and without TMA separate the two effects;
-    register caps that keep two dQ programs per SM (TMA's barriers cost the dQ kernel registers)."""
+    (dkdv TileConfig, dq TileConfig, tma override None: each TileConfig's own `tma`).
+    Around the pointer-load optimum; the same tiles with and without TMA separate the two effects."""
     T = TileConfig
     if d >= 128:
         k1, k1t = T(64, 128, 8, 3), T(64, 128, 8, 3, tma=True)
-        for dq in (T(128, 64, 8, 3, tma=True), T(128, 64, 8, 3), T(128, 32, 8, 3, 128, True),
-                   T(64, 64, 4, 3, tma=True), T(128, 64, 8, 3, 168, True)):
-            yield k1, dq, False, None
-        yield k1t, T(128, 64, 8, 3, tma=True), False, None
-        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True), False, None
+        for dq in (T(128, 64, 8, 3, tma=True), T(128, 64, 8, 3), T(128, 32, 8, 3, tma=True),
+                   T(64, 64, 4, 3, tma=True)):
+            yield k1, dq, None
+        yield k1t, T(128, 64, 8, 3, tma=True), None
+        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True), None
     else:
         if n <= 1024:
             k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
@@ -113,10 +112,10 @@ def tma_plans(d: int, n: int):
             for tma1 in (False, True):
                 for dq in dqs:
                     for tma2 in (False, True):
-                        yield replace(k1, tma=tma1), replace(dq, tma=tma2), False, None
+                        yield replace(k1, tma=tma1), replace(dq, tma=tma2), None
 
 
-def time_autograd(q, k, v, do, dkdv, dq, fused, tma=None):
+def time_autograd(q, k, v, do, dkdv, dq, tma=None):
     """(fwd+bwd ms, fwd ms) through flash_attention's autograd with the given backward plan."""
     from kernels import flash_attention
 
@@ -128,7 +127,7 @@ def time_autograd(q, k, v, do, dkdv, dq, fused, tma=None):
     def fwdbwd():
         fwd().backward(do)
 
-    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, fuse_bwd=fused, tma=tma):
+    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, tma=tma):
         try:
             fwdbwd()
             torch.cuda.synchronize()
@@ -157,14 +156,11 @@ def tune_bwd(a, out) -> None:
             bwd_flops = 2.5 * 2 * b * h * n * n * d
             d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
             d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
-            if a.tma:
-                plans = [(d1, d2, False, None)] + list(tma_plans(d, n))
-            else:
-                plans = [(d1, d2, False, None), (d1, d2, None, None)] + [(*p, None) for p in bwd_plans(d)]
+            plans = [(d1, d2, None)] + list(tma_plans(d, n) if a.tma else bwd_plans(d))
             rows, t0 = [], time.time()
-            for dkdv, dq, fused, tma in plans:
-                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, fused, tma)
-                tag = "default" if fused is None else ("fused" if fused else "two")
+            for i, (dkdv, dq, tma) in enumerate(plans):
+                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, tma)
+                tag = "default" if i == 0 else "plan"
                 tag += "+tma" if tma else ""
                 tag += "".join(f"+{part}:tma" for part, c in (("kv", dkdv), ("q", dq))
                                if c.tma and tma is None)

@@ -1,4 +1,4 @@
-"""Triton kernels of our FlashAttention-2 (forward, backward preprocess, dK/dV, dQ).
+"""Triton kernels of our FlashAttention-2 (forward; backward: dQ with Delta, then dK/dV).
 
 Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
 Partitioning" (2023), section 3.1 (forward) and section 3.2 (backward), with the online softmax of
@@ -19,6 +19,8 @@ Conventions shared by every kernel
 * Head dim d is padded to BLOCK_D = max(16, next_pow2(d)) with masked loads/stores (EVEN_D skips it).
 * Batch/head indices are int64 before multiplying by strides; the block start offsets are too.
 * No atomics: every output element is written by exactly one program -> deterministic backward.
+* Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
+  built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
 
 The functions below are plain Python functions; `build_kernels(interpret)` turns them into Triton
 JIT functions (GPU) or interpreter functions (TRITON_INTERPRET=1, CPU) at first use. Building at
@@ -222,38 +224,6 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
-def _bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H_Q, N_Q, HEAD_DIM,
-    HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-):
-    """Delta_i = sum_d dO_id * O_id in float32 (paper section 3.2), minus dLSE_i when the LSE output
-    also receives a gradient (d lse_i / d s_ij = P_ij, which folds into dS = P * (dP - Delta))."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    m0_64 = tl.cast(pid_m * BLOCK_M, tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < N_Q
-    mask_d = offs_d < HEAD_DIM
-    o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
-                   + rows[:, None] * stride_om + offs_d[None, :] * stride_od,
-                   mask_m, mask_d, not EVEN_M, not EVEN_D)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
-                    + rows[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                    mask_m, mask_d, not EVEN_M, not EVEN_D)
-    delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
-    row_ptr = (b * H_Q + h) * N_Q + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
-    tl.store(DELTA + row_ptr, delta, mask=mask_m)
-
-
 def _load_row_stats(LSE, DELTA, row_ptr, mask_rows):
     """LSE converted to base 2 (+inf for rows that see no key or are padding, so P = 0) and Delta."""
     lse = tl.load(LSE + row_ptr, mask=mask_rows, other=float("inf"))
@@ -307,8 +277,18 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
-def _bwd_dkdv_program(
-    pid_n, hk, b,
+def _tma_descriptor(base, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """2-D tensor descriptor (Hopper TMA) over `rows` x `cols` elements from `base`, built on the device.
+
+    Built inside the kernel (not on the host) so a launch costs no host work for it and the launch
+    can be captured by torch.compile (`wrap_triton`) and CUDA graphs; it needs the global-scratch
+    allocator that `kernels.flash_attn` installs (128 bytes per descriptor and program).
+    """
+    return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+
+
+def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -317,17 +297,22 @@ def _bwd_dkdv_program(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
+    q_rows, q_cols, row_qb, row_qh, col_qh, do_rows, do_cols, row_dob, row_doh, col_doh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    """dK, dV of key/value block `pid_n` of kv head `hk` (int64) in batch `b` (int64).
+    """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
-    Paper section 3.2 with the K/V block as the outer loop: loops over the GROUP query heads that
-    share this kv head and over the query blocks that can see this key block; P is recomputed from
-    q, k and LSE. Used by `_bwd_dkdv_kernel` and by the fused `_bwd_kernel`.
+    Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
+    over the query blocks that can see this key block; P is recomputed from q, k and LSE.
+    USE_TMA: q / dO tiles come through 2-D tensor descriptors built here over q_rows x q_cols
+    (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
+    batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
     """
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     n0 = pid_n * BLOCK_N
     n0_64 = tl.cast(n0, tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -336,6 +321,7 @@ def _bwd_dkdv_program(
     mask_n = offs_n < N_K
     mask_d = offs_d < HEAD_DIM
 
+    # -- load K_j, V_j of this block once; dK_j, dV_j accumulate in float32 registers
     tile_n = tl.arange(0, BLOCK_N)[:, None]
     k = _load_tile(K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn
                    + tile_n * stride_kn + offs_d[None, :] * stride_kd, mask_n, mask_d, not EVEN_N, not EVEN_D)
@@ -356,6 +342,12 @@ def _bwd_dkdv_program(
         start_m = 0
         full_start = 0
 
+    if USE_TMA:
+        QD = _tma_descriptor(Q, q_rows, q_cols, stride_qm, BLOCK_M, BLOCK_D)
+        DOD = _tma_descriptor(DO, do_rows, do_cols, stride_dom, BLOCK_M, BLOCK_D)
+    else:
+        QD = None
+        DOD = None
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -366,8 +358,8 @@ def _bwd_dkdv_program(
         q_col = (h * col_qh).to(tl.int32)
         do_row = (b * row_dob + h * row_doh).to(tl.int32)
         do_col = (h * col_doh).to(tl.int32)
-        # query blocks [start_m, full_start) straddle the diagonal (masked), the later ones see the
-        # whole key block
+        # -- for each query block i that sees key block j: dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i;
+        # blocks [start_m, full_start) straddle the diagonal (masked), the later ones see all of j
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, N_Q, full_start,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
@@ -376,6 +368,7 @@ def _bwd_dkdv_program(
             CAUSAL, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
         )
 
+    # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
     dk = dk * softmax_scale
     _store_tile(DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn
                 + tile_n * stride_dkn + offs_d[None, :] * stride_dkd,
@@ -383,41 +376,6 @@ def _bwd_dkdv_program(
     _store_tile(DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn
                 + tile_n * stride_dvn + offs_d[None, :] * stride_dvd,
                 dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
-
-
-def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):
-    """dK, dV (paper section 3.2). Grid: (cdiv(Nk, BLOCK_N), Hkv, B); see `_bwd_dkdv_program`.
-
-    USE_TMA: QD / DOD are 2-D tensor descriptors (block BLOCK_M x BLOCK_D) over q / dO; query row n of
-    head h in batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
-    Otherwise QD / DOD are None and the tiles are loaded through pointers.
-    """
-    _bwd_dkdv_program(
-        tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
-        Q, K, V, DO, LSE, DELTA, DK, DV,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-        H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-        QD, DOD, row_qb, row_qh, col_qh, row_dob, row_doh, col_doh,
-        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
-    )
 
 
 def _bwd_dq_inner(
@@ -463,8 +421,7 @@ def _bwd_dq_inner(
     return dq
 
 
-def _bwd_dq_program(
-    pid_m, h, b,
+def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -473,21 +430,26 @@ def _bwd_dq_program(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_ob, stride_oh, stride_om, stride_od,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
+    k_rows, k_cols, row_kb, row_kh, col_kh, v_rows, v_cols, row_vb, row_vh, col_vh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
+    USE_TMA: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
-    """dQ of query block `pid_m` of query head `h` (int64) in batch `b` (int64).
+    """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
-    Paper section 3.2, computed by its own program (not accumulated from the dK/dV programs) so no
-    atomics are needed; loops over the visible key blocks like the forward. Used by `_bwd_dq_kernel`
-    and by the fused `_bwd_kernel`.
-
-    COMPUTE_DELTA: this program also computes Delta = rowsum(dO * O) (- dLSE) of its rows from O (and
-    DLSE when HAS_DLSE) and stores it to DELTA for the dK/dV kernel launched after it, instead of
-    reading what `_bwd_preprocess_kernel` wrote (one launch and one pass over O and dO fewer).
+    Computed by its own program (not accumulated from the dK/dV programs), so no atomics are needed;
+    it loops over the visible key blocks like the forward. It also computes Delta = rowsum(dO * O)
+    (- dLSE when HAS_DLSE) and stores it for `_bwd_dkdv_kernel`, which is launched after it (one
+    launch and one pass over O and dO fewer than a separate preprocess kernel).
+    USE_TMA: k / v tiles come through 2-D tensor descriptors built here (k_rows x k_cols elements,
+    row stride stride_kn; key row n of kv head hk in batch b at descriptor row b * row_kb + hk * row_kh
+    + n, column hk * col_kh; same for v).
     """
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
     m0_64 = tl.cast(m0, tl.int64)
@@ -498,148 +460,53 @@ def _bwd_dq_program(
     mask_m = offs_m < N_Q
     mask_d = offs_d < HEAD_DIM
 
+    # -- load Q_i, dO_i, O_i; Delta_i = rowsum(dO_i * O_i); LSE_i in base 2
     q = _load_tile(Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
                    + tile_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                    mask_m, mask_d, not EVEN_M, not EVEN_D)
     do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
                     + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                     mask_m, mask_d, not EVEN_M, not EVEN_D)
+    o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
+                   + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   mask_m, mask_d, not EVEN_M, not EVEN_D)
     row_ptr = (b * H_Q + h) * N_Q + offs_m
-    if COMPUTE_DELTA:
-        o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
-                       + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                       mask_m, mask_d, not EVEN_M, not EVEN_D)
-        delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
-        if HAS_DLSE:
-            delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
-        tl.store(DELTA + row_ptr, delta, mask=mask_m)
-        lse = tl.load(LSE + row_ptr, mask=mask_m, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    else:
-        lse2, delta = _load_row_stats(LSE, DELTA, row_ptr, mask_m)
+    delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
+    if HAS_DLSE:
+        # d lse_i / d s_ij = P_ij folds into dS = P * (dP - Delta) as Delta - dLSE
+        delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
+    tl.store(DELTA + row_ptr, delta, mask=mask_m)
+    lse = tl.load(LSE + row_ptr, mask=mask_m, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
+    if USE_TMA:
+        KD = _tma_descriptor(K, k_rows, k_cols, stride_kn, BLOCK_N, BLOCK_D)
+        VD = _tma_descriptor(V, v_rows, v_cols, stride_vn, BLOCK_N, BLOCK_D)
+    else:
+        KD = None
+        VD = None
     # descriptor coordinates (int32; only used when USE_TMA)
     k_row = (b * row_kb + hk * row_kh).to(tl.int32)
     k_col = (hk * col_kh).to(tl.int32)
     v_row = (b * row_vb + hk * row_vh).to(tl.int32)
     v_col = (hk * col_vh).to(tl.int32)
+    # -- for each visible key block j: dQ_i += dS_ij K_j; blocks [0, full_end) unmasked, then masked
     full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
-    # key blocks [0, full_end) unmasked, [full_end, hi) masked
     dq = _bwd_dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, 0, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
         KD, VD, k_row, k_col, v_row, v_col,
         CAUSAL or not EVEN_N, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
     )
+    # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
     _store_tile(DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm
                 + tile_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
                 dq.to(DQ.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
-
-
-def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, COMPUTE_DELTA: tl.constexpr, HAS_DLSE: tl.constexpr,
-):
-    """dQ (paper section 3.2). Grid: (cdiv(Nq, BLOCK_M), Hq, B); see `_bwd_dq_program`.
-    With COMPUTE_DELTA it also writes Delta (launch it before `_bwd_dkdv_kernel`).
-
-    USE_TMA: KD / VD are 2-D tensor descriptors (block BLOCK_N x BLOCK_D) over k / v, addressed like
-    QD in `_bwd_dkdv_kernel`; otherwise None.
-    """
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
-    _bwd_dq_program(
-        pid_m, tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64),
-        Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
-        stride_qb, stride_qh, stride_qm, stride_qd,
-        stride_kb, stride_kh, stride_kn, stride_kd,
-        stride_vb, stride_vh, stride_vn, stride_vd,
-        stride_dob, stride_doh, stride_dom, stride_dod,
-        stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-        stride_ob, stride_oh, stride_om, stride_od,
-        H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-        KD, VD, row_kb, row_kh, col_kh, row_vb, row_vh, col_vh,
-        CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, EVEN_M, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
-        COMPUTE_DELTA, HAS_DLSE,
-    )
-
-
-def _bwd_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2, N_KV_BLOCKS, N_Q_BLOCKS,
-    CAUSAL: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, EVEN_M1: tl.constexpr, EVEN_N1: tl.constexpr,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, EVEN_M2: tl.constexpr, EVEN_N2: tl.constexpr,
-):
-    """The whole backward after the Delta pass in one launch: dK/dV programs and dQ programs.
-
-    Grid: (N_KV_BLOCKS + GROUP * N_Q_BLOCKS, Hkv, B). Programs 0 .. N_KV_BLOCKS-1 of kv head hk
-    compute dK/dV of key block pid (tiles BLOCK_M1 x BLOCK_N1, `_bwd_dkdv_program`); the rest compute
-    dQ of one query block of one of the GROUP query heads of hk (tiles BLOCK_M2 x BLOCK_N2,
-    `_bwd_dq_program`), heaviest causal blocks first in both parts. Same arithmetic as the two
-    separate kernels (bitwise-identical results for the same tiles), one launch instead of two, and
-    the tail of one part overlaps the other. Every output element still has exactly one writer.
-    """
-    pid = tl.program_id(0)
-    hk = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    if pid < N_KV_BLOCKS:
-        _bwd_dkdv_program(
-            pid, hk, b,
-            Q, K, V, DO, LSE, DELTA, DK, DV,
-            stride_qb, stride_qh, stride_qm, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_dob, stride_doh, stride_dom, stride_dod,
-            stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-            stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-            H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-            None, None, 0, 0, 0, 0, 0, 0,
-            CAUSAL, BLOCK_M1, BLOCK_N1, BLOCK_D, EVEN_M1, EVEN_N1, EVEN_D, DOT_PRECISION, False,
-        )
-    else:
-        j = pid - N_KV_BLOCKS
-        g = j // N_Q_BLOCKS
-        pid_m = j - g * N_Q_BLOCKS
-        if CAUSAL:
-            pid_m = N_Q_BLOCKS - 1 - pid_m  # heaviest query blocks first
-        _bwd_dq_program(
-            pid_m, hk * GROUP + g, b,
-            Q, K, V, DO, LSE, DELTA, DQ, None, None,
-            stride_qb, stride_qh, stride_qm, stride_qd,
-            stride_kb, stride_kh, stride_kn, stride_kd,
-            stride_vb, stride_vh, stride_vn, stride_vd,
-            stride_dob, stride_doh, stride_dom, stride_dod,
-            stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-            0, 0, 0, 0,
-            H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-            None, None, 0, 0, 0, 0, 0, 0,
-            CAUSAL, BLOCK_M2, BLOCK_N2, BLOCK_D, EVEN_M2, EVEN_N2, EVEN_D, DOT_PRECISION, False,
-            False, False,
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,13 +514,11 @@ def _bwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 _HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
-            _bwd_dkdv_inner, _bwd_dq_inner, _bwd_dkdv_program, _bwd_dq_program)
+            _tma_descriptor, _bwd_dkdv_inner, _bwd_dq_inner)
 _KERNELS = {
     "fwd": _fwd_kernel,
-    "bwd_pre": _bwd_preprocess_kernel,
     "bwd_dkdv": _bwd_dkdv_kernel,
     "bwd_dq": _bwd_dq_kernel,
-    "bwd": _bwd_kernel,
 }
 _INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
 _BUILT: dict = {}
@@ -684,7 +549,7 @@ def _clone(fn, namespace: dict):
 
 
 def build_kernels(interpret: bool) -> dict:
-    """Return {"fwd", "bwd_pre", "bwd_dkdv", "bwd_dq", "bwd"} -> launchable kernel, built once per mode.
+    """Return {"fwd", "bwd_dkdv", "bwd_dq"} -> launchable kernel, built once per mode.
 
     interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
     interpret=True : `triton.runtime.interpreter.InterpretedFunction`s (TRITON_INTERPRET=1, CPU).

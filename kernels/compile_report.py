@@ -29,12 +29,11 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
-_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "N_KV_BLOCKS", "N_Q_BLOCKS")
-_DESCRIPTORS = ("QD", "DOD", "KD", "VD")
-_DESC_INTS = ("row_qb", "row_qh", "col_qh", "row_dob", "row_doh", "col_doh",
-              "row_kb", "row_kh", "col_kh", "row_vb", "row_vh", "col_vh")
-# the fused dK/dV + dQ kernel: tiles of "bwd_dkdv" (M1, N1, warps, stages) and "bwd_dq" (M2, N2)
-FUSED_BWD = "bwd"
+_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
+# the device-side tensor descriptors' extents and coordinate maps (kernels/flash_attn._tma_operand)
+_DESC_INTS = ("q_rows", "q_cols", "row_qb", "row_qh", "col_qh", "do_rows", "do_cols", "row_dob", "row_doh",
+              "col_doh", "k_rows", "k_cols", "row_kb", "row_kh", "col_kh", "v_rows", "v_cols", "row_vb",
+              "row_vh", "col_vh")
 
 
 @dataclass
@@ -61,18 +60,16 @@ class CompileInfo:
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   config2: TileConfig | None = None, tma: bool | None = None,
-                   even: bool = False) -> CompileInfo:
+                   tma: bool | None = None, even: bool = False) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
-    kernel: one of KERNEL_NAMES, or "bwd" (the fused backward; `config` is its dK/dV tile and launch
-    config, `config2` its dQ tile; defaults from `get_tile_config`).
+    kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
     tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
         None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA
         the streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
         Without TMA a config's `no_tma` alternative (default or passed in `config`) is compiled, as
         the launcher runs it.
-        "bwd_dq" is compiled as the two-kernel backward launches it (computing Delta itself).
+        "bwd_dq" computes Delta itself, as the launcher runs it.
         Raises ValueError for tma=True where the launcher never uses TMA.
     even: compile as for sequence lengths that are multiples of the blocks (EVEN_M / EVEN_N), the
         case of every benchmark shape; default False (the masked loads of ragged lengths).
@@ -84,15 +81,10 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
 
     from ._triton_kernels import build_kernels
 
-    if kernel not in KERNEL_NAMES + (FUSED_BWD,):
-        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES + (FUSED_BWD,)}")
+    if kernel not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
     big = 1 << 20
-    if kernel == FUSED_BWD:
-        cfg = config or get_tile_config("bwd_dkdv", head_dim, dtype, causal, big, big)
-        cfg2 = config2 or get_tile_config("bwd_dq", head_dim, dtype, causal, big, big)
-    else:
-        cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
-        cfg2 = cfg
+    cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
     tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
                     and head_dim == block_d_for(head_dim))
     if tma is None:
@@ -101,31 +93,20 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         raise ValueError("TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
                          f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
                          "these run with pointer loads")
-    if kernel == FUSED_BWD:
-        cfg, cfg2 = cfg.no_tma or cfg, cfg2.no_tma or cfg2
-    elif not tma and cfg.no_tma is not None:
-        cfg = cfg2 = cfg.no_tma
+    if not tma and cfg.no_tma is not None:
+        cfg = cfg.no_tma
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even,
                   EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-                  BLOCK_M1=cfg.block_m, BLOCK_N1=cfg.block_n, EVEN_M1=even, EVEN_N1=even,
-                  BLOCK_M2=cfg2.block_m, BLOCK_N2=cfg2.block_n, EVEN_M2=even, EVEN_N2=even,
-                  USE_TMA=tma, COMPUTE_DELTA=True)
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma)
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
-    tma_rows = cfg.block_m if kernel == "bwd_dkdv" else cfg.block_n
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
-        if name in _DESCRIPTORS:
-            if tma:
-                signature[name] = f"tensordesc<{_TL_NAME[dtype]}[{tma_rows}, {block_d}]>"
-            else:
-                signature[name], constants[name] = "constexpr", None
-        elif name in _DESC_INTS:
+        if name in _DESC_INTS:
             signature[name] = "i32"
         elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
@@ -136,7 +117,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
             signature[name], constants[name] = "constexpr", 1
         elif name.startswith("stride_") or name in _INTS:
             signature[name] = "i32"
-            if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K", "N_KV_BLOCKS", "N_Q_BLOCKS"):
+            if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K"):
                 divisible.append(i)
         elif name in ("scale_log2", "softmax_scale"):
             signature[name] = "fp32"
@@ -144,8 +125,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
             signature[name], constants[name] = "constexpr", values[name]
     src = ASTSource(fn, signature, constants, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                                               maxnreg=cfg.maxnreg))
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     regs = st = ld = None
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -166,8 +146,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES) + [FUSED_BWD],
-                   choices=list(KERNEL_NAMES) + [FUSED_BWD])
+    p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=list(KERNEL_NAMES))
     p.add_argument("--dtype", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--d", nargs="+", type=int, default=[64, 128])
     p.add_argument("--arch", type=int, default=90, help="SM version, e.g. 90 for H100/H200, 80 for A100")

@@ -1,19 +1,26 @@
-"""FlashAttention-2 in Triton: input validation, kernel launchers, torch.library custom ops, public API.
+"""FlashAttention-2 in Triton: input validation, kernel launchers, torch.library ops, public API.
 
 Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
 Partitioning" (2023): forward section 3.1, backward section 3.2; online softmax from Milakov &
 Gimelshein (2018). The Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in
 `kernels/tiles.py` (`get_tile_config`).
 
-Custom ops (torch >= 2.4 `torch.library.custom_op`), so torch.compile traces callers without graph
-breaks:
-* `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)`
-* `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`
-Both have fake (meta) implementations; autograd of the forward op calls the backward op.
-`flash_attention` calls, in plain eager mode, an equivalent torch.autograd.Function over the same
-launchers (no custom-op dispatch: less host time per call), and the custom op everywhere else
-(torch.compile tracing, FakeTensorMode / make_fx, functorch transforms such as vmap, tensor subclasses).
-Validation happens in `flash_attention` (the Python wrapper), before the op and any Triton launch.
+Operators, so torch.compile traces callers without graph breaks:
+* CUDA tensors: `torch.library.triton_op`s
+  `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)` and
+  `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`.
+  Under torch.compile their bodies are traced (`torch.library.wrap_triton`), so the compiled graph
+  holds our Triton kernels and Inductor launches them from its generated code (no Python per call;
+  CUDA graphs can capture them). Tensor descriptors (TMA) are built on the device, not per call on
+  the host.
+* CPU tensors (Triton interpreter): opaque custom ops `flashgpt::flash_attn_fwd_cpu` /
+  `flashgpt::flash_attn_bwd_cpu` with fake implementations (tracing a triton op needs kernels that
+  compile for a GPU).
+Autograd of each forward op calls its backward op. `flash_attention` calls, in plain eager mode, an
+equivalent torch.autograd.Function over the same launchers (no op dispatch: less host time per
+call), and the ops everywhere else (torch.compile tracing, FakeTensorMode / make_fx, functorch
+transforms such as vmap, tensor subclasses). Validation happens in `flash_attention` (the Python
+wrapper), before the op and any Triton launch; under torch.compile it runs once, while tracing.
 
 Interpreter: kernels run under the Triton interpreter when the environment variable
 TRITON_INTERPRET is truthy *at call time* (read on every call, so importing this package before
@@ -27,7 +34,7 @@ import os
 
 import torch
 
-from .tiles import block_d_for, get_tile_config, tma_override, use_fused_bwd
+from .tiles import block_d_for, get_tile_config, tma_override
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -186,6 +193,44 @@ def _kernels(interpret: bool) -> dict:
     return _triton_kernels.build_kernels(interpret)
 
 
+_SCRATCH_ALLOCATOR_READY = False
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    """Global scratch for the device-side tensor descriptors: a torch CUDA allocation, so it comes
+    from the caching allocator on the current stream (and from the graph's pool under CUDA graphs)."""
+    del alignment, stream  # torch allocations are 512-byte aligned and stream-ordered
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Make Triton's global-scratch allocator available in every thread (idempotent).
+
+    Kernels that build tensor descriptors on the device (`tl.make_tensor_descriptor`) need Triton to
+    allocate 128 bytes per descriptor and program at launch, through the allocator given to
+    `triton.set_allocator`. That one is a ContextVar: set in one thread it is missing in autograd's
+    device thread, where the backward kernels launch (eagerly and from Inductor's compiled backward).
+    So, unless an allocator is already set, ours becomes the variable's default for every thread.
+    Falls back to `triton.set_allocator` (this thread only) if Triton's internals differ.
+    """
+    global _SCRATCH_ALLOCATOR_READY
+    if _SCRATCH_ALLOCATOR_READY:
+        return
+    import contextvars
+
+    import triton
+
+    try:
+        from triton.runtime import _allocation
+
+        var = _allocation._allocator
+        if isinstance(var.get(), _allocation.NullAllocator):
+            _allocation._allocator = contextvars.ContextVar("_allocator", default=_scratch_alloc)
+    except (ImportError, AttributeError):
+        triton.set_allocator(_scratch_alloc)
+    _SCRATCH_ALLOCATOR_READY = True
+
+
 def _device_ctx(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensor's device (no switch, and no
     host time spent, when it already is)."""
@@ -194,7 +239,20 @@ def _device_ctx(t: torch.Tensor):
     return torch.cuda.device(t.device)
 
 
-def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
+def _launch_options(cfg) -> dict:
+    return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _launcher(kernel, grid, traced: bool):
+    """kernel[grid], or `torch.library.wrap_triton(kernel)[grid]` inside the triton ops, so that
+    torch.compile (make_fx / AOTAutograd) records the launch itself and Inductor emits it in the
+    generated code, instead of calling back into Python for every attention call."""
+    if traced and not interpret_enabled():  # interpreter kernels are not JIT functions: launch directly
+        return torch.library.wrap_triton(kernel)[grid]
+    return kernel[grid]
+
+
+def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
         o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale)
@@ -209,35 +267,38 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float):
     block_d = block_d_for(d)
     grid = (_cdiv(Nq, cfg.block_m), Hq, B)
     with _device_ctx(q):
-        _kernels(interp)["fwd"][grid](
+        _launcher(_kernels(interp)["fwd"], grid, traced)(
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E,
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
-            DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
+            DOT_PRECISION=_dot_precision(q.dtype), **_launch_options(cfg),
         )
     return o, lse
 
 
-def _tma_operand(t: torch.Tensor, block_rows: int, block_d: int):
-    """A 2-D TMA tensor descriptor over t (B, H, N, d) and its row/column map, or None.
+def _tma_operand(t: torch.Tensor, block_d: int):
+    """How the kernels address t (B, H, N, d) through one 2-D tensor descriptor (TMA), or None.
 
-    Row n of head h in batch b is descriptor row b * row_b + h * row_h + n, column h * col_h, for
-    the two layouts the trainer and the benchmark produce: (B, H, N, d) with contiguous heads
-    (rows b*H*N + h*N + n) and the (B, N, H, d) memory of a fused qkv projection viewed as
-    (B, H, N, d) (rows b*N + n, heads side by side in a row). Anything else, or a tile TMA cannot
-    address (16-bit dtype, d == block_d, last stride 1, 16-byte aligned base and row stride), gives
-    None and the kernels load through pointers. Returns (descriptor, row_b, row_h, col_h).
+    Returns (rows, cols, row_b, row_h, col_h): the descriptor spans rows x cols elements from t's
+    first element with row stride t.stride(2), and row n of head h in batch b is descriptor row
+    b * row_b + h * row_h + n, column h * col_h. Two layouts qualify, those the trainer and the
+    benchmark produce: (B, H, N, d) with contiguous heads (rows b*H*N + h*N + n) and the (B, N, H, d)
+    memory of a fused qkv projection viewed as (B, H, N, d) (rows b*N + n, heads side by side in a
+    row). Anything else, or a tile TMA cannot address (not 16-bit, d != block_d, last stride != 1,
+    first element or row stride not 16-byte aligned), gives None and the kernels load through
+    pointers. The descriptor itself is built on the device (`_triton_kernels._tma_descriptor`), so
+    this is integer arithmetic on the shape only: no host work per call, and traceable with fake
+    tensors (torch.compile).
     """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     B, H, N, d = t.shape
     sb, sh, sn, sd = t.stride()
     esz = t.element_size()
     if (t.dtype not in (torch.float16, torch.bfloat16) or d != block_d or sd != 1
-            or t.data_ptr() % 16 or (sn * esz) % 16 or sn < d):
+            or (t.storage_offset() * esz) % 16 or (sn * esz) % 16 or sn < d):
+        return None
+    if type(t) is torch.Tensor and t.data_ptr() % 16:  # real tensors: the allocation itself too
         return None
     if (H == 1 or sh == N * sn) and (B == 1 or sb == H * N * sn):
         rows, cols, row_b, row_h, col_h = B * H * N, d, H * N, N, 0
@@ -247,18 +308,20 @@ def _tma_operand(t: torch.Tensor, block_rows: int, block_d: int):
         return None
     if rows >= 2**31:
         return None
-    desc = TensorDescriptor(t, shape=[rows, cols], strides=[sn, 1], block_shape=[block_rows, block_d])
-    return desc, row_b, row_h, col_h
+    return rows, cols, row_b, row_h, col_h
 
 
-def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_rows: int, block_d: int):
-    """Kernel arguments (desc_x, desc_y, row_b, row_h, col_h of x, then of y) when both tensors can be
-    streamed through descriptors (`_tma_operand`), else None (the kernel then uses pointer loads)."""
-    tx, ty = _tma_operand(x, block_rows, block_d), _tma_operand(y, block_rows, block_d)
-    return None if tx is None or ty is None else (tx[0], ty[0], *tx[1:], *ty[1:])
+_NO_TMA = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
-def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None):
+def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
+    """Kernel arguments (rows, cols, row_b, row_h, col_h of x, then of y) when both tensors can be
+    streamed through tensor descriptors (`_tma_operand`), else None (the kernel then uses pointer loads)."""
+    tx, ty = _tma_operand(x, block_d), _tma_operand(y, block_d)
+    return None if tx is None or ty is None else (*tx, *ty)
+
+
+def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
                             softmax_scale, dlse)
@@ -281,91 +344,79 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
+    c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
+    c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
+    scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
+    forced = tma_override()
+    # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
+    want1 = (c1.tma if forced is None else forced) and Nq % c1.block_m == 0
+    want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
+    tma1 = _tma_pair(q, do, block_d) if want1 else None
+    tma2 = _tma_pair(k, v, block_d) if want2 else None
+    # a tile chosen for TMA may name another one for pointer loads (tiles.TileConfig.no_tma)
+    if tma1 is None and c1.no_tma is not None:
+        c1 = c1.no_tma
+    if tma2 is None and c2.no_tma is not None:
+        c2 = c2.no_tma
+    if (tma1 is not None or tma2 is not None) and q.is_cuda:
+        ensure_scratch_allocator()
     with _device_ctx(q):
-        c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
-        if use_fused_bwd(d, q.dtype, causal, Nq, Nk, interpret=interp):
-            # the fused kernel has no TMA path
-            c1, c2 = c1.no_tma or c1, c2.no_tma or c2
-            # the dK/dV and dQ programs run concurrently: Delta must exist before the launch
-            cfg = get_tile_config("bwd_pre", d, q.dtype, causal, Nq, Nk, interpret=interp)
-            kern["bwd_pre"][(_cdiv(Nq, cfg.block_m), Hq, B)](
-                o, do, dlse if dlse is not None else delta, delta,
-                *o.stride(), *do.stride(),
-                Hq, Nq, d,
-                HAS_DLSE=dlse is not None, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
-                EVEN_M=Nq % cfg.block_m == 0, EVEN_D=even_d,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-            )
-            n_kv_blocks, n_q_blocks = _cdiv(Nk, c1.block_n), _cdiv(Nq, c2.block_m)
-            kern["bwd"][(n_kv_blocks + (Hq // Hkv) * n_q_blocks, Hkv, B)](
-                q, k, v, do, lse, delta, dq, dk, dv,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-                *scale_args, n_kv_blocks, n_q_blocks,
-                CAUSAL=causal, BLOCK_D=block_d, EVEN_D=even_d, DOT_PRECISION=prec,
-                BLOCK_M1=c1.block_m, BLOCK_N1=c1.block_n,
-                EVEN_M1=Nq % c1.block_m == 0, EVEN_N1=Nk % c1.block_n == 0,
-                BLOCK_M2=c2.block_m, BLOCK_N2=c2.block_n,
-                EVEN_M2=Nq % c2.block_m == 0, EVEN_N2=Nk % c2.block_n == 0,
-                num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
-            )
-        else:
-            forced = tma_override()
-            no_tma = (None, None, 0, 0, 0, 0, 0, 0)
-            # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
-            want1 = (c1.tma if forced is None else forced) and Nq % c1.block_m == 0
-            want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
-            tma1 = _tma_pair(q, do, c1.block_m, block_d) if want1 else None
-            tma2 = _tma_pair(k, v, c2.block_n, block_d) if want2 else None
-            # a tile chosen for TMA may name another one for pointer loads (tiles.TileConfig.no_tma)
-            if tma1 is None and c1.no_tma is not None:
-                c1 = c1.no_tma
-            if tma2 is None and c2.no_tma is not None:
-                c2 = c2.no_tma
-            # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
-            # store it for the dK/dV kernel (no separate preprocess launch)
-            kern["bwd_dq"][(_cdiv(Nq, c2.block_m), Hq, B)](
-                q, k, v, do, lse, delta, dq, o, dlse if dlse is not None else delta,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
-                *scale_args, *(tma2 or no_tma),
-                CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
-                EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, USE_TMA=tma2 is not None, COMPUTE_DELTA=True, HAS_DLSE=dlse is not None,
-                num_warps=c2.num_warps, num_stages=c2.num_stages, maxnreg=c2.maxnreg,
-            )
-            kern["bwd_dkdv"][(_cdiv(Nk, c1.block_n), Hkv, B)](
-                q, k, v, do, lse, delta, dk, dv,
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-                *scale_args, *(tma1 or no_tma),
-                CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
-                EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, USE_TMA=tma1 is not None,
-                num_warps=c1.num_warps, num_stages=c1.num_stages, maxnreg=c1.maxnreg,
-            )
+        # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
+        # store it for the dK/dV kernel (no separate preprocess launch)
+        _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
+            q, k, v, do, lse, delta, dq, o, dlse if dlse is not None else delta,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
+            *scale_args, *(tma2 or _NO_TMA),
+            CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
+            **_launch_options(c2),
+        )
+        _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            *scale_args, *(tma1 or _NO_TMA),
+            CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, USE_TMA=tma1 is not None, **_launch_options(c1),
+        )
     return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
-# torch.library custom ops
+# operators: torch.library.triton_op for CUDA tensors, an opaque custom op for the interpreter
 # ---------------------------------------------------------------------------------------------
+#
+# CUDA: `flashgpt::flash_attn_fwd` / `flashgpt::flash_attn_bwd` are triton ops. Eager calls run the
+# body (plain launches); under torch.compile AOTAutograd traces the body, so the compiled graph holds
+# the Triton kernels themselves (`wrap_triton`) and Inductor launches them from its generated code:
+# no Python op, validation or launcher per attention call. Tracing needs kernels that can be compiled
+# for the GPU, so CPU tensors (the Triton interpreter, for tests) go through the opaque custom ops
+# `flashgpt::flash_attn_fwd_cpu` / `flashgpt::flash_attn_bwd_cpu` with the same launchers, which
+# torch.compile, FakeTensorMode and make_fx see as one node with a fake implementation.
 
 
-@torch.library.custom_op("flashgpt::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation."""
-    return _launch_fwd(q, k, v, causal, softmax_scale)
-
-
-@flash_attn_fwd.register_fake
-def _flash_attn_fwd_fake(q, k, v, causal, softmax_scale):
+def _fwd_fake(q, k, v, causal, softmax_scale):
     B, Hq, Nq, d = q.shape
     return q.new_empty((B, Hq, Nq, d)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashgpt::flash_attn_bwd", mutates_args=())
+def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), \
+        torch.empty_like(k, memory_format=torch.contiguous_format), \
+        torch.empty_like(v, memory_format=torch.contiguous_format)
+
+
+@torch.library.triton_op("flashgpt::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward op (CUDA): o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No
+    validation (`flash_attention` validates)."""
+    return _launch_fwd(q, k, v, causal, softmax_scale, traced=True)
+
+
+@torch.library.triton_op("flashgpt::flash_attn_bwd", mutates_args=())
 def flash_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -377,16 +428,37 @@ def flash_attn_bwd(
     softmax_scale: float,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient
+    """Backward op (CUDA): (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient
     of the lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
+    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True)
+
+
+@torch.library.custom_op("flashgpt::flash_attn_fwd_cpu", mutates_args=())
+def flash_attn_fwd_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward op for CPU tensors (TRITON_INTERPRET=1); same contract as `flash_attn_fwd`."""
+    return _launch_fwd(q, k, v, causal, softmax_scale)
+
+
+@torch.library.custom_op("flashgpt::flash_attn_bwd_cpu", mutates_args=())
+def flash_attn_bwd_cpu(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    dlse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward op for CPU tensors (TRITON_INTERPRET=1); same contract as `flash_attn_bwd`."""
     return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse)
 
 
-@flash_attn_bwd.register_fake
-def _flash_attn_bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+flash_attn_fwd_cpu.register_fake(_fwd_fake)
+flash_attn_bwd_cpu.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -399,7 +471,7 @@ def _setup_context(ctx, inputs, output):
 
 def _grads_from_saved(ctx, do, dlse, backward_fn):
     """(dq, dk, dv, None, None) from the tensors the forward saved; `backward_fn` has the signature of
-    `flash_attn_bwd` (the custom op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
+    `flash_attn_bwd` (an op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
@@ -407,21 +479,25 @@ def _grads_from_saved(ctx, do, dlse, backward_fn):
     return dq, dk, dv, None, None
 
 
-def _backward(ctx, do, dlse):
-    return _grads_from_saved(ctx, do, dlse, flash_attn_bwd)
+flash_attn_fwd.register_autograd(lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd),
+                                 setup_context=_setup_context)
+flash_attn_fwd_cpu.register_autograd(
+    lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd_cpu), setup_context=_setup_context)
 
 
-flash_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+def _ops_for(t: torch.Tensor):
+    """(forward op, backward op) for t's device: the triton ops on CUDA, the opaque ones elsewhere."""
+    return (flash_attn_fwd, flash_attn_bwd) if t.is_cuda else (flash_attn_fwd_cpu, flash_attn_bwd_cpu)
 
 
 class _FlashAttnEager(torch.autograd.Function):
-    """Eager-mode autograd of the same launchers as the custom ops, without the custom-op dispatcher.
+    """Eager-mode autograd of the same launchers as the ops, without the custom-op dispatcher.
 
-    `flash_attention` uses this in plain eager mode (`_plain_eager_call`) and the custom op
-    `flashgpt::flash_attn_fwd` otherwise (torch.compile, fake tensors, vmap). Same kernels, same
-    tiles, so both paths give bitwise-identical outputs and gradients (tested); this one saves the
-    host time of the custom op's dispatch and its Python autograd wrapper, which at short sequences
-    (N <= 1024) is comparable to the kernels' own run time (bench/NOTES.md, variant v3).
+    `flash_attention` uses this in plain eager mode (`_plain_eager_call`) and the ops otherwise
+    (torch.compile, fake tensors, vmap). Same kernels, same tiles, so both paths give
+    bitwise-identical outputs and gradients (tested); this one saves the host time of the op's
+    dispatch and its Python autograd wrapper, which at short sequences (N <= 1024) is comparable to
+    the kernels' own run time (bench/NOTES.md, variant v3).
     """
 
     @staticmethod
@@ -435,10 +511,11 @@ class _FlashAttnEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        # With create_graph=True (a gradient penalty) grad mode is on here: go through the backward custom
-        # op, which has no autograd formula, so its graph node (with edges to q, k, v) raises if anything
+        # With create_graph=True (a gradient penalty) grad mode is on here: go through the backward op,
+        # which has no autograd formula, so its graph node (with edges to q, k, v) raises if anything
         # differentiates through these gradients -- never a silently dropped term. Otherwise launch directly.
-        return _grads_from_saved(ctx, do, dlse, flash_attn_bwd if torch.is_grad_enabled() else _launch_bwd)
+        backward_op = _ops_for(ctx.saved_tensors[0])[1]
+        return _grads_from_saved(ctx, do, dlse, backward_op if torch.is_grad_enabled() else _launch_bwd)
 
 
 def _plain_eager_call(*tensors: torch.Tensor) -> bool:
@@ -509,5 +586,12 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     if _plain_eager_call(q, k, v):
         o, lse = _FlashAttnEager.apply(q, k, v, causal, scale)  # same kernels, less host time per call
     else:
-        o, lse = flash_attn_fwd(q, k, v, causal, scale)  # the custom op: compile, fake tensors, vmap, ...
+        o, lse = _ops_for(q)[0](q, k, v, causal, scale)  # an op: compile, fake tensors, vmap, ...
     return (o, lse) if return_lse else o
+
+
+# A compiled graph loaded from Inductor's cache launches the backward kernels without running
+# `_launch_bwd`, so the scratch allocator is installed when this module is imported on a CUDA machine
+# (not under the interpreter, where importing triton now would make compiled kernels impossible).
+if _HAS_TRITON and not interpret_enabled() and torch.cuda.is_available():
+    ensure_scratch_allocator()

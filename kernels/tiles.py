@@ -1,16 +1,14 @@
 """Tile configuration of the FlashAttention-2 kernels, kept in one place so it can be tuned.
 
 `get_tile_config(kernel, head_dim, dtype, causal, n_q, n_k)` returns the `TileConfig`
-(BLOCK_M, BLOCK_N, num_warps, num_stages) for one of the four kernels:
+(BLOCK_M, BLOCK_N, num_warps, num_stages) for one of the three kernels:
 
 * "fwd"      : forward; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
-* "bwd_pre"  : Delta = rowsum(dO * O); only BLOCK_M and num_warps are used.
 * "bwd_dkdv" : dK/dV; BLOCK_N keys per program (outer), streams BLOCK_M query rows at a time.
-* "bwd_dq"   : dQ; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
+* "bwd_dq"   : dQ (and Delta = rowsum(dO * O)); BLOCK_M query rows per program, streams BLOCK_N keys.
 
-`use_fused_bwd(...)` says whether the dK/dV and dQ programs run as one launch (the fused `_bwd_kernel`,
-with the "bwd_dkdv" and "bwd_dq" tiles and the "bwd_dkdv" num_warps / num_stages) or as two kernels
-(the default; see its docstring).
+The backward is the dQ launch followed by the dK/dV launch. A one-launch fused backward was measured
+3-7% slower on the H200 (bench/NOTES.md v2, v5) and removed.
 
 The GPU values were tuned on the H200 (`python -m bench.tune`, bench/NOTES.md). Under TRITON_INTERPRET=1
 (CPU testing) small blocks are used so the tests are quick and still cover several blocks, the diagonal
@@ -29,15 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-KERNEL_NAMES = ("fwd", "bwd_pre", "bwd_dkdv", "bwd_dq")
+KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
 @dataclass(frozen=True)
 class TileConfig:
     """Launch configuration of one kernel. Blocks are powers of two >= 16 (tl.dot needs >= 16).
 
-    maxnreg: optional cap on registers per thread (ptxas .maxnreg; None = the compiler's choice), to
-    keep two programs per SM where the compiler would otherwise take a few registers more.
     tma: "bwd_dkdv" / "bwd_dq" only: stream the tiles of the inner loop (q/dO, resp. k/v) through
     Hopper tensor descriptors (TMA) where the inputs allow it (`kernels.flash_attn._tma_operand`: 16-bit
     dtype, d a power of two, one of two layouts) and the streamed length is a multiple of the block
@@ -51,7 +47,6 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    maxnreg: int | None = None
     tma: bool = False
     no_tma: TileConfig | None = None
 
@@ -66,45 +61,40 @@ def block_d_for(head_dim: int) -> int:
 
 
 _OVERRIDES: dict[str, TileConfig] = {}
-_FUSE_OVERRIDE: dict[str, bool] = {}
+_FLAG_OVERRIDE: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
-def override_tile_config(*, fuse_bwd: bool | None = None, tma: bool | None = None,
-                         **configs: TileConfig) -> Iterator[None]:
+def override_tile_config(*, tma: bool | None = None, **configs: TileConfig) -> Iterator[None]:
     """Temporarily force tile configs, e.g. `with override_tile_config(fwd=TileConfig(32, 16, 4, 1)):`.
 
-    Keys are kernel names (see KERNEL_NAMES); `fuse_bwd=True/False` forces the fused / two-kernel
-    backward (None: the default choice of `use_fused_bwd`); `tma=True/False` forces the tensor-descriptor
-    (TMA) loads of both kernels of the two-kernel backward on / off where the inputs allow them (None:
+    Keys are kernel names (see KERNEL_NAMES); `tma=True/False` forces the tensor-descriptor
+    (TMA) loads of both backward kernels on / off where the inputs allow them (None:
     each kernel's `TileConfig.tma`). A kernel that then runs without TMA launches its config's `no_tma`
     tile if it has one, so at d = 128 `tma=False` also changes the dK/dV tile (64x64x4x2 -> 64x128x8x2):
     a comparison of TMA on / off there compares two tiles, not only the loads. Meant for tests and
     tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
-    for name, flag in (("fuse_bwd", fuse_bwd), ("tma", tma)):
-        if flag is not None and not isinstance(flag, bool):
-            raise ValueError(f"{name} must be True, False or None, got {flag!r}")
+    if tma is not None and not isinstance(tma, bool):
+        raise ValueError(f"tma must be True, False or None, got {tma!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES:
             raise ValueError(f"unknown kernel {name!r}; expected one of {KERNEL_NAMES}")
         for blk in (cfg.block_m, cfg.block_n):
             if blk < 16 or blk & (blk - 1):
                 raise ValueError(f"{name}: block sizes must be powers of two >= 16, got {cfg}")
-    saved, saved_fuse = dict(_OVERRIDES), dict(_FUSE_OVERRIDE)
+    saved, saved_flags = dict(_OVERRIDES), dict(_FLAG_OVERRIDE)
     _OVERRIDES.update(configs)
-    if fuse_bwd is not None:
-        _FUSE_OVERRIDE["fuse"] = fuse_bwd
     if tma is not None:
-        _FUSE_OVERRIDE["tma"] = tma
+        _FLAG_OVERRIDE["tma"] = tma
     try:
         yield
     finally:
         _OVERRIDES.clear()
         _OVERRIDES.update(saved)
-        _FUSE_OVERRIDE.clear()
-        _FUSE_OVERRIDE.update(saved_fuse)
+        _FLAG_OVERRIDE.clear()
+        _FLAG_OVERRIDE.update(saved_flags)
 
 
 def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: int) -> TileConfig:
@@ -113,12 +103,10 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
     Checked offline with `python -m kernels.compile_report` (sm_90, GROUP=1): every fp16/bf16 config
     below fits shared memory and compiles without register spills except the d = 128 dK/dV pointer-load
     alternative 64x128x8x2 (4 bytes when N is a multiple of the blocks, 28 otherwise; the TMA tile
-    64x64x4x2 spills none, and would spill 116 bytes with pointer loads) and the fused backward at
-    d = 128 (24 / 52 bytes; off by default); the d <= 128 ones use wgmma, which ptxas does not serialise
-    (C7515) -- except tiles cut down to a short N (e.g. 64x64x8x2 at N <= 64), tiny shapes where it
-    does not matter. float32 runs the
-    IEEE FMA path (no tensor cores; a correctness path, not a fast one): its tiles are small to avoid
-    spills.
+    64x64x4x2 spills none, and would spill 116 bytes with pointer loads). The d <= 128 ones use wgmma,
+    which ptxas does not serialise (C7515) -- except tiles cut down to a short N (e.g. 64x64x8x2 at
+    N <= 64), tiny shapes where it does not matter. float32 runs the IEEE FMA path (no tensor cores; a
+    correctness path, not a fast one): its tiles are small to avoid spills.
     """
     if dtype == torch.float32:
         if kernel == "fwd":
@@ -139,8 +127,6 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
         if block_d <= 128:  # 64x64 at N <= 1024: bench/results/ab_tiles_h200.log (NOTES v5)
             return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 128, 8, 3)
         return TileConfig(64, 32, 8, 2)
-    if kernel == "bwd_pre":
-        return TileConfig(64 if block_d >= 128 else 128, 16, 4, 1)
     # Backward: tma=True streams the inner loop's tiles through tensor descriptors where the inputs
     # allow it (else the same tile with pointer loads); `bench.tune --kernels bwd --tma`, NOTES v4.
     # dK/dV re-tuned after the one-loop change (NOTES v5): the 64x128 d=64 tile spills ~900 bytes there.
@@ -173,7 +159,7 @@ def get_tile_config(
     """Choose (BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` in KERNEL_NAMES.
 
     Args:
-        kernel: "fwd" | "bwd_pre" | "bwd_dkdv" | "bwd_dq".
+        kernel: "fwd" | "bwd_dkdv" | "bwd_dq".
         head_dim: d (8..256); the kernels pad it to BLOCK_D = max(16, next_pow2(d)).
         dtype: torch.float16 | torch.bfloat16 | torch.float32 (input dtype).
         causal: causal masking on/off (currently unused; kept for tuning).
@@ -199,7 +185,6 @@ def _default_tile_config(kernel: str, head_dim: int, dtype: torch.dtype, causal:
         # asymmetric on purpose: exercises BLOCK_M != BLOCK_N loop bounds in the CPU tests
         cfg = {
             "fwd": TileConfig(32, 16, 4, 1),
-            "bwd_pre": TileConfig(32, 16, 4, 1),
             "bwd_dkdv": TileConfig(16, 32, 4, 1),
             "bwd_dq": TileConfig(32, 16, 4, 1),
         }[kernel]
@@ -214,29 +199,9 @@ def _capped(cfg: TileConfig, n_q: int, n_k: int) -> TileConfig:
     cap_n = max(16, _next_pow2(n_k))
     alt = _capped(cfg.no_tma, n_q, n_k) if cfg.no_tma is not None else None
     return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages,
-                      cfg.maxnreg, cfg.tma, alt)
-
-
-def use_fused_bwd(
-    head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int, *, interpret: bool = False
-) -> bool:
-    """Whether the backward runs its dK/dV and dQ programs in one launch (`_bwd_kernel`).
-
-    Default: two launches (dQ kernel, which also computes Delta, then dK/dV kernel) at every shape.
-    The fused launch was measured
-    on the H200 (`python -m bench.tune --kernels bwd`, bench/NOTES.md, variant v2) and was never
-    faster beyond noise: one launch has one register allocation, the larger one of the dK/dV program,
-    which halves the occupancy of the dQ programs. `override_tile_config(fuse_bwd=True)` selects it
-    (it then uses the dK/dV config's num_warps / num_stages, a separate Delta pass and no TMA). Both
-    paths run the same dK/dV and dQ code per program for the same tiles; Delta's row sums come from
-    different kernels, so their bitwise equality is measured (CPU tests; on the H200 by a review run),
-    not guaranteed.
-    """
-    del head_dim, dtype, causal, n_q, n_k, interpret  # the choice does not depend on the shape (yet)
-    return _FUSE_OVERRIDE.get("fuse", False)
-
+                      cfg.tma, alt)
 
 
 def tma_override() -> bool | None:
     """The `override_tile_config(tma=...)` in force (True/False), or None (use `TileConfig.tma`)."""
-    return _FUSE_OVERRIDE.get("tma")
+    return _FLAG_OVERRIDE.get("tma")

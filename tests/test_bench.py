@@ -457,11 +457,11 @@ def test_tune_records_of_default_tiles_are_json():
             for dtype in (torch.float16, torch.bfloat16, torch.float32):
                 cfg = get_tile_config(kernel, d, dtype, True, 4096, 4096)
                 back = json.loads(json.dumps(cfg_fields(cfg)))
-                fields = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg, cfg.tma]
-                assert back[:6] == fields
-                assert (len(back) == 7) == (cfg.no_tma is not None)
+                fields = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma]
+                assert back[:5] == fields
+                assert (len(back) == 6) == (cfg.no_tma is not None)
     alt = TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
-    assert cfg_fields(alt) == [64, 64, 4, 2, None, True, [64, 128, 8, 2, None, False]]
+    assert cfg_fields(alt) == [64, 64, 4, 2, True, [64, 128, 8, 2, False]]
     assert parse_configs("64x64x4x2t,128x64x8x3") == [TileConfig(64, 64, 4, 2, tma=True),
                                                        TileConfig(128, 64, 8, 3)]
 
@@ -473,17 +473,16 @@ def test_ab_tiles_plans():
 
     assert parse_plan("default") == {}
     assert parse_plan("provider:flex") == {"provider": "flex"}
-    assert parse_plan("dkdv=64x64x4x2t+fused") == {"bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True),
-                                                   "fuse_bwd": True}
-    for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64"):
+    assert parse_plan("dkdv=64x64x4x2t+dq=128x64x8x3") == {"bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True),
+                                                           "bwd_dq": TileConfig(128, 64, 8, 3)}
+    for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64", "fused"):
         with pytest.raises(SystemExit):
             parse_plan(bad)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a CUDA GPU")
 @pytest.mark.parametrize("argv", [["bench.ab_tiles", "--d", "64", "--plans", "default"], ["bench.tune"],
-                                  ["bench.host_overhead"], ["bench.ncu_target"], ["bench.profile_kernels"],
-                                  ["bench.diag_short"]])
+                                  ["bench.host_overhead"], ["bench.ncu_target"], ["bench.profile_kernels"]])
 def test_gpu_only_scripts_exit_cleanly_without_cuda(tmp_path, argv):
     """GPU-only bench scripts stop with status 2 and a message naming the fix (no traceback, no files)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
