@@ -108,7 +108,47 @@ def test_batch_does_not_divide_tokens_per_step(expect_error):
     assert "batch.tokens_per_step=1000 is not a multiple of micro_batch_size(8) x seq_len(64)" in err
     assert "batch.tokens_per_step=512 or 1024" in err
     err = expect_error(**{"batch.micro_batch_size": None, "batch.micro_tokens": 100})
-    assert "batch.micro_tokens=100 must be a positive multiple of seq_len=64" in err
+    assert "batch.micro_tokens=100 must be a multiple of seq_len=64, or at most seq_len" in err
+    assert "batch.micro_tokens=64" in err
+
+
+@pytest.mark.parametrize(("seq_len", "world", "micro", "accum"), [
+    (256, 1, 128, 2), (1024, 1, 32, 2), (8192, 1, 4, 2), (32768, 1, 1, 2),
+    (1024, 8, 8, 1),   # never more than one rank's share of tokens_per_step
+    (16384, 4, 1, 1),
+])
+def test_token_budget_batch_defaults(seq_len, world, micro, accum):
+    """The default batch is a token budget per micro-batch (batch.micro_tokens), so `python train.py
+    seq_len=N` needs no batch override at any N from 256 to 32768, on one or several ranks."""
+    plan = resolve_plan(compose_cfg([f"seq_len={seq_len}"]), world_size=world, cuda_available=True)
+    assert (plan.micro_batch_size, plan.grad_accum) == (micro, accum)
+    assert plan.eval_batch_size == micro
+    assert plan.micro_batch_size * seq_len * world * plan.grad_accum == 65536
+
+
+def test_explicit_micro_batch_size_wins_over_the_token_budget():
+    plan = resolve_plan(compose_cfg(["seq_len=1024", "batch.micro_batch_size=4"]), world_size=1,
+                        cuda_available=True)
+    assert (plan.micro_batch_size, plan.grad_accum) == (4, 16)
+    with pytest.raises(ConfigError, match="batch.micro_batch_size=null needs batch.micro_tokens"):
+        resolve_plan(compose_cfg(["batch.micro_tokens=null"]), world_size=1, cuda_available=True)
+
+
+def test_compile_mode_key():
+    """compile_mode passes through to torch.compile ("default" -> None); unknown values and CUDA graphs
+    under DDP are refused, naming the key."""
+    for mode, expect in (("default", None), ("reduce-overhead", "reduce-overhead"),
+                         ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")):
+        plan = resolve_plan(compose_cfg([f"compile_mode={mode}"]), world_size=1, cuda_available=True)
+        assert plan.compile and plan.compile_mode == expect
+    with pytest.raises(ConfigError, match="compile_mode='turbo' is not valid; choose one of: default, "
+                                          "reduce-overhead, max-autotune-no-cudagraphs"):
+        resolve_plan(compose_cfg(["compile_mode=turbo"]), world_size=1, cuda_available=True)
+    with pytest.raises(ConfigError, match="compile_mode=reduce-overhead .* one process only"):
+        resolve_plan(compose_cfg(["compile_mode=reduce-overhead", "batch.tokens_per_step=131072"]),
+                     world_size=2, cuda_available=True)
+    with pytest.raises(ConfigError, match="perf.profile_steps"):
+        resolve_plan(compose_cfg(["perf.profile_steps=-1"]), world_size=1, cuda_available=True)
 
 
 @pytest.mark.parametrize(

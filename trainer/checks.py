@@ -24,6 +24,7 @@ ATTENTION_BACKENDS_FALLBACK = ("naive", "sdpa", "flash")
 FLASH_HEAD_DIM_RANGE_FALLBACK = (8, 256)
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 NONFINITE_MODES = ("stop", "skip")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 PARITY_REFERENCES = ("naive", "sdpa")
 #: Model-shape keys that a resume may not change (they change parameter shapes).
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -52,6 +53,7 @@ class Plan:
         device_type: "cuda" or "cpu".
         autocast_dtype: "bfloat16" for bf16 autocast, or None (plain float32).
         compile: whether to torch.compile the model.
+        compile_mode: torch.compile mode (None for "default"; "reduce-overhead" adds CUDA graphs).
         micro_batch_size: sequences per forward/backward per rank.
         grad_accum: micro-batches per optimizer step per rank.
         eval_batch_size: sequences per validation batch.
@@ -69,6 +71,7 @@ class Plan:
     world_size: int
     head_dim: int
     peak_flops: float | None
+    compile_mode: str | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -200,6 +203,8 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     _choice("device", cfg.device, ("auto", "cuda", "cpu"))
     if not (isinstance(cfg.compile, bool) or cfg.compile == "auto"):  # isinstance: 1 == True, 0 == False
         raise ConfigError(f"compile={cfg.compile!r} is not valid; choose one of: true, false, auto")
+    compile_mode = _choice("compile_mode", cfg.get("compile_mode", "default"), COMPILE_MODES)
+    _pos_int(cfg, "perf.profile_steps", cfg.perf.get("profile_steps", 0), allow_zero=True, example=5)
     for key in ("tf32", "deterministic", "resume", "eval.at_start", "checkpoint.at_end"):
         node = cfg
         for part in key.split("."):
@@ -273,25 +278,33 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     else:
         autocast_dtype = "bfloat16" if cfg.dtype == "bfloat16" else None
     compile_ = (device_type == "cuda") if cfg.compile == "auto" else bool(cfg.compile)
+    if compile_mode == "reduce-overhead" and compile_ and world_size > 1:
+        raise ConfigError(
+            "compile_mode=reduce-overhead (CUDA graphs) is supported on one process only, and this run has "
+            f"{world_size} ranks (DDP's gradient hooks run outside the graphs); use compile_mode=default"
+        )
 
-    # --- batch split
+    # --- batch split: a token budget per micro-batch, so every seq_len runs without a batch override
     b = cfg.batch
     tokens_per_step = _pos_int(cfg, "batch.tokens_per_step", b.tokens_per_step, example=65536)
-    if b.get("micro_tokens") is not None:
-        micro_tokens = _pos_int(cfg, "batch.micro_tokens", b.micro_tokens, example=16384)
-        if micro_tokens % seq_len or micro_tokens < seq_len:
-            raise ConfigError(
-                f"batch.micro_tokens={micro_tokens} must be a positive multiple of seq_len={seq_len} "
-                f"(it sets micro_batch_size = micro_tokens // seq_len); use batch.micro_tokens="
-                f"{max(seq_len, (micro_tokens // seq_len) * seq_len)}"
-            )
-        micro_batch_size = micro_tokens // seq_len
-    else:
-        if b.micro_batch_size is None:
-            raise ConfigError(
-                "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_batch_size=8"
-            )
+    if b.micro_batch_size is not None:
         micro_batch_size = _pos_int(cfg, "batch.micro_batch_size", b.micro_batch_size, example=8)
+    elif b.get("micro_tokens") is not None:
+        micro_tokens = _pos_int(cfg, "batch.micro_tokens", b.micro_tokens, example=32768)
+        if micro_tokens > seq_len and micro_tokens % seq_len:
+            raise ConfigError(
+                f"batch.micro_tokens={micro_tokens} must be a multiple of seq_len={seq_len}, or at most "
+                f"seq_len (one sequence per micro-batch); use batch.micro_tokens="
+                f"{(micro_tokens // seq_len) * seq_len}"
+            )
+        # never more than one rank's share of the step, and at least one sequence
+        budget = min(micro_tokens, max(1, tokens_per_step // world_size))
+        micro_batch_size = max(1, budget // seq_len)
+    else:
+        raise ConfigError(
+            "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_tokens=32768 "
+            "(tokens per micro-batch) or batch.micro_batch_size=8 (sequences)"
+        )
     per_micro = micro_batch_size * seq_len * world_size
     if tokens_per_step % per_micro:
         raise ConfigError(
@@ -326,6 +339,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         world_size=world_size,
         head_dim=head_dim,
         peak_flops=peak,
+        compile_mode=None if compile_mode == "default" else compile_mode,
     )
 
 

@@ -43,6 +43,7 @@ from trainer.checks import (
     probe_attention,
     resolve_plan,
 )
+from trainer.gpu_busy import GpuBusy
 from trainer.metrics import RunLogger
 from trainer.signals import PreemptionHandler
 
@@ -145,6 +146,9 @@ class Trainer:
         self._step_tps: list[float] = []
         self._step_ms: list[float] = []
         self._steps_here = 0
+        self._cudagraphs = False
+        self.gpu_busy = GpuBusy(int(cfg.perf.exclude_first_steps), int(cfg.perf.get("profile_steps", 0)),
+                                enabled=plan.device_type == "cuda")
 
     def _say(self, msg: str) -> None:
         """Progress line: to the console and appended to <out_dir>/train.log (beside Hydra's log lines),
@@ -269,7 +273,19 @@ class Trainer:
                     f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
                 )
             ckpt.set_rng_state(rngs[d.rank % len(rngs)])
-        self.fwd_model = torch.compile(self.raw_model) if plan.compile else self.raw_model
+        self.fwd_model = (torch.compile(self.raw_model, mode=plan.compile_mode) if plan.compile
+                          else self.raw_model)
+        # CUDA graphs (compile_mode=reduce-overhead): each forward starts a new graph step, so outputs of
+        # the previous replay (the last micro-batch's loss) are never overwritten while still in use
+        self._cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"
+        if self._cudagraphs:
+            # Gradients must live outside the graphs' memory pool: with grad None, autograd would keep the
+            # backward graph's output buffer as .grad and the next micro-batch's replay would overwrite it
+            # (gradient accumulation silently wrong; pytorch/pytorch#96693). With zero tensors in place it
+            # adds into them instead, and zero_grad keeps them (set_to_none=False).
+            for p in self.raw_model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
         if d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -322,10 +338,12 @@ class Trainer:
             }
         )
         d_ = self._derived()
+        mode = f" ({plan.compile_mode})" if plan.compile and plan.compile_mode else ""
         self.say(
             f"flashgpt: {d_['n_params'] / 1e6:.2f}M params | attention={cfg.attention.name} "
             f"(ran: {self.backend_ran}) | seq_len={cfg.seq_len} | device={self.device} x{d.world_size} | "
-            f"dtype={plan.autocast_dtype or 'float32'} | compile={plan.compile} | "
+            f"dtype={plan.autocast_dtype or 'float32'} | "
+            f"compile={plan.compile}{mode} | "
             f"micro_batch={plan.micro_batch_size} "
             f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
             f"out_dir={self.out_dir}"
@@ -354,6 +372,7 @@ class Trainer:
             "device": str(self.device),
             "dtype": self.plan.autocast_dtype or "float32",
             "compile": self.plan.compile,
+            "compile_mode": self.plan.compile_mode or "default",
             "block_size": self.gpt_config.block_size,
             "vocab_size": self.gpt_config.vocab_size,
             "tokens_per_step": int(self.cfg.batch.tokens_per_step),
@@ -452,6 +471,8 @@ class Trainer:
                 else contextlib.nullcontext()
             )
             with sync_ctx:
+                if self._cudagraphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self.autocast:
                     _, loss = self.train_model(x, y)
                 if cfg.debug.raise_oom_at_step is not None and s == int(cfg.debug.raise_oom_at_step):
@@ -476,6 +497,8 @@ class Trainer:
         model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
         for x, y in self.eval_batches[self.dist.rank :: self.dist.world_size]:
+            if self._cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
             with self.autocast:
                 _, loss = model(x.to(self.device), y.to(self.device))
             totals[0] += loss.double()
@@ -602,23 +625,25 @@ class Trainer:
             parity = self._parity(s) if every and s % every == 0 and self.dist.is_main else None
 
             self._sync()
-            t0 = time.perf_counter()
-            loss, grad_norm = self._train_step(s)
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if finite:
-                self.optimizer.step()
-            elif cfg.nonfinite == "stop":
-                raise NonFiniteError(s, loss, grad_norm)
-            else:
-                self.skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
-            self._sync()
-            dt = time.perf_counter() - t0
+            with self.gpu_busy.step(self._steps_here):
+                t0 = time.perf_counter()
+                loss, grad_norm = self._train_step(s)
+                finite = math.isfinite(loss) and math.isfinite(grad_norm)
+                if finite:
+                    self.optimizer.step()
+                elif cfg.nonfinite == "stop":
+                    raise NonFiniteError(s, loss, grad_norm)
+                else:
+                    self.skipped += 1
+                self.optimizer.zero_grad(set_to_none=not self._cudagraphs)
+                self._sync()
+                dt = time.perf_counter() - t0
+            self.gpu_busy.add_wall(dt)
             self.step = s
             self._steps_here += 1
 
             tokens = int(cfg.batch.tokens_per_step)
-            if self._steps_here > int(cfg.perf.exclude_first_steps):
+            if self._steps_here > int(cfg.perf.exclude_first_steps) and not self.gpu_busy.active:
                 self._step_tps.append(tokens / dt)
                 self._step_ms.append(dt * 1e3)
             win_tokens, win_time, win_steps = win_tokens + tokens, win_time + dt, win_steps + 1
@@ -695,6 +720,7 @@ class Trainer:
                 tps / self.dist.world_size, int(self.cfg.seq_len), self.peak_flops
             )
             out["perf/timed_steps"] = len(tps_list)
+        out.update(self.gpu_busy.summary())
         return out
 
     def _finish(self, status: str, extra: dict, exit_code: int) -> None:
