@@ -60,7 +60,7 @@ class CompileInfo:
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   tma: bool | None = None, even: bool = False) -> CompileInfo:
+                   tma: bool | None = None, even: bool = False, inductor: bool = False) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
@@ -73,6 +73,9 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         Raises ValueError for tma=True where the launcher never uses TMA.
     even: compile as for sequence lengths that are multiples of the blocks (EVEN_M / EVEN_N), the
         case of every benchmark shape; default False (the masked loads of ragged lengths).
+    inductor: compile as torch.compile's Inductor compiles a user kernel (the triton ops' launches):
+        Python float arguments typed fp64, and debug=True (int32 overflow checks as device asserts,
+        from `torch._inductor.config.assert_indirect_indexing`).
     Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
     """
     import triton
@@ -120,12 +123,13 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
             if aligned and name not in ("H_Q", "GROUP", "N_Q", "N_K"):
                 divisible.append(i)
         elif name in ("scale_log2", "softmax_scale"):
-            signature[name] = "fp32"
+            signature[name] = "fp64" if inductor else "fp32"
         else:
             signature[name], constants[name] = "constexpr", values[name]
     src = ASTSource(fn, signature, constants, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                           debug=inductor))
     regs = st = ld = None
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
@@ -157,6 +161,8 @@ def main(argv=None) -> None:
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--even", action="store_true",
                    help="sequence lengths multiples of the blocks (as in every benchmark shape)")
+    p.add_argument("--inductor", action="store_true",
+                   help="compile as Inductor does (fp64 float scalars, debug=True overflow checks)")
     p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
                    help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
                         "default: as the tile config says")
@@ -168,7 +174,7 @@ def main(argv=None) -> None:
                 try:
                     info = compile_kernel(kernel, DTYPES[dt], d, causal=not args.non_causal, config=cfg,
                                           arch=args.arch, gqa=args.gqa, tma=args.tma,
-                                          even=args.even)
+                                          even=args.even, inductor=args.inductor)
                     print(info.line(), flush=True)
                 except Exception as err:  # report and continue with the other configs
                     print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",
