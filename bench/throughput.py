@@ -183,9 +183,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
+    user_cmd = "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides)
     meta = {**environment(), "steps": a.steps, "warmup": a.warmup, "profile_steps": a.profile_steps,
-            "command": "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides),
-            "argv": sys.argv[1:]}
+            "command": user_cmd.strip(), "argv": sys.argv[1:]}
     cells: list[dict] = []
     for n in seq_lens:
         for b in backends:

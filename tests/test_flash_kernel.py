@@ -470,7 +470,7 @@ def test_gpu_kernels_compile_for_sm90():
         "    info = compile_kernel(kernel, torch.bfloat16, 64, tma=True, even=True)\n"
         "    assert info.uses_tma and info.spill_store_bytes == 0, info.line()\n"
         "    print(info.line())\n"
-        "for kernel in ('fwd', 'bwd_dkdv', 'bwd_dq'):  # as torch.compile compiles them (fp64 scalars, debug)\n"
+        "for kernel in ('fwd', 'bwd_dkdv', 'bwd_dq'):  # as Inductor compiles them (fp64 scalars, debug)\n"
         "    for d in (64, 128):\n"
         "        print(compile_kernel(kernel, torch.bfloat16, d, even=True, inductor=True).line())\n"
     )
