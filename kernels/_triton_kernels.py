@@ -170,7 +170,7 @@ def _fwd_kernel(
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
-    scale_log2 = scale_log2.to(tl.float32)  # Inductor passes Python floats as fp64
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
     pid_m = tl.program_id(0)
     if CAUSAL:
         # later query blocks see more keys: schedule them first (less tail imbalance)
@@ -311,8 +311,8 @@ def _bwd_dkdv_kernel(
     (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
     batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
     """
-    softmax_scale = softmax_scale.to(tl.float32)  # Inductor passes Python floats as fp64
-    scale_log2 = scale_log2.to(tl.float32)
+    softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -448,8 +448,8 @@ def _bwd_dq_kernel(
     row stride stride_kn; key row n of kv head hk in batch b at descriptor row b * row_kb + hk * row_kh
     + n, column hk * col_kh; same for v).
     """
-    softmax_scale = softmax_scale.to(tl.float32)  # Inductor passes Python floats as fp64
-    scale_log2 = scale_log2.to(tl.float32)
+    softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
+    scale_log2 = tl.cast(scale_log2, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first

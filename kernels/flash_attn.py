@@ -252,13 +252,19 @@ def _launcher(kernel, grid, traced: bool):
     return kernel[grid]
 
 
+def _static_sizes(q, k) -> tuple[int, ...]:
+    """(B, Hq, Nq, d, Hkv, Nk) as ints. Under dynamic-shape tracing they are SymInts: int() specialises
+    the graph on them (a guard), which the kernels need anyway (tile choice, EVEN_* constexprs)."""
+    B, Hq, Nq, d = (int(x) for x in q.shape)
+    return B, Hq, Nq, d, int(k.shape[1]), int(k.shape[2])
+
+
 def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
         o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale)
         return o.to(torch.bfloat16), lse
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
@@ -326,8 +332,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
                             softmax_scale, dlse)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    B, Hq, Nq, d = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
+    B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
     do = _unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
@@ -364,7 +369,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
-            q, k, v, do, lse, delta, dq, o, dlse if dlse is not None else delta,
+            q, k, v, do, lse, delta, dq, o, dlse,  # dlse None: HAS_DLSE=False, never read
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
             *scale_args, *(tma2 or _NO_TMA),
             CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
