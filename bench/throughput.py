@@ -73,7 +73,7 @@ def _fmt_cell(rec: dict | None) -> str:
     if rec is None:
         return "—"
     if rec["status"] != "ok":
-        return rec["status"].upper()
+        return "not run" if rec["status"] == "not_run" else rec["status"].upper()
     busy = f", busy {100 * rec['gpu_busy']:.0f}%" if "gpu_busy" in rec else ""
     return (f"{rec['tokens_per_sec']:,.0f} ({100 * rec['mfu']:.1f}% MFU, "
             f"{rec['peak_gib']:.1f} GiB{busy})")
@@ -108,7 +108,7 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
         else:
             row += " |"
         lines.append(row)
-    failed = [c for c in cells if c["status"] not in ("ok", "oom")]
+    failed = [c for c in cells if c["status"] not in ("ok", "oom", "not_run")]
     if failed:
         lines += ["", "Failed cells:"] + [f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}"
                                           for c in failed]
@@ -165,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell before it is stopped")
+    p.add_argument("--naive-up-to", type=int, default=None,
+                   help="run naive only up to this seq_len; longer cells are recorded as not run "
+                        "(naive materialises B*H*N^2 scores: past ~8k it runs out of memory after compiling)")
     p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
     p.add_argument("--runs-dir", default="outputs/throughput_runs")
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
@@ -189,6 +192,10 @@ def main(argv=None) -> int:
     cells: list[dict] = []
     for n in seq_lens:
         for b in backends:
+            if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
+                cells.append({"backend": b, "seq_len": n, "status": "not_run",
+                              "error": f"not run: --naive-up-to {a.naive_up_to}"})
+                continue
             run_dir = runs / f"{b}_n{n}"
             cmd = cell_command(b, n, a, run_dir)
             print(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
