@@ -135,7 +135,7 @@ def test_same_second_launches_get_their_own_dirs(tiny, tmp_path):
 def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
     """A second launch into the out_dir of a live run is refused (exit 2) and writes nothing there."""
     out = tmp_path / "run"
-    first = _popen(tiny(out, max_steps=8, debug__step_sleep_s=0.3, wandb__mode="offline"), REPO)
+    first = _popen(tiny(out, debug__step_sleep_s=1.0, wandb__mode="offline"), REPO)  # 16 steps, > 16 s
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and first.poll() is None:
@@ -144,14 +144,15 @@ def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
             time.sleep(0.05)
         assert first.poll() is None, "the first run ended too early"
         for extra in ({}, {"resume": True}):
-            second = run_train(tiny(out, max_steps=8, wandb__mode="offline", **extra))
+            second = run_train(tiny(out, wandb__mode="offline", **extra))
+            assert first.poll() is None, "the first run ended before the second was refused"
             assert second.returncode == 2, describe(second)
             assert "in use by another live train.py process (pid" in second.stderr, second.stderr
             assert f"pid {first.pid} " in second.stderr and "Traceback" not in second.stderr
     finally:
         (rc, o, e), = _finish([first])
     assert rc == 0, f"{o[-2000:]}\n{e[-2000:]}"
-    _assert_one_clean_run(out, 8)
+    _assert_one_clean_run(out, 16)
 
 
 def test_multirun_launches_get_their_own_sweep_dirs(tiny, tmp_path):
@@ -340,11 +341,16 @@ def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
     assert wb["parents"] == [{"run_id": parent_id, "step": k, "metric": "_step"}]
     assert wb["config"]["wandb_parent"] == {"run_id": parent_id, "step": k}
     hist = [h for h in wb["history"] if "train/loss" in h]
-    assert [h["_step"] for h in hist] == list(range(1, 17))
-    assert {h["_step"]: h["train/loss"] for h in hist} == pytest.approx(train_losses(out), rel=1e-12)
     parent = [f for f in find_wandb_files(out) if f.name == f"run-{parent_id}.wandb"]
     kept = {h["_step"] for f in parent for h in read_wandb_file(f)["history"] if "train/loss" in h}
-    assert set(range(k + 1, last + 1)) <= kept  # the parent keeps the abandoned steps
+    # a SIGKILLed offline run may leave an empty .wandb file (wandb had not flushed it): then only the
+    # fork's own steps can be read back
+    first = 1 if how != "killed" or kept else k + 1
+    assert [h["_step"] for h in hist] == list(range(first, 17))
+    live_losses = {st: v for st, v in train_losses(out).items() if st >= first}
+    assert {h["_step"]: h["train/loss"] for h in hist} == pytest.approx(live_losses, rel=1e-12)
+    if how != "killed":
+        assert set(range(k + 1, last + 1)) <= kept  # the parent keeps the abandoned steps
 
     # the tools read the live branch only
     cmp = compare.compare_pair(compare.load_run(reference_run), compare.load_run(out))

@@ -238,11 +238,11 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
     while child.get("branch_point") and child["branch_point"]["run_id"] not in seen:
         bp = child["branch_point"]
         seen.add(bp["run_id"])
+        merged["parents"].append(bp)
         if not any(r["run_id"] == bp["run_id"] for r in runs):
-            break  # the parent was logged elsewhere
+            break  # the parent was logged elsewhere, or its file holds no run record (a killed run)
         parent = _merge_same_id(runs, bp["run_id"])
         merged["history"] = [h for h in parent["history"] if h["_step"] <= bp["step"]] + merged["history"]
-        merged["parents"].append(bp)
         child = parent
     return merged
 
