@@ -11,7 +11,9 @@ Exit statuses (``summary.json["status"]``, also in the W&B summary and the last 
 ``ok`` (exit 0), ``interrupted`` (SIGTERM/SIGINT: checkpoint saved, exit 128 + signal), ``nonfinite``
 (exit 1; nothing saved), ``oom`` (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error``
 (config error: exit 2; unexpected exception: traceback, exit 1). Under ``-m`` (multirun) only
-``interrupted`` and unexpected exceptions stop the sweep.
+``interrupted`` and unexpected exceptions stop the sweep. ``resume=true`` on a run that already reached
+max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint behind the
+last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``, trainer/rundir.py).
 """
 
 from __future__ import annotations
