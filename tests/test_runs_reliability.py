@@ -375,3 +375,43 @@ def test_tools_read_the_live_branch_of_older_files(tmp_path):
     assert loaded.train == {**{s: 10.0 + s for s in range(1, 9)}, **{s: 1.0 * s for s in range(9, 13)}}
     steps = [r["step"] for r in _rundir.read_metrics(run)]
     assert steps == sorted(steps) and "oom" not in [r.get("status") for r in _rundir.read_metrics(run)]
+
+
+def test_wandb_fork_refused_starts_a_linked_run(tmp_path, monkeypatch, capsys):
+    """Where W&B cannot fork (e.g. forking not enabled on the server), the replay goes to a new run in the
+    same group, linked in its config; nothing is logged below the old run's last step."""
+    import wandb
+
+    from trainer.metrics import RunLogger
+
+    first = RunLogger(tmp_path)
+    kw = dict(mode="offline", project="flashgpt-tests", entity=None, group="g", name="n", tags=[], config={})
+    first.start_wandb(**kw, run_id=None)
+    parent = first.wandb_id
+    for s in range(1, 7):
+        first.log(s, {"train/loss": float(s)})
+    first.close()
+
+    real_init = wandb.init
+
+    def init_without_forks(*args, fork_from=None, **kwargs):
+        if fork_from is not None:
+            raise RuntimeError("forking is not enabled for this entity")
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", init_without_forks)
+    second = RunLogger(tmp_path)
+    moved = second.set_apart_after(4)
+    assert moved["path"].name == "metrics.abandoned.5-6.jsonl" and moved["wandb_steps"] == 2
+    second.start_wandb(**kw, run_id=parent, fork_at=4)
+    assert "could not fork run" in capsys.readouterr().out
+    for s in range(5, 9):
+        second.log(s, {"train/loss": 10.0 * s})
+    child = second.wandb_id
+    second.close()
+    assert child != parent and (tmp_path / "wandb_run_id.txt").read_text().strip() == child
+    wb = read_offline_run(tmp_path)
+    assert wb["run_id"] == child and wb["group"] == "g" and wb["branch_point"] is None
+    assert wb["config"]["wandb_parent"] == {"run_id": parent, "step": 4}
+    assert [h["_step"] for h in wb["history"]] == [5, 6, 7, 8]
+    assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
