@@ -199,13 +199,19 @@ def read_wandb_file(wandb_file: str | Path) -> dict:
 def find_wandb_files(run_dir: str | Path) -> list[Path]:
     """All ``*.wandb`` files of a run directory (``<run_dir>/wandb/*/run-*.wandb``), oldest first.
 
-    The folder names start with the start time (``offline-run-YYYYMMDD_HHMMSS-<id>``), so a name sort is a
-    time sort; a resumed run has one folder per process that logged to it.
+    The folder names start with the start time (``offline-run-YYYYMMDD_HHMMSS-<id>``), so they are sorted by
+    that time, and folders of the same second by the file's last write (not by the random id: a resume
+    started within the second of the previous process must still come after it); a resumed run has one
+    folder per process that logged to it.
     """
     run_dir = Path(run_dir)
-    files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+
+    def started(p: Path) -> tuple[str, int]:
+        return p.parent.name.split("-", 2)[-1].rsplit("-", 1)[0], p.stat().st_mtime_ns
+
+    files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"), key=started)
     if not files:
-        files = sorted(run_dir.glob("*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+        files = sorted(run_dir.glob("*run-*/run-*.wandb"), key=started)
     return files
 
 
