@@ -43,8 +43,11 @@ def _natural_key(name: str) -> tuple:
 
 
 def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
-    """Parsed lines of `run_dir/metrics.jsonl` (a path to the file itself is accepted too).
+    """Parsed lines of the live branch of `run_dir/metrics.jsonl` (a path to the file itself is accepted).
 
+    Only the live branch: the trainer moves the steps a resume replays to `metrics.abandoned.*.jsonl`
+    (never read here), and in files written before it did, the lines of abandoned steps (those after a
+    later line's lower step) are dropped (`trainer.metrics.live_branch`).
     Blank lines are skipped; an unparsable line (e.g. a truncated last line of a killed run) is skipped
     with a warning on stderr. Missing file: [] or, with `required`, RunDirError.
     """
@@ -69,7 +72,9 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
                 continue
             if isinstance(obj, dict):
                 rows.append(obj)
-    return rows
+    from trainer.metrics import live_branch
+
+    return live_branch(rows)
 
 
 def read_summary(run_dir: str | Path) -> dict:
@@ -156,8 +161,9 @@ def seq_len_of(cfg: dict, summary: dict) -> int | None:
 
 
 def series(rows: list[dict], key: str) -> dict[int, float]:
-    """{step: value} for rows having `key` and an integer 'step' (a later duplicate step, e.g. after a
-    resume, replaces the earlier one), sorted by step. Non-numeric values are skipped; NaN is kept."""
+    """{step: value} for rows having `key` and an integer 'step' (a later duplicate step replaces the
+    earlier one; `read_metrics` already keeps only the live branch), sorted by step. Non-numeric values
+    are skipped; NaN is kept."""
     out: dict[int, float] = {}
     for r in rows:
         if key in r and "step" in r:

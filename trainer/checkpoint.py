@@ -1,8 +1,9 @@
 """Atomic checkpoints: write a temp file, flush + fsync, rename; keep the newest N; load the newest good one.
 
 Layout: ``<out_dir>/ckpt/step_00000100.pt`` (``step`` = optimizer steps completed). A save that dies midway
-(crash, full disk, a second signal) leaves at most a ``.step_*.pt.tmp*`` file, which is never read and is
-removed by the next save; the previous checkpoints are untouched because ``os.replace`` is atomic on POSIX.
+(crash, full disk, a second signal) leaves at most a ``.tmp-<pid>-step_*.pt`` file, which is never read and
+is removed by a later save once process <pid> is gone (a live process's temp file is left alone); the
+previous checkpoints are untouched because ``os.replace`` is atomic on POSIX.
 
 A checkpoint is a dict saved with ``torch.save`` that loads with ``torch.load(weights_only=True)`` (only
 tensors, numbers, strings, lists, tuples, dicts): model and optimizer state dicts, step, data position,
@@ -64,9 +65,10 @@ def _fsync_dir(d: Path) -> None:
 def save_checkpoint(state: dict, out_dir: str | os.PathLike, step: int, keep: int) -> Path:
     """Save ``state`` atomically as ``<out_dir>/ckpt/step_{step:08d}.pt`` and keep only the newest ``keep``.
 
-    Algorithm: ``torch.save`` into ``.step_N.pt.tmp<pid>`` in the same folder, ``flush`` + ``os.fsync``,
+    Algorithm: ``torch.save`` into ``.tmp-<pid>-step_N.pt`` in the same folder, ``flush`` + ``os.fsync``,
     ``os.replace`` onto the final name, fsync the folder; only then delete checkpoints beyond ``keep``
-    and stale temp files. If anything raises before the rename, the temp file is deleted and the error
+    and stale temp files (this process's or a dead process's, never a live writer's). If anything
+    raises before the rename, the temp file is deleted and the error
     re-raised: existing checkpoints are never touched by a failed save.
 
     Returns the checkpoint path. Raises whatever torch.save / the filesystem raise (OSError for a full disk).
@@ -79,8 +81,26 @@ def save_checkpoint(state: dict, out_dir: str | os.PathLike, step: int, keep: in
     for _, old in list_checkpoints(out_dir)[keep:]:
         old.unlink(missing_ok=True)
     for stale in d.glob(".tmp-*-step_*.pt"):  # left by a process killed mid-save
-        stale.unlink(missing_ok=True)
+        if _stale_temp(stale):
+            stale.unlink(missing_ok=True)
     return final
+
+
+def _stale_temp(path: Path) -> bool:
+    """True for a temp file of ours or of a dead process (``.tmp-<pid>-...``): a live process's temp
+    file is its checkpoint being written, never ours to delete."""
+    pid = path.name.split("-")[1] if path.name.count("-") >= 2 else ""
+    if not pid.isdigit():
+        return False
+    if int(pid) == os.getpid():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        return False
+    return False
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:

@@ -11,7 +11,9 @@ Exit statuses (``summary.json["status"]``, also in the W&B summary and the last 
 ``ok`` (exit 0), ``interrupted`` (SIGTERM/SIGINT: checkpoint saved, exit 128 + signal), ``nonfinite``
 (exit 1; nothing saved), ``oom`` (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error``
 (config error: exit 2; unexpected exception: traceback, exit 1). Under ``-m`` (multirun) only
-``interrupted`` and unexpected exceptions stop the sweep.
+``interrupted`` and unexpected exceptions stop the sweep. ``resume=true`` on a run that already reached
+max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint behind the
+last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``, trainer/rundir.py).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from omegaconf import OmegaConf, open_dict
 
 from trainer import checkpoint as ckpt
+from trainer import rundir
 from trainer.checks import (
     ConfigError,
     Plan,
@@ -149,6 +152,7 @@ class Trainer:
         self._cudagraphs = False
         self.gpu_busy = GpuBusy(int(cfg.perf.exclude_first_steps), int(cfg.perf.get("profile_steps", 0)),
                                 enabled=plan.device_type == "cuda")
+        self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
 
     def _say(self, msg: str) -> None:
         """Progress line: to the console and appended to <out_dir>/train.log (beside Hydra's log lines),
@@ -254,6 +258,7 @@ class Trainer:
                 },
             )
             self.resume_path, self.resume_notes = Path(path), notes
+            self._resume_checks(state)
 
         # model, optimizer
         self.raw_model = GPT(self.gpt_config).to(self.device)
@@ -323,6 +328,7 @@ class Trainer:
             tags=list(cfg.wandb.tags),
             config=resolved,
             run_id=wandb_id,
+            fork_at=self.replay["from_step"] - 1 if self.replay and self.replay["wandb_steps"] else None,
         )
         self.log.set_summary(
             {
@@ -352,9 +358,10 @@ class Trainer:
             self.say(f"resumed from {self.resume_path} at step {self.step}")
             for note in self.resume_notes:
                 self.say(note)
+            replay = self._replay_record()
             self.log.log(
                 self.step,
-                {"event": "resume", "from": str(self.resume_path), "notes": self.resume_notes},
+                {"event": "resume", "from": str(self.resume_path), "notes": self.resume_notes, **replay},
                 wandb_too=False,
             )
             if self.resume_notes:
@@ -393,6 +400,78 @@ class Trainer:
             f"resume=true but {self.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
             f"of the run to continue>{hint}, or resume=false to start a new run"
         )
+
+    def _resume_checks(self, state: dict) -> None:
+        """resume=true, before anything is written: refuse a run that already reached max_steps
+        (RunFinished: nothing changes), note a changed max_steps (it changes the LR schedule), and set
+        apart the records of the logged steps after the checkpoint, which this resume replays."""
+        cfg, k, max_steps = self.cfg, int(state["step"]), int(self.cfg.max_steps)
+        summary = rundir.read_summary(self.out_dir) if self.dist.is_main else {}
+        done = k
+        if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):
+            done = max(k, summary["steps"])  # finished even when its final checkpoint does not load
+        done = self._broadcast(done)
+        if done >= max_steps:
+            cmd = " ".join(w for w in self.resume_command().split() if not w.startswith("max_steps="))
+            raise rundir.RunFinished(rundir.finished_message(self.out_dir, done, max_steps, cmd))
+        old_max = (state.get("config") or {}).get("max_steps")
+        if old_max is not None and int(old_max) != max_steps:
+            self.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
+        last = self.log.last_logged_step() if self.dist.is_main else None
+        if last is None or last <= k:
+            return
+        why = self._replay_reason(k, last, summary)
+        moved = self.log.set_apart_after(k)
+        if moved:
+            self.replay = {
+                "from_step": k + 1,
+                "to_step": moved["last"],
+                "reason": why,
+                "abandoned_metrics": moved["path"].name,
+                "wandb_steps": moved["wandb_steps"],
+            }
+
+    def _replay_reason(self, k: int, last: int, summary: dict) -> str:
+        """Why the newest loadable checkpoint (step k) is behind the last logged step."""
+        newer = [s for s, _ in ckpt.list_checkpoints(self.out_dir) if s > k]
+        if newer:
+            names = ", ".join(ckpt.ckpt_path(self.out_dir, s).name for s in newer)
+            return f"the newer checkpoint(s) {names} do not load"
+        lc = str(summary.get("last_checkpoint") or "")
+        name = Path(lc).name
+        if name.startswith("step_") and name[5:-3].isdigit() and int(name[5:-3]) > k:
+            return f"the newest checkpoint {lc} is missing (deleted)"
+        return (
+            f"no checkpoint was saved after step {k}: the run stopped at step {last} "
+            f"(status {summary.get('status', 'unknown')}) between checkpoints "
+            f"(checkpoint.interval={self.cfg.checkpoint.interval}, log_interval={self.cfg.log_interval})"
+        )
+
+    def _replay_record(self) -> dict:
+        """Say which steps are replayed and why; record it in the summary and W&B config. Returns the
+        fields for the resume event line of metrics.jsonl ({} when nothing is replayed)."""
+        r = self.replay
+        if not r:
+            return {}
+        a, b = r["from_step"], r["to_step"]
+        parent = self.log.wandb_parent
+        wb = (
+            f" W&B: run {self.log.wandb_id} forked from {parent['run_id']} at step {parent['step']} "
+            f"(the parent keeps steps {a}-{b} of the abandoned branch)."
+            if parent
+            else ""
+        )
+        self.say(
+            f"replaying steps {a}-{b}: the newest loadable checkpoint is step {a - 1} and {r['reason']}. "
+            f"Their earlier records (the abandoned branch) moved to {r['abandoned_metrics']}; metrics.jsonl "
+            f"keeps steps up to {a - 1} and continues from step {a}.{wb}"
+        )
+        info = {"replayed_steps": [a, b], "abandoned_metrics": r["abandoned_metrics"], "reason": r["reason"]}
+        if parent:
+            info["wandb_parent"] = parent
+        self.log.set_summary({"replay": info})
+        self.log.update_config({"replay": info})
+        return {"replay": info}
 
     def _backend_that_ran(self) -> str:
         name = self.cfg.attention.name
@@ -835,11 +914,18 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
+    try:  # one live process per run directory; the checks below hold only under this lock
+        lock = rundir.claim_run_dir(out_dir, is_main=is_main)
+    except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        return Outcome("error", EXIT_CONFIG)
     try:
         check_out_dir(cfg, out_dir)
+        rundir.check_new_run_dir(cfg, out_dir)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
         check_data_source(cfg)
     except ConfigError as e:
+        lock.release()
         return report_config_error(e, out_dir, cfg, is_main)
     dist = init_distributed(plan.device_type)
     try:
@@ -853,12 +939,18 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         except ConfigError as e:
             trainer.log.close(exit_code=EXIT_CONFIG)
             return report_config_error(e, out_dir, cfg, dist.is_main)
+        except rundir.RunFinished as e:  # nothing was written: say so and leave the run as it is
+            trainer.log.close(exit_code=0)
+            if dist.is_main:
+                print(str(e), flush=True)
+            return Outcome("finished", EXIT_OK)
         except BaseException:
             trainer.log.close(exit_code=1)
             raise
         return trainer.run()
     finally:
         trainer = None
+        lock.release()
         _release_memory(plan)
         if dist.enabled:
             import torch.distributed as tdist

@@ -8,6 +8,11 @@ or a netrc entry for the W&B host, which is where ``wandb login`` stores it) and
 an offline run prints the ``wandb sync <dir>`` command that uploads it later. W&B files go to
 ``<out_dir>/wandb/``. The run id is stored in ``<out_dir>/wandb_run_id.txt`` (and in checkpoints) so that a
 resumed run continues the same W&B run (``resume="allow"``).
+
+Live branch: metrics.jsonl's steps never go back. A resume from a checkpoint older than the last logged
+step (``set_apart_after``) moves the lines of the abandoned steps to ``metrics.abandoned.<from>-<to>.jsonl``
+and forks the W&B run at the checkpoint's step (``fork_from``), because W&B drops a step logged below the
+run's current one. ``live_branch`` reads older files, where the replayed steps follow the abandoned ones.
 """
 
 from __future__ import annotations
@@ -67,6 +72,30 @@ def _jsonable(v):
     return v
 
 
+def _step_of(row: dict) -> int | None:
+    s = row.get("step")
+    return int(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else None
+
+
+def live_branch(rows: list[dict]) -> list[dict]:
+    """The rows of the live branch of a metrics.jsonl, in order.
+
+    A row whose step is below an earlier row's step starts a replay (a resume from an older checkpoint,
+    in files written before the abandoned steps were set apart): the earlier rows after that step belong
+    to the abandoned branch and are dropped. Rows without a step are kept.
+    """
+    out: list[dict] = []
+    top: int | None = None
+    for row in rows:
+        s = _step_of(row)
+        if s is not None and top is not None and s < top:
+            out = [r for r in out if (_step_of(r) is None or _step_of(r) <= s)]
+        if s is not None:
+            top = s if top is None or s < top else max(top, s)
+        out.append(row)
+    return out
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
     """Write ``obj`` as pretty JSON through a temp file + ``os.replace``."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
@@ -87,6 +116,7 @@ class RunLogger:
         self.enabled = enabled
         self.wandb_run = None
         self.wandb_mode = "disabled"
+        self.wandb_parent: dict | None = None
         self._jsonl = None
         self.summary: dict = {}
         if enabled:
@@ -109,8 +139,17 @@ class RunLogger:
         tags: list[str],
         config: dict,
         run_id: str | None,
+        fork_at: int | None = None,
     ) -> None:
-        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``."""
+        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``.
+
+        ``fork_at=k`` (a resume that replays steps after k, which the W&B run already holds): a new W&B
+        run forked from ``run_id`` at step k (``fork_from="<id>?_step=k"``), so no replayed step is
+        dropped and the abandoned ones stay in the parent run. Where wandb cannot fork (an older wandb,
+        a server without forking) a plain new run is started instead. Either way the link is in the
+        config (``wandb_parent``) and ``self.wandb_parent``; wandb_run_id.txt names the new run.
+        """
+        self.wandb_parent = None
         if not self.enabled:
             return
         self.wandb_mode = resolve_wandb_mode(mode)
@@ -118,26 +157,45 @@ class RunLogger:
             return
         import wandb
 
-        run_id = run_id or self.saved_wandb_id() or new_run_id()
-        (self.out_dir / WANDB_ID_FILE).write_text(run_id + "\n")
-        self.wandb_run = wandb.init(
+        run_id = run_id or self.saved_wandb_id()
+        common = dict(
             project=project,
             entity=entity,
             group=group,
             name=name,
             tags=list(tags),
-            config=config,
             dir=str(self.out_dir),
             mode=self.wandb_mode,
-            id=run_id,
-            resume="allow",
             job_type="train",
         )
+        if fork_at is not None and run_id:
+            self.wandb_parent = {"run_id": run_id, "step": int(fork_at)}
+            config = {**config, "wandb_parent": dict(self.wandb_parent)}
+            self.wandb_run = self._init_fork(wandb, common, config, run_id, int(fork_at))
+        else:
+            run_id = run_id or new_run_id()
+            self.wandb_run = wandb.init(**common, config=config, id=run_id, resume="allow")
+        (self.out_dir / WANDB_ID_FILE).write_text(self.wandb_run.id + "\n")
         if self.wandb_mode == "offline":
             print(
-                f"W&B offline run {run_id}; upload it later with: wandb sync {self.wandb_sync_dir()}",
+                f"W&B offline run {self.wandb_run.id}; upload it later with: "
+                f"wandb sync {self.wandb_sync_dir()}",
                 flush=True,
             )
+
+    def _init_fork(self, wandb, common: dict, config: dict, parent: str, step: int):
+        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) when this
+        wandb or its server cannot fork."""
+        import inspect
+
+        if "fork_from" in inspect.signature(wandb.init).parameters:
+            try:
+                fork = f"{parent}?_step={step}"
+                return wandb.init(**common, config=config, id=new_run_id(), fork_from=fork)
+            except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
+                print(f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
+                      "run linked to it in the config (wandb_parent)", flush=True)
+        return wandb.init(**common, config=config, id=new_run_id())
 
     @property
     def wandb_id(self) -> str | None:
@@ -160,6 +218,66 @@ class RunLogger:
         self._jsonl.write(json.dumps(row) + "\n")
         if wandb_too and self.wandb_run is not None:
             self.wandb_run.log({k: _jsonable(v) for k, v in metrics.items()}, step=int(step))
+
+    def last_logged_step(self) -> int | None:
+        """Highest step of metrics.jsonl's live branch (None when nothing is logged)."""
+        rows = [r for r, _ in self._read_lines() if r is not None]
+        steps = [x for x in map(_step_of, live_branch(rows)) if x is not None]
+        return max(steps) if steps else None
+
+    def _read_lines(self) -> list[tuple[dict | None, str]]:
+        """(parsed row or None, raw line) of every non-blank line of metrics.jsonl."""
+        path = self.out_dir / "metrics.jsonl"
+        out: list[tuple[dict | None, str]] = []
+        if not path.is_file():
+            return out
+        for line in path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a truncated last line of a killed run
+                row = None
+            out.append((row if isinstance(row, dict) else None, line))
+        return out
+
+    def set_apart_after(self, step: int) -> dict | None:
+        """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older
+        checkpoint) from metrics.jsonl to ``metrics.abandoned.<step+1>-<last>.jsonl``; metrics.jsonl keeps
+        the live branch up to ``step``. Nothing is deleted: unparsable lines and lines an older file kept
+        of earlier abandoned branches go to the abandoned file too.
+
+        Returns None when nothing was logged after ``step``, else dict(path, first, last, lines,
+        wandb_steps) where wandb_steps counts the abandoned lines that were also logged to W&B.
+        Crash-safe: the abandoned file is written (atomically) before metrics.jsonl is replaced.
+        """
+        if not self.enabled:
+            return None
+        lines = self._read_lines()
+        rows = [r for r, _ in lines if r is not None]
+        keep_ids = {id(r) for r in live_branch(rows) if (_step_of(r) or 0) <= step}
+        kept = [raw for r, raw in lines if r is not None and id(r) in keep_ids]
+        gone = [(r, raw) for r, raw in lines if r is None or id(r) not in keep_ids]
+        if not gone:
+            return None
+        steps = [x for x in (_step_of(r) for r, _ in gone if r is not None) if x is not None]
+        last = max(steps) if steps else step + 1
+        payload = "".join(raw + "\n" for _, raw in gone)
+        base = f"metrics.abandoned.{step + 1}-{last}"
+        dest, n = self.out_dir / f"{base}.jsonl", 1
+        while dest.exists() and dest.read_text() != payload:  # never overwrite an earlier branch
+            n += 1
+            dest = self.out_dir / f"{base}.{n}.jsonl"
+        if self._jsonl is not None:
+            self._jsonl.close()
+        tmp = self.out_dir / f".metrics.tmp{os.getpid()}"
+        tmp.write_text(payload)
+        os.replace(tmp, dest)
+        tmp.write_text("".join(raw + "\n" for raw in kept))
+        os.replace(tmp, self.out_dir / "metrics.jsonl")
+        self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        wandb_steps = sum(1 for r, _ in gone if r is not None and not ({"event", "status"} & r.keys()))
+        return {"path": dest, "first": step + 1, "last": last, "lines": len(gone), "wandb_steps": wandb_steps}
 
     def set_summary(self, values: dict) -> None:
         """Merge into the run summary: summary.json (atomic rewrite) and the W&B summary."""

@@ -157,19 +157,23 @@ def read_wandb_file(wandb_file: str | Path) -> dict:
     (keys containing "/" such as ``train/loss`` are kept flat, as W&B logs them).
     summary: the final run summary (later updates win). config: the run config (nested dicts), without
     wandb's internal ``_wandb`` entry. run_id: the 8-character W&B run id. Also group, name, tags (from the
-    run record).
+    run record) and branch_point: dict(run_id, step, metric) of a forked run's parent, else None.
     Raises WandbFileError for a file that is not a W&B log.
     """
     history: list[dict] = []
     summary: dict = {}
     config: dict = {}
     run_id = ""
-    extra: dict = {}
+    extra: dict = {"branch_point": None}
     for rec in iter_records(wandb_file):
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             run_id = rec.run.run_id or run_id
             extra = {"group": rec.run.run_group, "name": rec.run.display_name, "tags": list(rec.run.tags)}
+            bp = rec.run.branch_point if rec.run.HasField("branch_point") else None
+            extra["branch_point"] = (
+                {"run_id": bp.run, "step": int(bp.value), "metric": bp.metric} if bp and bp.run else None
+            )
             _apply_config(config, rec.run.config)
             for item in rec.run.summary.update:
                 _set_path(summary, _item_path(item), json.loads(item.value_json))
@@ -195,13 +199,19 @@ def read_wandb_file(wandb_file: str | Path) -> dict:
 def find_wandb_files(run_dir: str | Path) -> list[Path]:
     """All ``*.wandb`` files of a run directory (``<run_dir>/wandb/*/run-*.wandb``), oldest first.
 
-    The folder names start with the start time (``offline-run-YYYYMMDD_HHMMSS-<id>``), so a name sort is a
-    time sort; a resumed run has one folder per process that logged to it.
+    The folder names start with the start time (``offline-run-YYYYMMDD_HHMMSS-<id>``), so they are sorted by
+    that time, and folders of the same second by the file's last write (not by the random id: a resume
+    started within the second of the previous process must still come after it); a resumed run has one
+    folder per process that logged to it.
     """
     run_dir = Path(run_dir)
-    files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+
+    def started(p: Path) -> tuple[str, int]:
+        return p.parent.name.split("-", 2)[-1].rsplit("-", 1)[0], p.stat().st_mtime_ns
+
+    files = sorted(run_dir.glob("wandb/*run-*/run-*.wandb"), key=started)
     if not files:
-        files = sorted(run_dir.glob("*run-*/run-*.wandb"), key=lambda p: p.parent.name.split("-", 2)[-1])
+        files = sorted(run_dir.glob("*run-*/run-*.wandb"), key=started)
     return files
 
 
@@ -211,7 +221,8 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
     Accepts a ``.wandb`` file, a W&B run folder (``offline-run-*``), or a trainer run directory (holding
     ``wandb/``). When a run directory holds several W&B folders of the same run id (a resumed run), they are
     merged in time order: histories concatenated, config and summary updated by the later ones. Folders of
-    other run ids than the newest one are ignored.
+    other run ids than the newest one are ignored, except the parents of a forked newest run (see
+    ``branch_point``): their history up to the fork step is prepended and ``parents`` lists them.
     Raises FileNotFoundError when no ``.wandb`` file is found, WandbFileError for a damaged header/checksum.
     """
     p = Path(run_dir_or_wandb_file)
@@ -225,11 +236,29 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
             f"no W&B run file (*.wandb) under {p}; was the run started with wandb.mode=offline|online?"
         )
     runs = [read_wandb_file(f) for f in files]
-    newest_id = runs[-1]["run_id"]
-    merged = {**runs[-1], "history": [], "summary": {}, "config": {}}
-    for run in runs:
-        if run["run_id"] != newest_id:
-            continue
+    merged = _merge_same_id(runs, runs[-1]["run_id"])
+    # a fork (a resume that replayed steps): its parent's history up to the fork step comes first, as
+    # W&B shows it; the parent's later (abandoned) steps are left out. "parents" lists the chain.
+    merged["parents"] = []
+    child, seen = merged, {merged["run_id"]}
+    while child.get("branch_point") and child["branch_point"]["run_id"] not in seen:
+        bp = child["branch_point"]
+        seen.add(bp["run_id"])
+        merged["parents"].append(bp)
+        if not any(r["run_id"] == bp["run_id"] for r in runs):
+            break  # the parent was logged elsewhere, or its file holds no run record (a killed run)
+        parent = _merge_same_id(runs, bp["run_id"])
+        merged["history"] = [h for h in parent["history"] if h["_step"] <= bp["step"]] + merged["history"]
+        child = parent
+    return merged
+
+
+def _merge_same_id(runs: list[dict], run_id: str) -> dict:
+    """The files of one run id merged in time order (histories concatenated, later config/summary win)."""
+    mine = [r for r in runs if r["run_id"] == run_id]
+    merged = {**mine[-1], "history": [], "summary": {}, "config": {}}
+    merged["branch_point"] = next((r["branch_point"] for r in mine if r.get("branch_point")), None)
+    for run in mine:
         merged["history"].extend(run["history"])
         merged["summary"].update(run["summary"])
         merged["config"].update(run["config"])

@@ -1,0 +1,188 @@
+"""Run directories that never mix: unique default names, one live process per directory, no silent reuse.
+
+* Default names: ``run_name`` ends in ``${run_token:}``, a random 6-character token drawn once per process
+  (an OmegaConf resolver, registered by the Hydra callback ``RegisterResolvers`` in configs/config.yaml
+  before Hydra resolves its run and sweep dirs), so two launches in the same second get two directories.
+* ``claim_run_dir``: rank 0 holds an exclusive ``flock`` on ``<out_dir>/.flashgpt.lock`` for the whole run,
+  so a second live process (same explicit ``out_dir``, or a token collision) is refused instead of
+  writing into the same metrics.jsonl, W&B run and checkpoints. The kernel drops the lock when the
+  process dies, so a crashed run never blocks its own resume.
+* ``check_new_run_dir``: a new run (resume=false) may reuse a directory only when the run there was
+  refused before training (status ``error`` and nothing trained).
+* ``finished_message`` / ``max_steps_note``: what resume=true says for a run that already reached
+  max_steps, and for a raised max_steps (the cosine schedule changes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import string
+import time
+from pathlib import Path
+
+from trainer.checks import ConfigError
+
+LOCK_NAME = ".flashgpt.lock"
+TOKEN_LEN = 6
+_token: str | None = None
+
+
+def run_token() -> str:
+    """This process's run token: 6 random lowercase letters/digits, drawn once and then reused (so
+    ``out_dir`` and Hydra's run dir, resolved at different times, name the same folder)."""
+    global _token
+    if _token is None:
+        alphabet = string.ascii_lowercase + string.digits
+        _token = "".join(secrets.choice(alphabet) for _ in range(TOKEN_LEN))
+    return _token
+
+
+def register_resolvers() -> None:
+    """Register ``${run_token:}`` with OmegaConf (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("run_token"):
+        OmegaConf.register_new_resolver("run_token", run_token)
+
+
+register_resolvers()
+
+try:  # Hydra instantiates this callback before it resolves hydra.run.dir / hydra.sweep.dir
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra < 1.1
+    _HydraCallback = object
+
+
+class RegisterResolvers(_HydraCallback):
+    """Hydra callback whose only job is that importing this module registers ``${run_token:}`` before
+    Hydra resolves the run directory (train.py imports the trainer only inside the task function)."""
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run directory's lock."""
+
+
+class RunDirLock:
+    """An exclusive ``flock`` on ``<out_dir>/.flashgpt.lock``, held until ``release()`` or process exit."""
+
+    def __init__(self, out_dir: Path, fd: int | None) -> None:
+        self.out_dir = Path(out_dir)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (the file stays: removing it would let a waiter lock a different inode)."""
+        if self._fd is None:
+            return
+        import fcntl
+
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
+    """Take this run's exclusive lock on ``out_dir`` (rank 0 only; other ranks get a no-op lock).
+
+    Raises:
+        RunDirBusy naming the process that holds it and the fix (another out_dir, or leave it unset).
+    """
+    out_dir = Path(out_dir)
+    if not is_main:
+        return RunDirLock(out_dir, None)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on this platform: unique names still apply
+        return RunDirLock(out_dir, None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+        finally:
+            os.close(fd)
+        raise RunDirBusy(
+            f"out_dir={out_dir} is in use by another live train.py process ({holder}); two runs never "
+            "share a directory. Choose another out_dir, or leave out_dir unset (each new run gets its "
+            "own runs/<time>_<backend>_n<seq_len>_<token>)"
+        ) from None
+    # who holds it, for the message another process would print (the lock itself is the flock)
+    info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, info.encode() + b"\n", 0)
+    return RunDirLock(out_dir, fd)
+
+
+def read_summary(out_dir: Path) -> dict:
+    """``<out_dir>/summary.json`` as a dict ({} when missing or unreadable)."""
+    try:
+        obj = json.loads((Path(out_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
+
+
+def check_new_run_dir(cfg, out_dir: Path) -> None:
+    """A new run (resume=false) may reuse a directory whose summary says ``error`` only when that run was
+    refused before training: it never got through set-up (no ``steps`` in its summary), logged nothing
+    and started no W&B run. A run that trained and then failed keeps its directory.
+
+    Raises:
+        ConfigError naming out_dir, what the failed run did, and the fixes (resume=true, a new out_dir).
+    """
+    if cfg.resume:
+        return
+    out_dir = Path(out_dir)
+    summary = read_summary(out_dir)
+    if summary.get("status") != "error":
+        return  # other statuses: check_out_dir's rule
+    metrics = out_dir / "metrics.jsonl"
+    logged = metrics.is_file() and metrics.stat().st_size > 0
+    if "steps" not in summary and not logged and not (out_dir / "wandb_run_id.txt").exists():
+        return
+    steps = summary.get("steps", "?")
+    raise ConfigError(
+        f"out_dir={out_dir} holds a run that started training and then failed (status error after "
+        f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
+        "resume=true to continue it from its newest checkpoint, or choose a new out_dir (or leave "
+        "out_dir unset for a fresh runs/ directory)"
+    )
+
+
+class RunFinished(Exception):
+    """resume=true on a run that already reached max_steps; ``str()`` is the message to print."""
+
+
+def finished_message(out_dir: Path, steps: int, max_steps: int, resume_cmd: str) -> str:
+    """The console message for resume=true on a run that is done (nothing is changed)."""
+    more = max(2 * max_steps, max_steps + 1)
+    return (
+        f"run in out_dir={out_dir} is already finished: {steps} of max_steps={max_steps} steps done; "
+        "nothing was changed (metrics, summary, checkpoints, W&B, config.resolved.yaml are as they were). "
+        f"To train it further, raise max_steps explicitly (e.g. {resume_cmd} max_steps={more}): the "
+        "cosine LR schedule then decays over the new max_steps (unless optim.decay_steps is set), so "
+        "the continued curve is not that of an uninterrupted longer run. Or start a new run (resume=false)."
+    )
+
+
+def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
+    """The resume note for a changed max_steps: what it does to the learning-rate schedule."""
+    if optim.get("decay_steps"):
+        return (
+            f"max_steps changed on resume: {old} -> {new} (explicit choice); optim.decay_steps="
+            f"{optim.decay_steps} is fixed, so the LR schedule is unchanged"
+        )
+    before, after = lr_at(step + 1, optim, old), lr_at(step + 1, optim, new)
+    return (
+        f"max_steps changed on resume: {old} -> {new} (explicit choice); the cosine LR schedule decays "
+        f"over max_steps, so from step {step + 1} on the learning rate follows the {new}-step schedule "
+        f"(lr at step {step + 1}: {before:.3g} with max_steps={old}, {after:.3g} now), which an "
+        f"uninterrupted {new}-step run would have followed from step 1"
+    )
