@@ -862,7 +862,9 @@ class Trainer:
             then = "start the run again (there is no checkpoint to resume from yet)"
         if e.disk_full:
             short = e.need_bytes - (e.free_bytes or 0)
-            fix = f"free at least {short / MIB:.1f} MiB more there (or move the run to a bigger disk), then "
+            # a quota can bite with space left: then ask for the whole checkpoint's room
+            room = f"at least {short / MIB:.1f} MiB more" if short > 0 else f"{e.need_bytes / MIB:.1f} MiB"
+            fix = f"free {room} there (or move the run to a bigger disk), then "
         else:
             fix = "fix that, then "
         msg = (
