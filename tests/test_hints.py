@@ -138,6 +138,15 @@ def test_batch_hints_are_accepted():
     msg = refused([*TINY, "batch.micro_batch_size=null", "batch.micro_tokens=100"])
     (value,) = hints(msg, "batch.micro_tokens", 100)
     accepted([*TINY, "batch.micro_batch_size=null", f"batch.micro_tokens={value}"])
+    # model=tiny at the default seq_len=1024: micro-batches of 8 x 1024 overshoot 2048 tokens per step
+    for key, ok in (("batch.micro_batch_size", "2"), ("batch.micro_tokens", "2048")):
+        by_tokens = ["batch.micro_batch_size=null", "batch.micro_tokens=8192"]
+        extra = [] if key == "batch.micro_batch_size" else by_tokens
+        msg = refused(["model=tiny", *extra])
+        assert hints(msg, key, 8192) == [ok], msg
+        accepted(["model=tiny", *extra, f"{key}={ok}"])
+        (value,) = hints(msg, "batch.tokens_per_step", 2048)
+        accepted(["model=tiny", *extra, f"batch.tokens_per_step={value}"])
     msg = refused([*TINY, "perf.peak_flops=-1"])
     (value,) = hints(msg, "perf.peak_flops", -1)
     accepted([*TINY, f"perf.peak_flops={value}"])

@@ -400,11 +400,20 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         micro_batch_size = _pos_int(cfg, "batch.micro_batch_size", b.micro_batch_size, example=8)
     per_micro = micro_batch_size * seq_len * world_size
     if tokens_per_step % per_micro:
+        # the largest smaller micro-batch that divides, under the key the user set
+        per_seq = seq_len * world_size
+        fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
+        if not fits:
+            smaller = "a smaller batch.micro_batch_size"
+        elif b.get("micro_tokens") is not None:
+            smaller = f"batch.micro_tokens={fits[0] * seq_len}"
+        else:
+            smaller = f"batch.micro_batch_size={fits[0]}"
         raise ConfigError(
             f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
             f"micro_batch_size({micro_batch_size}) "
             f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
-            f"{_multiples_near(tokens_per_step, per_micro)}, or a smaller batch.micro_batch_size"
+            f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
         )
     grad_accum = tokens_per_step // per_micro
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
