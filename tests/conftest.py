@@ -49,4 +49,7 @@ def gpt2_bpe():
     try:
         return make_tokenizer("gpt2")
     except RuntimeError as e:
-        pytest.skip(f"needs tiktoken's GPT-2 BPE files (network or TIKTOKEN_CACHE_DIR): {e}")
+        cause = type(e.__cause__).__name__ if e.__cause__ else "error"
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
+        pytest.skip(f"needs tiktoken's GPT-2 BPE files: none in TIKTOKEN_CACHE_DIR={cache}, and the "
+                    f"download failed ({cause}: offline?)")
