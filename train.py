@@ -9,8 +9,10 @@
 
 Run directory (``out_dir``, = Hydra's run dir): ``config.resolved.yaml``, ``.hydra/``, ``metrics.jsonl``,
 ``summary.json``, ``train.log``, ``ckpt/``, ``wandb/``.
-Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss, 2 config error,
-128 + signal after SIGTERM/SIGINT (checkpoint saved). The training loop is in ``trainer/loop.py``.
+Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss or a checkpoint that
+could not be written (full disk), 2 config error, 128 + signal after SIGTERM/SIGINT (checkpoint saved).
+A ``-m`` sweep goes on past failed jobs and exits 0, unless every job failed: then it exits with their
+common status (else 1). The training loop is in ``trainer/loop.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 _RANK_DIR_PREFIX = "flashgpt-rank"
+# (run dir, status, exit code) of each job of a -m sweep run in this process (Hydra's basic launcher)
+_SWEEP_JOBS: list[tuple[str, str, int]] = []
+_SWEEP_DIR: list[str] = []  # the sweep folder (hydra.sweep.dir), once known
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
@@ -39,11 +44,35 @@ def main(cfg: DictConfig) -> None:
     outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
         shutil.rmtree(out_dir, ignore_errors=True)
+    if multirun and int(os.environ.get("RANK", "0")) == 0:
+        _SWEEP_JOBS.append((str(out_dir), outcome.status, outcome.exit_code))
+        _SWEEP_DIR[:] = [str(hc.sweep.dir)]
     if outcome.exit_code == 0:
         return
     if multirun and outcome.status != "interrupted":
         return  # the sweep goes on; the run's status is in its summary.json / W&B summary
     sys.exit(outcome.exit_code)
+
+
+def sweep_exit_code(jobs: list[tuple[str, str, int]], sweep_dir: str | None = None) -> int:
+    """Exit status of a finished sweep from its jobs' (run dir, status, exit code): 0 when any job
+    succeeded (an OOM with ``oom_exit_code=0`` counts as a result, not a failure) or none ran here; when
+    every job failed, their common exit code, or 1 when they differ. Prints which jobs failed."""
+    failed = [j for j in jobs if j[2] != 0]
+    if not failed:
+        return 0
+    listing = "\n".join(f"  {status} (exit {code}): {run_dir}" for run_dir, status, code in failed)
+    sweep = sweep_dir or Path(failed[0][0]).parent
+    if len(failed) < len(jobs):
+        print(f"sweep: {len(failed)} of {len(jobs)} jobs failed:\n{listing}", file=sys.stderr)
+        return 0
+    print(
+        f"sweep: all {len(jobs)} jobs failed:\n{listing}\neach run's summary.json holds its error; "
+        f"python -m bench.report {sweep} lists them",
+        file=sys.stderr,
+    )
+    codes = {code for _, _, code in failed}
+    return codes.pop() if len(codes) == 1 else 1
 
 
 def _quiet_non_main_ranks() -> None:
@@ -61,3 +90,4 @@ def _quiet_non_main_ranks() -> None:
 if __name__ == "__main__":
     _quiet_non_main_ranks()
     main()
+    sys.exit(sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None)))

@@ -826,6 +826,8 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         cudnn = torch.backends.cudnn.version()
     except Exception:
         cudnn = None
+    from kernels import interpret_enabled  # the kernels' own test, so the record says what they ran
+
     meta = {
         "benchmark": "causal self-attention, bench.attention",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -837,7 +839,7 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         "cudnn": cudnn,
         "python": platform.python_version(),
         "dtype": str(dtype).replace("torch.", ""),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": interpret_enabled(),
         "flops": "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd",
         "check": "O and dQ/dK/dV vs float32 reference (bench.attention.reference_attention) on "
                  "(batch, head) pairs from check_pairs(B, H); tolerances: O abs, grads relative to "

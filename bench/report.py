@@ -8,9 +8,10 @@ Reads every run directory under SWEEP_DIR (any folder holding `summary.json`, `m
 `.hydra/config.yaml`; the run-directory layout is in README.md) and writes into --out (default
 SWEEP_DIR):
 
-* ``report.md``  — all runs (long table), then pivot tables with rows = seq_len and one column per
-  attention backend for tokens/sec, MFU %, peak GiB and final train loss; an OOM run shows "OOM",
-  another failed run its status;
+* ``report.md``  — all runs (long table), the failed runs with their error text (summary.json
+  ``error``), then pivot tables with rows = seq_len and one column per attention backend for
+  tokens/sec, MFU %, peak GiB and final train loss; an OOM run shows "OOM", another failed run its
+  status;
 * ``report.json`` — the same numbers, one object per run;
 * ``report_sweep.png`` — tokens/sec, peak memory and MFU vs seq_len (log2 axis), one line per
   backend, failed runs marked by an 'x' at the top of each panel.
@@ -60,6 +61,21 @@ def post_warmup_median(values: Sequence[float], warmup_frac: float = 0.1) -> flo
     return float(statistics.median(kept)) if kept else None
 
 
+def error_text(summary: dict, status: str) -> str | None:
+    """What went wrong in a run that did not end "ok", on one line: summary.json's ``error`` (config error,
+    OOM, non-finite loss, full disk...), else what the status implies; None for an ok run."""
+    if status == "ok":
+        return None
+    err = summary.get("error")
+    if err:
+        return " ".join(str(err).split())
+    if status == "interrupted":
+        return f"interrupted by {summary.get('signal', 'a signal')} after step {summary.get('steps', '?')}"
+    if status == "running":
+        return "no ending recorded: still running, or killed without a chance to record it"
+    return "no error recorded (no summary.json)" if status == "no summary" else None
+
+
 def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> dict:
     """One run's row: backend, seq_len, status and the metrics described in the module docstring."""
     cfg = _rundir.read_config(run_dir)
@@ -101,6 +117,7 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
         "final_train_loss": last("train/loss", "final/train_loss"),
         "final_val_loss": last("val/loss", "final/val_loss"),
         "steps": steps,
+        "error": error_text(summary, status),
         "wandb_group": _rundir.cfg_get(cfg, "wandb.group"),
         "wandb_project": _rundir.cfg_get(cfg, "wandb.project"),
         "wandb_entity": _rundir.cfg_get(cfg, "wandb.entity"),
@@ -167,6 +184,14 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
             f"{_fmt_plain(r['peak_gib'], '{:.2f}')} | {_fmt_plain(r['final_train_loss'], '{:.4f}')} | "
             f"{_fmt_plain(r['final_val_loss'], '{:.4f}')} | {r['steps'] if r['steps'] is not None else '—'} |"
         )
+    failed = [r for r in runs if r["status"] != "ok"]
+    if failed:
+        lines += ["", "## Failed runs", "", "| run | backend | seq_len | status | error |",
+                  "| --- | --- | ---: | --- | --- |"]
+        for r in failed:
+            text = (r.get("error") or "—").replace("|", "\\|")  # a '|' would split the cell
+            seq = r["seq_len"] if r["seq_len"] is not None else "?"
+            lines.append(f"| {r['run']} | {r['backend']} | {seq} | {r['status']} | {text} |")
     backends = backends_of(runs)
     seqs = sorted({r["seq_len"] for r in runs if r["seq_len"] is not None})
     for key, title, fmt in METRIC_COLUMNS:

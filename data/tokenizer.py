@@ -101,7 +101,8 @@ class CharTokenizer:
         if len(itos) > MAX_VOCAB:
             raise ValueError(
                 f"the text has {len(itos)} distinct characters, more than the {MAX_VOCAB} ids a uint16 "
-                "token file can hold; use tokenizer=gpt2 for this corpus"
+                "token file can hold; use the GPT-2 tokenizer for this corpus (train.py data.tokenizer=gpt2 "
+                "with a data.dir of its own; python -m data.prepare --tokenizer gpt2)"
             )
         self.itos: list[str] = itos
         self.stoi: dict[str, int] = {c: i for i, c in enumerate(itos)}

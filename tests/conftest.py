@@ -1,4 +1,5 @@
-"""Shared pytest set-up: the `gpu` marker skips without CUDA; tiktoken reads its offline cache."""
+"""Shared pytest set-up: the `gpu` marker skips without CUDA; tiktoken reads its offline cache; tests that
+need files from the network (Tiny Shakespeare, tiktoken's GPT-2 BPE) skip with the reason without them."""
 
 import os
 from pathlib import Path
@@ -37,3 +38,18 @@ def shakespeare_path() -> Path:
     if not p.is_file():
         pytest.skip(f"Tiny Shakespeare not found at {p}; set TINYSHAKESPEARE=PATH")
     return p
+
+
+@pytest.fixture(scope="session")
+def gpt2_bpe():
+    """tiktoken's GPT-2 tokenizer; skips with the reason when its BPE files are neither in
+    TIKTOKEN_CACHE_DIR nor downloadable (offline)."""
+    from data.tokenizer import make_tokenizer
+
+    try:
+        return make_tokenizer("gpt2")
+    except RuntimeError as e:
+        cause = type(e.__cause__).__name__ if e.__cause__ else "error"
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
+        pytest.skip(f"needs tiktoken's GPT-2 BPE files: none in TIKTOKEN_CACHE_DIR={cache}, and the "
+                    f"download failed ({cause}: offline?)")

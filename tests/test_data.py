@@ -45,7 +45,7 @@ def _distinct_corpus(tmp_path: Path, n: int = 500) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, shakespeare_path) -> Path:
+def gpt2_dir(tmp_path_factory, shakespeare_path, gpt2_bpe) -> Path:
     out = tmp_path_factory.mktemp("shakespeare_gpt2")
     prepare(str(shakespeare_path), out, tokenizer="gpt2")
     return out
@@ -107,18 +107,20 @@ def test_prepare_char_round_trip_and_meta(char_dir, shakespeare_path):
     assert tok.decode(torch.from_numpy(val[:50])) == text[len(train) : len(train) + 50]
 
 
-def test_prepare_unicode_text_round_trips(tmp_path):
+@pytest.mark.parametrize("name", ["gpt2", "char"])
+def test_prepare_unicode_text_round_trips(tmp_path, name, request):
+    if name == "gpt2":
+        request.getfixturevalue("gpt2_bpe")  # skips offline without tiktoken's files
     text = "naïve café — 東京 🚀\r\nline two\ttabs\n\ufeffBOM-like\n" * 3
     src = _write(tmp_path / "u.txt", text)
-    for name in ("gpt2", "char"):
-        out = tmp_path / name
-        meta = prepare(src, out, tokenizer=name, val_fraction=0.25)
-        ids = np.concatenate([_ids(out / "train.bin"), _ids(out / "val.bin")])
-        assert meta["train_tokens"] == int(len(ids) * 0.75)
-        assert tokenizer_from_meta(meta).decode(ids) == text  # exact, incl. \r\n
+    out = tmp_path / name
+    meta = prepare(src, out, tokenizer=name, val_fraction=0.25)
+    ids = np.concatenate([_ids(out / "train.bin"), _ids(out / "val.bin")])
+    assert meta["train_tokens"] == int(len(ids) * 0.75)
+    assert tokenizer_from_meta(meta).decode(ids) == text  # exact, incl. \r\n
 
 
-def test_cli_module_and_script(tmp_path, shakespeare_path):
+def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     src = _distinct_corpus(tmp_path, 300)
     out = tmp_path / "cli_char"
     res = subprocess.run(
@@ -132,6 +134,7 @@ def test_cli_module_and_script(tmp_path, shakespeare_path):
     assert np.array_equal(_ids(out / "train.bin"), np.arange(240))
 
     # `python data/prepare.py` from another working directory, GPT-2 on the real corpus
+    request.getfixturevalue("gpt2_bpe")  # skips offline without tiktoken's files
     out = tmp_path / "cli_gpt2"
     res = subprocess.run(
         [sys.executable, str(REPO / "data" / "prepare.py"), "--source", str(shakespeare_path),
@@ -178,7 +181,7 @@ def test_atomic_prepare_leaves_no_valid_looking_dir(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- ensure_prepared
-def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, caplog):
+def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, caplog, gpt2_bpe):
     src = _write(tmp_path / "s.txt", "To be, or not to be, that is the question.\n" * 40)
     out = tmp_path / "out"
     meta = ensure_prepared(src, out, "char")

@@ -51,7 +51,7 @@ def test_seq_len_larger_than_data(expect_error, tmp_path):
         "seq_len=256 needs 257 tokens" in err
         and f"val split of {tmp_path / 'small'} has only {val_tokens}" in err
     )
-    assert f"use seq_len<={val_tokens - 1}" in err
+    assert f"use seq_len=128 (at most {val_tokens - 1})" in err
 
 
 def test_n_embd_not_divisible_by_n_head(expect_error):
@@ -275,7 +275,8 @@ def test_data_dir_holding_another_corpus_is_not_overwritten(expect_error, char_d
     other.write_text("A different corpus, long enough for a few windows of text. " * 200)
     before = (char_data / "meta.json").read_text()
     err = expect_error(**{"data.source": other})
-    assert f"data.dir={char_data} holds data prepared from" in err and "data.dir=data/<name>" in err
+    assert f"data.dir={char_data} holds data prepared from" in err
+    assert f"set data.dir={char_data.parent / 'shakespeare_char_other'} (a folder of its own)" in err
     assert (char_data / "meta.json").read_text() == before  # the shared data were not re-prepared
 
 

@@ -205,9 +205,6 @@ def test_resume_refuses_shape_and_tokenizer_change_allows_attention(reference_ru
     err = refused(model__n_layer=3, model__n_embd=96)
     assert "model.n_layer: 2 -> 3" in err and "model.n_embd: 128 -> 96" in err
     assert "model.block_size: 64 -> 32" in refused(seq_len=32)
-    # the GPT-2 BPE version of the same text (prepared on demand into its own folder)
-    err = refused(data="shakespeare", data__dir=tmp_path / "gpt2data", data__source=_source(tiny))
-    assert "data.tokenizer: char -> gpt2" in err and "model.vocab_size: 128 -> 50304" in err
     # a refused resume touches none of the run's records
     assert not list(out.glob("wandb")) and not (out / "summary.json").exists()
 
@@ -219,6 +216,23 @@ def test_resume_refuses_shape_and_tokenizer_change_allows_attention(reference_ru
     assert any(r.get("event") == "resume" and r["notes"] for r in read_jsonl(out))
     losses, ref = train_losses(out), train_losses(reference_run)
     assert max(abs(losses[k] - ref[k]) for k in range(9, 17)) < 1e-4  # sdpa continues naive's curve
+
+
+def test_resume_refuses_tokenizer_change(reference_run, tiny, tmp_path, capsys, gpt2_bpe):
+    """The GPT-2 BPE version of the same text (prepared on demand into its own folder) is refused, naming
+    the tokenizer and vocab size; the run's records stay untouched."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference_run / "ckpt", out / "ckpt")
+    overrides = tiny(out, resume=True, data="shakespeare", data__dir=tmp_path / "gpt2data",
+                     data__source=_source(tiny))
+    outcome = run_inprocess(overrides, out)
+    err = capsys.readouterr().err
+    assert (outcome.status, outcome.exit_code) == ("error", 2), err
+    assert "resume=true refused" in err
+    assert "data.tokenizer: char -> gpt2" in err and "model.vocab_size: 128 -> 50304" in err
+    assert not list(out.glob("wandb")) and not (out / "summary.json").exists()
 
 
 def _source(tiny) -> str:

@@ -16,8 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hydra.experimental.callback import Callback
 
 SDPA_BACKENDS_FALLBACK = ("auto", "flash", "cudnn", "efficient", "math")
 ATTENTION_BACKENDS_FALLBACK = ("naive", "sdpa", "flash")
@@ -93,6 +97,13 @@ def _sdpa_backends() -> tuple[str, ...]:
         return SDPA_BACKENDS_FALLBACK
 
 
+def _interpret_enabled() -> bool:
+    """The kernels' own test for "TRITON_INTERPRET is on" (1/true/yes/on), so both always agree."""
+    from kernels import interpret_enabled
+
+    return interpret_enabled()
+
+
 def _flash_head_dim_range() -> tuple[int, int]:
     try:
         from model.gpt import FLASH_HEAD_DIM_RANGE
@@ -122,6 +133,25 @@ def _multiples_near(n: int, unit: int) -> str:
     return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
 
 
+def _head_counts(n_embd: int, near: int, lo: int, hi: int | None = None) -> list[int]:
+    """Values of model.n_head that divide ``n_embd`` with a head dim in [lo, hi], closest to ``near``
+    first (ties: the larger head dim)."""
+    ok = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and lo <= n_embd // h <= (hi or n_embd)]
+    return sorted(ok, key=lambda h: (abs(h - near), h))
+
+
+def _embd_near(n_embd: int, n_head: int, lo: int) -> list[int]:
+    """Multiples of ``n_head`` next to ``n_embd`` whose head dim is at least ``lo`` (model.n_embd fixes)."""
+    below = (n_embd // n_head) * n_head
+    picks = [c for c in (below, below + n_head) if c // n_head >= lo]
+    return picks or [lo * n_head]
+
+
+def _pow2_at_most(n: int) -> int:
+    """The largest power of two <= n (n >= 1): a seq_len that divides the usual batch sizes."""
+    return 1 << (max(1, n).bit_length() - 1)
+
+
 def _finite_float(key: str, value, example: str) -> float:
     """``float(value)``, or ConfigError naming ``key`` when it is not a finite number."""
     try:
@@ -133,15 +163,82 @@ def _finite_float(key: str, value, example: str) -> float:
     return x
 
 
+def out_dir_problem(out_dir, key: str = "out_dir") -> str | None:
+    """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can.
+
+    Problems: a file at that path or at a folder above it, and a directory that cannot be written (or,
+    when it does not exist yet, a nearest existing folder that cannot be written, so it cannot be created).
+    Writing is tried for real (a temporary file, removed at once): permission bits say nothing for root,
+    and a read-only mount refuses everyone. Nothing is created otherwise.
+    """
+    path = Path(str(out_dir)).expanduser()
+    existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
+    if not existing.is_dir():
+        if existing == path:
+            return (
+                f"{key}={out_dir} is an existing file, not a directory; pass another {key}, e.g. "
+                f"{key}={out_dir}-run (or move that file away)"
+            )
+        return (
+            f"{key}={out_dir} cannot be created: {existing} is a file, not a directory; set {key} to a "
+            "path outside it"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".flashgpt-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        example = "sweep1" if "sweep" in key else "run1"
+        return (
+            f"{key}={out_dir} {what} ({e.strerror}); set {key} to a directory you can write to, e.g. "
+            f"{key}=$HOME/flashgpt-runs/{example}"
+        )
+    return None
+
+
+class OutDirCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): before Hydra creates the run directory
+    (it would stop with a traceback), an out_dir (``hydra.sweep.dir`` under ``-m``) that cannot be created
+    or written is a config error: ``config error: ...`` on stderr, exit status 2."""
+
+    def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
+        """Check ``hydra.run.dir`` (= ``out_dir``)."""
+        self._check(config, "hydra.run.dir", "out_dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
+        """Check the sweep folder ``hydra.sweep.dir``."""
+        self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config, node: str, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            path = OmegaConf.select(config, node)
+        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
+            return
+        if path is None:
+            return
+        problem = out_dir_problem(path, key)
+        if problem:
+            print(f"config error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
+
+
 def check_out_dir(cfg, out_dir: Path) -> None:
-    """Refuse to start a new run (resume=false) in a directory that already holds one.
+    """Refuse an out_dir that cannot be written, and a new run (resume=false) in a directory that already
+    holds one.
 
     A run directory holds a run once it has checkpoints or a summary.json of a run that trained (any
     status but "error", which a refused config leaves); starting afresh there would
     append a second curve to its metrics.jsonl, overwrite its summary and mix two runs in one W&B run.
     Raises:
-        ConfigError naming out_dir and the fixes (resume=true, or another out_dir).
+        ConfigError naming out_dir and the fixes (a writable out_dir; resume=true, or another out_dir).
     """
+    problem = out_dir_problem(out_dir)
+    if problem:
+        raise ConfigError(problem)
     if cfg.resume:
         return
     out_dir = Path(out_dir)
@@ -238,11 +335,15 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     n_head = _pos_int(cfg, "model.n_head", m.n_head, example=12)
     n_embd = _pos_int(cfg, "model.n_embd", m.n_embd, example=768)
     _pos_int(cfg, "model.n_layer", m.n_layer, example=12)
+    flash_lo, flash_hi = _flash_head_dim_range()
+    min_head_dim = flash_lo  # smaller heads are no use to any backend, and flash refuses them
     if n_embd % n_head:
-        divisors = [h for h in range(1, min(n_embd, 64) + 1) if n_embd % h == 0]
+        heads = _head_counts(n_embd, n_head, min_head_dim, flash_hi if attn == "flash" else None)[:3]
+        embds = " or ".join(f"model.n_embd={e}" for e in _embd_near(n_embd, n_head, min_head_dim))
+        by_head = ", ".join(f"model.n_head={h}" for h in heads)
+        by_head = f" or a model.n_head dividing it: {by_head}" if heads else ""
         raise ConfigError(
-            f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use model.n_embd="
-            f"{_multiples_near(n_embd, n_head)} or a model.n_head dividing {n_embd} (e.g. {divisors[-3:]})"
+            f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use {embds}{by_head}"
         )
     head_dim = n_embd // n_head
     if m.block_size is not None:
@@ -250,7 +351,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         if seq_len > m.block_size:
             raise ConfigError(
                 f"seq_len={seq_len} is larger than model.block_size={m.block_size}; "
-                f"use seq_len<={m.block_size} "
+                f"use seq_len={m.block_size} (or smaller), "
                 f"or model.block_size={seq_len} (or model.block_size=null to follow seq_len)"
             )
     if not 0.0 <= float(m.dropout) < 1.0:
@@ -261,14 +362,19 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
     device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
     if attn == "flash":
-        lo, hi = _flash_head_dim_range()
+        lo, hi = flash_lo, flash_hi
         if not lo <= head_dim <= hi:
+            heads = _head_counts(n_embd, n_embd // 64 or 1, lo, hi)  # closest to head dim 64 first
+            change = (
+                f"change model.n_head (e.g. model.n_head={heads[0]}: head dim {n_embd // heads[0]})"
+                if heads
+                else f"change the model width (e.g. model.n_embd={64 * n_head}: head dim 64)"
+            )
             raise ConfigError(
                 f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
-                f"{n_head} gives {head_dim}; change model.n_head (e.g. model.n_head={max(1, n_embd // 64)}) "
-                "or use attention=sdpa"
+                f"{n_head} gives {head_dim}; {change} or use attention=sdpa"
             )
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if device_type != "cuda" and not _interpret_enabled():
             raise ConfigError(
                 "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
                 "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
@@ -307,11 +413,20 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         )
     per_micro = micro_batch_size * seq_len * world_size
     if tokens_per_step % per_micro:
+        # the largest smaller micro-batch that divides, under the key the user set
+        per_seq = seq_len * world_size
+        fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
+        if not fits:
+            smaller = "a smaller batch.micro_batch_size"
+        elif b.get("micro_tokens") is not None:
+            smaller = f"batch.micro_tokens={fits[0] * seq_len}"
+        else:
+            smaller = f"batch.micro_batch_size={fits[0]}"
         raise ConfigError(
             f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
             f"micro_batch_size({micro_batch_size}) "
             f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
-            f"{_multiples_near(tokens_per_step, per_micro)}, or a smaller batch.micro_batch_size"
+            f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
         )
     grad_accum = tokens_per_step // per_micro
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
@@ -327,7 +442,9 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         except (TypeError, ValueError):
             peak = -1.0
         if not peak > 0:
-            raise ConfigError(f"perf.peak_flops={pf!r} must be 'auto' or a positive FLOP/s, e.g. 989e12")
+            raise ConfigError(
+                f"perf.peak_flops={pf!r} must be 'auto' or a positive FLOP/s, e.g. perf.peak_flops=989e12"
+            )
 
     return Plan(
         device_type=device_type,
@@ -362,9 +479,9 @@ def check_data_source(cfg) -> None:
         p = Path(str(src)).expanduser()
         if not p.exists():
             raise ConfigError(
-                f"data.source={src} does not exist; pass an existing UTF-8 text file, e.g. "
-                "data.source=../shared/data/tinyshakespeare.txt (or data.source=null to download "
-                "Tiny Shakespeare)"
+                f"data.source={src} does not exist (relative paths start at {Path.cwd()}); pass an "
+                "existing UTF-8 text file, e.g. data.source=/path/to/corpus.txt, or data.source=null to "
+                "download Tiny Shakespeare"
             )
         if not p.is_file():
             raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")
@@ -393,11 +510,17 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     meta = _prepared_meta(data_dir)
     if meta is None:
         return
-    fix = f"set data.dir=data/<name> for this corpus/tokenizer (or delete {data_dir} to re-prepare it)"
+
+    def fix(suffix: str) -> str:
+        # a sibling folder named after what differs: a real value the user can pass as typed
+        given = Path(str(cfg.data.dir))
+        other = given.parent / f"{given.name or 'data'}_{suffix}"
+        return f"set data.dir={other} (a folder of its own) or delete {data_dir} to re-prepare it"
+
     if meta.get("tokenizer") != cfg.data.tokenizer:
         raise ConfigError(
             f"data.dir={cfg.data.dir} holds data tokenized with {meta.get('tokenizer')!r}, but "
-            f"data.tokenizer={cfg.data.tokenizer}; {fix}"
+            f"data.tokenizer={cfg.data.tokenizer}; {fix(str(cfg.data.tokenizer))}"
         )
     try:
         same_split = abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
@@ -407,7 +530,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
         raise ConfigError(
             f"data.dir={cfg.data.dir} was split with val_fraction={meta.get('val_fraction')}, but "
             f"data.val_fraction={cfg.data.val_fraction}; "
-            f"use data.val_fraction={meta.get('val_fraction')} or {fix}"
+            f"use data.val_fraction={meta.get('val_fraction')} or {fix(f'val{cfg.data.val_fraction}')}"
         )
     src = cfg.data.source
     if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
@@ -418,7 +541,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     if digest != meta["source_sha256"]:
         raise ConfigError(
             f"data.dir={cfg.data.dir} holds data prepared from {meta.get('source')}, which differs from "
-            f"data.source={src} (sha256); {fix}"
+            f"data.source={src} (sha256); {fix(Path(str(src)).stem)}"
         )
 
 
@@ -442,13 +565,15 @@ def check_data_fits(cfg, meta: dict) -> None:
         ConfigError naming seq_len, the split's token count and the largest valid seq_len.
     """
     need = cfg.seq_len + 1
+    largest = min(int(meta["train_tokens"]), int(meta["val_tokens"])) - 1  # fits both splits
     for split in ("train", "val"):
         have = int(meta[f"{split}_tokens"])
         if have < need:
+            fits = f"use seq_len={_pow2_at_most(largest)} (at most {largest}) or " if largest >= 1 else "use "
             raise ConfigError(
                 f"seq_len={cfg.seq_len} needs {need} tokens per window, but the {split} split of "
-                f"{cfg.data.dir} has only {have}; use seq_len<={have - 1} or a larger corpus "
-                "(data.source=...)"
+                f"{cfg.data.dir} has only {have}; {fits}a larger corpus (data.source=PATH with a "
+                "data.dir of its own)"
             )
     if meta.get("tokenizer") != cfg.data.tokenizer:  # pragma: no cover - ensure_prepared re-prepares
         raise ConfigError(
@@ -511,7 +636,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
         f"attention.sdpa_backend={sdpa_backend} cannot run head_dim={plan.head_dim}, "
         f"dtype={str(dtype)[6:]} on "
         f"{device} ({err}); use attention.sdpa_backend=auto"
-        + (f" or one that runs here: {', '.join(ok)}" if ok else "")
+        + (" or one that runs here: " + ", ".join(f"attention.sdpa_backend={b}" for b in ok) if ok else "")
     )
 
 

@@ -8,21 +8,26 @@ after s updates (step 0 = at initialisation). A checkpoint ``ckpt/step_{s}.pt`` 
 updates; resuming from it continues with update s + 1.
 
 Exit statuses (``summary.json["status"]``, also in the W&B summary and the last metrics.jsonl line):
-``ok`` (exit 0), ``interrupted`` (SIGTERM/SIGINT: checkpoint saved, exit 128 + signal), ``nonfinite``
-(exit 1; nothing saved), ``oom`` (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error``
-(config error: exit 2; unexpected exception: traceback, exit 1). Under ``-m`` (multirun) only
-``interrupted`` and unexpected exceptions stop the sweep. ``resume=true`` on a run that already reached
-max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint behind the
-last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``, trainer/rundir.py).
+``ok`` (exit 0), ``interrupted`` (SIGTERM/SIGINT: checkpoint saved, exit 128 + signal; after a second
+signal: exited at once, nothing saved), ``nonfinite`` (exit 1; nothing saved), ``disk_full`` /
+``save_failed`` (a checkpoint could not be written: exit 1; the previous checkpoints are intact), ``oom``
+(CUDA out of memory: exit ``oom_exit_code``, default 0), ``error`` (config error: exit 2; unexpected
+exception: traceback, exit 1). Under ``-m`` (multirun) only ``interrupted`` and unexpected exceptions stop
+the sweep; a sweep whose every job failed exits non-zero (train.py). ``resume=true`` on a run that already
+reached max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint
+behind the last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``,
+trainer/rundir.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import gc
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -52,8 +57,10 @@ from trainer.signals import PreemptionHandler
 
 EXIT_OK = 0
 EXIT_NONFINITE = 1
+EXIT_SAVE_FAILED = 1
 EXIT_CONFIG = 2
 GIB = float(1 << 30)
+MIB = float(1 << 20)
 
 
 class NonFiniteError(Exception):
@@ -62,6 +69,40 @@ class NonFiniteError(Exception):
     def __init__(self, step: int, loss: float, grad_norm: float) -> None:
         super().__init__(f"non-finite loss/grad norm at step {step}: loss={loss}, grad_norm={grad_norm}")
         self.step, self.loss, self.grad_norm = step, loss, grad_norm
+
+
+class CheckpointSaveError(Exception):
+    """The checkpoint of ``step`` could not be written; the earlier checkpoints are untouched.
+
+    ``disk_full`` is True for a full disk or quota; ``need_bytes`` is the checkpoint's estimated size and
+    ``free_bytes`` the space left beside it (None when unknown)."""
+
+    def __init__(self, message: str, step: int, disk_full: bool, need_bytes: int, free_bytes: int | None):
+        super().__init__(message)
+        self.step, self.disk_full, self.need_bytes, self.free_bytes = step, disk_full, need_bytes, free_bytes
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples): about a checkpoint's size on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (itself, or in its cause/context chain): torch.save reports a failed write
+    as a RuntimeError whose context is the OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 @dataclass
@@ -575,7 +616,10 @@ class Trainer:
         model = self.fwd_model
         model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        pause = float(self.cfg.debug.get("eval_sleep_s") or 0.0)  # test hook: a slow evaluation
         for x, y in self.eval_batches[self.dist.rank :: self.dist.world_size]:
+            if pause:
+                time.sleep(pause)
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.autocast:
@@ -634,7 +678,7 @@ class Trainer:
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        path = None
+        path, problem = None, None
         if self.dist.is_main:
             state = {
                 "format_version": 1,
@@ -653,10 +697,36 @@ class Trainer:
                 "world_size": self.dist.world_size,
                 "torch_version": str(torch.__version__),
             }
-            path = ckpt.save_checkpoint(state, self.out_dir, s, int(self.cfg.checkpoint.keep))
-        path = self._broadcast(str(path) if path else None)
+            try:
+                path = ckpt.save_checkpoint(state, self.out_dir, s, int(self.cfg.checkpoint.keep))
+            except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's wrapper of a failed write
+                problem = self._save_problem(e, s, _nbytes(state))
+            del state
+        path, problem = self._broadcast((str(path) if path else None, problem))
+        if problem is not None:  # every rank stops: the run cannot go on without its checkpoints
+            raise CheckpointSaveError(*problem)
         self.last_ckpt, self.last_ckpt_step = Path(path), s
         return self.last_ckpt
+
+    def _save_problem(self, e: BaseException, s: int, need: int) -> tuple:
+        """``CheckpointSaveError`` arguments for a failed save of step ``s``: a full disk (or quota) says so,
+        with the checkpoint's size and the free space; anything else gives the error."""
+        target = ckpt.ckpt_path(self.out_dir, s)
+        try:
+            free: int | None = shutil.disk_usage(target.parent).free
+        except OSError:
+            free = None
+        cause = _os_error_in(e)
+        if cause is not None:
+            full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        else:  # no OSError to read: judge by the space left
+            full = free is not None and free < need
+        if not full:
+            return f"could not save checkpoint {target}: {_first_line(cause or e)}.", s, False, need, free
+        room = f", and {target.parent} has {free / MIB:.1f} MiB free" if free is not None else ""
+        why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
+        text = f"disk full: checkpoint {target} needs about {need / MIB:.1f} MiB{room}{why}."
+        return text, s, True, need, free
 
     def _stop_requested(self, handler: PreemptionHandler) -> int:
         """Signal number if any rank got SIGTERM/SIGINT (agreed across ranks), else 0."""
@@ -671,7 +741,9 @@ class Trainer:
     def run(self) -> Outcome:
         """Train to ``max_steps`` (or a stop signal / fault); returns the Outcome (summary written)."""
         handler = PreemptionHandler(
-            grace_s=2.0 if self.dist.enabled else 0.0, verbose=self.dist.is_main
+            grace_s=2.0 if self.dist.enabled else 0.0,
+            verbose=self.dist.is_main,
+            on_exit_now=self._record_exit_now,
         ).install()
         oom = None
         try:
@@ -680,6 +752,8 @@ class Trainer:
             oom = _first_line(e)
         except NonFiniteError as e:
             return self._end_nonfinite(e)
+        except CheckpointSaveError as e:
+            return self._end_save_failed(e)
         except BaseException as e:
             self._finish("error", {"error": _first_line(e)}, exit_code=1)
             raise
@@ -691,9 +765,12 @@ class Trainer:
         cfg = self.cfg
         max_steps = int(cfg.max_steps)
         if self.step == 0 and cfg.eval.at_start:
-            self.last_val_loss = self.evaluate()
+            self.last_val_loss = self._evaluate_noting(handler)
             self.log.log(0, {"val/loss": self.last_val_loss})
             self.say(f"step {0:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
+            signum = self._stop_requested(handler)
+            if signum:  # a signal during this evaluation: stop before the first step
+                return self._end_interrupted(0, signum)
         win_tokens, win_time, win_steps = 0, 0.0, 0
         every = int(cfg.parity.every)
         while self.step < max_steps:
@@ -761,7 +838,7 @@ class Trainer:
                     self.say(f"step {s:>6} | parity skipped: {parity['parity/skipped']}")
             eval_every = int(cfg.eval.interval)
             if (eval_every and s % eval_every == 0) or s == max_steps:
-                self.last_val_loss = self.evaluate()
+                self.last_val_loss = self._evaluate_noting(handler)
                 metrics["val/loss"] = self.last_val_loss
                 self.say(f"step {s:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
             if metrics:
@@ -778,6 +855,15 @@ class Trainer:
 
         self._finish("ok", {}, exit_code=0)
         return Outcome("ok", EXIT_OK)
+
+    def _evaluate_noting(self, handler: PreemptionHandler) -> float:
+        """``evaluate()``, with ``handler`` told that an evaluation runs (a signal's message says it waits for
+        the evaluation, not a step)."""
+        handler.activity = "evaluation"
+        try:
+            return self.evaluate()
+        finally:
+            handler.activity = "step"
 
     # ------------------------------------------------------------------------------------------ endings
     def _final_figures(self) -> dict:
@@ -825,9 +911,10 @@ class Trainer:
 
     def resume_command(self) -> str:
         """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set."""
+        from kernels import interpret_enabled
+
         keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
-        interp = os.environ.get("TRITON_INTERPRET", "").strip()
-        env = [f"TRITON_INTERPRET={interp}"] if interp.lower() in ("1", "true", "yes", "on") else []
+        env = [f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET'].strip()}"] if interpret_enabled() else []
         return " ".join([*env, "python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
 
     def _end_interrupted(self, s: int, signum: int) -> Outcome:
@@ -841,6 +928,65 @@ class Trainer:
         self._finish("interrupted", {"signal": name, "resume_hint": hint}, exit_code=0)
         self.say(f"{name}: stopped after step {s}; checkpoint {self.last_ckpt}\nresume with:\n  {hint}")
         return Outcome("interrupted", 128 + signum)
+
+    def _record_exit_now(self, signum: int) -> None:
+        """Second signal (the process exits at once): summary.json says "interrupted", with the checkpoint
+        to resume from and the command, instead of staying "running". Runs inside the signal handler."""
+        if not self.dist.is_main:
+            return
+        import signal
+
+        from trainer.metrics import write_json_atomic
+
+        name = signal.Signals(signum).name
+        hint = self.resume_command() if self.last_ckpt else None
+        try:
+            figures = self._final_figures()
+        except Exception:  # noqa: BLE001 - the status matters more than the figures
+            figures = {}
+        extra = {"status": "interrupted", "signal": name, "exited_at_once": True, "resume_hint": hint}
+        # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
+        write_json_atomic(self.out_dir / "summary.json", {**self.log.summary, **figures, **extra})
+        with contextlib.suppress(Exception):
+            self.log.log(self.step, {"status": "interrupted", "signal": name, "exited_at_once": True},
+                         wandb_too=False)
+        if hint:
+            self.say(f"{name}: exited at once after step {self.step}; last checkpoint {self.last_ckpt}\n"
+                     f"resume with:\n  {hint}")
+        else:
+            self.say(f"{name}: exited at once after step {self.step}; no checkpoint was saved yet")
+
+    def _end_save_failed(self, e: CheckpointSaveError) -> Outcome:
+        """A checkpoint could not be written: stop cleanly (status disk_full or save_failed, exit 1), say
+        what the disk needs, keep everything written before and print how to resume."""
+        if self.last_ckpt:
+            kept = f"the previous checkpoint {self.last_ckpt} (step {self.last_ckpt_step}) is intact"
+            hint: str | None = self.resume_command()
+            then = f"resume with:\n  {hint}"
+        else:
+            kept, hint = "no earlier checkpoint exists", None
+            then = "start the run again (there is no checkpoint to resume from yet)"
+        if e.disk_full:
+            short = e.need_bytes - (e.free_bytes or 0)
+            # a quota can bite with space left: then ask for the whole checkpoint's room
+            room = f"at least {short / MIB:.1f} MiB more" if short > 0 else f"{e.need_bytes / MIB:.1f} MiB"
+            fix = f"free {room} there (or move the run to a bigger disk), then "
+        else:
+            fix = "fix that, then "
+        msg = (
+            f"{e} Run stopped after step {self.step}; {kept}; metrics.jsonl keeps every logged step. "
+            f"To go on: {fix}{then}"
+        )
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        status = "disk_full" if e.disk_full else "save_failed"
+        extra = {"error": msg, "resume_hint": hint, "failed_checkpoint_step": e.step}
+        try:
+            self._finish(status, extra, exit_code=EXIT_SAVE_FAILED)
+        except OSError as err:  # the disk may still be too full for summary.json
+            print(f"error: could not record status {status} in summary.json ({err})", file=sys.stderr)
+            with contextlib.suppress(Exception):
+                self.log.close(exit_code=EXIT_SAVE_FAILED)
+        return Outcome(status, EXIT_SAVE_FAILED)
 
     def _end_nonfinite(self, e: NonFiniteError) -> Outcome:
         config_file = self.out_dir / ".hydra" / "config.yaml"
