@@ -412,17 +412,15 @@ def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
-@torch.library.triton_op("flashgpt::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(
+def _fwd_op_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward op (CUDA): o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No
-    validation (`flash_attention` validates)."""
+    """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
+    (`flash_attention` validates)."""
     return _launch_fwd(q, k, v, causal, softmax_scale, traced=True)
 
 
-@torch.library.triton_op("flashgpt::flash_attn_bwd", mutates_args=())
-def flash_attn_bwd(
+def _bwd_op_body(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -433,34 +431,16 @@ def flash_attn_bwd(
     softmax_scale: float,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward op (CUDA): (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient
-    of the lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
+    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient of the
+    lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
     return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True)
 
 
-@torch.library.custom_op("flashgpt::flash_attn_fwd_cpu", mutates_args=())
-def flash_attn_fwd_cpu(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward op for CPU tensors (TRITON_INTERPRET=1); same contract as `flash_attn_fwd`."""
-    return _launch_fwd(q, k, v, causal, softmax_scale)
-
-
-@torch.library.custom_op("flashgpt::flash_attn_bwd_cpu", mutates_args=())
-def flash_attn_bwd_cpu(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    dlse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward op for CPU tensors (TRITON_INTERPRET=1); same contract as `flash_attn_bwd`."""
-    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse)
-
+# one body, two registrations: traced into the graph on CUDA, opaque (with a fake) for the interpreter
+flash_attn_fwd = torch.library.triton_op("flashgpt::flash_attn_fwd", _fwd_op_body, mutates_args=())
+flash_attn_bwd = torch.library.triton_op("flashgpt::flash_attn_bwd", _bwd_op_body, mutates_args=())
+flash_attn_fwd_cpu = torch.library.custom_op("flashgpt::flash_attn_fwd_cpu", _fwd_op_body, mutates_args=())
+flash_attn_bwd_cpu = torch.library.custom_op("flashgpt::flash_attn_bwd_cpu", _bwd_op_body, mutates_args=())
 
 flash_attn_fwd_cpu.register_fake(_fwd_fake)
 flash_attn_bwd_cpu.register_fake(_bwd_fake)
