@@ -139,14 +139,18 @@ def test_batch_hints_are_accepted():
     (value,) = hints(msg, "batch.micro_tokens", 100)
     accepted([*TINY, "batch.micro_batch_size=null", f"batch.micro_tokens={value}"])
     # model=tiny at the default seq_len=1024: micro-batches of 8 x 1024 overshoot 2048 tokens per step
-    for key, ok in (("batch.micro_batch_size", "2"), ("batch.micro_tokens", "2048")):
-        by_tokens = ["batch.micro_batch_size=null", "batch.micro_tokens=8192"]
-        extra = [] if key == "batch.micro_batch_size" else by_tokens
-        msg = refused(["model=tiny", *extra])
-        assert hints(msg, key, 8192) == [ok], msg
-        accepted(["model=tiny", *extra, f"{key}={ok}"])
-        (value,) = hints(msg, "batch.tokens_per_step", 2048)
-        accepted(["model=tiny", *extra, f"batch.tokens_per_step={value}"])
+    # (a batch.micro_tokens budget is capped at tokens_per_step, so only micro_batch_size can overshoot)
+    msg = refused(["model=tiny"])
+    assert hints(msg, "batch.micro_batch_size", 8192) == ["2"], msg
+    accepted(["model=tiny", "batch.micro_batch_size=2"])
+    (value,) = hints(msg, "batch.tokens_per_step", 2048)
+    accepted(["model=tiny", f"batch.tokens_per_step={value}"])
+    accepted(["model=tiny", "batch.micro_batch_size=null", "batch.micro_tokens=8192"])
+    # with micro_tokens the hint names micro_tokens: 3 sequences of 64 do not divide 1280 tokens per step
+    by_tokens = [*TINY, "batch.micro_batch_size=null", "batch.tokens_per_step=1280"]
+    msg = refused([*by_tokens, "batch.micro_tokens=192"])
+    (value,) = hints(msg, "batch.micro_tokens", 192)
+    accepted([*by_tokens, f"batch.micro_tokens={value}"])
     msg = refused([*TINY, "perf.peak_flops=-1"])
     (value,) = hints(msg, "perf.peak_flops", -1)
     accepted([*TINY, f"perf.peak_flops={value}"])

@@ -256,7 +256,7 @@ def test_new_run_never_reuses_a_run_that_trained_then_failed(tiny, tmp_path):
     failed = run_train(tiny(out, max_steps=8, checkpoint__interval=4, wandb__mode="offline"))
     assert failed.returncode == 1, describe(failed)
     s = summary(out)
-    assert s["status"] == "error" and s["steps"] == 4, s
+    assert s["status"] in ("error", "save_failed") and s["steps"] == 4, s
     before = _snapshot(out)
     (out / "ckpt").unlink()
     before.pop("ckpt")

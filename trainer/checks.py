@@ -418,7 +418,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
         if not fits:
             smaller = "a smaller batch.micro_batch_size"
-        elif b.get("micro_tokens") is not None:
+        elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
             smaller = f"batch.micro_tokens={fits[0] * seq_len}"
         else:
             smaller = f"batch.micro_batch_size={fits[0]}"

@@ -47,6 +47,7 @@ from trainer.checks import (
     check_out_dir,
     check_resume_compatible,
     effective_data_source,
+    out_dir_problem,
     peak_flops_for,
     probe_attention,
     resolve_plan,
@@ -1060,14 +1061,17 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
+    problem = out_dir_problem(out_dir) if is_main else None  # the lock file needs a writable directory
+    if problem:
+        return report_config_error(ConfigError(problem), out_dir, cfg, is_main)
     try:  # one live process per run directory; the checks below hold only under this lock
         lock = rundir.claim_run_dir(out_dir, is_main=is_main)
     except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return Outcome("error", EXIT_CONFIG)
     try:
+        rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)
-        rundir.check_new_run_dir(cfg, out_dir)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
         check_data_source(cfg)
     except ConfigError as e:

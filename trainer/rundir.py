@@ -129,6 +129,10 @@ def read_summary(out_dir: Path) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
+#: summary.json statuses of a run that ended in a failure (a refused config also ends with "error")
+FAILED_STATUSES = ("error", "save_failed", "disk_full")
+
+
 def check_new_run_dir(cfg, out_dir: Path) -> None:
     """A new run (resume=false) may reuse a directory whose summary says ``error`` only when that run was
     refused before training: it never got through set-up (no ``steps`` in its summary), logged nothing
@@ -141,15 +145,17 @@ def check_new_run_dir(cfg, out_dir: Path) -> None:
         return
     out_dir = Path(out_dir)
     summary = read_summary(out_dir)
-    if summary.get("status") != "error":
+    status = summary.get("status")
+    if status not in FAILED_STATUSES:
         return  # other statuses: check_out_dir's rule
     metrics = out_dir / "metrics.jsonl"
     logged = metrics.is_file() and metrics.stat().st_size > 0
-    if "steps" not in summary and not logged and not (out_dir / "wandb_run_id.txt").exists():
-        return
+    started_wandb = (out_dir / "wandb_run_id.txt").exists()
+    if status == "error" and "steps" not in summary and not logged and not started_wandb:
+        return  # refused by a config error before training: free for a new run
     steps = summary.get("steps", "?")
     raise ConfigError(
-        f"out_dir={out_dir} holds a run that started training and then failed (status error after "
+        f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
         f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
         "resume=true to continue it from its newest checkpoint, or choose a new out_dir (or leave "
         "out_dir unset for a fresh runs/ directory)"
