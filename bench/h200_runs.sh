@@ -23,12 +23,8 @@ smoke)  # 20 steps per backend, eager, to catch GPU-only faults quickly
   python train.py experiment=gpt2_shakespeare attention=flash seq_len=1024 max_steps=20 compile=true \
     batch.tokens_per_step=16384 eval.interval=0 eval.batches=2 checkpoint.at_end=false \
     "${common[@]}" out_dir="$OUT/smoke_flash_compile" || echo "SMOKE FAILED: flash compile" ;;
-throughput)  # GPT-2 124M with torch.compile: tokens/sec, MFU, peak memory at seq_len 1024 and 8192
-  for n in 1024 8192; do for a in sdpa flash; do
-    python train.py experiment=gpt2_shakespeare attention=$a seq_len=$n max_steps=60 compile=true \
-      eval.interval=0 eval.batches=2 checkpoint.at_end=false perf.exclude_first_steps=10 \
-      "${common[@]}" out_dir="$OUT/throughput_${a}_n$n"
-  done; done ;;
+throughput)  # the default command per backend and seq_len (bench.throughput): tokens/sec, MFU, memory, GPU busy
+  python -m bench.throughput --out "$OUT/throughput" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC" ;;
 compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss logged every step
   for a in flash sdpa naive; do
     python train.py experiment=gpt2_shakespeare attention=$a seq_len=1024 max_steps=500 compile=false \
