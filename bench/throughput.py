@@ -10,6 +10,8 @@ out of memory is recorded as `oom` and the sweep goes on.
 
     python -m bench.throughput --out bench/results/throughput_h200 -- data.source=/path/to/tinyshakespeare.txt
     python -m bench.throughput --backends sdpa,flash --seq-lens 1024 -- compile_mode=reduce-overhead
+    python -m bench.throughput --backends naive,sdpa --seq-lens 64,128 --steps 4 --warmup 1 \
+        --profile-steps 0 -- experiment=cpu_tiny      # a CPU try-out of the tool (no GPU figures)
 
 Writes OUT.json (GPU, versions, date, command, one record per cell), OUT.md (table) and OUT.png (tokens/sec
 and GPU busy against seq_len). The run directories go to --runs-dir (default outputs/throughput_runs),
@@ -90,7 +92,7 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
         f"torch {meta['torch']}, triton {meta['triton']}. Command per cell: `{meta['command']}` "
         f"({meta['steps']} steps, median tokens/sec over the steps after the first {meta['warmup']}, "
         f"{meta['profile_steps']} profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = "
-        "kernel time / step wall time).",
+        "kernel time / step wall time; GPU figures only on a GPU).",
         "",
         "| seq_len | micro-batch × accum | " + " | ".join(backends)
         + (" | flash / sdpa |" if {"flash", "sdpa"} <= set(backends) else " |"),
@@ -158,18 +160,19 @@ def environment() -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--backends", default=",".join(BACKENDS))
-    p.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)))
+    p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
+    p.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)),
+                   help="comma-separated (default: %(default)s)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell")
-    p.add_argument("--warmup", type=int, default=10, help="first steps left out (compile, warm-up)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
-    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell before it is stopped")
     p.add_argument("--naive-up-to", type=int, default=None,
                    help="run naive only up to this seq_len; longer cells are recorded as not run "
                         "(naive materialises B*H*N^2 scores: past ~8k it runs out of memory after compiling)")
     p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default="outputs/throughput_runs")
+    p.add_argument("--runs-dir", default="outputs/throughput_runs", help="run folders (%(default)s)")
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = p.parse_args(argv)
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]

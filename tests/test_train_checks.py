@@ -301,3 +301,16 @@ def test_refused_resume_leaves_the_run_untouched(expect_error, tmp_path):
     expect_error(resume=True)  # no checkpoint to resume from
     assert (tmp_path / "run" / "summary.json").read_text() == summary
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_plan_notes_say_what_a_key_does_not_do():
+    """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
+    micro_batch_size, GPU profiling and CUDA graphs on the CPU."""
+    plan = resolve_plan(compose_cfg(["experiment=cpu_tiny", "batch.micro_tokens=4096"]), world_size=1,
+                        cuda_available=False)
+    assert any("batch.micro_tokens=4096 is not used" in n for n in plan.notes), plan.notes
+    plan = resolve_plan(compose_cfg(["experiment=cpu_tiny", "perf.profile_steps=2", "compile=true",
+                                     "compile_mode=reduce-overhead"]), world_size=1, cuda_available=False)
+    assert any("perf.profile_steps" in n for n in plan.notes) and any("CUDA graphs" in n for n in plan.notes)
+    gpu = resolve_plan(compose_cfg(["perf.profile_steps=2"]), world_size=1, cuda_available=True)
+    assert gpu.notes == []

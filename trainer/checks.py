@@ -411,12 +411,23 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_tokens=32768 "
             "(tokens per micro-batch) or batch.micro_batch_size=8 (sequences)"
         )
+    notes: list[str] = []
+    if b.micro_batch_size is not None and b.get("micro_tokens") is not None:
+        notes.append(f"note: batch.micro_batch_size={micro_batch_size} is set, so batch.micro_tokens="
+                     f"{b.micro_tokens} is not used (batch.micro_batch_size=null uses the token budget)")
+    if int(cfg.perf.get("profile_steps", 0)) and device_type != "cuda":
+        notes.append("note: perf.profile_steps is a GPU measurement (CUDA kernel time); skipped on the CPU")
+    if compile_mode == "reduce-overhead" and compile_ and device_type != "cuda":
+        notes.append("note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
+                     "it runs like compile_mode=default here")
     per_micro = micro_batch_size * seq_len * world_size
     if tokens_per_step % per_micro:
         # the largest smaller micro-batch that divides, under the key the user set
         per_seq = seq_len * world_size
         fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
-        if not fits:
+        if not fits and per_micro > tokens_per_step:
+            smaller = "a shorter seq_len"  # one sequence per rank is already more than the step
+        elif not fits:
             smaller = "a smaller batch.micro_batch_size"
         elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
             smaller = f"batch.micro_tokens={fits[0] * seq_len}"
@@ -457,6 +468,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         head_dim=head_dim,
         peak_flops=peak,
         compile_mode=None if compile_mode == "default" else compile_mode,
+        notes=notes,
     )
 
 

@@ -396,6 +396,8 @@ class Trainer:
             f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
             f"out_dir={self.out_dir}"
         )
+        for note in plan.notes:
+            self.say(note)
         if cfg.resume:
             self.say(f"resumed from {self.resume_path} at step {self.step}")
             for note in self.resume_notes:
