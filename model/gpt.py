@@ -501,6 +501,7 @@ class GPT(nn.Module):
         top_p: float | None = None,
         use_cache: bool = True,
         timings: dict | None = None,
+        vocab_size: int | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens autoregressively; the context is the last block_size tokens.
 
@@ -520,6 +521,8 @@ class GPT(nn.Module):
             timings: if a dict, filled with ``prefill_s``, ``prefill_tokens`` (B * context length),
                 ``decode_s`` and ``decode_tokens`` (B * the steps after the prefill), wall-clock
                 (CUDA synchronised).
+            vocab_size: if given, only ids below it are generated (the tokenizer's size: the model's
+                vocabulary is padded to a multiple of 64, and padding ids decode to nothing).
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).
@@ -551,6 +554,8 @@ class GPT(nn.Module):
         t_prefill = t0
         for step in range(max_new_tokens):
             logits = next_logits(step)
+            if vocab_size is not None:
+                logits = logits[:, :vocab_size]
             next_id = sample_next(logits, temperature, top_k, top_p, generator)
             idx = torch.cat([idx, next_id.to(idx.dtype)], dim=1)
             if step == 0:
