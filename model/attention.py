@@ -24,7 +24,8 @@ KV-cache decoding (``cached_attention``): q holds the Nq newest rows, k/v the Nk
 prefix (the last Nq of them are the new rows' own keys). The causal mask is aligned bottom-right: query row
 i sees keys j <= i + Nk - Nq. Every built-in backend supports it (naive: a shifted mask; sdpa: no mask for
 one row, an explicit boolean mask otherwise, because SDPA's ``is_causal`` aligns top-left when Nq != Nk;
-flash: ``flash_attention(causal=True)``, which aligns bottom-right). Backends registered later declare it
+flash: ``kernels.flash_decode`` for 1..16 rows without gradients, else ``flash_attention(causal=True)``,
+which aligns bottom-right too). Backends registered later declare it
 with ``register_attention_backend(..., kv_cache=True)``.
 """
 
@@ -328,6 +329,12 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
             "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
             f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
         ) from err
+    nq, nk = q.shape[-2], k.shape[-2]
+    if nq < nk and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        from kernels import MAX_DECODE_ROWS, flash_decode
+
+        if nq <= MAX_DECODE_ROWS:  # a KV-cache decode step: split the keys (flash-decoding)
+            return flash_decode(q, k, v)
     return flash_attention(q, k, v, causal=True)
 
 

@@ -161,3 +161,24 @@ def test_sampling_argument_errors(kwargs, match):
         sample_next(torch.zeros(1, 5), **{"temperature": 1.0, **kwargs})
     with pytest.raises(ValueError, match=match):
         _model("naive").generate(torch.zeros(1, 2, dtype=torch.long), 1, **{"temperature": 1.0, **kwargs})
+
+
+def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
+    """attention=flash: the prefill runs flash_attention, each decode step (per layer) flash_decode."""
+    _need("flash", monkeypatch)
+    import kernels
+
+    calls = {"decode": 0, "attention": 0}
+    real_decode, real_attention = kernels.flash_decode, kernels.flash_attention
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(kernels, "flash_decode", count("decode", real_decode))
+    monkeypatch.setattr(kernels, "flash_attention", count("attention", real_attention))
+    model = _model("flash")
+    model.generate(torch.randint(0, 61, (2, 3)), 4, temperature=0)
+    assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
