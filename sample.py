@@ -78,15 +78,15 @@ def _sample(cfg: DictConfig) -> int:
         print(f"sample.py: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
               f"last {block} tokens", file=sys.stderr)
         ids = ids[-block:]
-    if cfg.compile:
-        model.forward_cached = torch.compile(model.forward_cached, dynamic=True)
+    if cfg.compile:  # compile the static-shape decode step: one graph for every position
+        model._decode_static = torch.compile(model._decode_static)
 
     prompt = torch.tensor([ids] * int(cfg.num_samples), dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
     timings: dict = {}
     out = model.generate(prompt, int(cfg.max_new_tokens), temperature=float(cfg.temperature), top_k=top_k,
                          top_p=top_p, generator=gen, use_cache=bool(cfg.use_cache), timings=timings,
-                         vocab_size=tok.vocab_size)
+                         vocab_size=tok.vocab_size, static_decode=bool(cfg.compile or cfg.static_decode))
     new = out[:, len(ids):].tolist()
     samples = [tok.decode(row) for row in new]
 
@@ -113,7 +113,8 @@ def _sample(cfg: DictConfig) -> int:
         "num_samples": int(cfg.num_samples), "max_new_tokens": int(cfg.max_new_tokens),
         "temperature": float(cfg.temperature), "top_k": top_k, "top_p": top_p, "seed": int(cfg.seed),
         "attention": model.attention_backend, "device": str(device), "dtype": str(dtype)[6:],
-        "use_cache": bool(cfg.use_cache), "compile": bool(cfg.compile), **timings, **rate,
+        "use_cache": bool(cfg.use_cache), "compile": bool(cfg.compile),
+        "static_decode": bool(cfg.compile or cfg.static_decode), **timings, **rate,
         "samples": samples, "token_ids": new,
     }
     txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

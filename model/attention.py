@@ -47,6 +47,7 @@ __all__ = [
     "check_sdpa_backend",
     "register_attention_backend",
     "sdpa_backend_that_ran",
+    "static_decode_attention",
 ]
 
 #: Built-in attention backends (names accepted by ``attention`` and ``GPTConfig.attention``).
@@ -194,6 +195,63 @@ def cached_attention(
         raise ValueError("cached_attention expects q, k, v with one dtype and device; got "
                          f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}")
     return _REGISTRY[backend](q, k, v, sdpa_backend)
+
+
+def static_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str,
+    sdpa_backend: str = "auto",
+) -> torch.Tensor:
+    """One decode row per sequence against the whole preallocated cache, with per-sequence lengths.
+
+    Shapes do not depend on the lengths (they are a device tensor), so torch.compile / CUDA graphs can
+    capture the step once for every position.
+
+    Args:
+        q: (B, H, 1, d), the newest position's queries.
+        k, v: (B, H, T, d), the full cache buffers (T = block size); slots >= lengths[b] are ignored.
+        lengths: (B,) int64 on q's device, 1 <= lengths[b] <= T: keys [0, lengths[b]) are visible (the
+            new row's own key included).
+        backend, sdpa_backend: a built-in backend (naive, sdpa, flash) and the SDPA kernel choice.
+
+    Returns:
+        o: (B, H, 1, d) in v.dtype.
+
+    Raises:
+        ValueError: q with more than one row, unknown or non-built-in backend.
+        RuntimeError: as for ``attention`` (pinned SDPA kernel that cannot run, flash unavailable).
+    """
+    check_attention_backend(backend)
+    check_sdpa_backend(sdpa_backend)
+    if q.dim() != 4 or q.shape[-2] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"static_decode_attention expects q (B, H, 1, d) and k = v (B, H, T, d); got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if backend == "flash":
+        from kernels import flash_decode
+
+        return flash_decode(q, k, v, lengths)
+    # (B, 1, 1, T): True where the key slot holds a position of that sequence
+    visible = (torch.arange(k.shape[-2], device=q.device) < lengths[:, None])[:, None, None, :]
+    if backend == "naive":
+        compute_dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))
+        scores = scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(~visible, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    if backend == "sdpa":
+        if sdpa_backend == "auto":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        from torch.nn.attention import sdpa_kernel
+
+        try:
+            with sdpa_kernel([_sdpa_enum(sdpa_backend)]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"attention.sdpa_backend={sdpa_backend} was pinned, but its SDPA kernel cannot run a masked "
+                f"decode step ({_SDPA_HINTS[sdpa_backend]}; the flash kernel takes no mask); use "
+                f"attention.sdpa_backend=auto or efficient/math. PyTorch said: {err}"
+            ) from err
+    raise ValueError(f"static decode steps support the built-in backends naive, sdpa, flash, not "
+                     f"{backend!r}; generate with static_decode=False")
 
 
 # --------------------------------------------------------------------------------------- naive

@@ -34,7 +34,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import attention, cached_attention, check_attention_backend, check_sdpa_backend
+from .attention import (
+    attention,
+    cached_attention,
+    check_attention_backend,
+    check_sdpa_backend,
+    static_decode_attention,
+)
 from .sampling import check_sampling_args, sample_next
 
 __all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
@@ -128,9 +134,12 @@ class KVCache:
     Attributes:
         k, v: (n_layer, B, H, max_len, d) tensors of ``dtype`` on ``device``; slots ``[0, length)`` are valid.
         length: number of positions cached so far (the same for every sequence of the batch).
+        lengths: (B,) int64 on ``device``, the same count as a device tensor (what a static decode step
+            reads, so that its shapes and Python state do not change from step to step).
 
-    The buffers never change shape (static storage for torch.compile / CUDA graphs); a step writes into
-    slots ``[length, length + N)`` and attends to the view ``[:length + N]``.
+    The buffers never change shape. ``GPT.forward_cached`` writes slots ``[length, length + N)`` and
+    attends to the view ``[:length + N]``; ``GPT.decode_step`` writes slot ``lengths[b]`` and attends to the
+    whole buffer with a length mask (static shapes: one torch.compile graph / CUDA graph for every step).
     """
 
     def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
@@ -138,6 +147,7 @@ class KVCache:
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
         self.length = 0
 
     @property
@@ -151,6 +161,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept and overwritten by the next prefill)."""
         self.length = 0
+        self.lengths.zero_()
 
 
 class CausalSelfAttention(nn.Module):
@@ -170,9 +181,11 @@ class CausalSelfAttention(nn.Module):
         self.attention_backend = config.attention
         self.sdpa_backend = config.sdpa_backend
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False) -> torch.Tensor:
         """(B, N, C) -> (B, N, C). With ``cache``: x holds positions ``cache.length .. + N - 1``; their k/v
-        are written into layer ``layer``'s cache (``cache.length`` itself is advanced by ``GPT``)."""
+        are written into layer ``layer``'s cache (``cache.length`` itself is advanced by ``GPT``). With
+        ``static`` (N = 1): x holds position ``cache.lengths[b]`` of each sequence b."""
         B, N, C = x.shape
         H = self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, N, C), strided
@@ -181,6 +194,12 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, N, H, C // H).transpose(1, 2)
         if cache is None:
             y = attention(q, k, v, self.attention_backend, self.sdpa_backend)  # (B, H, N, d)
+        elif static:
+            rows = torch.arange(B, device=x.device)
+            cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
+            cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
+            y = static_decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths + 1,
+                                        self.attention_backend, self.sdpa_backend)
         else:
             start, end = cache.length, cache.length + N
             cache.k[layer, :, :, start:end] = k
@@ -217,8 +236,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, static)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -286,6 +306,7 @@ class GPT(nn.Module):
             x = block(x, cache, layer)
         if cache is not None:
             cache.length += n
+            cache.lengths.fill_(cache.length)
         return self.transformer.ln_f(x)
 
     def forward(
@@ -491,6 +512,38 @@ class GPT(nn.Module):
         return self.lm_head(x[:, -1, :]).float()
 
     @torch.no_grad()
+    def decode_step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One static-shape decode step: token ``idx[b, 0]`` at position ``cache.lengths[b]`` of each
+        sequence, k/v written into that slot, the query row attending to the whole cache buffer with a
+        length mask (``model.attention.static_decode_attention``); returns next-token logits (B, V) float32
+        and advances ``cache.lengths`` and ``cache.length`` by one.
+
+        The tensor work is ``_decode_static``, which reads no Python state that changes between steps:
+        compile it (``model._decode_static = torch.compile(model._decode_static)``) or capture it in a CUDA
+        graph once for all positions.
+
+        Raises:
+            ValueError: idx not (cache.batch_size, 1), or the cache is full (cache.length == block_size).
+        """
+        if idx.dim() != 2 or idx.shape != (cache.batch_size, 1):
+            raise ValueError(f"decode_step takes idx of shape ({cache.batch_size}, 1), got "
+                             f"{tuple(idx.shape)}")
+        if cache.length >= self.config.block_size:
+            raise ValueError(f"the KV cache is full (block_size={self.config.block_size}); reset it and "
+                             "prefill the last block_size tokens")
+        logits = self._decode_static(idx.contiguous(), cache)  # one stride whatever view idx is
+        cache.length += 1
+        return logits
+
+    def _decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        pos = cache.lengths  # (B,) position of each sequence's new token
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)[:, None, :])
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer, True)
+        cache.lengths.add_(1)
+        return self.lm_head(self.transformer.ln_f(x)[:, -1, :]).float()
+
+    @torch.no_grad()
     def generate(
         self,
         idx: torch.Tensor,
@@ -502,6 +555,7 @@ class GPT(nn.Module):
         use_cache: bool = True,
         timings: dict | None = None,
         vocab_size: int | None = None,
+        static_decode: bool = False,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens autoregressively; the context is the last block_size tokens.
 
@@ -523,6 +577,8 @@ class GPT(nn.Module):
                 (CUDA synchronised).
             vocab_size: if given, only ids below it are generated (the tokenizer's size: the model's
                 vocabulary is padded to a multiple of 64, and padding ids decode to nothing).
+            static_decode: decode with ``decode_step`` (static shapes, whole-buffer length mask) instead of
+                the growing cache view; same tokens.
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).
@@ -547,6 +603,8 @@ class GPT(nn.Module):
             if step == 0 or cache.length >= bs:  # prefill, or the window slid: positions shifted
                 cache.reset()
                 return self.forward_cached(context, cache)
+            if static_decode:
+                return self.decode_step(context[:, -1:], cache)
             return self.forward_cached(context[:, -1:], cache)
 
         sync()

@@ -95,6 +95,17 @@ def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backe
     with pytest.raises(ValueError, match="at cache position 16"):
         model.forward_cached(idx[:, :1], cache)
 
+    # static decode steps: whole-buffer length mask, same logits
+    cache.reset()
+    got = [model.forward_cached(idx[:, :5], cache)]
+    for t in range(5, 16):
+        got.append(model.decode_step(idx[:, t : t + 1], cache))
+    assert cache.length == 16 and cache.lengths.tolist() == [16, 16, 16]
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"seed={seed} {backend} static: {m}")
+    with pytest.raises(ValueError, match="KV cache is full"):
+        model.decode_step(idx[:, :1], cache)
+
 
 @pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
 def test_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend):
@@ -107,7 +118,9 @@ def test_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend)
     timings: dict = {}
     cached = model.generate(prompt, 20, temperature=0, timings=timings)
     plain = model.generate(prompt, 20, temperature=0, use_cache=False)
+    static = model.generate(prompt, 20, temperature=0, static_decode=True)
     assert torch.equal(cached, plain), f"seed={seed} {backend}/{sdpa_backend}\n{cached}\n{plain}"
+    assert torch.equal(static, plain), f"seed={seed} {backend}/{sdpa_backend} static\n{static}\n{plain}"
     assert cached.shape == (2, 25) and torch.equal(cached[:, :5], prompt)
     assert timings["prefill_tokens"] == 2 * 5 and timings["decode_tokens"] == 2 * 19
     assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
@@ -182,3 +195,16 @@ def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     model = _model("flash")
     model.generate(torch.randint(0, 61, (2, 3)), 4, temperature=0)
     assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
+
+
+def test_compiled_static_decode_step_is_one_graph(seed):
+    """The static decode step compiles once for every position (no recompile: shapes and Python state
+    do not change between steps) and gives the uncached tokens."""
+    torch._dynamo.reset()
+    model = _model("sdpa")
+    prompt = torch.randint(0, 61, (2, 3))
+    ref = model.generate(prompt, 10, temperature=0, use_cache=False)
+    model._decode_static = torch.compile(model._decode_static)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = model.generate(prompt, 10, temperature=0, static_decode=True)
+    assert torch.equal(out, ref), f"seed={seed}"

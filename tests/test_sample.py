@@ -124,13 +124,15 @@ def test_sample_end_to_end(trained, tmp_path):
 
 
 def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
-    """Greedy text of the trained model: the same with naive, sdpa (math), flash (interpreter) and
-    without the KV cache."""
+    """Greedy text of the trained model: the same with naive, sdpa (math), flash (interpreter; its decode
+    steps run flash_decode), without the KV cache and with static decode steps."""
     run, _ = trained
     common = [f"run={run}", "prompt=First Citizen:", "num_samples=1", "max_new_tokens=8", "temperature=0"]
     texts = []
     for extra, env in [([], {}), (["attention=sdpa", "attention.sdpa_backend=math"], {}),
-                       (["use_cache=false"], {}), (["attention=flash"], {"TRITON_INTERPRET": "1"})]:
+                       (["use_cache=false"], {}), (["static_decode=true"], {}),
+                       (["attention=flash"], {"TRITON_INTERPRET": "1"}),
+                       (["attention=flash", "static_decode=true"], {"TRITON_INTERPRET": "1"})]:
         out = tmp_path / f"{len(texts)}.txt"
         proc = _run(SAMPLE, [*common, *extra, f"out={out}"], tmp_path, **env)
         assert proc.returncode == 0, describe(proc)
