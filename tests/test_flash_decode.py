@@ -117,3 +117,20 @@ def test_needs_interpreter_or_cuda(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         flash_decode(torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
+
+
+@pytest.mark.parametrize("dtype,d,group,n_q", [(torch.bfloat16, 128, 8, 1), (torch.float16, 64, 1, 16),
+                                               (torch.float32, 64, 4, 1)])
+def test_kernels_compile_for_sm90(dtype, d, group, n_q):
+    """No GPU here: compile both kernels for sm_90 as a launch would (catches compiled-mode-only errors;
+    speed and GPU accuracy are for the GPU session)."""
+    from kernels._triton_kernels import mode_problem
+    from kernels.compile_report import compile_decode_kernel
+
+    if mode_problem(False):
+        pytest.skip(mode_problem(False))
+    split = compile_decode_kernel("split", dtype, d, group=group, n_q=n_q)
+    combine = compile_decode_kernel("combine", dtype, d, group=group, n_q=n_q)
+    assert split.metadata.shared < 228 * 1024 and combine.asm["ptx"]
+    if dtype != torch.float32:
+        assert "mma" in split.asm["ptx"]  # the tile products run on tensor cores
