@@ -134,3 +134,19 @@ def test_kernels_compile_for_sm90(dtype, d, group, n_q):
     assert split.metadata.shared < 228 * 1024 and combine.asm["ptx"]
     if dtype != torch.float32:
         assert "mma" in split.asm["ptx"]  # the tile products run on tensor cores
+
+
+def test_decode_bench_dry_run(tmp_path):
+    """bench.decode's plumbing on the CPU: every provider checked against the reference, then timed."""
+    from bench import decode
+
+    code = decode.main(["--dry-run", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
+                        "--dims", "16", "--groups", "4", "--kv-heads", "2",
+                        "--providers", "flash-decode,naive,sdpa-math", "--e2e",
+                        "--e2e-backends", "naive", "--prompt-len", "4", "--new-tokens", "3"])
+    assert code == 0
+    data = __import__("json").loads((tmp_path / "decode_dryrun.json").read_text())
+    assert [r["status"] for r in data["kernel"]] == ["ok"] * 3, data["kernel"]
+    assert all(r["max_abs_err"] < 1e-4 for r in data["kernel"])
+    assert [r["status"] for r in data["e2e"]] == ["ok"] * 2 and data["meta"]["copy_ceiling_gbs"] > 0
+    assert "flash-decode" in (tmp_path / "decode_dryrun.md").read_text()
