@@ -167,6 +167,8 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     ([], "say which run"),
     (["run={run}", "prompt='héllo'"], "character 'é'"),
     (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
+    (["run={run}", "prompt=''"], "prompt is empty"),
+    (["run={run}", "num_samples=0"], "num_samples must be an int >= 1"),
     (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
     (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
     (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
