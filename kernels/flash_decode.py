@@ -69,8 +69,10 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (B,)
                 or cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.device != q.device):
             raise ValueError(f"cache_seqlens must be an int32/int64 tensor of shape ({B},) on {q.device}")
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing:  # a host sync; skipped while a CUDA graph is being captured
+        # the range check reads the lengths on the host: skipped while a CUDA graph is being captured
+        # or torch.compile traces (a data-dependent read would break the graph)
+        capturing = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        if not capturing:
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < Nq or hi > n_max:
                 raise ValueError(f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
@@ -104,8 +106,9 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
         o (B, Hq, Nq, d) in q.dtype, and lse when ``return_lse``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, lengths out of range, Nq outside 1..16, head dim outside
-            8..256, bad softmax_scale / num_splits.
+        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, not
+            under CUDA-graph capture or torch.compile), Nq outside 1..16, head dim outside 8..256, bad
+            softmax_scale / num_splits.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)

@@ -18,6 +18,8 @@ Generation (``GPT.generate``) keeps a ``KVCache``: per-layer key/value buffers p
 size, so no step allocates or concatenates. The prompt is prefilled with the chosen backend (causal, Nq ==
 Nk); each decode step feeds one new token per sequence, writes its k/v at the next cache slot and attends its
 query row to the cache prefix (``model.attention.cached_attention``, causal mask aligned bottom-right).
+``GPT.decode_step`` is the static-shape variant: it writes slot ``lengths[b]`` and attends to the whole
+buffer with a length mask, so one compiled graph / CUDA graph serves every position.
 """
 
 from __future__ import annotations
