@@ -3,8 +3,11 @@
 ``flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
 return_lse=False)``; the algorithm and kernels are in ``kernels/_decode_kernels.py``.
 
-Inference only (no autograd). Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch; its
-GPU verification (bf16/fp16 accuracy rule), split heuristic and benchmark are left to a GPU session and
+Inference only (no autograd). In plain eager mode the kernels launch directly; under torch.compile,
+fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_op``, traced into the
+compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
+Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch; its GPU verification (bf16/fp16
+accuracy rule), the triton_op path, the split heuristic and the benchmark are left to a GPU session, and
 nothing here claims a speed.
 """
 
@@ -22,6 +25,8 @@ from .flash_attn import (
     _cdiv,
     _device_ctx,
     _dot_precision,
+    _launcher,
+    _plain_eager_call,
     check_flash_available,
     interpret_enabled,
 )
@@ -69,10 +74,10 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (B,)
                 or cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.device != q.device):
             raise ValueError(f"cache_seqlens must be an int32/int64 tensor of shape ({B},) on {q.device}")
-        # the range check reads the lengths on the host: skipped while a CUDA graph is being captured
-        # or torch.compile traces (a data-dependent read would break the graph)
-        capturing = torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())
-        if not capturing:
+        # the range check reads the lengths on the host: eager mode only, not while a CUDA graph is
+        # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and _plain_eager_call(q, cache_seqlens):
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < Nq or hi > n_max:
                 raise ValueError(f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
@@ -83,6 +88,63 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
+
+
+def _block_n(d: int) -> int:
+    return 16 if interpret_enabled() else (64 if d <= 128 else 32)  # untuned on the GPU
+
+
+def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
+    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation."""
+    from ._decode_kernels import build_decode_kernels
+    from ._triton_kernels import mode_problem
+    from .flash_attn import FlashAttentionUnavailableError
+
+    interp = interpret_enabled()
+    problem = mode_problem(interp)
+    if problem is not None:
+        raise FlashAttentionUnavailableError(problem)
+    kernels = build_decode_kernels(interp)
+    B, Hq, Nq, d = (int(x) for x in q.shape)
+    Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
+    group = Hq // Hkv
+    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d)
+    # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
+    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
+    splits = _cdiv(n_max, split_len)
+    o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    with _device_ctx(q):
+        _launcher(kernels["split"], (splits, Hkv, B), traced)(
+            q, k_cache, v_cache, cache_seqlens, o_part, lse_part,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            Hq, group, Nq, d, split_len, splits, scale * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        )
+        _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
+            o_part, lse_part, o, lse, *o.stride(), Hq, Nq, d, splits,
+            BLOCK_S=_pow2(splits, low=2), BLOCK_D=block_d,
+        )
+    return o, lse
+
+
+def _decode_op_body(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_seqlens: torch.Tensor, softmax_scale: float,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode."""
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
+
+
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+# as flash_attn's ops: traced into the compiled graph on CUDA (triton_op), opaque with a fake on the CPU
+flash_decode_op = torch.library.triton_op("flashgpt::flash_decode", _decode_op_body, mutates_args=())
+flash_decode_cpu_op = torch.library.custom_op("flashgpt::flash_decode_cpu", _decode_op_body, mutates_args=())
+flash_decode_cpu_op.register_fake(_decode_fake)
 
 
 def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
@@ -107,8 +169,8 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
 
     Raises:
         ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, not
-            under CUDA-graph capture or torch.compile), Nq outside 1..16, head dim outside 8..256, bad
-            softmax_scale / num_splits.
+            under CUDA-graph capture, torch.compile or fake tensors), Nq outside 1..16, head dim outside
+            8..256, bad softmax_scale / num_splits.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)
@@ -117,48 +179,16 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
         out = flash_decode(q.float(), k_cache.float(), v_cache.float(), cache_seqlens,
                            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
-    from ._decode_kernels import build_decode_kernels
-    from ._triton_kernels import mode_problem
-    from .flash_attn import FlashAttentionUnavailableError
-
-    interp = interpret_enabled()
-    problem = mode_problem(interp)
-    if problem is not None:
-        raise FlashAttentionUnavailableError(problem)
-    kernels = build_decode_kernels(interp)
-
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
-    group = Hq // Hkv
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    k_cache = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
-    v_cache = v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous()
     if cache_seqlens is None:
         cache_seqlens = torch.full((B,), n_max, dtype=torch.int32, device=q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-
-    block_d = _pow2(d)
-    block_m = _pow2(group * Nq)
-    block_n = 16 if interp else (64 if d <= 128 else 32)  # untuned on the GPU
-    splits = num_splits or _choose_splits(n_max, block_n, B * Hkv, q.device)
-    # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
-    split_len = _cdiv(_cdiv(n_max, splits), block_n) * block_n
-    splits = _cdiv(n_max, split_len)
-
-    o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
-    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    with _device_ctx(q):
-        kernels["split"][(splits, Hkv, B)](
-            q, k_cache, v_cache, cache_seqlens, o_part, lse_part,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            Hq, group, Nq, d, split_len, splits, scale * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-        )
-        kernels["combine"][(B * Hq * Nq,)](
-            o_part, lse_part, o, lse, *o.stride(), Hq, Nq, d, splits,
-            BLOCK_S=_pow2(splits, low=2), BLOCK_D=block_d,
-        )
+    splits = num_splits or _choose_splits(n_max, _block_n(d), B * Hkv, q.device)
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if _plain_eager_call(q, k_cache, v_cache, cache_seqlens):
+        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
+    else:  # an op: torch.compile / fake tensors see one node (traced into the graph on CUDA)
+        op = flash_decode_op if q.is_cuda else flash_decode_cpu_op
+        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, splits)
     return (o, lse) if return_lse else o

@@ -197,14 +197,21 @@ def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
 
 
-def test_compiled_static_decode_step_is_one_graph(seed):
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend):
     """The static decode step compiles once for every position (no recompile: shapes and Python state
-    do not change between steps) and gives the uncached tokens."""
+    do not change between steps), without graph breaks (flash: the flash_decode op), and gives the
+    uncached tokens."""
+    _need(backend, monkeypatch)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
-    model = _model("sdpa")
+    counters.clear()
+    model = _model(backend)
     prompt = torch.randint(0, 61, (2, 3))
     ref = model.generate(prompt, 10, temperature=0, use_cache=False)
     model._decode_static = torch.compile(model._decode_static)
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = model.generate(prompt, 10, temperature=0, static_decode=True)
     assert torch.equal(out, ref), f"seed={seed}"
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
