@@ -167,3 +167,5 @@ def test_op_path_equals_eager(seed):
     with FakeTensorMode() as mode:
         fo = flash_decode(*(mode.from_tensor(t) for t in (q, k, v, lengths)))
     assert fo.shape == q.shape and fo.dtype == q.dtype
+    result = torch.library.opcheck(flash_decode_cpu_op, (q, k, v, lengths, 0.25, 2))
+    assert set(result.values()) == {"SUCCESS"}, result
