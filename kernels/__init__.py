@@ -2,12 +2,16 @@
 
 Public API:
 * `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False)`
+* `flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
+  return_lse=False)` -- split-K flash-decoding of 1..16 query rows against a KV cache (inference only;
+  verified under the CPU interpreter, GPU verification and benchmark pending)
 * `check_flash_available(device)` -> None, or raises FlashAttentionUnavailableError (a RuntimeError)
 * custom ops `torch.ops.flashgpt.flash_attn_fwd` / `torch.ops.flashgpt.flash_attn_bwd`
 
 Files:
 * `flash_attn.py`      validation, launchers, custom ops, public API
 * `_triton_kernels.py` the Triton kernels (forward, backward preprocess, dK/dV, dQ)
+* `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen
 * `compile_report.py`  `python -m kernels.compile_report`: compile for sm_90 without a GPU and print
                        shared memory, registers and spills per tile config (for tuning)
@@ -22,13 +26,16 @@ from .flash_attn import (
     flash_attention,
     interpret_enabled,
 )
+from .flash_decode import MAX_DECODE_ROWS, flash_decode
 from .tiles import TileConfig, get_tile_config, override_tile_config
 
 __all__ = [
     "FlashAttentionUnavailableError",
+    "MAX_DECODE_ROWS",
     "TileConfig",
     "check_flash_available",
     "flash_attention",
+    "flash_decode",
     "get_tile_config",
     "interpret_enabled",
     "override_tile_config",

@@ -148,6 +148,44 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
                        "C7515" in out.stderr)
 
 
+
+def compile_decode_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, group: int = 4, n_q: int = 1,
+                          block_n: int = 64, num_warps: int = 4, num_stages: int = 2, arch: int = 90):
+    """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
+    sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it; returns the compiled kernel
+    (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError when it does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ._decode_kernels import build_decode_kernels
+    from .flash_decode import _pow2
+
+    fn = build_decode_kernels(False)[kernel]
+    block_d = _pow2(head_dim)
+    values = dict(BLOCK_M=_pow2(group * n_q), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=8,
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+    signature, constants = {}, {}
+    for name in fn.arg_names:
+        if name in ("Q", "K", "V") or (name == "O" and kernel == "combine"):
+            signature[name] = "*" + _TL_NAME[dtype]
+        elif name in ("O_PART", "LSE_PART", "LSE"):
+            signature[name] = "*fp32"
+        elif name == "SEQLENS":
+            signature[name] = "*i32"
+        elif name.startswith("stride_") and name.endswith("d"):
+            signature[name], constants[name] = "constexpr", 1
+        elif name == "scale_log2":
+            signature[name] = "fp32"
+        elif name in values:
+            signature[name], constants[name] = "constexpr", values[name]
+        else:
+            signature[name] = "i32"
+    src = ASTSource(fn, signature, constants)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel", nargs="+", default=list(KERNEL_NAMES), choices=list(KERNEL_NAMES))

@@ -19,6 +19,14 @@ Backends (``ATTENTION_BACKENDS``):
   imported lazily on first use (it needs a CUDA GPU, or TRITON_INTERPRET=1 for slow CPU testing).
 
 A new backend is added with one call, ``register_attention_backend(name, fn)``.
+
+KV-cache decoding (``cached_attention``): q holds the Nq newest rows, k/v the Nk >= Nq keys of the cache
+prefix (the last Nq of them are the new rows' own keys). The causal mask is aligned bottom-right: query row
+i sees keys j <= i + Nk - Nq. Every built-in backend supports it (naive: a shifted mask; sdpa: no mask for
+one row, an explicit boolean mask otherwise, because SDPA's ``is_causal`` aligns top-left when Nq != Nk;
+flash: ``kernels.flash_decode`` for 1..16 rows without gradients, else ``flash_attention(causal=True)``,
+which aligns bottom-right too). Backends registered later declare it
+with ``register_attention_backend(..., kv_cache=True)``.
 """
 
 from __future__ import annotations
@@ -34,10 +42,12 @@ __all__ = [
     "SDPA_BACKENDS",
     "attention",
     "available_attention_backends",
+    "cached_attention",
     "check_attention_backend",
     "check_sdpa_backend",
     "register_attention_backend",
     "sdpa_backend_that_ran",
+    "static_decode_attention",
 ]
 
 #: Built-in attention backends (names accepted by ``attention`` and ``GPTConfig.attention``).
@@ -50,9 +60,12 @@ SDPA_BACKENDS: tuple[str, ...] = ("auto", "flash", "cudnn", "efficient", "math")
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
 _REGISTRY: dict[str, AttentionFn] = {}
+_KV_CACHE_OK: set[str] = set()  # backends whose fn accepts Nq < Nk (bottom-right causal mask)
 
 
-def register_attention_backend(name: str, fn: AttentionFn, *, overwrite: bool = False) -> None:
+def register_attention_backend(
+    name: str, fn: AttentionFn, *, overwrite: bool = False, kv_cache: bool = False
+) -> None:
     """Register ``fn`` as attention backend ``name``.
 
     Args:
@@ -61,6 +74,9 @@ def register_attention_backend(name: str, fn: AttentionFn, *, overwrite: bool = 
             o (B, H, N, d) in v.dtype. Must compute causal attention with scale 1/sqrt(d) and no dropout,
             so that all backends are the same function (the loss-parity checks rely on it).
         overwrite: allow replacing an existing backend.
+        kv_cache: ``fn`` also accepts q of shape (B, H, Nq, d) with k, v of shape (B, H, Nk, d), Nq <= Nk,
+            masking causally aligned bottom-right (query i sees keys j <= i + Nk - Nq); required for
+            ``GPT.generate`` with the KV cache.
 
     Raises:
         ValueError: ``name`` is already registered and ``overwrite`` is False (pass overwrite=True or
@@ -74,6 +90,10 @@ def register_attention_backend(name: str, fn: AttentionFn, *, overwrite: bool = 
             "or register under another name"
         )
     _REGISTRY[name] = fn
+    if kv_cache:
+        _KV_CACHE_OK.add(name)
+    else:
+        _KV_CACHE_OK.discard(name)
 
 
 def available_attention_backends() -> tuple[str, ...]:
@@ -138,6 +158,102 @@ def attention(
     return _REGISTRY[backend](q, k, v, sdpa_backend)
 
 
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto"
+) -> torch.Tensor:
+    """Attention of the Nq newest query rows to a KV-cache prefix of Nk >= Nq keys (decode / chunked prefill).
+
+    Args:
+        q: (B, H, Nq, d), the queries of the newest Nq positions.
+        k, v: (B, H, Nk, d), keys/values of positions 0..Nk-1 (the last Nq are the new rows' own);
+            typically a view of a preallocated cache (any strides).
+        backend, sdpa_backend: as for ``attention``.
+
+    Returns:
+        o: (B, H, Nq, d) in v.dtype; row i attends to keys j <= i + Nk - Nq (bottom-right causal mask).
+
+    Raises:
+        ValueError: unknown backend / sdpa_backend, a backend registered without ``kv_cache=True``, or
+            shapes that do not fit (Nq > Nk, other B/H/d, mixed dtype or device).
+        RuntimeError: as for ``attention``.
+    """
+    check_attention_backend(backend)
+    check_sdpa_backend(sdpa_backend)
+    if backend not in _KV_CACHE_OK:
+        raise ValueError(
+            f"attention backend {backend!r} was registered without kv_cache=True, so it cannot attend to a "
+            "KV cache; generate with use_cache=False, or register it with kv_cache=True"
+        )
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"cached_attention expects q (B, H, Nq, d), k = v (B, H, Nk, d); got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    b, h, nq, d = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d) or nq > k.shape[2]:
+        raise ValueError(f"cached_attention needs k/v of shape (B, H, Nk >= Nq, d) for q {tuple(q.shape)}; "
+                         f"got {tuple(k.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError("cached_attention expects q, k, v with one dtype and device; got "
+                         f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}")
+    return _REGISTRY[backend](q, k, v, sdpa_backend)
+
+
+def static_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str,
+    sdpa_backend: str = "auto",
+) -> torch.Tensor:
+    """One decode row per sequence against the whole preallocated cache, with per-sequence lengths.
+
+    Shapes do not depend on the lengths (they are a device tensor), so torch.compile / CUDA graphs can
+    capture the step once for every position.
+
+    Args:
+        q: (B, H, 1, d), the newest position's queries.
+        k, v: (B, H, T, d), the full cache buffers (T = block size); slots >= lengths[b] are ignored.
+        lengths: (B,) int64 on q's device, 1 <= lengths[b] <= T: keys [0, lengths[b]) are visible (the
+            new row's own key included).
+        backend, sdpa_backend: a built-in backend (naive, sdpa, flash) and the SDPA kernel choice.
+
+    Returns:
+        o: (B, H, 1, d) in v.dtype.
+
+    Raises:
+        ValueError: q with more than one row, unknown or non-built-in backend.
+        RuntimeError: as for ``attention`` (pinned SDPA kernel that cannot run, flash unavailable).
+    """
+    check_attention_backend(backend)
+    check_sdpa_backend(sdpa_backend)
+    if q.dim() != 4 or q.shape[-2] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
+        raise ValueError(f"static_decode_attention expects q (B, H, 1, d) and k = v (B, H, T, d); got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if backend == "flash":
+        from kernels import flash_decode
+
+        return flash_decode(q, k, v, lengths)
+    # (B, 1, 1, T): True where the key slot holds a position of that sequence
+    visible = (torch.arange(k.shape[-2], device=q.device) < lengths[:, None])[:, None, None, :]
+    if backend == "naive":
+        compute_dtype = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))
+        scores = scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(~visible, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    if backend == "sdpa":
+        if sdpa_backend == "auto":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        from torch.nn.attention import sdpa_kernel
+
+        try:
+            with sdpa_kernel([_sdpa_enum(sdpa_backend)]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"attention.sdpa_backend={sdpa_backend} was pinned, but its SDPA kernel cannot run a masked "
+                f"decode step ({_SDPA_HINTS[sdpa_backend]}; the flash kernel takes no mask); use "
+                f"attention.sdpa_backend=auto or efficient/math. PyTorch said: {err}"
+            ) from err
+    raise ValueError(f"static decode steps support the built-in backends naive, sdpa, flash, not "
+                     f"{backend!r}; generate with static_decode=False")
+
+
 # --------------------------------------------------------------------------------------- naive
 
 
@@ -149,13 +265,14 @@ def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
     no copy when v is float32).
     """
     d = q.shape[-1]
-    n = q.shape[-2]
+    nq, nk = q.shape[-2], k.shape[-2]
     compute_dtype = torch.promote_types(q.dtype, torch.float32)  # float32, or float64 for float64 inputs
-    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))  # (B, H, N, N)
+    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))  # (B, H, Nq, Nk)
     # In place is safe: matmul's backward needs its inputs, not its output; masked_fill_'s backward needs
     # only the mask.
     scores.mul_(1.0 / math.sqrt(d))
-    above_diagonal = torch.ones(n, n, dtype=torch.bool, device=q.device).triu_(1)
+    # bottom-right aligned: row i sees keys j <= i + nk - nq (the usual causal mask when nq == nk)
+    above_diagonal = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu_(nk - nq + 1)
     scores.masked_fill_(above_diagonal, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
@@ -184,14 +301,25 @@ _SDPA_HINTS = {
 }
 
 
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    nq, nk = q.shape[-2], k.shape[-2]
+    if nq == nk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if nq == 1:  # one decode row sees the whole prefix: no mask, so every SDPA kernel can run it
+        return F.scaled_dot_product_attention(q, k, v)
+    # SDPA's is_causal aligns top-left when nq != nk; the cache needs bottom-right (True = attend)
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril_(nk - nq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
     if sdpa_backend == "auto":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _sdpa_call(q, k, v)
     from torch.nn.attention import sdpa_kernel
 
     try:
         with sdpa_kernel([_sdpa_enum(sdpa_backend)]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return _sdpa_call(q, k, v)
     except RuntimeError as err:
         others = ", ".join(b for b in SDPA_BACKENDS if b not in ("auto", sdpa_backend))
         raise RuntimeError(
@@ -259,9 +387,15 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
             "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
             f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
         ) from err
+    nq, nk = q.shape[-2], k.shape[-2]
+    if nq < nk and not (q.requires_grad or k.requires_grad or v.requires_grad):
+        from kernels import MAX_DECODE_ROWS, flash_decode
+
+        if nq <= MAX_DECODE_ROWS:  # a KV-cache decode step: split the keys (flash-decoding)
+            return flash_decode(q, k, v)
     return flash_attention(q, k, v, causal=True)
 
 
-register_attention_backend("naive", _naive)
-register_attention_backend("sdpa", _sdpa)
-register_attention_backend("flash", _flash)
+register_attention_backend("naive", _naive, kv_cache=True)
+register_attention_backend("sdpa", _sdpa, kv_cache=True)
+register_attention_backend("flash", _flash, kv_cache=True)

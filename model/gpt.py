@@ -13,6 +13,13 @@ the MLP output (residual dropout). No backend applies dropout to the attention p
 ``naive``, ``sdpa`` and ``flash`` compute exactly the same function and can be swapped on the same weights.
 
 Parameter names match nanoGPT (``transformer.wte``, ``transformer.h.0.attn.c_attn`` ...).
+
+Generation (``GPT.generate``) keeps a ``KVCache``: per-layer key/value buffers preallocated to the block
+size, so no step allocates or concatenates. The prompt is prefilled with the chosen backend (causal, Nq ==
+Nk); each decode step feeds one new token per sequence, writes its k/v at the next cache slot and attends its
+query row to the cache prefix (``model.attention.cached_attention``, causal mask aligned bottom-right).
+``GPT.decode_step`` is the static-shape variant: it writes slot ``lengths[b]`` and attends to the whole
+buffer with a length mask, so one compiled graph / CUDA graph serves every position.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,9 +36,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .attention import attention, check_attention_backend, check_sdpa_backend
+from .attention import (
+    attention,
+    cached_attention,
+    check_attention_backend,
+    check_sdpa_backend,
+    static_decode_attention,
+)
+from .sampling import check_sampling_args, sample_next
 
-__all__ = ["GPT", "GPTConfig", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
 
 #: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs).
 PRESETS: dict[str, dict] = {
@@ -115,6 +130,42 @@ class GPTConfig:
         return cls(**{**PRESETS[name], **overrides})
 
 
+class KVCache:
+    """Key/value caches of every layer for one batch of sequences, preallocated to ``max_len`` positions.
+
+    Attributes:
+        k, v: (n_layer, B, H, max_len, d) tensors of ``dtype`` on ``device``; slots ``[0, length)`` are valid.
+        length: number of positions cached so far (the same for every sequence of the batch).
+        lengths: (B,) int64 on ``device``, the same count as a device tensor (what a static decode step
+            reads, so that its shapes and Python state do not change from step to step).
+
+    The buffers never change shape. ``GPT.forward_cached`` writes slots ``[length, length + N)`` and
+    attends to the view ``[:length + N]``; ``GPT.decode_step`` writes slot ``lengths[b]`` and attends to the
+    whole buffer with a length mask (static shapes: one torch.compile graph / CUDA graph for every step).
+    """
+
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (n_layer, batch_size, n_head, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are kept and overwritten by the next prefill)."""
+        self.length = 0
+        self.lengths.zero_()
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused qkv projection; backend chosen by name.
 
@@ -132,14 +183,34 @@ class CausalSelfAttention(nn.Module):
         self.attention_backend = config.attention
         self.sdpa_backend = config.sdpa_backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False) -> torch.Tensor:
+        """(B, N, C) -> (B, N, C). With ``cache``: x holds positions ``cache.length .. + N - 1``; their k/v
+        are written into layer ``layer``'s cache (``cache.length`` itself is advanced by ``GPT``). With
+        ``static`` (N = 1): x holds position ``cache.lengths[b]`` of each sequence b."""
         B, N, C = x.shape
         H = self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, N, C), strided
         q = q.view(B, N, H, C // H).transpose(1, 2)  # (B, H, N, d)
         k = k.view(B, N, H, C // H).transpose(1, 2)
         v = v.view(B, N, H, C // H).transpose(1, 2)
-        y = attention(q, k, v, self.attention_backend, self.sdpa_backend)  # (B, H, N, d)
+        if cache is None:
+            y = attention(q, k, v, self.attention_backend, self.sdpa_backend)  # (B, H, N, d)
+        elif static:
+            rows = torch.arange(B, device=x.device)
+            cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
+            cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
+            y = static_decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths + 1,
+                                        self.attention_backend, self.sdpa_backend)
+        else:
+            start, end = cache.length, cache.length + N
+            cache.k[layer, :, :, start:end] = k
+            cache.v[layer, :, :, start:end] = v
+            if start == 0:  # prefill: plain causal attention over the new rows, on the chosen backend
+                y = attention(q, k, v, self.attention_backend, self.sdpa_backend)
+            else:
+                y = cached_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end],
+                                     self.attention_backend, self.sdpa_backend)
         y = y.transpose(1, 2).reshape(B, N, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -167,8 +238,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, static)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -214,22 +286,29 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------ forward
 
-    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
             raise TypeError(f"idx must hold integer token ids (e.g. torch.int64), got dtype {idx.dtype}")
         n = idx.shape[1]
-        if n > self.config.block_size:
+        start = 0 if cache is None else cache.length
+        if start + n > self.config.block_size:
+            where = "" if cache is None else f" at cache position {start}"
             raise ValueError(
-                f"sequence length {n} exceeds block_size={self.config.block_size} (no position embedding "
-                f"beyond it); feed at most {self.config.block_size} tokens (e.g. idx[:, -block_size:]), "
-                "or build/crop the model with a larger block_size"
+                f"sequence length {n}{where} exceeds block_size={self.config.block_size} (no position "
+                f"embedding beyond it); feed at most {self.config.block_size} tokens (e.g. "
+                "idx[:, -block_size:]), or build/crop the model with a larger block_size"
             )
-        pos = torch.arange(n, dtype=torch.long, device=idx.device)
+        if cache is not None and cache.batch_size != idx.shape[0]:
+            raise ValueError(f"the KV cache holds {cache.batch_size} sequences, idx has {idx.shape[0]}")
+        pos = torch.arange(start, start + n, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.length += n
+            cache.lengths.fill_(cache.length)
         return self.transformer.ln_f(x)
 
     def forward(
@@ -412,6 +491,60 @@ class GPT(nn.Module):
         wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
         wpe.num_embeddings = block_size
 
+    def make_kv_cache(
+        self, batch_size: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> KVCache:
+        """An empty ``KVCache`` for ``batch_size`` sequences of up to ``block_size`` positions; dtype and
+        device default to the model's parameters'."""
+        p = self.transformer.wte.weight
+        c = self.config
+        return KVCache(c.n_layer, batch_size, c.n_head, c.block_size, c.head_dim,
+                       dtype or p.dtype, device or p.device)
+
+    @torch.no_grad()
+    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Feed ``idx`` (B, N) as positions ``cache.length .. + N - 1`` (prefill when the cache is empty, a
+        decode step for N = 1), append their k/v to ``cache`` and return the next-token logits (B, V) of the
+        last position, in float32.
+
+        Raises:
+            ValueError: cache.length + N > block_size, or a batch size other than the cache's.
+        """
+        x = self._hidden(idx, cache)
+        return self.lm_head(x[:, -1, :]).float()
+
+    @torch.no_grad()
+    def decode_step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One static-shape decode step: token ``idx[b, 0]`` at position ``cache.lengths[b]`` of each
+        sequence, k/v written into that slot, the query row attending to the whole cache buffer with a
+        length mask (``model.attention.static_decode_attention``); returns next-token logits (B, V) float32
+        and advances ``cache.lengths`` and ``cache.length`` by one.
+
+        The tensor work is ``_decode_static``, which reads no Python state that changes between steps:
+        compile it (``model._decode_static = torch.compile(model._decode_static)``) or capture it in a CUDA
+        graph once for all positions.
+
+        Raises:
+            ValueError: idx not (cache.batch_size, 1), or the cache is full (cache.length == block_size).
+        """
+        if idx.dim() != 2 or idx.shape != (cache.batch_size, 1):
+            raise ValueError(f"decode_step takes idx of shape ({cache.batch_size}, 1), got "
+                             f"{tuple(idx.shape)}")
+        if cache.length >= self.config.block_size:
+            raise ValueError(f"the KV cache is full (block_size={self.config.block_size}); reset it and "
+                             "prefill the last block_size tokens")
+        logits = self._decode_static(idx.contiguous(), cache)  # one stride whatever view idx is
+        cache.length += 1
+        return logits
+
+    def _decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        pos = cache.lengths  # (B,) position of each sequence's new token
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos)[:, None, :])
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer, True)
+        cache.lengths.add_(1)
+        return self.lm_head(self.transformer.ln_f(x)[:, -1, :]).float()
+
     @torch.no_grad()
     def generate(
         self,
@@ -420,32 +553,79 @@ class GPT(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        top_p: float | None = None,
+        use_cache: bool = True,
+        timings: dict | None = None,
+        vocab_size: int | None = None,
+        static_decode: bool = False,
     ) -> torch.Tensor:
-        """Sample ``max_new_tokens`` tokens autoregressively (no KV cache; context cropped to block_size).
+        """Sample ``max_new_tokens`` tokens autoregressively; the context is the last block_size tokens.
+
+        With ``use_cache`` (default) the prompt is prefilled once into a ``KVCache`` and each step feeds
+        only the new token. Once the window slides past block_size, the positions of the cached keys shift,
+        so each later step recomputes the last block_size tokens (as the uncached path does at every step):
+        the tokens equal the uncached ones either way.
 
         Args:
-            idx: (B, N) int64 prompt token ids.
-            max_new_tokens: number of tokens to append.
-            temperature: logits are divided by it; <= 0 means greedy (argmax).
-            top_k: if given, sample only among the top_k most likely tokens.
-            generator: optional torch.Generator for reproducible sampling.
+            idx: (B, N) int64 prompt token ids, N >= 1.
+            max_new_tokens: number of tokens to append (>= 0).
+            temperature: 0 = greedy (argmax), else logits are divided by it (must be >= 0).
+            top_k: if given (>= 1), sample only among the top_k most likely tokens.
+            generator: optional torch.Generator (on idx's device) for reproducible sampling.
+            top_p: if given, in (0, 1]: nucleus sampling (``model.sampling.sample_next``).
+            use_cache: False recomputes the whole context every step (reference path).
+            timings: if a dict, filled with ``prefill_s``, ``prefill_tokens`` (B * context length),
+                ``decode_s`` and ``decode_tokens`` (B * the steps after the prefill), wall-clock
+                (CUDA synchronised).
+            vocab_size: if given, only ids below it are generated (the tokenizer's size: the model's
+                vocabulary is padded to a multiple of 64, and padding ids decode to nothing).
+            static_decode: decode with ``decode_step`` (static shapes, whole-buffer length mask) instead of
+                the growing cache view; same tokens.
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).
 
+        Raises:
+            ValueError: invalid sampling arguments, empty prompt, or a backend without KV-cache support
+                (``use_cache=True``).
+
         Call ``model.eval()`` first if the model has dropout.
         """
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size :]
-            logits = self.lm_head(self._hidden(context)[:, -1, :]).float()  # (B, V)
-            if temperature <= 0:
-                next_id = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = torch.softmax(logits, dim=-1)
-                next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+        check_sampling_args(temperature, top_k, top_p)
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be a (B, N >= 1) tensor of prompt ids, got shape {tuple(idx.shape)}")
+        bs = self.config.block_size
+        sync = torch.cuda.synchronize if idx.device.type == "cuda" else (lambda: None)
+        cache = self.make_kv_cache(idx.shape[0]) if use_cache and max_new_tokens > 0 else None
+
+        def next_logits(step: int) -> torch.Tensor:
+            context = idx[:, -bs:]
+            if cache is None:
+                return self.lm_head(self._hidden(context)[:, -1, :]).float()  # (B, V)
+            if step == 0 or cache.length >= bs:  # prefill, or the window slid: positions shifted
+                cache.reset()
+                return self.forward_cached(context, cache)
+            if static_decode:
+                return self.decode_step(context[:, -1:], cache)
+            return self.forward_cached(context[:, -1:], cache)
+
+        sync()
+        t0 = time.perf_counter()
+        t_prefill = t0
+        for step in range(max_new_tokens):
+            logits = next_logits(step)
+            if vocab_size is not None:
+                logits = logits[:, :vocab_size]
+            next_id = sample_next(logits, temperature, top_k, top_p, generator)
             idx = torch.cat([idx, next_id.to(idx.dtype)], dim=1)
+            if step == 0:
+                sync()
+                t_prefill = time.perf_counter()
+        sync()
+        t1 = time.perf_counter()
+        if timings is not None:
+            ctx = min(idx.shape[1] - max_new_tokens, bs)
+            b = idx.shape[0]
+            timings.update(prefill_s=t_prefill - t0, prefill_tokens=b * ctx if max_new_tokens else 0,
+                           decode_s=t1 - t_prefill, decode_tokens=b * max(0, max_new_tokens - 1))
         return idx

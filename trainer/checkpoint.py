@@ -8,6 +8,11 @@ previous checkpoints are untouched because ``os.replace`` is atomic on POSIX.
 A checkpoint is a dict saved with ``torch.save`` that loads with ``torch.load(weights_only=True)`` (only
 tensors, numbers, strings, lists, tuples, dicts): model and optimizer state dicts, step, data position,
 RNG states (as tensors), the resolved config and the W&B run id. See ``trainer/loop.py`` for the keys.
+
+Checkpoints stand alone for sampling: ``state["tokenizer"]`` (``tokenizer_record``) holds the tokenizer's
+name, vocab size and, for the char tokenizer, its character list ``itos``, so ``tokenizer_from_checkpoint``
+rebuilds the tokenizer without the data directory. Checkpoints written before ``itos`` was stored fall back
+to the ``meta.json`` of the data directory named in their config.
 """
 
 from __future__ import annotations
@@ -126,6 +131,72 @@ def load_newest(
         except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
             warn(f"warning: checkpoint {path} does not load ({type(e).__name__}: {e}); trying an older one")
     return None, None
+
+
+# ------------------------------------------------------------------------------------------- tokenizer
+
+
+def tokenizer_record(meta: dict) -> dict:
+    """``state["tokenizer"]`` for a data directory's ``meta`` (``data.meta.load_meta``):
+    ``{"name", "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer."""
+    record = {"name": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
+    if meta["tokenizer"] == "char":
+        record["itos"] = list(meta["itos"])
+    return record
+
+
+def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = None):
+    """The tokenizer a checkpoint's tokens were made with (``.encode``, ``.decode``, ``.vocab_size``).
+
+    Uses ``state["tokenizer"]`` when it is complete (GPT-2: the name; char: the name and ``itos``). An
+    older checkpoint without ``itos`` falls back to ``<data_dir>/meta.json``, where ``data_dir`` defaults to
+    the ``data.dir`` of the checkpoint's resolved config (relative to the current directory).
+
+    Raises:
+        ValueError: the checkpoint names no tokenizer, or its char vocabulary is in neither the checkpoint
+            nor a readable ``meta.json`` (the message names both places), or the meta.json's tokenizer or
+            vocab size differs from the checkpoint's.
+        RuntimeError: tiktoken's GPT-2 files cannot be loaded (offline without ``TIKTOKEN_CACHE_DIR``).
+    """
+    from data.meta import load_meta
+    from data.tokenizer import make_tokenizer
+
+    record = state.get("tokenizer")
+    if not isinstance(record, dict) or "name" not in record:
+        raise ValueError("the checkpoint names no tokenizer (no state['tokenizer']['name']); it was not "
+                         "written by flashgpt's trainer")
+    name, vocab = record["name"], record.get("vocab_size")
+    if name == "gpt2":
+        tok = make_tokenizer("gpt2")
+    elif name == "char" and record.get("itos") is not None:
+        tok = make_tokenizer("char", itos=record["itos"])
+    elif name == "char":
+        # written before checkpoints carried the vocabulary: only the data directory has it
+        if data_dir is None:
+            data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
+        if data_dir is None:
+            raise ValueError("the checkpoint's char vocabulary is not in the checkpoint (an older one) and "
+                             "its config names no data.dir; pass the data directory it was trained on")
+        try:
+            meta = load_meta(data_dir)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"the checkpoint's char vocabulary is not in the checkpoint (written before checkpoints held "
+                f"it) and the data directory's meta.json cannot be read: {e}. Point data_dir at the data "
+                "directory the run was trained on (train.py data.dir=...), or re-save the checkpoint with "
+                "this trainer (resume it)"
+            ) from e
+        if meta["tokenizer"] != "char":
+            raise ValueError(f"{data_dir}/meta.json is for tokenizer {meta['tokenizer']!r}, but the "
+                             "checkpoint was trained with 'char'; point data_dir at the run's own data dir")
+        tok = make_tokenizer("char", itos=meta["itos"])
+    else:
+        raise ValueError(f"the checkpoint names unknown tokenizer {name!r}")
+    if vocab is not None and tok.vocab_size != int(vocab):
+        raise ValueError(f"the checkpoint's tokenizer has vocab_size={vocab}, but the rebuilt {name} "
+                         f"tokenizer has {tok.vocab_size}: the data directory's vocabulary is not the one "
+                         "it trained on")
+    return tok
 
 
 # ------------------------------------------------------------------------------------------- RNG state

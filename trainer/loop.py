@@ -693,7 +693,7 @@ class Trainer:
                 "rng": rngs,
                 "config": OmegaConf.to_container(self.cfg, resolve=True),
                 "model_args": dataclasses.asdict(self.gpt_config),
-                "tokenizer": {"name": self.cfg.data.tokenizer, "vocab_size": int(self.meta["vocab_size"])},
+                "tokenizer": ckpt.tokenizer_record(self.meta),
                 "attention": self._attention_id(),
                 "wandb_run_id": self.log.wandb_id,
                 "skipped_steps": self.skipped,

@@ -1,0 +1,251 @@
+"""Decode-step attention benchmark: flash-decoding against naive and every SDPA backend, and end-to-end
+generation tokens/sec. Written without a GPU: the H200 numbers are for the lead's GPU session to produce.
+
+Usage (GPU)::
+
+    python -m bench.decode                                   # full sweep, bf16, writes bench/results/
+    python -m bench.decode --contexts 8192,32768 --batches 1,16 --dims 128 --groups 4
+    python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
+    TRITON_INTERPRET=1 python -m bench.decode --dry-run --out /tmp/d   # CPU plumbing check, tiny shapes
+
+Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d) with
+Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--contexts``, batch in
+``--batches``, d in ``--dims``, group in ``--groups``. Providers: ``flash-decode``
+(kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
+``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
+against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
+the SDPA-math error + 1e-3), then timed (``bench.attention.Timer``: do_bench median on CUDA).
+Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
+here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
+
+End to end (``--e2e``): randomly initialised GPT-2 124M, a ``--prompt-len`` prompt, ``--new-tokens`` greedy
+tokens, per backend and batch, reporting prefill and decode tokens/sec from ``GPT.generate(timings=...)``.
+
+Outputs in ``--out``: ``decode_<tag>.json`` and ``decode_<tag>.md`` (also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench.attention import Timer
+
+PROVIDERS = ("flash-decode", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def provider_fn(name: str):
+    """fn(q, k, v) -> o for one decode step (q one row; k/v the whole cache, all of it visible)."""
+    if name == "flash-decode":
+        from kernels import flash_decode
+
+        return lambda q, k, v: flash_decode(q, k, v)
+    if name == "naive":
+        def naive(q, k, v):
+            g = q.shape[1] // k.shape[1]
+            kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+            s = torch.matmul(q.float(), kk.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            return torch.matmul(torch.softmax(s, -1).to(v.dtype), vv)
+        return naive
+    if name.startswith("sdpa-"):
+        backend = name[len("sdpa-"):]
+
+        def sdpa(q, k, v):
+            gqa = q.shape[1] != k.shape[1]
+            if backend == "auto":
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+            from torch.nn.attention import sdpa_kernel
+
+            from model.attention import _sdpa_enum
+
+            with sdpa_kernel([_sdpa_enum(backend)]):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        return sdpa
+    raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
+
+
+def reference(q, k, v) -> torch.Tensor:
+    """float32 decode attention of sequence 0 (all cache slots visible), GQA by repeating k/v."""
+    g = q.shape[1] // k.shape[1]
+    q0, k0, v0 = q[:1].float(), k[:1].float().repeat_interleave(g, 1), v[:1].float().repeat_interleave(g, 1)
+    return torch.softmax(q0 @ k0.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v0
+
+
+def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
+    """Copy bandwidth (GB/s, read + write) of ``nbytes`` on ``device``: the ceiling a K/V stream can reach."""
+    src = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int) -> list[dict]:
+    """Records of every provider for one (d, group, batch, context) decode step."""
+    hkv = args.kv_heads
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    try:
+        q = torch.randn(b, hkv * group, 1, d, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(b, hkv, ctx, d, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(b, hkv, ctx, d, device=device, dtype=dtype, generator=gen)
+    except torch.OutOfMemoryError:
+        return [dict(d=d, group=group, batch=b, context=ctx, provider="*", status="oom")]
+    ref = reference(q, k, v)
+    math_err = (provider_fn("sdpa-math")(q[:1], k[:1], v[:1]).float() - ref).abs().max().item()
+    kv_bytes = 2 * b * hkv * ctx * d * q.element_size()
+    records = []
+    for p in args.providers.split(","):
+        rec = dict(d=d, group=group, batch=b, context=ctx, provider=p, kv_bytes=kv_bytes)
+        try:
+            fn = provider_fn(p)
+            err = (fn(q, k, v)[:1].float() - ref).abs().max().item()
+            rec["max_abs_err"] = err
+            if err > 2 * math_err + 1e-3:
+                rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
+            else:
+                ms = timer(lambda fn=fn: fn(q, k, v))
+                rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
+        except torch.OutOfMemoryError:
+            rec["status"] = "oom"
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
+            rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    return records
+
+
+def kernel_sweep(args, device, timer, dtype) -> list[dict]:
+    records = []
+    for d in _ints(args.dims):
+        for group in _ints(args.groups):
+            for b in _ints(args.batches):
+                for ctx in _ints(args.contexts):
+                    records += bench_shape(args, device, timer, dtype, d, group, b, ctx)
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+    return records
+
+
+def e2e_sweep(args, device, dtype) -> list[dict]:
+    from model import GPT, PRESETS, GPTConfig
+
+    records = []
+    preset = PRESETS["tiny"] if args.dry_run else PRESETS["gpt2"]
+    block = args.prompt_len + args.new_tokens
+    for backend in args.e2e_backends.split(","):
+        for static in (False, True):
+            for b in _ints(args.batches):
+                torch.manual_seed(args.seed)
+                model = GPT(GPTConfig(block_size=block, vocab_size=50304, attention=backend, **preset))
+                model = model.to(device=device, dtype=dtype).eval()
+                prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
+                t: dict = {}
+                rec = dict(backend=backend, static_decode=static, batch=b, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens)
+                try:
+                    model.generate(prompt, 2, temperature=0, static_decode=static)  # warm-up
+                    model.generate(prompt, args.new_tokens, temperature=0, static_decode=static, timings=t)
+                    rec.update(status="ok", prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"],
+                               decode_tokens_per_sec=t["decode_tokens"] / t["decode_s"])
+                except Exception as e:  # noqa: BLE001
+                    rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    return records
+
+
+def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
+    lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", "",
+             f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
+             "(fraction of the ceiling).", ""]
+    providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
+    if kernel:
+        lines += ["| d | group | batch | context | " + " | ".join(providers) + " |",
+                  "|---|---|---|---|" + "---|" * len(providers)]
+        keys = sorted({(r["d"], r["group"], r["batch"], r["context"]) for r in kernel})
+        for key in keys:
+            cells = []
+            for p in providers:
+                r = next((r for r in kernel if (r["d"], r["group"], r["batch"], r["context"]) == key
+                          and r["provider"] in (p, "*")), None)
+                if r is None or r.get("status") != "ok":
+                    cells.append(r["status"].split(":")[0] if r else "-")
+                else:
+                    frac = r["gbs"] / meta["copy_ceiling_gbs"]
+                    cells.append(f"{r['ms']:.3f} / {r['gbs']:.0f} ({frac:.0%})")
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
+    if e2e:
+        lines += ["", "| backend | static decode | batch | prefill tok/s | decode tok/s |",
+                  "|---|---|---|---|---|"]
+        for r in e2e:
+            if r["status"] == "ok":
+                lines.append(f"| {r['backend']} | {r['static_decode']} | {r['batch']} | "
+                             f"{r['prefill_tokens_per_sec']:.0f} | {r['decode_tokens_per_sec']:.0f} |")
+            else:
+                lines.append(f"| {r['backend']} | {r['static_decode']} | {r['batch']} | {r['status']} | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--groups", default="1,4,8", help="query heads per KV head")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--e2e", action="store_true", help="also time GPT-2 124M generation end to end")
+    ap.add_argument("--e2e-only", action="store_true")
+    ap.add_argument("--e2e-backends", default="sdpa,flash")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+        args.copy_bytes = min(args.copy_bytes, 1 << 22)
+        timer = Timer(device, cpu_reps=1)
+    else:
+        if not torch.cuda.is_available():
+            print("error: bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU",
+                  file=sys.stderr)
+            return 2
+        device, dtype = torch.device("cuda"), DTYPES[args.dtype]
+        timer = Timer(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    meta = dict(device=name, dtype=str(dtype)[6:], torch=torch.__version__,
+                time=datetime.datetime.now().isoformat(),
+                argv=sys.argv[1:] if argv is None else list(argv),
+                copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes))
+    kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
+    e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
+    tag = args.tag or ("dryrun" if args.dry_run else "h200")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"decode_{tag}.json").write_text(json.dumps(dict(meta=meta, kernel=kernel, e2e=e2e), indent=1))
+    report = markdown(meta, kernel, e2e)
+    (out / f"decode_{tag}.md").write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""Loss and perplexity of a run's checkpoint on its data (Hydra entry point; config ``configs/eval.yaml``).
+
+    python eval.py run=runs/<run>                          # newest checkpoint, the run's val split
+    python eval.py run=runs/<run> data.split=train attention=naive batches=50
+    python eval.py ckpt=runs/<run>/ckpt/step_00000300.pt dtype=float32
+
+The batches are ``BinDataset.eval_batches(batches, batch_size, seed)`` of the run's data directory: with
+the defaults (the run's eval.batches, evaluation batch size, seq_len and seed) they are the batches of the
+run's own ``val/loss``, so the number printed for its last checkpoint matches its last logged val loss
+(same backend and dtype). The run's training records (metrics.jsonl, summary.json, checkpoints,
+config.resolved.yaml) are never written; the result goes to the console and to
+``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``write=false``: console only).
+
+Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, bad key), nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer.infer import InferError
+
+
+def eval_main(cfg: DictConfig) -> int:
+    """Evaluate for ``cfg`` (keys of ``configs/eval.yaml``); returns the exit status (0 or 2)."""
+    try:
+        return _eval(cfg)
+    except InferError as e:
+        print(f"eval.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _pick(value, run_value, key: str, low: int = 1) -> int:
+    v = run_value if value is None else value
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise InferError(f"{key} must be an int >= {low}, got {v!r}")
+    return v
+
+
+def _eval(cfg: DictConfig) -> int:
+    import torch
+
+    from data.loader import BinDataset
+    from trainer.infer import build_model, find_checkpoint, resolve_device, resolve_dtype
+
+    split = str(cfg.data.split)
+    if split not in ("val", "train"):
+        raise InferError(f"data.split={split!r}; use val or train")
+    device = resolve_device(str(cfg.device))
+    dtype = resolve_dtype(str(cfg.dtype), device)
+    path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    rc = state.get("config") or {}
+    run_eval, run_batch = rc.get("eval") or {}, rc.get("batch") or {}
+    block = int(state["model_args"]["block_size"])
+    seq_len = _pick(cfg.seq_len, rc.get("seq_len", block), "seq_len")
+    if seq_len > block:
+        raise InferError(f"seq_len={seq_len} exceeds the model's block size {block}; use seq_len<={block}")
+    # the trainer's evaluation batch: eval.batch_size, else the micro-batch (set or from micro_tokens)
+    budget = min(int(run_batch.get("micro_tokens") or seq_len),
+                 int(run_batch.get("tokens_per_step") or seq_len))
+    run_bs = run_eval.get("batch_size") or run_batch.get("micro_batch_size") or max(1, budget // seq_len)
+    batch_size = _pick(cfg.batch_size, run_bs, "batch_size")
+    batches = _pick(cfg.batches, run_eval.get("batches", 20), "batches")
+    seed = _pick(cfg.seed, rc.get("seed", 1337), "seed", low=0)
+    data_dir = cfg.data.dir or (rc.get("data") or {}).get("dir")
+    if not data_dir:
+        raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH")
+    try:
+        ds = BinDataset(data_dir, split, seq_len)
+    except (OSError, ValueError) as e:
+        raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
+    if ds.vocab_size != int(state["tokenizer"]["vocab_size"]):
+        raise InferError(f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
+                         f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir")
+    att = cfg.get("attention") or {}
+    model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
+
+    total, n = 0.0, 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for x, y in ds.eval_batches(batches, batch_size, seed):
+            _, loss = model(x.to(device), y.to(device))
+            total += float(loss.double())
+            n += 1
+    seconds = time.perf_counter() - t0
+    loss = total / n
+    result = {
+        "checkpoint": str(path), "step": int(state["step"]), "split": split, "loss": loss,
+        "perplexity": math.exp(loss), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
+        "seed": seed, "data_dir": str(data_dir), "attention": model.attention_backend, "device": str(device),
+        "dtype": str(dtype)[6:], "seconds": seconds,
+    }
+    print(f"{path} (step {result['step']}) | {split} loss {loss:.4f} | "
+          f"perplexity {result['perplexity']:.3f} | {batches} x {batch_size} x {seq_len} tokens | "
+          f"attention={model.attention_backend} | dtype={result['dtype']}")
+    if cfg.write:
+        out = run_dir / "evals" / (f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_"
+                                   f"{model.attention_backend}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"written to {out}")
+    return 0
+
+
+@hydra.main(config_path="configs", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    code = eval_main(cfg)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

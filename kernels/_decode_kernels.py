@@ -1,0 +1,191 @@
+"""Triton kernels of flash-decoding: split-K attention of a few query rows to a long KV cache.
+
+Algorithm: Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023). With 1 to 16
+query rows per sequence, FlashAttention's parallelism over query blocks gives one program per (sequence,
+head), too few to fill a GPU, so the keys are split as well:
+
+1. ``_decode_split_kernel``, grid (num_splits, Hkv, B): program (s, hk, b) streams keys
+   [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, L_b)) of KV head hk of sequence b through the online softmax,
+   for all GROUP * Nq query rows of that KV head's query heads at once (GQA: one read of each K/V tile
+   serves the whole group; rows are r = g * Nq + i for query head hk * GROUP + g and query row i). It
+   writes the normalised partial output and its base-2 LSE; a split past the sequence's length L_b
+   writes o = 0, lse = -inf.
+2. ``_decode_combine_kernel``, grid (B * Hq * Nq,): o = sum_s w_s o_s with w_s = 2^(lse_s - lse),
+   lse = log2 sum_s 2^lse_s; LSE is returned in natural-log units like the forward kernel's.
+
+Causal masking is bottom-right per sequence: query row i of Nq sees keys j <= L_b - Nq + i (the new
+rows' own keys are the last Nq cached ones). Cache lengths come from a device tensor, so the grid
+depends only on the static cache size (CUDA-graph friendly). Scores are in base-2 units as in
+``_triton_kernels`` (scale * log2 e folded into the scale).
+
+Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 only. GPU correctness
+(bf16/fp16 rule), tile choice and speed are to be verified and benchmarked on the H200 later; nothing
+here claims a speed.
+"""
+
+import triton
+import triton.language as tl
+
+from ._triton_kernels import _clone
+
+
+def _max1(x):
+    return tl.max(x, 1)
+
+
+def _sum1(x):
+    return tl.sum(x, 1)
+
+
+def _max0(x):
+    return tl.max(x, 0)
+
+
+def _sum0(x):
+    return tl.sum(x, 0)
+
+
+# Interpreter versions: see _triton_kernels (tl.max / tl.sum may be compiled-mode JIT functions).
+def _max1_interp(x):
+    return tl.reduce(x, 1, tl.standard._elementwise_max)
+
+
+def _sum1_interp(x):
+    return tl.reduce(x, 1, tl.standard._sum_combine)
+
+
+def _max0_interp(x):
+    return tl.reduce(x, 0, tl.standard._elementwise_max)
+
+
+def _sum0_interp(x):
+    return tl.reduce(x, 0, tl.standard._sum_combine)
+
+
+def _decode_split_kernel(
+    Q, K, V, SEQLENS, O_PART, LSE_PART,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, scale_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
+    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units."""
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    split = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(SEQLENS + b).to(tl.int32)
+
+    offs_r = tl.arange(0, BLOCK_M)
+    row_ok = offs_r < GROUP * N_Q
+    g = offs_r // N_Q
+    qi = offs_r % N_Q
+    h = hk * GROUP + g  # int64
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+    last_key = seq_len - N_Q + qi  # bottom-right causal: row qi sees keys <= last_key
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < hi
+        cols_64 = cols.to(tl.int64)
+        kv_mask = col_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, _max1(qk))
+        # rows that see no key yet keep m = -inf: shift by 0 so exp2(-inf - 0) = 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + _sum1(p)
+        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf"))
+    row = (b * H_Q + h) * N_Q + qi  # int64 index of (b, h, qi)
+    part = row * NUM_SPLITS + split
+    tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & mask_d[None, :])
+    tl.store(LSE_PART + part, lse2, mask=row_ok)
+
+
+def _decode_combine_kernel(
+    O_PART, LSE_PART, O, LSE,
+    stride_ob, stride_oh, stride_om, stride_od,
+    H_Q, N_Q, HEAD_DIM, NUM_SPLITS,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine the splits of one (b, h, query row): LSE-weighted sum of the partial outputs."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse2 = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    m = _max0(lse2)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse2 - m_shift)  # 0 for empty splits (lse = -inf)
+    total = _sum0(w)
+    o_part = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                     mask=s_ok[:, None] & mask_d[None, :], other=0.0)
+    total_safe = tl.where(total > 0.0, total, 1.0)
+    o = _sum0(o_part * w[:, None]) / total_safe
+    b = row // (H_Q * N_Q)
+    h = (row // N_Q) % H_Q
+    qi = row % N_Q
+    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
+             o.to(O.dtype.element_ty), mask=mask_d)
+    lse = tl.where(total > 0.0, (m + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row, lse)
+
+
+_HELPERS = (_max1, _sum1, _max0, _sum0)
+_INTERPRETER_HELPERS = {
+    "_max1": _max1_interp, "_sum1": _sum1_interp, "_max0": _max0_interp, "_sum0": _sum0_interp,
+}
+_KERNELS = {"split": _decode_split_kernel, "combine": _decode_combine_kernel}
+_BUILT: dict = {}
+
+
+def build_decode_kernels(interpret: bool) -> dict:
+    """{"split", "combine"} -> launchable kernel, built once per mode (as ``build_kernels``)."""
+    if interpret in _BUILT:
+        return _BUILT[interpret]
+    namespace = dict(globals())
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        wrap_kernel, wrap_helper = InterpretedFunction, (lambda f: f)
+    else:
+        wrap_kernel = wrap_helper = triton.JITFunction
+    for fn in _HELPERS:
+        impl = _INTERPRETER_HELPERS.get(fn.__name__, fn) if interpret else fn
+        namespace[fn.__name__] = wrap_helper(_clone(impl, namespace))
+    built = {}
+    for name, fn in _KERNELS.items():
+        built[name] = namespace[fn.__name__] = wrap_kernel(_clone(fn, namespace))
+    _BUILT[interpret] = built
+    return built

@@ -1,0 +1,194 @@
+"""Flash-decoding: attention of 1..16 new query rows per sequence to a KV cache, split over the keys.
+
+``flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
+return_lse=False)``; the algorithm and kernels are in ``kernels/_decode_kernels.py``.
+
+Inference only (no autograd). In plain eager mode the kernels launch directly; under torch.compile,
+fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_op``, traced into the
+compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
+Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch; its GPU verification (bf16/fp16
+accuracy rule), the triton_op path, the split heuristic and the benchmark are left to a GPU session, and
+nothing here claims a speed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .flash_attn import (
+    LOG2E,
+    MAX_HEAD_DIM,
+    MIN_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    _cdiv,
+    _device_ctx,
+    _dot_precision,
+    _launcher,
+    _plain_eager_call,
+    check_flash_available,
+    interpret_enabled,
+)
+
+MAX_DECODE_ROWS = 16  # query rows per sequence: all GROUP * Nq rows of a KV head share one tile
+
+
+def _pow2(n: int, low: int = 16) -> int:
+    return max(low, 1 << (max(1, n) - 1).bit_length())
+
+
+def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
+    """Splits so that (splits x B x Hkv) programs cover the device about twice (untuned heuristic)."""
+    n_blocks = _cdiv(n_max, block_n)
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    return max(1, min(n_blocks, 128, _cdiv(target, max(1, programs))))
+
+
+def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
+    for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"flash_decode expects 4-D {name} (B, H, N, d), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"flash_decode needs q, k_cache, v_cache of one dtype among {SUPPORTED_DTYPES}, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, Nq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != d:
+        raise ValueError(f"k_cache and v_cache must both be (B={B}, Hkv, Nmax, d={d}); got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    Hkv, n_max = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv}) (GQA/MQA)")
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim {d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
+    if not 1 <= Nq <= min(MAX_DECODE_ROWS, n_max):
+        raise ValueError(f"flash_decode takes 1..{MAX_DECODE_ROWS} query rows (and at most the cache size "
+                         f"{n_max}), got {Nq}; use flash_attention for a prefill")
+    if cache_seqlens is not None:
+        if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (B,)
+                or cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.device != q.device):
+            raise ValueError(f"cache_seqlens must be an int32/int64 tensor of shape ({B},) on {q.device}")
+        # the range check reads the lengths on the host: eager mode only, not while a CUDA graph is
+        # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and _plain_eager_call(q, cache_seqlens):
+            lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
+            if lo < Nq or hi > n_max:
+                raise ValueError(f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
+                                 f"the new rows' own keys), got min {lo}, max {hi}")
+    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
+                                          and math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
+
+
+def _block_n(d: int) -> int:
+    return 16 if interpret_enabled() else (64 if d <= 128 else 32)  # untuned on the GPU
+
+
+def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
+    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation."""
+    from ._decode_kernels import build_decode_kernels
+    from ._triton_kernels import mode_problem
+    from .flash_attn import FlashAttentionUnavailableError
+
+    interp = interpret_enabled()
+    problem = mode_problem(interp)
+    if problem is not None:
+        raise FlashAttentionUnavailableError(problem)
+    kernels = build_decode_kernels(interp)
+    B, Hq, Nq, d = (int(x) for x in q.shape)
+    Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
+    group = Hq // Hkv
+    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d)
+    # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
+    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
+    splits = _cdiv(n_max, split_len)
+    o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
+    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+    with _device_ctx(q):
+        _launcher(kernels["split"], (splits, Hkv, B), traced)(
+            q, k_cache, v_cache, cache_seqlens, o_part, lse_part,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(),
+            Hq, group, Nq, d, split_len, splits, scale * LOG2E,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        )
+        _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
+            o_part, lse_part, o, lse, *o.stride(), Hq, Nq, d, splits,
+            BLOCK_S=_pow2(splits, low=2), BLOCK_D=block_d,
+        )
+    return o, lse
+
+
+def _decode_op_body(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_seqlens: torch.Tensor, softmax_scale: float,
+                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode."""
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
+
+
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+# as flash_attn's ops: traced into the compiled graph on CUDA (triton_op), opaque with a fake on the CPU
+flash_decode_op = torch.library.triton_op("flashgpt::flash_decode", _decode_op_body, mutates_args=())
+flash_decode_cpu_op = torch.library.custom_op("flashgpt::flash_decode_cpu", _decode_op_body, mutates_args=())
+flash_decode_cpu_op.register_fake(_decode_fake)
+
+
+def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
+                 return_lse=False):
+    """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
+
+    Args:
+        q: (B, Hq, Nq, d), 1 <= Nq <= 16, the queries of positions L_b - Nq .. L_b - 1 of sequence b.
+        k_cache, v_cache: (B, Hkv, Nmax, d), Hq a multiple of Hkv (GQA/MQA: no copies); keys/values of
+            positions 0 .. L_b - 1 in slots [0, L_b) (the new rows' own keys included); slots past L_b
+            are never read. Any strides with a unit last stride (e.g. a view of a bigger cache).
+        cache_seqlens: (B,) int32/int64 L_b on q's device, Nq <= L_b <= Nmax; None = Nmax for all.
+        softmax_scale: None = 1/sqrt(d).
+        num_splits: key splits per (sequence, KV head); None chooses from the grid size.
+        return_lse: also return the natural-log LSE (B, Hq, Nq) float32.
+
+    q, k_cache, v_cache share one dtype among float16, bfloat16, float32 (bfloat16 runs in float32 under
+    the interpreter) and one device. Row i of sequence b attends to keys j <= L_b - Nq + i.
+
+    Returns:
+        o (B, Hq, Nq, d) in q.dtype, and lse when ``return_lse``.
+
+    Raises:
+        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, not
+            under CUDA-graph capture, torch.compile or fake tensors), Nq outside 1..16, head dim outside
+            8..256, bad softmax_scale / num_splits.
+        FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
+    """
+    _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)
+    check_flash_available(q.device)
+    if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
+        out = flash_decode(q.float(), k_cache.float(), v_cache.float(), cache_seqlens,
+                           softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
+        return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
+    B, Hq, Nq, d = (int(x) for x in q.shape)
+    Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((B,), n_max, dtype=torch.int32, device=q.device)
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    splits = num_splits or _choose_splits(n_max, _block_n(d), B * Hkv, q.device)
+    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if _plain_eager_call(q, k_cache, v_cache, cache_seqlens):
+        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
+    else:  # an op: torch.compile / fake tensors see one node (traced into the graph on CUDA)
+        op = flash_decode_op if q.is_cuda else flash_decode_cpu_op
+        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, splits)
+    return (o, lse) if return_lse else o

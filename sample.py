@@ -1,0 +1,133 @@
+"""Generate text from a trained run's checkpoint (Hydra entry point; config ``configs/sample.yaml``).
+
+    python sample.py run=runs/<run>                               # newest loadable checkpoint, 3 samples
+    python sample.py run=runs/<run> prompt="ROMEO:" temperature=0 max_new_tokens=200
+    python sample.py ckpt=runs/<run>/ckpt/step_00000300.pt prompt=file:prompt.txt top_p=0.9
+    TRITON_INTERPRET=1 python sample.py run=runs/<run> attention=flash max_new_tokens=20   # CPU, slow
+
+Model and tokenizer come from the checkpoint alone (model_args, weights, tokenizer with its char
+vocabulary; older checkpoints fall back to the data directory's meta.json). The prompt is prefilled into a
+KV cache with the chosen backend, then one token per sample per step is decoded (``GPT.generate``). Samples
+are printed and written to ``<run>/samples/<time>_<ckpt>.txt`` with a ``.json`` of the settings, token ids
+and prefill / decode tokens per second.
+
+Exit status: 0 ok; 2 for a user error (no run or checkpoint, a prompt the tokenizer cannot encode,
+temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from trainer.infer import InferError
+
+
+def sample_main(cfg: DictConfig) -> int:
+    """Run sampling for ``cfg`` (keys of ``configs/sample.yaml``); returns the exit status (0 or 2)."""
+    try:
+        return _sample(cfg)
+    except InferError as e:
+        print(f"sample.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _sample(cfg: DictConfig) -> int:
+    import torch
+
+    from model.sampling import check_sampling_args
+    from trainer.checkpoint import tokenizer_from_checkpoint
+    from trainer.infer import build_model, find_checkpoint, read_prompt, resolve_device, resolve_dtype
+
+    # settings first: a bad key costs no checkpoint load
+    top_k = None if cfg.top_k is None else cfg.top_k
+    top_p = None if cfg.top_p is None else float(cfg.top_p)
+    try:
+        check_sampling_args(float(cfg.temperature), top_k, top_p)
+    except (TypeError, ValueError) as e:
+        raise InferError(str(e)) from e
+    for key in ("num_samples", "max_new_tokens"):
+        value = cfg[key]
+        low = 1 if key == "num_samples" else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InferError(f"{key} must be an int >= {low}, got {value!r}")
+    device = resolve_device(str(cfg.device))
+    dtype = resolve_dtype(str(cfg.dtype), device)
+    text = read_prompt(str(cfg.prompt))
+    if not text:
+        raise InferError("prompt is empty; give some text, e.g. prompt='\\n' or prompt=file:PATH")
+
+    path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    try:
+        tok = tokenizer_from_checkpoint(state)
+    except (ValueError, RuntimeError) as e:
+        raise InferError(f"tokenizer of {path}: {e}") from e
+    try:
+        ids = tok.encode(text)
+    except ValueError as e:
+        raise InferError(f"prompt cannot be encoded by the run's {tok.name} tokenizer: {e}") from e
+    att = cfg.get("attention") or {}
+    model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
+    block = model.config.block_size
+    if len(ids) > block:
+        print(f"sample.py: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
+              f"last {block} tokens", file=sys.stderr)
+        ids = ids[-block:]
+    if cfg.compile:  # compile the static-shape decode step: one graph for every position
+        model._decode_static = torch.compile(model._decode_static)
+
+    prompt = torch.tensor([ids] * int(cfg.num_samples), dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    timings: dict = {}
+    out = model.generate(prompt, int(cfg.max_new_tokens), temperature=float(cfg.temperature), top_k=top_k,
+                         top_p=top_p, generator=gen, use_cache=bool(cfg.use_cache), timings=timings,
+                         vocab_size=tok.vocab_size, static_decode=bool(cfg.compile or cfg.static_decode))
+    new = out[:, len(ids):].tolist()
+    samples = [tok.decode(row) for row in new]
+
+    rate = {
+        "prefill_tokens_per_sec": timings["prefill_tokens"] / max(timings["prefill_s"], 1e-9),
+        "decode_tokens_per_sec": timings["decode_tokens"] / max(timings["decode_s"], 1e-9),
+    }
+    prompt_text = tok.decode(ids)
+    for i, s in enumerate(samples):
+        print(f"---------- sample {i + 1}/{len(samples)}")
+        print(prompt_text + s)
+    print("----------")
+    print(f"{path} | attention={model.attention_backend} | device={device} | dtype={str(dtype)[6:]} | "
+          f"prefill {timings['prefill_tokens']} tokens at {rate['prefill_tokens_per_sec']:.1f} tok/s | "
+          f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s")
+
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}.txt"
+    txt = Path(cfg.out) if cfg.out else run_dir / "samples" / name
+    txt.parent.mkdir(parents=True, exist_ok=True)
+    txt.write_text("".join(f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n"
+                           for i, s in enumerate(samples)), encoding="utf-8")
+    record = {
+        "checkpoint": str(path), "step": int(state["step"]), "prompt": prompt_text, "prompt_tokens": len(ids),
+        "num_samples": int(cfg.num_samples), "max_new_tokens": int(cfg.max_new_tokens),
+        "temperature": float(cfg.temperature), "top_k": top_k, "top_p": top_p, "seed": int(cfg.seed),
+        "attention": model.attention_backend, "device": str(device), "dtype": str(dtype)[6:],
+        "use_cache": bool(cfg.use_cache), "compile": bool(cfg.compile),
+        "static_decode": bool(cfg.compile or cfg.static_decode), **timings, **rate,
+        "samples": samples, "token_ids": new,
+    }
+    txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    print(f"samples written to {txt}")
+    return 0
+
+
+@hydra.main(config_path="configs", config_name="sample", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    code = sample_main(cfg)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Flash-decoding kernel (kernels/flash_decode.py) against float64 PyTorch, Triton interpreter on the CPU."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from kernels.flash_decode import MAX_DECODE_ROWS, flash_decode  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read at call time
+
+
+@pytest.fixture
+def seed() -> int:
+    s = int(os.environ.get("DECODE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={s} (replay with DECODE_TEST_SEED={s})")
+    torch.manual_seed(s)
+    return s
+
+
+def reference(q, k, v, lengths, scale=None):
+    """float64 attention per sequence b over keys [0, L_b), row i seeing keys j <= L_b - Nq + i; GQA by
+    repeating each KV head for its query heads. Returns (o, natural-log lse)."""
+    B, Hq, Nq, d = q.shape
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    o = torch.zeros(q.shape, dtype=torch.float64)
+    lse = torch.zeros(q.shape[:3], dtype=torch.float64)
+    for b in range(B):
+        n = int(lengths[b])
+        kk = k[b, :, :n].double().repeat_interleave(group, 0)
+        vv = v[b, :, :n].double().repeat_interleave(group, 0)
+        s = q[b].double() @ kk.transpose(-1, -2) * scale
+        allowed = torch.arange(n)[None, :] <= torch.arange(Nq)[:, None] + (n - Nq)
+        s = s.masked_fill(~allowed, -math.inf)
+        lse[b] = torch.logsumexp(s, -1)
+        o[b] = torch.softmax(s, -1) @ vv
+    return o, lse
+
+
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 1), (8, 2)])
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_matches_float64_ragged_gqa(seed, hq, hkv, nq, num_splits):
+    B, n_max, d = 3, 45, 24  # 45: not a multiple of the tile or the split; d 24: not a power of two
+    q = torch.randn(B, hq, nq, d)
+    k, v = torch.randn(B, hkv, n_max, d), torch.randn(B, hkv, n_max, d)
+    lengths = torch.tensor([n_max, nq, 20], dtype=torch.int32)  # full, only the new rows, ragged
+    o, lse = flash_decode(q, k, v, lengths, num_splits=num_splits, return_lse=True)
+    ref_o, ref_lse = reference(q, k, v, lengths)
+    assert o.shape == q.shape and o.dtype == torch.float32 and lse.shape == (B, hq, nq)
+    err = (o.double() - ref_o).abs().max().item()
+    lerr = (lse.double() - ref_lse).abs().max().item()
+    assert err < 2e-5 and lerr < 2e-5, f"seed={seed}: o err {err}, lse err {lerr}"
+
+
+def test_strided_cache_view_default_lengths_and_scale(seed):
+    """A prefix view of a bigger cache (as the model passes it), lengths None = Nmax, 16 rows."""
+    cache = torch.randn(2, 2, 2, 64, 32)  # (k/v, B, Hkv, slots, d)
+    k, v = cache[0, :, :, :40], cache[1, :, :, :40]
+    q = torch.randn(2, 4, 40, 32).transpose(1, 2)[:, :, :MAX_DECODE_ROWS]  # strided (B, Hq, 16, d)
+    o = flash_decode(q, k, v, softmax_scale=0.3)
+    ref_o, _ = reference(q, k, v, [40, 40], scale=0.3)
+    err = (o.double() - ref_o).abs().max().item()
+    assert err < 2e-5, f"seed={seed}: {err}"
+
+
+def test_float16_close_to_float64(seed):
+    q = torch.randn(2, 4, 1, 64).half()
+    k, v = torch.randn(2, 2, 37, 64).half(), torch.randn(2, 2, 37, 64).half()
+    lengths = torch.tensor([37, 11])
+    o = flash_decode(q, k, v, lengths, num_splits=2)
+    ref_o, _ = reference(q, k, v, lengths)
+    # the FlashAttention rule: no worse than twice PyTorch's own float16 error, plus 1e-5
+    torch_err = 0.0
+    for b, n in enumerate(lengths.tolist()):
+        kk = k[b, :, :n].repeat_interleave(2, 0)
+        vv = v[b, :, :n].repeat_interleave(2, 0)
+        p = torch.softmax((q[b].float() @ kk.float().transpose(-1, -2) / 8.0), -1).half()
+        torch_err = max(torch_err, (p.float() @ vv.float()).half().double().sub(ref_o[b]).abs().max().item())
+    err = (o.double() - ref_o).abs().max().item()
+    assert o.dtype == torch.float16 and err <= 2 * torch_err + 1e-5, f"seed={seed}: {err} vs {torch_err}"
+
+
+def test_bfloat16_runs_in_float32_under_interpreter(seed):
+    q, k = torch.randn(1, 2, 2, 16).bfloat16(), torch.randn(1, 2, 9, 16).bfloat16()
+    o = flash_decode(q, k, k)
+    ref_o, _ = reference(q, k, k, [9])
+    assert o.dtype == torch.bfloat16 and (o.double() - ref_o).abs().max().item() < 2e-2, f"seed={seed}"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(q=torch.randn(1, 2, 17, 16)), "1..16 query rows"),
+    (dict(q=torch.randn(1, 3, 1, 16)), "multiple of KV heads"),
+    (dict(q=torch.randn(1, 2, 1, 16).double()), "one dtype"),
+    (dict(cache_seqlens=torch.tensor([0])), r"cache_seqlens must be in \[Nq=1"),
+    (dict(cache_seqlens=torch.tensor([11])), "max 11"),
+    (dict(cache_seqlens=torch.tensor([3.0])), "int32/int64 tensor"),
+    (dict(num_splits=0), "num_splits must be an int >= 1"),
+])
+def test_errors(kwargs, match):
+    args = dict(q=torch.randn(1, 2, 1, 16), k_cache=torch.randn(1, 2, 10, 16),
+                v_cache=torch.randn(1, 2, 10, 16))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        flash_decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+
+
+def test_needs_interpreter_or_cuda(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        flash_decode(torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
+
+
+@pytest.mark.parametrize("dtype,d,group,n_q", [(torch.bfloat16, 128, 8, 1), (torch.float16, 64, 1, 16),
+                                               (torch.float32, 64, 4, 1)])
+def test_kernels_compile_for_sm90(dtype, d, group, n_q):
+    """No GPU here: compile both kernels for sm_90 as a launch would (catches compiled-mode-only errors;
+    speed and GPU accuracy are for the GPU session)."""
+    from kernels._triton_kernels import mode_problem
+    from kernels.compile_report import compile_decode_kernel
+
+    if mode_problem(False):
+        pytest.skip(mode_problem(False))
+    split = compile_decode_kernel("split", dtype, d, group=group, n_q=n_q)
+    combine = compile_decode_kernel("combine", dtype, d, group=group, n_q=n_q)
+    assert split.metadata.shared < 228 * 1024 and combine.asm["ptx"]
+    if dtype != torch.float32:
+        assert "mma" in split.asm["ptx"]  # the tile products run on tensor cores
+
+
+def test_decode_bench_dry_run(tmp_path):
+    """bench.decode's plumbing on the CPU: every provider checked against the reference, then timed."""
+    from bench import decode
+
+    code = decode.main(["--dry-run", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
+                        "--dims", "16", "--groups", "4", "--kv-heads", "2",
+                        "--providers", "flash-decode,naive,sdpa-math", "--e2e",
+                        "--e2e-backends", "naive", "--prompt-len", "4", "--new-tokens", "3"])
+    assert code == 0
+    data = __import__("json").loads((tmp_path / "decode_dryrun.json").read_text())
+    assert [r["status"] for r in data["kernel"]] == ["ok"] * 3, data["kernel"]
+    assert all(r["max_abs_err"] < 1e-4 for r in data["kernel"])
+    assert [r["status"] for r in data["e2e"]] == ["ok"] * 2 and data["meta"]["copy_ceiling_gbs"] > 0
+    assert "flash-decode" in (tmp_path / "decode_dryrun.md").read_text()
+
+
+def test_op_path_equals_eager(seed):
+    """Under torch.compile, fake tensors etc. flash_decode goes through flashgpt::flash_decode_cpu:
+    same kernels, bitwise the same result as the eager launch; the fake gives the shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kernels.flash_decode import flash_decode_cpu_op
+
+    q, k, v = torch.randn(2, 4, 2, 16), torch.randn(2, 2, 30, 16), torch.randn(2, 2, 30, 16)
+    lengths = torch.tensor([30, 9], dtype=torch.int32)
+    o, lse = flash_decode(q, k, v, lengths, num_splits=2, return_lse=True)
+    o2, lse2 = flash_decode_cpu_op(q, k, v, lengths, 0.25, 2)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"seed={seed}"
+    with FakeTensorMode() as mode:
+        fo = flash_decode(*(mode.from_tensor(t) for t in (q, k, v, lengths)))
+    assert fo.shape == q.shape and fo.dtype == q.dtype
+    result = torch.library.opcheck(flash_decode_cpu_op, (q, k, v, lengths, 0.25, 2))
+    assert set(result.values()) == {"SUCCESS"}, result

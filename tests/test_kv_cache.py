@@ -1,0 +1,217 @@
+"""KV cache: bottom-right causal attention to a cache prefix, cached == uncached generation, sampling."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+from model.attention import cached_attention, register_attention_backend
+from model.sampling import sample_next
+
+BACKENDS = [("naive", "auto"), ("sdpa", "auto"), ("sdpa", "math"), ("flash", "auto")]
+
+
+@pytest.fixture
+def seed() -> int:
+    s = int(os.environ.get("MODEL_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={s} (replay with MODEL_TEST_SEED={s})")
+    torch.manual_seed(s)
+    return s
+
+
+def _need(backend: str, monkeypatch) -> None:
+    if backend == "flash":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by kernels at call time
+        kernels = pytest.importorskip("kernels")
+        kernels.check_flash_available(torch.device("cpu"))
+
+
+def reference_bottom_right(q, k, v) -> torch.Tensor:
+    """float64 attention, query i of Nq sees keys j <= i + Nk - Nq (explicit max-subtracted softmax)."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
+    allowed = torch.arange(nk).view(1, nk) <= torch.arange(nq).view(nq, 1) + (nk - nq)
+    s = torch.where(allowed, s, torch.full_like(s, -math.inf))
+    p = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+    return torch.einsum("bhij,bhjd->bhid", p / p.sum(dim=-1, keepdim=True), v)
+
+
+@pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 37), (3, 20), (5, 5)])
+def test_cached_attention_matches_float64_reference(seed, monkeypatch, backend, sdpa_backend, nq, nk):
+    _need(backend, monkeypatch)
+    # a strided view of a preallocated cache, as the model passes it
+    cache = torch.randn(2, 2, 3, 48, 16, dtype=torch.float64).float()
+    k, v = cache[0, :, :, :nk], cache[1, :, :, :nk]
+    q = torch.randn(2, 3, nq, 16)
+    out = cached_attention(q, k, v, backend, sdpa_backend)
+    ref = reference_bottom_right(q, k, v)
+    assert out.shape == (2, 3, nq, 16) and out.dtype == torch.float32
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, f"seed={seed} {backend}/{sdpa_backend} nq={nq} nk={nk}: rel err {err}"
+
+
+def test_cached_attention_rejects_bad_shapes_and_backends():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 3, 8)
+    with pytest.raises(ValueError, match="Nk >= Nq"):
+        cached_attention(q, k, k, "naive")
+    register_attention_backend("test_no_cache", lambda q, k, v, s: q, overwrite=True)
+    with pytest.raises(ValueError, match="kv_cache=True"):
+        cached_attention(q[:, :, :1], k, k, "test_no_cache")
+
+
+def _model(backend: str, block_size: int = 16) -> GPT:
+    cfg = GPTConfig(block_size=block_size, vocab_size=61, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
+                    attention=backend)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # larger weights than GPT-2's init: logits far apart, so argmax ties are unlikely
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
+def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backend):
+    """Prefill 5 tokens, then decode one at a time: each step's logits equal the full forward's logits at
+    that position (float32, CPU)."""
+    _need(backend, monkeypatch)
+    model = _model(backend)
+    model.set_attention_backend(backend, sdpa_backend)
+    idx = torch.randint(0, 61, (3, 16))
+    full, _ = model(idx)
+    cache = model.make_kv_cache(3)
+    got = [model.forward_cached(idx[:, :5], cache)]
+    for t in range(5, 16):
+        got.append(model.forward_cached(idx[:, t : t + 1], cache))
+    assert cache.length == 16 and cache.k.shape == (2, 3, 2, 16, 16)
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"seed={seed} {backend}: {m}")
+    with pytest.raises(ValueError, match="at cache position 16"):
+        model.forward_cached(idx[:, :1], cache)
+
+    # static decode steps: whole-buffer length mask, same logits
+    cache.reset()
+    got = [model.forward_cached(idx[:, :5], cache)]
+    for t in range(5, 16):
+        got.append(model.decode_step(idx[:, t : t + 1], cache))
+    assert cache.length == 16 and cache.lengths.tolist() == [16, 16, 16]
+    torch.testing.assert_close(torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5,
+                               msg=lambda m: f"seed={seed} {backend} static: {m}")
+    with pytest.raises(ValueError, match="KV cache is full"):
+        model.decode_step(idx[:, :1], cache)
+
+
+@pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
+def test_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend):
+    """Greedy tokens with the KV cache == recomputing the whole prefix each step, for every backend,
+    including past the block size (the window slides: 5 + 20 > 16)."""
+    _need(backend, monkeypatch)
+    model = _model(backend)
+    model.set_attention_backend(backend, sdpa_backend)
+    prompt = torch.randint(0, 61, (2, 5))
+    timings: dict = {}
+    cached = model.generate(prompt, 20, temperature=0, timings=timings)
+    plain = model.generate(prompt, 20, temperature=0, use_cache=False)
+    static = model.generate(prompt, 20, temperature=0, static_decode=True)
+    assert torch.equal(cached, plain), f"seed={seed} {backend}/{sdpa_backend}\n{cached}\n{plain}"
+    assert torch.equal(static, plain), f"seed={seed} {backend}/{sdpa_backend} static\n{static}\n{plain}"
+    assert cached.shape == (2, 25) and torch.equal(cached[:, :5], prompt)
+    assert timings["prefill_tokens"] == 2 * 5 and timings["decode_tokens"] == 2 * 19
+    assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
+
+
+def test_sampling_with_cache_is_reproducible(seed):
+    model = _model("sdpa")
+    prompt = torch.randint(0, 61, (4, 3))
+    a = model.generate(prompt, 12, temperature=0.9, top_k=20, top_p=0.9,
+                       generator=torch.Generator().manual_seed(seed))
+    b = model.generate(prompt, 12, temperature=0.9, top_k=20, top_p=0.9,
+                       generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(a, b), f"seed={seed}"
+
+
+def test_generate_prompt_longer_than_block_size(seed):
+    model = _model("naive", block_size=8)
+    prompt = torch.randint(0, 61, (1, 13))
+    out = model.generate(prompt, 4, temperature=0)
+    assert torch.equal(out, model.generate(prompt, 4, temperature=0, use_cache=False)), f"seed={seed}"
+    assert torch.equal(out[:, :13], prompt)
+
+
+# ------------------------------------------------------------------------------------ sampling
+
+
+def test_sample_next_filters(seed):
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).repeat(4000, 1)
+    g = torch.Generator().manual_seed(seed)
+    assert torch.equal(sample_next(logits[:2], 0), torch.tensor([[1], [1]]))
+    assert set(sample_next(logits, 1.0, top_k=1, generator=g).unique().tolist()) == {1}
+    assert set(sample_next(logits, 1.0, top_k=2, generator=g).unique().tolist()) == {1, 3}
+    # top_p=0.8: 0.5 + 0.3 reaches it, so only ids 1 and 3 remain, renormalised to 0.625 / 0.375
+    got = sample_next(logits, 1.0, top_p=0.8, generator=g).flatten()
+    assert set(got.unique().tolist()) == {1, 3}, f"seed={seed}"
+    frac = (got == 1).double().mean().item()
+    assert abs(frac - 0.625) < 0.04, f"seed={seed}: {frac}"
+    assert set(sample_next(logits, 1.0, top_p=0.01, generator=g).unique().tolist()) == {1}
+    assert set(sample_next(logits, 1.0, top_p=1.0, generator=g).unique().tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-0.1), "temperature must be >= 0"),
+    (dict(temperature=float("nan")), "temperature must be >= 0"),
+    (dict(top_k=0), "top_k must be an int >= 1"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+])
+def test_sampling_argument_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample_next(torch.zeros(1, 5), **{"temperature": 1.0, **kwargs})
+    with pytest.raises(ValueError, match=match):
+        _model("naive").generate(torch.zeros(1, 2, dtype=torch.long), 1, **{"temperature": 1.0, **kwargs})
+
+
+def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
+    """attention=flash: the prefill runs flash_attention, each decode step (per layer) flash_decode."""
+    _need("flash", monkeypatch)
+    import kernels
+
+    calls = {"decode": 0, "attention": 0}
+    real_decode, real_attention = kernels.flash_decode, kernels.flash_attention
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(kernels, "flash_decode", count("decode", real_decode))
+    monkeypatch.setattr(kernels, "flash_attention", count("attention", real_attention))
+    model = _model("flash")
+    model.generate(torch.randint(0, 61, (2, 3)), 4, temperature=0)
+    assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flash"])
+def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend):
+    """The static decode step compiles once for every position (no recompile: shapes and Python state
+    do not change between steps), without graph breaks (flash: the flash_decode op), and gives the
+    uncached tokens."""
+    _need(backend, monkeypatch)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _model(backend)
+    prompt = torch.randint(0, 61, (2, 3))
+    ref = model.generate(prompt, 10, temperature=0, use_cache=False)
+    model._decode_static = torch.compile(model._decode_static)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = model.generate(prompt, 10, temperature=0, static_decode=True)
+    assert torch.equal(out, ref), f"seed={seed}"
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)

@@ -1,0 +1,233 @@
+"""Sampling: standalone checkpoints (tokenizer inside), the KV cache, sample.py and eval.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_train import REPO, describe, prepare_char_data, read_jsonl, run_train, tiny_overrides, train_env
+
+from trainer.checkpoint import tokenizer_from_checkpoint, tokenizer_record
+
+CHARS = list("\n !,.:;?ABCabc")
+
+
+def _char_meta(itos=CHARS) -> dict:
+    return {"format_version": 1, "tokenizer": "char", "vocab_size": len(itos), "train_tokens": 0,
+            "val_tokens": 0, "source": "x", "source_sha256": "0", "dtype": "uint16", "itos": list(itos)}
+
+
+def _write_meta(d, meta) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "meta.json").write_text(json.dumps(meta))
+
+
+# ------------------------------------------------------------------------------ standalone checkpoints
+
+
+def test_tokenizer_record_holds_char_vocabulary():
+    rec = tokenizer_record(_char_meta())
+    assert rec == {"name": "char", "vocab_size": len(CHARS), "itos": CHARS}
+    tok = tokenizer_from_checkpoint({"tokenizer": rec, "config": {"data": {"dir": "/nonexistent"}}})
+    assert tok.decode(tok.encode("Abc, cab!\n")) == "Abc, cab!\n"
+
+
+def test_old_checkpoint_falls_back_to_meta_json(tmp_path):
+    _write_meta(tmp_path / "d", _char_meta())
+    old = {"tokenizer": {"name": "char", "vocab_size": len(CHARS)},
+           "config": {"data": {"dir": str(tmp_path / "d")}}}
+    assert tokenizer_from_checkpoint(old).itos == CHARS
+    # an explicit data_dir wins over the config's
+    _write_meta(tmp_path / "e", _char_meta(CHARS[::-1]))
+    assert tokenizer_from_checkpoint(old, tmp_path / "e").itos == CHARS[::-1]
+
+
+def test_old_checkpoint_without_meta_json_is_a_clear_error(tmp_path):
+    old = {"tokenizer": {"name": "char", "vocab_size": 14},
+           "config": {"data": {"dir": str(tmp_path / "gone")}}}
+    with pytest.raises(ValueError, match="not in the checkpoint.*meta.json"):
+        tokenizer_from_checkpoint(old)
+    with pytest.raises(ValueError, match="names no data.dir"):
+        tokenizer_from_checkpoint({"tokenizer": {"name": "char", "vocab_size": 14}})
+    _write_meta(tmp_path / "small", _char_meta(CHARS[:5]))
+    with pytest.raises(ValueError, match="vocab_size=14"):
+        tokenizer_from_checkpoint(old, tmp_path / "small")
+    with pytest.raises(ValueError, match="names no tokenizer"):
+        tokenizer_from_checkpoint({"model": {}})
+
+
+def test_gpt2_checkpoint_tokenizer(gpt2_bpe):
+    tok = tokenizer_from_checkpoint({"tokenizer": {"name": "gpt2", "vocab_size": 50257}})
+    assert tok.decode(tok.encode("To be, or not")) == "To be, or not"
+
+
+# ------------------------------------------------------------------------ sample.py / eval.py end to end
+
+SAMPLE = REPO / "sample.py"
+EVAL = REPO / "eval.py"
+
+
+def _tree(d: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under d (what a refused command must leave as it was)."""
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, shakespeare_path):
+    """A 6-step experiment=cpu_tiny run (seq_len 64): (run dir, data dir)."""
+    base = tmp_path_factory.mktemp("sample")
+    data = prepare_char_data(base, shakespeare_path)
+    run = base / "run"
+    args = tiny_overrides(data, shakespeare_path, run, max_steps=6, checkpoint__interval=3,
+                          optim__decay_steps=6, eval__interval=0, model__dropout=0.0)
+    proc = run_train(["experiment=cpu_tiny", *args])
+    assert proc.returncode == 0, describe(proc)
+    return run, data
+
+
+def _run(script: Path, args: list[str], cwd: Path, **env):
+    return subprocess.run([sys.executable, str(script), *args], cwd=str(cwd), env=train_env(**env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_trainer_checkpoint_holds_char_vocabulary(trained):
+    run, data = trained
+    state = torch.load(run / "ckpt" / "step_00000006.pt", weights_only=True)
+    assert state["tokenizer"]["itos"] == json.loads((data / "meta.json").read_text())["itos"]
+
+
+def test_sample_end_to_end(trained, tmp_path):
+    run, _ = trained
+    records = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
+    proc = _run(SAMPLE, [f"run={run}", "prompt=ROMEO:", "num_samples=2", "max_new_tokens=30", "seed=3"],
+                tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert "sample 1/2" in proc.stdout and "sample 2/2" in proc.stdout and "ROMEO:" in proc.stdout
+    assert "step_00000006.pt" in proc.stdout  # the newest checkpoint
+    assert re.search(r"prefill 12 tokens at [\d.]+ tok/s \| decode 58 tokens at [\d.]+ tok/s", proc.stdout)
+    (js,) = (run / "samples").glob("*.json")
+    rec = json.loads(js.read_text())
+    assert rec["step"] == 6 and len(rec["samples"]) == 2 and all(len(t) == 30 for t in rec["token_ids"])
+    assert js.with_suffix(".txt").read_text().count("ROMEO:") == 2
+    assert rec["decode_tokens_per_sec"] > 0 and rec["prefill_tokens_per_sec"] > 0
+    assert list(tmp_path.iterdir()) == []  # nothing in the launch directory (no outputs/, .hydra/, log)
+    after = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
+    assert after == records  # training records untouched
+
+
+def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
+    """Greedy text of the trained model: the same with naive, sdpa (math), flash (interpreter; its decode
+    steps run flash_decode), without the KV cache and with static decode steps."""
+    run, _ = trained
+    common = [f"run={run}", "prompt=First Citizen:", "num_samples=1", "max_new_tokens=8", "temperature=0"]
+    texts = []
+    for extra, env in [([], {}), (["attention=sdpa", "attention.sdpa_backend=math"], {}),
+                       (["use_cache=false"], {}), (["static_decode=true"], {}),
+                       (["attention=flash"], {"TRITON_INTERPRET": "1"}),
+                       (["attention=flash", "static_decode=true"], {"TRITON_INTERPRET": "1"})]:
+        out = tmp_path / f"{len(texts)}.txt"
+        proc = _run(SAMPLE, [*common, *extra, f"out={out}"], tmp_path, **env)
+        assert proc.returncode == 0, describe(proc)
+        texts.append(json.loads(out.with_suffix(".json").read_text())["token_ids"])
+    assert all(t == texts[0] for t in texts), texts
+
+
+def test_sample_from_checkpoint_file_alone(trained, tmp_path):
+    """A checkpoint whose data directory is gone still samples (the vocabulary is inside); an older
+    checkpoint without it falls back to meta.json, or is a clear error when that is gone too."""
+    run, data = trained
+    state = torch.load(run / "ckpt" / "step_00000006.pt", weights_only=True)
+    state["config"]["data"]["dir"] = str(tmp_path / "gone")
+    torch.save(state, tmp_path / "alone.pt")
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'alone.pt'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert len(list(tmp_path.glob("samples/*.txt"))) == 1  # beside the checkpoint: no ckpt/ folder above it
+    del state["tokenizer"]["itos"]
+    torch.save(state, tmp_path / "old_gone.pt")
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old_gone.pt'}", "max_new_tokens=5"], tmp_path)
+    assert proc.returncode == 2 and "meta.json" in proc.stderr and "not in the checkpoint" in proc.stderr
+    state["config"]["data"]["dir"] = str(data)
+    torch.save(state, tmp_path / "old.pt")
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old.pt'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run={tmp}/nope"], "no such run directory"),
+    (["run={empty}"], "it has no checkpoint"),
+    (["ckpt={tmp}/nope.pt"], "no such checkpoint file"),
+    ([], "say which run"),
+    (["run={run}", "prompt='héllo'"], "character 'é'"),
+    (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
+    (["run={run}", "prompt=''"], "prompt is empty"),
+    (["run={run}", "num_samples=0"], "num_samples must be an int >= 1"),
+    (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
+    (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
+    (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
+    (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
+    (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
+])
+def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
+    run, _ = trained
+    (tmp_path / "empty").mkdir()
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    before = _tree(run), _tree(tmp_path)
+    args = [a.format(run=run, tmp=tmp_path, empty=tmp_path / "empty") for a in args]
+    proc = _run(SAMPLE, args, launch)
+    assert proc.returncode == 2, describe(proc)
+    assert message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    assert (_tree(run), _tree(tmp_path)) == before
+
+
+def test_sample_long_prompt_keeps_last_block(trained, tmp_path):
+    run, _ = trained
+    (tmp_path / "p.txt").write_text("ab" * 50)  # 100 chars, block size 64
+    proc = _run(SAMPLE, [f"run={run}", f"prompt=file:{tmp_path / 'p.txt'}", "max_new_tokens=2",
+                         "num_samples=1", f"out={tmp_path / 's.txt'}"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert "keeping its last 64 tokens" in proc.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["prompt_tokens"] == 64
+
+
+def test_eval_matches_the_runs_val_loss(trained, tmp_path):
+    run, _ = trained
+    records = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
+    logged = [r["val/loss"] for r in read_jsonl(run) if "val/loss" in r][-1]
+    results = {}
+    for extra in ([], ["attention=sdpa"], ["data.split=train"]):
+        proc = _run(EVAL, [f"run={run}", *extra], tmp_path)
+        assert proc.returncode == 0, describe(proc)
+        (new,) = set((run / "evals").glob("*.json")) - set(results.values())
+        results[" ".join(extra)] = new
+    val = json.loads(results[""].read_text())
+    assert val["step"] == 6 and val["split"] == "val" and "perplexity" in val
+    assert abs(val["loss"] - logged) < 1e-5, (val, logged)
+    assert abs(json.loads(results["attention=sdpa"].read_text())["loss"] - logged) < 1e-5
+    train = json.loads(results["data.split=train"].read_text())
+    assert train["split"] == "train" and abs(train["loss"] - logged) > 1e-7 and train["loss"] < 4.0
+    assert abs(val["perplexity"] - math.exp(val["loss"])) < 1e-9
+    after = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
+    assert after == records and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run={tmp}/nope"], "no such run directory"),
+    (["run={run}", "data.split=test"], "use val or train"),
+    (["run={run}", "data.dir={tmp}/nodata"], "not found"),
+    (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
+])
+def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
+    run, _ = trained
+    before = _tree(run)
+    proc = _run(EVAL, [a.format(run=run, tmp=tmp_path) for a in args], tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr, describe(proc)
+    assert _tree(run) == before and list(tmp_path.iterdir()) == []

@@ -1,0 +1,130 @@
+"""Shared by ``sample.py`` and ``eval.py``: find a run's checkpoint, rebuild its model and tokenizer.
+
+Everything here raises ``InferError`` for a user error (bad path, no checkpoint, bad setting); the entry
+points print its message and exit 2 without writing anything.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InferError(Exception):
+    """A user error of sample.py / eval.py: the message names the key and what to do (exit 2)."""
+
+
+def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
+    """The checkpoint to use, as (path, state, run directory).
+
+    ``ckpt_path`` wins when given (its run directory is the folder above its ``ckpt/``, or ``run`` when
+    given); else the newest checkpoint of ``run`` that loads (unloadable ones are skipped with a warning).
+
+    Raises:
+        InferError: neither given, the run directory or checkpoint file does not exist, the file is not
+            a loadable flashgpt checkpoint, or the run has no loadable checkpoint.
+    """
+    if ckpt_path:
+        p = Path(ckpt_path)
+        if not p.is_file():
+            raise InferError(f"ckpt={ckpt_path}: no such checkpoint file")
+        try:
+            state = ckpt.load_checkpoint(p, map_location="cpu")
+        except Exception as e:  # noqa: BLE001 - truncated, corrupt, not ours: all the same to the user
+            raise InferError(f"ckpt={ckpt_path} does not load ({type(e).__name__}: {e})") from e
+        run_dir = Path(run) if run else (p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent)
+        return p, state, run_dir
+    if not run:
+        raise InferError("say which run to use: run=runs/<run> (its newest checkpoint) or ckpt=PATH")
+    run_dir = Path(run)
+    if not run_dir.is_dir():
+        raise InferError(f"run={run}: no such run directory (runs are under runs/, e.g. run=runs/<name>)")
+    path, state = ckpt.load_newest(run_dir, map_location="cpu", warn=warn)
+    if path is None:
+        found = len(ckpt.list_checkpoints(run_dir))
+        why = f"none of its {found} checkpoints loads" if found else "it has no checkpoint"
+        raise InferError(
+            f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); train it further or pass ckpt=PATH"
+        )
+    return path, state, run_dir
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu. Raises InferError for cuda without a GPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise InferError(f"device={device!r} is not a device; use auto, cpu or cuda") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InferError(f"device={device} but no CUDA GPU is available; use device=cpu (or auto)")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` -> bfloat16 on cuda, float32 on cpu; else one of ``DTYPES``. Raises InferError."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise InferError(f"dtype={dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def build_model(state: dict, attention: str | None, sdpa_backend: str | None, device: torch.device,
+                dtype: torch.dtype):
+    """The checkpoint's GPT in eval mode on ``device`` in ``dtype`` (weights cast), with attention backend
+    ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one).
+
+    Raises:
+        InferError: an unknown backend, head dim unsupported by flash, flash on a CPU without
+            TRITON_INTERPRET=1 (or in a dtype the Triton interpreter lacks), or weights that do not fit.
+    """
+    import dataclasses
+
+    from model import GPT, GPTConfig
+
+    args = dict(state["model_args"])
+    args["dropout"] = 0.0  # inference: no dropout whatever the run trained with
+    if attention:
+        args["attention"] = attention
+    if sdpa_backend:
+        args["sdpa_backend"] = sdpa_backend
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    try:
+        config = GPTConfig(**{k: v for k, v in args.items() if k in fields})
+    except ValueError as e:
+        raise InferError(f"attention={args.get('attention')}: {e}") from e
+    if config.attention == "flash":
+        from kernels import check_flash_available
+
+        try:
+            check_flash_available(device)
+        except RuntimeError as e:
+            raise InferError(f"attention=flash: {e}") from e
+        if device.type == "cpu" and dtype == torch.bfloat16:
+            raise InferError("attention=flash on the CPU (Triton interpreter) runs float32/float16 only; "
+                             "use dtype=float32")
+    model = GPT(config)
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as e:
+        raise InferError(f"the checkpoint's weights do not fit its model_args: {e}") from e
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def read_prompt(prompt: str) -> str:
+    """``prompt`` itself, or the text of PATH for ``file:PATH`` (UTF-8). Raises InferError."""
+    if prompt.startswith("file:"):
+        path = Path(os.path.expanduser(prompt[len("file:"):]))
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InferError(f"prompt=file:{path}: cannot read it as UTF-8 text ({e})") from e
+    return prompt
