@@ -6,18 +6,20 @@ Public API:
   return_lse=False)` -- split-K flash-decoding of 1..16 query rows against a KV cache (inference only;
   verified under the CPU interpreter, GPU verification and benchmark pending)
 * `check_flash_available(device)` -> None, or raises FlashAttentionUnavailableError (a RuntimeError)
-* custom ops `torch.ops.flashgpt.flash_attn_fwd` / `torch.ops.flashgpt.flash_attn_bwd`
+* ops `torch.ops.flashgpt.flash_attn_fwd` / `flash_attn_bwd` (triton ops, CUDA) and `flash_attn_fwd_cpu` /
+  `flash_attn_bwd_cpu` (custom ops, interpreter)
 
 Files:
-* `flash_attn.py`      validation, launchers, custom ops, public API
-* `_triton_kernels.py` the Triton kernels (forward, backward preprocess, dK/dV, dQ)
+* `flash_attn.py`      validation, launchers, ops, public API
+* `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen
 * `compile_report.py`  `python -m kernels.compile_report`: compile for sm_90 without a GPU and print
                        shared memory, registers and spills per tile config (for tuning)
 
-Importing this package does not import triton; kernels are built on first use, for the interpreter
-when TRITON_INTERPRET is set at call time, compiled otherwise.
+Kernels are built on first use, for the interpreter when TRITON_INTERPRET is set at call time,
+compiled otherwise. Importing this package imports triton only on a CUDA machine without
+TRITON_INTERPRET, to install the scratch allocator of the device-side tensor descriptors.
 """
 
 from .flash_attn import (
