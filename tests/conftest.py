@@ -53,3 +53,22 @@ def gpt2_bpe():
         cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
         pytest.skip(f"needs tiktoken's GPT-2 BPE files: none in TIKTOKEN_CACHE_DIR={cache}, and the "
                     f"download failed ({cause}: offline?)")
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory, shakespeare_path) -> Path:
+    """Tiny Shakespeare prepared with the char tokenizer, once per test session."""
+    from helpers_train import prepare_char_data
+
+    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
+
+
+@pytest.fixture(scope="session")
+def tiny(char_data, shakespeare_path):
+    """Factory: `helpers_train.tiny_overrides` bound to the shared char data: (out_dir, **extra) -> args."""
+    from helpers_train import tiny_overrides
+
+    def make(out_dir: Path, **extra) -> list[str]:
+        return tiny_overrides(char_data, shakespeare_path, out_dir, **extra)
+
+    return make

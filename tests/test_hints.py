@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from helpers_train import REPO, compose_cfg, prepare_char_data
+from helpers_train import REPO, compose_cfg
 from omegaconf import OmegaConf
 
 from trainer.checks import (
@@ -169,11 +169,6 @@ def test_pinned_sdpa_backend_hint_runs():
 
 
 # ------------------------------------------------------------------------------------------ data
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path):
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
 
 
 def test_data_hints_are_accepted(char_data, tmp_path, shakespeare_path):

@@ -26,7 +26,6 @@ from helpers_train import (
     REPO,
     TRAIN,
     describe,
-    prepare_char_data,
     read_jsonl,
     run_train,
     summary,
@@ -41,11 +40,6 @@ from trainer.wandb_read import find_wandb_files, read_offline_run, read_wandb_fi
 pytestmark = pytest.mark.slow
 
 TOKEN_DIR = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_naive_n32_[a-z0-9]{6}$")
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path) -> Path:
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
 
 
 @pytest.fixture(scope="module")

@@ -18,31 +18,16 @@ from helpers_train import (
     REPO,
     TRAIN,
     describe,
-    prepare_char_data,
     read_jsonl,
     run_inprocess,
     run_train,
     summary,
-    tiny_overrides,
     train_env,
     train_losses,
     val_losses,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path) -> Path:
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
-
-
-@pytest.fixture(scope="module")
-def tiny(char_data, shakespeare_path):
-    def make(out_dir: Path, **extra) -> list[str]:
-        return tiny_overrides(char_data, shakespeare_path, out_dir, **extra)
-
-    return make
 
 
 def _mount_tmpfs(where: Path, options: str) -> None:

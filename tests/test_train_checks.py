@@ -7,14 +7,9 @@ import json
 import os
 
 import pytest
-from helpers_train import compose_cfg, prepare_char_data, run_inprocess, tiny_overrides
+from helpers_train import compose_cfg, run_inprocess, tiny_overrides
 
 from trainer.checks import ConfigError, check_resume_compatible, resolve_plan
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path):
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
 
 
 @pytest.fixture

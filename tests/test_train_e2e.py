@@ -22,12 +22,10 @@ from helpers_train import (
     REPO,
     TRAIN,
     describe,
-    prepare_char_data,
     read_jsonl,
     run_inprocess,
     run_train,
     summary,
-    tiny_overrides,
     train_env,
     train_losses,
     val_losses,
@@ -36,21 +34,6 @@ from helpers_train import (
 from trainer.wandb_read import read_offline_run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path) -> Path:
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
-
-
-@pytest.fixture(scope="module")
-def tiny(char_data, shakespeare_path):
-    """Factory: tiny_overrides bound to the shared data."""
-
-    def make(out_dir: Path, **extra) -> list[str]:
-        return tiny_overrides(char_data, shakespeare_path, out_dir, **extra)
-
-    return make
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_train import describe, prepare_char_data, run_train, summary, tiny_overrides, train_losses
+from helpers_train import describe, run_train, summary, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(scope="module")
-def char_data(tmp_path_factory, shakespeare_path):
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
 
 
 def _gpu_run(char_data, shakespeare_path, out, **extra):
