@@ -18,11 +18,7 @@ Conventions shared by every kernel
   and/or sequence-end blocks).
 * Head dim d is padded to BLOCK_D = max(16, next_pow2(d)) with masked loads/stores (EVEN_D skips it).
 * Batch/head indices are int64 before multiplying by strides; the block start offsets are too.
-* Two backward designs. Deterministic (split): a dQ program per query block (also computing Delta),
-  then a dK/dV program per key block; every output element is written by exactly one program, 7 matrix
-  products per tile pair. One-pass (`ATOMIC_DQ`): Delta and a zeroed float32 dQ buffer first, then one
-  dK/dV program per key block that also adds its dQ contributions with atomics (TMA reduce-add on
-  Hopper): 5 products per tile, summation order of dQ not fixed.
+* No atomics: every output element is written by exactly one program -> deterministic backward.
 * Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
   built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
 
@@ -244,15 +240,8 @@ def _bwd_dkdv_inner(
     QD, DOD, q_row, q_col, do_row, do_col,
     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    dq_base, stride_aqm, DQD, dq_row, softmax_scale, ATOMIC_DQ: tl.constexpr,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
-
-    ATOMIC_DQ (the one-pass backward): also add dQ_i += scale * dS_ij K_j of every visited query block
-    into the float32 buffer at dq_base (row stride stride_aqm), through the tensor descriptor DQD at row
-    dq_row + start_m when USE_TMA (a TMA reduce-add of the whole tile), else with element atomics.
-    Other key blocks add into the same rows concurrently, so the summation order, and hence the last
-    bits of dQ, vary from run to run.
 
     MASKED: query blocks starting before `mask_to` (those on the diagonal) get the causal mask; the
     later ones skip the mask arithmetic. One loop for both parts: with two pipelined loops carrying
@@ -286,14 +275,6 @@ def _bwd_dkdv_inner(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            # -- dQ_i += scale * dS_ij K_j: the fifth product of the tile, added into the float32 buffer
-            dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION) * softmax_scale
-            if USE_TMA:
-                DQD.atomic_add([dq_row + start_m, 0], dq_part)
-            else:
-                dq_ptrs = dq_base + rows[:, None] * stride_aqm + offs_d[None, :]
-                tl.atomic_add(dq_ptrs, dq_part, mask=mask_r[:, None] & mask_d[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -321,15 +302,8 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    DQACC, ATOMIC_DQ: tl.constexpr,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
-
-    ATOMIC_DQ: the one-pass backward (as FlashAttention-2's Algorithm 2 itself, and FlashAttention-3,
-    Shah et al. 2024, section 3): the same programs also add each tile's dQ contribution into the
-    float32 buffer DQACC (B, Hq, Nq, HEAD_DIM), contiguous and zeroed by `_bwd_preprocess_kernel`:
-    5 matrix products per tile instead of the 7 of the split design (dQ kernel + this one). Not
-    deterministic (atomic adds); DQACC None and ATOMIC_DQ False gives the split design's dK/dV kernel.
 
     Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
     over the query blocks that can see this key block; P is recomputed from q, k and LSE.
@@ -377,11 +351,6 @@ def _bwd_dkdv_kernel(
     else:
         QD = None
         DOD = None
-    if ATOMIC_DQ and USE_TMA:
-        DQD = _tma_descriptor(DQACC, (tl.cast(H_Q, tl.int64) * N_Q * tl.num_programs(2)).to(tl.int32),
-                              HEAD_DIM, HEAD_DIM, BLOCK_M, BLOCK_D)
-    else:
-        DQD = None
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -392,20 +361,14 @@ def _bwd_dkdv_kernel(
         q_col = (h * col_qh).to(tl.int32)
         do_row = (b * row_dob + h * row_doh).to(tl.int32)
         do_col = (h * col_doh).to(tl.int32)
-        if ATOMIC_DQ:
-            dq_base = DQACC + stat_base * HEAD_DIM  # row (b, h, 0) of the contiguous float32 buffer
-        else:
-            dq_base = DQACC
-        # -- for each query block i that sees key block j: dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i
-        # (and dQ_i += dS_ij K_j when ATOMIC_DQ); blocks [start_m, full_start) straddle the diagonal
-        # (masked), the later ones see all of j
+        # -- for each query block i that sees key block j: dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i;
+        # blocks [start_m, full_start) straddle the diagonal (masked), the later ones see all of j
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, N_Q, full_start,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
             stride_qm, stride_qd, stride_dom, stride_dod,
             QD, DOD, q_row, q_col, do_row, do_col,
             CAUSAL, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
-            dq_base, HEAD_DIM, DQD, stat_base.to(tl.int32), softmax_scale, ATOMIC_DQ,
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
@@ -416,47 +379,6 @@ def _bwd_dkdv_kernel(
     _store_tile(DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn
                 + tile_n * stride_dvn + offs_d[None, :] * stride_dvd,
                 dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
-
-
-def _bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA, DQACC,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    H_Q, N_Q, HEAD_DIM,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-):
-    """One-pass backward, step 1: Delta_i = rowsum(dO_i * O_i) (- dLSE_i) and a zeroed dQ accumulator.
-
-    Grid: (cdiv(Nq, BLOCK_M), Hq, B). DELTA float32 (B, Hq, Nq); DQACC float32 (B, Hq, Nq, HEAD_DIM),
-    contiguous, into which `_bwd_dkdv_kernel` (ATOMIC_DQ) then adds dQ (FlashAttention-2 section 3.2:
-    D_i = rowsum(dO_i o O_i) is computed once, before the key/value loop).
-    """
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    m0_64 = tl.cast(pid_m * BLOCK_M, tl.int64)
-    tile_m = tl.arange(0, BLOCK_M)
-    offs_m = pid_m * BLOCK_M + tile_m
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < N_Q
-    mask_d = offs_d < HEAD_DIM
-    o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
-                   + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                   mask_m, mask_d, not EVEN_M, not EVEN_D)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
-                    + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                    mask_m, mask_d, not EVEN_M, not EVEN_D)
-    row_ptr = (b * H_Q + h) * N_Q + offs_m
-    # -- D_i = rowsum(dO_i * O_i); d lse_i / d s_ij = P_ij folds into dS = P * (dP - D) as D - dLSE
-    delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
-    tl.store(DELTA + row_ptr, delta, mask=mask_m)
-    # -- dQ accumulator of these rows := 0 (row stride HEAD_DIM)
-    zeros = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-    _store_tile(DQACC + row_ptr[:, None] * HEAD_DIM + offs_d[None, :], zeros, mask_m, mask_d,
-                not EVEN_M, not EVEN_D)
 
 
 def _bwd_dq_inner(
@@ -602,7 +524,6 @@ _KERNELS = {
     "fwd": _fwd_kernel,
     "bwd_dkdv": _bwd_dkdv_kernel,
     "bwd_dq": _bwd_dq_kernel,
-    "bwd_preprocess": _bwd_preprocess_kernel,
 }
 _INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
 _BUILT: dict = {}

@@ -28,7 +28,7 @@ from .tiles import KERNEL_NAMES, TileConfig, block_d_for, get_tile_config
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
-_F32_TENSORS = ("LSE", "DELTA", "DLSE", "DQACC")
+_F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
 # the device-side tensor descriptors' extents and coordinate maps (kernels/flash_attn._tma_operand)
 _DESC_INTS = ("q_rows", "q_cols", "row_qb", "row_qh", "col_qh", "do_rows", "do_cols", "row_dob", "row_doh",
@@ -64,8 +64,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
-    tma: compile "bwd_dkdv" / "bwd_dq" / "bwd_onepass" with (True) or without (False) tensor-descriptor
-        (TMA) loads;
+    tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
         None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA
         the streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
         Without TMA a config's `no_tma` alternative (default or passed in `config`) is compiled, as
@@ -89,7 +88,7 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
     big = 1 << 20
     cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
-    tma_possible = (kernel in ("bwd_dkdv", "bwd_dq", "bwd_onepass") and dtype != torch.float32
+    tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
                     and head_dim == block_d_for(head_dim))
     if tma is None:
         tma = cfg.tma and tma_possible and even
@@ -99,17 +98,15 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
                          "these run with pointer loads")
     if not tma and cfg.no_tma is not None:
         cfg = cfg.no_tma
-    # the one-pass backward is the dK/dV kernel with ATOMIC_DQ
-    fn = build_kernels(False)["bwd_dkdv" if kernel == "bwd_onepass" else kernel]
+    fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even,
                   EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma,
-                  ATOMIC_DQ=kernel == "bwd_onepass")
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma)
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
-        values["EVEN_N" if kernel == "bwd_dq" else "EVEN_M"] = True
+        values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
         if name in _DESC_INTS:

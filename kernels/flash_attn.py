@@ -7,9 +7,8 @@ Gimelshein (2018). The Triton kernels live in `kernels/_triton_kernels.py`, the 
 
 Operators, so torch.compile traces callers without graph breaks:
 * CUDA tensors: `torch.library.triton_op`s
-  `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float, deterministic=False) -> (o, lse)`
-  and `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None,
-  deterministic=False) -> (dq, dk, dv)` (deterministic: the split backward, else the one-pass one).
+  `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)` and
+  `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`.
   Under torch.compile their bodies are traced (`torch.library.wrap_triton`), so the compiled graph
   holds our Triton kernels and Inductor launches them from its generated code (no Python per call;
   CUDA graphs can capture them). Tensor descriptors (TMA) are built on the device, not per call on
@@ -328,14 +327,10 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
     return None if tx is None or ty is None else (*tx, *ty)
 
 
-def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
-                deterministic: bool = False):
-    """(dq, dk, dv) of the backward; `deterministic` picks the split design (dQ kernel, then dK/dV kernel,
-    no atomics: bitwise reproducible), else the one-pass design (preprocess, then one dK/dV kernel adding
-    dQ into a float32 buffer with atomics: 5 instead of 7 matrix products per tile; bench/NOTES.md v8)."""
+def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
-                            softmax_scale, dlse, deterministic=deterministic)
+                            softmax_scale, dlse)
         return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -350,64 +345,46 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
-    c1 = get_tile_config("bwd_dkdv" if deterministic else "bwd_onepass", d, q.dtype, causal, Nq, Nk,
-                         interpret=interp)
+    c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
+    c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
     scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
     forced = tma_override()
     # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
     want1 = (c1.tma if forced is None else forced) and Nq % c1.block_m == 0
+    want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
     tma1 = _tma_pair(q, do, block_d) if want1 else None
+    tma2 = _tma_pair(k, v, block_d) if want2 else None
     # a tile chosen for TMA may name another one for pointer loads (tiles.TileConfig.no_tma)
     if tma1 is None and c1.no_tma is not None:
         c1 = c1.no_tma
-    if deterministic:
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dq_acc = None
-        c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
-        tma2 = _tma_pair(k, v, block_d) if want2 else None
-        if tma2 is None and c2.no_tma is not None:
-            c2 = c2.no_tma
-    else:
-        dq_acc = torch.empty((B, Hq, Nq, d), dtype=torch.float32, device=q.device)  # zeroed by preprocess
-        c2 = get_tile_config("bwd_preprocess", d, q.dtype, causal, Nq, Nk, interpret=interp)
-        tma2 = None
+    if tma2 is None and c2.no_tma is not None:
+        c2 = c2.no_tma
     if (tma1 is not None or tma2 is not None) and q.is_cuda:
         ensure_scratch_allocator()
     with _device_ctx(q):
-        if deterministic:
-            # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
-            # store it for the dK/dV kernel (no separate preprocess launch)
-            _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
-                q, k, v, do, lse, delta, dq, o, dlse,  # dlse None: HAS_DLSE=False, never read
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
-                *scale_args, *(tma2 or _NO_TMA),
-                CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
-                EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
-                DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
-                **_launch_options(c2),
-            )
-        else:
-            # Delta = rowsum(dO * O) (- dLSE) and dQ accumulator := 0
-            _launcher(kern["bwd_preprocess"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
-                o, do, dlse, delta, dq_acc, *o.stride(), *do.stride(), Hq, Nq, d,
-                BLOCK_M=c2.block_m, BLOCK_D=block_d, EVEN_M=Nq % c2.block_m == 0, EVEN_D=even_d,
-                HAS_DLSE=dlse is not None, **_launch_options(c2),
-            )
+        # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
+        # store it for the dK/dV kernel (no separate preprocess launch)
+        _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
+            q, k, v, do, lse, delta, dq, o, dlse,  # dlse None: HAS_DLSE=False, never read
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
+            *scale_args, *(tma2 or _NO_TMA),
+            CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
+            **_launch_options(c2),
+        )
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             *scale_args, *(tma1 or _NO_TMA),
             CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, USE_TMA=tma1 is not None,
-            DQACC=dq_acc, ATOMIC_DQ=not deterministic, **_launch_options(c1),
+            DOT_PRECISION=prec, USE_TMA=tma1 is not None, **_launch_options(c1),
         )
-    if not deterministic:
-        dq = dq_acc.to(q.dtype)  # scale already applied in the kernel
     return dq, dk, dv
 
 
@@ -424,23 +401,22 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
 # torch.compile, FakeTensorMode and make_fx see as one node with a fake implementation.
 
 
-def _fwd_fake(q, k, v, causal, softmax_scale, deterministic=False):
+def _fwd_fake(q, k, v, causal, softmax_scale):
     B, Hq, Nq, d = q.shape
     return q.new_empty((B, Hq, Nq, d)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, deterministic=False):
+def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format), \
         torch.empty_like(k, memory_format=torch.contiguous_format), \
         torch.empty_like(v, memory_format=torch.contiguous_format)
 
 
 def _fwd_op_body(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-    deterministic: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
-    (`flash_attention` validates). `deterministic` is only recorded for the backward."""
+    (`flash_attention` validates)."""
     return _launch_fwd(q, k, v, causal, softmax_scale, traced=True)
 
 
@@ -454,13 +430,10 @@ def _bwd_op_body(
     causal: bool,
     softmax_scale: float,
     dlse: torch.Tensor | None = None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient of the
-    lse output (float32 (B, Hq, Nq)). deterministic: the split design (no atomics, bitwise reproducible);
-    else the one-pass design (dQ by atomic adds)."""
-    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True,
-                       deterministic=deterministic)
+    lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
+    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True)
 
 
 # one body, two registrations: traced into the graph on CUDA, opaque (with a fake) for the interpreter
@@ -474,23 +447,21 @@ flash_attn_bwd_cpu.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, causal, softmax_scale = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
-    ctx.deterministic = deterministic
 
 
 def _grads_from_saved(ctx, do, dlse, backward_fn):
-    """(dq, dk, dv, None, None, None) from the tensors the forward saved; `backward_fn` has the signature
-    of `flash_attn_bwd` (an op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
+    """(dq, dk, dv, None, None) from the tensors the forward saved; `backward_fn` has the signature of
+    `flash_attn_bwd` (an op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse,
-                             deterministic=ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
+    return dq, dk, dv, None, None
 
 
 flash_attn_fwd.register_autograd(lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd),
@@ -515,12 +486,11 @@ class _FlashAttnEager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, deterministic):
+    def forward(ctx, q, k, v, causal, softmax_scale):
         o, lse = _launch_fwd(q, k, v, causal, softmax_scale)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.causal = causal
         ctx.softmax_scale = softmax_scale
-        ctx.deterministic = deterministic
         ctx.set_materialize_grads(False)  # an unused lse output gets None, not a tensor of zeros
         return o, lse
 
@@ -556,17 +526,12 @@ def _plain_eager_call(*tensors: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, deterministic=None):
+def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
     Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of
     Milakov & Gimelshein 2018. Memory is O(N) (no N x N tensor); the backward recomputes P from
-    q, k and the saved LSE. Two backward designs (bench/NOTES.md v8): the default one-pass backward
-    (one program per key block computes dK, dV and adds its dQ share into a float32 buffer with
-    atomic adds, as FlashAttention-3 does: 5 matrix products per tile) and, with `deterministic`, the
-    split backward (a dQ kernel and a dK/dV kernel, no atomics: 7 products per tile, bitwise-identical
-    gradients run to run). The forward, dK and dV are bitwise reproducible either way; only dQ of the
-    one-pass backward may differ in its last bits between runs (the order of the float32 additions).
+    q, k and the saved LSE and is deterministic (no atomics: bitwise-identical gradients run to run).
 
     Args:
         q: (B, Hq, Nq, d) query, SDPA layout.
@@ -583,9 +548,6 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
             zero gradients (no NaN).
         softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
         return_lse: also return lse.
-        deterministic: None (default) follows `torch.are_deterministic_algorithms_enabled()` (the
-            trainer's `deterministic=true` turns that on); True forces the split backward, False the
-            one-pass backward. Read when the forward runs, for the backward of this call.
     Returns:
         o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
@@ -595,8 +557,8 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         plain eager mode through an autograd.Function calling the same kernels (bitwise-identical
         results, less host overhead).
     Raises (before any kernel launch):
-        TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal or
-            deterministic, non-numeric softmax_scale.
+        TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
+            non-numeric softmax_scale.
         ValueError: wrong rank, batch / head-dim / Nk / Hkv mismatch, Hq not a multiple of Hkv,
             d outside [8, 256], an empty dim (N == 0), tensors on different devices,
             non-finite softmax_scale.
@@ -604,16 +566,12 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
             TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
     """
     _validate(q, k, v, causal, softmax_scale)
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    elif not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    if _plain_eager_call(q, k, v):  # same kernels, less host time per call
-        o, lse = _FlashAttnEager.apply(q, k, v, causal, scale, deterministic)
-    else:  # an op: compile, fake tensors, vmap, ...
-        o, lse = _ops_for(q)[0](q, k, v, causal, scale, deterministic)
+    if _plain_eager_call(q, k, v):
+        o, lse = _FlashAttnEager.apply(q, k, v, causal, scale)  # same kernels, less host time per call
+    else:
+        o, lse = _ops_for(q)[0](q, k, v, causal, scale)  # an op: compile, fake tensors, vmap, ...
     return (o, lse) if return_lse else o
 
 

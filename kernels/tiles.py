@@ -6,13 +6,9 @@
 * "fwd"      : forward; BLOCK_M query rows per program, streams BLOCK_N keys at a time.
 * "bwd_dkdv" : dK/dV; BLOCK_N keys per program (outer), streams BLOCK_M query rows at a time.
 * "bwd_dq"   : dQ (and Delta = rowsum(dO * O)); BLOCK_M query rows per program, streams BLOCK_N keys.
-* "bwd_onepass": the dK/dV kernel of the one-pass backward, which also adds dQ atomically (the dQ tile
-  (BLOCK_M, d) in float32 needs registers beside dK/dV: its own tile).
-* "bwd_preprocess": Delta and the zeroed dQ buffer of the one-pass backward (BLOCK_M rows; BLOCK_N unused).
 
-The deterministic backward is the dQ launch followed by the dK/dV launch; the default (one-pass)
-backward is the preprocess launch followed by the one-pass dK/dV launch (bench/NOTES.md v8). A one-launch
-fused backward without atomics was measured 3-7% slower on the H200 (NOTES v2, v5) and removed.
+The backward is the dQ launch followed by the dK/dV launch. A one-launch fused backward was measured
+3-7% slower on the H200 (bench/NOTES.md v2, v5) and removed.
 
 The GPU values were tuned on the H200 (`python -m bench.tune`, bench/NOTES.md). Under TRITON_INTERPRET=1
 (CPU testing) small blocks are used so the tests are quick and still cover several blocks, the diagonal
@@ -31,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq", "bwd_onepass", "bwd_preprocess")
+KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
 @dataclass(frozen=True)
@@ -121,9 +117,6 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
             return TileConfig(64, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
         if kernel == "bwd_dq":
             return TileConfig(32, 32, 8, 1) if block_d <= 64 else TileConfig(16, 16, 4, 1)
-        if kernel == "bwd_onepass":
-            return TileConfig(32, 32, 8, 1) if block_d <= 64 else TileConfig(16, 32, 8, 1)
-        return TileConfig(32, 16, 4, 1)  # bwd_preprocess
     # fp16 / bf16: tuned on the H200 with `python -m bench.tune` (causal bf16, B*N = 16384, H*d = 2048);
     # bench/NOTES.md has the search and the timings. Short sequences (N <= 1024) prefer smaller tiles
     # (more programs in flight); long ones the larger tiles.
@@ -145,14 +138,6 @@ def _gpu_config(kernel: str, block_d: int, dtype: torch.dtype, causal: bool, n: 
             # wgmmas (NOTES v6). With pointer loads this tile spills 116 bytes: then 64x128x8x2.
             return TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
         return TileConfig(32, 32, 8, 1)
-    if kernel == "bwd_preprocess":
-        return TileConfig(64, 16, 4, 1)
-    if kernel == "bwd_onepass":
-        if block_d <= 64:
-            return TileConfig(64, 64, 4, 2, tma=True)
-        if block_d <= 128:
-            return TileConfig(64, 128, 8, 2, tma=True)
-        return TileConfig(16, 32, 4, 1)
     # bwd_dq
     if block_d <= 64:
         return TileConfig(64, 64, 4, 3, tma=True) if short else TileConfig(128, 64, 8, 3, tma=True)
@@ -174,7 +159,7 @@ def get_tile_config(
     """Choose (BLOCK_M, BLOCK_N, num_warps, num_stages) for `kernel` in KERNEL_NAMES.
 
     Args:
-        kernel: one of KERNEL_NAMES ("fwd" | "bwd_dkdv" | "bwd_dq" | "bwd_onepass" | "bwd_preprocess").
+        kernel: "fwd" | "bwd_dkdv" | "bwd_dq".
         head_dim: d (8..256); the kernels pad it to BLOCK_D = max(16, next_pow2(d)).
         dtype: torch.float16 | torch.bfloat16 | torch.float32 (input dtype).
         causal: causal masking on/off (currently unused; kept for tuning).
@@ -202,8 +187,6 @@ def _default_tile_config(kernel: str, head_dim: int, dtype: torch.dtype, causal:
             "fwd": TileConfig(32, 16, 4, 1),
             "bwd_dkdv": TileConfig(16, 32, 4, 1),
             "bwd_dq": TileConfig(32, 16, 4, 1),
-            "bwd_onepass": TileConfig(16, 32, 4, 1),
-            "bwd_preprocess": TileConfig(32, 16, 4, 1),
         }[kernel]
     else:
         cfg = _gpu_config(kernel, block_d_for(head_dim), dtype, causal, max(n_q, n_k))

@@ -93,23 +93,11 @@ def naive_chunked(q, k, v, do, causal, scale, dtype, chunk_elems=2**28):
     return o, q.grad, k.grad, v.grad
 
 
-def flash_with_grads(q, k, v, do, causal, deterministic=None):
+def flash_with_grads(q, k, v, do, causal):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o = _flash()(q, k, v, causal=causal, deterministic=deterministic)
+    o = _flash()(q, k, v, causal=causal)
     o.backward(do)
     return o.detach(), q.grad, k.grad, v.grad
-
-
-def assert_same(seed, a, b, what, deterministic=True):
-    """(o, dq, dk, dv) bitwise equal; with the one-pass backward (deterministic=False) dQ's float32 atomic
-    additions run in no fixed order, so dQ only has to agree to rounding (a few units of the last place)."""
-    for name, x, y in zip(("o", "dq", "dk", "dv"), a, b, strict=True):
-        if name == "dq" and not deterministic:
-            err = (x.float() - y.float()).abs().max().item()
-            tol = 2 ** -6 * y.float().abs().max().item()
-            assert err <= tol, f"seed={seed} {what}: dq differs by {err:.3g} > {tol:.3g}"
-        else:
-            assert torch.equal(x, y), f"seed={seed} {what}: {name} differs"
 
 
 def assert_fa_rule(seed, ours, low, ref, what):
@@ -149,16 +137,13 @@ CASES = [
 
 @pytest.mark.parametrize("dtype,Hq,Hkv,Nq,Nk,d,causal", CASES)
 def test_fa_accuracy_rule(seed, dtype, Hq, Hkv, Nq, Nk, d, causal):
-    """Both backward designs (one-pass with atomic dQ, split deterministic) against the same references."""
     B = max(1, TOKENS // Nq)
     q, k, v, do = make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype)
     scale = 1.0 / math.sqrt(d)
+    ours = flash_with_grads(q, k, v, do, causal)
     low = naive_chunked(q, k, v, do, causal, scale, dtype)
     ref = naive_chunked(q, k, v, do, causal, scale, torch.float32)
-    for deterministic in (False, True):
-        ours = flash_with_grads(q, k, v, do, causal, deterministic)
-        assert_fa_rule(seed, ours, low, ref,
-                       f"case={(dtype, B, Hq, Hkv, Nq, Nk, d, causal)} deterministic={deterministic}")
+    assert_fa_rule(seed, ours, low, ref, f"case={(dtype, B, Hq, Hkv, Nq, Nk, d, causal)}")
 
 
 def test_rows_without_keys_gpu(seed):
@@ -188,7 +173,7 @@ def test_strided_fused_qkv_gpu(seed, dtype):
         q, k, v = (xx[:, :, i].transpose(1, 2) for i in range(3))
         if contiguous:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o = _flash()(q, k, v, causal=True, deterministic=True)  # bitwise comparison: no atomics
+        o = _flash()(q, k, v, causal=True)
         o.backward(do)
         results.append((o.detach(), xx.grad))
     assert torch.equal(results[0][0], results[1][0]), f"seed={seed}"
@@ -196,38 +181,13 @@ def test_strided_fused_qkv_gpu(seed, dtype):
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(8, 8), (8, 2)])
-@pytest.mark.parametrize("how", ["argument", "torch_flag"])
-def test_backward_deterministic_gpu(seed, Hq, Hkv, how):
-    """The split backward (deterministic=True, or torch.use_deterministic_algorithms(True) with the default
-    deterministic=None): no atomics, bitwise-identical gradients across runs (MHA and GQA)."""
+def test_backward_deterministic_gpu(seed, Hq, Hkv):
+    """No atomics: bitwise-identical gradients across runs (MHA and GQA)."""
     q, k, v, do = make_inputs(seed, 2, Hq, Hkv, 4096, 4096, 128, BF16)
-    if how == "argument":
-        a = flash_with_grads(q, k, v, do, True, deterministic=True)
-        b = flash_with_grads(q, k, v, do, True, deterministic=True)
-    else:
-        previous = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            a = flash_with_grads(q, k, v, do, True)
-            b = flash_with_grads(q, k, v, do, True)
-        finally:
-            torch.use_deterministic_algorithms(previous)
-    assert_same(seed, a, b, "two runs")
-
-
-@pytest.mark.parametrize("Hq,Hkv,N,d", [(8, 8, 4096, 128), (8, 2, 2048, 64), (12, 12, 1000, 64)])
-def test_one_pass_backward_run_to_run_gpu(seed, Hq, Hkv, N, d):
-    """The default one-pass backward: o, dK, dV bitwise equal across runs (register accumulation in a fixed
-    order); dQ (float32 atomics) equal to rounding; and close to the split backward's gradients."""
-    q, k, v, do = make_inputs(seed, 2, Hq, Hkv, N, N, d, BF16)
-    a = flash_with_grads(q, k, v, do, True, deterministic=False)
-    b = flash_with_grads(q, k, v, do, True, deterministic=False)
-    assert_same(seed, a, b, "two one-pass runs", deterministic=False)
-    split = flash_with_grads(q, k, v, do, True, deterministic=True)
-    for name, x, y in zip(("o", "dq", "dk", "dv"), a, split, strict=True):
-        err = (x.float() - y.float()).abs().max().item()
-        tol = 2 ** -6 * y.float().abs().max().item()
-        assert err <= tol, f"seed={seed}: {name} one-pass vs split {err:.3g} > {tol:.3g}"
+    a = flash_with_grads(q, k, v, do, True)
+    b = flash_with_grads(q, k, v, do, True)
+    for name, x, y in zip(("o", "dq", "dk", "dv"), a, b, strict=True):
+        assert torch.equal(x, y), f"seed={seed}: {name} differs between runs"
 
 
 def test_peak_memory_linear_in_n(seed):
@@ -310,10 +270,11 @@ def test_tma_backward_bitwise_gpu(seed, layout, Hq, Hkv, N, d):
     for t in (q, k, v):
         assert fa._tma_operand(t, d) is not None
     with override_tile_config(tma=True):
-        tma = flash_with_grads(q, k, v, do, True, deterministic=True)
+        tma = flash_with_grads(q, k, v, do, True)
     with override_tile_config(tma=False):
-        ptr = flash_with_grads(q, k, v, do, True, deterministic=True)
-    assert_same(seed, tma, ptr, f"{layout}: TMA vs pointer loads")
+        ptr = flash_with_grads(q, k, v, do, True)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), tma, ptr, strict=True):
+        assert torch.equal(a, b), f"seed={seed} {layout}: {name} differs between TMA and pointer loads"
 
 
 @pytest.mark.parametrize("N", [2000, 2048])
@@ -328,26 +289,22 @@ def test_tma_neighbour_non_finite_does_not_leak_gpu(seed, which, N):
     t = dict(q=q, k=k, v=v, do=do)[which]
     t[:, 1] = float("nan")
     t[:, 1, 5] = float("inf")
-    for deterministic in (True, False):
-        default = flash_with_grads(q, k, v, do, True, deterministic)
-        with override_tile_config(tma=False):
-            pointers = flash_with_grads(q, k, v, do, True, deterministic)
-        for name, a, b in zip(("o", "dq", "dk", "dv"), default, pointers, strict=True):
-            assert torch.isfinite(a[:, 0]).all(), f"seed={seed} {which}: non-finite {name} leaked into head 0"
-            if deterministic or name != "dq":  # the one-pass tile changes with TMA off (tiles.no_tma)
-                assert torch.equal(a[:, 0], b[:, 0]), (
-                    f"seed={seed} {which} deterministic={deterministic}: {name} head 0 differs from pointers")
+    default = flash_with_grads(q, k, v, do, True)
+    with override_tile_config(tma=False):
+        pointers = flash_with_grads(q, k, v, do, True)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), default, pointers, strict=True):
+        assert torch.isfinite(a[:, 0]).all(), f"seed={seed} {which}: non-finite {name} leaked into head 0"
+        assert torch.equal(a[:, 0], b[:, 0]), f"seed={seed} {which}: {name} head 0 differs from pointer loads"
 
 
 # ------------------------------------------------------------------- torch.compile: the kernels in the graph
 
 
-def _compiled_fwd_bwd(q, k, v, do, mode=None, deterministic=None):
+def _compiled_fwd_bwd(q, k, v, do, mode=None):
     """flash_attention forward + backward through torch.compile (Inductor); returns (o, dq, dk, dv)."""
     flash = _flash()
     torch._dynamo.reset()
-    f = torch.compile(lambda q, k, v: flash(q, k, v, causal=True, deterministic=deterministic),
-                      fullgraph=True, mode=mode)
+    f = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True, mode=mode)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = None
     for _ in range(3):  # CUDA graphs record on a later call: check a replay, not only the warm-up
@@ -362,33 +319,31 @@ def _compiled_fwd_bwd(q, k, v, do, mode=None, deterministic=None):
 
 
 @pytest.mark.parametrize("Hq,Hkv,N,d", [(12, 12, 1024, 64), (8, 2, 2048, 128), (4, 4, 4096, 64)])
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_compiled_graph_holds_the_triton_kernels_gpu(seed, Hq, Hkv, N, d, deterministic):
+def test_compiled_graph_holds_the_triton_kernels_gpu(seed, Hq, Hkv, N, d):
     """Under torch.compile the generated code launches our Triton kernels itself (triton_op +
-    wrap_triton): the forward and backward code define _fwd_kernel, _bwd_dkdv_kernel and _bwd_dq_kernel
-    (split backward) or _bwd_preprocess_kernel (one-pass) and never call back into the flashgpt Python
-    ops; the results equal eager mode (bitwise, dQ of the one-pass backward to rounding)."""
+    wrap_triton): the forward and backward code define _fwd_kernel / _bwd_dq_kernel / _bwd_dkdv_kernel
+    and never call back into the flashgpt Python ops; the results equal eager mode bitwise."""
     from torch._inductor.utils import run_and_get_code
 
     q, k, v, do = make_inputs(seed, 2, Hq, Hkv, N, N, d, BF16)
-    out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do, None, deterministic)
+    out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do)
     code = "\n".join(codes)
-    kernels = ("_fwd_kernel", "_bwd_dkdv_kernel",
-               "_bwd_dq_kernel" if deterministic else "_bwd_preprocess_kernel")
-    for kernel in kernels:
+    for kernel in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
         assert f"def {kernel}" in code, f"{kernel} not in the generated code"
     assert "torch.ops.flashgpt" not in code, "the compiled graph calls the Python op"
-    eager = flash_with_grads(q, k, v, do, True, deterministic)
-    assert_same(seed, out, eager, "compiled vs eager", deterministic)
+    eager = flash_with_grads(q, k, v, do, True)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), out, eager, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: compiled {name} differs from eager"
 
 
 def test_cuda_graphs_equal_default_compile_gpu(seed):
     """mode="reduce-overhead" (CUDA graphs around the compiled graph, our kernels inside) gives the
     same bits as the default mode, on a replay."""
     q, k, v, do = make_inputs(seed, 4, 12, 12, 1024, 1024, 64, BF16)
-    graphs = _compiled_fwd_bwd(q, k, v, do, mode="reduce-overhead", deterministic=True)
-    default = _compiled_fwd_bwd(q, k, v, do, deterministic=True)
-    assert_same(seed, graphs, default, "CUDA graphs vs default compile")
+    graphs = _compiled_fwd_bwd(q, k, v, do, mode="reduce-overhead")
+    default = _compiled_fwd_bwd(q, k, v, do)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), graphs, default, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: {name} differs under CUDA graphs"
 
 
 def test_triton_ops_opcheck_gpu(seed):
@@ -399,6 +354,3 @@ def test_triton_ops_opcheck_gpu(seed):
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd.default, (*args, True, 0.125))
     o, lse = torch.ops.flashgpt.flash_attn_fwd(q, k, v, True, 0.125)
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd.default, (do, q, k, v, o, lse, True, 0.125))
-    # both backward designs (default: one-pass; deterministic=True: split)
-    torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd.default,
-                          (do, q, k, v, o, lse, True, 0.125, None, True))
