@@ -52,6 +52,7 @@ from trainer.checks import (
     probe_attention,
     resolve_plan,
 )
+from trainer.compiling import compile_model
 from trainer.gpu_busy import GpuBusy
 from trainer.metrics import RunLogger
 from trainer.signals import PreemptionHandler
@@ -320,8 +321,7 @@ class Trainer:
                     f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
                 )
             ckpt.set_rng_state(rngs[d.rank % len(rngs)])
-        self.fwd_model = (torch.compile(self.raw_model, mode=plan.compile_mode) if plan.compile
-                          else self.raw_model)
+        self.fwd_model = compile_model(self.raw_model, plan.compile_mode) if plan.compile else self.raw_model
         # CUDA graphs (compile_mode=reduce-overhead): each forward starts a new graph step, so outputs of
         # the previous replay (the last micro-batch's loss) are never overwritten while still in use
         self._cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"
