@@ -259,6 +259,24 @@ def _static_sizes(q, k) -> tuple[int, ...]:
     return B, Hq, Nq, d, int(k.shape[1]), int(k.shape[2])
 
 
+def _empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An empty dense tensor of `shape` (default t's) whose dims lie in memory in the order of t's strides.
+
+    Why: the trainer's q, k, v are (B, N, H, d) memory (a fused qkv projection) viewed as (B, H, N, d).
+    Gradients (and o) in that same order make the model's transpose(1, 2).reshape and the backward's
+    concatenation of dq, dk, dv into d(qkv) plain copies or free views; contiguous (B, H, N, d)
+    results cost a transposing copy per layer (4.5 ms of a 68 ms GPT-2 step at B=32, N=1024 on the
+    H200, bench/NOTES.md v8). Dims with equal strides keep their order; the kernels take any strides.
+    """
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda i: -int(strides[i]))  # stable: ties keep dim order
+    if order == list(range(t.dim())):
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
+    dense = torch.empty([shape[i] for i in order], dtype=dtype or t.dtype, device=t.device)
+    return dense.permute([order.index(i) for i in range(t.dim())])
+
+
 def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
@@ -266,7 +284,7 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -345,9 +363,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)  # laid out as inputs
 
     c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
     c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -402,14 +418,14 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
 
 
 def _fwd_fake(q, k, v, causal, softmax_scale):
+    q = _unit_last_stride(q)  # as _launch_fwd sees it
     B, Hq, Nq, d = q.shape
-    return q.new_empty((B, Hq, Nq, d)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return _empty_like_layout(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # as _launch_bwd sees them
+    return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _fwd_op_body(
@@ -431,7 +447,8 @@ def _bwd_op_body(
     softmax_scale: float,
     dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient of the
+    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), each dense with its input's dim order
+    (`_empty_like_layout`). dlse: optional gradient of the
     lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
     return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True)
 
@@ -549,7 +566,9 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
         return_lse: also return lse.
     Returns:
-        o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
+        o (B, Hq, Nq, d) in the input dtype, a new dense tensor whose dims lie in memory in q's order
+        (contiguous for contiguous q; (B, N, H, d) memory for the trainer's fused-qkv views, so
+        o.transpose(1, 2) is contiguous), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
         Both are differentiable, to first order (differentiating the gradients again, e.g. a gradient
         penalty, raises): under torch.compile, fake tensors, make_fx and vmap through the custom op

@@ -522,6 +522,37 @@ def test_strided_equals_contiguous_bitwise(seed, dtype):
     assert torch.equal(results[0][1], results[1][1]), f"seed={seed}"
 
 
+def _dim_order(t):
+    return sorted(range(t.dim()), key=lambda i: -t.stride(i))
+
+
+def test_outputs_and_grads_keep_the_input_layout(seed):
+    """Fused-qkv views (B, N, H, d memory): o and dq, dk, dv come back dense in that same dim order
+    (so the model's o.transpose(1, 2).reshape and the backward's cat into d(qkv) need no transposing
+    copy), in eager mode and through the op's fake implementation; contiguous inputs stay contiguous."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, N, H, d = 2, 40, 3, 16
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, 3, H, d, generator=g).requires_grad_()
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, d) views, strides (., d, 3Hd, 1)
+    o = flash_attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous() and _dim_order(o) == [0, 2, 1, 3], f"seed={seed} {o.stride()}"
+    grads = torch.ops.flashgpt.flash_attn_bwd_cpu(torch.randn_like(o), q.detach(), k.detach(), v.detach(),
+                                                  o.detach(), torch.zeros(B, H, N), True, 0.25)
+    for gr in grads:
+        assert gr.transpose(1, 2).is_contiguous(), f"seed={seed} {gr.stride()}"
+    real = [t.detach() for t in (q, k, v)]
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in real)
+        fo, flse = torch.ops.flashgpt.flash_attn_fwd_cpu(fq, fk, fv, True, 0.25)
+        fgrads = torch.ops.flashgpt.flash_attn_bwd_cpu(fo, fq, fk, fv, fo, flse, True, 0.25)
+    assert fo.stride() == o.stride(), f"fake o strides {fo.stride()} != real {o.stride()}"
+    assert [t.stride() for t in fgrads] == [t.stride() for t in grads]
+    c = torch.randn(B, H, N, d, generator=g)
+    assert flash_attention(c, c, c).is_contiguous()
+
+
 # ------------------------------------------------------------------------ custom ops / compile
 
 
