@@ -14,7 +14,7 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 (kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
-the SDPA-math error + 1e-3), then timed (``bench.attention.Timer``: do_bench median on CUDA).
+the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA).
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.attention import Timer
+from bench._providers import sdpa_backend
+from bench._timing import Timer
 
 PROVIDERS = ("flash-decode", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,9 +70,7 @@ def provider_fn(name: str):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             from torch.nn.attention import sdpa_kernel
 
-            from model.attention import _sdpa_enum
-
-            with sdpa_kernel([_sdpa_enum(backend)]):
+            with sdpa_kernel([sdpa_backend(backend)]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         return sdpa
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
