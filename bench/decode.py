@@ -6,7 +6,7 @@ Usage (GPU)::
     python -m bench.decode                                   # full sweep, bf16, writes bench/results/
     python -m bench.decode --contexts 8192,32768 --batches 1,16 --dims 128 --groups 4
     python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
-    TRITON_INTERPRET=1 python -m bench.decode --dry-run --out /tmp/d   # CPU plumbing check, tiny shapes
+    TRITON_INTERPRET=1 python -m bench.decode --dry-run      # CPU plumbing check (outputs/bench/)
 
 Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d) with
 Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--contexts``, batch in
@@ -215,7 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
+                         "so a dry run never lands beside the committed GPU results)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -237,7 +239,7 @@ def main(argv=None) -> int:
     kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
     e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
     tag = args.tag or ("dryrun" if args.dry_run else "h200")
-    out = Path(args.out)
+    out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"decode_{tag}.json").write_text(json.dumps(dict(meta=meta, kernel=kernel, e2e=e2e), indent=1))
     report = markdown(meta, kernel, e2e)
