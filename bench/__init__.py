@@ -1,7 +1,7 @@
 """flashgpt's benchmark and run-analysis tool. Each module is a CLI (``python -m bench.<name> --help``):
 
 Benchmarks (GPU; ``--dry-run`` checks the plumbing on a CPU where it applies):
-    attention   causal attention kernels: ours, naive, SDPA per backend, FlexAttention (TFLOP/s, memory, check)
+    attention   causal attention kernels: ours, naive, SDPA backends, FlexAttention (TFLOP/s, memory, check)
     throughput  training tokens/sec, MFU, memory and GPU busy of ``train.py`` per backend and seq_len
     decode      KV-cache decode step (flash-decoding vs SDPA) and end-to-end generation tokens/sec
     tune        tile search for our kernels, and interleaved A/B timing of tile plans (``--plans``)

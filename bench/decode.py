@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench._attention_report import compact_json
 from bench._providers import sdpa_backend
 from bench._timing import Timer
 
@@ -241,7 +242,7 @@ def main(argv=None) -> int:
     tag = args.tag or ("dryrun" if args.dry_run else "h200")
     out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_{tag}.json").write_text(json.dumps(dict(meta=meta, kernel=kernel, e2e=e2e), indent=1))
+    (out / f"decode_{tag}.json").write_text(compact_json(dict(meta=meta, kernel=kernel, e2e=e2e)))
     report = markdown(meta, kernel, e2e)
     (out / f"decode_{tag}.md").write_text(report)
     print(report)
