@@ -251,16 +251,15 @@ def search(a, out) -> None:
             if err:
                 print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped", flush=True)
                 continue
-            kernels = ["bwd"] if a.kernels == ["bwd"] else a.kernels
-            for kernel in kernels:
+            for kernel in a.kernels:
                 if kernel == "bwd":
-                    defaults = tuple(get_tile_config(k, d, a.dtype, True, n, n)
+                    defaults = tuple(get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
                                      for k in ("bwd_dkdv", "bwd_dq"))
                     plans = [defaults, *bwd_plans(d, n, a.tma)]
                     to_tiles = lambda p: {"bwd_dkdv": p[0], "bwd_dq": p[1]}
                     fields = lambda p: {"dkdv": cfg_fields(p[0]), "dq": cfg_fields(p[1])}
                 else:
-                    default = get_tile_config(kernel, d, a.dtype, True, n, n)
+                    default = get_tile_config(kernel, d, a.dtype, True, n, n, interpret=a.dry_run)
                     plans = [default, *candidates(kernel, d, a.configs)]
                     to_tiles = lambda p, kernel=kernel: {kernel: p}
                     fields = lambda p: {"cfg": cfg_fields(p)}
@@ -357,6 +356,7 @@ def _ints(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI of both modes; its --help is the module docstring (plan syntax, example commands)."""
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqlens", type=_ints, default=None,
@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the search, or the A/B with --plans; returns the exit status (0, or 2 for bad input or no GPU,
+    with a message naming the fix and nothing written)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too): triton.jit reads it
         os.environ.setdefault("TRITON_INTERPRET", "1")
