@@ -6,7 +6,7 @@ Usage (GPU)::
     python -m bench.decode                                   # full sweep, bf16, writes bench/results/
     python -m bench.decode --contexts 8192,32768 --batches 1,16 --dims 128 --groups 4
     python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
-    TRITON_INTERPRET=1 python -m bench.decode --dry-run --out /tmp/d   # CPU plumbing check, tiny shapes
+    TRITON_INTERPRET=1 python -m bench.decode --dry-run      # CPU plumbing check (outputs/bench/)
 
 Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d) with
 Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--contexts``, batch in
@@ -14,7 +14,7 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 (kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
-the SDPA-math error + 1e-3), then timed (``bench.attention.Timer``: do_bench median on CUDA).
+the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA).
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -37,7 +37,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.attention import Timer
+from bench._attention_report import compact_json
+from bench._providers import sdpa_backend
+from bench._timing import Timer
 
 PROVIDERS = ("flash-decode", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,9 +71,7 @@ def provider_fn(name: str):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             from torch.nn.attention import sdpa_kernel
 
-            from model.attention import _sdpa_enum
-
-            with sdpa_kernel([_sdpa_enum(backend)]):
+            with sdpa_kernel([sdpa_backend(backend)]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         return sdpa
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
@@ -216,7 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
+                         "so a dry run never lands beside the committed GPU results)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -238,9 +240,9 @@ def main(argv=None) -> int:
     kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
     e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
     tag = args.tag or ("dryrun" if args.dry_run else "h200")
-    out = Path(args.out)
+    out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_{tag}.json").write_text(json.dumps(dict(meta=meta, kernel=kernel, e2e=e2e), indent=1))
+    (out / f"decode_{tag}.json").write_text(compact_json(dict(meta=meta, kernel=kernel, e2e=e2e)))
     report = markdown(meta, kernel, e2e)
     (out / f"decode_{tag}.md").write_text(report)
     print(report)
