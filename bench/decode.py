@@ -14,7 +14,11 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 (kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
-the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA).
+the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA), twice on a
+GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host is
+slower than the kernel), ``ms`` replays one call captured in a CUDA graph (``--no-graphs`` to skip), the
+way a serving loop or ``torch.compile(mode="reduce-overhead")`` runs a decode step: kernel time only,
+the same for every provider. The tables and the bandwidth use ``ms``.
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -92,6 +96,21 @@ def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def _captured(fn, *args) -> torch.cuda.CUDAGraph:
+    """One call of fn(*args) captured in a CUDA graph (after warm-up calls on a side stream, as
+    torch.cuda.graphs documents); replaying it launches the same kernels with no Python in between."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    return graph
+
+
 def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int) -> list[dict]:
     """Records of every provider for one (d, group, batch, context) decode step."""
     hkv = args.kv_heads
@@ -115,8 +134,13 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                ms = timer(lambda fn=fn: fn(q, k, v))
-                rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
+                ms = ms_eager = timer(lambda fn=fn: fn(q, k, v))
+                if args.graphs and device.type == "cuda":
+                    graph = _captured(fn, q, k, v)
+                    ms = timer(graph.replay)
+                    del graph
+                rec.update(status="ok", ms=ms, ms_eager=ms_eager, gbs=kv_bytes / (ms * 1e-3) / 1e9,
+                           timing="cuda_graph" if ms is not ms_eager else "eager")
         except torch.OutOfMemoryError:
             rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
@@ -169,7 +193,8 @@ def e2e_sweep(args, device, dtype) -> list[dict]:
 def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", "",
              f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
-             "(fraction of the ceiling).", ""]
+             "(fraction of the ceiling); ms of a CUDA-graph replay where the JSON's `timing` says "
+             "cuda_graph (kernel time; `ms_eager` there: called from Python), else of eager calls.", ""]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
     if kernel:
         lines += ["| d | group | batch | context | " + " | ".join(providers) + " |",
@@ -215,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time each provider as a CUDA-graph replay (the tables use it; GPU only)")
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
     ap.add_argument("--out", default=None,
                     help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
