@@ -200,3 +200,23 @@ def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespear
                 f"{backend} step {step}: {losses[backend]} vs naive {losses['naive']}"
     assert any(abs(losses["plain"][s] - losses["naive"][s]) > 1e-4 for s in (2, 3)), \
         "window + document mask changed nothing"
+
+
+def test_bench_variants_dry_run(tmp_path):
+    """bench/variants.py plumbing on the CPU: every cell runs (or is skipped with a reason), JSON and
+    markdown are written, the markdown has one row per (mask, N, mode)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "bench.variants", "--dry-run", "--out", str(tmp_path),
+                           "--modes", "fwd", "--ns", "64"], cwd=repo, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    data = json.loads((tmp_path / "variants_dryrun.json").read_text())
+    assert {r["mask"] for r in data["records"]} == {"causal", "window16", "docs"}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in data["records"]), data["records"]
+    md = (tmp_path / "variants_dryrun.md").read_text()
+    assert "Dry run" in md and md.count("| 64 | fwd |") == 3
