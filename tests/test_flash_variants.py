@@ -347,3 +347,85 @@ def test_variant_kernels_compile_for_sm90():
     if "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------ GPU (skipped without CUDA)
+
+
+def _gpu_ready(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from kernels import _triton_kernels
+
+    problem = _triton_kernels.mode_problem(False)
+    if problem is not None:
+        pytest.skip(problem)
+    torch.set_float32_matmul_precision("highest")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("variant", ["window", "docs", "dropout", "all"])
+def test_gpu_flash_attention_rule(seed, monkeypatch, dtype, d, variant):
+    """FlashAttention rule on the GPU: err(ours - ref32) <= 2 * err(ref_same_dtype - ref32) + 1e-5 for o and
+    every gradient; ref32 / ref_same_dtype: the reference attention in float32 / the input dtype."""
+    _gpu_ready(monkeypatch)
+    B, H, N = 2, 4, 1000
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(B, H, N, d, generator=g).to("cuda", dtype) for _ in range(4))
+    kw = {}
+    if variant in ("window", "all"):
+        kw["window"] = 129
+    if variant in ("docs", "all"):
+        kw["doc_ids"] = random_doc_ids(g, B, N, 150.0).cuda()
+    p = 0.2 if variant in ("dropout", "all") else 0.0
+    ours = run_flash(q, k, v, do, dropout_p=p, dropout_seed=seed, **kw)
+    keep = dropout_keep_mask(seed, B, H, N, N, p, device="cuda") if p else None
+    ref = run_reference(q, k, v, do, dtype=torch.float32, dropout_keep=keep, dropout_p=p, **kw)
+    low = run_reference(q, k, v, do, dtype=dtype, dropout_keep=keep, dropout_p=p, **kw)
+    for name, a, r, lo in zip(("o", "lse", "dq", "dk", "dv"), ours, ref, low, strict=True):
+        if name == "lse":
+            continue
+        err = (a.float() - r).abs().max().item()
+        bound = 2 * (lo.float() - r).abs().max().item() + 1e-5
+        assert err <= bound, f"seed={seed} {variant} {dtype} d={d}: {name} err {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_equals_eager_with_variants(seed, monkeypatch):
+    """torch.compile(fullgraph=True) of flash_attention with window, documents and dropout (a seed tensor:
+    no recompilation per seed) gives the eager results bitwise."""
+    _gpu_ready(monkeypatch)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 4, 512, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    doc = random_doc_ids(g, 2, 512, 100.0).cuda()
+    s = torch.tensor([seed], dtype=torch.int64, device="cuda")
+
+    def f(q, k, v):
+        return flash_attention(q, k, v, window=64, doc_ids=doc, dropout_p=0.1, dropout_seed=s)
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fn(qq, kk, vv)
+        o.backward(do)
+        results.append((o, qq.grad, kk.grad, vv.grad))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), *results, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: {name} compiled != eager"
+
+
+@pytest.mark.gpu
+def test_gpu_window_skips_blocks(monkeypatch):
+    """The window's cost grows as N * w: at N = 16k, w = 256, forward+backward is at least 8x faster than
+    full causal (visible pairs: 1/32)."""
+    _gpu_ready(monkeypatch)
+
+    q, k, v, do = (torch.randn(1, 16, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    def step(**kw):
+        return lambda: flash_attention(q, k, v, **kw).backward(do)
+    full = triton.testing.do_bench(step(), grad_to_none=[q, k, v])
+    win = triton.testing.do_bench(step(window=256), grad_to_none=[q, k, v])
+    assert full / win >= 8, f"window 256: {win:.3f} ms vs causal {full:.3f} ms ({full / win:.1f}x)"
