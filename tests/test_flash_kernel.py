@@ -43,6 +43,7 @@ from kernels import (  # noqa: E402
     override_tile_config,
 )
 from kernels import flash_attn as fa  # noqa: E402
+from kernels.reference import attention_reference  # noqa: E402
 
 if _PREVIOUS_INTERPRET is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -70,25 +71,10 @@ def seed() -> int:
 # ------------------------------------------------------------------------------------- helpers
 
 
-def reference(q, k, v, causal, scale):
-    """float64 attention: explicit softmax, bottom-right causal mask (key j visible to query i iff
-    j <= i + Nk - Nq); rows without any visible key give o = 0 and lse = -inf. Differentiable."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    nq, nk = s.shape[-2:]
-    i = torch.arange(nq)[:, None]
-    j = torch.arange(nk)[None, :]
-    mask = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool)
-    row_any = mask.any(-1, keepdim=True)
-    s = s.masked_fill(~mask, float("-inf")).masked_fill(~row_any, 0.0)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse) * mask
-    o = p @ v
-    lse = lse.squeeze(-1).masked_fill(~row_any.squeeze(-1), float("-inf"))
-    return o, lse
+def reference(q, k, v, causal, scale, **variants):
+    """float64 attention (`kernels.reference.attention_reference`: explicit boolean mask, bottom-right causal,
+    rows without any visible key give o = 0 and lse = -inf). Differentiable."""
+    return attention_reference(q, k, v, causal=causal, softmax_scale=scale, **variants)
 
 
 def rel_err(ours, ref):

@@ -255,6 +255,58 @@ def check_out_dir(cfg, out_dir: Path) -> None:
         )
 
 
+def check_attention_variants(cfg) -> dict:
+    """Validate the attention-variant keys (issue 16) and return them as GPTConfig keyword arguments.
+
+    Keys: ``attention.window`` (null or an int >= 1), ``attention.document_mask`` (bool; needs
+    ``data.doc_separator``), ``model.attn_dropout`` (float in [0, 1)), ``data.doc_separator`` (null or a
+    non-empty string; the escapes \\n, \\t are understood). A missing key means its default (null / false /
+    0). A data.dir prepared with another doc_separator is refused (other runs read it), as for another
+    tokenizer. SDPA's pinned flash and cuDNN
+    kernels take no mask, so they cannot run a window or a document mask.
+
+    Returns:
+        {"window", "document_mask", "attn_dropout"} (GPTConfig fields; doc_separator_ids come from the
+        prepared meta.json, see trainer.loop).
+    Raises:
+        ConfigError naming the key and a valid value.
+    """
+    a, m, d = cfg.attention, cfg.model, cfg.data
+    window = a.get("window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ConfigError(f"attention.window={window!r} must be null or an int >= 1 (keys per token, itself "
+                          "included), e.g. attention.window=256")
+    document_mask = a.get("document_mask", False)
+    if not isinstance(document_mask, bool):
+        raise ConfigError(f"attention.document_mask={document_mask!r} is not valid; choose true or false")
+    attn_dropout = _finite_float("model.attn_dropout", m.get("attn_dropout", 0.0), "model.attn_dropout=0.1")
+    if not 0.0 <= attn_dropout < 1.0:
+        raise ConfigError(f"model.attn_dropout={attn_dropout} must be in [0, 1), e.g. model.attn_dropout=0.1")
+    separator = d.get("doc_separator", None)
+    if separator is not None and (not isinstance(separator, str) or not separator):
+        raise ConfigError(f"data.doc_separator={separator!r} must be null or a non-empty string, e.g. "
+                          "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)")
+    if document_mask and separator is None:
+        raise ConfigError("attention.document_mask=true needs documents: set data.doc_separator (e.g. "
+                          "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
+                          "or attention.document_mask=false")
+    pinned = a.get("sdpa_backend", "auto")
+    if a.name == "sdpa" and pinned in ("flash", "cudnn") and (window is not None or document_mask):
+        raise ConfigError(f"attention.sdpa_backend={pinned} takes no attention mask, so it cannot run "
+                          "attention.window / attention.document_mask; use attention.sdpa_backend=auto (or "
+                          "efficient / math), or attention=flash")
+    from data.docs import parse_separator
+
+    meta = _prepared_meta(Path(str(d.dir)).expanduser())
+    if meta is not None and meta.get("doc_separator") != parse_separator(separator):
+        given = Path(str(d.dir))
+        other = given.parent / f"{given.name or 'data'}_{'docs' if separator is not None else 'nodocs'}"
+        raise ConfigError(f"data.dir={d.dir} was prepared with data.doc_separator="
+                          f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
+                          f"data.dir={other} (a folder of its own) or delete {d.dir} to re-prepare it")
+    return {"window": window, "document_mask": document_mask, "attn_dropout": attn_dropout}
+
+
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     """Validate the config's static settings and derive the batch split and devices.
 
@@ -329,6 +381,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     _choice("attention.name (attention=...)", attn, _attention_backends())
     sdpa_backend = cfg.attention.get("sdpa_backend", "auto")
     _choice("attention.sdpa_backend", sdpa_backend, _sdpa_backends())
+    check_attention_variants(cfg)
 
     # --- model shape
     m = cfg.model

@@ -42,6 +42,7 @@ from trainer import rundir
 from trainer.checks import (
     ConfigError,
     Plan,
+    check_attention_variants,
     check_data_fits,
     check_data_source,
     check_out_dir,
@@ -236,7 +237,8 @@ class Trainer:
                 from data.prepare import ensure_prepared
 
                 ensure_prepared(
-                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer, float(cfg.data.val_fraction)
+                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer,
+                    float(cfg.data.val_fraction), cfg.data.get("doc_separator"),
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -270,6 +272,8 @@ class Trainer:
                 bias=bool(m.bias),
                 attention=cfg.attention.name,
                 sdpa_backend=cfg.attention.get("sdpa_backend", "auto"),
+                doc_separator_ids=meta.get("doc_separator_ids"),
+                **check_attention_variants(cfg),  # window, document_mask, attn_dropout (issue 16)
             )
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
