@@ -7,14 +7,16 @@ Public API:
   `document_ranges(doc_q, doc_k)` -- the per-row document ranges the kernels read
 * `flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
   return_lse=False)` -- split-K flash-decoding of 1..16 query rows against a KV cache (inference only;
-  verified under the CPU interpreter, GPU verification and benchmark pending)
+  verified under the CPU interpreter and on the H200)
 * `check_flash_available(device)` -> None, or raises FlashAttentionUnavailableError (a RuntimeError)
 * ops `torch.ops.flashgpt.flash_attn_fwd` / `flash_attn_bwd` (triton ops, CUDA) and `flash_attn_fwd_cpu` /
   `flash_attn_bwd_cpu` (custom ops, interpreter)
 
 Files:
-* `flash_attn.py`      validation, launchers, ops, public API
-* `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV)
+* `flash_attn.py`      launchers, ops, public API (re-exports the names of `_checks.py`)
+* `_checks.py`         device / interpreter checks, argument and variant validation, `document_ranges`
+* `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
+* `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask
 * `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen

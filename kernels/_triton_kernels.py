@@ -28,236 +28,30 @@ call time (not import time) means the interpreter choice follows the TRITON_INTE
 variable when the kernel is launched, even if this module was imported before it was set.
 """
 
-import types
-
 import triton
 import triton.language as tl
 
-# ---------------------------------------------------------------------------------------------
-# small helpers (inlined by Triton)
-# ---------------------------------------------------------------------------------------------
-
-
-def _row_max(x):
-    """max over axis 1 (compiled version)."""
-    return tl.max(x, 1)
-
-
-def _row_sum(x):
-    """sum over axis 1 (compiled version)."""
-    return tl.sum(x, 1)
-
-
-# Interpreter versions. tl.max / tl.sum / tl.zeros are @triton.jit functions of Triton's standard
-# library, built when *triton* is imported: if that happened before TRITON_INTERPRET=1 was set they
-# are compiled-mode JITFunctions and cannot be called from interpreted code. The builtin tl.reduce with
-# Triton's own combine functions works in both cases (the interpreter maps them to numpy), and the
-# kernels use tl.full instead of tl.zeros. So the interpreter works whatever the import order.
-def _row_max_interp(x):
-    return tl.reduce(x, 1, tl.standard._elementwise_max)
-
-
-def _row_sum_interp(x):
-    return tl.reduce(x, 1, tl.standard._sum_combine)
-
-
-def _load_tile(ptrs, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """Load a 2-D tile, masking rows and/or (padded head-dim) columns only when needed."""
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            x = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
-    else:
-        if CHECK_COLS:
-            x = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            x = tl.load(ptrs)
-    return x
-
-
-def _store_tile(ptrs, x, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
-    """Store a 2-D tile with the same masking rules as `_load_tile`."""
-    if CHECK_ROWS:
-        if CHECK_COLS:
-            tl.store(ptrs, x, mask=row_mask[:, None] & col_mask[None, :])
-        else:
-            tl.store(ptrs, x, mask=row_mask[:, None])
-    else:
-        if CHECK_COLS:
-            tl.store(ptrs, x, mask=col_mask[None, :])
-        else:
-            tl.store(ptrs, x)
-
-
-def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key range of the query block starting at row m0: returns (full_end, hi).
-
-    Key blocks [0, full_end) need no mask at all; blocks [full_end, hi) need the causal and/or the
-    sequence-end mask; keys >= hi are invisible to every row of the block (skipped).
-    All quantities are clamped to >= 0 before any division (Triton integer division truncates).
-    """
-    if CAUSAL:
-        delta = N_K - N_Q
-        # last row of the block (m0 + BLOCK_M - 1) sees keys < m0 + BLOCK_M + delta
-        hi = tl.minimum(tl.maximum(m0 + BLOCK_M + delta, 0), N_K)
-        # the first row (m0) sees keys < m0 + delta + 1; blocks entirely below that are full
-        full_end = tl.minimum(tl.maximum(m0 + delta + 1, 0), N_K)
-    else:
-        hi = N_K
-        full_end = N_K
-    full_end = (full_end // BLOCK_N) * BLOCK_N
-    return full_end, hi
-
-
-def _key_block_range(m0, N_Q, N_K, window, DOC_LO, DOC_HI, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key range of the query block starting at row m0 with the variants: (lo, full_lo, full_end, hi).
-
-    Key blocks starting in [lo, hi) are visited; those in [full_lo, full_end) need no mask, the others
-    (window edge, document edges, diagonal, sequence end) do. Keys outside [lo, hi) are invisible to every
-    row of the block and skipped, so a window costs O(N * w) and documents O(sum of their squared lengths).
-    Window w: row i sees keys j > i + (N_K - N_Q) - w. Documents: row i sees keys [DOC_LO[i], DOC_HI[i])
-    (its document's key range; the ranges are non-decreasing in i, so the block's first / last row bound it).
-    """
-    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
-    lo = 0
-    full_lo = 0
-    if HAS_WINDOW:
-        # the first row m0 sees keys >= m0 + delta - w + 1, the last row keys >= m0 + BLOCK_M + delta - w
-        lo = tl.maximum(m0 + (N_K - N_Q) - window + 1, 0)
-        full_lo = tl.maximum(m0 + BLOCK_M + (N_K - N_Q) - window, 0)
-    if HAS_DOC:
-        last = tl.minimum(m0 + BLOCK_M, N_Q) - 1
-        lo = tl.maximum(lo, tl.load(DOC_LO + m0))
-        full_lo = tl.maximum(full_lo, tl.load(DOC_LO + last))
-        hi = tl.minimum(hi, tl.load(DOC_HI + last))
-        full_end = tl.minimum(full_end, (tl.load(DOC_HI + m0) // BLOCK_N) * BLOCK_N)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    return lo, full_lo, full_end, hi
-
-
-def _query_block_range(n0, start_m, full_start, N_Q, N_K, window, DOC_LO, DOC_HI, HAS_WINDOW: tl.constexpr,
-                       HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Query range of the key block starting at n0 (dK/dV): (start_m, full_start, full_end, hi).
-
-    start_m / full_start: the causal bounds of `_bwd_dkdv_kernel`. Query blocks starting in [start_m, hi)
-    are visited; those in [full_start, full_end) need no mask. Window w: query i sees key j iff
-    i < j - (N_K - N_Q) + w. Documents: key j is seen by queries [DOC_LO[j], DOC_HI[j]) (non-decreasing in j).
-    Query rows past N_Q need no mask (their LSE reads +inf, so P = 0).
-    """
-    hi = N_Q
-    full_end = ((N_Q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-    if HAS_WINDOW:
-        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - (N_K - N_Q) + window, 0))
-        full_end = tl.minimum(full_end, (tl.maximum(n0 - (N_K - N_Q) + window, 0) // BLOCK_M) * BLOCK_M)
-    if HAS_DOC:
-        last = tl.minimum(n0 + BLOCK_N, N_K) - 1
-        start_m = tl.maximum(start_m, (tl.load(DOC_LO + n0) // BLOCK_M) * BLOCK_M)
-        full_start = tl.maximum(full_start, ((tl.load(DOC_LO + last) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
-        hi = tl.minimum(hi, tl.load(DOC_HI + last))
-        full_end = tl.minimum(full_end, (tl.load(DOC_HI + n0) // BLOCK_M) * BLOCK_M)
-    return start_m, full_start, full_end, hi
-
-
-def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.constexpr):
-    """Does the block at `start` need the mask: start < full_lo (LO_EDGE) or start >= full_end (HI_EDGE).
-
-    The plain causal kernels enable one edge only (the forward / dQ the high one, dK/dV the low one), so
-    they compile to one comparison as before the variants (no extra live register: the d = 128 dK/dV
-    tile spills otherwise); window / documents enable both."""
-    if LO_EDGE:
-        if HI_EDGE:
-            return (start < full_lo) | (start >= full_end)
-        return start < full_lo
-    return start >= full_end
-
-
-def _score_keep(rows, cols, doc_lo, doc_hi, N_Q, N_K, window,
-                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
-                CHECK_COLS: tl.constexpr = True):
-    """Boolean keep tile of the scores: key `cols` in range, causal, inside the window and the document.
-
-    rows / cols: query / key indices as broadcastable tiles ((M, 1) and (1, N), or transposed for dK/dV);
-    doc_lo / doc_hi: each row's document key range, shaped like rows (ignored unless HAS_DOC).
-    CHECK_COLS=False leaves out `cols < N_K` (dK/dV: rows of keys past N_K are never stored).
-    The one place where every mask of the kernels is decided (`kernels.reference.attention_mask` is the
-    same function in PyTorch).
-    """
-    if CHECK_COLS:
-        keep = cols < N_K
-        if CAUSAL:
-            keep = keep & (cols <= rows + (N_K - N_Q))
-    else:
-        keep = cols <= rows + (N_K - N_Q) if CAUSAL else cols >= 0
-    if HAS_WINDOW:
-        keep = keep & (cols > rows + (N_K - N_Q) - window)
-    if HAS_DOC:
-        keep = keep & (cols >= doc_lo) & (cols < doc_hi)
-    return keep
-
-
-def _variant_args(DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p,
-                  HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Per-program inputs of the variants: the document ranges of rows offs_rows of batch element b
-    (DOC int32 (2, B, N_ROWS): lo, then hi; (BLOCK, 1) tiles and base pointers), the Philox key, and
-    dropout_p as fp32."""
-    if HAS_DOC:
-        lo_ptr = DOC + b * N_ROWS
-        hi_ptr = DOC + (tl.num_programs(2) + b) * N_ROWS
-        doc_lo = tl.load(lo_ptr + offs_rows, mask=mask_rows, other=0)[:, None]
-        doc_hi = tl.load(hi_ptr + offs_rows, mask=mask_rows, other=0)[:, None]
-    else:  # unused placeholders (a JIT function cannot return None)
-        lo_ptr = 0
-        hi_ptr = 0
-        doc_lo = 0
-        doc_hi = 0
-    if HAS_DROPOUT:
-        seed_lo, seed_hi = _philox_seed(SEED)
-        dropout_p = tl.cast(dropout_p, tl.float32)
-    else:
-        seed_lo = 0
-        seed_hi = 0
-    return doc_lo, doc_hi, lo_ptr, hi_ptr, seed_lo, seed_hi, dropout_p
-
-
-def _philox_seed(SEED):
-    """The 64-bit dropout seed (int64 tensor of one element) as the two 32-bit Philox key words."""
-    seed = tl.load(SEED)
-    return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-
-
-def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
-    """Dropout keep tile: True with probability 1 - dropout_p, a pure function of (seed, b*Hq + h, i, j).
-
-    Counter-based: Philox4x32-10 (Salmon, Moraes, Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3",
-    SC 2011) of the counter (key j, query i, b * Hq + h, 0) under the key (seed_lo, seed_hi); the top 24 bits
-    of the first output word give u in [0, 1), kept iff u >= dropout_p. Every element has its own counter,
-    so the forward and both backward kernels regenerate the same mask in any tile shape or orientation
-    (rows / cols are broadcastable index tiles) and nothing is stored. Written from the paper's round
-    function (multipliers 0xD2511F53, 0xCD9E8D57, Weyl key increments 0x9E3779B9, 0xBB67AE85); our own
-    helper rather than tl.rand so it also runs in interpreted kernels and the counter carries i, j and the
-    head without a 32-bit overflow.
-    """
-    c0 = (cols + 0 * rows).to(tl.uint32)
-    c1 = (rows + 0 * cols).to(tl.uint32)
-    c2 = c0 * 0 + bh.to(tl.uint32)
-    c3 = c0 * 0
-    k0 = seed_lo
-    k1 = seed_hi
-    for _ in tl.static_range(10):
-        x0 = c0
-        x2 = c2
-        c0 = tl.umulhi(x2, 0xCD9E8D57) ^ c1 ^ k0
-        c2 = tl.umulhi(x0, 0xD2511F53) ^ c3 ^ k1
-        c1 = x2 * 0xCD9E8D57
-        c3 = x0 * 0xD2511F53
-        k0 = k0 + 0x9E3779B9
-        k1 = k1 + 0xBB67AE85
-    u = (c0 >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
-    return u >= dropout_p
-
+# shared helpers (tile loads/stores, block ranges, variant masks, Philox dropout) and the dropout test
+# kernel; `build_kernels` clones them into one namespace with the kernels below
+from ._triton_common import (  # noqa: F401 - mode_problem: re-exported
+    _clone,
+    _dropout_keep,
+    _dropout_mask_kernel,
+    _edge_block,
+    _key_block_bounds,
+    _key_block_range,
+    _load_tile,
+    _philox_seed,
+    _query_block_range,
+    _row_max,
+    _row_max_interp,
+    _row_sum,
+    _row_sum_interp,
+    _score_keep,
+    _store_tile,
+    _variant_args,
+    mode_problem,
+)
 
 # ---------------------------------------------------------------------------------------------
 # forward
@@ -744,26 +538,6 @@ def _bwd_dq_kernel(
 # building JIT / interpreter versions on demand
 # ---------------------------------------------------------------------------------------------
 
-def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Test helper: write the attention kernels' dropout keep mask, int8 (B, Hq, Nq, Nk) contiguous, 1 = kept.
-
-    Grid: (cdiv(Nq, BLOCK_M), Hq, B). Same `_dropout_keep` as the forward and backward kernels, so a
-    reference attention with this mask reproduces their output and gradients.
-    """
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    seed_lo, seed_hi = _philox_seed(SEED)
-    dropout_p = tl.cast(dropout_p, tl.float32)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    base = OUT + (b * H_Q + h) * N_Q * N_K
-    for start_n in range(0, N_K, BLOCK_N):
-        cols = start_n + tl.arange(0, BLOCK_N)
-        keep = _dropout_keep(seed_lo, seed_hi, rows[:, None], cols[None, :], b * H_Q + h, dropout_p)
-        tl.store(base + rows[:, None].to(tl.int64) * N_K + cols[None, :], keep.to(tl.int8),
-                 mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
-
-
 _HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
             _tma_descriptor, _bwd_dkdv_inner, _bwd_dq_inner, _key_block_range, _query_block_range,
             _edge_block, _score_keep, _philox_seed, _dropout_keep, _variant_args)
@@ -775,30 +549,6 @@ _KERNELS = {
 }
 _INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
 _BUILT: dict = {}
-
-
-def mode_problem(interpret: bool):
-    """Why kernels of this mode cannot be built in this process (str), or None.
-
-    Compiled (GPU) kernels need Triton's standard library (tl.sum, tl.max) as JIT functions; if
-    triton was imported while TRITON_INTERPRET=1 was set they are interpreter functions instead and
-    no GPU kernel can be compiled in this process. (The other direction is handled, see above.)
-    """
-    if not interpret and not isinstance(tl.sum, triton.JITFunction):
-        return ("triton was imported while TRITON_INTERPRET=1 was set, so this process can only run the "
-                "Triton interpreter; compiled GPU kernels need TRITON_INTERPRET unset before anything "
-                "imports triton (run GPU jobs/tests in a process without it)")
-    return None
-
-
-def _clone(fn, namespace: dict):
-    """Copy of `fn` whose global names resolve in `namespace` (same code, source and annotations)."""
-    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__annotations__ = dict(fn.__annotations__)
-    new.__qualname__ = fn.__qualname__
-    new.__doc__ = fn.__doc__
-    new.__module__ = fn.__module__
-    return new
 
 
 def build_kernels(interpret: bool) -> dict:
