@@ -158,6 +158,27 @@ def lr_at(step: int, optim, max_steps: int) -> float:
     )
 
 
+def gpt_config_for(cfg, vocab_size: int):
+    """``model.GPTConfig`` of a run: every ``model.*`` key that is a GPTConfig field (by name), the block
+    size (``model.block_size``, null = ``seq_len``), ``vocab_size`` and the attention backend.
+
+    Raises:
+        ValueError: from GPTConfig's own checks.
+    """
+    from model import GPTConfig
+
+    m = cfg.model
+    names = {f.name for f in dataclasses.fields(GPTConfig)}
+    args = {k: m[k] for k in m if k in names and k not in ("block_size", "vocab_size")}
+    return GPTConfig(
+        **args,
+        block_size=m.block_size if m.block_size is not None else cfg.seq_len,
+        vocab_size=vocab_size,
+        attention=cfg.attention.name,
+        sdpa_backend=cfg.attention.sdpa_backend,
+    )
+
+
 def _oom_types() -> tuple[type[BaseException], ...]:
     return (torch.cuda.OutOfMemoryError,)
 
@@ -192,7 +213,7 @@ class Trainer:
         self._step_ms: list[float] = []
         self._steps_here = 0
         self._cudagraphs = False
-        self.gpu_busy = GpuBusy(int(cfg.perf.exclude_first_steps), int(cfg.perf.get("profile_steps", 0)),
+        self.gpu_busy = GpuBusy(int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps),
                                 enabled=plan.device_type == "cuda")
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
 
@@ -214,7 +235,7 @@ class Trainer:
             self.device = torch.device("cuda", d.local_rank)
             torch.cuda.set_device(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)  # a previous multirun job's peak is not ours
-            tf32 = bool(cfg.get("tf32", True))  # false: float32 runs use full-precision matmuls
+            tf32 = bool(cfg.tf32)  # false: float32 runs use full-precision matmuls
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         else:
@@ -249,7 +270,7 @@ class Trainer:
         self.meta = meta
 
         # model config
-        from model import GPT, GPTConfig
+        from model import GPT
 
         m = cfg.model
         vocab = int(m.vocab_size) if m.vocab_size is not None else -(-int(meta["vocab_size"]) // 64) * 64
@@ -259,17 +280,7 @@ class Trainer:
                 "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
             )
         try:
-            self.gpt_config = GPTConfig(
-                block_size=int(m.block_size) if m.block_size is not None else int(cfg.seq_len),
-                vocab_size=vocab,
-                n_layer=int(m.n_layer),
-                n_head=int(m.n_head),
-                n_embd=int(m.n_embd),
-                dropout=float(m.dropout),
-                bias=bool(m.bias),
-                attention=cfg.attention.name,
-                sdpa_backend=cfg.attention.get("sdpa_backend", "auto"),
-            )
+            self.gpt_config = gpt_config_for(cfg, vocab)
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
         probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
@@ -412,7 +423,7 @@ class Trainer:
                 self.log.update_config({"resume_notes": self.resume_notes})
 
     def _attention_id(self) -> list[str]:
-        return [self.cfg.attention.name, self.cfg.attention.get("sdpa_backend", "auto")]
+        return [self.cfg.attention.name, self.cfg.attention.sdpa_backend]
 
     def _derived(self) -> dict:
         return {
@@ -534,7 +545,7 @@ class Trainer:
             gen = torch.Generator(device=self.device).manual_seed(0)  # leaves the global RNG streams alone
             q = torch.randn(shape, device=self.device, dtype=dtype, generator=gen)
             return "sdpa:" + str(
-                sdpa_backend_that_ran(q, q, q, self.cfg.attention.get("sdpa_backend", "auto"))
+                sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend)
             )
         except Exception as e:  # noqa: BLE001 - best effort, for logging only
             return f"sdpa:unknown ({type(e).__name__})"
@@ -598,12 +609,6 @@ class Trainer:
                     torch.compiler.cudagraph_mark_step_begin()
                 with self.autocast:
                     _, loss = self.train_model(x, y)
-                if cfg.debug.raise_oom_at_step is not None and s == int(cfg.debug.raise_oom_at_step):
-                    raise torch.cuda.OutOfMemoryError(
-                        f"CUDA out of memory (simulated by debug.raise_oom_at_step={s})"
-                    )
-                if cfg.debug.nan_at_step is not None and s == int(cfg.debug.nan_at_step):
-                    loss = loss * float("nan")
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         loss_mean = self._all_reduce_sum(loss_sum / accum) / self.dist.world_size
@@ -619,10 +624,7 @@ class Trainer:
         model = self.fwd_model
         model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        pause = float(self.cfg.debug.get("eval_sleep_s") or 0.0)  # test hook: a slow evaluation
         for x, y in self.eval_batches[self.dist.rank :: self.dist.world_size]:
-            if pause:
-                time.sleep(pause)
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.autocast:
@@ -850,8 +852,6 @@ class Trainer:
             ck_every = int(cfg.checkpoint.interval)
             if (ck_every and s % ck_every == 0) or (s == max_steps and cfg.checkpoint.at_end):
                 self._save(s)
-            if cfg.debug.step_sleep_s:
-                time.sleep(float(cfg.debug.step_sleep_s))
             signum = self._stop_requested(handler)
             if signum and s < max_steps:
                 return self._end_interrupted(s, signum)
