@@ -31,6 +31,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: Environment variable that replaces the fixed default seed of the ``seed`` fixture.
+SEED_ENV = "FLASHGPT_TEST_SEED"
+DEFAULT_SEED = 20261201
+
+
+@pytest.fixture
+def seed() -> int:
+    """The seed of a test's random inputs: fixed (``DEFAULT_SEED``) so a failure replays as it is, or
+    ``$FLASHGPT_TEST_SEED`` to try others. Seeds torch's global generator too; printed (pytest shows it
+    with a failure) with the command line that replays it."""
+    import torch
+
+    raw = os.environ.get(SEED_ENV, str(DEFAULT_SEED))
+    try:
+        s = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV}={raw!r} is not an integer; e.g. {SEED_ENV}=1234") from None
+    print(f"seed={s} (replay: {SEED_ENV}={s} pytest ...; other inputs: another {SEED_ENV})")
+    torch.manual_seed(s)
+    return s
+
+
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     """Local Tiny Shakespeare (../shared/data/tinyshakespeare.txt or $TINYSHAKESPEARE)."""

@@ -25,13 +25,6 @@ RECORD_KEYS = {
 }
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {s}")  # shown by pytest on failure
-    return s
-
-
 def _run_bench(tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
