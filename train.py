@@ -97,12 +97,12 @@ def _quiet_non_main_ranks() -> None:
 def main_reporting_config_errors() -> int:
     """``main()`` with every config mistake Hydra/OmegaConf find while composing (a wrong type, an unknown
     key, also ``+typo=1``, an unknown group option, an unparsable override) printed as
-    ``config error: <key and a valid value>`` (``trainer.config.config_error_from``), exit status 2, no
+    ``config error: <key and a valid value>`` (``trainer.config_errors.config_error_from``), exit status 2, no
     traceback, like the trainer's own checks. Returns the process exit status.
 
     Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
     is not a config error, or that a running job raised, is re-raised (a bug: full traceback)."""
-    from trainer.config import config_error_from
+    from trainer.config_errors import config_error_from
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:

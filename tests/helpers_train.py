@@ -143,7 +143,7 @@ def run_inprocess(overrides: list[str], out_dir: Path):
     """``trainer.loop.run`` on the composed config, in this process (for checks that stop before training
     or for short runs); returns its Outcome. A composition error (wrong type, unknown key) is reported as
     train.py reports it: ``config error: ...`` on stderr, Outcome("error", 2)."""
-    from trainer.config import config_error_from
+    from trainer.config_errors import config_error_from
     from trainer.loop import EXIT_CONFIG, Outcome, run
 
     try:

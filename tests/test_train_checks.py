@@ -345,16 +345,18 @@ def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
 
 def test_model_presets_are_the_model_package_presets():
     """``model=<name>`` is ``model.gpt.PRESETS[name]`` (one list of sizes), and sets only model keys."""
+    from omegaconf import OmegaConf
+
     from model.gpt import PRESETS
     from trainer.loop import gpt_config_for
 
-    base = compose_cfg([])
+    base = OmegaConf.to_container(compose_cfg([]))  # unresolved: run_name holds ${now:...}
     for name, sizes in PRESETS.items():
         cfg = compose_cfg([f"model={name}"])
         assert {k: cfg.model[k] for k in sizes} == sizes and cfg.model.name == name
         gpt = gpt_config_for(cfg, 128)
         assert {k: getattr(gpt, k) for k in sizes} == sizes and gpt.block_size == cfg.seq_len
-        others = {k: v for k, v in cfg.items() if k != "model"}
+        others = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "model"}
         assert others == {k: v for k, v in base.items() if k != "model"}
 
 

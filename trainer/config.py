@@ -4,9 +4,9 @@ Hydra composes ``configs/config.yaml`` on top of the schema ``TrainConfig`` (sto
 so OmegaConf itself rejects a value of the wrong type (``seq_len=abc``) and an unknown key (``sq_len=1``,
 ``+typo=1``, ``model.n_heads=4``), naming the full key. What types cannot say (ranges, choices, keys that
 depend on each other) is checked next to the dataclass it concerns: each field's ``check`` metadata
-(``spec(...)``) and each class's ``validate(cfg)``; ``validate(cfg)`` at the bottom runs them all and raises
-``ConfigError`` with the key and a valid value. ``config_error_from(exc)`` turns an OmegaConf/Hydra
-composition error into the same ``ConfigError`` text, so every config mistake ends the same way
+(``spec(...)``, trainer/fields.py) and each class's ``validate(cfg)``; ``validate(cfg)`` at the bottom runs
+them all and raises ``ConfigError`` with the key and a valid value. ``trainer.config_errors`` turns an
+OmegaConf/Hydra composition error into the same text, so every config mistake ends the same way
 (``config error: ...`` on stderr, exit status 2, no traceback; train.py).
 
 Groups (configs/): ``attention`` -> ``AttentionConfig``, ``model`` -> ``ModelConfig`` (presets stored here
@@ -18,103 +18,28 @@ from ``model.gpt.PRESETS``, the one list of GPT sizes), ``data`` -> ``DataConfig
 
 from __future__ import annotations
 
-import difflib
 import math
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from trainer.fields import (
+    BOOL,
+    FINITE,
+    NONNEG,
+    NONNEG_INT,
+    POS_INT,
+    UNIT,
+    ConfigError,
+    check_fields,
+    dataclass_type,
+    fmt,
+    problem_with,
+    spec,
+)
 
-class ConfigError(Exception):
-    """A mistake in the run's config or inputs. ``str(err)`` names the key and a valid value (the fix)."""
-
-
-# ------------------------------------------------------------------------------------------ field specs
-POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
-
-_WHAT = {
-    POS_INT: "must be a positive integer",
-    NONNEG_INT: "must be a non-negative integer",
-    FINITE: "is not a finite number",
-    NONNEG: "must be >= 0",
-    UNIT: "must be in [0, 1)",
-}
-
-
-def spec(default, doc: str, check=None, example=None):
-    """A dataclass field with its one-line ``doc`` and its value check.
-
-    Args:
-        default: the default value (a list is copied per instance).
-        doc: one line: what the key does, its unit, what null means.
-        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | BOOL, or a tuple of the valid values, or None.
-        example: a valid value for error messages (default: ``default``).
-    """
-    kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
-    example = default if example is None else example
-    return field(**kw, metadata={"doc": doc, "check": check, "example": example})
-
-
-def _fmt(v) -> str:
-    """A value as typed on the command line (null, true, 6e-04 ...)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
-
-
-def problem_with(key: str, value, check, example) -> str | None:
-    """Why ``value`` fails ``check`` (see ``spec``) as a message naming ``key`` and a valid value, or None.
-    A null value passes (nullable fields are typed ``Optional``; OmegaConf refuses null elsewhere)."""
-    if value is None or check is None:
-        return None
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(check, tuple):
-        if any(value == c and type(value) is type(c) for c in check):  # 1 is not true
-            return None
-        return f"{key}={value!r} is not valid; choose one of: {', '.join(map(_fmt, check))}"
-    if check == BOOL:
-        return None if isinstance(value, bool) else f"{key}={value!r} is not valid; choose true or false"
-    if check in (POS_INT, NONNEG_INT):
-        if is_int and (value > 0 if check == POS_INT else value >= 0):
-            return None
-        return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={_fmt(example)}"
-    try:
-        x = math.nan if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        x = math.nan
-    if not math.isfinite(x):
-        return f"{key}={value!r} is not a finite number, e.g. {key}={_fmt(example)}"
-    if (check == NONNEG and x < 0) or (check == UNIT and not 0.0 <= x < 1.0):
-        return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={_fmt(example)}"
-    return None
-
-
-def check_fields(node, schema: type, prefix: str = "") -> None:
-    """Apply every field's ``check`` of dataclass ``schema`` to ``node`` (a DictConfig or dataclass with its
-    fields), recursing into nested dataclass fields. Raises ConfigError for the first failing key."""
-    known = {f.name for f in fields(schema)} | ({"hydra"} if schema is TrainConfig else set())
-    extra = [k for k in (node.keys() if hasattr(node, "keys") else ()) if k not in known]
-    if extra:  # Hydra's `+key=value` adds keys past the schema
-        raise ConfigError(_unknown_key(prefix + str(extra[0])))
-    for f in fields(schema):
-        key = prefix + f.name
-        value = getattr(node, f.name, None)
-        sub = _dataclass_type(f)
-        if sub is not None and value is not None:
-            check_fields(value, sub, key + ".")
-            continue
-        msg = problem_with(key, value, f.metadata.get("check"), f.metadata.get("example"))
-        if msg:
-            raise ConfigError(msg)
-
-
-def _dataclass_type(f) -> type | None:
-    if f.default_factory is not MISSING and is_dataclass(f.default_factory):
-        return f.default_factory
-    return None
+__all__ = ["ConfigError", "TrainConfig", "validate"]
 
 
 # ------------------------------------------------------------------------------------------ groups
@@ -446,12 +371,6 @@ class TrainConfig:
     run_name: str = spec("run", "run folder name (configs/config.yaml: time, backend, seq_len, token)")
     out_dir: str = spec("runs/run", "run directory (= Hydra's run dir); resume=true: the run to continue")
 
-    @staticmethod
-    def validate(cfg) -> None:
-        """Cross-group checks of the top-level keys."""
-        if cfg.compile is True and cfg.compile_mode == "reduce-overhead":
-            return  # CUDA graphs and one process: checked with the world size in resolve_plan
-
 
 def _unimplemented(cfg) -> None:
     """Issue 16's keys exist so configs of both branches compose; until their behaviour lands, a value
@@ -462,7 +381,7 @@ def _unimplemented(cfg) -> None:
         value = cfg[group][name]
         if value != default:
             raise ConfigError(
-                f"{key}={_fmt(value)} is not implemented yet (issue 16); use {key}={_fmt(default)}"
+                f"{key}={fmt(value)} is not implemented yet (issue 16); use {key}={fmt(default)}"
             )
 
 
@@ -475,8 +394,10 @@ def validate(cfg) -> None:
     Raises:
         ConfigError: naming the key and a valid value.
     """
-    check_fields(cfg, TrainConfig)
-    for group in (AttentionConfig, ModelConfig, OptimConfig, WandbConfig, TrainConfig):
+    from trainer.config_errors import unknown_key
+
+    check_fields(cfg, TrainConfig, ignore={"hydra"}, unknown=unknown_key)
+    for group in (AttentionConfig, ModelConfig, OptimConfig, WandbConfig):
         group.validate(cfg)
     _unimplemented(cfg)
 
@@ -485,106 +406,12 @@ def field_docs(schema: type = TrainConfig, prefix: str = "") -> dict[str, str]:
     """``{"batch.tokens_per_step": "tokens per optimizer step ...", ...}``: every key's one-line doc."""
     out = {}
     for f in fields(schema):
-        sub = _dataclass_type(f)
+        sub = dataclass_type(f)
         if sub is not None:
             out.update(field_docs(sub, prefix + f.name + "."))
         else:
             out[prefix + f.name] = f.metadata.get("doc", "")
     return out
-
-
-# ------------------------------------------------------------------------------------------ errors
-def config_error_from(exc: BaseException) -> ConfigError | None:
-    """The ``ConfigError`` for a Hydra/OmegaConf composition error (walks ``__cause__``), or None when
-    ``exc`` is not one (a bug: let it raise).
-
-    Wrong type: the key's check message (``seq_len='abc' must be a positive integer, e.g. seq_len=1024``).
-    Unknown key: the key, the valid keys beside it and the closest one. Unknown group option: the options.
-    Unparsable override: Hydra's own parse message.
-    """
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import (
-        ConfigAttributeError,
-        ConfigKeyError,
-        OmegaConfBaseException,
-        ValidationError,
-    )
-
-    unknown = (ConfigKeyError, ConfigAttributeError)
-
-    e: BaseException | None = exc
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, MissingConfigException):
-            return ConfigError(_missing_option(e))
-        if isinstance(e, (*unknown, ValidationError)) and getattr(e, "full_key", None):
-            key = str(e.full_key)
-            if isinstance(e, unknown):
-                return ConfigError(_unknown_key(key))
-            check, example = _spec_of(key)
-            msg = problem_with(key, e.value, check or _type_check(key), example)
-            if msg is None:
-                msg = f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}"
-            return ConfigError(msg)
-        if isinstance(e, OverrideParseException):
-            return ConfigError(f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024)")
-        nxt = e.__cause__ or e.__context__
-        if nxt is None and isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
-            return ConfigError(str(e).splitlines()[0])
-        e = nxt
-    return None
-
-
-def _field_of(key: str):
-    schema, f = TrainConfig, None
-    for part in key.split("."):
-        if schema is None:
-            return None
-        f = next((x for x in fields(schema) if x.name == part), None)
-        if f is None:
-            return None
-        schema = _dataclass_type(f)
-    return f
-
-
-def _spec_of(key: str):
-    f = _field_of(key)
-    return (f.metadata.get("check"), f.metadata.get("example")) if f is not None else (None, None)
-
-
-def _type_check(key: str):
-    """A check from the field's type when its spec has none (e.g. ``data.source`` is a string)."""
-    f = _field_of(key)
-    t = str(f.type) if f is not None else ""
-    return BOOL if "bool" in t else FINITE if "float" in t else NONNEG_INT if "int" in t else None
-
-
-def _unknown_key(key: str) -> str:
-    parent, _, name = key.rpartition(".")
-    schema = TrainConfig
-    if parent:
-        f = _field_of(parent)
-        schema = _dataclass_type(f) if f is not None else None
-    if schema is None:
-        return f"{key} is not a config key (nor is {parent}); see trainer/config.py for the keys"
-    names = [f.name for f in fields(schema)]
-    close = difflib.get_close_matches(name, names, n=1)
-    full = [f"{parent}.{n}" if parent else n for n in names]
-    hint = f"did you mean {full[names.index(close[0])]}? " if close else ""
-    where = f"under {parent}" if parent else "at the top level"
-    return f"{key} is not a config key; {hint}valid keys {where}: {', '.join(full)}"
-
-
-def _missing_option(e) -> str:
-    text = str(e)
-    group = getattr(e, "missing_cfg_file", None) or ""
-    opts = list(getattr(e, "options", None) or [])
-    if "/" in str(group) and opts:
-        g, _, name = str(group).rpartition("/")
-        choices = ", ".join(f"{g}={o}" for o in opts)
-        return f"{g}={name} is not a config of group {g}; choose one of: {choices}"
-    return text.splitlines()[0]
 
 
 # ------------------------------------------------------------------------------------------ store
@@ -606,4 +433,4 @@ if __name__ == "__main__":  # python -m trainer.config: every key, its default a
 
     _defaults = OmegaConf.structured(TrainConfig)
     for _key, _doc in field_docs().items():
-        print(f"{_key} = {_fmt(OmegaConf.select(_defaults, _key))}    # {_doc}")
+        print(f"{_key} = {fmt(OmegaConf.select(_defaults, _key))}    # {_doc}")

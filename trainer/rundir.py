@@ -23,7 +23,7 @@ import string
 import time
 from pathlib import Path
 
-from trainer.checks import ConfigError
+from trainer.fields import ConfigError
 
 LOCK_NAME = ".flashgpt.lock"
 TOKEN_LEN = 6
