@@ -13,6 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from trainer import checkpoint as ckpt
+from trainer import config as C
 from trainer import progress, rundir
 from trainer.checks import (
     ConfigError,
@@ -36,7 +37,8 @@ def gpt_config_for(cfg, vocab_size: int):
 
     m = cfg.model
     names = {f.name for f in dataclasses.fields(GPTConfig)}
-    args = {k: m[k] for k in m if k in names and k not in ("block_size", "vocab_size")}
+    model_keys = [f.name for f in dataclasses.fields(m)] if dataclasses.is_dataclass(m) else list(m)
+    args = {k: getattr(m, k) for k in model_keys if k in names and k not in ("block_size", "vocab_size")}
     return GPTConfig(
         **args,
         block_size=m.block_size if m.block_size is not None else cfg.seq_len,
@@ -208,7 +210,7 @@ class Setup:
         """config.resolved.yaml, W&B, the running summary and the start-up lines."""
         cfg, plan, d = self.cfg, self.plan, self.dist
         wandb_id = state.get("wandb_run_id") if state is not None else None
-        resolved = OmegaConf.to_container(cfg, resolve=True)
+        resolved = C.to_dict(cfg)
         resolved["derived"] = self._derived()
         group = cfg.wandb.group
         if group is None and self.multirun:

@@ -402,6 +402,26 @@ def validate(cfg) -> None:
     _unimplemented(cfg)
 
 
+def typed(cfg) -> TrainConfig:
+    """A validated config as a ``TrainConfig`` instance, interpolations resolved (``OmegaConf.to_object``):
+    what the trainer reads after ``loop.run`` has checked it. A TrainConfig is returned as it is."""
+    from omegaconf import OmegaConf
+
+    return cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
+
+
+def to_dict(cfg) -> dict:
+    """A config (``TrainConfig`` or DictConfig) as plain, resolved dicts and lists: for the records
+    (config.resolved.yaml, checkpoints, the W&B config)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def field_docs(schema: type = TrainConfig, prefix: str = "") -> dict[str, str]:
     """``{"batch.tokens_per_step": "tokens per optimizer step ...", ...}``: every key's one-line doc."""
     out = {}

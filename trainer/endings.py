@@ -286,8 +286,8 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool) -> Ou
                     {
                         "status": "error",
                         "error": str(e),
-                        "attention": cfg.attention.get("name"),
-                        "seq_len": cfg.get("seq_len"),
+                        "attention": cfg.attention.name,
+                        "seq_len": cfg.seq_len,
                     },
                 )
         except OSError:

@@ -31,9 +31,10 @@ import time
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf, open_dict
+from omegaconf import open_dict
 
 from trainer import checkpoint as ckpt
+from trainer import config as C
 from trainer import rundir
 from trainer.build import Setup, gpt_config_for
 from trainer.checks import ConfigError, Plan, check_data_source, check_out_dir, out_dir_problem, resolve_plan
@@ -242,7 +243,7 @@ class Trainer(Setup, Endings):
                 "model": self.raw_model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "rng": rngs,
-                "config": OmegaConf.to_container(self.cfg, resolve=True),
+                "config": C.to_dict(self.cfg),
                 "model_args": dataclasses.asdict(self.gpt_config),
                 "tokenizer": ckpt.tokenizer_record(self.meta),
                 "attention": self._attention_id(),
@@ -424,12 +425,12 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     except ConfigError as e:
         lock.release()
         return report_config_error(e, out_dir, cfg, is_main)
+    cfg = C.typed(cfg)  # checked: from here on the run reads a TrainConfig, not Hydra's DictConfig
     dist = init_distributed(plan.device_type)
     try:
         if dist.enabled:
             out_dir = Path(broadcast_obj(str(out_dir)))
-            with open_dict(cfg):
-                cfg.out_dir = str(out_dir)
+            cfg.out_dir = str(out_dir)
         trainer = Trainer(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
         try:
             trainer.setup()

@@ -180,7 +180,7 @@ def finished_message(out_dir: Path, steps: int, max_steps: int, resume_cmd: str)
 
 def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
     """The resume note for a changed max_steps: what it does to the learning-rate schedule."""
-    if optim.get("decay_steps"):
+    if optim.decay_steps:
         return (
             f"max_steps changed on resume: {old} -> {new} (explicit choice); optim.decay_steps="
             f"{optim.decay_steps} is fixed, so the LR schedule is unchanged"
