@@ -37,7 +37,7 @@ from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import rundir
 from trainer.build import Setup, gpt_config_for
-from trainer.checks import ConfigError, Plan, check_data_source, check_out_dir, out_dir_problem, resolve_plan
+from trainer.checks import ConfigError, Plan, check_data_source, resolve_plan
 from trainer.dist import DistInfo, broadcast_obj, init_distributed
 from trainer.endings import (
     EXIT_CONFIG,
@@ -55,6 +55,7 @@ from trainer.endings import (
 from trainer.gpu_busy import GpuBusy
 from trainer.metrics import RunLogger
 from trainer.progress import Clock
+from trainer.rundir import check_out_dir, out_dir_problem
 from trainer.schedule import lr_at
 from trainer.signals import PreemptionHandler
 
