@@ -14,8 +14,15 @@ first (the reference), on the aligned steps (steps where both logged ``train/los
   dropped; fewer points than one window make one window of all of them), each window is averaged
   per run, and the largest |mean_run - mean_ref| over windows is reported — this averages out
   batch-to-batch noise and is what ``--tolerance`` applies to;
-* ``final_val_abs_diff``: |val_run - val_ref| at the last step where both logged ``val/loss``;
-  ``--val-tolerance`` applies to it.
+* ``final_val_abs_diff``: |val_run - val_ref| at the last step after step 0 where both logged
+  ``val/loss`` (step 0 is the untrained model: two runs of one seed agree there whatever their backends,
+  so it is never reported as the difference); ``--val-tolerance`` applies to it.
+
+Before comparing, the runs' configs are compared key by key (all keys except those that do not change the
+curves, e.g. the attention backend, out_dir, W&B, checkpoints): a warning lists every key whose value
+differs from the reference's (seq_len, max_steps, the LR schedule, batch, seed, model, data...), since
+curves of different setups differ for reasons other than the attention kernel. The JSON holds them as
+``config_differences``.
 
 Exit status: 0 all within tolerance (or no tolerance given), 1 a tolerance exceeded or could not be
 checked (no aligned steps, non-finite loss; each printed), 2 bad input (missing run directory or
@@ -29,7 +36,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +52,7 @@ class Run:
     label: str
     train: dict[int, float]
     val: dict[int, float]
+    config: dict = field(default_factory=dict)
 
 
 def load_run(path: str | Path) -> Run:
@@ -70,7 +78,42 @@ def load_run(path: str | Path) -> Run:
             label += f" {dtype}" + (" no-TF32" if no_tf32 else "")
     else:
         label = run_dir.resolve().name
-    return Run(run_dir, label, train, _rundir.series(rows, "val/loss"))
+    return Run(run_dir, label, train, _rundir.series(rows, "val/loss"), cfg)
+
+
+# Config keys (dotted prefixes) that do not change what a loss curve means: the backend under comparison,
+# where and how the run is recorded, run bookkeeping, and file paths (the same corpus lies elsewhere on
+# another machine; its name and tokenizer are compared). Every other key that differs is reported.
+CONFIG_KEYS_IGNORED = (
+    "attention", "out_dir", "run_name", "wandb", "logger", "checkpoint", "resume", "hydra", "parity",
+    "perf", "debug", "oom_exit_code", "log_interval", "nonfinite", "device", "data.source", "data.dir",
+)
+
+
+def _flatten(cfg, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(ref: dict, other: dict, ignored: Sequence[str] = CONFIG_KEYS_IGNORED) -> dict:
+    """{dotted key: (ref value, other value)} for every leaf key of two run configs (nested dicts, as
+    `_rundir.read_config` returns) whose values differ, a key missing on one side giving None there;
+    keys equal to or under a prefix in `ignored` are left out. {} when either config is empty (unknown)."""
+    if not ref or not other:
+        return {}
+    a, b = _flatten(ref), _flatten(other)
+
+    def skip(key: str) -> bool:
+        return any(key == p or key.startswith(p + ".") for p in ignored)
+
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
+            if not skip(k) and a.get(k) != b.get(k)}
 
 
 def window_means(x: np.ndarray, window: int) -> np.ndarray:
@@ -100,7 +143,7 @@ def compare_pair(ref: Run, run: Run, window: int = 20) -> dict:
                    window_max_abs_diff=float(np.max(wd)), n_windows=int(len(wd)))
     else:
         out.update(max_abs_diff=None, mean_abs_diff=None, window_max_abs_diff=None, n_windows=0)
-    vsteps = sorted(set(ref.val) & set(run.val))
+    vsteps = sorted(s for s in set(ref.val) & set(run.val) if s > 0)  # step 0: the untrained model
     if vsteps:
         s = vsteps[-1]
         out.update(val_step=s, final_val_abs_diff=float(abs(run.val[s] - ref.val[s])),
@@ -128,8 +171,8 @@ def check_tolerances(result: dict, tolerance: float | None, val_tolerance: float
     if val_tolerance is not None:
         x = result["final_val_abs_diff"]
         if x is None:
-            msgs.append(f"{result['label']}: no common val/loss step with the reference, "
-                        f"--val-tolerance cannot be checked")
+            msgs.append(f"{result['label']}: no common val/loss step after step 0 (the untrained model) "
+                        f"with the reference, --val-tolerance cannot be checked")
         elif not x <= val_tolerance:
             msgs.append(f"{result['label']}: final val-loss diff {x:.4g} (step {result['val_step']}) > "
                         f"--val-tolerance {val_tolerance:g}")
@@ -243,6 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.val = {s: v for s, v in r.val.items() if s <= args.max_step}
     ref, others = runs[0], runs[1:]
     results, failures = [], []
+    diffs = {run.label: config_differences(ref.config, run.config) for run in others}
+    for label, diff in diffs.items():
+        if diff:
+            what = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in diff.items())
+            print(f"warning: {label} and the reference {ref.label} differ in config ({what}); the curves "
+                  "differ for more than the attention backend", file=sys.stderr)
     statuses = {r.label: _rundir.read_summary(r.path).get("status", "ok") for r in runs}
     for label, status in statuses.items():
         if status != "ok":  # a diverged, OOM or interrupted run: its curve stops early
@@ -250,6 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)
     for run in others:
         res = compare_pair(ref, run, args.window)
+        res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
         if args.tolerance is not None or args.val_tolerance is not None:
             res["failures"] += [f"{lab}: status {statuses[lab]!r} (not a complete run)"

@@ -6,7 +6,7 @@ Usage (GPU)::
     python -m bench.decode                                   # full sweep, bf16, writes bench/results/
     python -m bench.decode --contexts 8192,32768 --batches 1,16 --dims 128 --groups 4
     python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
-    TRITON_INTERPRET=1 python -m bench.decode --dry-run --out /tmp/d   # CPU plumbing check, tiny shapes
+    TRITON_INTERPRET=1 python -m bench.decode --dry-run      # CPU plumbing check (outputs/bench/)
 
 Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d) with
 Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--contexts``, batch in
@@ -14,7 +14,11 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 (kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
-the SDPA-math error + 1e-3), then timed (``bench.attention.Timer``: do_bench median on CUDA).
+the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA), twice on a
+GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host is
+slower than the kernel), ``ms`` replays one call captured in a CUDA graph (``--no-graphs`` to skip), the
+way a serving loop or ``torch.compile(mode="reduce-overhead")`` runs a decode step: kernel time only,
+the same for every provider. The tables and the bandwidth use ``ms``.
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -37,7 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.attention import Timer
+from bench._attention_report import compact_json
+from bench._providers import sdpa_backend
+from bench._timing import Timer
 
 PROVIDERS = ("flash-decode", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,9 +75,7 @@ def provider_fn(name: str):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
             from torch.nn.attention import sdpa_kernel
 
-            from model.attention import _sdpa_enum
-
-            with sdpa_kernel([_sdpa_enum(backend)]):
+            with sdpa_kernel([sdpa_backend(backend)]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
         return sdpa
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
@@ -90,6 +94,21 @@ def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def _captured(fn, *args) -> torch.cuda.CUDAGraph:
+    """One call of fn(*args) captured in a CUDA graph (after warm-up calls on a side stream, as
+    torch.cuda.graphs documents); replaying it launches the same kernels with no Python in between."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*args)
+    return graph
 
 
 def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int) -> list[dict]:
@@ -115,8 +134,13 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                ms = timer(lambda fn=fn: fn(q, k, v))
-                rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
+                ms = ms_eager = timer(lambda fn=fn: fn(q, k, v))
+                if args.graphs and device.type == "cuda":
+                    graph = _captured(fn, q, k, v)
+                    ms = timer(graph.replay)
+                    del graph
+                rec.update(status="ok", ms=ms, ms_eager=ms_eager, gbs=kv_bytes / (ms * 1e-3) / 1e9,
+                           timing="cuda_graph" if ms is not ms_eager else "eager")
         except torch.OutOfMemoryError:
             rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
@@ -169,7 +193,8 @@ def e2e_sweep(args, device, dtype) -> list[dict]:
 def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", "",
              f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
-             "(fraction of the ceiling).", ""]
+             "(fraction of the ceiling); ms of a CUDA-graph replay where the JSON's `timing` says "
+             "cuda_graph (kernel time; `ms_eager` there: called from Python), else of eager calls.", ""]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
     if kernel:
         lines += ["| d | group | batch | context | " + " | ".join(providers) + " |",
@@ -215,8 +240,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time each provider as a CUDA-graph replay (the tables use it; GPU only)")
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None,
+                    help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
+                         "so a dry run never lands beside the committed GPU results)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -238,9 +267,9 @@ def main(argv=None) -> int:
     kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
     e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
     tag = args.tag or ("dryrun" if args.dry_run else "h200")
-    out = Path(args.out)
+    out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_{tag}.json").write_text(json.dumps(dict(meta=meta, kernel=kernel, e2e=e2e), indent=1))
+    (out / f"decode_{tag}.json").write_text(compact_json(dict(meta=meta, kernel=kernel, e2e=e2e)))
     report = markdown(meta, kernel, e2e)
     (out / f"decode_{tag}.md").write_text(report)
     print(report)

@@ -16,15 +16,24 @@ SWEEP_DIR):
 * ``report_sweep.png`` — tokens/sec, peak memory and MFU vs seq_len (log2 axis), one line per
   backend, failed runs marked by an 'x' at the top of each panel.
 
-Per-run numbers: tokens/sec and MFU are medians over the logged steps after dropping the first
-``--warmup-frac`` (10 %, at least one point when there are two or more) of them (compile/warm-up),
-falling back to summary.json; peak GiB is the largest of summary.json and the logged values; final
-losses come from summary.json, else the last logged value.
+Per-run numbers are the run's own `summary.json` figures, so the report agrees with it: tokens/sec
+(``perf/tokens_per_sec``) and MFU (``perf/mfu``) are the trainer's medians over its timed steps, peak GiB is
+``mem/peak_gib``, final losses ``final/train_loss`` / ``final/val_loss``. Only a run whose summary lacks
+one (killed before writing it, an older trainer) falls back to its ``metrics.jsonl``: the median of the
+logged values after dropping the first ``--warmup-frac`` (10 %, at least one point when there are two or
+more) of them, the largest logged peak, the last logged loss; such a value is marked with a † and the
+run's ``sources`` field in report.json names where each figure came from.
+
+Pivot cells hold one value per run; when several runs share a (seq_len, backend) cell (seeds, repeats),
+each value carries its run directory's name.
 
 With ``--wandb`` the table (wandb.Table) and figure (wandb.Image) are logged to a new W&B run of
 job_type "report" in the sweep's group (config `wandb.group`, else the sweep folder's name) and
-project (config `wandb.project`, else "flashgpt"); mode from WANDB_MODE; WANDB_MODE=disabled or a
-missing wandb package only prints a message.
+project (config `wandb.project`, else "flashgpt"). The mode follows the trainer's ``wandb.mode=auto``
+(`trainer.metrics.resolve_wandb_mode`): WANDB_MODE when set, else online when logged in, else offline;
+an online run that cannot start (no network) is retried offline. An offline run prints the
+``wandb sync`` command that uploads it. WANDB_MODE=disabled or a missing wandb package only prints a
+message.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -47,6 +55,7 @@ METRIC_COLUMNS = (
     ("peak_gib", "peak GiB", "{:.2f}"),
     ("final_train_loss", "final train loss", "{:.4f}"),
 )
+ALL_RUNS_COLUMNS = METRIC_COLUMNS + (("final_val_loss", "final val loss", "{:.4f}"),)
 
 
 def post_warmup_median(values: Sequence[float], warmup_frac: float = 0.1) -> float | None:
@@ -83,25 +92,39 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     rows = _rundir.read_metrics(run_dir)
     status = str(summary.get("status", "no summary" if not summary else "unknown"))
 
-    def pick(metric_key: str, summary_key: str) -> float | None:
-        vals = list(_rundir.series(rows, metric_key).values())
-        med = post_warmup_median(vals, warmup_frac)
-        if med is None and _rundir.finite(summary.get(summary_key)):
-            med = float(summary[summary_key])
-        return med
+    sources: dict[str, str] = {}
 
-    def last(metric_key: str, summary_key: str) -> float | None:
+    def pick(name: str, metric_key: str, summary_key: str) -> float | None:
+        """summary.json's figure (NaN kept: a non-finite run), else the post-warm-up median of the log."""
         v = summary.get(summary_key)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
+            sources[name] = "summary.json"
+            return float(v)
+        med = post_warmup_median(list(_rundir.series(rows, metric_key).values()), warmup_frac)
+        if med is not None:
+            sources[name] = "metrics.jsonl median"
+        return med
+
+    def last(name: str, metric_key: str, summary_key: str) -> float | None:
+        v = summary.get(summary_key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            sources[name] = "summary.json"
             return float(v)  # NaN stays NaN (a non-finite run) and is shown as "—"
         s = _rundir.series(rows, metric_key)
+        if s:
+            sources[name] = "metrics.jsonl last"
         return list(s.values())[-1] if s else None
 
-    tps = pick("perf/tokens_per_sec", "perf/tokens_per_sec")
-    mfu = pick("perf/mfu", "perf/mfu")
-    peaks = [v for v in _rundir.series(rows, "mem/peak_gib").values() if _rundir.finite(v)]
-    if _rundir.finite(summary.get("mem/peak_gib")):
-        peaks.append(float(summary["mem/peak_gib"]))
+    tps = pick("tokens_per_sec", "perf/tokens_per_sec", "perf/tokens_per_sec")
+    mfu = pick("mfu_pct", "perf/mfu", "perf/mfu")
+    peak = summary.get("mem/peak_gib")
+    if _rundir.finite(peak):
+        peak, sources["peak_gib"] = float(peak), "summary.json"
+    else:
+        peaks = [v for v in _rundir.series(rows, "mem/peak_gib").values() if _rundir.finite(v)]
+        peak = max(peaks) if peaks else None
+        if peaks:
+            sources["peak_gib"] = "metrics.jsonl max"
     steps = summary.get("steps")
     if steps is None and rows:
         steps = max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=None)
@@ -113,10 +136,11 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
         "status": status,
         "tokens_per_sec": tps,
         "mfu_pct": None if mfu is None else 100.0 * mfu,
-        "peak_gib": max(peaks) if peaks else None,
-        "final_train_loss": last("train/loss", "final/train_loss"),
-        "final_val_loss": last("val/loss", "final/val_loss"),
+        "peak_gib": peak,
+        "final_train_loss": last("final_train_loss", "train/loss", "final/train_loss"),
+        "final_val_loss": last("final_val_loss", "val/loss", "final/val_loss"),
         "steps": steps,
+        "sources": sources,
         "error": error_text(summary, status),
         "wandb_group": _rundir.cfg_get(cfg, "wandb.group"),
         "wandb_project": _rundir.cfg_get(cfg, "wandb.project"),
@@ -139,17 +163,22 @@ def collect(sweep_dir: str | Path, warmup_frac: float = 0.1) -> list[dict]:
 
 
 def _cell(run: dict, key: str, fmt: str) -> str:
-    """Pivot cell: the value for an ok run, 'OOM' for an OOM run, else the run's status."""
+    """Pivot cell: the value for an ok run ('†' when it is not summary.json's), 'OOM' for an OOM run, else
+    the run's status."""
     if run["status"] == "oom":
         return "OOM"
     if run["status"] != "ok":
         return run["status"]
-    v = run.get(key)
-    return "—" if v is None or not _rundir.finite(v) else fmt.format(v)
+    return _fmt_plain(run.get(key), fmt, run, key)
 
 
-def _fmt_plain(v, fmt: str) -> str:
-    return "—" if v is None or not _rundir.finite(v) else fmt.format(v)
+def _fmt_plain(v, fmt: str, run: dict | None = None, key: str | None = None) -> str:
+    if v is None or not _rundir.finite(v):
+        return "—"
+    text = fmt.format(v)
+    if run is not None and run.get("sources", {}).get(key, "summary.json") != "summary.json":
+        text += "†"
+    return text
 
 
 def backends_of(runs: Sequence[dict]) -> list[str]:
@@ -165,9 +194,11 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
     lines = [
         f"# Sweep report: {sweep_dir}",
         "",
-        f"{len(runs)} runs; generated {now}. "
-        f"tokens/sec and MFU: median of logged steps after the first {warmup_frac:.0%}; "
-        "peak GiB: max allocated (torch.cuda.max_memory_allocated).",
+        f"{len(runs)} runs; generated {now}. Every figure is the run's summary.json: tokens/sec and MFU "
+        "are the trainer's medians over its timed steps (after `perf.exclude_first_steps`), peak GiB the "
+        "largest memory allocated by tensors (torch.cuda.max_memory_allocated, GiB = 2^30 bytes), final "
+        "losses those of the last step. † marks a value read from metrics.jsonl instead because the "
+        f"summary lacks it (tokens/sec, MFU: median of the logged steps after the first {warmup_frac:.0%}).",
         "",
         "## All runs",
         "",
@@ -180,9 +211,8 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
         seq = r["seq_len"] if r["seq_len"] is not None else "?"
         lines.append(
             f"| {r['run']} | {r['backend']} | {seq} | {status} | "
-            f"{_fmt_plain(r['tokens_per_sec'], '{:,.0f}')} | {_fmt_plain(r['mfu_pct'], '{:.1f}')} | "
-            f"{_fmt_plain(r['peak_gib'], '{:.2f}')} | {_fmt_plain(r['final_train_loss'], '{:.4f}')} | "
-            f"{_fmt_plain(r['final_val_loss'], '{:.4f}')} | {r['steps'] if r['steps'] is not None else '—'} |"
+            + " | ".join(_fmt_plain(r[key], fmt, r, key) for key, _, fmt in ALL_RUNS_COLUMNS)
+            + f" | {r['steps'] if r['steps'] is not None else '—'} |"
         )
     failed = [r for r in runs if r["status"] != "ok"]
     if failed:
@@ -202,7 +232,10 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
             cells = []
             for b in backends:
                 match = [r for r in runs if r["backend"] == b and r["seq_len"] == n]
-                cells.append(", ".join(_cell(r, key, fmt) for r in match) if match else "—")
+                if len(match) == 1:
+                    cells.append(_cell(match[0], key, fmt))
+                else:  # several runs in one cell: say which value is whose
+                    cells.append("; ".join(f"{_cell(r, key, fmt)} ({r['run']})" for r in match) or "—")
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
     unknown = [r["run"] for r in runs if r["seq_len"] is None]
     if unknown:
@@ -248,10 +281,14 @@ def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
 
 
 def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path) -> str:
-    """Log the table and figure to a new W&B run in the sweep's group. Returns a one-line outcome;
-    never raises (a report must not fail because W&B is unavailable)."""
-    mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    if mode in ("disabled", "dryrun-disabled"):
+    """Log the table and figure to a new W&B run in the sweep's group, in the trainer's `wandb.mode=auto`
+    mode (see the module docstring), under `out_dir/wandb/`. Returns the outcome as text (with the
+    `wandb sync` command for an offline run); never raises: a report must not fail because W&B is
+    unavailable."""
+    from trainer.metrics import resolve_wandb_mode
+
+    mode = resolve_wandb_mode("auto")
+    if mode == "disabled":
         return "W&B logging skipped: WANDB_MODE=disabled"
     try:
         import wandb
@@ -262,16 +299,24 @@ def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path
     entity = next((r["wandb_entity"] for r in runs if r.get("wandb_entity")), None)
     columns = ["run", "backend", "seq_len", "status", "tokens_per_sec", "mfu_pct", "peak_gib",
                "final_train_loss", "final_val_loss", "steps"]
-    try:
-        run = wandb.init(project=project, entity=entity, group=group, job_type="report",
-                         name=f"report-{sweep_dir.resolve().name}", dir=str(out_dir),
-                         config={"sweep_dir": str(sweep_dir), "n_runs": len(runs)})
-        table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in runs])
-        run.log({"report/table": table, "report/plots": wandb.Image(str(png))})
-        run.finish()
-    except Exception as exc:  # network, auth, disabled service...
-        return f"W&B logging failed ({type(exc).__name__}: {exc}); the local report files are complete"
-    return f"W&B: logged report to project {project!r}, group {group!r} (mode {mode or 'default'})"
+    notes = []
+    for attempt in (mode, "offline") if mode == "online" else (mode,):
+        try:
+            run = wandb.init(project=project, entity=entity, group=group, job_type="report", mode=attempt,
+                             name=f"report-{sweep_dir.resolve().name}", dir=str(out_dir),
+                             config={"sweep_dir": str(sweep_dir), "n_runs": len(runs)})
+            table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in runs])
+            run.log({"report/table": table, "report/plots": wandb.Image(str(png))})
+            run_dir = Path(run.dir).parent  # .../wandb/offline-run-<time>-<id>
+            run.finish()
+        except Exception as exc:  # network, auth, disabled service...
+            notes.append(f"W&B {attempt} run failed ({type(exc).__name__}: {exc})")
+            continue
+        text = f"W&B: logged report to project {project!r}, group {group!r} (mode {attempt})"
+        if attempt == "offline":
+            text += f"; upload it later with: wandb sync {run_dir}"
+        return "; ".join([*notes, text])
+    return "; ".join(notes) + "; the local report files are complete"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

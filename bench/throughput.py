@@ -193,29 +193,35 @@ def main(argv=None) -> int:
     meta = {**environment(), "steps": a.steps, "warmup": a.warmup, "profile_steps": a.profile_steps,
             "command": user_cmd.strip(), "argv": sys.argv[1:]}
     cells: list[dict] = []
-    for n in seq_lens:
-        for b in backends:
-            if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-                cells.append({"backend": b, "seq_len": n, "status": "not_run",
-                              "error": f"not run: --naive-up-to {a.naive_up_to}"})
-                continue
-            run_dir = runs / f"{b}_n{n}"
-            cmd = cell_command(b, n, a, run_dir)
-            print(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
-            t0 = time.time()
-            try:
-                proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-                rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-            except subprocess.TimeoutExpired as e:
-                rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
-            rec = read_cell(b, n, run_dir, rc, time.time() - t0, tail)
-            cells.append(rec)
-            print(f"   {rec['status']}: {_fmt_cell(rec)} [{rec['wall_s']:.0f} s]", flush=True)
-            if rec["status"] not in ("ok", "oom"):
-                print(tail[-1500:], flush=True)
-            # results so far, so a stopped sweep keeps what it measured
-            out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+    from tqdm import tqdm
+
+    # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
+    bar = tqdm([(n, b) for n in seq_lens for b in backends], desc="cells", unit="cell", file=sys.stderr,
+               disable=not sys.stderr.isatty())
+    for n, b in bar:
+        bar.set_postfix_str(f"{b} seq_len={n}")
+        if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
+            cells.append({"backend": b, "seq_len": n, "status": "not_run",
+                          "error": f"not run: --naive-up-to {a.naive_up_to}"})
+            continue
+        run_dir = runs / f"{b}_n{n}"
+        cmd = cell_command(b, n, a, run_dir)
+        tqdm.write(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}")
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired as e:
+            rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
+        rec = read_cell(b, n, run_dir, rc, time.time() - t0, tail)
+        cells.append(rec)
+        tqdm.write(f"   {rec['status']}: {_fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
+        if rec["status"] not in ("ok", "oom"):
+            tqdm.write(tail[-1500:])
+        # results so far, so a stopped sweep keeps what it measured
+        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+    bar.close()
     write_markdown(out.with_suffix(".md"), meta, cells)
     write_plot(out.with_suffix(".png"), meta, cells)
     print(out.with_suffix(".md").read_text())

@@ -1,61 +1,114 @@
-"""Tile-configuration search for the Triton FlashAttention kernels (run on the GPU).
+"""Tile search and interleaved A/B timing of our FlashAttention kernels' tile plans (run on the GPU).
 
-For each (d, N) of the benchmark shapes (B·N = --tokens, H·d = --hidden, causal bf16) it times the
-forward kernel and the backward (preprocess + dK/dV + dQ) for a grid of candidate tile configs, through
-`kernels.tiles.override_tile_config`, and prints the best per (kernel, d, N). The backward search is
-separable: dK/dV candidates are timed with dQ at its default and vice versa (the kernels are independent
-launches, so their times add). Results go to --out as JSON lines; `bench/NOTES.md` records what was chosen.
+Both modes time causal attention through the public API only: `kernels.flash_attention` (forward, and
+forward+backward through its autograd; backward = forward+backward minus forward, as `bench.attention`
+times a provider) with the tiles forced by `kernels.override_tile_config`. Shapes as in `bench.attention`:
+B = max(1, --tokens // N), H = --hidden // d, q, k, v, dO standard normal in bf16 from a generator seeded
+by (N, d), so every invocation sees the same data per shape. FLOPs: forward 2·B·H·N²·d (causal), backward
+2.5× that (Dao 2023, FlashAttention-2, §4.1). `bench/NOTES.md` records what each search chose.
+
+Search (default): for each (d, N), every candidate tile of one kernel, the other kernels at their
+defaults; `fwd` candidates are timed by the forward, `bwd_dkdv` / `bwd_dq` candidates by the whole backward
+(the two backward kernels are separate launches, so the search is separable). Prints the default, the best
+and the top 3 per (kernel, d, N) and appends one JSON line per candidate to --out:
 
     python -m bench.tune --seqlens 1024,4096,16384 --headdims 64,128 --out /tmp/tune.jsonl
+    python -m bench.tune --kernels bwd_dkdv --headdims 128 --configs 64x64x4x2t,64x128x8x2
 
-`--kernels bwd` is the joint backward search: each candidate is a (dK/dV tile, dQ tile) plan, timed
-like `bench/attention.py` times a provider -- forward+backward through
-`flash_attention`'s autograd, minus the forward -- so host-side costs between launches count too.
+`--kernels bwd` searches (dK/dV tile, dQ tile) pairs jointly; with `--tma`, pairs whose tiles choose
+tensor-descriptor (TMA) loads per kernel (`TileConfig.tma`), the same tiles with and without TMA:
 
-    python -m bench.tune --kernels bwd --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
+    python -m bench.tune --kernels bwd --tma --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
 
-`--kernels bwd --tma` searches two-kernel backward plans whose tiles choose tensor-descriptor (TMA) loads
-per kernel (`TileConfig.tma`), against the current default plan of the same run.
+Interleaved A/B (`--plans`): every plan in turn for --rounds rounds (A B C A B C ...), so clock and thermal
+drift hit every plan alike, which separate runs do not (NOTES v5); prints per (N, plan) the median forward
+and backward TFLOP/s over the rounds and their range. A plan is 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG'
+or several joined by '+', or 'provider:NAME' to time another provider of `bench.attention` (e.g.
+provider:flex, provider:sdpa-cudnn) as a yardstick in the same rounds:
+
+    python -m bench.tune --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3 provider:flex
+
+CFG is BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only), e.g. 128x64x8x3 or 64x64x4x2t.
+`--dry-run` runs either mode on the CPU under TRITON_INTERPRET=1 with tiny float32 shapes (plumbing only:
+the timings mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import math
+import os
+import statistics
+import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
-import triton
 
-from bench._gpu import parser, require_cuda
-from kernels.flash_attn import _launch_bwd, _launch_fwd
-from kernels.tiles import TileConfig, get_tile_config, override_tile_config
+PLAN_KEYS = {"fwd": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
+SEARCH_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
-def cfg_fields(cfg: TileConfig) -> list:
-    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, tma] (+ no_tma's list if set)."""
+# --------------------------------------------------------------------------------------------- syntax
+
+
+def cfg_fields(cfg) -> list:
+    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, tma] of a `kernels.TileConfig`, plus its `no_tma`
+    alternative as a nested list when it has one."""
     out = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma]
     if cfg.no_tma is not None:
         out.append(cfg_fields(cfg.no_tma))
     return out
 
 
-def parse_configs(text: str) -> list[TileConfig]:
-    """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads), e.g. '128x64x8x3,64x128x4x2t'."""
+def parse_configs(text: str) -> list:
+    """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads) -> [TileConfig, ...],
+    e.g. '128x64x8x3,64x128x4x2t'. Raises SystemExit naming the item and the format when one is malformed."""
+    from kernels import TileConfig
+
     cfgs = []
     for item in text.split(","):
         item = item.strip()
         tma = item.endswith("t")
         parts = (item[:-1] if tma else item).split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            raise SystemExit(f"--configs: {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+            raise SystemExit(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
         cfgs.append(TileConfig(*map(int, parts), tma=tma))
     return cfgs
 
 
-def candidates(kernel: str, d: int, explicit: list[TileConfig] | None = None):
+def parse_plan(text: str) -> dict:
+    """A/B plan text -> overrides for `kernels.override_tile_config`: 'default' -> {},
+    'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig},
+    'provider:flex' -> {'provider': 'flex'}. Raises SystemExit naming the bad part and the valid forms."""
+    if text == "default":
+        return {}
+    if text.startswith("provider:"):
+        name = text.partition(":")[2]
+        if not name or "+" in name or "=" in name:
+            raise SystemExit(f"error: plan {text!r}: provider:NAME takes one provider of bench.attention "
+                             "(e.g. provider:flex) and no tile overrides")
+        return {"provider": name}
+    plan = {}
+    for part in text.split("+"):
+        key, _, cfg = part.partition("=")
+        if key not in PLAN_KEYS or not cfg:
+            raise SystemExit(f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
+                             "(joined by '+') or provider:NAME")
+        plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
+    return plan
+
+
+# ------------------------------------------------------------------------------------------ candidates
+
+
+def candidates(kernel: str, d: int, explicit: list | None = None) -> Iterator:
+    """Tile candidates of one kernel for head dim d: `explicit` when given, else a grid over
+    (BLOCK_M, BLOCK_N, warps, stages), without tiles of more than 128×128 at d >= 128."""
+    from kernels import TileConfig
+
     if explicit is not None:
         yield from explicit
         return
@@ -71,195 +124,324 @@ def candidates(kernel: str, d: int, explicit: list[TileConfig] | None = None):
         yield TileConfig(bm, bn, w, s)
 
 
-def bwd_plans(d: int):
-    """Candidate backward plans (dkdv TileConfig, dq TileConfig, tma override None) for the joint search."""
-    T = TileConfig
-    if d >= 128:
-        for s in (2, 3):
-            for dq in ((128, 32), (128, 64), (64, 64)):
-                yield T(64, 128, 8, s), T(*dq, 8, s), None
-        for dq in ((128, 32), (64, 64)):
-            yield T(64, 64, 8, 3), T(*dq, 8, 3), None
-        yield T(32, 128, 8, 3), T(128, 32, 8, 3), None
-    else:
-        for dkdv in ((64, 128), (64, 64), (32, 128), (128, 64)):
-            for dq in ((128, 64), (64, 64), (128, 32)):
-                yield T(*dkdv, 8, 3), T(*dq, 8, 3), None
-        for dkdv in ((64, 64), (32, 64), (32, 128)):
-            for dq in ((64, 64), (64, 32)):
-                yield T(*dkdv, 4, 3), T(*dq, 4, 3), None
-        yield T(64, 128, 8, 2), T(128, 64, 8, 2), None
+def bwd_plans(d: int, n: int, tma: bool) -> Iterator[tuple]:
+    """(dK/dV tile, dQ tile) pairs of the joint backward search. Pointer loads around the optimum of
+    NOTES v1 (`tma` False), or the TMA pairs of NOTES v4: the same tiles with and without TMA per kernel."""
+    from kernels import TileConfig as T
 
-
-def tma_plans(d: int, n: int):
-    """Candidate plans of the two-kernel backward with tensor-descriptor (TMA) loads per kernel (`--tma`):
-    (dkdv TileConfig, dq TileConfig, tma override None: each TileConfig's own `tma`).
-    Around the pointer-load optimum; the same tiles with and without TMA separate the two effects."""
-    T = TileConfig
+    if not tma:
+        if d >= 128:
+            for s in (2, 3):
+                for dq in ((128, 32), (128, 64), (64, 64)):
+                    yield T(64, 128, 8, s), T(*dq, 8, s)
+            for dq in ((128, 32), (64, 64)):
+                yield T(64, 64, 8, 3), T(*dq, 8, 3)
+            yield T(32, 128, 8, 3), T(128, 32, 8, 3)
+        else:
+            for dkdv in ((64, 128), (64, 64), (32, 128), (128, 64)):
+                for dq in ((128, 64), (64, 64), (128, 32)):
+                    yield T(*dkdv, 8, 3), T(*dq, 8, 3)
+            for dkdv in ((64, 64), (32, 64), (32, 128)):
+                for dq in ((64, 64), (64, 32)):
+                    yield T(*dkdv, 4, 3), T(*dq, 4, 3)
+            yield T(64, 128, 8, 2), T(128, 64, 8, 2)
+        return
     if d >= 128:
-        k1, k1t = T(64, 128, 8, 3), T(64, 128, 8, 3, tma=True)
+        k1 = T(64, 128, 8, 3)
         for dq in (T(128, 64, 8, 3, tma=True), T(128, 64, 8, 3), T(128, 32, 8, 3, tma=True),
                    T(64, 64, 4, 3, tma=True)):
-            yield k1, dq, None
-        yield k1t, T(128, 64, 8, 3, tma=True), None
-        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True), None
+            yield k1, dq
+        yield replace(k1, tma=True), T(128, 64, 8, 3, tma=True)
+        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True)
+        return
+    if n <= 1024:
+        k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
     else:
-        if n <= 1024:
-            k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
-        else:
-            k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
-        for k1 in k1s:
-            for tma1 in (False, True):
-                for dq in dqs:
-                    for tma2 in (False, True):
-                        yield replace(k1, tma=tma1), replace(dq, tma=tma2), None
+        k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
+    for k1, tma1, dq, tma2 in itertools.product(k1s, (False, True), dqs, (False, True)):
+        yield replace(k1, tma=tma1), replace(dq, tma=tma2)
 
 
-def time_autograd(q, k, v, do, dkdv, dq, tma=None):
-    """(fwd+bwd ms, fwd ms) through flash_attention's autograd with the given backward plan."""
-    from kernels import flash_attention
+# -------------------------------------------------------------------------------------------- timing
 
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+class Shape:
+    """Inputs of one benchmark shape: q, k, v (leaves with requires_grad) and dO, (B, H, N, d)."""
+
+    def __init__(self, a, n: int, d: int):
+        from bench.attention import shape_for
+
+        self.n, self.d = n, d
+        self.b, self.h = shape_for(a.tokens, a.hidden, n, d)
+        gen = torch.Generator(device=a.device).manual_seed(n * 1000 + d)
+        q, k, v, self.do = (torch.randn(self.b, self.h, n, d, device=a.device, dtype=a.dtype, generator=gen)
+                            for _ in range(4))
+        self.leaves = [t.requires_grad_() for t in (q, k, v)]
+        self.fwd_flops = 2.0 * self.b * self.h * n * n * d  # causal forward; backward is 2.5x
+
+    def describe(self) -> str:
+        return f"d={self.d} N={self.n} (B={self.b}, H={self.h})"
+
+
+def time_plan(shape: Shape, timer, tiles: dict, *, fn: Callable | None = None, bwd: bool = True,
+              fwd_ms: float | None = None) -> tuple[float | None, float | None, str | None]:
+    """(forward ms, backward ms, error) of `fn` (default `kernels.flash_attention(causal=True)`) on `shape`
+    under `override_tile_config(**tiles)`; backward = forward+backward minus forward, None with `bwd` False.
+    `fwd_ms` given: the forward is not timed again. A plan that cannot launch (tiles beyond the shared
+    memory or registers) gives (None, None, exception type name) instead of raising."""
+    from kernels import flash_attention, override_tile_config
+
+    leaves, do = shape.leaves, shape.do
+    call = fn or (lambda q, k, v: flash_attention(q, k, v, causal=True))
 
     def fwd():
-        return flash_attention(*leaves, causal=True)
+        return call(*leaves)
 
     def fwdbwd():
         fwd().backward(do)
 
-    with override_tile_config(bwd_dkdv=dkdv, bwd_dq=dq, tma=tma):
+    with override_tile_config(**tiles):
         try:
-            fwdbwd()
-            torch.cuda.synchronize()
-        except Exception as e:  # out of shared memory / registers: skip the plan
-            return None, None, type(e).__name__
-        t_all = triton.testing.do_bench(fwdbwd, warmup=25, rep=100, grad_to_none=leaves, return_mode="median")
-        t_fwd = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-    return t_all, t_fwd, None
+            (fwdbwd if bwd else fwd)()
+            if shape.do.is_cuda:
+                torch.cuda.synchronize()
+        except Exception as exc:  # out of shared memory / registers: skip the plan
+            return None, None, type(exc).__name__
+        finally:
+            for t in leaves:
+                t.grad = None
+        t_f = timer(fwd) if fwd_ms is None else fwd_ms
+        t_b = timer(fwdbwd, grad_to_none=leaves) - t_f if bwd else None
+    return t_f, t_b, None
 
 
-def shape_inputs(a, n: int, d: int, dev: torch.device):
-    """(B, H, (q, k, v, dO)) for one benchmark shape: B = max(1, tokens // N), H = hidden // d, bf16
-    standard normal from a generator seeded by (N, d), so every search sees the same data per shape."""
-    b, h = max(1, a.tokens // n), a.hidden // d
-    gen = torch.Generator(device=dev).manual_seed(n * 1000 + d)
-    qkvdo = tuple(torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
-    return b, h, qkvdo
+def _tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flops / ms / 1e9
 
 
-def tune_bwd(a, out) -> None:
-    """Joint backward search (see the module docstring); prints the best plan per (d, N)."""
-    dev = torch.device("cuda")
-    for d in map(int, a.headdims.split(",")):
-        for n in map(int, a.seqlens.split(",")):
-            b, h, (q, k, v, do) = shape_inputs(a, n, d, dev)
-            bwd_flops = 2.5 * 2 * b * h * n * n * d
-            d1 = get_tile_config("bwd_dkdv", d, torch.bfloat16, True, n, n)
-            d2 = get_tile_config("bwd_dq", d, torch.bfloat16, True, n, n)
-            plans = [(d1, d2, None)] + list(tma_plans(d, n) if a.tma else bwd_plans(d))
-            rows, t0 = [], time.time()
-            for i, (dkdv, dq, tma) in enumerate(plans):
-                t_all, t_fwd, err = time_autograd(q, k, v, do, dkdv, dq, tma)
-                tag = "default" if i == 0 else "plan"
-                tag += "+tma" if tma else ""
-                tag += "".join(f"+{part}:tma" for part, c in (("kv", dkdv), ("q", dq))
-                               if c.tma and tma is None)
-                rec = dict(kernel="bwd", d=d, N=n, B=b, H=h, dkdv=cfg_fields(dkdv),
-                           dq=cfg_fields(dq), plan=tag, fwdbwd_ms=t_all, fwd_ms=t_fwd,
-                           err=err, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__,
-                           date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-                if t_all is not None:
-                    rec["bwd_tflops"] = bwd_flops / (t_all - t_fwd) / 1e9
-                    rows.append((t_all - t_fwd, dkdv, dq, tag))
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
-                print(f"  d={d} N={n} {tag:16s} dkdv={tuple(cfg_fields(dkdv))} "
-                      f"dq={tuple(cfg_fields(dq))}: "
-                      + (f"bwd {t_all - t_fwd:.3f} ms {rec['bwd_tflops']:.0f} TF/s" if err is None else err),
-                      flush=True)
-            rows.sort(key=lambda r: r[0])
-            ms, dkdv, dq, tag = rows[0]
-            print(f"BEST bwd d={d} N={n}: {tag} dkdv={dkdv} dq={dq} {ms:.3f} ms "
-                  f"({bwd_flops / ms / 1e9:.0f} TF/s) [{time.time() - t0:.0f}s]", flush=True)
-            del q, k, v, do
-            torch.cuda.empty_cache()
+def _fmt_tf(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0f}"
 
 
-def time_config(kernel, cfg, q, k, v, o, lse, do, scale):
-    with override_tile_config(**{kernel: cfg}):
-        if kernel == "fwd":
-            fn = lambda: _launch_fwd(q, k, v, True, scale)
-        else:
-            fn = lambda: _launch_bwd(do, q, k, v, o, lse, True, scale)
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except Exception as e:  # out of shared memory / registers: skip the config
-            return None, type(e).__name__
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"), None
+def _record(a, shape: Shape, **fields) -> dict:
+    return dict(d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__,
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
 
-def main() -> None:
-    p = parser("python -m bench.tune", __doc__)
-    p.add_argument("--seqlens", default="1024,4096,16384")
-    p.add_argument("--headdims", default="64,128")
-    p.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--out", default="tune.jsonl")
+def _progress(items: Sequence, desc: str):
+    """tqdm over `items` on stderr (elapsed time and ETA of a long search), plain iteration without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False, file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+# --------------------------------------------------------------------------------------------- modes
+
+
+def search(a, out) -> None:
+    """Tile search of the module docstring: separable per kernel, or joint backward (`--kernels bwd`)."""
+    from kernels import get_tile_config
+
+    for d in a.headdims:
+        for n in a.seqlens:
+            shape = Shape(a, n, d)
+            fwd_default, _, err = time_plan(shape, a.timer, {}, bwd=False)
+            if err:
+                print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped", flush=True)
+                continue
+            for kernel in a.kernels:
+                if kernel == "bwd":
+                    defaults = tuple(get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
+                                     for k in ("bwd_dkdv", "bwd_dq"))
+                    plans = [defaults, *bwd_plans(d, n, a.tma)]
+                    to_tiles = lambda p: {"bwd_dkdv": p[0], "bwd_dq": p[1]}
+                    fields = lambda p: {"dkdv": cfg_fields(p[0]), "dq": cfg_fields(p[1])}
+                else:
+                    default = get_tile_config(kernel, d, a.dtype, True, n, n, interpret=a.dry_run)
+                    plans = [default, *candidates(kernel, d, a.configs)]
+                    to_tiles = lambda p, kernel=kernel: {kernel: p}
+                    fields = lambda p: {"cfg": cfg_fields(p)}
+                flops = shape.fwd_flops * (1.0 if kernel == "fwd" else 2.5)
+                rows, t0 = [], time.time()
+                for i, plan in enumerate(_progress(plans, f"{kernel} d={d} N={n}")):
+                    if kernel == "fwd":
+                        ms, _, err = time_plan(shape, a.timer, to_tiles(plan), bwd=False)
+                    else:
+                        _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
+                    tag = "default" if i == 0 else "candidate"
+                    rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err,
+                                  tflops=_tflops(flops, ms))
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
+                    if ms is not None:
+                        rows.append((ms, i, plan))
+                    if a.configs is not None or kernel == "bwd":
+                        result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
+                        what = json.dumps(fields(plan))
+                        print(f"  {kernel:8s} {shape.describe()} {tag:9s} {what}: {result}", flush=True)
+                if not rows:
+                    print(f"{kernel:8s} {shape.describe()}: no candidate ran", flush=True)
+                    continue
+                base = next((r for r in rows if r[1] == 0), None)
+                rows.sort(key=lambda r: r[0])
+                top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
+                base_txt = (f"default {base[0]:.3f} ms ({_fmt_tf(_tflops(flops, base[0]))} TF/s)" if base
+                            else "default did not run")
+                print(f"{kernel:8s} {shape.describe()}: {base_txt} | best {json.dumps(fields(rows[0][2]))} "
+                      f"{rows[0][0]:.3f} ms ({_fmt_tf(_tflops(flops, rows[0][0]))} TF/s) | top3 {top3} "
+                      f"[{time.time() - t0:.0f} s]", flush=True)
+            del shape
+            _empty_cache(a)
+
+
+def ab(a, out) -> None:
+    """Interleaved A/B of the module docstring: every plan in turn for a.rounds rounds per (d, N)."""
+    from bench._providers import build_provider
+
+    plans = [(text, parse_plan(text)) for text in a.plans]
+    for d in a.headdims:
+        for n in a.seqlens:
+            shape = Shape(a, n, d)
+            impl = {text: build_provider(p["provider"], n=n, device=a.device) if "provider" in p else None
+                    for text, p in plans}
+            res: dict[str, tuple[list, list, set]] = {text: ([], [], set()) for text, _ in plans}
+            for _ in _progress(range(a.rounds), f"rounds d={d} N={n}"):
+                for text, plan in plans:
+                    tiles = {} if "provider" in plan else plan
+                    f_ms, b_ms, err = time_plan(shape, a.timer, tiles, fn=impl[text], bwd=not a.no_bwd)
+                    fwd_tf, bwd_tf, errs = res[text]
+                    if err:
+                        errs.add(err)
+                        continue
+                    fwd_tf.append(_tflops(shape.fwd_flops, f_ms))
+                    if b_ms is not None:
+                        bwd_tf.append(_tflops(2.5 * shape.fwd_flops, b_ms))
+            for text, (fwd_tf, bwd_tf, errs) in res.items():
+                line = f"d={d} N={n:6d} {text:40s} "
+                if errs or not fwd_tf:
+                    print(line + f"did not run: {', '.join(sorted(errs))}", flush=True)
+                    continue
+                bwd_tf = [x for x in bwd_tf if x is not None]
+                line += f"fwd {statistics.median(fwd_tf):6.1f} TF/s ({min(fwd_tf):.0f}-{max(fwd_tf):.0f})"
+                if bwd_tf:
+                    line += (f"  bwd {statistics.median(bwd_tf):6.1f} TF/s "
+                             f"({min(bwd_tf):.0f}-{max(bwd_tf):.0f})")
+                print(line, flush=True)
+                if out is not None:
+                    out.write(json.dumps(_record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf,
+                                                 bwd_tflops=bwd_tf)) + "\n")
+                    out.flush()
+            del shape
+            _empty_cache(a)
+
+
+def _empty_cache(a) -> None:
+    if a.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI of both modes; its --help is the module docstring (plan syntax, example commands)."""
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqlens", type=_ints, default=None,
+                   help="comma list of N (default: search 1024,4096,16384; --plans 4096,16384; dry run 32)")
+    p.add_argument("--headdims", "--d", dest="headdims", type=_ints, default=None,
+                   help="comma list of d (default 64,128; dry run 16)")
+    p.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq",
+                   help="search: comma list from fwd,bwd_dkdv,bwd_dq, or bwd for the joint backward search")
     p.add_argument("--configs", type=parse_configs, default=None,
-                   help="explicit candidates for every kernel and d instead of the grid: "
+                   help="search: explicit candidates for every kernel and d instead of the grid: "
                         "BMxBNxWARPSxSTAGES[t],... ('t': TMA loads, bwd_dkdv / bwd_dq only)")
     p.add_argument("--tma", action="store_true",
-                   help="with --kernels bwd: search the two-kernel backward with tensor-descriptor "
-                        "(TMA) loads")
-    a = p.parse_args()
-    require_cuda("python -m bench.tune")
-    dev = torch.device("cuda")
-    out = open(a.out, "a")
-    if a.kernels == "bwd":
-        tune_bwd(a, out)
-        out.close()
-        return
-    best = {}
-    for d in map(int, a.headdims.split(",")):
-        for n in map(int, a.seqlens.split(",")):
-            b, h, (q, k, v, do) = shape_inputs(a, n, d, dev)
-            scale = 1 / math.sqrt(d)
-            o, lse = _launch_fwd(q, k, v, True, scale)
-            flops_fwd = 2 * b * h * n * n * d
-            for kernel in a.kernels.split(","):
-                default = get_tile_config(kernel, d, torch.bfloat16, True, n, n)
-                base_ms, _ = time_config(kernel, default, q, k, v, o, lse, do, scale)
-                rows = []
-                t0 = time.time()
-                for cfg in candidates(kernel, d, a.configs):
-                    ms, err = time_config(kernel, cfg, q, k, v, o, lse, do, scale)
-                    rec = dict(kernel=kernel, d=d, N=n, B=b, H=h, cfg=cfg_fields(cfg),
-                               ms=ms, err=err, default=cfg_fields(default), default_ms=base_ms)
-                    out.write(json.dumps(rec) + "\n")
-                    if ms is not None:
-                        rows.append((ms, cfg))
-                    if a.configs is not None:
-                        f = flops_fwd * (1 if kernel == "fwd" else 2.5)
-                        what = "" if kernel == "fwd" else " whole bwd"
-                        print(f"  {kernel:9s} d={d:3d} N={n:6d} {tuple(cfg_fields(cfg))}: "
-                              + (f"{ms:.3f} ms ({f / ms / 1e9:.0f} TF/s{what})" if ms is not None else err),
-                              flush=True)
-                rows.sort(key=lambda r: r[0])
-                top3 = [(round(m, 3), tuple(cfg_fields(c))) for m, c in rows[:3]]
-                f = flops_fwd * (1 if kernel == "fwd" else 2.5)
-                ms, cfg = rows[0]
-                best[(kernel, d, n)] = (cfg, ms)
-                print(f"{kernel:9s} d={d:3d} N={n:6d} default {default} {base_ms:.3f} ms "
-                      f"({f / base_ms / 1e9:.0f} TF/s{' whole bwd' if kernel != 'fwd' else ''}) | best {cfg} "
-                      f"{ms:.3f} ms ({f / ms / 1e9:.0f}) | top3 {top3}"
-                      f" [{time.time() - t0:.0f}s]", flush=True)
-            del q, k, v, do, o, lse
-            torch.cuda.empty_cache()
-    out.close()
+                   help="with --kernels bwd: search backward pairs with tensor-descriptor (TMA) loads")
+    p.add_argument("--plans", nargs="+", default=None,
+                   help="interleaved A/B of these plans instead of a search (syntax in the description)")
+    p.add_argument("--rounds", type=int, default=3, help="A/B rounds (default 3)")
+    p.add_argument("--no-bwd", action="store_true", help="A/B: forward only")
+    p.add_argument("--tokens", type=int, default=None, help="B*N per shape (default 16384; dry run 64)")
+    p.add_argument("--hidden", type=int, default=None, help="H*d (default 2048; dry run 32)")
+    p.add_argument("--out", default=None,
+                   help="JSON lines appended here (default: search tune.jsonl; A/B: none, console only)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny CPU run under TRITON_INTERPRET=1 (float32) to check the plumbing")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the search, or the A/B with --plans; returns the exit status (0, or 2 for bad input or no GPU,
+    with a message naming the fix and nothing written)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too): triton.jit reads it
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    p = build_parser()
+    a = p.parse_args(argv)
+    kernels = [k.strip() for k in a.kernels.split(",") if k.strip()]
+    if kernels != ["bwd"] and (not kernels or any(k not in SEARCH_KERNELS for k in kernels)):
+        p.error(f"--kernels {a.kernels!r}: choose from {','.join(SEARCH_KERNELS)}, or bwd alone")
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
+    a.kernels = kernels
+    from kernels import override_tile_config
+
+    checks = [(text, parse_plan(text)) for text in a.plans or ()]
+    checks += [(f"--configs {cfg}", {k: cfg}) for cfg in a.configs or () for k in SEARCH_KERNELS]
+    for text, tiles in checks:  # bad plans and tiles are refused before any GPU work
+        try:
+            with override_tile_config(**{k: v for k, v in tiles.items() if k != "provider"}):
+                pass
+        except ValueError as exc:
+            print(f"error: {text}: {exc}", file=sys.stderr)
+            return 2
+    if a.dry_run:
+        a.device, a.dtype, a.gpu = torch.device("cpu"), torch.float32, None
+    elif not torch.cuda.is_available():
+        print("error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
+              "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` "
+              "checks the plumbing and "
+              "`python -m kernels.compile_report` compiles the kernels for sm_90 offline.", file=sys.stderr)
+        return 2
+    else:
+        a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
+    small = a.dry_run
+    a.seqlens = a.seqlens or ([32] if small else [4096, 16384] if a.plans else [1024, 4096, 16384])
+    a.headdims = a.headdims or ([16] if small else [64, 128])
+    a.tokens = a.tokens or (64 if small else 16384)
+    a.hidden = a.hidden or (32 if small else 2048)
+    from bench._timing import Timer
+    from bench.attention import shape_for
+
+    for d in a.headdims:
+        try:
+            shape_for(a.tokens, a.hidden, a.seqlens[0], d)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    a.timer = Timer(a.device, cpu_reps=1) if small else Timer(a.device)
+    out_path = a.out or (None if a.plans else "tune.jsonl")
+    out = open(out_path, "a") if out_path else None
+    try:
+        (ab if a.plans else search)(a, out)
+    finally:
+        if out is not None:
+            out.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,10 @@ at random offsets of a memory-mapped ``uint16`` token file; inputs are a window'
 tokens, targets the same window shifted by one. Unlike nanoGPT the offsets come from a NumPy
 ``Generator`` seeded with ``[seed, split_id, step, micro_step, rank]``, so a batch depends on those
 numbers only (identical across attention backends, restarts and resumes).
+
+Document masking: for a corpus prepared with a ``doc_separator`` (``meta["doc_separator_ids"]``),
+``batch(..., with_doc_ids=True)`` / ``eval_batches(..., with_doc_ids=True)`` also return per-token document
+ids (B, seq_len) int32, relative to each window (0 at its first token; rule in ``data.docs``).
 """
 
 from __future__ import annotations
@@ -143,19 +147,46 @@ class BinDataset:
                 f"Delete {self.path.parent}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
             )
 
+    # -- documents
+    def doc_starts(self) -> np.ndarray:
+        """Sorted int64 positions where a document starts in this split (0 and every position after a
+        separator end), computed once from the tokens. Raises ValueError for a corpus prepared without
+        a doc_separator."""
+        if getattr(self, "_doc_starts", None) is None:
+            sep = self.meta.get("doc_separator_ids")
+            if not sep:
+                raise ValueError(
+                    f"{self.data_dir} was prepared without a document separator; set data.doc_separator "
+                    "(e.g. data.doc_separator='\n\n' for Tiny Shakespeare) with a data.dir of its own")
+            from data.docs import separator_ends
+
+            ends = np.flatnonzero(separator_ends(np.asarray(self._data), sep)) + 1
+            self._doc_starts = np.concatenate([[0], ends[ends < self.num_tokens]]).astype(np.int64)
+        return self._doc_starts
+
+    def window_doc_ids(self, starts: np.ndarray) -> torch.Tensor:
+        """Relative document ids (len(starts), seq_len) int32 of the windows beginning at ``starts``."""
+        doc = self.doc_starts()
+        pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len)[None, :]
+        ids = np.searchsorted(doc, pos, side="right") - np.searchsorted(doc, pos[:, :1], side="right")
+        return torch.from_numpy(ids.astype(np.int32))
+
     # -- batches
-    def _windows(self, rng: np.random.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _windows(self, rng: np.random.Generator, batch_size: int, with_doc_ids: bool = False):
         # start in [0, num_tokens - seq_len - 1], so start + seq_len + 1 <= num_tokens
         starts = rng.integers(0, self.num_tokens - self.seq_len, size=batch_size)
         span = self.seq_len + 1
         win = np.stack([self._data[s : s + span] for s in starts.tolist()]).astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
+        if with_doc_ids:
+            return x, y, self.window_doc_ids(starts)
         return x, y
 
     def batch(
-        self, batch_size: int, *, seed: int, step: int, micro_step: int = 0, rank: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, batch_size: int, *, seed: int, step: int, micro_step: int = 0, rank: int = 0,
+        with_doc_ids: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """Random windows for one (micro-)batch.
 
         Start offsets are ``np.random.default_rng([seed, split_id, step, micro_step, rank]).integers(
@@ -164,10 +195,12 @@ class BinDataset:
 
         Returns:
             (x, y): int64 CPU tensors of shape (batch_size, seq_len); ``y[:, t] == x[:, t + 1]`` for
-            t < seq_len - 1 and ``y[:, -1]`` is the token after ``x[:, -1]``.
+            t < seq_len - 1 and ``y[:, -1]`` is the token after ``x[:, -1]``. With ``with_doc_ids``:
+            (x, y, doc_ids), doc_ids int32 (batch_size, seq_len), see ``window_doc_ids`` (same windows).
 
         Raises:
-            TypeError / ValueError: a non-int or negative argument, or batch_size < 1.
+            TypeError / ValueError: a non-int or negative argument, or batch_size < 1; with_doc_ids on a
+            corpus prepared without a doc_separator.
         """
         batch_size = _nonneg_int("batch_size", batch_size)
         if batch_size < 1:
@@ -179,11 +212,11 @@ class BinDataset:
             _nonneg_int("micro_step", micro_step),
             _nonneg_int("rank", rank),
         ]
-        return self._windows(np.random.default_rng(key), batch_size)
+        return self._windows(np.random.default_rng(key), batch_size, with_doc_ids)
 
     def eval_batches(
-        self, n_batches: int, batch_size: int, seed: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self, n_batches: int, batch_size: int, seed: int, with_doc_ids: bool = False
+    ) -> list[tuple[torch.Tensor, ...]]:
         """A fixed list of ``n_batches`` (x, y) batches, for evaluation.
 
         Batch ``i`` uses ``np.random.default_rng([seed, split_id, EVAL_STREAM, i])``: deterministic,
@@ -201,7 +234,8 @@ class BinDataset:
             raise ValueError("batch_size must be >= 1")
         seed = _nonneg_int("seed", seed)
         return [
-            self._windows(np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size)
+            self._windows(np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size,
+                          with_doc_ids)
             for i in range(n_batches)
         ]
 

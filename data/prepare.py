@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `da
 
 import numpy as np  # noqa: E402
 
+from data.docs import parse_separator  # noqa: E402
 from data.meta import (  # noqa: E402
     DTYPE_NAME,
     FORMAT_VERSION,
@@ -204,6 +205,7 @@ def prepare(
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
+    doc_separator: str | None = None,
 ) -> dict:
     """Tokenize a UTF-8 text corpus into ``out_dir/{train,val}.bin`` + ``out_dir/meta.json``.
 
@@ -214,11 +216,17 @@ def prepare(
         tokenizer: ``"gpt2"`` (tiktoken GPT-2 BPE, ``encode_ordinary``, vocab 50257) or ``"char"``
             (vocab = sorted distinct characters of the corpus, stored as ``meta["itos"]``).
         val_fraction: share of the token stream (its end) kept for validation, in (0, 1).
+        doc_separator: None, or a string that separates documents in the text (Tiny Shakespeare: "\n\n",
+            one speech per document). gpt2: the text is split on it and the documents are joined with the
+            end-of-text token (50256) instead; char: the text is kept as it is (no end-of-text token in its
+            vocabulary) and the separator's characters mark the boundaries (`data.docs`). The escapes
+            \\n, \\t, \\\\ are understood (`data.docs.parse_separator`).
 
     Returns:
         The meta dict written to ``meta.json``: format_version (1), tokenizer, vocab_size, train_tokens,
         val_tokens, val_fraction, source (absolute path or URL), source_sha256 (of the file's bytes),
-        dtype ("uint16") and, for char, itos.
+        dtype ("uint16"), for char itos, and with doc_separator: doc_separator, doc_separator_ids (the
+        token ids that end a document) and train_docs / val_docs (documents starting in each split).
 
     Files are written through temporary files and ``os.replace``; a previous ``meta.json`` is removed
     first and the new one written last, so an interrupted run never leaves a directory that looks
@@ -241,7 +249,22 @@ def prepare(
         raise ValueError(f"{src_path} is empty; pass a non-empty UTF-8 text file")
 
     tok = make_tokenizer(tokenizer, text=text)
-    ids = tok.encode_array(text)
+    sep_ids = None
+    doc_separator = parse_separator(doc_separator)
+    if doc_separator is not None:
+        from data.docs import GPT2_EOT, separator_ids
+
+        sep_ids = separator_ids(tokenizer, doc_separator, tok)
+    if sep_ids is not None and tokenizer == "gpt2":
+        # each non-empty document, then one end-of-text token (it ends the document)
+        parts = []
+        for doc in text.split(doc_separator):
+            if doc:
+                part = tok.encode_array(doc)
+                parts += [part, np.full(1, GPT2_EOT, dtype=part.dtype)]
+        ids = np.concatenate(parts) if parts else tok.encode_array(text)
+    else:
+        ids = tok.encode_array(text)
     if tok.vocab_size > MAX_VOCAB:  # pragma: no cover - both tokenizers stay below 2**16
         raise ValueError(f"vocab_size {tok.vocab_size} does not fit uint16 token files")
     n_train = split_point(len(ids), val_fraction)
@@ -266,6 +289,15 @@ def prepare(
     }
     if tokenizer == "char":
         meta["itos"] = tok.itos
+    if sep_ids is not None:
+        from data.docs import separator_ends
+
+        ends = separator_ends(ids, sep_ids)
+        meta["doc_separator"] = doc_separator
+        meta["doc_separator_ids"] = sep_ids
+        # documents starting in each split: position 0 and every position after a separator end
+        meta["train_docs"] = 1 + int(ends[: n_train - 1].sum())
+        meta["val_docs"] = 1 + int(ends[n_train: len(ids) - 1].sum())
     _write_meta(meta_path(out), meta)
     return meta
 
@@ -275,6 +307,7 @@ def stale_reason(
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
+    doc_separator: str | None = None,
 ) -> str | None:
     """Why ``out_dir`` needs (re-)preparing for these arguments, or ``None`` if it is up to date.
 
@@ -296,6 +329,9 @@ def stale_reason(
         return f"no usable {META_NAME} ({e})"
     if meta["tokenizer"] != tokenizer:
         return f"{META_NAME} is for tokenizer {meta['tokenizer']!r}, requested {tokenizer!r}"
+    doc_separator = parse_separator(doc_separator)
+    if meta.get("doc_separator") != doc_separator:
+        return f"{META_NAME} has doc_separator={meta.get('doc_separator')!r}, requested {doc_separator!r}"
     old_fraction = meta.get("val_fraction")
     if old_fraction is None or not math.isclose(float(old_fraction), float(val_fraction), abs_tol=1e-12):
         return f"{META_NAME} has val_fraction={old_fraction!r}, requested {val_fraction!r}"
@@ -323,6 +359,7 @@ def ensure_prepared(
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
+    doc_separator: str | None = None,
 ) -> dict:
     """Return ``out_dir``'s meta dict, running ``prepare`` first only if it is missing or stale.
 
@@ -337,12 +374,12 @@ def ensure_prepared(
         Same as ``prepare``.
     """
     _check_args(tokenizer, val_fraction)
-    reason = stale_reason(source, out_dir, tokenizer, val_fraction)
+    reason = stale_reason(source, out_dir, tokenizer, val_fraction, doc_separator)
     if reason is None:
         logger.info("data in %s is up to date", out_dir)
         return load_meta(out_dir)
     logger.info("preparing data in %s: %s", out_dir, reason)
-    return prepare(source, out_dir, tokenizer, val_fraction)
+    return prepare(source, out_dir, tokenizer, val_fraction, doc_separator)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -362,12 +399,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for val (0.1)")
+    parser.add_argument("--doc-separator", default=None,
+                        help="string between documents, e.g. $'\\n\\n' (records document starts for "
+                             "document masking; gpt2 writes <|endoftext|> between documents)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
     try:
-        meta = prepare(args.source, out_dir, args.tokenizer, args.val_fraction)
+        meta = prepare(args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,10 @@
 """Our Triton FlashAttention-2 (Dao 2023, sections 3.1 forward / 3.2 backward).
 
 Public API:
-* `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False)`
+* `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
+  dropout_p=0.0, dropout_seed=None)` -- with issue 16's variants (sliding window, document masks, dropout)
+* `dropout_keep_mask(seed, B, Hq, Nq, Nk, p)` -- the kernels' own dropout keep mask (tests);
+  `document_ranges(doc_q, doc_k)` -- the per-row document ranges the kernels read
 * `flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
   return_lse=False)` -- split-K flash-decoding of 1..16 query rows against a KV cache (inference only;
   verified under the CPU interpreter, GPU verification and benchmark pending)
@@ -13,6 +16,7 @@ Files:
 * `flash_attn.py`      validation, launchers, ops, public API
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
+* `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask
 * `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen
 * `compile_report.py`  `python -m kernels.compile_report`: compile for sm_90 without a GPU and print
                        shared memory, registers and spills per tile config (for tuning)
@@ -25,6 +29,8 @@ TRITON_INTERPRET, to install the scratch allocator of the device-side tensor des
 from .flash_attn import (
     FlashAttentionUnavailableError,
     check_flash_available,
+    document_ranges,
+    dropout_keep_mask,
     flash_attention,
     interpret_enabled,
 )
@@ -36,6 +42,8 @@ __all__ = [
     "MAX_DECODE_ROWS",
     "TileConfig",
     "check_flash_available",
+    "document_ranges",
+    "dropout_keep_mask",
     "flash_attention",
     "flash_decode",
     "get_tile_config",

@@ -110,6 +110,155 @@ def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full_end, hi
 
 
+def _key_block_range(m0, N_Q, N_K, window, DOC_LO, DOC_HI, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key range of the query block starting at row m0 with the variants: (lo, full_lo, full_end, hi).
+
+    Key blocks starting in [lo, hi) are visited; those in [full_lo, full_end) need no mask, the others
+    (window edge, document edges, diagonal, sequence end) do. Keys outside [lo, hi) are invisible to every
+    row of the block and skipped, so a window costs O(N * w) and documents O(sum of their squared lengths).
+    Window w: row i sees keys j > i + (N_K - N_Q) - w. Documents: row i sees keys [DOC_LO[i], DOC_HI[i])
+    (its document's key range; the ranges are non-decreasing in i, so the block's first / last row bound it).
+    """
+    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
+    lo = 0
+    full_lo = 0
+    if HAS_WINDOW:
+        # the first row m0 sees keys >= m0 + delta - w + 1, the last row keys >= m0 + BLOCK_M + delta - w
+        lo = tl.maximum(m0 + (N_K - N_Q) - window + 1, 0)
+        full_lo = tl.maximum(m0 + BLOCK_M + (N_K - N_Q) - window, 0)
+    if HAS_DOC:
+        last = tl.minimum(m0 + BLOCK_M, N_Q) - 1
+        lo = tl.maximum(lo, tl.load(DOC_LO + m0))
+        full_lo = tl.maximum(full_lo, tl.load(DOC_LO + last))
+        hi = tl.minimum(hi, tl.load(DOC_HI + last))
+        full_end = tl.minimum(full_end, (tl.load(DOC_HI + m0) // BLOCK_N) * BLOCK_N)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = ((full_lo + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    return lo, full_lo, full_end, hi
+
+
+def _query_block_range(n0, start_m, full_start, N_Q, N_K, window, DOC_LO, DOC_HI, HAS_WINDOW: tl.constexpr,
+                       HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Query range of the key block starting at n0 (dK/dV): (start_m, full_start, full_end, hi).
+
+    start_m / full_start: the causal bounds of `_bwd_dkdv_kernel`. Query blocks starting in [start_m, hi)
+    are visited; those in [full_start, full_end) need no mask. Window w: query i sees key j iff
+    i < j - (N_K - N_Q) + w. Documents: key j is seen by queries [DOC_LO[j], DOC_HI[j]) (non-decreasing in j).
+    Query rows past N_Q need no mask (their LSE reads +inf, so P = 0).
+    """
+    hi = N_Q
+    full_end = ((N_Q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, tl.maximum(n0 + BLOCK_N - 1 - (N_K - N_Q) + window, 0))
+        full_end = tl.minimum(full_end, (tl.maximum(n0 - (N_K - N_Q) + window, 0) // BLOCK_M) * BLOCK_M)
+    if HAS_DOC:
+        last = tl.minimum(n0 + BLOCK_N, N_K) - 1
+        start_m = tl.maximum(start_m, (tl.load(DOC_LO + n0) // BLOCK_M) * BLOCK_M)
+        full_start = tl.maximum(full_start, ((tl.load(DOC_LO + last) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+        hi = tl.minimum(hi, tl.load(DOC_HI + last))
+        full_end = tl.minimum(full_end, (tl.load(DOC_HI + n0) // BLOCK_M) * BLOCK_M)
+    return start_m, full_start, full_end, hi
+
+
+def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.constexpr):
+    """Does the block at `start` need the mask: start < full_lo (LO_EDGE) or start >= full_end (HI_EDGE).
+
+    The plain causal kernels enable one edge only (the forward / dQ the high one, dK/dV the low one), so
+    they compile to one comparison as before the variants (no extra live register: the d = 128 dK/dV
+    tile spills otherwise); window / documents enable both."""
+    if LO_EDGE:
+        if HI_EDGE:
+            return (start < full_lo) | (start >= full_end)
+        return start < full_lo
+    return start >= full_end
+
+
+def _score_keep(rows, cols, doc_lo, doc_hi, N_Q, N_K, window,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+                CHECK_COLS: tl.constexpr = True):
+    """Boolean keep tile of the scores: key `cols` in range, causal, inside the window and the document.
+
+    rows / cols: query / key indices as broadcastable tiles ((M, 1) and (1, N), or transposed for dK/dV);
+    doc_lo / doc_hi: each row's document key range, shaped like rows (ignored unless HAS_DOC).
+    CHECK_COLS=False leaves out `cols < N_K` (dK/dV: rows of keys past N_K are never stored).
+    The one place where every mask of the kernels is decided (`kernels.reference.attention_mask` is the
+    same function in PyTorch).
+    """
+    if CHECK_COLS:
+        keep = cols < N_K
+        if CAUSAL:
+            keep = keep & (cols <= rows + (N_K - N_Q))
+    else:
+        keep = cols <= rows + (N_K - N_Q) if CAUSAL else cols >= 0
+    if HAS_WINDOW:
+        keep = keep & (cols > rows + (N_K - N_Q) - window)
+    if HAS_DOC:
+        keep = keep & (cols >= doc_lo) & (cols < doc_hi)
+    return keep
+
+
+def _variant_args(DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p,
+                  HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """Per-program inputs of the variants: the document ranges of rows offs_rows of batch element b
+    (DOC int32 (2, B, N_ROWS): lo, then hi; (BLOCK, 1) tiles and base pointers), the Philox key, and
+    dropout_p as fp32."""
+    if HAS_DOC:
+        lo_ptr = DOC + b * N_ROWS
+        hi_ptr = DOC + (tl.num_programs(2) + b) * N_ROWS
+        doc_lo = tl.load(lo_ptr + offs_rows, mask=mask_rows, other=0)[:, None]
+        doc_hi = tl.load(hi_ptr + offs_rows, mask=mask_rows, other=0)[:, None]
+    else:  # unused placeholders (a JIT function cannot return None)
+        lo_ptr = 0
+        hi_ptr = 0
+        doc_lo = 0
+        doc_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = _philox_seed(SEED)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+    else:
+        seed_lo = 0
+        seed_hi = 0
+    return doc_lo, doc_hi, lo_ptr, hi_ptr, seed_lo, seed_hi, dropout_p
+
+
+def _philox_seed(SEED):
+    """The 64-bit dropout seed (int64 tensor of one element) as the two 32-bit Philox key words."""
+    seed = tl.load(SEED)
+    return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+
+
+def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
+    """Dropout keep tile: True with probability 1 - dropout_p, a pure function of (seed, b*Hq + h, i, j).
+
+    Counter-based: Philox4x32-10 (Salmon, Moraes, Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3",
+    SC 2011) of the counter (key j, query i, b * Hq + h, 0) under the key (seed_lo, seed_hi); the top 24 bits
+    of the first output word give u in [0, 1), kept iff u >= dropout_p. Every element has its own counter,
+    so the forward and both backward kernels regenerate the same mask in any tile shape or orientation
+    (rows / cols are broadcastable index tiles) and nothing is stored. Written from the paper's round
+    function (multipliers 0xD2511F53, 0xCD9E8D57, Weyl key increments 0x9E3779B9, 0xBB67AE85); our own
+    helper rather than tl.rand so it also runs in interpreted kernels and the counter carries i, j and the
+    head without a 32-bit overflow.
+    """
+    c0 = (cols + 0 * rows).to(tl.uint32)
+    c1 = (rows + 0 * cols).to(tl.uint32)
+    c2 = c0 * 0 + bh.to(tl.uint32)
+    c3 = c0 * 0
+    k0 = seed_lo
+    k1 = seed_hi
+    for _ in tl.static_range(10):
+        x0 = c0
+        x2 = c2
+        c0 = tl.umulhi(x2, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(x0, 0xD2511F53) ^ c3 ^ k1
+        c1 = x2 * 0xCD9E8D57
+        c3 = x0 * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    u = (c0 >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+    return u >= dropout_p
+
+
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
@@ -120,8 +269,14 @@ def _fwd_inner(
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    mask_lo=0, doc_lo=None, doc_hi=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
+
+    Variants (issue 16): blocks before `mask_lo` are masked too (window / document start); the keep tile is
+    `_score_keep`; HAS_DROPOUT drops P after the row sums (the normaliser and the LSE are the undropped
+    ones) with `_dropout_keep` and scales the kept weights by 1 / (1 - dropout_p).
 
     MASKED: blocks starting at or after `mask_from` (the diagonal and sequence-end blocks) get the
     causal / sequence-end mask; the blocks before it skip the mask arithmetic. One loop, not one loop
@@ -136,10 +291,9 @@ def _fwd_inner(
         k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
-            if start_n >= mask_from:
-                valid = col_ok[None, :]
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
+                valid = _score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
+                                    CAUSAL, HAS_WINDOW, HAS_DOC)
                 qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(qk))
         if MASKED:
@@ -151,6 +305,9 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
+        if HAS_DROPOUT:
+            p = tl.where(_dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
+                         p * (1.0 / (1.0 - dropout_p)), 0.0)
         v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
         v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
@@ -168,8 +325,14 @@ def _fwd_kernel(
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, scale_log2,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q_DOC=None, SEED=None, window=0, dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
-    """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B)."""
+    """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B).
+
+    Variants: window (HAS_WINDOW), documents (HAS_DOC: Q_DOC int32 (2, B, Nq) holds each query row's document
+    key range [lo, hi)), dropout (HAS_DROPOUT: SEED int64 (1,), dropout_p in (0, 1)).
+    """
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -197,12 +360,18 @@ def _fwd_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
-    # key blocks [0, full_end) without mask arithmetic, then the diagonal / sequence-end blocks masked
+    doc_lo, doc_hi, doc_lo_ptr, doc_hi_ptr, seed_lo, seed_hi, dropout_p = _variant_args(
+        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT)
+    lo, full_lo, full_end, hi = _key_block_range(m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL,
+                                                 HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
+    # key blocks [full_lo, full_end) without mask arithmetic; the diagonal / window / document / sequence-end
+    # blocks masked
     acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, k_base, v_base, 0, hi, full_end,
+        acc, m_i, l_i, q, k_base, v_base, lo, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        CAUSAL or not EVEN_N, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
+        HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
     )
 
     has_key = l_i > 0.0
@@ -240,6 +409,9 @@ def _bwd_dkdv_inner(
     QD, DOD, q_row, q_col, do_row, do_col,
     MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    mask_from=0, Q_DOC_LO=None, Q_DOC_HI=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
+    CAUSAL: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
@@ -250,6 +422,10 @@ def _bwd_dkdv_inner(
     q_row + start_m / do_row + start_m and columns q_col / do_col. Only with EVEN_M: past N_Q a
     descriptor would read another head's (or batch element's) data, and a non-finite value there
     would reach this head through 0 * inf in the dots; the pointer loads read zeros instead.
+    Variants: query blocks starting at or after `mask_from` are masked too (window / document end), with
+    the keep tile of `_score_keep` (Q_DOC_LO / Q_DOC_HI: base pointers of the rows' document key ranges);
+    HAS_DROPOUT regenerates the forward's keep mask: dV uses the dropped, scaled P and
+    dS = P * (Z dP / (1 - p) - Delta).
     """
     tl.static_assert(EVEN_M or not USE_TMA, "TMA loads need N_Q % BLOCK_M == 0")
     for start_m in range(lo, hi, BLOCK_M):
@@ -269,10 +445,24 @@ def _bwd_dkdv_inner(
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         if MASKED:
-            if start_m < mask_to:
-                p_t = tl.where(offs_n[:, None] <= rows[None, :] + (N_K - N_Q), p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            if _edge_block(start_m, mask_to, mask_from, True, HAS_WINDOW or HAS_DOC):
+                if HAS_DOC:
+                    doc_lo = tl.load(Q_DOC_LO + rows, mask=mask_r, other=0)[None, :]
+                    doc_hi = tl.load(Q_DOC_HI + rows, mask=mask_r, other=0)[None, :]
+                else:
+                    doc_lo = 0
+                    doc_hi = 0
+                p_t = tl.where(_score_keep(rows[None, :], offs_n[:, None], doc_lo, doc_hi, N_Q, N_K, window,
+                                           CAUSAL, HAS_WINDOW, HAS_DOC, False), p_t, 0.0)
+        if HAS_DROPOUT:
+            keep_t = _dropout_keep(seed_lo, seed_hi, rows[None, :], offs_n[:, None], bh, dropout_p)
+            pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
+        else:
+            pd_t = p_t
+        dv = tl.dot(pd_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -302,6 +492,8 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
+    Q_DOC=None, K_DOC=None, SEED=None, window=0, dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
@@ -310,6 +502,7 @@ def _bwd_dkdv_kernel(
     USE_TMA: q / dO tiles come through 2-D tensor descriptors built here over q_rows x q_cols
     (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
     batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
+    Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -344,6 +537,24 @@ def _bwd_dkdv_kernel(
     else:
         start_m = 0
         full_start = 0
+    if HAS_DOC:  # (2, B, N) int32: lo of batch element b at b * N, hi at (B + b) * N
+        q_doc_lo = Q_DOC + b * N_Q
+        q_doc_hi = Q_DOC + (tl.num_programs(2) + b) * N_Q
+        k_doc_lo = K_DOC + b * N_K
+        k_doc_hi = K_DOC + (tl.num_programs(2) + b) * N_K
+    else:  # unused placeholders
+        q_doc_lo = 0
+        q_doc_hi = 0
+        k_doc_lo = 0
+        k_doc_hi = 0
+    if HAS_DROPOUT:
+        seed_lo, seed_hi = _philox_seed(SEED)
+        dropout_p = tl.cast(dropout_p, tl.float32)
+    else:
+        seed_lo = 0
+        seed_hi = 0
+    start_m, full_start, full_end, hi = _query_block_range(
+        n0, start_m, full_start, N_Q, N_K, window, k_doc_lo, k_doc_hi, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
 
     if USE_TMA:
         QD = _tma_descriptor(Q, q_rows, q_cols, stride_qm, BLOCK_M, BLOCK_D)
@@ -364,11 +575,13 @@ def _bwd_dkdv_kernel(
         # -- for each query block i that sees key block j: dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i;
         # blocks [start_m, full_start) straddle the diagonal (masked), the later ones see all of j
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, N_Q, full_start,
+            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, hi, full_start,
             offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
             stride_qm, stride_qd, stride_dom, stride_dod,
             QD, DOD, q_row, q_col, do_row, do_col,
-            CAUSAL, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
+            CAUSAL or HAS_WINDOW or HAS_DOC, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
+            full_end, q_doc_lo, q_doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
+            CAUSAL, HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
@@ -387,8 +600,12 @@ def _bwd_dq_inner(
     KD, VD, k_row, k_col, v_row, v_col,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    mask_lo=0, doc_lo=None, doc_hi=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
+
+    Variants as in `_fwd_inner`; with dropout dS = P * (Z dP / (1 - p) - Delta).
 
     MASKED: key blocks starting at or after `mask_from` get the causal / sequence-end mask (one loop;
     see `_fwd_inner` for why not two).
@@ -413,12 +630,14 @@ def _bwd_dq_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            if start_n >= mask_from:
-                valid = col_ok[None, :]
-                if CAUSAL:
-                    valid = valid & (cols[None, :] <= offs_m[:, None] + (N_K - N_Q))
+            if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
+                valid = _score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
+                                    CAUSAL, HAS_WINDOW, HAS_DOC)
                 p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if HAS_DROPOUT:
+            dp = tl.where(_dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
+                          dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
@@ -437,6 +656,8 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, HAS_DLSE: tl.constexpr,
+    Q_DOC=None, SEED=None, window=0, dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
     """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -500,12 +721,17 @@ def _bwd_dq_kernel(
     v_row = (b * row_vb + hk * row_vh).to(tl.int32)
     v_col = (hk * col_vh).to(tl.int32)
     # -- for each visible key block j: dQ_i += dS_ij K_j; blocks [0, full_end) unmasked, then masked
-    full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
+    doc_lo, doc_hi, doc_lo_ptr, doc_hi_ptr, seed_lo, seed_hi, dropout_p = _variant_args(
+        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT)
+    lo, full_lo, full_end, hi = _key_block_range(m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL,
+                                                 HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, 0, hi, full_end,
+        dq, q, do, lse2, delta, k_base, v_base, lo, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
         KD, VD, k_row, k_col, v_row, v_col,
-        CAUSAL or not EVEN_N, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION, USE_TMA,
+        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
+        USE_TMA, full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
+        HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
@@ -518,12 +744,34 @@ def _bwd_dq_kernel(
 # building JIT / interpreter versions on demand
 # ---------------------------------------------------------------------------------------------
 
+def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Test helper: write the attention kernels' dropout keep mask, int8 (B, Hq, Nq, Nk) contiguous, 1 = kept.
+
+    Grid: (cdiv(Nq, BLOCK_M), Hq, B). Same `_dropout_keep` as the forward and backward kernels, so a
+    reference attention with this mask reproduces their output and gradients.
+    """
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    seed_lo, seed_hi = _philox_seed(SEED)
+    dropout_p = tl.cast(dropout_p, tl.float32)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    base = OUT + (b * H_Q + h) * N_Q * N_K
+    for start_n in range(0, N_K, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        keep = _dropout_keep(seed_lo, seed_hi, rows[:, None], cols[None, :], b * H_Q + h, dropout_p)
+        tl.store(base + rows[:, None].to(tl.int64) * N_K + cols[None, :], keep.to(tl.int8),
+                 mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
+
+
 _HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
-            _tma_descriptor, _bwd_dkdv_inner, _bwd_dq_inner)
+            _tma_descriptor, _bwd_dkdv_inner, _bwd_dq_inner, _key_block_range, _query_block_range,
+            _edge_block, _score_keep, _philox_seed, _dropout_keep, _variant_args)
 _KERNELS = {
     "fwd": _fwd_kernel,
     "bwd_dkdv": _bwd_dkdv_kernel,
     "bwd_dq": _bwd_dq_kernel,
+    "dropout_mask": _dropout_mask_kernel,
 }
 _INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
 _BUILT: dict = {}
@@ -554,7 +802,7 @@ def _clone(fn, namespace: dict):
 
 
 def build_kernels(interpret: bool) -> dict:
-    """Return {"fwd", "bwd_dkdv", "bwd_dq"} -> launchable kernel, built once per mode.
+    """Return {"fwd", "bwd_dkdv", "bwd_dq", "dropout_mask"} -> launchable kernel, built once per mode.
 
     interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
     interpret=True : `triton.runtime.interpreter.InterpretedFunction`s (TRITON_INTERPRET=1, CPU).

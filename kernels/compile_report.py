@@ -60,7 +60,8 @@ class CompileInfo:
 
 def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
                    config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   tma: bool | None = None, even: bool = False, inductor: bool = False) -> CompileInfo:
+                   tma: bool | None = None, even: bool = False, inductor: bool = False,
+                   variants: tuple[str, ...] = ()) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
@@ -76,7 +77,10 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     inductor: compile as torch.compile's Inductor compiles a user kernel (the triton ops' launches):
         Python float arguments typed fp64, and debug=True (int32 overflow checks as device asserts,
         from `torch._inductor.config.assert_indirect_indexing`).
-    Raises: ValueError for an unknown kernel; triton.CompilationError when the kernel does not compile.
+    variants: any of "window", "doc", "dropout" (issue 16): compile with the sliding window, the document
+        ranges (int32 pointers) and / or attention dropout (int64 seed pointer) switched on.
+    Raises: ValueError for an unknown kernel or variant; triton.CompilationError when the kernel does
+        not compile.
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -86,6 +90,8 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
 
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
+    if set(variants) - {"window", "doc", "dropout"}:
+        raise ValueError(f"unknown variants {variants!r}; expected a subset of ('window', 'doc', 'dropout')")
     big = 1 << 20
     cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
     tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
@@ -104,12 +110,24 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
     aligned = head_dim % 16 == 0
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even,
                   EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma)
+                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma,
+                  HAS_WINDOW="window" in variants, HAS_DOC="doc" in variants,
+                  HAS_DROPOUT="dropout" in variants)
+    variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
-        if name in _DESC_INTS:
+        if name in variant_ptrs:
+            if variant_ptrs[name][0] in variants:
+                signature[name] = variant_ptrs[name][1]
+            else:
+                signature[name], constants[name] = "constexpr", None
+        elif name == "window":
+            signature[name] = "i32"
+        elif name == "dropout_p":
+            signature[name] = "fp64" if inductor else "fp32"
+        elif name in _DESC_INTS:
             signature[name] = "i32"
         elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]

@@ -259,14 +259,37 @@ def _static_sizes(q, k) -> tuple[int, ...]:
     return B, Hq, Nq, d, int(k.shape[1]), int(k.shape[2])
 
 
-def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False):
+def _empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
+    """An empty dense tensor of `shape` (default t's) whose dims lie in memory in the order of t's strides.
+
+    Why: the trainer's q, k, v are (B, N, H, d) memory (a fused qkv projection) viewed as (B, H, N, d).
+    Gradients (and o) in that same order make the model's transpose(1, 2).reshape and the backward's
+    concatenation of dq, dk, dv into d(qkv) plain copies or free views; contiguous (B, H, N, d)
+    results cost a transposing copy per layer (4.5 ms of a 68 ms GPT-2 step at B=32, N=1024 on the
+    H200, bench/NOTES.md v8). Dims with equal strides keep their order; the kernels take any strides.
+    """
+    shape = tuple(t.shape) if shape is None else tuple(shape)
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda i: -int(strides[i]))  # stable: ties keep dim order
+    if order == list(range(t.dim())):
+        return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
+    dense = torch.empty([shape[i] for i in order], dtype=dtype or t.dtype, device=t.device)
+    return dense.permute([order.index(i) for i in range(t.dim())])
+
+
+def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False, window: int = 0,
+                q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None):
+    """Forward launch. Variants (validated by `flash_attention`): window w >= 1 (0: none), q_doc int32
+    (2, B, Nq) document key ranges of the query rows (k_doc: unused here), dropout_p with its int64 (1,)
+    seed."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
-        o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale)
+        o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale, False, window, q_doc,
+                             k_doc, dropout_p, dropout_seed)
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
+    o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -280,8 +303,27 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
             DOT_PRECISION=_dot_precision(q.dtype), **_launch_options(cfg),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
     return o, lse
+
+
+def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
+    """Kernel keyword arguments of the variants (issue 16); all off gives the plain causal kernels."""
+    return dict(Q_DOC=q_doc, SEED=dropout_seed, window=int(window), dropout_p=float(dropout_p),
+                HAS_WINDOW=window > 0, HAS_DOC=q_doc is not None, HAS_DROPOUT=dropout_p > 0.0)
+
+
+def _dropout_mask(dropout_seed: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int,
+                  dropout_p: float) -> torch.Tensor:
+    """The kernels' own dropout keep mask, bool (B, Hq, Nq, Nk) on the seed's device (a test helper: the
+    attention kernels never store it, they regenerate it). dropout_seed: int64 (1,) tensor."""
+    out = torch.empty((B, Hq, Nq, Nk), dtype=torch.int8, device=dropout_seed.device)
+    interp = interpret_enabled()
+    with _device_ctx(out):
+        _kernels(interp)["dropout_mask"][(_cdiv(Nq, 16), Hq, B)](
+            dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
+    return out.bool()
 
 
 def _tma_operand(t: torch.Tensor, block_d: int):
@@ -327,10 +369,11 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
     return None if tx is None or ty is None else (*tx, *ty)
 
 
-def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False):
+def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
+                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None):
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
-                            softmax_scale, dlse)
+                            softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed)
         return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -345,9 +388,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)  # laid out as inputs
 
     c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
     c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -375,7 +416,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
             DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
-            **_launch_options(c2),
+            **_launch_options(c2), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk, dv,
@@ -384,6 +425,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
             DOT_PRECISION=prec, USE_TMA=tma1 is not None, **_launch_options(c1),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed), K_DOC=k_doc,
         )
     return dq, dk, dv
 
@@ -401,23 +443,28 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
 # torch.compile, FakeTensorMode and make_fx see as one node with a fake implementation.
 
 
-def _fwd_fake(q, k, v, causal, softmax_scale):
+def _fwd_fake(q, k, v, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
+              dropout_seed=None):
+    q = _unit_last_stride(q)  # as _launch_fwd sees it
     B, Hq, Nq, d = q.shape
-    return q.new_empty((B, Hq, Nq, d)), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+    return _empty_like_layout(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
+              dropout_p=0.0, dropout_seed=None):
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # as _launch_bwd sees them
+    return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _fwd_op_body(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window: int = 0, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
-    (`flash_attention` validates)."""
-    return _launch_fwd(q, k, v, causal, softmax_scale, traced=True)
+    (`flash_attention` validates). Variants: window (0 = none), q_doc / k_doc int32 (2, B, Nq) / (2, B, Nk)
+    document ranges (`document_ranges`), dropout_p with an int64 (1,) seed."""
+    return _launch_fwd(q, k, v, causal, softmax_scale, True, window, q_doc, k_doc, dropout_p, dropout_seed)
 
 
 def _bwd_op_body(
@@ -430,10 +477,17 @@ def _bwd_op_body(
     causal: bool,
     softmax_scale: float,
     dlse: torch.Tensor | None = None,
+    window: int = 0,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), contiguous. dlse: optional gradient of the
-    lse output (float32 (B, Hq, Nq)). Deterministic (no atomics)."""
-    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, traced=True)
+    """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), each dense with its input's dim order
+    (`_empty_like_layout`). dlse: optional gradient of the lse output (float32 (B, Hq, Nq)). Variants
+    as in the forward op. Deterministic (no atomics)."""
+    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, True, window, q_doc, k_doc,
+                       dropout_p, dropout_seed)
 
 
 # one body, two registrations: traced into the graph on CUDA, opaque (with a fake) for the interpreter
@@ -447,21 +501,30 @@ flash_attn_bwd_cpu.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale = inputs
+    q, k, v, causal, softmax_scale, *variants = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    _save(ctx, q, k, v, o, lse, causal, softmax_scale, *variants)
+
+
+def _save(ctx, q, k, v, o, lse, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
+          dropout_seed=None):
+    """Keep what the backward needs: q, k, v, o, lse and the variants' tensors, and the flags."""
+    ctx.save_for_backward(q, k, v, o, lse, q_doc, k_doc, dropout_seed)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
+    ctx.window = window
+    ctx.dropout_p = dropout_p
 
 
 def _grads_from_saved(ctx, do, dlse, backward_fn):
     """(dq, dk, dv, None, None) from the tensors the forward saved; `backward_fn` has the signature of
     `flash_attn_bwd` (an op, or `_launch_bwd` directly). A missing dO (only lse used) is zeros."""
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, q_doc, k_doc, dropout_seed = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse)
-    return dq, dk, dv, None, None
+    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse, window=ctx.window,
+                             q_doc=q_doc, k_doc=k_doc, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd),
@@ -486,11 +549,10 @@ class _FlashAttnEager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale):
-        o, lse = _launch_fwd(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal = causal
-        ctx.softmax_scale = softmax_scale
+    def forward(ctx, q, k, v, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed):
+        o, lse = _launch_fwd(q, k, v, causal, softmax_scale, False, window, q_doc, k_doc, dropout_p,
+                             dropout_seed)
+        _save(ctx, q, k, v, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed)
         ctx.set_materialize_grads(False)  # an unused lse output gets None, not a tensor of zeros
         return o, lse
 
@@ -526,7 +588,91 @@ def _plain_eager_call(*tensors: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False):
+def _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed):
+    """Validate the variant arguments of `flash_attention` (see its docstring for the errors)."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be None or an int >= 1 (keys per query, itself included), got "
+                             f"{window!r}")
+        if not causal:
+            raise ValueError("window needs causal=True (a causal sliding window: query i sees keys "
+                             "i - w < j <= i); pass causal=True or window=None")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_seed is not None:
+        if isinstance(dropout_seed, torch.Tensor):
+            if dropout_seed.numel() != 1 or dropout_seed.dtype != torch.int64:
+                raise ValueError(f"dropout_seed as a tensor must be one int64 element, got dtype "
+                                 f"{dropout_seed.dtype}, shape {tuple(dropout_seed.shape)}; or pass an int")
+        elif (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)
+              or not 0 <= dropout_seed < 2**63):
+            raise ValueError(f"dropout_seed must be None, an int in [0, 2**63) or an int64 tensor of one "
+                             f"element, got {dropout_seed!r}")
+    if doc_ids is None:
+        return None
+    from .reference import split_doc_ids
+
+    doc_q, doc_k = split_doc_ids(doc_ids, q.shape[2], k.shape[2])
+    if doc_q.shape[0] != q.shape[0]:
+        raise ValueError(f"doc_ids have batch size {doc_q.shape[0]}, q has B={q.shape[0]}; one row of ids "
+                         "per sequence")
+    if doc_q.device != q.device or doc_k.device != q.device:
+        raise ValueError(f"doc_ids must be on q's device {q.device}, got {doc_q.device} / {doc_k.device}; "
+                         "move them with .to(q.device)")
+    if not torch.compiler.is_compiling():  # one device sync; traced graphs skip the check
+        for name, t in (("doc_q", doc_q), ("doc_k", doc_k)):
+            if t.shape[1] > 1 and not bool((t[:, 1:] >= t[:, :-1]).all()):
+                raise ValueError(f"document ids ({name}) must be non-decreasing along each sequence (packed "
+                                 "documents, each one contiguous); number the documents in order, e.g. "
+                                 "doc_ids = is_doc_start.cumsum(-1)")
+    return doc_q, doc_k
+
+
+def document_ranges(doc_q: torch.Tensor, doc_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row document ranges the kernels read, from non-decreasing document ids.
+
+    Args:
+        doc_q: (B, Nq) integer ids of the query rows; doc_k: (B, Nk) of the keys; both non-decreasing.
+    Returns:
+        q_doc int32 (2, B, Nq): query row i sees keys [q_doc[0, b, i], q_doc[1, b, i]) (its document's keys);
+        k_doc int32 (2, B, Nk): key j is seen by queries [k_doc[0, b, j], k_doc[1, b, j]).
+        Computed with torch.searchsorted on the device (no sync, traceable).
+    """
+    dq, dk = doc_q.to(torch.int64).contiguous(), doc_k.to(torch.int64).contiguous()
+    q_doc = torch.stack([torch.searchsorted(dk, dq, side="left"), torch.searchsorted(dk, dq, side="right")])
+    k_doc = torch.stack([torch.searchsorted(dq, dk, side="left"), torch.searchsorted(dq, dk, side="right")])
+    return q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous()
+
+
+def _seed_tensor(dropout_seed, device) -> torch.Tensor:
+    """int64 (1,) seed on `device`: None draws one from torch's default CPU generator (so torch.manual_seed
+    makes runs reproducible), an int is wrapped, a tensor is moved."""
+    if dropout_seed is None:
+        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    elif not isinstance(dropout_seed, torch.Tensor):
+        dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64)
+    return dropout_seed.reshape(1).to(device)
+
+
+def dropout_keep_mask(dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p: float,
+                      device="cpu") -> torch.Tensor:
+    """The keep mask that `flash_attention(..., dropout_p=p, dropout_seed=seed)` applies, for tests.
+
+    Args: dropout_seed (int or int64 (1,) tensor), the attention's shape B, Hq, Nq, Nk, dropout_p in [0, 1),
+        device (CUDA, or CPU with TRITON_INTERPRET=1).
+    Returns: bool (B, Hq, Nq, Nk), True where the attention weight is kept (then scaled by 1 / (1 - p)).
+        `kernels.reference.attention_reference(..., dropout_keep=mask, dropout_p=p)` reproduces the kernels'
+        output and gradients with it. Costs B * Hq * Nq * Nk bytes: small shapes only.
+    Raises: ValueError for a bad dropout_p or seed.
+    """
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    check_flash_available(device)
+    return _dropout_mask(_seed_tensor(dropout_seed, torch.device(device)), B, Hq, Nq, Nk, dropout_p)
+
+
+def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
+                    dropout_p=0.0, dropout_seed=None):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
     Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of
@@ -548,8 +694,26 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
             zero gradients (no NaN).
         softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
         return_lse: also return lse.
+        window: None, or w >= 1 with causal=True: a causal sliding window, query i sees keys
+            i + (Nk - Nq) - w < j <= i + (Nk - Nq) (FlashAttention-2's window_size=(w - 1, 0)). Key blocks
+            wholly outside the window are skipped (forward and backward), so the cost grows as N * w.
+        doc_ids: None, or integer document ids of packed sequences: a (B, Nk) tensor (query row i takes
+            the id of position i + Nk - Nq) or a pair (doc_q (B, Nq), doc_k (B, Nk)); non-decreasing along
+            each sequence (each document contiguous; checked with one device sync outside torch.compile).
+            A query sees only keys of its own document (with causal / window on top). The kernels read
+            per-row document ranges (`document_ranges`) and skip blocks that share no document.
+        dropout_p: probability of dropping an attention weight, in [0, 1) (apply it in training only).
+            Kept weights are scaled by 1 / (1 - p); the LSE is the undropped one. The mask comes from a
+            counter-based generator (Philox4x32-10) of (seed, b * Hq + h, i, j), regenerated in the backward,
+            never stored; dropout_p = 0 runs the kernels without any dropout code (bitwise equal to
+            no dropout).
+        dropout_seed: None (drawn from torch's default generator: reproducible under torch.manual_seed),
+            an int in [0, 2**63), or an int64 tensor of one element (no recompilation per seed under
+            torch.compile). Same seed, same mask. `dropout_keep_mask` returns the mask (for tests).
     Returns:
-        o (B, Hq, Nq, d) in the input dtype (a new contiguous tensor), and if return_lse also
+        o (B, Hq, Nq, d) in the input dtype, a new dense tensor whose dims lie in memory in q's order
+        (contiguous for contiguous q; (B, N, H, d) memory for the trainer's fused-qkv views, so
+        o.transpose(1, 2) is contiguous), and if return_lse also
         lse (B, Hq, Nq) float32 = log(sum_j exp(scale * q_i . k_j)) in natural-log units.
         Both are differentiable, to first order (differentiating the gradients again, e.g. a gradient
         penalty, raises): under torch.compile, fake tensors, make_fx and vmap through the custom op
@@ -558,20 +722,26 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         results, less host overhead).
     Raises (before any kernel launch):
         TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
-            non-numeric softmax_scale.
+            non-numeric softmax_scale, doc_ids not an integer tensor (or pair).
         ValueError: wrong rank, batch / head-dim / Nk / Hkv mismatch, Hq not a multiple of Hkv,
             d outside [8, 256], an empty dim (N == 0), tensors on different devices,
-            non-finite softmax_scale.
+            non-finite softmax_scale; window not an int >= 1 or without causal; doc_ids of the wrong
+            shape, batch, device or not non-decreasing; dropout_p outside [0, 1); a bad dropout_seed.
         FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
             TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
     """
     _validate(q, k, v, causal, softmax_scale)
+    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
+    p = float(dropout_p)
+    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
+    variants = (0 if window is None else int(window), q_doc, k_doc, p, seed)
     if _plain_eager_call(q, k, v):
-        o, lse = _FlashAttnEager.apply(q, k, v, causal, scale)  # same kernels, less host time per call
+        o, lse = _FlashAttnEager.apply(q, k, v, causal, scale, *variants)  # same kernels, less host time
     else:
-        o, lse = _ops_for(q)[0](q, k, v, causal, scale)  # an op: compile, fake tensors, vmap, ...
+        o, lse = _ops_for(q)[0](q, k, v, causal, scale, *variants)  # an op: compile, fake tensors, vmap, ...
     return (o, lse) if return_lse else o
 
 

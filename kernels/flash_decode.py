@@ -76,8 +76,9 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
             raise ValueError(f"cache_seqlens must be an int32/int64 tensor of shape ({B},) on {q.device}")
         # the range check reads the lengths on the host: eager mode only, not while a CUDA graph is
         # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and _plain_eager_call(q, cache_seqlens):
+        # (is_compiling first: dynamo cannot trace is_current_stream_capturing, a graph break)
+        if (not torch.compiler.is_compiling() and _plain_eager_call(q, cache_seqlens)
+                and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < Nq or hi > n_max:
                 raise ValueError(f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "

@@ -20,6 +20,19 @@ Backends (``ATTENTION_BACKENDS``):
 
 A new backend is added with one call, ``register_attention_backend(name, fn)``.
 
+Variants (issue 16), in every built-in backend, passed as keywords to ``attention``:
+
+* ``window=w``: causal sliding window, query i sees keys i - w < j <= i (FlashAttention-2's
+  ``window_size=(w - 1, 0)``);
+* ``doc_ids`` (B, N) integer document ids (non-decreasing for flash): a token attends only to its own
+  document;
+* ``dropout_p``: dropout on the attention probabilities (training only; the caller passes 0 in eval).
+  naive drops P (``F.dropout``), sdpa passes ``dropout_p``, flash drops inside the kernel (Philox).
+
+naive and sdpa build the explicit boolean mask with ``kernels.reference.attention_mask``; flash skips the
+blocks outside the window / document in the kernel. Without variants each backend runs its plain causal path
+(no mask tensor).
+
 KV-cache decoding (``cached_attention``): q holds the Nq newest rows, k/v the Nk >= Nq keys of the cache
 prefix (the last Nq of them are the new rows' own keys). The causal mask is aligned bottom-right: query row
 i sees keys j <= i + Nk - Nq. Every built-in backend supports it (naive: a shifted mask; sdpa: no mask for
@@ -45,6 +58,7 @@ __all__ = [
     "cached_attention",
     "check_attention_backend",
     "check_sdpa_backend",
+    "check_variants",
     "register_attention_backend",
     "sdpa_backend_that_ran",
     "static_decode_attention",
@@ -61,10 +75,11 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Te
 
 _REGISTRY: dict[str, AttentionFn] = {}
 _KV_CACHE_OK: set[str] = set()  # backends whose fn accepts Nq < Nk (bottom-right causal mask)
+_VARIANTS_OK: set[str] = set()  # backends whose fn takes window= / doc_ids= / dropout_p= keywords
 
 
 def register_attention_backend(
-    name: str, fn: AttentionFn, *, overwrite: bool = False, kv_cache: bool = False
+    name: str, fn: AttentionFn, *, overwrite: bool = False, kv_cache: bool = False, variants: bool = False
 ) -> None:
     """Register ``fn`` as attention backend ``name``.
 
@@ -77,6 +92,8 @@ def register_attention_backend(
         kv_cache: ``fn`` also accepts q of shape (B, H, Nq, d) with k, v of shape (B, H, Nk, d), Nq <= Nk,
             masking causally aligned bottom-right (query i sees keys j <= i + Nk - Nq); required for
             ``GPT.generate`` with the KV cache.
+        variants: ``fn`` also takes the keywords ``window`` (None or int >= 1), ``doc_ids`` (None or (B, N)
+            integer ids) and ``dropout_p`` (float in [0, 1)) with the meaning of ``attention``'s.
 
     Raises:
         ValueError: ``name`` is already registered and ``overwrite`` is False (pass overwrite=True or
@@ -94,6 +111,10 @@ def register_attention_backend(
         _KV_CACHE_OK.add(name)
     else:
         _KV_CACHE_OK.discard(name)
+    if variants:
+        _VARIANTS_OK.add(name)
+    else:
+        _VARIANTS_OK.discard(name)
 
 
 def available_attention_backends() -> tuple[str, ...]:
@@ -134,32 +155,63 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
+def check_variants(window=None, doc_ids=None, dropout_p: float = 0.0, n: int | None = None) -> None:
+    """Raise ValueError naming the argument if a variant value is invalid (see ``attention``)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1 (keys per query, itself included), got "
+                         f"{window!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if doc_ids is not None:
+        if (not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2
+                or (n is not None and doc_ids.shape[1] != n)):
+            raise ValueError(f"doc_ids must be a (B, N) integer tensor with N = {n}, got "
+                             f"{getattr(doc_ids, 'shape', type(doc_ids).__name__)}")
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto", *,
+    window: int | None = None, doc_ids: torch.Tensor | None = None, dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    """Causal scaled dot-product attention (scale 1/sqrt(d), no dropout) with the chosen backend.
+    """Causal scaled dot-product attention (scale 1/sqrt(d)) with the chosen backend, and its variants.
 
     Args:
         q, k, v: (B, H, N, d) tensors, same shape, dtype and device; strided views are fine.
         backend: one of ``available_attention_backends()`` (built-ins: ``ATTENTION_BACKENDS``).
         sdpa_backend: one of ``SDPA_BACKENDS``; only used by the ``"sdpa"`` backend.
+        window: None, or w >= 1: query i sees only keys i - w < j <= i (sliding window).
+        doc_ids: None, or (B, N) integer document ids, non-decreasing along each sequence (packed documents):
+            a query sees only keys of its own document.
+        dropout_p: dropout probability on the attention weights, in [0, 1) (pass 0 in eval). Each backend
+            draws its own mask (naive / sdpa from torch's generator, flash from a Philox seed drawn from it),
+            so with dropout the backends agree in distribution, not elementwise.
 
     Returns:
         o: (B, H, N, d) in v.dtype.
 
     Raises:
-        ValueError: unknown backend / sdpa_backend (the message lists the valid names), or bad shapes.
+        ValueError: unknown backend / sdpa_backend (the message lists the valid names), bad shapes, bad
+            variant values, or variants with a backend registered without ``variants=True``.
         RuntimeError: a pinned sdpa_backend cannot run on these inputs (the message says how to fix it);
             the flash kernel is unavailable (from ``kernels``).
     """
     check_attention_backend(backend)
     check_sdpa_backend(sdpa_backend)
     _check_qkv(q, k, v)
-    return _REGISTRY[backend](q, k, v, sdpa_backend)
+    if window is None and doc_ids is None and not dropout_p:
+        return _REGISTRY[backend](q, k, v, sdpa_backend)
+    check_variants(window, doc_ids, dropout_p, q.shape[-2])
+    if backend not in _VARIANTS_OK:
+        raise ValueError(f"attention backend {backend!r} was registered without variants=True: it cannot "
+                         "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
+                         "sdpa or flash")
+    return _REGISTRY[backend](q, k, v, sdpa_backend, window=window, doc_ids=doc_ids,
+                              dropout_p=float(dropout_p))
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto", *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the Nq newest query rows to a KV-cache prefix of Nk >= Nq keys (decode / chunked prefill).
 
@@ -168,6 +220,7 @@ def cached_attention(
         k, v: (B, H, Nk, d), keys/values of positions 0..Nk-1 (the last Nq are the new rows' own);
             typically a view of a preallocated cache (any strides).
         backend, sdpa_backend: as for ``attention``.
+        window: None, or w >= 1: row i also only sees keys j > i + Nk - Nq - w (the model's sliding window).
 
     Returns:
         o: (B, H, Nq, d) in v.dtype; row i attends to keys j <= i + Nk - Nq (bottom-right causal mask).
@@ -194,12 +247,18 @@ def cached_attention(
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError("cached_attention expects q, k, v with one dtype and device; got "
                          f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}")
+    if window is not None:
+        check_variants(window)
+        if backend not in _VARIANTS_OK:
+            raise ValueError(f"attention backend {backend!r} was registered without variants=True: it cannot "
+                             "run a sliding window; use naive, sdpa or flash")
+        return _REGISTRY[backend](q, k, v, sdpa_backend, window=window, doc_ids=None, dropout_p=0.0)
     return _REGISTRY[backend](q, k, v, sdpa_backend)
 
 
 def static_decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str,
-    sdpa_backend: str = "auto",
+    sdpa_backend: str = "auto", *, window: int | None = None,
 ) -> torch.Tensor:
     """One decode row per sequence against the whole preallocated cache, with per-sequence lengths.
 
@@ -212,6 +271,8 @@ def static_decode_attention(
         lengths: (B,) int64 on q's device, 1 <= lengths[b] <= T: keys [0, lengths[b]) are visible (the
             new row's own key included).
         backend, sdpa_backend: a built-in backend (naive, sdpa, flash) and the SDPA kernel choice.
+        window: None, or w >= 1: only keys [lengths[b] - w, lengths[b]) are visible (flash then runs the
+            naive formula: flash-decoding has no window).
 
     Returns:
         o: (B, H, 1, d) in v.dtype.
@@ -225,13 +286,19 @@ def static_decode_attention(
     if q.dim() != 4 or q.shape[-2] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
         raise ValueError(f"static_decode_attention expects q (B, H, 1, d) and k = v (B, H, T, d); got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if backend == "flash":
+    if window is not None:
+        check_variants(window)
+    if backend == "flash" and window is None:
         from kernels import flash_decode
 
         return flash_decode(q, k, v, lengths)
     # (B, 1, 1, T): True where the key slot holds a position of that sequence
-    visible = (torch.arange(k.shape[-2], device=q.device) < lengths[:, None])[:, None, None, :]
-    if backend == "naive":
+    slots = torch.arange(k.shape[-2], device=q.device)
+    visible = slots < lengths[:, None]
+    if window is not None:
+        visible = visible & (slots >= lengths[:, None] - window)
+    visible = visible[:, None, None, :]
+    if backend in ("naive", "flash"):
         compute_dtype = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))
         scores = scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(~visible, float("-inf"))
@@ -257,12 +324,22 @@ def static_decode_attention(
 # --------------------------------------------------------------------------------------- naive
 
 
-def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+def _variant_mask(q: torch.Tensor, k: torch.Tensor, window, doc_ids) -> torch.Tensor:
+    """Boolean keep mask (Nq, Nk) or (B, 1, Nq, Nk) of the causal (bottom-right) + window + document mask."""
+    from kernels.reference import attention_mask
+
+    return attention_mask(q.shape[-2], k.shape[-2], causal=True, window=window, doc_ids=doc_ids,
+                          device=q.device)
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
+           dropout_p: float = 0.0) -> torch.Tensor:
     """Materialised attention: S = q k^T / sqrt(d) and P = softmax(S) in >= float32, then (P.to(v)) @ v.
 
     Memory: one (B, H, N, N) float32 score buffer (scaled and masked in place) and the float32 softmax
     output (kept by autograd for softmax's backward), plus its v.dtype cast (kept for the matmul's backward;
-    no copy when v is float32).
+    no copy when v is float32). Variants: the explicit mask of ``_variant_mask``; dropout on P
+    (``F.dropout``: kept weights scaled by 1 / (1 - p)).
     """
     d = q.shape[-1]
     nq, nk = q.shape[-2], k.shape[-2]
@@ -271,11 +348,16 @@ def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
     # In place is safe: matmul's backward needs its inputs, not its output; masked_fill_'s backward needs
     # only the mask.
     scores.mul_(1.0 / math.sqrt(d))
-    # bottom-right aligned: row i sees keys j <= i + nk - nq (the usual causal mask when nq == nk)
-    above_diagonal = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu_(nk - nq + 1)
-    scores.masked_fill_(above_diagonal, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return torch.matmul(probs, v)
+    if window is None and doc_ids is None:
+        # bottom-right aligned: row i sees keys j <= i + nk - nq (the usual causal mask when nq == nk)
+        hidden = torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu_(nk - nq + 1)
+    else:
+        hidden = ~_variant_mask(q, k, window, doc_ids)
+    scores.masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 # ---------------------------------------------------------------------------------------- sdpa
@@ -301,8 +383,16 @@ _SDPA_HINTS = {
 }
 
 
-def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, doc_ids=None,
+               dropout_p: float = 0.0) -> torch.Tensor:
     nq, nk = q.shape[-2], k.shape[-2]
+    if window is not None or doc_ids is not None:  # explicit boolean mask (True = attend)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_variant_mask(q, k, window, doc_ids),
+                                              dropout_p=dropout_p)
+    if dropout_p > 0.0:
+        if nq != nk:
+            raise ValueError("attention dropout is for training (Nq == Nk); pass dropout_p=0 with a KV cache")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
     if nq == nk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if nq == 1:  # one decode row sees the whole prefix: no mask, so every SDPA kernel can run it
@@ -312,14 +402,17 @@ def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
+          dropout_p: float = 0.0) -> torch.Tensor:
+    """SDPA; variants: an explicit boolean mask (window / documents; the flash and cuDNN kernels of SDPA
+    take no mask, so pin efficient or math, or use auto) and SDPA's own ``dropout_p``."""
     if sdpa_backend == "auto":
-        return _sdpa_call(q, k, v)
+        return _sdpa_call(q, k, v, window, doc_ids, dropout_p)
     from torch.nn.attention import sdpa_kernel
 
     try:
         with sdpa_kernel([_sdpa_enum(sdpa_backend)]):
-            return _sdpa_call(q, k, v)
+            return _sdpa_call(q, k, v, window, doc_ids, dropout_p)
     except RuntimeError as err:
         others = ", ".join(b for b in SDPA_BACKENDS if b not in ("auto", sdpa_backend))
         raise RuntimeError(
@@ -379,7 +472,8 @@ def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdp
 # --------------------------------------------------------------------------------------- flash
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> torch.Tensor:
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
+           dropout_p: float = 0.0) -> torch.Tensor:
     try:
         from kernels import flash_attention
     except ImportError as err:
@@ -387,6 +481,8 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
             "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
             f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
         ) from err
+    if window is not None or doc_ids is not None or dropout_p > 0.0:
+        return flash_attention(q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p)
     nq, nk = q.shape[-2], k.shape[-2]
     if nq < nk and not (q.requires_grad or k.requires_grad or v.requires_grad):
         from kernels import MAX_DECODE_ROWS, flash_decode
@@ -396,6 +492,6 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str)
     return flash_attention(q, k, v, causal=True)
 
 
-register_attention_backend("naive", _naive, kv_cache=True)
-register_attention_backend("sdpa", _sdpa, kv_cache=True)
-register_attention_backend("flash", _flash, kv_cache=True)
+register_attention_backend("naive", _naive, kv_cache=True, variants=True)
+register_attention_backend("sdpa", _sdpa, kv_cache=True, variants=True)
+register_attention_backend("flash", _flash, kv_cache=True, variants=True)

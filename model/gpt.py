@@ -9,8 +9,14 @@ Initialisation follows GPT-2: weights N(0, 0.02), biases 0, and the residual out
 (``attn.c_proj`` and ``mlp.c_proj``) N(0, 0.02/sqrt(2*n_layer)).
 
 Dropout: ``GPTConfig.dropout`` is applied to the embedding sum, to the attention output projection and to
-the MLP output (residual dropout). No backend applies dropout to the attention probabilities, so
-``naive``, ``sdpa`` and ``flash`` compute exactly the same function and can be swapped on the same weights.
+the MLP output (residual dropout). ``GPTConfig.attn_dropout`` (default 0) drops attention probabilities
+in training; with it 0, ``naive``, ``sdpa`` and ``flash`` compute exactly the same function and can be
+swapped on the same weights.
+
+Attention variants (issue 16, ``model.attention``): ``GPTConfig.window`` (causal sliding window of w keys,
+in training and generation) and ``GPTConfig.document_mask`` (a token attends only to its own document;
+document ids come from ``GPT.forward(..., doc_ids=)`` or, when not given, from the tokens: a document ends
+with ``GPTConfig.doc_separator_ids``, see ``data.docs``). Generation treats the prompt as one document.
 
 Parameter names match nanoGPT (``transformer.wte``, ``transformer.h.0.attn.c_attn`` ...).
 
@@ -69,11 +75,17 @@ class GPTConfig:
         bias: whether Linear layers and LayerNorms have biases (GPT-2: True).
         attention: attention backend, one of ``model.attention.available_attention_backends()``.
         sdpa_backend: SDPA kernel when attention == "sdpa", one of ``SDPA_BACKENDS``.
+        window: None, or w >= 1: each query attends to its w most recent positions (itself included).
+        document_mask: attend only within documents (ids from ``forward(doc_ids=)`` or the tokens).
+        attn_dropout: dropout probability on the attention weights in training, in [0, 1).
+        doc_separator_ids: token ids that end a document (``meta["doc_separator_ids"]``), used to derive
+            document ids from the tokens when ``document_mask`` is on and ``forward`` gets none.
 
     Raises:
-        ValueError: a non-positive size, dropout outside [0, 1), n_embd not divisible by n_head,
-            unknown attention / sdpa_backend, or head_dim outside the flash kernel's range
-            (``kernels.flash_attn.MIN_HEAD_DIM..MAX_HEAD_DIM``) with attention="flash".
+        ValueError: a non-positive size, dropout / attn_dropout outside [0, 1), n_embd not divisible by
+            n_head, unknown attention / sdpa_backend, head_dim outside the flash kernel's range
+            (``kernels.flash_attn.MIN_HEAD_DIM..MAX_HEAD_DIM``) with attention="flash", window not None
+            or an int >= 1, doc_separator_ids not None or a non-empty list of ints.
     """
 
     block_size: int = 1024
@@ -85,6 +97,10 @@ class GPTConfig:
     bias: bool = True
     attention: str = "sdpa"
     sdpa_backend: str = "auto"
+    window: int | None = None
+    document_mask: bool = False
+    attn_dropout: float = 0.0
+    doc_separator_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -93,6 +109,20 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 1):
+            raise ValueError(f"GPTConfig.window must be None or an int >= 1, got {self.window!r}")
+        if not isinstance(self.document_mask, bool):
+            raise ValueError(f"GPTConfig.document_mask must be a bool, got {self.document_mask!r}")
+        if not 0.0 <= float(self.attn_dropout) < 1.0:
+            raise ValueError(f"GPTConfig.attn_dropout must be in [0, 1), got {self.attn_dropout!r}")
+        if self.doc_separator_ids is not None:
+            ids = self.doc_separator_ids
+            if (isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or len(ids) == 0
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+                raise ValueError(f"GPTConfig.doc_separator_ids must be None or a non-empty list of token "
+                                 f"ids, got {ids!r}")
+            self.doc_separator_ids = tuple(ids)  # lists from a checkpoint's model_args
         if self.n_embd % self.n_head != 0:
             suggestion = self.n_head * max(1, round(self.n_embd / self.n_head))
             raise ValueError(
@@ -182,12 +212,15 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         self.attention_backend = config.attention
         self.sdpa_backend = config.sdpa_backend
+        self.window = config.window
+        self.attn_dropout = float(config.attn_dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                static: bool = False) -> torch.Tensor:
+                static: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, N, C) -> (B, N, C). With ``cache``: x holds positions ``cache.length .. + N - 1``; their k/v
         are written into layer ``layer``'s cache (``cache.length`` itself is advanced by ``GPT``). With
-        ``static`` (N = 1): x holds position ``cache.lengths[b]`` of each sequence b."""
+        ``static`` (N = 1): x holds position ``cache.lengths[b]`` of each sequence b. ``doc_ids`` (B, N):
+        document ids for the document mask (no cache only)."""
         B, N, C = x.shape
         H = self.n_head
         q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, N, C), strided
@@ -195,22 +228,24 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, N, H, C // H).transpose(1, 2)
         v = v.view(B, N, H, C // H).transpose(1, 2)
         if cache is None:
-            y = attention(q, k, v, self.attention_backend, self.sdpa_backend)  # (B, H, N, d)
+            p = self.attn_dropout if self.training else 0.0
+            y = attention(q, k, v, self.attention_backend, self.sdpa_backend, window=self.window,
+                          doc_ids=doc_ids, dropout_p=p)  # (B, H, N, d)
         elif static:
             rows = torch.arange(B, device=x.device)
             cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
             cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
             y = static_decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths + 1,
-                                        self.attention_backend, self.sdpa_backend)
+                                        self.attention_backend, self.sdpa_backend, window=self.window)
         else:
             start, end = cache.length, cache.length + N
             cache.k[layer, :, :, start:end] = k
             cache.v[layer, :, :, start:end] = v
             if start == 0:  # prefill: plain causal attention over the new rows, on the chosen backend
-                y = attention(q, k, v, self.attention_backend, self.sdpa_backend)
+                y = attention(q, k, v, self.attention_backend, self.sdpa_backend, window=self.window)
             else:
                 y = cached_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end],
-                                     self.attention_backend, self.sdpa_backend)
+                                     self.attention_backend, self.sdpa_backend, window=self.window)
         y = y.transpose(1, 2).reshape(B, N, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -239,8 +274,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
-                static: bool = False) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, layer, static)
+                static: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer, static, doc_ids)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -286,7 +321,26 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------ forward
 
-    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def document_ids(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Document ids (B, N) for the attention's document mask, or None (no mask): ``doc_ids`` when given,
+        else derived from the tokens with ``config.doc_separator_ids`` (``data.docs.doc_ids_from_tokens``);
+        None when ``config.document_mask`` is off or no separator is known (one document per window).
+        Raises ValueError for doc_ids of another shape than idx."""
+        if not self.config.document_mask:
+            return None
+        if doc_ids is not None:
+            if doc_ids.shape != idx.shape:
+                raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape "
+                                 f"{tuple(idx.shape)}")
+            return doc_ids.to(idx.device)
+        if self.config.doc_separator_ids is None:
+            return None
+        from data.docs import doc_ids_from_tokens
+
+        return doc_ids_from_tokens(idx, self.config.doc_separator_ids)
+
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
@@ -304,21 +358,24 @@ class GPT(nn.Module):
             raise ValueError(f"the KV cache holds {cache.batch_size} sequences, idx has {idx.shape[0]}")
         pos = torch.arange(start, start + n, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        docs = self.document_ids(idx, doc_ids) if cache is None else None
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer)
+            x = block(x, cache, layer, False, docs)
         if cache is not None:
             cache.length += n
             cache.lengths.fill_(cache.length)
         return self.transformer.ln_f(x)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position, and the mean next-token cross-entropy if ``targets`` is given.
 
         Args:
             idx: (B, N) integer token ids in [0, vocab_size), N <= block_size.
             targets: optional (B, N) integer ids; -1 marks positions excluded from the loss.
+            doc_ids: optional (B, N) non-decreasing document ids for ``config.document_mask`` (e.g. from
+                ``BinDataset.batch(..., with_doc_ids=True)``); by default derived from idx.
 
         Returns:
             logits: (B, N, vocab_size); float32 when the model runs in float16/bfloat16 (e.g. under
@@ -329,7 +386,7 @@ class GPT(nn.Module):
         Raises:
             ValueError: idx not 2-D, or N > block_size. TypeError: non-integer idx.
         """
-        x = self._hidden(idx)
+        x = self._hidden(idx, doc_ids=doc_ids)
         logits = self.lm_head(x)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()

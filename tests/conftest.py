@@ -33,17 +33,18 @@ def pytest_collection_modifyitems(config, items):
 
 #: Environment variable that replaces the fixed default seed of the ``seed`` fixture.
 SEED_ENV = "FLASHGPT_TEST_SEED"
-DEFAULT_SEED = 20261201
 
 
 @pytest.fixture
-def seed() -> int:
-    """The seed of a test's random inputs: fixed (``DEFAULT_SEED``) so a failure replays as it is, or
-    ``$FLASHGPT_TEST_SEED`` to try others. Seeds torch's global generator too; printed (pytest shows it
-    with a failure) with the command line that replays it."""
+def seed(request) -> int:
+    """The seed of a test's random inputs: fixed, derived from the test's name (CRC-32, so tests draw
+    different data) so a failure replays as it is, or ``$FLASHGPT_TEST_SEED`` to replay or vary it. Seeds
+    torch's global generator too; printed (pytest shows it with a failure) with the replay command."""
+    import zlib
+
     import torch
 
-    raw = os.environ.get(SEED_ENV, str(DEFAULT_SEED))
+    raw = os.environ.get(SEED_ENV, str(zlib.crc32(request.node.name.encode())))
     try:
         s = int(raw)
     except ValueError:

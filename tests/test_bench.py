@@ -306,6 +306,41 @@ def test_report_sweep(tmp_path, seed, capsys):
     assert "OOM" in capsys.readouterr().out
 
 
+def test_report_figures_agree_with_summary(tmp_path, seed):
+    """bench.report shows each run's summary.json figures (the trainer's medians), not its own median of
+    metrics.jsonl; a run without them falls back to the log, marked with a dagger. Two runs of one
+    (seq_len, backend) cell are told apart by their run names."""
+    rng = np.random.default_rng(seed)
+    sweep = tmp_path / "sweep"
+    summaries = {}
+    for name in ("0_flash_n256", "1_flash_n256_rerun"):
+        d = make_run(sweep, name, "flash", 256, train=dict(enumerate(_random_walk(rng, 10).tolist(), 1)),
+                     tps=list(rng.uniform(1e4, 2e4, 10)))
+        summary = json.loads((d / "summary.json").read_text())
+        summary.update({"perf/tokens_per_sec": float(rng.uniform(3e4, 4e4)), "perf/mfu": float(rng.uniform()),
+                        "mem/peak_gib": float(rng.uniform(3, 4)), "final/val_loss": float(rng.uniform(4, 5))})
+        (d / "summary.json").write_text(json.dumps(summary))
+        summaries[name] = summary
+    logged_tps = list(rng.uniform(1e4, 2e4, 10))
+    make_run(sweep, "2_sdpa_n256", "sdpa", 256, train={s: 5.0 - s / 10 for s in range(1, 11)}, tps=logged_tps)
+    assert br.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    rows = {r["run"]: r for r in json.loads((tmp_path / "out" / "report.json").read_text())["runs"]}
+    for name, summary in summaries.items():
+        r = rows[name]
+        assert r["tokens_per_sec"] == summary["perf/tokens_per_sec"]
+        assert r["mfu_pct"] == pytest.approx(100 * summary["perf/mfu"], rel=1e-12)
+        assert r["peak_gib"] == summary["mem/peak_gib"] and r["final_val_loss"] == summary["final/val_loss"]
+        assert r["sources"]["tokens_per_sec"] == "summary.json"
+    assert rows["2_sdpa_n256"]["tokens_per_sec"] == pytest.approx(float(np.median(logged_tps[1:])), rel=1e-12)
+    assert rows["2_sdpa_n256"]["sources"]["tokens_per_sec"] == "metrics.jsonl median"
+    md = (tmp_path / "out" / "report.md").read_text()
+    pivot = md.split("## tokens/sec")[1].split("##")[0]
+    row = next(line for line in pivot.splitlines() if line.startswith("| 256 |"))
+    for name, summary in summaries.items():
+        assert f"{summary['perf/tokens_per_sec']:,.0f} ({name})" in row, row
+    assert f"{np.median(logged_tps[1:]):,.0f}†" in row, row
+
+
 def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, capsys):
     rng = np.random.default_rng(seed)
     make_run(tmp_path / "s", "0_flash_n128", "flash", 128, train={1: float(rng.normal())}, tps=[1e4])
@@ -333,6 +368,25 @@ def test_report_wandb_offline(tmp_path, seed, monkeypatch, capsys):
             break
         time.sleep(0.5)
     assert files and b"report/table" in files[0].read_bytes()
+
+
+@pytest.mark.slow
+def test_report_wandb_falls_back_to_offline(tmp_path, seed, monkeypatch, capsys):
+    """Without WANDB_MODE and without a W&B login, `--wandb` logs offline like the trainer's
+    wandb.mode=auto and prints the `wandb sync` command, instead of trying to log in."""
+    pytest.importorskip("wandb")
+    rng = np.random.default_rng(seed)
+    make_run(tmp_path / "s", "0_flash_n128", "flash", 128, train={1: float(rng.normal())}, tps=[1e4, 2e4])
+    for var in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert br.main([str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--wandb"]) == 0
+    out = capsys.readouterr().out
+    assert "(mode offline)" in out and "wandb sync " in out, out
+    sync_dir = Path(out.split("wandb sync ")[1].split()[0])
+    assert sync_dir.is_dir() and sync_dir.name.startswith("offline-run-")
+    assert tmp_path / "o" in sync_dir.parents
 
 
 def _expected_diffs(a: dict, b: dict, window: int) -> dict:
@@ -424,6 +478,56 @@ def test_compare_max_step(tmp_path, seed):
                     "--out", str(png)]) == 0
 
 
+def test_compare_val_difference_never_at_step_0(tmp_path, seed, capsys):
+    """Step 0's val loss is the untrained model's: two runs whose only common val point is step 0 report no
+    val difference (and --val-tolerance says it cannot be checked); with a later common point, that one."""
+    rng = np.random.default_rng(seed)
+    base = dict(enumerate(_random_walk(rng, 40).tolist(), 1))
+    v0 = float(rng.uniform(9, 11))
+    r0 = make_run(tmp_path, "a", "sdpa", 64, train=base, val={0: v0, 40: base[40] + 0.1})
+    r1 = make_run(tmp_path, "b", "flash", 64, train=base, val={0: v0 + 0.5})  # no eval after step 0
+    js = tmp_path / "c.json"
+    assert bc.main([str(r0), str(r1), "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    res = json.loads(js.read_text())["results"][0]
+    assert res["val_step"] is None and res["final_val_abs_diff"] is None, res
+    assert bc.main([str(r0), str(r1), "--val-tolerance", "1", "--out", str(tmp_path / "c.png")]) == 1
+    assert "after step 0" in capsys.readouterr().out
+    later = float(rng.uniform(0.01, 0.2))
+    r2 = make_run(tmp_path, "c", "flash", 64, train=base, val={0: v0 + 0.5, 40: base[40] + 0.1 + later})
+    assert bc.main([str(r0), str(r2), "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    res = json.loads(js.read_text())["results"][0]
+    assert res["val_step"] == 40 and res["final_val_abs_diff"] == pytest.approx(later, rel=1e-9)
+
+
+def test_compare_warns_when_configs_differ(tmp_path, seed, capsys):
+    """A run of another seq_len / max_steps / LR schedule is compared, but with a warning naming each key
+    and both values; the backend, out_dir and W&B keys never count as differences."""
+    rng = np.random.default_rng(seed)
+    base = dict(enumerate(_random_walk(rng, 30).tolist(), 1))
+    cfg = {"attention": {"name": "sdpa"}, "seq_len": 64, "max_steps": 30, "out_dir": "runs/a",
+           "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": None}, "wandb": {"group": "g1"}}
+    runs = []
+    for name, change in (("ref", {}), ("same", {"attention": {"name": "flash"}, "out_dir": "runs/b",
+                                                "wandb": {"group": "g2"}}),
+                         ("other", {"seq_len": 128, "max_steps": 60,
+                                    "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": 30}})):
+        d = make_run(tmp_path, name, "sdpa", 64, train=base)
+        (d / "config.resolved.yaml").write_text(json.dumps({**cfg, **change}))  # JSON is YAML
+        runs.append(str(d))
+    js = tmp_path / "c.json"
+    assert bc.main([runs[0], runs[1], "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    assert "differ in config" not in capsys.readouterr().err
+    assert json.loads(js.read_text())["results"][0]["config_differences"] == {}
+    assert bc.main([*runs, "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if "differ in config" in line]
+    assert len(warned) == 1 and warned[0].startswith("warning: sdpa N=128 and the reference sdpa N=64"), err
+    for text in ("seq_len: 64 vs 128", "max_steps: 30 vs 60", "optim.decay_steps: None vs 30"):
+        assert text in warned[0], err
+    diffs = json.loads(js.read_text())["results"][1]["config_differences"]
+    assert diffs == {"max_steps": [30, 60], "optim.decay_steps": [None, 30], "seq_len": [64, 128]}
+
+
 def test_run_config_prefers_the_trainers_copy(tmp_path):
     """Hydra rewrites .hydra/config.yaml for every command aimed at a run dir (also one the trainer then
     refuses); the trainer's config.resolved.yaml, written when the run started, is the run's config."""
@@ -434,6 +538,32 @@ def test_run_config_prefers_the_trainers_copy(tmp_path):
     (d / "config.resolved.yaml").write_text("attention:\n  name: sdpa\nseq_len: 256\n")
     assert _rundir.read_config(d)["seq_len"] == 256
     assert bc.load_run(d).label == "sdpa N=256"
+
+
+# ------------------------------------------------------------------------------------------- throughput
+
+
+@pytest.mark.slow
+def test_throughput_cpu_cell_agrees_with_the_runs_summary(tiny, tmp_path):
+    """bench.throughput runs train.py once per cell (here one tiny CPU cell) and its JSON and table carry
+    the run's own summary.json figures; the run directory goes to --runs-dir, not next to the results."""
+    skip = ("out_dir=", "max_steps=", "log_interval=", "eval.interval=", "checkpoint.interval=",
+            "wandb.mode=")
+    overrides = [a for a in tiny(tmp_path / "unused") if not a.startswith(skip)]
+    out, runs = tmp_path / "res" / "tp", tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "-m", "bench.throughput", "--backends", "naive",
+                           "--seq-lens", "64", "--steps", "4", "--warmup", "1", "--profile-steps", "0",
+                           "--log-interval", "1",
+                           "--out", str(out), "--runs-dir", str(runs), "--", *overrides],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (cell,) = json.loads(out.with_suffix(".json").read_text())["cells"]
+    (summary_path,) = runs.glob("*/naive_n64/summary.json")
+    summary = json.loads(summary_path.read_text())
+    assert cell["status"] == "ok" and cell["tokens_per_sec"] == summary["perf/tokens_per_sec"] > 0
+    assert f"{summary['perf/tokens_per_sec']:,.0f}" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tp.json", "tp.md", "tp.png"]
 
 
 # ------------------------------------------------------------------------------------------- tuning tools
@@ -459,9 +589,9 @@ def test_tune_records_of_default_tiles_are_json():
                                                        TileConfig(128, 64, 8, 3)]
 
 
-def test_ab_tiles_plans():
-    """Plan syntax of bench.ab_tiles (also used by bench.host_overhead / bench.ncu_target)."""
-    from bench.ab_tiles import parse_plan
+def test_tune_plan_syntax():
+    """Plan syntax of the interleaved A/B mode (`bench.tune --plans`)."""
+    from bench.tune import parse_plan
     from kernels.tiles import TileConfig
 
     assert parse_plan("default") == {}
@@ -473,11 +603,57 @@ def test_ab_tiles_plans():
             parse_plan(bad)
 
 
+def test_tune_uses_only_the_public_kernel_api():
+    """bench.tune times the kernels through `kernels.flash_attention` and `override_tile_config` only: no
+    private launcher of kernels/ and no other bench script's internals."""
+    import ast
+
+    tree = ast.parse((REPO / "bench" / "tune.py").read_text())
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            imported |= {(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {(a.name, None) for a in node.names}
+    private = sorted(f"{m}.{n}" for m, n in imported if n and n.startswith("_"))
+    assert not private, private
+    kernel_modules = {m for m, _ in imported if m and m.startswith("kernels")}
+    assert kernel_modules == {"kernels"}, kernel_modules  # the package's public names only
+
+
+def _run_tune(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "bench.tune", "--dry-run", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_tune_dry_run_search_and_ab(tmp_path):
+    """Both modes run end to end on the CPU (interpreter, tiny shapes): the search writes one JSON line per
+    timed candidate plus the default and names the best; the A/B mode prints one line per plan, and a plan
+    whose tiles are not powers of two is refused before anything runs."""
+    out = tmp_path / "search.jsonl"
+    proc = _run_tune(tmp_path, "--kernels", "fwd", "--configs", "16x16x4x1,32x16x4x1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["plan"] for r in recs] == ["default", "candidate", "candidate"]
+    assert [r["cfg"][:4] for r in recs[1:]] == [[16, 16, 4, 1], [32, 16, 4, 1]]
+    assert all(r["err"] is None and r["ms"] > 0 and r["d"] == 16 and r["N"] == 32 for r in recs), recs
+    assert "best" in proc.stdout
+    proc = _run_tune(tmp_path, "--plans", "default", "dq=16x16x4x1", "provider:naive", "--rounds", "1")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("d=16")]
+    assert len(lines) == 3 and all("fwd" in x and "bwd" in x for x in lines), proc.stdout
+    assert list(tmp_path.iterdir()) == [out]  # A/B writes no file unless --out names one
+    bad = _run_tune(tmp_path, "--plans", "fwd=24x16x4x1")
+    assert bad.returncode != 0 and "power" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a CUDA GPU")
-@pytest.mark.parametrize("argv", [["bench.ab_tiles", "--d", "64", "--plans", "default"], ["bench.tune"],
-                                  ["bench.host_overhead"], ["bench.ncu_target"], ["bench.profile_kernels"]])
+@pytest.mark.parametrize("argv", [["bench.tune"], ["bench.tune", "--d", "64", "--plans", "default"]])
 def test_gpu_only_scripts_exit_cleanly_without_cuda(tmp_path, argv):
-    """GPU-only bench scripts stop with status 2 and a message naming the fix (no traceback, no files)."""
+    """bench.tune without --dry-run stops with status 2 and a message naming the fix (no traceback, no
+    files)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)

@@ -43,6 +43,7 @@ from kernels import (  # noqa: E402
     override_tile_config,
 )
 from kernels import flash_attn as fa  # noqa: E402
+from kernels.reference import attention_reference  # noqa: E402
 
 if _PREVIOUS_INTERPRET is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -63,25 +64,10 @@ def _interpreter(monkeypatch):
 # ------------------------------------------------------------------------------------- helpers
 
 
-def reference(q, k, v, causal, scale):
-    """float64 attention: explicit softmax, bottom-right causal mask (key j visible to query i iff
-    j <= i + Nk - Nq); rows without any visible key give o = 0 and lse = -inf. Differentiable."""
-    q, k, v = q.double(), k.double(), v.double()
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    nq, nk = s.shape[-2:]
-    i = torch.arange(nq)[:, None]
-    j = torch.arange(nk)[None, :]
-    mask = (j <= i + (nk - nq)) if causal else torch.ones(nq, nk, dtype=torch.bool)
-    row_any = mask.any(-1, keepdim=True)
-    s = s.masked_fill(~mask, float("-inf")).masked_fill(~row_any, 0.0)
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    p = torch.exp(s - lse) * mask
-    o = p @ v
-    lse = lse.squeeze(-1).masked_fill(~row_any.squeeze(-1), float("-inf"))
-    return o, lse
+def reference(q, k, v, causal, scale, **variants):
+    """float64 attention (`kernels.reference.attention_reference`: explicit boolean mask, bottom-right causal,
+    rows without any visible key give o = 0 and lse = -inf). Differentiable."""
+    return attention_reference(q, k, v, causal=causal, softmax_scale=scale, **variants)
 
 
 def rel_err(ours, ref):
@@ -513,6 +499,37 @@ def test_strided_equals_contiguous_bitwise(seed, dtype):
         results.append((o.detach(), xx.grad))
     assert torch.equal(results[0][0], results[1][0]), f"seed={seed}"
     assert torch.equal(results[0][1], results[1][1]), f"seed={seed}"
+
+
+def _dim_order(t):
+    return sorted(range(t.dim()), key=lambda i: -t.stride(i))
+
+
+def test_outputs_and_grads_keep_the_input_layout(seed):
+    """Fused-qkv views (B, N, H, d memory): o and dq, dk, dv come back dense in that same dim order
+    (so the model's o.transpose(1, 2).reshape and the backward's cat into d(qkv) need no transposing
+    copy), in eager mode and through the op's fake implementation; contiguous inputs stay contiguous."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    B, N, H, d = 2, 40, 3, 16
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, N, 3, H, d, generator=g).requires_grad_()
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, d) views, strides (., d, 3Hd, 1)
+    o = flash_attention(q, k, v, causal=True)
+    assert o.transpose(1, 2).is_contiguous() and _dim_order(o) == [0, 2, 1, 3], f"seed={seed} {o.stride()}"
+    grads = torch.ops.flashgpt.flash_attn_bwd_cpu(torch.randn_like(o), q.detach(), k.detach(), v.detach(),
+                                                  o.detach(), torch.zeros(B, H, N), True, 0.25)
+    for gr in grads:
+        assert gr.transpose(1, 2).is_contiguous(), f"seed={seed} {gr.stride()}"
+    real = [t.detach() for t in (q, k, v)]
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in real)
+        fo, flse = torch.ops.flashgpt.flash_attn_fwd_cpu(fq, fk, fv, True, 0.25)
+        fgrads = torch.ops.flashgpt.flash_attn_bwd_cpu(fo, fq, fk, fv, fo, flse, True, 0.25)
+    assert fo.stride() == o.stride(), f"fake o strides {fo.stride()} != real {o.stride()}"
+    assert [t.stride() for t in fgrads] == [t.stride() for t in grads]
+    c = torch.randn(B, H, N, d, generator=g)
+    assert flash_attention(c, c, c).is_contiguous()
 
 
 # ------------------------------------------------------------------------ custom ops / compile

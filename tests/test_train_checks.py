@@ -321,10 +321,10 @@ def test_plan_notes_say_what_a_key_does_not_do():
         ("+model.typo", 1, "model.typo is not a config key; valid keys under model: model.name"),
         ("model.n_heads", 4, "model.n_heads is not a config key; did you mean model.n_head?"),
         ("attention", "fast", "choose one of: attention=flash, attention=naive, attention=sdpa"),
-        ("batch.micro_batch_size", 2.5, "batch.micro_batch_size=2.5 must be a positive integer"),
-        ("attention.window", 0, "attention.window=0 must be a positive integer"),
+        ("batch.micro_batch_size", 2.5, "batch.micro_batch_size=2.5 must be null or a positive integer"),
+        ("batch.tokens_per_step", 2.5, "batch.tokens_per_step=2.5 must be a positive integer"),
+        ("attention.window", 0, "attention.window=0 must be null or a positive integer"),
         ("model.attn_dropout", 1.5, "model.attn_dropout=1.5 must be in [0, 1)"),
-        ("attention.window", 128, "attention.window=128 is not implemented yet"),
     ],
 )
 def test_typed_config_errors_name_the_full_key(expect_error, key, value, expected):

@@ -23,28 +23,33 @@ from trainer.checks import (
     peak_flops_for,
     probe_attention,
 )
+from trainer.compiling import compile_model
 from trainer.schedule import lr_at
 
 
-def gpt_config_for(cfg, vocab_size: int):
-    """``model.GPTConfig`` of a run: every ``model.*`` key that is a GPTConfig field (by name), the block
-    size (``model.block_size``, null = ``seq_len``), ``vocab_size`` and the attention backend.
+def gpt_config_for(cfg, vocab_size: int, doc_separator_ids=None):
+    """``model.GPTConfig`` of a run: every ``model.*`` and ``attention.*`` key that is a GPTConfig field, by
+    name (``attention.name`` is GPTConfig's ``attention``; issue 16's ``window``, ``document_mask``,
+    ``attn_dropout`` flow the same way), the block size (``model.block_size``, null = ``seq_len``),
+    ``vocab_size`` and the prepared data's ``doc_separator_ids`` (meta.json).
 
     Raises:
         ValueError: from GPTConfig's own checks.
     """
     from model import GPTConfig
 
+    names = {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size", "vocab_size", "attention"}
+    args = {}
+    for group in (cfg.model, cfg.attention):
+        keys = [f.name for f in dataclasses.fields(group)] if dataclasses.is_dataclass(group) else list(group)
+        args.update({k: getattr(group, k) for k in keys if k in names})
     m = cfg.model
-    names = {f.name for f in dataclasses.fields(GPTConfig)}
-    model_keys = [f.name for f in dataclasses.fields(m)] if dataclasses.is_dataclass(m) else list(m)
-    args = {k: getattr(m, k) for k in model_keys if k in names and k not in ("block_size", "vocab_size")}
     return GPTConfig(
         **args,
         block_size=m.block_size if m.block_size is not None else cfg.seq_len,
         vocab_size=vocab_size,
         attention=cfg.attention.name,
-        sdpa_backend=cfg.attention.sdpa_backend,
+        doc_separator_ids=doc_separator_ids,
     )
 
 
@@ -91,7 +96,8 @@ class Setup:
                 from data.prepare import ensure_prepared
 
                 ensure_prepared(
-                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer, float(cfg.data.val_fraction)
+                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer,
+                    float(cfg.data.val_fraction), cfg.data.doc_separator,
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -114,7 +120,7 @@ class Setup:
                 "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
             )
         try:
-            self.gpt_config = gpt_config_for(cfg, vocab)
+            self.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
         probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
@@ -174,8 +180,7 @@ class Setup:
                     f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
                 )
             ckpt.set_rng_state(rngs[d.rank % len(rngs)])
-        self.fwd_model = (torch.compile(self.raw_model, mode=plan.compile_mode) if plan.compile
-                          else self.raw_model)
+        self.fwd_model = compile_model(self.raw_model, plan.compile_mode) if plan.compile else self.raw_model
         # CUDA graphs (compile_mode=reduce-overhead): each forward starts a new graph step, so outputs of
         # the previous replay (the last micro-batch's loss) are never overwritten while still in use
         self._cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"

@@ -187,8 +187,9 @@ def _prepared_meta(data_dir: Path) -> dict | None:
 
 
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
-    """Refuse to re-prepare a data directory that holds another corpus, tokenizer or train/val split: other
-    runs (and their resumes) read it. The user points data.dir at a directory of its own instead."""
+    """Refuse to re-prepare a data directory that holds another corpus, tokenizer, document separator or
+    train/val split: other runs (and their resumes) read it. The user points data.dir at a directory of its
+    own instead."""
     meta = _prepared_meta(data_dir)
     if meta is None:
         return
@@ -204,6 +205,15 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
             f"data.dir={cfg.data.dir} holds data tokenized with {meta.get('tokenizer')!r}, but "
             f"data.tokenizer={cfg.data.tokenizer}; {fix(str(cfg.data.tokenizer))}"
         )
+    from data.docs import parse_separator
+
+    separator = cfg.data.doc_separator
+    if meta.get("doc_separator") != parse_separator(separator):
+        given = Path(str(cfg.data.dir))
+        other = given.parent / f"{given.name or 'data'}_{'docs' if separator is not None else 'nodocs'}"
+        raise ConfigError(f"data.dir={cfg.data.dir} was prepared with data.doc_separator="
+                          f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
+                          f"data.dir={other} (a folder of its own) or delete {cfg.data.dir} to re-prepare it")
     try:
         same_split = abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
     except (TypeError, ValueError):

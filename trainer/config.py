@@ -50,13 +50,15 @@ class AttentionConfig:
     name: str = spec("sdpa", "attention backend: naive | sdpa | flash (model.attention registry)")
     sdpa_backend: str = spec("auto", "SDPA kernel for attention=sdpa: auto | flash | cudnn | efficient | "
                                      "math (pinned: raises instead of falling back)")
-    window: int | None = spec(None, "sliding-window size in tokens (issue 16); null = full causal",
-                                 POS_INT, 256)
-    document_mask: bool = spec(False, "attend only within a document (issue 16; data.doc_separator)", BOOL)
+    window: int | None = spec(None, "causal sliding window: each token sees its w most recent positions "
+                                    "(itself included); null = full causal", POS_INT, 256)
+    document_mask: bool = spec(False, "a token attends only within its document (needs data.doc_separator)",
+                               BOOL)
 
     @staticmethod
     def validate(cfg) -> None:
-        """Backend names against the registries of model.attention (they may grow at run time)."""
+        """Backend names against the registries of model.attention (they may grow at run time); a document
+        mask needs data.doc_separator; SDPA's pinned flash and cuDNN kernels take no mask (window, docs)."""
         from model.attention import SDPA_BACKENDS, available_attention_backends
 
         a = cfg.attention
@@ -66,6 +68,19 @@ class AttentionConfig:
         msg = problem_with("attention.sdpa_backend", a.sdpa_backend, tuple(SDPA_BACKENDS), "auto")
         if msg:
             raise ConfigError(msg)
+        if a.document_mask and cfg.data.doc_separator is None:
+            raise ConfigError(
+                "attention.document_mask=true needs documents: set data.doc_separator (e.g. "
+                "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
+                "or attention.document_mask=false"
+            )
+        masked = a.window is not None or a.document_mask
+        if a.name == "sdpa" and a.sdpa_backend in ("flash", "cudnn") and masked:
+            raise ConfigError(
+                f"attention.sdpa_backend={a.sdpa_backend} takes no attention mask, so it cannot run "
+                "attention.window / attention.document_mask; use attention.sdpa_backend=auto (or "
+                "efficient / math), or attention=flash"
+            )
 
 
 def flash_head_dim_range() -> tuple[int, int]:
@@ -84,7 +99,8 @@ class ModelConfig:
     n_head: int = spec(12, "attention heads per block; head dim = n_embd / n_head", POS_INT, 12)
     n_embd: int = spec(768, "model width (d_model)", POS_INT, 768)
     dropout: float = spec(0.0, "residual and embedding dropout probability", UNIT, 0.0)
-    attn_dropout: float = spec(0.0, "dropout on attention probabilities (issue 16)", UNIT, 0.0)
+    attn_dropout: float = spec(0.0, "dropout on the attention probabilities in training (every backend)",
+                               UNIT, 0.1)
     bias: bool = spec(True, "biases in Linear layers and LayerNorms (GPT-2: true)", BOOL)
     block_size: int | None = spec(None, "position-embedding length; null = seq_len", POS_INT, 1024)
     vocab_size: int | None = spec(None, "token ids; null = the tokenizer's vocab rounded up to 64",
@@ -148,7 +164,16 @@ class DataConfig:
     dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
     val_fraction: float = spec(0.1, "share of the corpus held out for validation, in [0, 1)", UNIT, 0.1)
-    doc_separator: str | None = spec(None, "text that separates documents (issue 16); null = one document")
+    doc_separator: str | None = spec(None, "null | the string between documents, e.g. '\\n\\n' (escapes "
+                                           "understood); prepare records the documents")
+
+    @staticmethod
+    def validate(cfg) -> None:
+        """data.doc_separator: null or a non-empty string."""
+        sep = cfg.data.doc_separator
+        if sep is not None and not sep:
+            raise ConfigError(f"data.doc_separator={sep!r} must be null or a non-empty string, e.g. "
+                              "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)")
 
 
 @dataclass
@@ -372,24 +397,11 @@ class TrainConfig:
     out_dir: str = spec("runs/run", "run directory (= Hydra's run dir); resume=true: the run to continue")
 
 
-def _unimplemented(cfg) -> None:
-    """Issue 16's keys exist so configs of both branches compose; until their behaviour lands, a value
-    other than the default is refused instead of silently ignored. (Remove with issue 16's merge.)"""
-    for key, default in (("attention.window", None), ("attention.document_mask", False),
-                         ("model.attn_dropout", 0.0), ("data.doc_separator", None)):
-        group, name = key.split(".")
-        value = cfg[group][name]
-        if value != default:
-            raise ConfigError(
-                f"{key}={fmt(value)} is not implemented yet (issue 16); use {key}={fmt(default)}"
-            )
-
-
 def validate(cfg) -> None:
     """All static checks of a composed train.py config, before any data, model or GPU work.
 
     Order: every field's type/range/choice check (``spec``), then each group's ``validate`` (backend
-    names, model shape, lr pair, W&B login), then the keys not implemented yet.
+    names, masks, model shape, lr pair, doc separator, W&B login).
 
     Raises:
         ConfigError: naming the key and a valid value.
@@ -397,9 +409,8 @@ def validate(cfg) -> None:
     from trainer.config_errors import unknown_key
 
     check_fields(cfg, TrainConfig, ignore={"hydra"}, unknown=unknown_key)
-    for group in (AttentionConfig, ModelConfig, OptimConfig, WandbConfig):
+    for group in (AttentionConfig, ModelConfig, DataConfig, OptimConfig, WandbConfig):
         group.validate(cfg)
-    _unimplemented(cfg)
 
 
 def typed(cfg) -> TrainConfig:

@@ -9,7 +9,7 @@ import difflib
 from dataclasses import fields
 
 from trainer.config import TrainConfig
-from trainer.fields import BOOL, FINITE, NONNEG_INT, ConfigError, dataclass_type, problem_with
+from trainer.fields import BOOL, FINITE, NONNEG_INT, ConfigError, dataclass_type, is_nullable, problem_with
 
 
 def config_error_from(exc: BaseException) -> ConfigError | None:
@@ -41,7 +41,9 @@ def config_error_from(exc: BaseException) -> ConfigError | None:
             if isinstance(e, unknown):
                 return ConfigError(unknown_key(key))
             check, example = _spec_of(key)
-            msg = problem_with(key, e.value, check or _type_check(key), example)
+            f = _field_of(key)
+            nullable = f is not None and is_nullable(f)
+            msg = problem_with(key, e.value, check or _type_check(key), example, nullable)
             if msg is None:
                 msg = f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}"
             return ConfigError(msg)

@@ -50,9 +50,10 @@ def fmt(v) -> str:
     return str(v)
 
 
-def problem_with(key: str, value, check, example) -> str | None:
+def problem_with(key: str, value, check, example, nullable: bool = False) -> str | None:
     """Why ``value`` fails ``check`` (see ``spec``) as a message naming ``key`` and a valid value, or None.
-    A null value passes (nullable fields are typed ``Optional``; OmegaConf refuses null elsewhere)."""
+    A null value passes (nullable fields are typed ``Optional``; OmegaConf refuses null elsewhere); for
+    those, ``nullable`` says so in the message ("must be null or a positive integer")."""
     if value is None or check is None:
         return None
     is_int = isinstance(value, int) and not isinstance(value, bool)
@@ -65,7 +66,8 @@ def problem_with(key: str, value, check, example) -> str | None:
     if check in (POS_INT, NONNEG_INT):
         if is_int and (value > 0 if check == POS_INT else value >= 0):
             return None
-        return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={fmt(example)}"
+        what = _WHAT[check].replace("must be ", "must be null or ") if nullable else _WHAT[check]
+        return f"{key}={value!r} {what}, e.g. {key}={fmt(example)}"
     try:
         x = math.nan if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
@@ -101,9 +103,14 @@ def check_fields(node, schema: type, prefix: str = "", *, ignore=frozenset(), un
         if sub is not None and value is not None:
             check_fields(value, sub, key + ".", unknown=unknown)
             continue
-        msg = problem_with(key, value, f.metadata.get("check"), f.metadata.get("example"))
+        msg = problem_with(key, value, f.metadata.get("check"), f.metadata.get("example"), is_nullable(f))
         if msg:
             raise ConfigError(msg)
+
+
+def is_nullable(f) -> bool:
+    """Whether dataclass field ``f`` is typed ``X | None``."""
+    return "None" in str(f.type)
 
 
 def dataclass_type(f) -> type | None:

@@ -1,0 +1,149 @@
+"""The one reference attention of the tests (and the model's mask builder): explicit mask, plain softmax.
+
+`attention_reference(q, k, v, ...)` materialises the (Nq, Nk) scores: for tests and small shapes only.
+It computes, per batch element b and query head h (GQA: kv head h // (Hq // Hkv)),
+
+    s_ij   = scale * q_i . k_j                          (keep_ij False -> -inf)
+    lse_i  = log sum_j exp(s_ij)                        (natural log; -inf for a row that keeps no key)
+    p_ij   = exp(s_ij - lse_i)
+    o_i    = sum_j p_ij * z_ij / (1 - p_drop) * v_j     (z: optional dropout keep mask; z = 1 without dropout)
+
+in float64 by default (Vaswani et al. 2017, eq. 1; dropout on the attention weights as in their section 5.4
+and FlashAttention's `dropout_p`: the normaliser and the LSE are those of the undropped weights). A row that
+keeps no key gets o = 0, lse = -inf and zero gradients (no NaN).
+
+The mask (`attention_mask`) is the conjunction of:
+* causal, bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq) (FlashAttention >= 2.1);
+* window w (needs causal): additionally j > i + (Nk - Nq) - w, i.e. each query sees its w most recent keys
+  including itself (FlashAttention-2's ``window_size=(w - 1, 0)``);
+* documents: query i sees key j only when doc_q[b, i] == doc_k[b, j].
+
+Document ids: ``doc_ids`` is either one integer tensor (B, Nk), in which case query row i sits at key
+position i + Nk - Nq and takes that position's id (bottom-right alignment, like the causal mask), or a pair
+``(doc_q (B, Nq), doc_k (B, Nk))``. The reference accepts any ids; `kernels.flash_attention` needs them
+non-decreasing along each row (packed documents), see its docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attention_mask", "attention_reference", "split_doc_ids"]
+
+
+def split_doc_ids(doc_ids, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(doc_q (B, Nq), doc_k (B, Nk)) from ``doc_ids`` as documented in the module docstring.
+
+    Raises:
+        TypeError: doc_ids is neither a tensor nor a pair of tensors, or not of an integer dtype.
+        ValueError: wrong rank or length (a single tensor must be (B, Nk) with Nk >= Nq), or B differs.
+    """
+    if isinstance(doc_ids, torch.Tensor):
+        if doc_ids.dim() != 2 or doc_ids.shape[1] != n_k:
+            raise ValueError(f"doc_ids must be (B, Nk) = (B, {n_k}) (one id per key position), got shape "
+                             f"{tuple(doc_ids.shape)}; or pass a pair (doc_q (B, Nq), doc_k (B, Nk))")
+        if n_q > n_k:
+            raise ValueError(f"a single doc_ids tensor needs Nq <= Nk (queries: the last Nq positions), got "
+                             f"Nq={n_q}, Nk={n_k}; pass a pair (doc_q (B, Nq), doc_k (B, Nk)) instead")
+        doc_q, doc_k = doc_ids[:, n_k - n_q:], doc_ids
+    elif isinstance(doc_ids, (tuple, list)) and len(doc_ids) == 2 and all(
+            isinstance(t, torch.Tensor) for t in doc_ids):
+        doc_q, doc_k = doc_ids
+        if doc_q.dim() != 2 or doc_q.shape[1] != n_q or doc_k.dim() != 2 or doc_k.shape[1] != n_k:
+            raise ValueError(f"doc_ids pair must be (doc_q (B, {n_q}), doc_k (B, {n_k})), got "
+                             f"{tuple(doc_q.shape)} and {tuple(doc_k.shape)}")
+        if doc_q.shape[0] != doc_k.shape[0]:
+            raise ValueError(f"doc_q and doc_k must share B, got {doc_q.shape[0]} and {doc_k.shape[0]}")
+    else:
+        raise TypeError(f"doc_ids must be a (B, Nk) integer tensor or a pair (doc_q, doc_k), got "
+                        f"{type(doc_ids).__name__}")
+    for name, t in (("doc_q", doc_q), ("doc_k", doc_k)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"document ids ({name}) must be an integer tensor, got {t.dtype}; "
+                            "use e.g. doc_ids.to(torch.int32)")
+    return doc_q, doc_k
+
+
+def attention_mask(n_q: int, n_k: int, *, causal: bool = True, window: int | None = None, doc_ids=None,
+                   device=None) -> torch.Tensor:
+    """Boolean keep mask, True where query i may attend to key j.
+
+    Args:
+        n_q, n_k: query / key lengths.
+        causal: bottom-right aligned causal mask (j <= i + n_k - n_q).
+        window: None, or w >= 1 (requires causal): also j > i + n_k - n_q - w.
+        doc_ids: None, a (B, Nk) tensor or a pair (doc_q (B, Nq), doc_k (B, Nk)); see the module docstring.
+        device: where to build the mask (default: the doc ids' device, else CPU).
+    Returns:
+        bool tensor (Nq, Nk) without doc_ids, else (B, 1, Nq, Nk) (broadcasts over heads).
+    Raises:
+        ValueError: window < 1, or a window without causal; bad doc_ids (see `split_doc_ids`).
+    """
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be None or an int >= 1, got {window!r}")
+        if not causal:
+            raise ValueError("a sliding window is causal: pass causal=True with window")
+    if doc_ids is not None:
+        doc_q, doc_k = split_doc_ids(doc_ids, n_q, n_k)
+        device = doc_q.device if device is None else device
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i + (n_k - n_q)
+    if window is not None:
+        keep &= j > i + (n_k - n_q) - window
+    if doc_ids is not None:
+        same = doc_q.to(device)[:, :, None] == doc_k.to(device)[:, None, :]
+        keep = (keep[None] & same)[:, None]
+    return keep
+
+
+def attention_reference(q, k, v, *, causal: bool = True, window: int | None = None, doc_ids=None,
+                        dropout_keep: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        softmax_scale: float | None = None, mask: torch.Tensor | None = None,
+                        dtype: torch.dtype | None = torch.float64):
+    """Attention with an explicit boolean mask and softmax, differentiable (autograd), for tests.
+
+    Args:
+        q: (B, Hq, Nq, d); k, v: (B, Hkv, Nk, d) with Hq a multiple of Hkv (GQA).
+        causal, window, doc_ids: the mask, see `attention_mask`.
+        dropout_keep: None, or a bool tensor broadcastable to (B, Hq, Nq, Nk): True keeps the weight,
+            kept weights are scaled by 1 / (1 - dropout_p).
+        dropout_p: the dropout probability that `dropout_keep` was drawn with, in [0, 1).
+        softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
+        mask: an explicit keep mask broadcastable to (B, Hq, Nq, Nk), ANDed with the one above.
+        dtype: compute dtype (default float64, the tests' reference); None computes in q's dtype (the
+            "same low precision" reference of the FlashAttention test rule).
+    Returns:
+        (o (B, Hq, Nq, d), lse (B, Hq, Nq)) in the compute dtype; fully masked rows: o = 0, lse = -inf.
+    Raises:
+        ValueError: bad shapes (Hq not a multiple of Hkv), dropout_p outside [0, 1), bad window / doc ids.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1]:
+        raise ValueError(f"need q (B, Hq, Nq, d), k = v (B, Hkv, Nk, d), Hq % Hkv == 0; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    dt = q.dtype if dtype is None else dtype
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    n_q, n_k, d = q.shape[2], k.shape[2], q.shape[3]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    keep = attention_mask(n_q, n_k, causal=causal, window=window, doc_ids=doc_ids, device=q.device)
+    if mask is not None:
+        keep = keep & mask.to(q.device)
+    keep = keep.expand(q.shape[0], q.shape[1], n_q, n_k)
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    row_any = keep.any(-1, keepdim=True)
+    s = s.masked_fill(~keep, float("-inf")).masked_fill(~row_any, 0.0)  # all-masked rows: finite, then zeroed
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - lse) * keep
+    if dropout_keep is not None:
+        p = p * dropout_keep.to(q.device) / (1.0 - dropout_p)
+    o = torch.matmul(p, v)
+    lse = lse.squeeze(-1).masked_fill(~row_any.squeeze(-1), float("-inf"))
+    return o, lse
