@@ -28,10 +28,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+import trainer.config  # noqa: F401 - stores the schema and the model presets in Hydra's ConfigStore
+
 _RANK_DIR_PREFIX = "flashgpt-rank"
 # (run dir, status, exit code) of each job of a -m sweep run in this process (Hydra's basic launcher)
 _SWEEP_JOBS: list[tuple[str, str, int]] = []
 _SWEEP_DIR: list[str] = []  # the sweep folder (hydra.sweep.dir), once known
+_IN_JOB: list[bool] = [False]  # True while a job's task function runs (its errors are not config errors)
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
@@ -41,7 +44,11 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     out_dir = Path(hc.runtime.output_dir)
-    outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
+    _IN_JOB[0] = True
+    try:
+        outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
+    finally:
+        _IN_JOB[0] = False
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
         shutil.rmtree(out_dir, ignore_errors=True)
     if multirun and int(os.environ.get("RANK", "0")) == 0:
@@ -87,7 +94,28 @@ def _quiet_non_main_ranks() -> None:
     sys.argv.extend(extra)
 
 
+def main_reporting_config_errors() -> int:
+    """``main()`` with every config mistake Hydra/OmegaConf find while composing (a wrong type, an unknown
+    key, also ``+typo=1``, an unknown group option, an unparsable override) printed as
+    ``config error: <key and a valid value>`` (``trainer.config_errors.config_error_from``), exit status 2, no
+    traceback, like the trainer's own checks. Returns the process exit status.
+
+    Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
+    is not a config error, or that a running job raised, is re-raised (a bug: full traceback)."""
+    from trainer.config_errors import config_error_from
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as e:
+        err = None if _IN_JOB[0] else config_error_from(e)
+        if err is None:
+            raise
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
+
+
 if __name__ == "__main__":
     _quiet_non_main_ranks()
-    main()
-    sys.exit(sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None)))
+    sys.exit(main_reporting_config_errors())

@@ -54,15 +54,12 @@ from .sampling import check_sampling_args, sample_next
 __all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
 
 #: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs).
+#: The one list of sizes: trainer/config.py stores each as the Hydra config ``model=<name>``.
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
 }
-
-#: Head-dim range our Triton flash kernel supports.
-FLASH_HEAD_DIM_RANGE = (8, 256)
-
 
 @dataclass
 class GPTConfig:
@@ -86,8 +83,9 @@ class GPTConfig:
 
     Raises:
         ValueError: a non-positive size, dropout / attn_dropout outside [0, 1), n_embd not divisible by
-            n_head, unknown attention / sdpa_backend, head_dim outside 8..256 with attention="flash",
-            window not None or an int >= 1, doc_separator_ids not None or a non-empty list of ints.
+            n_head, unknown attention / sdpa_backend, head_dim outside the flash kernel's range
+            (``kernels.flash_attn.MIN_HEAD_DIM..MAX_HEAD_DIM``) with attention="flash", window not None
+            or an int >= 1, doc_separator_ids not None or a non-empty list of ints.
     """
 
     block_size: int = 1024
@@ -134,7 +132,9 @@ class GPTConfig:
         check_attention_backend(self.attention)
         check_sdpa_backend(self.sdpa_backend)
         if self.attention == "flash":
-            lo, hi = FLASH_HEAD_DIM_RANGE
+            from kernels.flash_attn import MAX_HEAD_DIM as hi
+            from kernels.flash_attn import MIN_HEAD_DIM as lo
+
             if not lo <= self.head_dim <= hi:
                 raise ValueError(
                     f"attention=flash supports head_dim in {lo}..{hi}, but n_embd={self.n_embd} / "

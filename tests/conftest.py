@@ -31,6 +31,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+#: Environment variable that replaces the fixed default seed of the ``seed`` fixture.
+SEED_ENV = "FLASHGPT_TEST_SEED"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """The seed of a test's random inputs: fixed, derived from the test's name (CRC-32, so tests draw
+    different data) so a failure replays as it is, or ``$FLASHGPT_TEST_SEED`` to replay or vary it. Seeds
+    torch's global generator too; printed (pytest shows it with a failure) with the replay command."""
+    import zlib
+
+    import torch
+
+    raw = os.environ.get(SEED_ENV, str(zlib.crc32(request.node.name.encode())))
+    try:
+        s = int(raw)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_ENV}={raw!r} is not an integer; e.g. {SEED_ENV}=1234") from None
+    print(f"seed={s} (replay: {SEED_ENV}={s} pytest ...; other inputs: another {SEED_ENV})")
+    torch.manual_seed(s)
+    return s
+
+
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     """Local Tiny Shakespeare (../shared/data/tinyshakespeare.txt or $TINYSHAKESPEARE)."""

@@ -15,6 +15,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 TRAIN = REPO / "train.py"
+FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"
 
 
 def prepare_char_data(base: Path, source: Path) -> Path:
@@ -29,9 +30,11 @@ def prepare_char_data(base: Path, source: Path) -> Path:
 def tiny_overrides(data_dir: Path, source: Path, out_dir: Path, **extra) -> list[str]:
     """Overrides for a 16-step tiny run: seq_len 64, 1024 tokens/step (8 x 64 x 2 micro-batches), dropout 0.1
     (so RNG state matters for resume), log every step, eval every 8, checkpoint every 8, W&B disabled.
-    ``extra`` (key=value, dots as ``__``) appends/overrides."""
+    ``extra`` (key=value, dots as ``__``) appends/overrides; ``fault__NAME=V`` adds a test fault
+    (``fault.NAME=V``, see ``train_command``)."""
     base = {
         "model": "tiny",
+        "trainer": "cpu",
         "data": "shakespeare_char",
         "data.source": str(source),
         "data.dir": str(data_dir),
@@ -79,14 +82,28 @@ def train_env(**extra) -> dict:
     return env
 
 
+def train_command(args: list[str], launcher: list[str] | None = None, env: dict | None = None):
+    """(argv, env) of ``python train.py ARGS`` (or ``launcher + [train.py] + ARGS``).
+
+    ``fault.NAME=VALUE`` arguments are test faults, not config keys: they are taken out of ARGS, passed as
+    JSON in ``FLASHGPT_TEST_FAULTS`` and the script becomes tests/faulty_train.py, which monkeypatches
+    the trainer (nan_at_step, raise_oom_at_step, step_sleep_s, eval_sleep_s) and runs train.py."""
+    faults = {a.split("=", 1)[0][len("fault."):]: float(a.split("=", 1)[1]) for a in args
+              if a.startswith("fault.")}
+    rest = [a for a in args if not a.startswith("fault.")]
+    env = dict(env or train_env())
+    if faults:
+        env["FLASHGPT_TEST_FAULTS"] = json.dumps(faults)
+    script = FAULTY_TRAIN if faults else TRAIN
+    return (launcher or [sys.executable]) + [str(script), *rest], env
+
+
 def run_train(
     args: list[str], *, timeout: float = 300, env: dict | None = None, launcher: list[str] | None = None
 ):
-    """Run ``python train.py ARGS`` (or ``launcher + [train.py] + ARGS``); returns CompletedProcess (text)."""
-    cmd = (launcher or [sys.executable]) + [str(TRAIN), *args]
-    return subprocess.run(
-        cmd, cwd=str(REPO), env=env or train_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """Run ``python train.py ARGS`` (``train_command``); returns CompletedProcess (text)."""
+    cmd, env = train_command(args, launcher, env)
+    return subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def describe(proc) -> str:
@@ -116,15 +133,26 @@ def compose_cfg(overrides: list[str], *, return_hydra_config: bool = False):
     """The config train.py would get for ``overrides`` (Hydra compose API, in-process)."""
     from hydra import compose, initialize_config_dir
 
+    import trainer.config  # noqa: F401 - the schema and model presets in Hydra's ConfigStore
+
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
 
 
 def run_inprocess(overrides: list[str], out_dir: Path):
     """``trainer.loop.run`` on the composed config, in this process (for checks that stop before training
-    or for short runs); returns its Outcome."""
-    from trainer.loop import run
+    or for short runs); returns its Outcome. A composition error (wrong type, unknown key) is reported as
+    train.py reports it: ``config error: ...`` on stderr, Outcome("error", 2)."""
+    from trainer.config_errors import config_error_from
+    from trainer.loop import EXIT_CONFIG, Outcome, run
 
-    cfg = compose_cfg(overrides)
+    try:
+        cfg = compose_cfg(overrides)
+    except Exception as e:
+        err = config_error_from(e)
+        if err is None:
+            raise
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        return Outcome("error", EXIT_CONFIG)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     return run(cfg, out_dir=Path(out_dir), multirun=False, overrides=overrides)

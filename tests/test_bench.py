@@ -25,18 +25,6 @@ RECORD_KEYS = {
 }
 
 
-@pytest.fixture
-def seed(request) -> int:
-    """Seed of a test's random inputs: fixed (derived from the test's name, so tests draw different data),
-    or FLASHGPT_TEST_SEED when set, to replay or vary it; printed, so pytest shows it on failure."""
-    import zlib
-
-    env = os.environ.get("FLASHGPT_TEST_SEED")
-    s = int(env) if env else zlib.crc32(request.node.name.encode())
-    print(f"seed: {s} (replay: FLASHGPT_TEST_SEED={s})")
-    return s
-
-
 def _run_bench(tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(

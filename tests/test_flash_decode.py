@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -15,14 +14,6 @@ from kernels.flash_decode import MAX_DECODE_ROWS, flash_decode  # noqa: E402
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read at call time
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("DECODE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={s} (replay with DECODE_TEST_SEED={s})")
-    torch.manual_seed(s)
-    return s
 
 
 def reference(q, k, v, lengths, scale=None):

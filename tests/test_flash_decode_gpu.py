@@ -10,7 +10,6 @@ generation of a small GPT equal to uncached generation with the flash backend on
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -28,14 +27,6 @@ def _compiled_triton(monkeypatch):
     problem = _triton_kernels.mode_problem(False)
     if problem is not None:
         pytest.skip(problem)
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("DECODE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={s} (replay with DECODE_TEST_SEED={s})")
-    torch.manual_seed(s)
-    return s
 
 
 def _refs(q, k, v, lengths):

@@ -12,7 +12,6 @@ Inputs are fresh torch.randn with a per-test random seed shown in every assertio
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -42,13 +41,6 @@ def _ieee_fp32_matmul():
     torch.set_float32_matmul_precision("highest")
     yield
     torch.set_float32_matmul_precision(previous)
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {s}")
-    return s
 
 
 def _flash():

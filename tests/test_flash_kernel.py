@@ -61,13 +61,6 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {s}")
-    return s
-
-
 # ------------------------------------------------------------------------------------- helpers
 
 

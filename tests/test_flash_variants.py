@@ -44,13 +44,6 @@ def _interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
-def seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"random seed: {s}")
-    return s
-
-
 def random_doc_ids(g: torch.Generator, B: int, N: int, mean_len: float) -> torch.Tensor:
     """(B, N) int32 non-decreasing document ids: each position starts a new document with prob 1/mean_len."""
     starts = torch.rand(B, N, generator=g) < 1.0 / mean_len

@@ -25,8 +25,7 @@ from trainer.checks import (
 
 SOURCES = [*sorted((REPO / "trainer").glob("*.py")), *sorted((REPO / "data").glob("*.py")),
            *sorted((REPO / "model").glob("*.py")), REPO / "train.py", *sorted((REPO / "bench").glob("*.py"))]
-GROUPS = ("attention", "model", "data", "optim", "batch", "eval", "checkpoint", "parity", "perf", "wandb",
-          "debug")
+GROUPS = ("attention", "model", "data", "optim", "batch", "eval", "checkpoint", "parity", "perf", "wandb")
 DOTTED_KEY = re.compile(r"(?<![\w./-])((?:" + "|".join(GROUPS) + r")\.[a-z_]+)=")
 HINT = re.compile(r"(?<![\w./$-])([a-z_]+(?:\.[a-z_]+)*)=([^\s,;()]+)")
 
@@ -138,14 +137,15 @@ def test_batch_hints_are_accepted():
     msg = refused([*TINY, "batch.micro_batch_size=null", "batch.micro_tokens=100"])
     (value,) = hints(msg, "batch.micro_tokens", 100)
     accepted([*TINY, "batch.micro_batch_size=null", f"batch.micro_tokens={value}"])
-    # model=tiny at the default seq_len=1024: micro-batches of 8 x 1024 overshoot 2048 tokens per step
+    # trainer=cpu (2048 tokens per step, micro-batches of 8) at the default seq_len=1024: 8 x 1024
+    # overshoots 2048 tokens per step
     # (a batch.micro_tokens budget is capped at tokens_per_step, so only micro_batch_size can overshoot)
-    msg = refused(["model=tiny"])
+    msg = refused(["trainer=cpu"])
     assert hints(msg, "batch.micro_batch_size", 8192) == ["2"], msg
-    accepted(["model=tiny", "batch.micro_batch_size=2"])
+    accepted(["trainer=cpu", "batch.micro_batch_size=2"])
     (value,) = hints(msg, "batch.tokens_per_step", 2048)
-    accepted(["model=tiny", f"batch.tokens_per_step={value}"])
-    accepted(["model=tiny", "batch.micro_batch_size=null", "batch.micro_tokens=8192"])
+    accepted(["trainer=cpu", f"batch.tokens_per_step={value}"])
+    accepted(["trainer=cpu", "batch.micro_batch_size=null", "batch.micro_tokens=8192"])
     # with micro_tokens the hint names micro_tokens: 3 sequences of 64 do not divide 1280 tokens per step
     by_tokens = [*TINY, "batch.micro_batch_size=null", "batch.tokens_per_step=1280"]
     msg = refused([*by_tokens, "batch.micro_tokens=192"])

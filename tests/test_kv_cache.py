@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -13,14 +12,6 @@ from model.attention import cached_attention, register_attention_backend
 from model.sampling import sample_next
 
 BACKENDS = [("naive", "auto"), ("sdpa", "auto"), ("sdpa", "math"), ("flash", "auto")]
-
-
-@pytest.fixture
-def seed() -> int:
-    s = int(os.environ.get("MODEL_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={s} (replay with MODEL_TEST_SEED={s})")
-    torch.manual_seed(s)
-    return s
 
 
 def _need(backend: str, monkeypatch) -> None:

@@ -24,13 +24,12 @@ import pytest
 import torch
 from helpers_train import (
     REPO,
-    TRAIN,
     describe,
     read_jsonl,
     run_train,
     summary,
     tiny_overrides,
-    train_env,
+    train_command,
     train_losses,
 )
 
@@ -61,10 +60,11 @@ def reference_run(tmp_path_factory, tiny) -> Path:
 
 
 def _popen(args: list[str], cwd: Path, launcher: list[str] | None = None) -> subprocess.Popen:
+    cmd, env = train_command(args, launcher)
     return subprocess.Popen(
-        (launcher or [sys.executable]) + [str(TRAIN), *args],
+        cmd,
         cwd=str(cwd),
-        env=train_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -129,7 +129,7 @@ def test_same_second_launches_get_their_own_dirs(tiny, tmp_path):
 def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
     """A second launch into the out_dir of a live run is refused (exit 2) and writes nothing there."""
     out = tmp_path / "run"
-    first = _popen(tiny(out, debug__step_sleep_s=1.0, wandb__mode="offline"), REPO)  # 16 steps, > 16 s
+    first = _popen(tiny(out, fault__step_sleep_s=1.0, wandb__mode="offline"), REPO)  # 16 steps, > 16 s
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and first.poll() is None:
@@ -290,10 +290,10 @@ def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
     out = tmp_path / "run"
     base = dict(checkpoint__interval=4, wandb__mode="offline")
     if how == "killed":
-        _kill_after_step(tiny(out, debug__step_sleep_s=0.3, **base), out, 5)
+        _kill_after_step(tiny(out, fault__step_sleep_s=0.3, **base), out, 5)
         assert summary(out)["status"] == "running"
     else:
-        proc = run_train(tiny(out, debug__raise_oom_at_step=11, **base))  # ends cleanly after step 10
+        proc = run_train(tiny(out, fault__raise_oom_at_step=11, **base))  # ends cleanly after step 10
         assert proc.returncode == 0 and summary(out)["status"] == "oom", describe(proc)
     first_rows = read_jsonl(out)
     first_losses = train_losses(out)

@@ -22,6 +22,7 @@ from helpers_train import (
     run_inprocess,
     run_train,
     summary,
+    train_command,
     train_env,
     train_losses,
     val_losses,
@@ -61,8 +62,9 @@ class Train:
 
     def __init__(self, args: list[str], out: Path) -> None:
         self.out = out
+        cmd, env = train_command(args)
         self.proc = subprocess.Popen(
-            [sys.executable, str(TRAIN), *args], cwd=str(REPO), env=train_env(),
+            cmd, cwd=str(REPO), env=env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
@@ -97,7 +99,7 @@ def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
     """SIGTERM while the step-8 evaluation runs: that evaluation finishes and is logged, step 9 never
     runs, step 8 is checkpointed, the resume command is printed and continues the run."""
     out = tmp_path / "run"
-    run = Train(tiny(out, checkpoint__interval=4, debug__eval_sleep_s=1.0), out)
+    run = Train(tiny(out, checkpoint__interval=4, fault__eval_sleep_s=1.0), out)
     run.wait_for_log("step      8/16 | loss")  # printed just before the evaluation of step 8 starts
     time.sleep(0.3)
     run.signal(signal.SIGTERM)
@@ -121,7 +123,7 @@ def test_signal_during_first_eval_runs_no_step(tiny, tmp_path):
     """SIGINT during the evaluation before step 1: it finishes, no training step runs, a step-0
     checkpoint is saved and the run ends "interrupted" (exit 130)."""
     out = tmp_path / "run"
-    run = Train(tiny(out, debug__eval_sleep_s=1.0), out)
+    run = Train(tiny(out, fault__eval_sleep_s=1.0), out)
     run.wait_for_log("flashgpt:")  # set-up done; the step-0 evaluation (2 x 1 s) starts next
     time.sleep(0.3)
     run.signal(signal.SIGINT)
@@ -140,7 +142,7 @@ def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
     """A second signal exits at once without a checkpoint; summary.json then says "interrupted" (not
     "running"), names the last checkpoint, and its resume command works as printed."""
     out = tmp_path / "run"
-    run = Train(tiny(out, checkpoint__interval=4, debug__eval_sleep_s=1.0), out)
+    run = Train(tiny(out, checkpoint__interval=4, fault__eval_sleep_s=1.0), out)
     run.wait_for_log("step      8/16 | loss")
     time.sleep(0.3)
     run.signal(signal.SIGTERM)
@@ -267,7 +269,7 @@ def test_sweep_with_an_oom_and_a_failed_job_goes_on_and_exits_0(tiny, tmp_path):
     """An OOM (status oom, exit 0) is a result of the sweep, so not every job failed: exit 0, and the
     failure is listed; the report shows both jobs' error texts."""
     sweep = tmp_path / "sweep"
-    proc = run_train(["-m", *_sweep_args(tiny, tmp_path), "debug.raise_oom_at_step=1",
+    proc = run_train(["-m", *_sweep_args(tiny, tmp_path), "fault.raise_oom_at_step=1",
                       "batch.tokens_per_step=1024,1000", f"hydra.sweep.dir={sweep}"])
     assert proc.returncode == 0, describe(proc)
     assert "sweep: 1 of 2 jobs failed" in proc.stderr

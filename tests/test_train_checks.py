@@ -158,17 +158,16 @@ def test_compile_mode_key():
         ("parity.reference", "flash", "parity.reference='flash' is not valid; choose one of: naive, sdpa"),
         ("dtype", "float16", "dtype='float16' is not valid"),
         ("tf32", "maybe", "tf32='maybe' is not valid; choose true or false"),
-        ("tf32", 0, "tf32=0 is not valid; choose true or false"),
         ("tf32", 1.0, "tf32=1.0 is not valid; choose true or false"),
         ("compile", 1, "compile=1 is not valid; choose one of: true, false, auto"),
         ("deterministic", "maybe", "deterministic='maybe' is not valid; choose true or false"),
-        ("eval.at_start", 2, "eval.at_start=2 is not valid; choose true or false"),
+        ("eval.at_start", "sometimes", "eval.at_start='sometimes' is not valid; choose true or false"),
         ("checkpoint.at_end", "maybe", "checkpoint.at_end='maybe' is not valid; choose true or false"),
         ("max_steps", 0, "max_steps=0 must be a positive integer"),
         ("optim.lr", "abc", "optim.lr='abc' is not a finite number"),
         ("optim.lr", "inf", "optim.lr=inf is not a finite number"),
         ("optim.beta1", 1.5, "optim.beta1=1.5 must be in [0, 1)"),
-        ("optim.weight_decay", -5, "optim.weight_decay=-5 must be >= 0"),
+        ("optim.weight_decay", -5, "optim.weight_decay=-5.0 must be >= 0"),  # typed: a float
         ("optim.lr", True, "optim.lr=True is not a finite number"),
         ("seed", "abc", "seed='abc' must be a non-negative integer"),
         ("data.val_fraction", 0.2, "was split with val_fraction=0.1, but data.val_fraction=0.2"),
@@ -241,8 +240,7 @@ def test_context_sweep_fixes_tokens_per_step(seq_len):
 def test_block_size_follows_seq_len_and_presets_compose():
     cfg = compose_cfg(["attention=naive", "seq_len=8192"])
     assert cfg.model.block_size is None and cfg.model.name == "gpt2" and cfg.attention.name == "naive"
-    assert cfg.attention.get("sdpa_backend") is None
-    assert compose_cfg([]).attention.sdpa_backend == "auto"
+    assert cfg.attention.sdpa_backend == "auto"  # typed: every attention config has every key
     tiny = compose_cfg(["experiment=cpu_tiny"])
     assert tiny.model.name == "tiny" and tiny.data.tokenizer == "char" and tiny.seq_len == 256
     plan = resolve_plan(tiny, world_size=1, cuda_available=False)
@@ -309,3 +307,61 @@ def test_plan_notes_say_what_a_key_does_not_do():
     assert any("perf.profile_steps" in n for n in plan.notes) and any("CUDA graphs" in n for n in plan.notes)
     gpu = resolve_plan(compose_cfg(["perf.profile_steps=2"]), world_size=1, cuda_available=True)
     assert gpu.notes == []
+
+
+# ------------------------------------------------------------------------------------------ typed configs
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("seq_len", "abc", "seq_len='abc' must be a positive integer, e.g. seq_len=1024"),
+        ("sq_len", 64, "sq_len is not a config key; did you mean seq_len?"),
+        ("+typo", 1, "typo is not a config key"),
+        ("+model.typo", 1, "model.typo is not a config key; valid keys under model: model.name"),
+        ("model.n_heads", 4, "model.n_heads is not a config key; did you mean model.n_head?"),
+        ("attention", "fast", "choose one of: attention=flash, attention=naive, attention=sdpa"),
+        ("batch.micro_batch_size", 2.5, "batch.micro_batch_size=2.5 must be null or a positive integer"),
+        ("batch.tokens_per_step", 2.5, "batch.tokens_per_step=2.5 must be a positive integer"),
+        ("attention.window", 0, "attention.window=0 must be null or a positive integer"),
+        ("model.attn_dropout", 1.5, "model.attn_dropout=1.5 must be in [0, 1)"),
+    ],
+)
+def test_typed_config_errors_name_the_full_key(expect_error, key, value, expected):
+    """OmegaConf's type and unknown-key errors (also ``+key=...``, which Hydra adds past the schema) end
+    like the trainer's own checks: exit 2, one line naming the full key and a valid one."""
+    assert expected in expect_error(**{key: value})
+
+
+def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
+    from helpers_train import run_train
+
+    for args in (["seq_len=abc"], ["+typo=1", "experiment=cpu_tiny"], ["model=gpt3"]):
+        proc = run_train([*args, f"out_dir={tmp_path / 'run'}", "wandb.mode=disabled"], timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "model=gpt3 is not a config of group model; choose one of: " in proc.stderr
+
+
+def test_model_presets_are_the_model_package_presets():
+    """``model=<name>`` is ``model.gpt.PRESETS[name]`` (one list of sizes), and sets only model keys."""
+    from omegaconf import OmegaConf
+
+    from model.gpt import PRESETS
+    from trainer.loop import gpt_config_for
+
+    base = OmegaConf.to_container(compose_cfg([]))  # unresolved: run_name holds ${now:...}
+    for name, sizes in PRESETS.items():
+        cfg = compose_cfg([f"model={name}"])
+        assert {k: cfg.model[k] for k in sizes} == sizes and cfg.model.name == name
+        gpt = gpt_config_for(cfg, 128)
+        assert {k: getattr(gpt, k) for k in sizes} == sizes and gpt.block_size == cfg.seq_len
+        others = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "model"}
+        assert others == {k: v for k, v in base.items() if k != "model"}
+
+
+def test_issue16_keys_compose_with_their_defaults():
+    cfg = compose_cfg([])
+    assert (cfg.attention.window, cfg.attention.document_mask) == (None, False)
+    assert (cfg.model.attn_dropout, cfg.data.doc_separator) == (0.0, None)
+    assert compose_cfg(["data.doc_separator='<|endoftext|>'"]).data.doc_separator == "<|endoftext|>"

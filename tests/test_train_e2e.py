@@ -20,13 +20,12 @@ import pytest
 import torch
 from helpers_train import (
     REPO,
-    TRAIN,
     describe,
     read_jsonl,
     run_inprocess,
     run_train,
     summary,
-    train_env,
+    train_command,
     train_losses,
     val_losses,
 )
@@ -124,11 +123,12 @@ def test_sigterm_checkpoints_and_resume_reproduces(reference_run, tiny, tmp_path
     """SIGTERM to a real train.py: it finishes the step, checkpoints, exits 143 with a resume hint; resuming
     gives the uninterrupted losses bitwise and continues the same W&B run id."""
     out = tmp_path / "run"
-    args = tiny(out, debug__step_sleep_s=0.25, wandb__mode="offline")
+    args = tiny(out, fault__step_sleep_s=0.25, wandb__mode="offline")
+    cmd, env = train_command(args)
     proc = subprocess.Popen(
-        [sys.executable, str(TRAIN), *args],
+        cmd,
         cwd=str(REPO),
-        env=train_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -225,7 +225,7 @@ def _source(tiny) -> str:
 
 def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, debug__nan_at_step=6, checkpoint__interval=2, checkpoint__keep=5))
+    proc = run_train(tiny(out, fault__nan_at_step=6, checkpoint__interval=2, checkpoint__keep=5))
     assert proc.returncode == 1, describe(proc)
     err = proc.stderr
     assert "non-finite loss at step 6" in err
@@ -241,7 +241,7 @@ def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path):
 
 def test_nan_skip_counts_skipped_steps(tiny, tmp_path):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, debug__nan_at_step=3, nonfinite="skip", max_steps=6, wandb__mode="offline"))
+    proc = run_train(tiny(out, fault__nan_at_step=3, nonfinite="skip", max_steps=6, wandb__mode="offline"))
     assert proc.returncode == 0, describe(proc)
     s = summary(out)
     assert s["status"] == "ok" and s["train/skipped_steps"] == 1 and s["steps"] == 6
@@ -255,7 +255,7 @@ def test_nan_skip_counts_skipped_steps(tiny, tmp_path):
 
 def test_simulated_oom_ends_cleanly(tiny, tmp_path):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, debug__raise_oom_at_step=3, wandb__mode="offline"))
+    proc = run_train(tiny(out, fault__raise_oom_at_step=3, wandb__mode="offline"))
     assert proc.returncode == 0, describe(proc)  # oom_exit_code=0 by default
     assert "out of memory at step 3" in proc.stderr and "Traceback" not in proc.stderr
     s = summary(out)

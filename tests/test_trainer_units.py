@@ -24,14 +24,6 @@ from trainer.metrics import resolve_wandb_mode
 from trainer.signals import PreemptionHandler
 from trainer.wandb_read import WandbFileError, read_offline_run
 
-
-@pytest.fixture
-def seed():
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={s}")
-    return s
-
-
 # ------------------------------------------------------------------------------------------ LR
 
 

@@ -11,6 +11,8 @@
   refused before training (status ``error`` and nothing trained).
 * ``finished_message`` / ``max_steps_note``: what resume=true says for a run that already reached
   max_steps, and for a raised max_steps (the cosine schedule changes).
+* ``out_dir_problem`` / ``check_out_dir`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be
+  created or written, and a new run in a directory that already holds one, are config errors (exit 2).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import os
 import secrets
 import socket
 import string
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-from trainer.checks import ConfigError
+from trainer.fields import ConfigError
 
 LOCK_NAME = ".flashgpt.lock"
 TOKEN_LEN = 6
@@ -180,7 +184,7 @@ def finished_message(out_dir: Path, steps: int, max_steps: int, resume_cmd: str)
 
 def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
     """The resume note for a changed max_steps: what it does to the learning-rate schedule."""
-    if optim.get("decay_steps"):
+    if optim.decay_steps:
         return (
             f"max_steps changed on resume: {old} -> {new} (explicit choice); optim.decay_steps="
             f"{optim.decay_steps} is fixed, so the LR schedule is unchanged"
@@ -192,3 +196,96 @@ def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
         f"(lr at step {step + 1}: {before:.3g} with max_steps={old}, {after:.3g} now), which an "
         f"uninterrupted {new}-step run would have followed from step 1"
     )
+
+
+# ------------------------------------------------------------------------------------------ out_dir
+def out_dir_problem(out_dir, key: str = "out_dir") -> str | None:
+    """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can.
+
+    Problems: a file at that path or at a folder above it, and a directory that cannot be written (or,
+    when it does not exist yet, a nearest existing folder that cannot be written, so it cannot be created).
+    Writing is tried for real (a temporary file, removed at once): permission bits say nothing for root,
+    and a read-only mount refuses everyone. Nothing is created otherwise.
+    """
+    path = Path(str(out_dir)).expanduser()
+    existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
+    if not existing.is_dir():
+        if existing == path:
+            return (
+                f"{key}={out_dir} is an existing file, not a directory; pass another {key}, e.g. "
+                f"{key}={out_dir}-run (or move that file away)"
+            )
+        return (
+            f"{key}={out_dir} cannot be created: {existing} is a file, not a directory; set {key} to a "
+            "path outside it"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".flashgpt-write-test-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        example = "sweep1" if "sweep" in key else "run1"
+        return (
+            f"{key}={out_dir} {what} ({e.strerror}); set {key} to a directory you can write to, e.g. "
+            f"{key}=$HOME/flashgpt-runs/{example}"
+        )
+    return None
+
+
+class OutDirCheck(_HydraCallback):
+    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): before Hydra creates the run directory
+    (it would stop with a traceback), an out_dir (``hydra.sweep.dir`` under ``-m``) that cannot be created
+    or written is a config error: ``config error: ...`` on stderr, exit status 2."""
+
+    def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
+        """Check ``hydra.run.dir`` (= ``out_dir``)."""
+        self._check(config, "hydra.run.dir", "out_dir")
+
+    def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
+        """Check the sweep folder ``hydra.sweep.dir``."""
+        self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
+
+    @staticmethod
+    def _check(config, node: str, key: str) -> None:
+        from omegaconf import OmegaConf
+
+        try:
+            path = OmegaConf.select(config, node)
+        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
+            return
+        if path is None:
+            return
+        problem = out_dir_problem(path, key)
+        if problem:
+            print(f"config error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
+
+
+def check_out_dir(cfg, out_dir: Path) -> None:
+    """Refuse an out_dir that cannot be written, and a new run (resume=false) in a directory that already
+    holds one.
+
+    A run directory holds a run once it has checkpoints or a summary.json of a run that trained (any
+    status but "error", which a refused config leaves); starting afresh there would
+    append a second curve to its metrics.jsonl, overwrite its summary and mix two runs in one W&B run.
+    Raises:
+        ConfigError naming out_dir and the fixes (a writable out_dir; resume=true, or another out_dir).
+    """
+    problem = out_dir_problem(out_dir)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.resume:
+        return
+    out_dir = Path(out_dir)
+    ckpts = list((out_dir / "ckpt").glob("step_*.pt")) if (out_dir / "ckpt").is_dir() else []
+    try:
+        status = json.loads((out_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError):
+        status = None
+    # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
+    if ckpts or status not in (None, "error"):
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
+            "continue it, or choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)"
+        )

@@ -1,0 +1,405 @@
+"""Set-up of a training run (the ``Setup`` mixin of ``trainer.loop.Trainer``): device, data, model
+config, resume checks, model and optimizer, W&B, in ``Setup.setup``; ``gpt_config_for`` builds the
+model's ``GPTConfig`` from the config's model keys. Every user error raises ``ConfigError`` before any GPU
+allocation."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from trainer import checkpoint as ckpt
+from trainer import config as C
+from trainer import progress, rundir
+from trainer.checks import (
+    ConfigError,
+    check_data_fits,
+    check_resume_compatible,
+    effective_data_source,
+    peak_flops_for,
+    probe_attention,
+)
+from trainer.compiling import compile_model
+from trainer.schedule import lr_at
+
+
+def gpt_config_for(cfg, vocab_size: int, doc_separator_ids=None):
+    """``model.GPTConfig`` of a run: every ``model.*`` and ``attention.*`` key that is a GPTConfig field, by
+    name (``attention.name`` is GPTConfig's ``attention``; issue 16's ``window``, ``document_mask``,
+    ``attn_dropout`` flow the same way), the block size (``model.block_size``, null = ``seq_len``),
+    ``vocab_size`` and the prepared data's ``doc_separator_ids`` (meta.json).
+
+    Raises:
+        ValueError: from GPTConfig's own checks.
+    """
+    from model import GPTConfig
+
+    names = {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size", "vocab_size", "attention"}
+    args = {}
+    for group in (cfg.model, cfg.attention):
+        keys = [f.name for f in dataclasses.fields(group)] if dataclasses.is_dataclass(group) else list(group)
+        args.update({k: getattr(group, k) for k in keys if k in names})
+    m = cfg.model
+    return GPTConfig(
+        **args,
+        block_size=m.block_size if m.block_size is not None else cfg.seq_len,
+        vocab_size=vocab_size,
+        attention=cfg.attention.name,
+        doc_separator_ids=doc_separator_ids,
+    )
+
+
+class Setup:
+    """``setup()`` and what it needs; mixed into ``trainer.loop.Trainer`` (which holds the state)."""
+
+    def setup(self) -> None:
+        """Device, data, model config, resume checks, model and optimizer, logging, in that order. Raises
+        ConfigError for user errors (before GPU allocation) and ``rundir.RunFinished``."""
+        self._setup_device()
+        self._prepare_data()
+        self._build_model_config()
+        state = self._load_resume()
+        self._build_model(state)
+        self._start_logging(state)
+
+    def _setup_device(self) -> None:
+        """Device, TF32, determinism, the seed of this rank and the autocast context."""
+        cfg, plan, d = self.cfg, self.plan, self.dist
+        if plan.device_type == "cuda":
+            self.device = torch.device("cuda", d.local_rank)
+            torch.cuda.set_device(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # a previous multirun job's peak is not ours
+            tf32 = bool(cfg.tf32)  # false: float32 runs use full-precision matmuls
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
+        else:
+            self.device = torch.device("cpu")
+        if cfg.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.manual_seed(int(cfg.seed) + d.rank)
+        self.autocast = (
+            torch.autocast(device_type=plan.device_type, dtype=torch.bfloat16)
+            if plan.autocast_dtype == "bfloat16"
+            else contextlib.nullcontext()
+        )
+
+    def _prepare_data(self) -> None:
+        """Rank 0 prepares the data (the others wait and get its error, if any); the corpus must fit."""
+        cfg, d = self.cfg, self.dist
+        err = None
+        if d.is_main:
+            try:
+                from data.prepare import ensure_prepared
+
+                ensure_prepared(
+                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer,
+                    float(cfg.data.val_fraction), cfg.data.doc_separator,
+                )
+            except (OSError, ValueError, RuntimeError) as e:
+                err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
+        err = self._broadcast(err)
+        if err:
+            raise ConfigError(err)
+        from data.loader import load_meta
+
+        self.meta = load_meta(cfg.data.dir)
+        check_data_fits(cfg, self.meta)
+
+    def _build_model_config(self) -> None:
+        """``self.gpt_config`` from the model keys and the tokenizer's vocab; the attention probe."""
+        cfg, plan, meta = self.cfg, self.plan, self.meta
+        m = cfg.model
+        vocab = int(m.vocab_size) if m.vocab_size is not None else -(-int(meta["vocab_size"]) // 64) * 64
+        if vocab < int(meta["vocab_size"]):
+            raise ConfigError(
+                f"model.vocab_size={vocab} is smaller than the tokenizer's {meta['vocab_size']}; "
+                "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
+            )
+        try:
+            self.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
+        except ValueError as e:
+            raise ConfigError(f"model: {e}") from e
+        probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
+
+    def _load_resume(self) -> dict | None:
+        """resume=true: the newest loadable checkpoint, checked against this run's model and tokenizer
+        (before anything is built on the GPU); None for a new run."""
+        cfg, d, meta = self.cfg, self.dist, self.meta
+        state = None
+        if cfg.resume:
+            path = None
+            if d.is_main:
+                path, state = ckpt.load_newest(self.out_dir, map_location="cpu", warn=self.say)
+            path = self._broadcast(str(path) if path else None)
+            if path is None:
+                raise ConfigError(self._no_checkpoint_message())
+            if state is None:
+                state = ckpt.load_checkpoint(path, map_location="cpu")
+            notes = check_resume_compatible(
+                {
+                    "model_args": state["model_args"],
+                    "tokenizer": state["tokenizer"]["name"],
+                    "vocab_size": state["tokenizer"]["vocab_size"],
+                    "attention": state.get("attention", ()),
+                },
+                {
+                    "model_args": dataclasses.asdict(self.gpt_config),
+                    "tokenizer": cfg.data.tokenizer,
+                    "vocab_size": int(meta["vocab_size"]),
+                    "attention": self._attention_id(),
+                },
+            )
+            self.resume_path, self.resume_notes = Path(path), notes
+            self._resume_checks(state)
+        return state
+
+    def _build_model(self, state: dict | None) -> None:
+        """Model (compiled, DDP-wrapped), optimizer and the resumed state; datasets and fixed eval batches."""
+        from data.loader import BinDataset
+        from model import GPT
+
+        cfg, plan, d = self.cfg, self.plan, self.dist
+        self.raw_model = GPT(self.gpt_config).to(self.device)
+        o = cfg.optim
+        self.optimizer = self.raw_model.configure_optimizers(
+            float(o.weight_decay), float(o.lr), (float(o.beta1), float(o.beta2)), plan.device_type
+        )
+        if state is not None:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            self.skipped = int(state.get("skipped_steps", 0))
+            self.last_ckpt, self.last_ckpt_step = self.resume_path, self.step
+            rngs = state["rng"]
+            if len(rngs) != d.world_size:
+                self.say(
+                    f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
+                )
+            ckpt.set_rng_state(rngs[d.rank % len(rngs)])
+        self.fwd_model = compile_model(self.raw_model, plan.compile_mode) if plan.compile else self.raw_model
+        # CUDA graphs (compile_mode=reduce-overhead): each forward starts a new graph step, so outputs of
+        # the previous replay (the last micro-batch's loss) are never overwritten while still in use
+        self._cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"
+        if self._cudagraphs:
+            # Gradients must live outside the graphs' memory pool: with grad None, autograd would keep the
+            # backward graph's output buffer as .grad and the next micro-batch's replay would overwrite it
+            # (gradient accumulation silently wrong; pytorch/pytorch#96693). With zero tensors in place it
+            # adds into them instead, and zero_grad keeps them (set_to_none=False).
+            for p in self.raw_model.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        if d.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.train_model = DDP(
+                self.fwd_model, device_ids=[d.local_rank] if plan.device_type == "cuda" else None
+            )
+        else:
+            self.train_model = self.fwd_model
+
+        self.train_ds = BinDataset(cfg.data.dir, "train", int(cfg.seq_len))
+        self.val_ds = BinDataset(cfg.data.dir, "val", int(cfg.seq_len))
+        self.eval_batches = self.val_ds.eval_batches(
+            int(cfg.eval.batches), plan.eval_batch_size, int(cfg.seed)
+        )
+        self.peak_flops = plan.peak_flops or peak_flops_for(
+            torch.cuda.get_device_name(self.device) if plan.device_type == "cuda" else None
+        )
+        self.backend_ran = self._backend_that_ran()
+
+    def _start_logging(self, state: dict | None) -> None:
+        """config.resolved.yaml, W&B, the running summary and the start-up lines."""
+        cfg, plan, d = self.cfg, self.plan, self.dist
+        wandb_id = state.get("wandb_run_id") if state is not None else None
+        resolved = C.to_dict(cfg)
+        resolved["derived"] = self._derived()
+        group = cfg.wandb.group
+        if group is None and self.multirun:
+            group = self.out_dir.parent.name
+        if d.is_main:
+            (self.out_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        self.log.start_wandb(
+            mode=cfg.wandb.mode,
+            project=cfg.wandb.project,
+            entity=cfg.wandb.entity,
+            group=group,
+            name=cfg.wandb.name or self.out_dir.name,
+            tags=list(cfg.wandb.tags),
+            config=resolved,
+            run_id=wandb_id,
+            fork_at=self.replay["from_step"] - 1 if self.replay and self.replay["wandb_steps"] else None,
+        )
+        self.log.set_summary(
+            {
+                "status": "running",
+                "attention": cfg.attention.name,
+                "attention/backend_ran": self.backend_ran,
+                "seq_len": int(cfg.seq_len),
+                "steps": self.step,
+                "max_steps": int(cfg.max_steps),
+                "wandb_run_id": self.log.wandb_id,
+                "out_dir": str(self.out_dir),
+                **self._derived(),
+            }
+        )
+        d_ = self._derived()
+        mode = f" ({plan.compile_mode})" if plan.compile and plan.compile_mode else ""
+        self.say(
+            f"flashgpt: {d_['n_params'] / 1e6:.2f}M params | attention={cfg.attention.name} "
+            f"(ran: {self.backend_ran}) | seq_len={cfg.seq_len} | device={self.device} x{d.world_size} | "
+            f"dtype={plan.autocast_dtype or 'float32'} | "
+            f"compile={plan.compile}{mode} | "
+            f"micro_batch={plan.micro_batch_size} "
+            f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
+            f"out_dir={self.out_dir}"
+        )
+        for note in plan.notes:
+            self.say(note)
+        if self.device.type == "cpu" and d.is_main and d_["n_params"] >= progress.CPU_WARN_PARAMS:
+            per_token = self.raw_model.flops_per_token(int(cfg.seq_len))
+            self.say(progress.cpu_warning(d_["n_params"], per_token, int(cfg.batch.tokens_per_step),
+                                          int(cfg.max_steps) - self.step, progress.matmul_flops(self.device)))
+        if cfg.resume:
+            self.say(f"resumed from {self.resume_path} at step {self.step}")
+            for note in self.resume_notes:
+                self.say(note)
+            replay = self._replay_record()
+            self.log.log(
+                self.step,
+                {"event": "resume", "from": str(self.resume_path), "notes": self.resume_notes, **replay},
+                wandb_too=False,
+            )
+            if self.resume_notes:
+                self.log.update_config({"resume_notes": self.resume_notes})
+
+    def _attention_id(self) -> list[str]:
+        return [self.cfg.attention.name, self.cfg.attention.sdpa_backend]
+
+    def _derived(self) -> dict:
+        return {
+            "n_params": self.raw_model.num_params() if hasattr(self, "raw_model") else 0,
+            "micro_batch_size": self.plan.micro_batch_size,
+            "grad_accum": self.plan.grad_accum,
+            "world_size": self.dist.world_size,
+            "device": str(self.device),
+            "dtype": self.plan.autocast_dtype or "float32",
+            "compile": self.plan.compile,
+            "compile_mode": self.plan.compile_mode or "default",
+            "block_size": self.gpt_config.block_size,
+            "vocab_size": self.gpt_config.vocab_size,
+            "tokens_per_step": int(self.cfg.batch.tokens_per_step),
+            "peak_flops": getattr(self, "peak_flops", None),
+        }
+
+    def _no_checkpoint_message(self) -> str:
+        runs = (
+            sorted(
+                (p.parent.parent for p in Path("runs").glob("*/ckpt/step_*.pt")),
+                key=lambda p: p.stat().st_mtime,
+            )
+            if Path("runs").is_dir()
+            else []
+        )
+        hint = f" (newest run with checkpoints: out_dir={runs[-1]})" if runs else ""
+        return (
+            f"resume=true but {self.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
+            f"of the run to continue>{hint}, or resume=false to start a new run"
+        )
+
+    def _resume_checks(self, state: dict) -> None:
+        """resume=true, before anything is written: refuse a run that already reached max_steps
+        (RunFinished: nothing changes), note a changed max_steps (it changes the LR schedule), and set
+        apart the records of the logged steps after the checkpoint, which this resume replays."""
+        cfg, k, max_steps = self.cfg, int(state["step"]), int(self.cfg.max_steps)
+        summary = rundir.read_summary(self.out_dir) if self.dist.is_main else {}
+        done = k
+        if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):
+            done = max(k, summary["steps"])  # finished even when its final checkpoint does not load
+        done = self._broadcast(done)
+        if done >= max_steps:
+            cmd = " ".join(w for w in self.resume_command().split() if not w.startswith("max_steps="))
+            raise rundir.RunFinished(rundir.finished_message(self.out_dir, done, max_steps, cmd))
+        old_max = (state.get("config") or {}).get("max_steps")
+        if old_max is not None and int(old_max) != max_steps:
+            self.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
+        last = self.log.last_logged_step() if self.dist.is_main else None
+        if last is None or last <= k:
+            return
+        why = self._replay_reason(k, last, summary)
+        moved = self.log.set_apart_after(k)
+        if moved:
+            self.replay = {
+                "from_step": k + 1,
+                "to_step": moved["last"],
+                "reason": why,
+                "abandoned_metrics": moved["path"].name,
+                "wandb_steps": moved["wandb_steps"],
+            }
+
+    def _replay_reason(self, k: int, last: int, summary: dict) -> str:
+        """Why the newest loadable checkpoint (step k) is behind the last logged step."""
+        newer = [s for s, _ in ckpt.list_checkpoints(self.out_dir) if s > k]
+        if newer:
+            names = ", ".join(ckpt.ckpt_path(self.out_dir, s).name for s in newer)
+            return f"the newer checkpoint(s) {names} do not load"
+        lc = str(summary.get("last_checkpoint") or "")
+        name = Path(lc).name
+        if name.startswith("step_") and name[5:-3].isdigit() and int(name[5:-3]) > k:
+            return f"the newest checkpoint {lc} is missing (deleted)"
+        return (
+            f"no checkpoint was saved after step {k}: the run stopped at step {last} "
+            f"(status {summary.get('status', 'unknown')}) between checkpoints "
+            f"(checkpoint.interval={self.cfg.checkpoint.interval}, log_interval={self.cfg.log_interval})"
+        )
+
+    def _replay_record(self) -> dict:
+        """Say which steps are replayed and why; record it in the summary and W&B config. Returns the
+        fields for the resume event line of metrics.jsonl ({} when nothing is replayed)."""
+        r = self.replay
+        if not r:
+            return {}
+        a, b = r["from_step"], r["to_step"]
+        parent = self.log.wandb_parent
+        wb = (
+            f" W&B: run {self.log.wandb_id} forked from {parent['run_id']} at step {parent['step']} "
+            f"(the parent keeps steps {a}-{b} of the abandoned branch)."
+            if parent
+            else ""
+        )
+        self.say(
+            f"replaying steps {a}-{b}: the newest loadable checkpoint is step {a - 1} and {r['reason']}. "
+            f"Their earlier records (the abandoned branch) moved to {r['abandoned_metrics']}; metrics.jsonl "
+            f"keeps steps up to {a - 1} and continues from step {a}.{wb}"
+        )
+        info = {"replayed_steps": [a, b], "abandoned_metrics": r["abandoned_metrics"], "reason": r["reason"]}
+        if parent:
+            info["wandb_parent"] = parent
+        self.log.set_summary({"replay": info})
+        self.log.update_config({"replay": info})
+        return {"replay": info}
+
+    def _backend_that_ran(self) -> str:
+        name = self.cfg.attention.name
+        if name != "sdpa":
+            return name
+        try:
+            from model.attention import sdpa_backend_that_ran
+
+            dtype = torch.bfloat16 if self.plan.autocast_dtype == "bfloat16" else torch.float32
+            shape = (
+                1,
+                self.gpt_config.n_head,
+                int(self.cfg.seq_len),
+                self.gpt_config.n_embd // self.gpt_config.n_head,
+            )
+            gen = torch.Generator(device=self.device).manual_seed(0)  # leaves the global RNG streams alone
+            q = torch.randn(shape, device=self.device, dtype=dtype, generator=gen)
+            return "sdpa:" + str(
+                sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend)
+            )
+        except Exception as e:  # noqa: BLE001 - best effort, for logging only
+            return f"sdpa:unknown ({type(e).__name__})"

@@ -1,0 +1,295 @@
+"""How a run ends (the ``Endings`` mixin of ``trainer.loop.Trainer``): the final summary, and the
+endings by signal (checkpoint, resume hint), non-finite loss, a checkpoint that cannot be written (full
+disk) and CUDA out of memory; plus the exceptions and ``Outcome`` they use and ``report_config_error``."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import math
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.checks import ConfigError
+
+EXIT_OK = 0
+EXIT_NONFINITE = 1
+EXIT_SAVE_FAILED = 1
+EXIT_CONFIG = 2
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+
+class NonFiniteError(Exception):
+    """Loss or gradient norm not finite at ``step`` with nonfinite=stop."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        super().__init__(f"non-finite loss/grad norm at step {step}: loss={loss}, grad_norm={grad_norm}")
+        self.step, self.loss, self.grad_norm = step, loss, grad_norm
+
+
+class CheckpointSaveError(Exception):
+    """The checkpoint of ``step`` could not be written; the earlier checkpoints are untouched.
+
+    ``disk_full`` is True for a full disk or quota; ``need_bytes`` is the checkpoint's estimated size and
+    ``free_bytes`` the space left beside it (None when unknown)."""
+
+    def __init__(self, message: str, step: int, disk_full: bool, need_bytes: int, free_bytes: int | None):
+        super().__init__(message)
+        self.step, self.disk_full, self.need_bytes, self.free_bytes = step, disk_full, need_bytes, free_bytes
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a nested state (dicts, lists, tuples): about a checkpoint's size on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (itself, or in its cause/context chain): torch.save reports a failed write
+    as a RuntimeError whose context is the OSError."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@dataclass
+class Outcome:
+    """How a run ended: ``status`` (see module docstring) and the process exit code it asks for."""
+
+    status: str
+    exit_code: int
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    return (torch.cuda.OutOfMemoryError,)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class Endings:
+    """The ending methods of ``trainer.loop.Trainer`` (which holds the state they read)."""
+
+    def _final_figures(self) -> dict:
+        tps_list = self._step_tps
+        ms_list = self._step_ms
+        out = {
+            "steps": self.step,
+            "final/train_loss": self.last_train_loss,
+            "final/val_loss": self.last_val_loss,
+            "mem/peak_gib": self.peak_gib(),
+            "train/skipped_steps": self.skipped,
+            "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,
+        }
+        if tps_list:
+            tps = statistics.median(tps_list)
+            out["perf/tokens_per_sec"] = tps
+            out["perf/step_ms"] = statistics.median(ms_list)
+            out["perf/mfu"] = self.raw_model.estimate_mfu(
+                tps / self.dist.world_size, int(self.cfg.seq_len), self.peak_flops
+            )
+            out["perf/timed_steps"] = len(tps_list)
+        out.update(self.gpu_busy.summary())
+        return out
+
+    def _finish(self, status: str, extra: dict, exit_code: int) -> None:
+        """Write the final summary (summary.json + W&B), a last metrics.jsonl line, close W&B."""
+        try:
+            figures = self._final_figures()
+        except Exception:  # noqa: BLE001 - never let reporting hide the real ending
+            figures = {}
+        summary = {
+            "status": status,
+            "attention": self.cfg.attention.name,
+            "seq_len": int(self.cfg.seq_len),
+            **figures,
+            **extra,
+        }
+        self.log.set_summary(summary)
+        self.log.log(
+            self.step,
+            {"status": status, **{k: v for k, v in extra.items() if k != "resume_hint"}},
+            wandb_too=False,
+        )
+        self.log.close(exit_code=exit_code)
+
+    def resume_command(self) -> str:
+        """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set."""
+        from kernels import interpret_enabled
+
+        keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
+        env = [f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET'].strip()}"] if interpret_enabled() else []
+        return " ".join([*env, "python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
+
+    def _end_interrupted(self, s: int, signum: int) -> Outcome:
+        import signal
+
+        if self.last_ckpt_step != s:
+            self._save(s)
+        name = signal.Signals(signum).name
+        hint = self.resume_command()
+        self.log.mark_preempting()
+        self._finish("interrupted", {"signal": name, "resume_hint": hint}, exit_code=0)
+        self.say(f"{name}: stopped after step {s}; checkpoint {self.last_ckpt}\nresume with:\n  {hint}")
+        return Outcome("interrupted", 128 + signum)
+
+    def _record_exit_now(self, signum: int) -> None:
+        """Second signal (the process exits at once): summary.json says "interrupted", with the checkpoint
+        to resume from and the command, instead of staying "running". Runs inside the signal handler."""
+        if not self.dist.is_main:
+            return
+        import signal
+
+        from trainer.metrics import write_json_atomic
+
+        name = signal.Signals(signum).name
+        hint = self.resume_command() if self.last_ckpt else None
+        try:
+            figures = self._final_figures()
+        except Exception:  # noqa: BLE001 - the status matters more than the figures
+            figures = {}
+        extra = {"status": "interrupted", "signal": name, "exited_at_once": True, "resume_hint": hint}
+        # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
+        write_json_atomic(self.out_dir / "summary.json", {**self.log.summary, **figures, **extra})
+        with contextlib.suppress(Exception):
+            self.log.log(self.step, {"status": "interrupted", "signal": name, "exited_at_once": True},
+                         wandb_too=False)
+        if hint:
+            self.say(f"{name}: exited at once after step {self.step}; last checkpoint {self.last_ckpt}\n"
+                     f"resume with:\n  {hint}")
+        else:
+            self.say(f"{name}: exited at once after step {self.step}; no checkpoint was saved yet")
+
+    def _end_save_failed(self, e: CheckpointSaveError) -> Outcome:
+        """A checkpoint could not be written: stop cleanly (status disk_full or save_failed, exit 1), say
+        what the disk needs, keep everything written before and print how to resume."""
+        if self.last_ckpt:
+            kept = f"the previous checkpoint {self.last_ckpt} (step {self.last_ckpt_step}) is intact"
+            hint: str | None = self.resume_command()
+            then = f"resume with:\n  {hint}"
+        else:
+            kept, hint = "no earlier checkpoint exists", None
+            then = "start the run again (there is no checkpoint to resume from yet)"
+        if e.disk_full:
+            short = e.need_bytes - (e.free_bytes or 0)
+            # a quota can bite with space left: then ask for the whole checkpoint's room
+            room = f"at least {short / MIB:.1f} MiB more" if short > 0 else f"{e.need_bytes / MIB:.1f} MiB"
+            fix = f"free {room} there (or move the run to a bigger disk), then "
+        else:
+            fix = "fix that, then "
+        msg = (
+            f"{e} Run stopped after step {self.step}; {kept}; metrics.jsonl keeps every logged step. "
+            f"To go on: {fix}{then}"
+        )
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        status = "disk_full" if e.disk_full else "save_failed"
+        extra = {"error": msg, "resume_hint": hint, "failed_checkpoint_step": e.step}
+        try:
+            self._finish(status, extra, exit_code=EXIT_SAVE_FAILED)
+        except OSError as err:  # the disk may still be too full for summary.json
+            print(f"error: could not record status {status} in summary.json ({err})", file=sys.stderr)
+            with contextlib.suppress(Exception):
+                self.log.close(exit_code=EXIT_SAVE_FAILED)
+        return Outcome(status, EXIT_SAVE_FAILED)
+
+    def _end_nonfinite(self, e: NonFiniteError) -> Outcome:
+        config_file = self.out_dir / ".hydra" / "config.yaml"
+        last = str(self.last_ckpt) if self.last_ckpt else "none (no checkpoint saved yet)"
+        msg = (
+            f"non-finite {'loss' if not math.isfinite(e.loss) else 'gradient norm'} at step {e.step} "
+            f"(loss={e.loss}, grad_norm={e.grad_norm}); run stopped, nothing saved after it. "
+            f"Last good checkpoint: {last}. Config: {config_file}. "
+            "Fix: lower optim.lr or optim.grad_clip and resume from that checkpoint "
+            f"(`{self.resume_command()}` plus the new optim values), or use nonfinite=skip"
+        )
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        self._finish("nonfinite", {"error": msg, "nonfinite/step": e.step}, exit_code=EXIT_NONFINITE)
+        return Outcome("nonfinite", EXIT_NONFINITE)
+
+    def _end_oom(self, message: str) -> Outcome:
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        mem: dict = {"mem/peak_gib": self.peak_gib()}
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            mem["mem/total_gib"] = torch.cuda.get_device_properties(self.device).total_memory / GIB
+            mem["mem/reserved_peak_gib"] = torch.cuda.max_memory_reserved(self.device) / GIB
+        s = self.step + 1
+        text = (
+            f"CUDA out of memory at step {s}: attention={self.cfg.attention.name} seq_len={self.cfg.seq_len} "
+            f"micro_batch_size={self.plan.micro_batch_size} peak {mem['mem/peak_gib']:.2f} GiB"
+            + (f" of {mem['mem/total_gib']:.1f} GiB" if "mem/total_gib" in mem else "")
+            + f" ({message}). Lower batch.micro_batch_size / batch.micro_tokens or seq_len, "
+            "or use attention=flash"
+        )
+        print(f"oom: {text}", file=sys.stderr, flush=True)
+        self._finish(
+            "oom",
+            {"error": text, "oom/step": s, "micro_batch_size": self.plan.micro_batch_size, **mem},
+            exit_code=0,
+        )
+        return Outcome("oom", int(self.cfg.oom_exit_code))
+
+    def _save_problem(self, e: BaseException, s: int, need: int) -> tuple:
+        """``CheckpointSaveError`` arguments for a failed save of step ``s``: a full disk (or quota) says so,
+        with the checkpoint's size and the free space; anything else gives the error."""
+        target = ckpt.ckpt_path(self.out_dir, s)
+        try:
+            free: int | None = shutil.disk_usage(target.parent).free
+        except OSError:
+            free = None
+        cause = _os_error_in(e)
+        if cause is not None:
+            full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        else:  # no OSError to read: judge by the space left
+            full = free is not None and free < need
+        if not full:
+            return f"could not save checkpoint {target}: {_first_line(cause or e)}.", s, False, need, free
+        room = f", and {target.parent} has {free / MIB:.1f} MiB free" if free is not None else ""
+        why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
+        text = f"disk full: checkpoint {target} needs about {need / MIB:.1f} MiB{room}{why}."
+        return text, s, True, need, free
+
+
+def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool) -> Outcome:
+    """Print ``config error: ...`` (no traceback) and record status "error" in summary.json."""
+    if is_main:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        try:
+            from trainer.metrics import write_json_atomic
+
+            # Record the error only in a run directory of our own: a refused resume or a refused
+            # re-use of an existing run must leave that run's summary as it was.
+            if out_dir.is_dir() and not cfg.resume and not (out_dir / "summary.json").exists():
+                write_json_atomic(
+                    out_dir / "summary.json",
+                    {
+                        "status": "error",
+                        "error": str(e),
+                        "attention": cfg.attention.name,
+                        "seq_len": cfg.seq_len,
+                    },
+                )
+        except OSError:
+            pass
+    return Outcome("error", EXIT_CONFIG)

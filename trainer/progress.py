@@ -1,0 +1,72 @@
+"""What the console says about time: elapsed time and ETA on each step line, and, for a large model
+started on the CPU, how slow that will be (with the pointer to ``experiment=cpu_tiny``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+#: Models above this many parameters get the CPU warning (GPT-2 small is 124M; experiment=cpu_tiny is 0.4M).
+CPU_WARN_PARAMS = 10e6
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as ``45s``, ``12m05s``, ``3h20m`` or ``2d04h`` (rounded down; negative reads 0s)."""
+    s = max(0, int(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+class Clock:
+    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line.
+
+    The ETA is (steps left) x (mean wall time per step since this process's first step, evaluations and
+    checkpoints included), so it settles after the first few steps (compile warm-up inflates it early).
+    """
+
+    def __init__(self, first_step: int) -> None:
+        self.t0 = time.perf_counter()
+        self.first_step = first_step
+
+    def text(self, step: int, max_steps: int) -> str:
+        """``elapsed 1m05s | eta 3m10s`` after ``step`` of ``max_steps`` (counted from ``first_step``)."""
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.first_step
+        eta = elapsed / done * (max_steps - step) if done > 0 else float("nan")
+        return f"elapsed {format_duration(elapsed)} | eta {format_duration(eta) if eta == eta else '?'}"
+
+
+def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
+    """Measured float32 matmul FLOP/s of ``device`` (``reps`` products of two n x n matrices, after one
+    warm-up): an upper bound of what training reaches there. Leaves the global RNG streams alone."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=gen)
+    a @ a
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ a
+    return 2.0 * n**3 * reps / max(time.perf_counter() - t0, 1e-9)
+
+
+def cpu_warning(n_params: int, flops_per_token: float, tokens_per_step: int, max_steps: int,
+                flops_per_s: float) -> str | None:
+    """The warning for a model of ``n_params`` trained on the CPU, or None when it is small.
+
+    Time per step is at least ``flops_per_token * tokens_per_step / flops_per_s`` (the model's training
+    FLOPs, PaLM appendix B, at the CPU's measured matmul speed); the run takes ``max_steps`` of them.
+    """
+    if n_params < CPU_WARN_PARAMS:
+        return None
+    step_s = flops_per_token * tokens_per_step / flops_per_s
+    return (
+        f"warning: a {n_params / 1e6:.0f}M-parameter model on the CPU: at least {format_duration(step_s)} "
+        f"per step ({tokens_per_step:,} tokens at this CPU's measured {flops_per_s / 1e9:.0f} GFLOP/s), "
+        f"so max_steps={max_steps} takes at least {format_duration(step_s * max_steps)}. For a CPU try-out "
+        "use experiment=cpu_tiny (a tiny char-level GPT, about a minute); train this model on a CUDA GPU"
+    )
