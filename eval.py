@@ -62,8 +62,9 @@ def _eval(cfg: DictConfig) -> int:
     if seq_len > block:
         raise InferError(f"seq_len={seq_len} exceeds the model's block size {block}; use seq_len<={block}")
     # the trainer's evaluation batch: eval.batch_size, else the micro-batch (set or from micro_tokens)
-    budget = min(int(run_batch.get("micro_tokens") or seq_len),
-                 int(run_batch.get("tokens_per_step") or seq_len))
+    budget = min(
+        int(run_batch.get("micro_tokens") or seq_len), int(run_batch.get("tokens_per_step") or seq_len)
+    )
     run_bs = run_eval.get("batch_size") or run_batch.get("micro_batch_size") or max(1, budget // seq_len)
     batch_size = _pick(cfg.batch_size, run_bs, "batch_size")
     batches = _pick(cfg.batches, run_eval.get("batches", 20), "batches")
@@ -76,8 +77,10 @@ def _eval(cfg: DictConfig) -> int:
     except (OSError, ValueError) as e:
         raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
     if ds.vocab_size != int(state["tokenizer"]["vocab_size"]):
-        raise InferError(f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
-                         f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir")
+        raise InferError(
+            f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
+            f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir"
+        )
     att = cfg.get("attention") or {}
     model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
 
@@ -91,17 +94,32 @@ def _eval(cfg: DictConfig) -> int:
     seconds = time.perf_counter() - t0
     loss = total / n
     result = {
-        "checkpoint": str(path), "step": int(state["step"]), "split": split, "loss": loss,
-        "perplexity": math.exp(loss), "batches": batches, "batch_size": batch_size, "seq_len": seq_len,
-        "seed": seed, "data_dir": str(data_dir), "attention": model.attention_backend, "device": str(device),
-        "dtype": str(dtype)[6:], "seconds": seconds,
+        "checkpoint": str(path),
+        "step": int(state["step"]),
+        "split": split,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "batches": batches,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "seed": seed,
+        "data_dir": str(data_dir),
+        "attention": model.attention_backend,
+        "device": str(device),
+        "dtype": str(dtype)[6:],
+        "seconds": seconds,
     }
-    print(f"{path} (step {result['step']}) | {split} loss {loss:.4f} | "
-          f"perplexity {result['perplexity']:.3f} | {batches} x {batch_size} x {seq_len} tokens | "
-          f"attention={model.attention_backend} | dtype={result['dtype']}")
+    print(
+        f"{path} (step {result['step']}) | {split} loss {loss:.4f} | "
+        f"perplexity {result['perplexity']:.3f} | {batches} x {batch_size} x {seq_len} tokens | "
+        f"attention={model.attention_backend} | dtype={result['dtype']}"
+    )
     if cfg.write:
-        out = run_dir / "evals" / (f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_"
-                                   f"{model.attention_backend}.json")
+        out = (
+            run_dir
+            / "evals"
+            / (f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}.json")
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"written to {out}")

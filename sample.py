@@ -75,8 +75,11 @@ def _sample(cfg: DictConfig) -> int:
     model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
     block = model.config.block_size
     if len(ids) > block:
-        print(f"sample.py: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
-              f"last {block} tokens", file=sys.stderr)
+        print(
+            f"sample.py: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
+            f"last {block} tokens",
+            file=sys.stderr,
+        )
         ids = ids[-block:]
     if cfg.compile:  # compile the static-shape decode step: one graph for every position
         model._decode_static = torch.compile(model._decode_static)
@@ -84,10 +87,19 @@ def _sample(cfg: DictConfig) -> int:
     prompt = torch.tensor([ids] * int(cfg.num_samples), dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(int(cfg.seed))
     timings: dict = {}
-    out = model.generate(prompt, int(cfg.max_new_tokens), temperature=float(cfg.temperature), top_k=top_k,
-                         top_p=top_p, generator=gen, use_cache=bool(cfg.use_cache), timings=timings,
-                         vocab_size=tok.vocab_size, static_decode=bool(cfg.compile or cfg.static_decode))
-    new = out[:, len(ids):].tolist()
+    out = model.generate(
+        prompt,
+        int(cfg.max_new_tokens),
+        temperature=float(cfg.temperature),
+        top_k=top_k,
+        top_p=top_p,
+        generator=gen,
+        use_cache=bool(cfg.use_cache),
+        timings=timings,
+        vocab_size=tok.vocab_size,
+        static_decode=bool(cfg.compile or cfg.static_decode),
+    )
+    new = out[:, len(ids) :].tolist()
     samples = [tok.decode(row) for row in new]
 
     rate = {
@@ -99,23 +111,42 @@ def _sample(cfg: DictConfig) -> int:
         print(f"---------- sample {i + 1}/{len(samples)}")
         print(prompt_text + s)
     print("----------")
-    print(f"{path} | attention={model.attention_backend} | device={device} | dtype={str(dtype)[6:]} | "
-          f"prefill {timings['prefill_tokens']} tokens at {rate['prefill_tokens_per_sec']:.1f} tok/s | "
-          f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s")
+    print(
+        f"{path} | attention={model.attention_backend} | device={device} | dtype={str(dtype)[6:]} | "
+        f"prefill {timings['prefill_tokens']} tokens at {rate['prefill_tokens_per_sec']:.1f} tok/s | "
+        f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s"
+    )
 
     name = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}.txt"
     txt = Path(cfg.out) if cfg.out else run_dir / "samples" / name
     txt.parent.mkdir(parents=True, exist_ok=True)
-    txt.write_text("".join(f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n"
-                           for i, s in enumerate(samples)), encoding="utf-8")
+    txt.write_text(
+        "".join(
+            f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)
+        ),
+        encoding="utf-8",
+    )
     record = {
-        "checkpoint": str(path), "step": int(state["step"]), "prompt": prompt_text, "prompt_tokens": len(ids),
-        "num_samples": int(cfg.num_samples), "max_new_tokens": int(cfg.max_new_tokens),
-        "temperature": float(cfg.temperature), "top_k": top_k, "top_p": top_p, "seed": int(cfg.seed),
-        "attention": model.attention_backend, "device": str(device), "dtype": str(dtype)[6:],
-        "use_cache": bool(cfg.use_cache), "compile": bool(cfg.compile),
-        "static_decode": bool(cfg.compile or cfg.static_decode), **timings, **rate,
-        "samples": samples, "token_ids": new,
+        "checkpoint": str(path),
+        "step": int(state["step"]),
+        "prompt": prompt_text,
+        "prompt_tokens": len(ids),
+        "num_samples": int(cfg.num_samples),
+        "max_new_tokens": int(cfg.max_new_tokens),
+        "temperature": float(cfg.temperature),
+        "top_k": top_k,
+        "top_p": top_p,
+        "seed": int(cfg.seed),
+        "attention": model.attention_backend,
+        "device": str(device),
+        "dtype": str(dtype)[6:],
+        "use_cache": bool(cfg.use_cache),
+        "compile": bool(cfg.compile),
+        "static_decode": bool(cfg.compile or cfg.static_decode),
+        **timings,
+        **rate,
+        "samples": samples,
+        "token_ids": new,
     }
     txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(f"samples written to {txt}")

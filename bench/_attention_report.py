@@ -87,9 +87,11 @@ def markdown_report(records: Sequence[dict], meta: dict) -> str:
         "(not timed), — = not measured",
     ]
     for inv in meta.get("invocations") or ():
-        lines.append(f"- merged (`--merge`): N = {inv.get('seqlens')}, d = {inv.get('headdims')}, providers "
-                     f"{inv.get('providers')}, modes {inv.get('modes') or list(MODES)} measured "
-                     f"{inv.get('date')} (torch {inv.get('torch')}, triton {inv.get('triton')})")
+        lines.append(
+            f"- merged (`--merge`): N = {inv.get('seqlens')}, d = {inv.get('headdims')}, providers "
+            f"{inv.get('providers')}, modes {inv.get('modes') or list(MODES)} measured "
+            f"{inv.get('date')} (torch {inv.get('torch')}, triton {inv.get('triton')})"
+        )
     if meta.get("complete") is False:
         lines.append("- **incomplete**: the last invocation stopped before measuring every shape it lists")
     if meta.get("dry_run"):
@@ -232,7 +234,6 @@ def plot_report(records: Sequence[dict], path: str | Path, title: str = "") -> P
     return _plot.save(fig, path, title)
 
 
-
 def output_paths(out_dir: str | Path, tag: str) -> dict[str, Path]:
     """{'json'|'md'|'png': out_dir/attention_<tag>.<ext>}."""
     return {ext: Path(out_dir) / f"attention_{tag}.{ext}" for ext in ("json", "md", "png")}
@@ -269,8 +270,13 @@ def read_for_merge(path: Path) -> tuple[list[dict], dict]:
         return isinstance(x, str)
 
     for r in data["records"]:
-        if not (isinstance(r, dict) and is_str(r.get("provider")) and is_str(r.get("mode"))
-                and is_int(r.get("N")) and is_int(r.get("d"))):
+        if not (
+            isinstance(r, dict)
+            and is_str(r.get("provider"))
+            and is_str(r.get("mode"))
+            and is_int(r.get("N"))
+            and is_int(r.get("d"))
+        ):
             raise ValueError(f"a record needs provider, mode (strings), N, d (integers): {str(r)[:80]}")
     invocations = meta.get("invocations", [])
     if not isinstance(invocations, list) or not all(isinstance(m, dict) for m in invocations):
@@ -285,8 +291,11 @@ def read_for_merge(path: Path) -> tuple[list[dict], dict]:
 
 def merge_clash(previous_meta: dict, meta: dict) -> str | None:
     """Which table-wide setting differs between an existing file and this invocation, or None."""
-    diffs = [f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})" for k in _MERGE_MUST_MATCH
-             if k in previous_meta and previous_meta[k] != meta.get(k)]
+    diffs = [
+        f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})"
+        for k in _MERGE_MUST_MATCH
+        if k in previous_meta and previous_meta[k] != meta.get(k)
+    ]
     return ", ".join(diffs) or None
 
 
@@ -295,9 +304,15 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
     (or `previous_meta` itself when it lists none), then this one. An earlier invocation whose every
     (N, d, provider, mode) this one measured again is dropped (none of its rows is left). Each entry: date,
     seqlens, headdims, providers, torch, triton, gpu -- so a merged table says when each row was measured."""
+
     def cells(m: dict) -> set:
-        return {(n, d, p, mode) for n in m.get("seqlens") or () for d in m.get("headdims") or ()
-                for p in m.get("providers") or () for mode in m.get("modes") or MODES}
+        return {
+            (n, d, p, mode)
+            for n in m.get("seqlens") or ()
+            for d in m.get("headdims") or ()
+            for p in m.get("providers") or ()
+            for mode in m.get("modes") or MODES
+        }
 
     earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
     redone = cells(meta)
@@ -319,8 +334,9 @@ def compact_json(obj: dict) -> str:
     return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
-def write_outputs(records: Sequence[dict], meta: dict, out_dir: str | Path, tag: str,
-                  *, png: bool = True) -> dict[str, Path]:
+def write_outputs(
+    records: Sequence[dict], meta: dict, out_dir: str | Path, tag: str, *, png: bool = True
+) -> dict[str, Path]:
     """Write attention_<tag>.json/.md (and .png unless `png` is False) into `out_dir` (created);
     return the paths written."""
     paths = output_paths(out_dir, tag)
@@ -330,7 +346,9 @@ def write_outputs(records: Sequence[dict], meta: dict, out_dir: str | Path, tag:
     if not png:
         del paths["png"]
         return paths
-    plot_report(records, paths["png"], title=f"causal attention, {meta.get('gpu') or meta.get('device')}, "
-                                              f"{meta.get('dtype')}")
+    plot_report(
+        records,
+        paths["png"],
+        title=f"causal attention, {meta.get('gpu') or meta.get('device')}, {meta.get('dtype')}",
+    )
     return paths
-

@@ -16,9 +16,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 def subplots(nrows: int, ncols: int, *, panel_w: float = 5.0, panel_h: float = 3.6, **kw):
     """`plt.subplots` with a figure size proportional to the grid; always returns a 2-D axes array."""
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(panel_w * ncols, panel_h * nrows), squeeze=False, **kw
-    )
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_w * ncols, panel_h * nrows), squeeze=False, **kw)
     return fig, axes
 
 
@@ -34,8 +32,9 @@ def log2_xaxis(ax, xs: Sequence[float]) -> None:
         ax.minorticks_off()
 
 
-def mark_failed(ax, xs: Sequence[float], label: str, color=None, *, level: int = 0,
-                text: str | None = None) -> None:
+def mark_failed(
+    ax, xs: Sequence[float], label: str, color=None, *, level: int = 0, text: str | None = None
+) -> None:
     """Mark x positions where a run/provider failed with an 'x' at the top of the axis.
 
     The y position is in axes coordinates (0.95 minus 0.05 per `level`, so several series failing at
@@ -46,12 +45,28 @@ def mark_failed(ax, xs: Sequence[float], label: str, color=None, *, level: int =
         return
     y = 0.95 - 0.05 * level
     trans = blended_transform_factory(ax.transData, ax.transAxes)
-    ax.scatter(list(xs), [y] * len(xs), marker="x", s=60, color=color, transform=trans,
-               label=label, clip_on=False, zorder=5)
+    ax.scatter(
+        list(xs),
+        [y] * len(xs),
+        marker="x",
+        s=60,
+        color=color,
+        transform=trans,
+        label=label,
+        clip_on=False,
+        zorder=5,
+    )
     if text:
         for x in xs:
-            ax.annotate(text, (x, y), xycoords=trans, xytext=(5, -3), textcoords="offset points",
-                        fontsize=7, color=color)
+            ax.annotate(
+                text,
+                (x, y),
+                xycoords=trans,
+                xytext=(5, -3),
+                textcoords="offset points",
+                fontsize=7,
+                color=color,
+            )
 
 
 def headroom(ax, frac: float = 0.2) -> None:

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from bench._timing import short_error
 
 PROVIDERS: tuple[str, ...] = (
-    "flash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex",
+    "flash",
+    "naive",
+    "sdpa-flash",
+    "sdpa-cudnn",
+    "sdpa-efficient",
+    "sdpa-math",
+    "flex",
 )
 INJECT_KINDS = ("error", "oom", "wrong")
 
@@ -151,8 +157,12 @@ def sdpa_backend(name: str):
     cudnn, efficient = memory-efficient, math). Raises ValueError for another name."""
     from torch.nn.attention import SDPBackend
 
-    table = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    table = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
     if name not in table:
         raise ValueError(f"unknown SDPA backend {name!r}; valid: {', '.join(SDPA_BACKENDS)}")
     return table[name]
@@ -179,9 +189,9 @@ def build_provider(name: str, *, n: int, device: torch.device) -> Callable:
     if name.startswith("sdpa-"):
         from torch.nn.attention import sdpa_kernel
 
-        if name[len("sdpa-"):] not in SDPA_BACKENDS:
+        if name[len("sdpa-") :] not in SDPA_BACKENDS:
             raise ValueError(f"unknown provider {name!r}; valid: {', '.join(PROVIDERS)}")
-        backend = sdpa_backend(name[len("sdpa-"):])
+        backend = sdpa_backend(name[len("sdpa-") :])
 
         def sdpa(q, k, v):
             with sdpa_kernel([backend]):
@@ -204,15 +214,17 @@ def inject_failure(fn: Callable, kind: str) -> Callable:
     """Wrap a provider so that it fails on purpose (testing the bookkeeping): "error" raises
     RuntimeError, "oom" raises torch.cuda.OutOfMemoryError, "wrong" returns O + 0.5."""
     if kind == "error":
+
         def failing(q, k, v):
             raise RuntimeError("injected failure (--inject-failure)")
     elif kind == "oom":
+
         def failing(q, k, v):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by --inject-failure)")
     elif kind == "wrong":
+
         def failing(q, k, v):
             return fn(q, k, v) + 0.5
     else:
         raise ValueError(f"unknown failure kind {kind!r}; valid: {', '.join(INJECT_KINDS)}")
     return failing
-

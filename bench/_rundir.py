@@ -21,8 +21,10 @@ def find_run_dirs(root: str | Path) -> list[Path]:
     `ckpt/` and hidden folders. Raises RunDirError when `root` is not a directory."""
     root = Path(root)
     if not root.is_dir():
-        raise RunDirError(f"sweep directory {root} does not exist (pass the Hydra multirun folder, "
-                          f"e.g. multirun/2025-01-01_12-00-00)")
+        raise RunDirError(
+            f"sweep directory {root} does not exist (pass the Hydra multirun folder, "
+            f"e.g. multirun/2025-01-01_12-00-00)"
+        )
     found = set()
     for marker in ("summary.json", "metrics.jsonl", "config.yaml"):
         for p in root.rglob(marker):
@@ -56,8 +58,10 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
         path = path / "metrics.jsonl"
     if not path.is_file():
         if required:
-            raise RunDirError(f"{path} not found: pass a run directory written by train.py "
-                              f"(it holds metrics.jsonl) or the metrics.jsonl file itself")
+            raise RunDirError(
+                f"{path} not found: pass a run directory written by train.py "
+                f"(it holds metrics.jsonl) or the metrics.jsonl file itself"
+            )
         return []
     rows = []
     with path.open() as f:
@@ -150,8 +154,12 @@ def attention_label(cfg: dict, summary: dict) -> str | None:
 
 def seq_len_of(cfg: dict, summary: dict) -> int | None:
     """Sequence length: config `seq_len` (else `data.seq_len`, `model.block_size`), else summary."""
-    for v in (cfg_get(cfg, "seq_len"), cfg_get(cfg, "data.seq_len"), cfg_get(cfg, "model.block_size"),
-              summary.get("seq_len")):
+    for v in (
+        cfg_get(cfg, "seq_len"),
+        cfg_get(cfg, "data.seq_len"),
+        cfg_get(cfg, "model.block_size"),
+        summary.get("seq_len"),
+    ):
         try:
             if _is_plain(v):
                 return int(v)

@@ -45,16 +45,25 @@ class Timer:
 
     def describe(self) -> str:
         if self.device.type == "cuda":
-            return (f"triton.testing.do_bench(return_mode='median', warmup={self.warmup_ms} ms, "
-                    f"rep={self.rep_ms} ms, grads set to None between reps)")
+            return (
+                f"triton.testing.do_bench(return_mode='median', warmup={self.warmup_ms} ms, "
+                f"rep={self.rep_ms} ms, grads set to None between reps)"
+            )
         return f"time.perf_counter median of {self.cpu_reps} reps after 1 warm-up (CPU dry run)"
 
     def __call__(self, fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
         if self.device.type == "cuda":
             from triton.testing import do_bench
 
-            return float(do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms,
-                                  grad_to_none=grad_to_none, return_mode="median"))
+            return float(
+                do_bench(
+                    fn,
+                    warmup=self.warmup_ms,
+                    rep=self.rep_ms,
+                    grad_to_none=grad_to_none,
+                    return_mode="median",
+                )
+            )
         times = []
         for i in range(self.cpu_reps + 1):
             for t in grad_to_none or ():
@@ -65,4 +74,3 @@ class Timer:
             if i:  # first call is the warm-up
                 times.append(dt)
         return float(statistics.median(times))
-

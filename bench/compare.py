@@ -66,8 +66,10 @@ def load_run(path: str | Path) -> Run:
     rows = _rundir.read_metrics(path, required=True)
     train = _rundir.series(rows, "train/loss")
     if not train:
-        raise _rundir.RunDirError(f"{run_dir}/metrics.jsonl has no 'train/loss' entries "
-                                  f"(was the run stopped before its first log step?)")
+        raise _rundir.RunDirError(
+            f"{run_dir}/metrics.jsonl has no 'train/loss' entries "
+            f"(was the run stopped before its first log step?)"
+        )
     cfg, summary = _rundir.read_config(run_dir), _rundir.read_summary(run_dir)
     backend, seq_len = _rundir.attention_label(cfg, summary), _rundir.seq_len_of(cfg, summary)
     if backend is not None:
@@ -85,8 +87,23 @@ def load_run(path: str | Path) -> Run:
 # where and how the run is recorded, run bookkeeping, and file paths (the same corpus lies elsewhere on
 # another machine; its name and tokenizer are compared). Every other key that differs is reported.
 CONFIG_KEYS_IGNORED = (
-    "attention", "out_dir", "run_name", "wandb", "logger", "checkpoint", "resume", "hydra", "parity",
-    "perf", "debug", "oom_exit_code", "log_interval", "nonfinite", "device", "data.source", "data.dir",
+    "attention",
+    "out_dir",
+    "run_name",
+    "wandb",
+    "logger",
+    "checkpoint",
+    "resume",
+    "hydra",
+    "parity",
+    "perf",
+    "debug",
+    "oom_exit_code",
+    "log_interval",
+    "nonfinite",
+    "device",
+    "data.source",
+    "data.dir",
 )
 
 
@@ -112,8 +129,7 @@ def config_differences(ref: dict, other: dict, ignored: Sequence[str] = CONFIG_K
     def skip(key: str) -> bool:
         return any(key == p or key.startswith(p + ".") for p in ignored)
 
-    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
-            if not skip(k) and a.get(k) != b.get(k)}
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not skip(k) and a.get(k) != b.get(k)}
 
 
 def window_means(x: np.ndarray, window: int) -> np.ndarray:
@@ -133,21 +149,34 @@ def compare_pair(ref: Run, run: Run, window: int = 20) -> dict:
     steps = sorted(set(ref.train) & set(run.train))
     a = np.array([ref.train[s] for s in steps], dtype=np.float64)
     b = np.array([run.train[s] for s in steps], dtype=np.float64)
-    out: dict = {"label": run.label, "path": str(run.path), "aligned_steps": len(steps),
-                 "first_step": steps[0] if steps else None, "last_step": steps[-1] if steps else None,
-                 "window": window}
+    out: dict = {
+        "label": run.label,
+        "path": str(run.path),
+        "aligned_steps": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "window": window,
+    }
     if steps:
         diff = np.abs(b - a)
         wd = np.abs(window_means(b, window) - window_means(a, window))
-        out.update(max_abs_diff=float(np.max(diff)), mean_abs_diff=float(np.mean(diff)),
-                   window_max_abs_diff=float(np.max(wd)), n_windows=int(len(wd)))
+        out.update(
+            max_abs_diff=float(np.max(diff)),
+            mean_abs_diff=float(np.mean(diff)),
+            window_max_abs_diff=float(np.max(wd)),
+            n_windows=int(len(wd)),
+        )
     else:
         out.update(max_abs_diff=None, mean_abs_diff=None, window_max_abs_diff=None, n_windows=0)
     vsteps = sorted(s for s in set(ref.val) & set(run.val) if s > 0)  # step 0: the untrained model
     if vsteps:
         s = vsteps[-1]
-        out.update(val_step=s, final_val_abs_diff=float(abs(run.val[s] - ref.val[s])),
-                   val_ref=ref.val[s], val_run=run.val[s])
+        out.update(
+            val_step=s,
+            final_val_abs_diff=float(abs(run.val[s] - ref.val[s])),
+            val_ref=ref.val[s],
+            val_run=run.val[s],
+        )
     else:
         out.update(val_step=None, final_val_abs_diff=None)
     return out
@@ -161,21 +190,29 @@ def check_tolerances(result: dict, tolerance: float | None, val_tolerance: float
     if tolerance is not None:
         x = result["window_max_abs_diff"]
         if x is None:
-            msgs.append(f"{result['label']}: no aligned train/loss steps with the reference, "
-                        f"--tolerance cannot be checked")
+            msgs.append(
+                f"{result['label']}: no aligned train/loss steps with the reference, "
+                f"--tolerance cannot be checked"
+            )
         elif not math.isfinite(result["max_abs_diff"]):
-            msgs.append(f"{result['label']}: non-finite train loss at an aligned step "
-                        f"(max|Δ| = {result['max_abs_diff']}), --tolerance fails")
+            msgs.append(
+                f"{result['label']}: non-finite train loss at an aligned step "
+                f"(max|Δ| = {result['max_abs_diff']}), --tolerance fails"
+            )
         elif not x <= tolerance:
             msgs.append(f"{result['label']}: windowed train-loss diff {x:.4g} > --tolerance {tolerance:g}")
     if val_tolerance is not None:
         x = result["final_val_abs_diff"]
         if x is None:
-            msgs.append(f"{result['label']}: no common val/loss step after step 0 (the untrained model) "
-                        f"with the reference, --val-tolerance cannot be checked")
+            msgs.append(
+                f"{result['label']}: no common val/loss step after step 0 (the untrained model) "
+                f"with the reference, --val-tolerance cannot be checked"
+            )
         elif not x <= val_tolerance:
-            msgs.append(f"{result['label']}: final val-loss diff {x:.4g} (step {result['val_step']}) > "
-                        f"--val-tolerance {val_tolerance:g}")
+            msgs.append(
+                f"{result['label']}: final val-loss diff {x:.4g} (step {result['val_step']}) > "
+                f"--val-tolerance {val_tolerance:g}"
+            )
     return msgs
 
 
@@ -189,9 +226,19 @@ def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
     rows = [["0", ref.label + " (reference)", str(len(ref.train)), "", "", "", "", "", ""]]
     for i, r in enumerate(results, 1):
         val_step = str(r["val_step"]) if r["val_step"] is not None else "—"
-        rows.append([str(i), r["label"], str(r["aligned_steps"]), _f(r["max_abs_diff"]),
-                     _f(r["mean_abs_diff"]), _f(r["window_max_abs_diff"]), val_step,
-                     _f(r["final_val_abs_diff"]), "FAIL" if r.get("failures") else "ok"])
+        rows.append(
+            [
+                str(i),
+                r["label"],
+                str(r["aligned_steps"]),
+                _f(r["max_abs_diff"]),
+                _f(r["mean_abs_diff"]),
+                _f(r["window_max_abs_diff"]),
+                val_step,
+                _f(r["final_val_abs_diff"]),
+                "FAIL" if r.get("failures") else "ok",
+            ]
+        )
     widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
 
     def fmt(row: list[str]) -> str:
@@ -212,8 +259,15 @@ def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
         color = f"C{i % 10}"
         top.plot(list(run.train), list(run.train.values()), color=color, lw=1.0, label=f"{run.label} train")
         if run.val:
-            top.plot(list(run.val), list(run.val.values()), color=color, ls="--", marker="o", ms=3,
-                     label=f"{run.label} val")
+            top.plot(
+                list(run.val),
+                list(run.val.values()),
+                color=color,
+                ls="--",
+                marker="o",
+                ms=3,
+                label=f"{run.label} val",
+            )
         if i == 0:
             continue
         steps = sorted(set(ref.train) & set(run.train))
@@ -227,8 +281,9 @@ def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
         if k:
             wd = window_means(b, window) - window_means(a, window)
             centers = [steps[j * w + w // 2] for j in range(k)]
-            bottom.step(centers, wd, where="mid", color=color, lw=2.0,
-                        label=f"{run.label} − ref ({w}-pt windows)")
+            bottom.step(
+                centers, wd, where="mid", color=color, lw=2.0, label=f"{run.label} − ref ({w}-pt windows)"
+            )
     bottom.axhline(0.0, color="k", lw=0.5)
     top.set_ylabel("loss")
     top.set_title(f"loss curves (reference: {ref.label})")
@@ -252,17 +307,31 @@ def _jsonable(x):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.compare",
-                                description="Compare loss curves of runs against the first run.")
-    p.add_argument("runs", nargs="+",
-                   help="run directories (or metrics.jsonl files); the first is the reference")
-    p.add_argument("--tolerance", type=float, default=None,
-                   help="max allowed windowed train-loss difference (exit 1 when exceeded)")
-    p.add_argument("--val-tolerance", type=float, default=None,
-                   help="max allowed final val-loss difference (exit 1 when exceeded)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.compare", description="Compare loss curves of runs against the first run."
+    )
+    p.add_argument(
+        "runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference"
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="max allowed windowed train-loss difference (exit 1 when exceeded)",
+    )
+    p.add_argument(
+        "--val-tolerance",
+        type=float,
+        default=None,
+        help="max allowed final val-loss difference (exit 1 when exceeded)",
+    )
     p.add_argument("--window", type=int, default=20, help="points per averaging window (default 20)")
-    p.add_argument("--max-step", type=int, default=None,
-                   help="compare only steps <= this (e.g. the first 300 of longer runs)")
+    p.add_argument(
+        "--max-step",
+        type=int,
+        default=None,
+        help="compare only steps <= this (e.g. the first 300 of longer runs)",
+    )
     p.add_argument("--out", default=None, help="PNG path (default: compare.png in the first run's directory)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     args = p.parse_args(argv)
@@ -290,20 +359,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, diff in diffs.items():
         if diff:
             what = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in diff.items())
-            print(f"warning: {label} and the reference {ref.label} differ in config ({what}); the curves "
-                  "differ for more than the attention backend", file=sys.stderr)
+            print(
+                f"warning: {label} and the reference {ref.label} differ in config ({what}); the curves "
+                "differ for more than the attention backend",
+                file=sys.stderr,
+            )
     statuses = {r.label: _rundir.read_summary(r.path).get("status", "ok") for r in runs}
     for label, status in statuses.items():
         if status != "ok":  # a diverged, OOM or interrupted run: its curve stops early
-            print(f"warning: {label} ended with status {status!r}; only its logged steps are compared",
-                  file=sys.stderr)
+            print(
+                f"warning: {label} ended with status {status!r}; only its logged steps are compared",
+                file=sys.stderr,
+            )
     for run in others:
         res = compare_pair(ref, run, args.window)
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
         if args.tolerance is not None or args.val_tolerance is not None:
-            res["failures"] += [f"{lab}: status {statuses[lab]!r} (not a complete run)"
-                                for lab in (ref.label, run.label) if statuses[lab] != "ok"]
+            res["failures"] += [
+                f"{lab}: status {statuses[lab]!r} (not a complete run)"
+                for lab in (ref.label, run.label)
+                if statuses[lab] != "ok"
+            ]
         failures += res["failures"]
         results.append(res)
     print(text_table(ref, results, args.window))
@@ -311,10 +388,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nwrote {png}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(_jsonable({
-            "reference": {"label": ref.label, "path": str(ref.path)}, "window": args.window,
-            "tolerance": args.tolerance, "val_tolerance": args.val_tolerance,
-            "results": results, "passed": not failures}), indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                _jsonable(
+                    {
+                        "reference": {"label": ref.label, "path": str(ref.path)},
+                        "window": args.window,
+                        "tolerance": args.tolerance,
+                        "val_tolerance": args.val_tolerance,
+                        "results": results,
+                        "passed": not failures,
+                    }
+                ),
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"wrote {args.json}")
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))

@@ -60,14 +60,16 @@ def provider_fn(name: str):
 
         return lambda q, k, v: flash_decode(q, k, v)
     if name == "naive":
+
         def naive(q, k, v):
             g = q.shape[1] // k.shape[1]
             kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             s = torch.matmul(q.float(), kk.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
             return torch.matmul(torch.softmax(s, -1).to(v.dtype), vv)
+
         return naive
     if name.startswith("sdpa-"):
-        backend = name[len("sdpa-"):]
+        backend = name[len("sdpa-") :]
 
         def sdpa(q, k, v):
             gqa = q.shape[1] != k.shape[1]
@@ -77,6 +79,7 @@ def provider_fn(name: str):
 
             with sdpa_kernel([sdpa_backend(backend)]):
                 return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+
         return sdpa
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
 
@@ -139,8 +142,13 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
                     graph = _captured(fn, q, k, v)
                     ms = timer(graph.replay)
                     del graph
-                rec.update(status="ok", ms=ms, ms_eager=ms_eager, gbs=kv_bytes / (ms * 1e-3) / 1e9,
-                           timing="cuda_graph" if ms is not ms_eager else "eager")
+                rec.update(
+                    status="ok",
+                    ms=ms,
+                    ms_eager=ms_eager,
+                    gbs=kv_bytes / (ms * 1e-3) / 1e9,
+                    timing="cuda_graph" if ms is not ms_eager else "eager",
+                )
         except torch.OutOfMemoryError:
             rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
@@ -176,13 +184,21 @@ def e2e_sweep(args, device, dtype) -> list[dict]:
                 model = model.to(device=device, dtype=dtype).eval()
                 prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
                 t: dict = {}
-                rec = dict(backend=backend, static_decode=static, batch=b, prompt_len=args.prompt_len,
-                           new_tokens=args.new_tokens)
+                rec = dict(
+                    backend=backend,
+                    static_decode=static,
+                    batch=b,
+                    prompt_len=args.prompt_len,
+                    new_tokens=args.new_tokens,
+                )
                 try:
                     model.generate(prompt, 2, temperature=0, static_decode=static)  # warm-up
                     model.generate(prompt, args.new_tokens, temperature=0, static_decode=static, timings=t)
-                    rec.update(status="ok", prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"],
-                               decode_tokens_per_sec=t["decode_tokens"] / t["decode_s"])
+                    rec.update(
+                        status="ok",
+                        prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"],
+                        decode_tokens_per_sec=t["decode_tokens"] / t["decode_s"],
+                    )
                 except Exception as e:  # noqa: BLE001
                     rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
                 records.append(rec)
@@ -191,20 +207,32 @@ def e2e_sweep(args, device, dtype) -> list[dict]:
 
 
 def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
-    lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", "",
-             f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
-             "(fraction of the ceiling); ms of a CUDA-graph replay where the JSON's `timing` says "
-             "cuda_graph (kernel time; `ms_eager` there: called from Python), else of eager calls.", ""]
+    lines = [
+        f"# Decode benchmark ({meta['device']}, {meta['dtype']})",
+        "",
+        f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
+        "(fraction of the ceiling); ms of a CUDA-graph replay where the JSON's `timing` says "
+        "cuda_graph (kernel time; `ms_eager` there: called from Python), else of eager calls.",
+        "",
+    ]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
     if kernel:
-        lines += ["| d | group | batch | context | " + " | ".join(providers) + " |",
-                  "|---|---|---|---|" + "---|" * len(providers)]
+        lines += [
+            "| d | group | batch | context | " + " | ".join(providers) + " |",
+            "|---|---|---|---|" + "---|" * len(providers),
+        ]
         keys = sorted({(r["d"], r["group"], r["batch"], r["context"]) for r in kernel})
         for key in keys:
             cells = []
             for p in providers:
-                r = next((r for r in kernel if (r["d"], r["group"], r["batch"], r["context"]) == key
-                          and r["provider"] in (p, "*")), None)
+                r = next(
+                    (
+                        r
+                        for r in kernel
+                        if (r["d"], r["group"], r["batch"], r["context"]) == key and r["provider"] in (p, "*")
+                    ),
+                    None,
+                )
                 if r is None or r.get("status") != "ok":
                     cells.append(r["status"].split(":")[0] if r else "-")
                 else:
@@ -212,20 +240,28 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
                     cells.append(f"{r['ms']:.3f} / {r['gbs']:.0f} ({frac:.0%})")
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
     if e2e:
-        lines += ["", "| backend | static decode | batch | prefill tok/s | decode tok/s |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| backend | static decode | batch | prefill tok/s | decode tok/s |",
+            "|---|---|---|---|---|",
+        ]
         for r in e2e:
             if r["status"] == "ok":
-                lines.append(f"| {r['backend']} | {r['static_decode']} | {r['batch']} | "
-                             f"{r['prefill_tokens_per_sec']:.0f} | {r['decode_tokens_per_sec']:.0f} |")
+                lines.append(
+                    f"| {r['backend']} | {r['static_decode']} | {r['batch']} | "
+                    f"{r['prefill_tokens_per_sec']:.0f} | {r['decode_tokens_per_sec']:.0f} |"
+                )
             else:
                 lines.append(f"| {r['backend']} | {r['static_decode']} | {r['batch']} | {r['status']} | |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--dims", default="64,128")
@@ -240,12 +276,19 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
-    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="also time each provider as a CUDA-graph replay (the tables use it; GPU only)")
+    ap.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time each provider as a CUDA-graph replay (the tables use it; GPU only)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
-    ap.add_argument("--out", default=None,
-                    help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
-                         "so a dry run never lands beside the committed GPU results)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default bench/results on a GPU, outputs/bench for --dry-run, "
+        "so a dry run never lands beside the committed GPU results)",
+    )
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -254,16 +297,22 @@ def main(argv=None) -> int:
         timer = Timer(device, cpu_reps=1)
     else:
         if not torch.cuda.is_available():
-            print("error: bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU",
-                  file=sys.stderr)
+            print(
+                "error: bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU",
+                file=sys.stderr,
+            )
             return 2
         device, dtype = torch.device("cuda"), DTYPES[args.dtype]
         timer = Timer(device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    meta = dict(device=name, dtype=str(dtype)[6:], torch=torch.__version__,
-                time=datetime.datetime.now().isoformat(),
-                argv=sys.argv[1:] if argv is None else list(argv),
-                copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes))
+    meta = dict(
+        device=name,
+        dtype=str(dtype)[6:],
+        torch=torch.__version__,
+        time=datetime.datetime.now().isoformat(),
+        argv=sys.argv[1:] if argv is None else list(argv),
+        copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes),
+    )
     kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
     e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
     tag = args.tag or ("dryrun" if args.dry_run else "h200")

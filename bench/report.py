@@ -154,8 +154,9 @@ def collect(sweep_dir: str | Path, warmup_frac: float = 0.1) -> list[dict]:
     sweep_dir = Path(sweep_dir)
     dirs = _rundir.find_run_dirs(sweep_dir)
     if not dirs:
-        raise _rundir.RunDirError(f"no run directories (with summary.json, metrics.jsonl or "
-                                  f".hydra/config.yaml) under {sweep_dir}")
+        raise _rundir.RunDirError(
+            f"no run directories (with summary.json, metrics.jsonl or .hydra/config.yaml) under {sweep_dir}"
+        )
     runs = [summarize_run(d, sweep_dir, warmup_frac) for d in dirs]
     order = {b: i for i, b in enumerate(backends_of(runs))}
     runs.sort(key=lambda r: (order[r["backend"]], r["seq_len"] if r["seq_len"] is not None else -1, r["run"]))
@@ -216,8 +217,13 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
         )
     failed = [r for r in runs if r["status"] != "ok"]
     if failed:
-        lines += ["", "## Failed runs", "", "| run | backend | seq_len | status | error |",
-                  "| --- | --- | ---: | --- | --- |"]
+        lines += [
+            "",
+            "## Failed runs",
+            "",
+            "| run | backend | seq_len | status | error |",
+            "| --- | --- | ---: | --- | --- |",
+        ]
         for r in failed:
             text = (r.get("error") or "—").replace("|", "\\|")  # a '|' would split the cell
             seq = r["seq_len"] if r["seq_len"] is not None else "?"
@@ -255,8 +261,10 @@ def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
     for ax, (key, ylabel) in zip(axes[0], panels, strict=True):
         failed: list[tuple[str, str, list[int]]] = []
         for b in backends:
-            mine = sorted((r for r in runs if r["backend"] == b and r["seq_len"] is not None),
-                          key=lambda r: r["seq_len"])
+            mine = sorted(
+                (r for r in runs if r["backend"] == b and r["seq_len"] is not None),
+                key=lambda r: r["seq_len"],
+            )
             ok = [(r["seq_len"], r[key]) for r in mine if r["status"] == "ok" and _rundir.finite(r[key])]
             if ok:
                 ax.plot([x for x, _ in ok], [y for _, y in ok], marker="o", ms=4, label=b, color=colors[b])
@@ -297,14 +305,31 @@ def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path
     group = next((r["wandb_group"] for r in runs if r.get("wandb_group")), None) or sweep_dir.resolve().name
     project = next((r["wandb_project"] for r in runs if r.get("wandb_project")), None) or "flashgpt"
     entity = next((r["wandb_entity"] for r in runs if r.get("wandb_entity")), None)
-    columns = ["run", "backend", "seq_len", "status", "tokens_per_sec", "mfu_pct", "peak_gib",
-               "final_train_loss", "final_val_loss", "steps"]
+    columns = [
+        "run",
+        "backend",
+        "seq_len",
+        "status",
+        "tokens_per_sec",
+        "mfu_pct",
+        "peak_gib",
+        "final_train_loss",
+        "final_val_loss",
+        "steps",
+    ]
     notes = []
     for attempt in (mode, "offline") if mode == "online" else (mode,):
         try:
-            run = wandb.init(project=project, entity=entity, group=group, job_type="report", mode=attempt,
-                             name=f"report-{sweep_dir.resolve().name}", dir=str(out_dir),
-                             config={"sweep_dir": str(sweep_dir), "n_runs": len(runs)})
+            run = wandb.init(
+                project=project,
+                entity=entity,
+                group=group,
+                job_type="report",
+                mode=attempt,
+                name=f"report-{sweep_dir.resolve().name}",
+                dir=str(out_dir),
+                config={"sweep_dir": str(sweep_dir), "n_runs": len(runs)},
+            )
             table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in runs])
             run.log({"report/table": table, "report/plots": wandb.Image(str(png))})
             run_dir = Path(run.dir).parent  # .../wandb/offline-run-<time>-<id>
@@ -323,8 +348,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", help="Hydra multirun folder (or any folder holding run directories)")
     p.add_argument("--out", default=None, help="output folder (default SWEEP_DIR)")
-    p.add_argument("--warmup-frac", type=float, default=0.1,
-                   help="fraction of logged steps left out of the tokens/sec and MFU medians (default 0.1)")
+    p.add_argument(
+        "--warmup-frac",
+        type=float,
+        default=0.1,
+        help="fraction of logged steps left out of the tokens/sec and MFU medians (default 0.1)",
+    )
     p.add_argument("--wandb", action="store_true", help="also log table and plots to W&B")
     args = p.parse_args(argv)
     if not 0.0 <= args.warmup_frac < 1.0:
@@ -339,8 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(runs, sweep, args.warmup_frac)
     (out / "report.md").write_text(md)
-    (out / "report.json").write_text(json.dumps(
-        {"sweep_dir": str(sweep), "warmup_frac": args.warmup_frac, "runs": runs}, indent=1) + "\n")
+    (out / "report.json").write_text(
+        json.dumps({"sweep_dir": str(sweep), "warmup_frac": args.warmup_frac, "runs": runs}, indent=1) + "\n"
+    )
     png = plot(runs, out / "report_sweep.png", title=f"sweep {sweep.resolve().name}")
     print(md)
     print(f"wrote {out / 'report.md'}, {out / 'report.json'}, {png}")

@@ -37,19 +37,29 @@ SEQ_LENS = (1024, 4096, 8192, 16384, 32768)
 def cell_command(backend: str, seq_len: int, a, out_dir: Path) -> list[str]:
     """The train.py command line of one cell: the user's command plus run-length and bookkeeping keys."""
     return [
-        sys.executable, str(REPO / "train.py"),
-        f"attention={backend}", f"seq_len={seq_len}",
-        f"max_steps={a.steps}", f"perf.exclude_first_steps={a.warmup}",
-        f"perf.profile_steps={a.profile_steps}", f"log_interval={a.log_interval}",
-        "eval.interval=0", "eval.at_start=false", "eval.batches=1",
-        "checkpoint.interval=0", "checkpoint.at_end=false", "oom_exit_code=0",
-        "wandb.mode=disabled", f"out_dir={out_dir}",
+        sys.executable,
+        str(REPO / "train.py"),
+        f"attention={backend}",
+        f"seq_len={seq_len}",
+        f"max_steps={a.steps}",
+        f"perf.exclude_first_steps={a.warmup}",
+        f"perf.profile_steps={a.profile_steps}",
+        f"log_interval={a.log_interval}",
+        "eval.interval=0",
+        "eval.at_start=false",
+        "eval.batches=1",
+        "checkpoint.interval=0",
+        "checkpoint.at_end=false",
+        "oom_exit_code=0",
+        "wandb.mode=disabled",
+        f"out_dir={out_dir}",
         *a.overrides,
     ]
 
 
-def read_cell(backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s: float,
-              log_tail: str) -> dict:
+def read_cell(
+    backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s: float, log_tail: str
+) -> dict:
     """One result record from the run's summary.json (status, medians, memory, GPU busy)."""
     rec = {"backend": backend, "seq_len": seq_len, "returncode": returncode, "wall_s": round(wall_s, 1)}
     path = run_dir / "summary.json"
@@ -58,12 +68,20 @@ def read_cell(backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s
         return rec
     s = json.loads(path.read_text())
     rec["status"] = s.get("status", "unknown")
-    for key, name in (("perf/tokens_per_sec", "tokens_per_sec"), ("perf/mfu", "mfu"),
-                      ("perf/step_ms", "step_ms"), ("mem/peak_gib", "peak_gib"),
-                      ("perf/gpu_busy", "gpu_busy"), ("perf/gpu_ms_per_step", "gpu_ms_per_step"),
-                      ("perf/timed_steps", "timed_steps"), ("micro_batch_size", "micro_batch_size"),
-                      ("grad_accum", "grad_accum"), ("final/train_loss", "final_train_loss"),
-                      ("attention/backend_ran", "backend_ran"), ("compile_mode", "compile_mode")):
+    for key, name in (
+        ("perf/tokens_per_sec", "tokens_per_sec"),
+        ("perf/mfu", "mfu"),
+        ("perf/step_ms", "step_ms"),
+        ("mem/peak_gib", "peak_gib"),
+        ("perf/gpu_busy", "gpu_busy"),
+        ("perf/gpu_ms_per_step", "gpu_ms_per_step"),
+        ("perf/timed_steps", "timed_steps"),
+        ("micro_batch_size", "micro_batch_size"),
+        ("grad_accum", "grad_accum"),
+        ("final/train_loss", "final_train_loss"),
+        ("attention/backend_ran", "backend_ran"),
+        ("compile_mode", "compile_mode"),
+    ):
         if s.get(key) is not None:
             rec[name] = s[key]
     if rec["status"] != "ok":
@@ -77,8 +95,7 @@ def _fmt_cell(rec: dict | None) -> str:
     if rec["status"] != "ok":
         return "not run" if rec["status"] == "not_run" else rec["status"].upper()
     busy = f", busy {100 * rec['gpu_busy']:.0f}%" if "gpu_busy" in rec else ""
-    return (f"{rec['tokens_per_sec']:,.0f} ({100 * rec['mfu']:.1f}% MFU, "
-            f"{rec['peak_gib']:.1f} GiB{busy})")
+    return f"{rec['tokens_per_sec']:,.0f} ({100 * rec['mfu']:.1f}% MFU, {rec['peak_gib']:.1f} GiB{busy})"
 
 
 def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
@@ -94,14 +111,22 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
         f"{meta['profile_steps']} profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = "
         "kernel time / step wall time; GPU figures only on a GPU).",
         "",
-        "| seq_len | micro-batch × accum | " + " | ".join(backends)
+        "| seq_len | micro-batch × accum | "
+        + " | ".join(backends)
         + (" | flash / sdpa |" if {"flash", "sdpa"} <= set(backends) else " |"),
-        "| ---: | ---: | " + " | ".join("---" for _ in backends)
+        "| ---: | ---: | "
+        + " | ".join("---" for _ in backends)
         + (" | ---: |" if {"flash", "sdpa"} <= set(backends) else " |"),
     ]
     for n in seq_lens:
-        split = next((f"{c['micro_batch_size']} × {c['grad_accum']}" for b in backends
-                      if (c := by.get((b, n))) and "micro_batch_size" in c), "")
+        split = next(
+            (
+                f"{c['micro_batch_size']} × {c['grad_accum']}"
+                for b in backends
+                if (c := by.get((b, n))) and "micro_batch_size" in c
+            ),
+            "",
+        )
         row = f"| {n} | {split} | " + " | ".join(_fmt_cell(by.get((b, n))) for b in backends)
         if {"flash", "sdpa"} <= set(backends):
             f, s = by.get(("flash", n)), by.get(("sdpa", n))
@@ -112,8 +137,9 @@ def write_markdown(path: Path, meta: dict, cells: list[dict]) -> None:
         lines.append(row)
     failed = [c for c in cells if c["status"] not in ("ok", "oom", "not_run")]
     if failed:
-        lines += ["", "Failed cells:"] + [f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}"
-                                          for c in failed]
+        lines += ["", "Failed cells:"] + [
+            f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in failed
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -153,24 +179,36 @@ def environment() -> dict:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated (default: %(default)s)")
-    p.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)),
-                   help="comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--seq-lens", default=",".join(map(str, SEQ_LENS)), help="comma-separated (default: %(default)s)"
+    )
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell")
     p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
     p.add_argument("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per cell before it is stopped")
-    p.add_argument("--naive-up-to", type=int, default=None,
-                   help="run naive only up to this seq_len; longer cells are recorded as not run "
-                        "(naive materialises B*H*N^2 scores: past ~8k it runs out of memory after compiling)")
+    p.add_argument(
+        "--naive-up-to",
+        type=int,
+        default=None,
+        help="run naive only up to this seq_len; longer cells are recorded as not run "
+        "(naive materialises B*H*N^2 scores: past ~8k it runs out of memory after compiling)",
+    )
     p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
     p.add_argument("--runs-dir", default="outputs/throughput_runs", help="run folders (%(default)s)")
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
@@ -190,27 +228,50 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     user_cmd = "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides)
-    meta = {**environment(), "steps": a.steps, "warmup": a.warmup, "profile_steps": a.profile_steps,
-            "command": user_cmd.strip(), "argv": sys.argv[1:]}
+    meta = {
+        **environment(),
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "profile_steps": a.profile_steps,
+        "command": user_cmd.strip(),
+        "argv": sys.argv[1:],
+    }
     cells: list[dict] = []
     from tqdm import tqdm
 
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
-    bar = tqdm([(n, b) for n in seq_lens for b in backends], desc="cells", unit="cell", file=sys.stderr,
-               disable=not sys.stderr.isatty())
+    bar = tqdm(
+        [(n, b) for n in seq_lens for b in backends],
+        desc="cells",
+        unit="cell",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+    )
     for n, b in bar:
         bar.set_postfix_str(f"{b} seq_len={n}")
         if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            cells.append({"backend": b, "seq_len": n, "status": "not_run",
-                          "error": f"not run: --naive-up-to {a.naive_up_to}"})
+            cells.append(
+                {
+                    "backend": b,
+                    "seq_len": n,
+                    "status": "not_run",
+                    "error": f"not run: --naive-up-to {a.naive_up_to}",
+                }
+            )
             continue
         run_dir = runs / f"{b}_n{n}"
         cmd = cell_command(b, n, a, run_dir)
         tqdm.write(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}")
         t0 = time.time()
         try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            proc = subprocess.run(
+                cmd,
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=a.timeout,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
             rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
         except subprocess.TimeoutExpired as e:
             rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"

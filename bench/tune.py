@@ -88,15 +88,19 @@ def parse_plan(text: str) -> dict:
     if text.startswith("provider:"):
         name = text.partition(":")[2]
         if not name or "+" in name or "=" in name:
-            raise SystemExit(f"error: plan {text!r}: provider:NAME takes one provider of bench.attention "
-                             "(e.g. provider:flex) and no tile overrides")
+            raise SystemExit(
+                f"error: plan {text!r}: provider:NAME takes one provider of bench.attention "
+                "(e.g. provider:flex) and no tile overrides"
+            )
         return {"provider": name}
     plan = {}
     for part in text.split("+"):
         key, _, cfg = part.partition("=")
         if key not in PLAN_KEYS or not cfg:
-            raise SystemExit(f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
-                             "(joined by '+') or provider:NAME")
+            raise SystemExit(
+                f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
+                "(joined by '+') or provider:NAME"
+            )
         plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
     return plan
 
@@ -148,8 +152,12 @@ def bwd_plans(d: int, n: int, tma: bool) -> Iterator[tuple]:
         return
     if d >= 128:
         k1 = T(64, 128, 8, 3)
-        for dq in (T(128, 64, 8, 3, tma=True), T(128, 64, 8, 3), T(128, 32, 8, 3, tma=True),
-                   T(64, 64, 4, 3, tma=True)):
+        for dq in (
+            T(128, 64, 8, 3, tma=True),
+            T(128, 64, 8, 3),
+            T(128, 32, 8, 3, tma=True),
+            T(64, 64, 4, 3, tma=True),
+        ):
             yield k1, dq
         yield replace(k1, tma=True), T(128, 64, 8, 3, tma=True)
         yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True)
@@ -174,8 +182,9 @@ class Shape:
         self.n, self.d = n, d
         self.b, self.h = shape_for(a.tokens, a.hidden, n, d)
         gen = torch.Generator(device=a.device).manual_seed(n * 1000 + d)
-        q, k, v, self.do = (torch.randn(self.b, self.h, n, d, device=a.device, dtype=a.dtype, generator=gen)
-                            for _ in range(4))
+        q, k, v, self.do = (
+            torch.randn(self.b, self.h, n, d, device=a.device, dtype=a.dtype, generator=gen) for _ in range(4)
+        )
         self.leaves = [t.requires_grad_() for t in (q, k, v)]
         self.fwd_flops = 2.0 * self.b * self.h * n * n * d  # causal forward; backward is 2.5x
 
@@ -183,8 +192,15 @@ class Shape:
         return f"d={self.d} N={self.n} (B={self.b}, H={self.h})"
 
 
-def time_plan(shape: Shape, timer, tiles: dict, *, fn: Callable | None = None, bwd: bool = True,
-              fwd_ms: float | None = None) -> tuple[float | None, float | None, str | None]:
+def time_plan(
+    shape: Shape,
+    timer,
+    tiles: dict,
+    *,
+    fn: Callable | None = None,
+    bwd: bool = True,
+    fwd_ms: float | None = None,
+) -> tuple[float | None, float | None, str | None]:
     """(forward ms, backward ms, error) of `fn` (default `kernels.flash_attention(causal=True)`) on `shape`
     under `override_tile_config(**tiles)`; backward = forward+backward minus forward, None with `bwd` False.
     `fwd_ms` given: the forward is not timed again. A plan that cannot launch (tiles beyond the shared
@@ -224,8 +240,16 @@ def _fmt_tf(x: float | None) -> str:
 
 
 def _record(a, shape: Shape, **fields) -> dict:
-    return dict(d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__,
-                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return dict(
+        d=shape.d,
+        N=shape.n,
+        B=shape.b,
+        H=shape.h,
+        **fields,
+        gpu=a.gpu,
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
 
 
 def _progress(items: Sequence, desc: str):
@@ -253,8 +277,10 @@ def search(a, out) -> None:
                 continue
             for kernel in a.kernels:
                 if kernel == "bwd":
-                    defaults = tuple(get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
-                                     for k in ("bwd_dkdv", "bwd_dq"))
+                    defaults = tuple(
+                        get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
+                        for k in ("bwd_dkdv", "bwd_dq")
+                    )
                     plans = [defaults, *bwd_plans(d, n, a.tma)]
                     to_tiles = lambda p: {"bwd_dkdv": p[0], "bwd_dq": p[1]}
                     fields = lambda p: {"dkdv": cfg_fields(p[0]), "dq": cfg_fields(p[1])}
@@ -271,8 +297,16 @@ def search(a, out) -> None:
                     else:
                         _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
                     tag = "default" if i == 0 else "candidate"
-                    rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err,
-                                  tflops=_tflops(flops, ms))
+                    rec = _record(
+                        a,
+                        shape,
+                        kernel=kernel,
+                        plan=tag,
+                        **fields(plan),
+                        ms=ms,
+                        err=err,
+                        tflops=_tflops(flops, ms),
+                    )
                     out.write(json.dumps(rec) + "\n")
                     out.flush()
                     if ms is not None:
@@ -287,11 +321,17 @@ def search(a, out) -> None:
                 base = next((r for r in rows if r[1] == 0), None)
                 rows.sort(key=lambda r: r[0])
                 top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
-                base_txt = (f"default {base[0]:.3f} ms ({_fmt_tf(_tflops(flops, base[0]))} TF/s)" if base
-                            else "default did not run")
-                print(f"{kernel:8s} {shape.describe()}: {base_txt} | best {json.dumps(fields(rows[0][2]))} "
-                      f"{rows[0][0]:.3f} ms ({_fmt_tf(_tflops(flops, rows[0][0]))} TF/s) | top3 {top3} "
-                      f"[{time.time() - t0:.0f} s]", flush=True)
+                base_txt = (
+                    f"default {base[0]:.3f} ms ({_fmt_tf(_tflops(flops, base[0]))} TF/s)"
+                    if base
+                    else "default did not run"
+                )
+                print(
+                    f"{kernel:8s} {shape.describe()}: {base_txt} | best {json.dumps(fields(rows[0][2]))} "
+                    f"{rows[0][0]:.3f} ms ({_fmt_tf(_tflops(flops, rows[0][0]))} TF/s) | top3 {top3} "
+                    f"[{time.time() - t0:.0f} s]",
+                    flush=True,
+                )
             del shape
             _empty_cache(a)
 
@@ -304,8 +344,10 @@ def ab(a, out) -> None:
     for d in a.headdims:
         for n in a.seqlens:
             shape = Shape(a, n, d)
-            impl = {text: build_provider(p["provider"], n=n, device=a.device) if "provider" in p else None
-                    for text, p in plans}
+            impl = {
+                text: build_provider(p["provider"], n=n, device=a.device) if "provider" in p else None
+                for text, p in plans
+            }
             res: dict[str, tuple[list, list, set]] = {text: ([], [], set()) for text, _ in plans}
             for _ in _progress(range(a.rounds), f"rounds d={d} N={n}"):
                 for text, plan in plans:
@@ -326,12 +368,19 @@ def ab(a, out) -> None:
                 bwd_tf = [x for x in bwd_tf if x is not None]
                 line += f"fwd {statistics.median(fwd_tf):6.1f} TF/s ({min(fwd_tf):.0f}-{max(fwd_tf):.0f})"
                 if bwd_tf:
-                    line += (f"  bwd {statistics.median(bwd_tf):6.1f} TF/s "
-                             f"({min(bwd_tf):.0f}-{max(bwd_tf):.0f})")
+                    line += (
+                        f"  bwd {statistics.median(bwd_tf):6.1f} TF/s ({min(bwd_tf):.0f}-{max(bwd_tf):.0f})"
+                    )
                 print(line, flush=True)
                 if out is not None:
-                    out.write(json.dumps(_record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf,
-                                                 bwd_tflops=bwd_tf)) + "\n")
+                    out.write(
+                        json.dumps(
+                            _record(
+                                a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf
+                            )
+                        )
+                        + "\n"
+                    )
                     out.flush()
             del shape
             _empty_cache(a)
@@ -357,29 +406,60 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI of both modes; its --help is the module docstring (plan syntax, example commands)."""
-    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", type=_ints, default=None,
-                   help="comma list of N (default: search 1024,4096,16384; --plans 4096,16384; dry run 32)")
-    p.add_argument("--headdims", "--d", dest="headdims", type=_ints, default=None,
-                   help="comma list of d (default 64,128; dry run 16)")
-    p.add_argument("--kernels", default="fwd,bwd_dkdv,bwd_dq",
-                   help="search: comma list from fwd,bwd_dkdv,bwd_dq, or bwd for the joint backward search")
-    p.add_argument("--configs", type=parse_configs, default=None,
-                   help="search: explicit candidates for every kernel and d instead of the grid: "
-                        "BMxBNxWARPSxSTAGES[t],... ('t': TMA loads, bwd_dkdv / bwd_dq only)")
-    p.add_argument("--tma", action="store_true",
-                   help="with --kernels bwd: search backward pairs with tensor-descriptor (TMA) loads")
-    p.add_argument("--plans", nargs="+", default=None,
-                   help="interleaved A/B of these plans instead of a search (syntax in the description)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--seqlens",
+        type=_ints,
+        default=None,
+        help="comma list of N (default: search 1024,4096,16384; --plans 4096,16384; dry run 32)",
+    )
+    p.add_argument(
+        "--headdims",
+        "--d",
+        dest="headdims",
+        type=_ints,
+        default=None,
+        help="comma list of d (default 64,128; dry run 16)",
+    )
+    p.add_argument(
+        "--kernels",
+        default="fwd,bwd_dkdv,bwd_dq",
+        help="search: comma list from fwd,bwd_dkdv,bwd_dq, or bwd for the joint backward search",
+    )
+    p.add_argument(
+        "--configs",
+        type=parse_configs,
+        default=None,
+        help="search: explicit candidates for every kernel and d instead of the grid: "
+        "BMxBNxWARPSxSTAGES[t],... ('t': TMA loads, bwd_dkdv / bwd_dq only)",
+    )
+    p.add_argument(
+        "--tma",
+        action="store_true",
+        help="with --kernels bwd: search backward pairs with tensor-descriptor (TMA) loads",
+    )
+    p.add_argument(
+        "--plans",
+        nargs="+",
+        default=None,
+        help="interleaved A/B of these plans instead of a search (syntax in the description)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="A/B rounds (default 3)")
     p.add_argument("--no-bwd", action="store_true", help="A/B: forward only")
     p.add_argument("--tokens", type=int, default=None, help="B*N per shape (default 16384; dry run 64)")
     p.add_argument("--hidden", type=int, default=None, help="H*d (default 2048; dry run 32)")
-    p.add_argument("--out", default=None,
-                   help="JSON lines appended here (default: search tune.jsonl; A/B: none, console only)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="tiny CPU run under TRITON_INTERPRET=1 (float32) to check the plumbing")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON lines appended here (default: search tune.jsonl; A/B: none, console only)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny CPU run under TRITON_INTERPRET=1 (float32) to check the plumbing",
+    )
     return p
 
 
@@ -411,10 +491,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.dry_run:
         a.device, a.dtype, a.gpu = torch.device("cpu"), torch.float32, None
     elif not torch.cuda.is_available():
-        print("error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
-              "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` "
-              "checks the plumbing and "
-              "`python -m kernels.compile_report` compiles the kernels for sm_90 offline.", file=sys.stderr)
+        print(
+            "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
+            "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` "
+            "checks the plumbing and "
+            "`python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
+            file=sys.stderr,
+        )
         return 2
     else:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()

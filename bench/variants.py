@@ -44,7 +44,7 @@ def visible_pairs(mask: str, n: int, doc_ids=None) -> int:
     if mask == "causal":
         return n * (n + 1) // 2
     if mask.startswith("window"):
-        w = int(mask[len("window"):])
+        w = int(mask[len("window") :])
         w = min(w, n)
         return w * (w + 1) // 2 + (n - w) * w
     import torch
@@ -62,10 +62,11 @@ def make_flex(mask: str, n: int, doc_ids, device, b: int, h: int, compiled: bool
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if mask == "causal":
+
         def mask_mod(bi, hi, qi, ki):
             return qi >= ki
     elif mask.startswith("window"):
-        w = int(mask[len("window"):])
+        w = int(mask[len("window") :])
 
         def mask_mod(bi, hi, qi, ki):
             return (qi >= ki) & (qi - ki < w)
@@ -74,6 +75,7 @@ def make_flex(mask: str, n: int, doc_ids, device, b: int, h: int, compiled: bool
 
         def mask_mod(bi, hi, qi, ki):
             return (qi >= ki) & (docs[bi, qi] == docs[bi, ki])
+
     block = create_block_mask(mask_mod, b, None, n, n, device=str(device))
     fn = torch.compile(flex_attention) if compiled else flex_attention
     return lambda q, k, v: fn(q, k, v, block_mask=block)
@@ -85,7 +87,7 @@ def make_flash(mask: str, doc_ids):
     if mask == "causal":
         return lambda q, k, v: flash_attention(q, k, v, causal=True)
     if mask.startswith("window"):
-        w = int(mask[len("window"):])
+        w = int(mask[len("window") :])
         return lambda q, k, v: flash_attention(q, k, v, causal=True, window=w)
     return lambda q, k, v: flash_attention(q, k, v, causal=True, doc_ids=doc_ids)
 
@@ -116,14 +118,26 @@ def bench_one(provider: str, mask: str, n: int, mode: str, args, device) -> dict
     q, k, v, do = (torch.randn(b, h, n, d, generator=g).to(device=device, dtype=dtype) for _ in range(4))
     doc_ids = doc_ids_for(b, n, args.doc_mean, args.seed).to(device) if mask == "docs" else None
     pairs = visible_pairs(mask, n, doc_ids) * (1 if mask == "docs" else b)
-    rec = dict(provider=provider, mask=mask, n=n, mode=mode, b=b, h=h, d=d, visible_pairs=pairs,
-               doc_mean=args.doc_mean if mask == "docs" else None)
+    rec = dict(
+        provider=provider,
+        mask=mask,
+        n=n,
+        mode=mode,
+        b=b,
+        h=h,
+        d=d,
+        visible_pairs=pairs,
+        doc_mean=args.doc_mean if mask == "docs" else None,
+    )
     if provider == "flex" and mode == "fwd+bwd" and device.type == "cpu":
         rec.update(status="skipped: FlexAttention has no CPU backward", ms=None, tflops=None)
         return rec
     try:
-        attn = (make_flash(mask, doc_ids) if provider == "flash"
-                else make_flex(mask, n, doc_ids, device, b, h, compiled=not args.dry_run))
+        attn = (
+            make_flash(mask, doc_ids)
+            if provider == "flash"
+            else make_flex(mask, n, doc_ids, device, b, h, compiled=not args.dry_run)
+        )
         if mode == "fwd":
             with torch.no_grad():
                 ms = time_ms(lambda: attn(q, k, v), args.dry_run)
@@ -134,6 +148,7 @@ def bench_one(provider: str, mask: str, n: int, mode: str, args, device) -> dict
                 for t in (qg, kg, vg):
                     t.grad = None
                 attn(qg, kg, vg).backward(do)
+
             ms = time_ms(step, args.dry_run)
         flops = 4.0 * d * pairs * h * (2.5 if mode == "fwd+bwd" else 1.0)
         rec.update(status="ok", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
@@ -146,17 +161,24 @@ def bench_one(provider: str, mask: str, n: int, mode: str, args, device) -> dict
 
 def markdown(records: list[dict], meta: dict) -> str:
     idx = {(r["provider"], r["mask"], r["n"], r["mode"]): r for r in records}
-    lines = [f"# Attention variants: {meta['device']}", "",
-             f"B * N = {meta['tokens']} tokens, H = {meta['heads']}, d = {meta['head_dim']}, "
-             f"{meta['dtype']}; documents: random lengths, mean {meta['doc_mean']}; median ms "
-             "(triton.testing.do_bench); TF/s over the visible pairs only.", ""]
+    lines = [
+        f"# Attention variants: {meta['device']}",
+        "",
+        f"B * N = {meta['tokens']} tokens, H = {meta['heads']}, d = {meta['head_dim']}, "
+        f"{meta['dtype']}; documents: random lengths, mean {meta['doc_mean']}; median ms "
+        "(triton.testing.do_bench); TF/s over the visible pairs only.",
+        "",
+    ]
     if meta.get("dry_run"):
         lines += ["**Dry run** (CPU, Triton interpreter): the numbers are meaningless.", ""]
-    lines += ["| mask | N | mode | flash ms | flash TF/s | flex ms | flash / flex | vs full causal (flash) |",
-              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [
+        "| mask | N | mode | flash ms | flash TF/s | flex ms | flash / flex | vs full causal (flash) |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
 
     def fmt(x, spec):
         return "—" if x is None else format(x, spec)
+
     for mask in meta["masks"]:
         for n in meta["ns"]:
             for mode in meta["modes"]:
@@ -167,25 +189,37 @@ def markdown(records: list[dict], meta: dict) -> str:
                 ratio = xm / fm if fm and xm else None
                 speedup = cm / fm if fm and cm else None
                 tf = (f or {}).get("tflops")
-                lines.append(f"| {mask} | {n} | {mode} | {fmt(fm, '.3f')} | {fmt(tf, '.0f')} "
-                             f"| {fmt(xm, '.3f')} | {fmt(ratio, '.2f')} | {fmt(speedup, '.2f')}x |")
-    bar = (idx.get(("flash", "window1024", 32768, "fwd+bwd")), idx.get(("flash", "causal", 32768, "fwd+bwd")),
-           idx.get(("flex", "window1024", 32768, "fwd+bwd")))
+                lines.append(
+                    f"| {mask} | {n} | {mode} | {fmt(fm, '.3f')} | {fmt(tf, '.0f')} "
+                    f"| {fmt(xm, '.3f')} | {fmt(ratio, '.2f')} | {fmt(speedup, '.2f')}x |"
+                )
+    bar = (
+        idx.get(("flash", "window1024", 32768, "fwd+bwd")),
+        idx.get(("flash", "causal", 32768, "fwd+bwd")),
+        idx.get(("flex", "window1024", 32768, "fwd+bwd")),
+    )
     if all(r and r.get("ms") for r in bar):
         speed, vs_flex = bar[1]["ms"] / bar[0]["ms"], bar[2]["ms"] / bar[0]["ms"]
         ok = speed >= 8 and vs_flex >= 1
-        lines += ["", f"Bar (N = 32k, w = 1024, fwd+bwd): {speed:.1f}x faster than full causal (need >= 8), "
-                      f"{vs_flex:.2f}x FlexAttention (need >= 1): {'met' if ok else 'NOT met'}."]
+        lines += [
+            "",
+            f"Bar (N = 32k, w = 1024, fwd+bwd): {speed:.1f}x faster than full causal (need >= 8), "
+            f"{vs_flex:.2f}x FlexAttention (need >= 1): {'met' if ok else 'NOT met'}.",
+        ]
     failed = [r for r in records if r["status"] != "ok" and not r["status"].startswith("skipped")]
     if failed:
-        lines += ["", "Failed cells:"] + [f"- {r['provider']} {r['mask']} N={r['n']} {r['mode']}: "
-                                          f"{r['status']}" for r in failed]
+        lines += ["", "Failed cells:"] + [
+            f"- {r['provider']} {r['mask']} N={r['n']} {r['mode']}: {r['status']}" for r in failed
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.variants",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", required=True, help="output directory (JSON + markdown)")
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run under the Triton interpreter")
     p.add_argument("--ns", type=int, nargs="+", default=None, help="sequence lengths (default 8k..64k)")
@@ -211,8 +245,10 @@ def main(argv=None) -> int:
     import torch
 
     if not dry and not torch.cuda.is_available():
-        print("error: bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run",
-              file=sys.stderr)
+        print(
+            "error: bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cpu" if dry else "cuda")
     masks = ["causal"] + [f"window{w}" for w in args.windows] + ["docs"]
@@ -224,14 +260,26 @@ def main(argv=None) -> int:
                     rec = bench_one(provider, mask, n, mode, args, device)
                     records.append(rec)
                     ms = "—" if rec["ms"] is None else f"{rec['ms']:.3f} ms"
-                    print(f"{provider:5s} {mask:11s} N={n:<6d} {mode:8s} {ms}  {rec['status'][:80]}",
-                          flush=True)
+                    print(
+                        f"{provider:5s} {mask:11s} N={n:<6d} {mode:8s} {ms}  {rec['status'][:80]}", flush=True
+                    )
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     tag = args.tag or ("dryrun" if dry else ("h200" if "H200" in gpu else gpu.split()[-1].lower()))
-    meta = dict(device=gpu, dtype="float32" if dry else "bfloat16", tokens=args.tokens, heads=args.heads,
-                head_dim=args.head_dim, doc_mean=args.doc_mean, ns=args.ns, masks=masks, modes=args.modes,
-                dry_run=dry, torch=torch.__version__, seed=args.seed,
-                time_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()))
+    meta = dict(
+        device=gpu,
+        dtype="float32" if dry else "bfloat16",
+        tokens=args.tokens,
+        heads=args.heads,
+        head_dim=args.head_dim,
+        doc_mean=args.doc_mean,
+        ns=args.ns,
+        masks=masks,
+        modes=args.modes,
+        dry_run=dry,
+        torch=torch.__version__,
+        seed=args.seed,
+        time_utc=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"variants_{tag}.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1) + "\n")

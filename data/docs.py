@@ -59,10 +59,10 @@ def separator_ends(tokens: np.ndarray, sep: list[int] | tuple[int, ...]) -> np.n
     ends = np.zeros(tokens.shape, dtype=bool)
     if n < length:
         return ends
-    hit = np.ones(tokens[..., length - 1:].shape, dtype=bool)
+    hit = np.ones(tokens[..., length - 1 :].shape, dtype=bool)
     for k, s in enumerate(sep):
-        hit &= tokens[..., k: n - length + 1 + k] == s
-    ends[..., length - 1:] = hit
+        hit &= tokens[..., k : n - length + 1 + k] == s
+    ends[..., length - 1 :] = hit
     return ends
 
 
@@ -76,9 +76,9 @@ def doc_ids_from_tokens(idx: torch.Tensor, sep: list[int] | tuple[int, ...]) -> 
     n = idx.shape[-1]
     ends = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
     if n >= length:
-        hit = torch.ones(idx[..., length - 1:].shape, dtype=torch.bool, device=idx.device)
+        hit = torch.ones(idx[..., length - 1 :].shape, dtype=torch.bool, device=idx.device)
         for k, s in enumerate(sep):
-            hit &= idx[..., k: n - length + 1 + k] == s
-        ends[..., length - 1:] = hit
+            hit &= idx[..., k : n - length + 1 + k] == s
+        ends[..., length - 1 :] = hit
     ends = ends.to(torch.int32)
     return (torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends).to(torch.int32)

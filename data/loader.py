@@ -157,7 +157,8 @@ class BinDataset:
             if not sep:
                 raise ValueError(
                     f"{self.data_dir} was prepared without a document separator; set data.doc_separator "
-                    "(e.g. data.doc_separator='\n\n' for Tiny Shakespeare) with a data.dir of its own")
+                    "(e.g. data.doc_separator='\n\n' for Tiny Shakespeare) with a data.dir of its own"
+                )
             from data.docs import separator_ends
 
             ends = np.flatnonzero(separator_ends(np.asarray(self._data), sep)) + 1
@@ -184,7 +185,13 @@ class BinDataset:
         return x, y
 
     def batch(
-        self, batch_size: int, *, seed: int, step: int, micro_step: int = 0, rank: int = 0,
+        self,
+        batch_size: int,
+        *,
+        seed: int,
+        step: int,
+        micro_step: int = 0,
+        rank: int = 0,
         with_doc_ids: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """Random windows for one (micro-)batch.
@@ -234,8 +241,9 @@ class BinDataset:
             raise ValueError("batch_size must be >= 1")
         seed = _nonneg_int("seed", seed)
         return [
-            self._windows(np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size,
-                          with_doc_ids)
+            self._windows(
+                np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size, with_doc_ids
+            )
             for i in range(n_batches)
         ]
 

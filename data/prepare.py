@@ -52,7 +52,9 @@ from data.tokenizer import MAX_VOCAB, TOKENIZERS, make_tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
 DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIRS = {"gpt2": DATA_DIR / "shakespeare", "char": DATA_DIR / "shakespeare_char"}
 DOWNLOAD_NAME = "input.txt"
@@ -193,7 +195,7 @@ def _decode_utf8(raw: bytes, path: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"{path} is not UTF-8 text: byte {raw[e.start:e.start + 1]!r} at offset {e.start} is invalid "
+            f"{path} is not UTF-8 text: byte {raw[e.start : e.start + 1]!r} at offset {e.start} is invalid "
             f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
             "pass the converted file."
         ) from e
@@ -270,7 +272,13 @@ def prepare(
     n_train = split_point(len(ids), val_fraction)
     logger.info(
         "prepare %s: %s tokenizer, %d chars -> %d tokens (%d train / %d val) -> %s",
-        src_label, tokenizer, len(text), len(ids), n_train, len(ids) - n_train, out,
+        src_label,
+        tokenizer,
+        len(text),
+        len(ids),
+        n_train,
+        len(ids) - n_train,
+        out,
     )
 
     meta_path(out).unlink(missing_ok=True)  # directory is "unprepared" until the new meta lands
@@ -297,7 +305,7 @@ def prepare(
         meta["doc_separator_ids"] = sep_ids
         # documents starting in each split: position 0 and every position after a separator end
         meta["train_docs"] = 1 + int(ends[: n_train - 1].sum())
-        meta["val_docs"] = 1 + int(ends[n_train: len(ids) - 1].sum())
+        meta["val_docs"] = 1 + int(ends[n_train : len(ids) - 1].sum())
     _write_meta(meta_path(out), meta)
     return meta
 
@@ -390,18 +398,23 @@ def main(argv: list[str] | None = None) -> int:
         description="Tokenize a UTF-8 text corpus into train.bin / val.bin (uint16) + meta.json.",
     )
     parser.add_argument(
-        "--source", default=None,
+        "--source",
+        default=None,
         help="UTF-8 text file or http(s) URL (default: download Tiny Shakespeare into OUT_DIR/input.txt)",
     )
     parser.add_argument(
-        "--out-dir", default=None,
+        "--out-dir",
+        default=None,
         help="output directory (default: data/shakespeare for gpt2, data/shakespeare_char for char)",
     )
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2")
     parser.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for val (0.1)")
-    parser.add_argument("--doc-separator", default=None,
-                        help="string between documents, e.g. $'\\n\\n' (records document starts for "
-                             "document masking; gpt2 writes <|endoftext|> between documents)")
+    parser.add_argument(
+        "--doc-separator",
+        default=None,
+        help="string between documents, e.g. $'\\n\\n' (records document starts for "
+        "document masking; gpt2 writes <|endoftext|> between documents)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 

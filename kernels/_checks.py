@@ -36,17 +36,23 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None  # once, at import 
 def _device_problem(device: torch.device) -> str | None:
     """Why flash attention cannot run on `device`, or None when it can."""
     if not _HAS_TRITON:
-        return ("flash attention needs the `triton` package, which is not installed; install it "
-                "(pip install triton, Linux + CUDA) or use attention=sdpa, the portable choice.")
+        return (
+            "flash attention needs the `triton` package, which is not installed; install it "
+            "(pip install triton, Linux + CUDA) or use attention=sdpa, the portable choice."
+        )
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            return (f"flash attention was asked to run on {device}, but torch.cuda.is_available() is "
-                    "False; use a CUDA build of torch on a GPU machine, or attention=sdpa (portable).")
+            return (
+                f"flash attention was asked to run on {device}, but torch.cuda.is_available() is "
+                "False; use a CUDA build of torch on a GPU machine, or attention=sdpa (portable)."
+            )
         return None
     if device.type == "cpu" and interpret_enabled():
         return None
-    return (f"flash attention needs a CUDA GPU, but the tensors are on {device}. For slow CPU testing "
-            "set TRITON_INTERPRET=1 (Triton interpreter); otherwise attention=sdpa is the portable choice.")
+    return (
+        f"flash attention needs a CUDA GPU, but the tensors are on {device}. For slow CPU testing "
+        "set TRITON_INTERPRET=1 (Triton interpreter); otherwise attention=sdpa is the portable choice."
+    )
 
 
 def check_flash_available(device) -> None:
@@ -76,20 +82,24 @@ def _validate(q, k, v, causal, softmax_scale) -> None:
         if t.dim() != 4:
             raise ValueError(
                 f"{name} must be 4-D {layout} in SDPA layout, got shape {tuple(t.shape)}; "
-                "for (B, N, H, d) tensors pass x.transpose(1, 2) (no copy needed)")
+                "for (B, N, H, d) tensors pass x.transpose(1, 2) (no copy needed)"
+            )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{name} has dtype {t.dtype}; flash attention supports float16, bfloat16 and float32 "
-                f"- cast with {name}.to(torch.bfloat16) (or float16/float32)")
+                f"- cast with {name}.to(torch.bfloat16) (or float16/float32)"
+            )
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k, v must have the same dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}; "
-            "cast them to one dtype first")
+            "cast them to one dtype first"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(
             f"q, k, v must be on the same device, got q={q.device}, k={k.device}, v={v.device}; "
-            "move them with .to(device)")
+            "move them with .to(device)"
+        )
     # The device check reads the environment (TRITON_INTERPRET), which dynamo cannot trace; while
     # torch.compile traces, skip it (callers check first: the trainer calls check_flash_available).
     problem = None if torch.compiler.is_compiling() else _device_problem(q.device)
@@ -99,36 +109,45 @@ def _validate(q, k, v, causal, softmax_scale) -> None:
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(
             f"batch size mismatch: q has B={B}, k has B={k.shape[0]}, v has B={v.shape[0]}; "
-            "q, k and v must share dim 0")
+            "q, k and v must share dim 0"
+        )
     if k.shape[3] != d or v.shape[3] != d:
         raise ValueError(
             f"head dim mismatch: q has d={d}, k has d={k.shape[3]}, v has d={v.shape[3]}; "
-            "q, k and v must share the last dim")
+            "q, k and v must share the last dim"
+        )
     if k.shape[2] != v.shape[2]:
         raise ValueError(
-            f"k and v must have the same sequence length Nk (dim 2), got k: {k.shape[2]}, v: {v.shape[2]}")
+            f"k and v must have the same sequence length Nk (dim 2), got k: {k.shape[2]}, v: {v.shape[2]}"
+        )
     if k.shape[1] != v.shape[1]:
         raise ValueError(
-            f"k and v must have the same number of heads Hkv (dim 1), got k: {k.shape[1]}, v: {v.shape[1]}")
+            f"k and v must have the same number of heads Hkv (dim 1), got k: {k.shape[1]}, v: {v.shape[1]}"
+        )
     Hkv, Nk = k.shape[1], k.shape[2]
     if min(B, Hq, Hkv) == 0:
         raise ValueError(
-            f"empty batch or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}; B, Hq, Hkv must be >= 1")
+            f"empty batch or head dim: q {tuple(q.shape)}, k {tuple(k.shape)}; B, Hq, Hkv must be >= 1"
+        )
     if Nq == 0 or Nk == 0:
         raise ValueError(
             f"sequence length must be >= 1, got Nq={Nq} (q dim 2), Nk={Nk} (k/v dim 2); "
-            "skip the attention call for empty sequences")
+            "skip the attention call for empty sequences"
+        )
     if Hq % Hkv != 0:
         raise ValueError(
             f"number of query heads Hq={Hq} must be a multiple of key/value heads Hkv={Hkv} (GQA/MQA); "
-            "choose n_head divisible by n_kv_head")
+            "choose n_head divisible by n_kv_head"
+        )
     if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM):
         raise ValueError(
             f"head dim d={d} is outside the supported range [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]; "
-            "change n_embd / n_head or use attention=sdpa")
+            "change n_embd / n_head or use attention=sdpa"
+        )
     if Hq > _MAX_GRID_YZ or B > _MAX_GRID_YZ:
         raise ValueError(
-            f"B={B} and Hq={Hq} must each be <= {_MAX_GRID_YZ} (CUDA grid limit); split the batch")
+            f"B={B} and Hq={Hq} must each be <= {_MAX_GRID_YZ} (CUDA grid limit); split the batch"
+        )
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if softmax_scale is not None:
@@ -142,39 +161,54 @@ def _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed):
     """Validate the variant arguments of `flash_attention` (see its docstring for the errors)."""
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be None or an int >= 1 (keys per query, itself included), got "
-                             f"{window!r}")
+            raise ValueError(
+                f"window must be None or an int >= 1 (keys per query, itself included), got {window!r}"
+            )
         if not causal:
-            raise ValueError("window needs causal=True (a causal sliding window: query i sees keys "
-                             "i - w < j <= i); pass causal=True or window=None")
+            raise ValueError(
+                "window needs causal=True (a causal sliding window: query i sees keys "
+                "i - w < j <= i); pass causal=True or window=None"
+            )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_seed is not None:
         if isinstance(dropout_seed, torch.Tensor):
             if dropout_seed.numel() != 1 or dropout_seed.dtype != torch.int64:
-                raise ValueError(f"dropout_seed as a tensor must be one int64 element, got dtype "
-                                 f"{dropout_seed.dtype}, shape {tuple(dropout_seed.shape)}; or pass an int")
-        elif (isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int)
-              or not 0 <= dropout_seed < 2**63):
-            raise ValueError(f"dropout_seed must be None, an int in [0, 2**63) or an int64 tensor of one "
-                             f"element, got {dropout_seed!r}")
+                raise ValueError(
+                    f"dropout_seed as a tensor must be one int64 element, got dtype "
+                    f"{dropout_seed.dtype}, shape {tuple(dropout_seed.shape)}; or pass an int"
+                )
+        elif (
+            isinstance(dropout_seed, bool)
+            or not isinstance(dropout_seed, int)
+            or not 0 <= dropout_seed < 2**63
+        ):
+            raise ValueError(
+                f"dropout_seed must be None, an int in [0, 2**63) or an int64 tensor of one "
+                f"element, got {dropout_seed!r}"
+            )
     if doc_ids is None:
         return None
     from .reference import split_doc_ids
 
     doc_q, doc_k = split_doc_ids(doc_ids, q.shape[2], k.shape[2])
     if doc_q.shape[0] != q.shape[0]:
-        raise ValueError(f"doc_ids have batch size {doc_q.shape[0]}, q has B={q.shape[0]}; one row of ids "
-                         "per sequence")
+        raise ValueError(
+            f"doc_ids have batch size {doc_q.shape[0]}, q has B={q.shape[0]}; one row of ids per sequence"
+        )
     if doc_q.device != q.device or doc_k.device != q.device:
-        raise ValueError(f"doc_ids must be on q's device {q.device}, got {doc_q.device} / {doc_k.device}; "
-                         "move them with .to(q.device)")
+        raise ValueError(
+            f"doc_ids must be on q's device {q.device}, got {doc_q.device} / {doc_k.device}; "
+            "move them with .to(q.device)"
+        )
     if not torch.compiler.is_compiling():  # one device sync; traced graphs skip the check
         for name, t in (("doc_q", doc_q), ("doc_k", doc_k)):
             if t.shape[1] > 1 and not bool((t[:, 1:] >= t[:, :-1]).all()):
-                raise ValueError(f"document ids ({name}) must be non-decreasing along each sequence (packed "
-                                 "documents, each one contiguous); number the documents in order, e.g. "
-                                 "doc_ids = is_doc_start.cumsum(-1)")
+                raise ValueError(
+                    f"document ids ({name}) must be non-decreasing along each sequence (packed "
+                    "documents, each one contiguous); number the documents in order, e.g. "
+                    "doc_ids = is_doc_start.cumsum(-1)"
+                )
     return doc_q, doc_k
 
 
@@ -202,5 +236,3 @@ def _seed_tensor(dropout_seed, device) -> torch.Tensor:
     elif not isinstance(dropout_seed, torch.Tensor):
         dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64)
     return dropout_seed.reshape(1).to(device)
-
-

@@ -63,12 +63,35 @@ def _sum0_interp(x):
 
 
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, O_PART, LSE_PART,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    SEQLENS,
+    O_PART,
+    LSE_PART,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    H_Q,
+    GROUP,
+    N_Q,
+    HEAD_DIM,
+    SPLIT_LEN,
+    NUM_SPLITS,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units."""
@@ -87,8 +110,9 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = (
+        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -105,8 +129,9 @@ def _decode_split_kernel(
         col_ok = cols < hi
         cols_64 = cols.to(tl.int64)
         kv_mask = col_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
+        k = tl.load(
+            k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
@@ -116,8 +141,9 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _sum1(p)
-        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
+        v = tl.load(
+            v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -133,10 +159,20 @@ def _decode_split_kernel(
 
 
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, N_Q, HEAD_DIM, NUM_SPLITS,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    O_PART,
+    LSE_PART,
+    O,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    H_Q,
+    N_Q,
+    HEAD_DIM,
+    NUM_SPLITS,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Combine the splits of one (b, h, query row): LSE-weighted sum of the partial outputs."""
     row = tl.program_id(0).to(tl.int64)
@@ -149,22 +185,31 @@ def _decode_combine_kernel(
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse2 - m_shift)  # 0 for empty splits (lse = -inf)
     total = _sum0(w)
-    o_part = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=s_ok[:, None] & mask_d[None, :], other=0.0)
+    o_part = tl.load(
+        O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     total_safe = tl.where(total > 0.0, total, 1.0)
     o = _sum0(o_part * w[:, None]) / total_safe
     b = row // (H_Q * N_Q)
     h = (row // N_Q) % H_Q
     qi = row % N_Q
-    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
-             o.to(O.dtype.element_ty), mask=mask_d)
+    tl.store(
+        O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=mask_d,
+    )
     lse = tl.where(total > 0.0, (m + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row, lse)
 
 
 _HELPERS = (_max1, _sum1, _max0, _sum0)
 _INTERPRETER_HELPERS = {
-    "_max1": _max1_interp, "_sum1": _sum1_interp, "_max0": _max0_interp, "_sum0": _sum0_interp,
+    "_max1": _max1_interp,
+    "_sum1": _sum1_interp,
+    "_max0": _max0_interp,
+    "_sum0": _sum0_interp,
 }
 _KERNELS = {"split": _decode_split_kernel, "combine": _decode_combine_kernel}
 _BUILT: dict = {}

@@ -31,9 +31,28 @@ _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
 # the device-side tensor descriptors' extents and coordinate maps (kernels/flash_attn._tma_operand)
-_DESC_INTS = ("q_rows", "q_cols", "row_qb", "row_qh", "col_qh", "do_rows", "do_cols", "row_dob", "row_doh",
-              "col_doh", "k_rows", "k_cols", "row_kb", "row_kh", "col_kh", "v_rows", "v_cols", "row_vb",
-              "row_vh", "col_vh")
+_DESC_INTS = (
+    "q_rows",
+    "q_cols",
+    "row_qb",
+    "row_qh",
+    "col_qh",
+    "do_rows",
+    "do_cols",
+    "row_dob",
+    "row_doh",
+    "col_doh",
+    "k_rows",
+    "k_cols",
+    "row_kb",
+    "row_kh",
+    "col_kh",
+    "v_rows",
+    "v_cols",
+    "row_vb",
+    "row_vh",
+    "col_vh",
+)
 
 
 @dataclass
@@ -52,16 +71,28 @@ class CompileInfo:
 
     def line(self) -> str:
         c = self.config
-        return (f"{self.kernel:9s} {self.dtype:5s} d={self.head_dim:<4d} {c.block_m:>3d}x{c.block_n:<3d} "
-                f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
-                f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
-                f"wgmma={self.uses_wgmma} tma={self.uses_tma} serialized={self.wgmma_serialized}")
+        return (
+            f"{self.kernel:9s} {self.dtype:5s} d={self.head_dim:<4d} {c.block_m:>3d}x{c.block_n:<3d} "
+            f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
+            f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
+            f"wgmma={self.uses_wgmma} tma={self.uses_tma} serialized={self.wgmma_serialized}"
+        )
 
 
-def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bool = True,
-                   config: TileConfig | None = None, arch: int = 90, gqa: bool = False,
-                   tma: bool | None = None, even: bool = False, inductor: bool = False,
-                   variants: tuple[str, ...] = ()) -> CompileInfo:
+def compile_kernel(
+    kernel: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    causal: bool = True,
+    config: TileConfig | None = None,
+    arch: int = 90,
+    gqa: bool = False,
+    tma: bool | None = None,
+    even: bool = False,
+    inductor: bool = False,
+    variants: tuple[str, ...] = (),
+) -> CompileInfo:
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
@@ -94,25 +125,38 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         raise ValueError(f"unknown variants {variants!r}; expected a subset of ('window', 'doc', 'dropout')")
     big = 1 << 20
     cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
-    tma_possible = (kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32
-                    and head_dim == block_d_for(head_dim))
+    tma_possible = (
+        kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32 and head_dim == block_d_for(head_dim)
+    )
     if tma is None:
         tma = cfg.tma and tma_possible and even
     elif tma and not tma_possible:
-        raise ValueError("TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
-                         f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
-                         "these run with pointer loads")
+        raise ValueError(
+            "TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
+            f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
+            "these run with pointer loads"
+        )
     if not tma and cfg.no_tma is not None:
         cfg = cfg.no_tma
     fn = build_kernels(False)[kernel]
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
-    values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even,
-                  EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None, USE_TMA=tma,
-                  HAS_WINDOW="window" in variants, HAS_DOC="doc" in variants,
-                  HAS_DROPOUT="dropout" in variants)
+    values = dict(
+        CAUSAL=causal,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        EVEN_M=even,
+        EVEN_N=even,
+        EVEN_D=head_dim == block_d,
+        HAS_DLSE=False,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        USE_TMA=tma,
+        HAS_WINDOW="window" in variants,
+        HAS_DOC="doc" in variants,
+        HAS_DROPOUT="dropout" in variants,
+    )
     variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
@@ -145,30 +189,54 @@ def compile_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, causal: bo
         else:
             signature[name], constants[name] = "constexpr", values[name]
     src = ASTSource(fn, signature, constants, attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                           debug=inductor))
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, debug=inductor),
+    )
     regs = st = ld = None
     ptxas = triton.knobs.nvidia.ptxas.path
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(compiled.asm["ptx"])
         f.flush()
         suffix = "a" if arch == 90 else ""
-        out = subprocess.run([ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+        )
     m = re.search(r"Used (\d+) registers", out.stderr)
     regs = int(m.group(1)) if m else None
     m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
     if m:
         st, ld = int(m.group(1)), int(m.group(2))
-    return CompileInfo(kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
-                       "wgmma" in compiled.asm["ptx"], "cp.async.bulk.tensor" in compiled.asm["ptx"],
-                       "C7515" in out.stderr)
+    return CompileInfo(
+        kernel,
+        _TL_NAME[dtype],
+        head_dim,
+        cfg,
+        compiled.metadata.shared,
+        regs,
+        st,
+        ld,
+        "wgmma" in compiled.asm["ptx"],
+        "cp.async.bulk.tensor" in compiled.asm["ptx"],
+        "C7515" in out.stderr,
+    )
 
 
-
-def compile_decode_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, group: int = 4, n_q: int = 1,
-                          block_n: int = 64, num_warps: int = 4, num_stages: int = 2, arch: int = 90):
+def compile_decode_kernel(
+    kernel: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    group: int = 4,
+    n_q: int = 1,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    arch: int = 90,
+):
     """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
     sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it; returns the compiled kernel
     (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError when it does not compile."""
@@ -181,8 +249,13 @@ def compile_decode_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, gro
 
     fn = build_decode_kernels(False)[kernel]
     block_d = _pow2(head_dim)
-    values = dict(BLOCK_M=_pow2(group * n_q), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=8,
-                  DOT_PRECISION="ieee" if dtype == torch.float32 else None)
+    values = dict(
+        BLOCK_M=_pow2(group * n_q),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_S=8,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+    )
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in ("Q", "K", "V") or (name == "O" and kernel == "combine"):
@@ -200,8 +273,9 @@ def compile_decode_kernel(kernel: str, dtype: torch.dtype, head_dim: int, *, gro
         else:
             signature[name] = "i32"
     src = ASTSource(fn, signature, constants)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    return triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+    )
 
 
 def main(argv=None) -> None:
@@ -215,26 +289,47 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--even", action="store_true",
-                   help="sequence lengths multiples of the blocks (as in every benchmark shape)")
-    p.add_argument("--inductor", action="store_true",
-                   help="compile as Inductor does (fp64 float scalars, debug=True overflow checks)")
-    p.add_argument("--tma", action=argparse.BooleanOptionalAction, default=None,
-                   help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
-                        "default: as the tile config says")
+    p.add_argument(
+        "--even",
+        action="store_true",
+        help="sequence lengths multiples of the blocks (as in every benchmark shape)",
+    )
+    p.add_argument(
+        "--inductor",
+        action="store_true",
+        help="compile as Inductor does (fp64 float scalars, debug=True overflow checks)",
+    )
+    p.add_argument(
+        "--tma",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
+        "default: as the tile config says",
+    )
     args = p.parse_args(argv)
     cfg = TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages) if args.blocks else None
     for dt in args.dtype:
         for d in args.d:
             for kernel in args.kernel:
                 try:
-                    info = compile_kernel(kernel, DTYPES[dt], d, causal=not args.non_causal, config=cfg,
-                                          arch=args.arch, gqa=args.gqa, tma=args.tma,
-                                          even=args.even, inductor=args.inductor)
+                    info = compile_kernel(
+                        kernel,
+                        DTYPES[dt],
+                        d,
+                        causal=not args.non_causal,
+                        config=cfg,
+                        arch=args.arch,
+                        gqa=args.gqa,
+                        tma=args.tma,
+                        even=args.even,
+                        inductor=args.inductor,
+                    )
                     print(info.line(), flush=True)
                 except Exception as err:  # report and continue with the other configs
-                    print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",
-                          flush=True)
+                    print(
+                        f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

@@ -51,43 +51,62 @@ def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"flash_decode expects 4-D {name} (B, H, N, d), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            raise ValueError(
+                f"flash_decode expects 4-D {name} (B, H, N, d), got "
+                f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+            )
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"flash_decode needs q, k_cache, v_cache of one dtype among {SUPPORTED_DTYPES}, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"flash_decode needs q, k_cache, v_cache of one dtype among {SUPPORTED_DTYPES}, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k_cache, v_cache must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Hq, Nq, d = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[3] != d:
-        raise ValueError(f"k_cache and v_cache must both be (B={B}, Hkv, Nmax, d={d}); got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must both be (B={B}, Hkv, Nmax, d={d}); got {tuple(k.shape)} "
+            f"and {tuple(v.shape)}"
+        )
     Hkv, n_max = k.shape[1], k.shape[2]
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv}) (GQA/MQA)")
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"head dim {d} outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM}")
     if not 1 <= Nq <= min(MAX_DECODE_ROWS, n_max):
-        raise ValueError(f"flash_decode takes 1..{MAX_DECODE_ROWS} query rows (and at most the cache size "
-                         f"{n_max}), got {Nq}; use flash_attention for a prefill")
+        raise ValueError(
+            f"flash_decode takes 1..{MAX_DECODE_ROWS} query rows (and at most the cache size "
+            f"{n_max}), got {Nq}; use flash_attention for a prefill"
+        )
     if cache_seqlens is not None:
-        if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (B,)
-                or cache_seqlens.dtype not in (torch.int32, torch.int64) or cache_seqlens.device != q.device):
+        if (
+            not isinstance(cache_seqlens, torch.Tensor)
+            or cache_seqlens.shape != (B,)
+            or cache_seqlens.dtype not in (torch.int32, torch.int64)
+            or cache_seqlens.device != q.device
+        ):
             raise ValueError(f"cache_seqlens must be an int32/int64 tensor of shape ({B},) on {q.device}")
         # the range check reads the lengths on the host: eager mode only, not while a CUDA graph is
         # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
         # (is_compiling first: dynamo cannot trace is_current_stream_capturing, a graph break)
-        if (not torch.compiler.is_compiling() and _plain_eager_call(q, cache_seqlens)
-                and not (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        if (
+            not torch.compiler.is_compiling()
+            and _plain_eager_call(q, cache_seqlens)
+            and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        ):
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < Nq or hi > n_max:
-                raise ValueError(f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
-                                 f"the new rows' own keys), got min {lo}, max {hi}")
-    if softmax_scale is not None and not (isinstance(softmax_scale, (int, float))
-                                          and math.isfinite(softmax_scale)):
+                raise ValueError(
+                    f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
+                    f"the new rows' own keys), got min {lo}, max {hi}"
+                )
+    if softmax_scale is not None and not (
+        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+    ):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
+    if num_splits is not None and (
+        isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+    ):
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
 
 
@@ -119,21 +138,51 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     with _device_ctx(q):
         _launcher(kernels["split"], (splits, Hkv, B), traced)(
-            q, k_cache, v_cache, cache_seqlens, o_part, lse_part,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(),
-            Hq, group, Nq, d, split_len, splits, scale * LOG2E,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens,
+            o_part,
+            lse_part,
+            *q.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            Hq,
+            group,
+            Nq,
+            d,
+            split_len,
+            splits,
+            scale * LOG2E,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            DOT_PRECISION=_dot_precision(q.dtype),
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
-            o_part, lse_part, o, lse, *o.stride(), Hq, Nq, d, splits,
-            BLOCK_S=_pow2(splits, low=2), BLOCK_D=block_d,
+            o_part,
+            lse_part,
+            o,
+            lse,
+            *o.stride(),
+            Hq,
+            Nq,
+            d,
+            splits,
+            BLOCK_S=_pow2(splits, low=2),
+            BLOCK_D=block_d,
         )
     return o, lse
 
 
-def _decode_op_body(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    cache_seqlens: torch.Tensor, softmax_scale: float,
-                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_op_body(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode."""
     return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
 
@@ -148,8 +197,9 @@ flash_decode_cpu_op = torch.library.custom_op("flashgpt::flash_decode_cpu", _dec
 flash_decode_cpu_op.register_fake(_decode_fake)
 
 
-def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
-                 return_lse=False):
+def flash_decode(
+    q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None, return_lse=False
+):
     """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
 
     Args:
@@ -177,8 +227,15 @@ def flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)
     check_flash_available(q.device)
     if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
-        out = flash_decode(q.float(), k_cache.float(), v_cache.float(), cache_seqlens,
-                           softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse)
+        out = flash_decode(
+            q.float(),
+            k_cache.float(),
+            v_cache.float(),
+            cache_seqlens,
+            softmax_scale=softmax_scale,
+            num_splits=num_splits,
+            return_lse=return_lse,
+        )
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])

@@ -40,32 +40,45 @@ def split_doc_ids(doc_ids, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tens
     """
     if isinstance(doc_ids, torch.Tensor):
         if doc_ids.dim() != 2 or doc_ids.shape[1] != n_k:
-            raise ValueError(f"doc_ids must be (B, Nk) = (B, {n_k}) (one id per key position), got shape "
-                             f"{tuple(doc_ids.shape)}; or pass a pair (doc_q (B, Nq), doc_k (B, Nk))")
+            raise ValueError(
+                f"doc_ids must be (B, Nk) = (B, {n_k}) (one id per key position), got shape "
+                f"{tuple(doc_ids.shape)}; or pass a pair (doc_q (B, Nq), doc_k (B, Nk))"
+            )
         if n_q > n_k:
-            raise ValueError(f"a single doc_ids tensor needs Nq <= Nk (queries: the last Nq positions), got "
-                             f"Nq={n_q}, Nk={n_k}; pass a pair (doc_q (B, Nq), doc_k (B, Nk)) instead")
-        doc_q, doc_k = doc_ids[:, n_k - n_q:], doc_ids
-    elif isinstance(doc_ids, (tuple, list)) and len(doc_ids) == 2 and all(
-            isinstance(t, torch.Tensor) for t in doc_ids):
+            raise ValueError(
+                f"a single doc_ids tensor needs Nq <= Nk (queries: the last Nq positions), got "
+                f"Nq={n_q}, Nk={n_k}; pass a pair (doc_q (B, Nq), doc_k (B, Nk)) instead"
+            )
+        doc_q, doc_k = doc_ids[:, n_k - n_q :], doc_ids
+    elif (
+        isinstance(doc_ids, (tuple, list))
+        and len(doc_ids) == 2
+        and all(isinstance(t, torch.Tensor) for t in doc_ids)
+    ):
         doc_q, doc_k = doc_ids
         if doc_q.dim() != 2 or doc_q.shape[1] != n_q or doc_k.dim() != 2 or doc_k.shape[1] != n_k:
-            raise ValueError(f"doc_ids pair must be (doc_q (B, {n_q}), doc_k (B, {n_k})), got "
-                             f"{tuple(doc_q.shape)} and {tuple(doc_k.shape)}")
+            raise ValueError(
+                f"doc_ids pair must be (doc_q (B, {n_q}), doc_k (B, {n_k})), got "
+                f"{tuple(doc_q.shape)} and {tuple(doc_k.shape)}"
+            )
         if doc_q.shape[0] != doc_k.shape[0]:
             raise ValueError(f"doc_q and doc_k must share B, got {doc_q.shape[0]} and {doc_k.shape[0]}")
     else:
-        raise TypeError(f"doc_ids must be a (B, Nk) integer tensor or a pair (doc_q, doc_k), got "
-                        f"{type(doc_ids).__name__}")
+        raise TypeError(
+            f"doc_ids must be a (B, Nk) integer tensor or a pair (doc_q, doc_k), got {type(doc_ids).__name__}"
+        )
     for name, t in (("doc_q", doc_q), ("doc_k", doc_k)):
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"document ids ({name}) must be an integer tensor, got {t.dtype}; "
-                            "use e.g. doc_ids.to(torch.int32)")
+            raise TypeError(
+                f"document ids ({name}) must be an integer tensor, got {t.dtype}; "
+                "use e.g. doc_ids.to(torch.int32)"
+            )
     return doc_q, doc_k
 
 
-def attention_mask(n_q: int, n_k: int, *, causal: bool = True, window: int | None = None, doc_ids=None,
-                   device=None) -> torch.Tensor:
+def attention_mask(
+    n_q: int, n_k: int, *, causal: bool = True, window: int | None = None, doc_ids=None, device=None
+) -> torch.Tensor:
     """Boolean keep mask, True where query i may attend to key j.
 
     Args:
@@ -100,10 +113,20 @@ def attention_mask(n_q: int, n_k: int, *, causal: bool = True, window: int | Non
     return keep
 
 
-def attention_reference(q, k, v, *, causal: bool = True, window: int | None = None, doc_ids=None,
-                        dropout_keep: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        softmax_scale: float | None = None, mask: torch.Tensor | None = None,
-                        dtype: torch.dtype | None = torch.float64):
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    doc_ids=None,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    dtype: torch.dtype | None = torch.float64,
+):
     """Attention with an explicit boolean mask and softmax, differentiable (autograd), for tests.
 
     Args:
@@ -122,8 +145,10 @@ def attention_reference(q, k, v, *, causal: bool = True, window: int | None = No
         ValueError: bad shapes (Hq not a multiple of Hkv), dropout_p outside [0, 1), bad window / doc ids.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1]:
-        raise ValueError(f"need q (B, Hq, Nq, d), k = v (B, Hkv, Nk, d), Hq % Hkv == 0; got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"need q (B, Hq, Nq, d), k = v (B, Hkv, Nk, d), Hq % Hkv == 0; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     dt = q.dtype if dtype is None else dtype
@@ -132,7 +157,7 @@ def attention_reference(q, k, v, *, causal: bool = True, window: int | None = No
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     n_q, n_k, d = q.shape[2], k.shape[2], q.shape[3]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
     keep = attention_mask(n_q, n_k, causal=causal, window=window, doc_ids=doc_ids, device=q.device)
     if mask is not None:
         keep = keep & mask.to(q.device)

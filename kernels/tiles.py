@@ -177,8 +177,9 @@ def get_tile_config(
 
 
 @functools.lru_cache(maxsize=1024)
-def _default_tile_config(kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int,
-                         interpret: bool) -> TileConfig:
+def _default_tile_config(
+    kernel: str, head_dim: int, dtype: torch.dtype, causal: bool, n_q: int, n_k: int, interpret: bool
+) -> TileConfig:
     """The default of `get_tile_config`, cached: it runs on every launch, and at short sequences the
     host time of a call shows in the measured time (bench/NOTES.md v6)."""
     if interpret:
@@ -198,8 +199,9 @@ def _capped(cfg: TileConfig, n_q: int, n_k: int) -> TileConfig:
     cap_m = max(16, _next_pow2(n_q))
     cap_n = max(16, _next_pow2(n_k))
     alt = _capped(cfg.no_tma, n_q, n_k) if cfg.no_tma is not None else None
-    return TileConfig(min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages,
-                      cfg.tma, alt)
+    return TileConfig(
+        min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages, cfg.tma, alt
+    )
 
 
 def tma_override() -> bool | None:

@@ -158,20 +158,33 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def check_variants(window=None, doc_ids=None, dropout_p: float = 0.0, n: int | None = None) -> None:
     """Raise ValueError naming the argument if a variant value is invalid (see ``attention``)."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be None or an int >= 1 (keys per query, itself included), got "
-                         f"{window!r}")
+        raise ValueError(
+            f"window must be None or an int >= 1 (keys per query, itself included), got {window!r}"
+        )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if doc_ids is not None:
-        if (not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2
-                or (n is not None and doc_ids.shape[1] != n)):
-            raise ValueError(f"doc_ids must be a (B, N) integer tensor with N = {n}, got "
-                             f"{getattr(doc_ids, 'shape', type(doc_ids).__name__)}")
+        if (
+            not isinstance(doc_ids, torch.Tensor)
+            or doc_ids.dim() != 2
+            or (n is not None and doc_ids.shape[1] != n)
+        ):
+            raise ValueError(
+                f"doc_ids must be a (B, N) integer tensor with N = {n}, got "
+                f"{getattr(doc_ids, 'shape', type(doc_ids).__name__)}"
+            )
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto", *,
-    window: int | None = None, doc_ids: torch.Tensor | None = None, dropout_p: float = 0.0,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str,
+    sdpa_backend: str = "auto",
+    *,
+    window: int | None = None,
+    doc_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal scaled dot-product attention (scale 1/sqrt(d)) with the chosen backend, and its variants.
 
@@ -202,15 +215,23 @@ def attention(
         return _REGISTRY[backend](q, k, v, sdpa_backend)
     check_variants(window, doc_ids, dropout_p, q.shape[-2])
     if backend not in _VARIANTS_OK:
-        raise ValueError(f"attention backend {backend!r} was registered without variants=True: it cannot "
-                         "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
-                         "sdpa or flash")
-    return _REGISTRY[backend](q, k, v, sdpa_backend, window=window, doc_ids=doc_ids,
-                              dropout_p=float(dropout_p))
+        raise ValueError(
+            f"attention backend {backend!r} was registered without variants=True: it cannot "
+            "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
+            "sdpa or flash"
+        )
+    return _REGISTRY[backend](
+        q, k, v, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p)
+    )
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str, sdpa_backend: str = "auto", *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str,
+    sdpa_backend: str = "auto",
+    *,
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the Nq newest query rows to a KV-cache prefix of Nk >= Nq keys (decode / chunked prefill).
@@ -238,27 +259,41 @@ def cached_attention(
             "KV cache; generate with use_cache=False, or register it with kv_cache=True"
         )
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"cached_attention expects q (B, H, Nq, d), k = v (B, H, Nk, d); got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"cached_attention expects q (B, H, Nq, d), k = v (B, H, Nk, d); got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     b, h, nq, d = q.shape
     if (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d) or nq > k.shape[2]:
-        raise ValueError(f"cached_attention needs k/v of shape (B, H, Nk >= Nq, d) for q {tuple(q.shape)}; "
-                         f"got {tuple(k.shape)}")
+        raise ValueError(
+            f"cached_attention needs k/v of shape (B, H, Nk >= Nq, d) for q {tuple(q.shape)}; "
+            f"got {tuple(k.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError("cached_attention expects q, k, v with one dtype and device; got "
-                         f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}")
+        raise ValueError(
+            "cached_attention expects q, k, v with one dtype and device; got "
+            f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}"
+        )
     if window is not None:
         check_variants(window)
         if backend not in _VARIANTS_OK:
-            raise ValueError(f"attention backend {backend!r} was registered without variants=True: it cannot "
-                             "run a sliding window; use naive, sdpa or flash")
+            raise ValueError(
+                f"attention backend {backend!r} was registered without variants=True: it cannot "
+                "run a sliding window; use naive, sdpa or flash"
+            )
         return _REGISTRY[backend](q, k, v, sdpa_backend, window=window, doc_ids=None, dropout_p=0.0)
     return _REGISTRY[backend](q, k, v, sdpa_backend)
 
 
 def static_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, backend: str,
-    sdpa_backend: str = "auto", *, window: int | None = None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    backend: str,
+    sdpa_backend: str = "auto",
+    *,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One decode row per sequence against the whole preallocated cache, with per-sequence lengths.
 
@@ -284,8 +319,10 @@ def static_decode_attention(
     check_attention_backend(backend)
     check_sdpa_backend(sdpa_backend)
     if q.dim() != 4 or q.shape[-2] != 1 or k.shape != v.shape or k.shape[:2] != q.shape[:2]:
-        raise ValueError(f"static_decode_attention expects q (B, H, 1, d) and k = v (B, H, T, d); got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"static_decode_attention expects q (B, H, 1, d) and k = v (B, H, T, d); got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if window is not None:
         check_variants(window)
     if backend == "flash" and window is None:
@@ -317,8 +354,10 @@ def static_decode_attention(
                 f"decode step ({_SDPA_HINTS[sdpa_backend]}; the flash kernel takes no mask); use "
                 f"attention.sdpa_backend=auto or efficient/math. PyTorch said: {err}"
             ) from err
-    raise ValueError(f"static decode steps support the built-in backends naive, sdpa, flash, not "
-                     f"{backend!r}; generate with static_decode=False")
+    raise ValueError(
+        f"static decode steps support the built-in backends naive, sdpa, flash, not "
+        f"{backend!r}; generate with static_decode=False"
+    )
 
 
 # --------------------------------------------------------------------------------------- naive
@@ -328,12 +367,21 @@ def _variant_mask(q: torch.Tensor, k: torch.Tensor, window, doc_ids) -> torch.Te
     """Boolean keep mask (Nq, Nk) or (B, 1, Nq, Nk) of the causal (bottom-right) + window + document mask."""
     from kernels.reference import attention_mask
 
-    return attention_mask(q.shape[-2], k.shape[-2], causal=True, window=window, doc_ids=doc_ids,
-                          device=q.device)
+    return attention_mask(
+        q.shape[-2], k.shape[-2], causal=True, window=window, doc_ids=doc_ids, device=q.device
+    )
 
 
-def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
-           dropout_p: float = 0.0) -> torch.Tensor:
+def _naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sdpa_backend: str,
+    *,
+    window=None,
+    doc_ids=None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """Materialised attention: S = q k^T / sqrt(d) and P = softmax(S) in >= float32, then (P.to(v)) @ v.
 
     Memory: one (B, H, N, N) float32 score buffer (scaled and masked in place) and the float32 softmax
@@ -383,12 +431,14 @@ _SDPA_HINTS = {
 }
 
 
-def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, doc_ids=None,
-               dropout_p: float = 0.0) -> torch.Tensor:
+def _sdpa_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, doc_ids=None, dropout_p: float = 0.0
+) -> torch.Tensor:
     nq, nk = q.shape[-2], k.shape[-2]
     if window is not None or doc_ids is not None:  # explicit boolean mask (True = attend)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_variant_mask(q, k, window, doc_ids),
-                                              dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=_variant_mask(q, k, window, doc_ids), dropout_p=dropout_p
+        )
     if dropout_p > 0.0:
         if nq != nk:
             raise ValueError("attention dropout is for training (Nq == Nk); pass dropout_p=0 with a KV cache")
@@ -402,8 +452,16 @@ def _sdpa_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, d
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
-          dropout_p: float = 0.0) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sdpa_backend: str,
+    *,
+    window=None,
+    doc_ids=None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     """SDPA; variants: an explicit boolean mask (window / documents; the flash and cuDNN kernels of SDPA
     take no mask, so pin efficient or math, or use auto) and SDPA's own ``dropout_p``."""
     if sdpa_backend == "auto":
@@ -472,8 +530,16 @@ def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdp
 # --------------------------------------------------------------------------------------- flash
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None,
-           dropout_p: float = 0.0) -> torch.Tensor:
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sdpa_backend: str,
+    *,
+    window=None,
+    doc_ids=None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
     try:
         from kernels import flash_attention
     except ImportError as err:

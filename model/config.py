@@ -17,6 +17,7 @@ PRESETS: dict[str, dict] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
 }
 
+
 @dataclass
 class GPTConfig:
     """GPT hyper-parameters; validated on construction (and by ``dataclasses.replace``).
@@ -65,8 +66,9 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
-                                        or self.window < 1):
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
             raise ValueError(f"GPTConfig.window must be None or an int >= 1, got {self.window!r}")
         if not isinstance(self.document_mask, bool):
             raise ValueError(f"GPTConfig.document_mask must be a bool, got {self.document_mask!r}")
@@ -74,10 +76,15 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.attn_dropout must be in [0, 1), got {self.attn_dropout!r}")
         if self.doc_separator_ids is not None:
             ids = self.doc_separator_ids
-            if (isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__") or len(ids) == 0
-                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
-                raise ValueError(f"GPTConfig.doc_separator_ids must be None or a non-empty list of token "
-                                 f"ids, got {ids!r}")
+            if (
+                isinstance(ids, (str, bytes))
+                or not hasattr(ids, "__len__")
+                or len(ids) == 0
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+            ):
+                raise ValueError(
+                    f"GPTConfig.doc_separator_ids must be None or a non-empty list of token ids, got {ids!r}"
+                )
             self.doc_separator_ids = tuple(ids)  # lists from a checkpoint's model_args
         if self.n_embd % self.n_head != 0:
             suggestion = self.n_head * max(1, round(self.n_embd / self.n_head))

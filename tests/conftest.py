@@ -74,8 +74,10 @@ def gpt2_bpe():
     except RuntimeError as e:
         cause = type(e.__cause__).__name__ if e.__cause__ else "error"
         cache = os.environ.get("TIKTOKEN_CACHE_DIR", "<unset>")
-        pytest.skip(f"needs tiktoken's GPT-2 BPE files: none in TIKTOKEN_CACHE_DIR={cache}, and the "
-                    f"download failed ({cause}: offline?)")
+        pytest.skip(
+            f"needs tiktoken's GPT-2 BPE files: none in TIKTOKEN_CACHE_DIR={cache}, and the "
+            f"download failed ({cause}: offline?)"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -88,8 +88,9 @@ def train_command(args: list[str], launcher: list[str] | None = None, env: dict 
     ``fault.NAME=VALUE`` arguments are test faults, not config keys: they are taken out of ARGS, passed as
     JSON in ``FLASHGPT_TEST_FAULTS`` and the script becomes tests/faulty_train.py, which monkeypatches
     the trainer (nan_at_step, raise_oom_at_step, step_sleep_s, eval_sleep_s) and runs train.py."""
-    faults = {a.split("=", 1)[0][len("fault."):]: float(a.split("=", 1)[1]) for a in args
-              if a.startswith("fault.")}
+    faults = {
+        a.split("=", 1)[0][len("fault.") :]: float(a.split("=", 1)[1]) for a in args if a.startswith("fault.")
+    }
     rest = [a for a in args if not a.startswith("fault.")]
     env = dict(env or train_env())
     if faults:

@@ -9,7 +9,6 @@
 Inputs are seeded random tensors; the seed is in the messages.
 """
 
-
 import pytest
 import torch
 
@@ -90,8 +89,16 @@ def test_doc_ids_rule():
     from data.docs import doc_ids_from_tokens, separator_ends
 
     t = torch.tensor([[5, 1, 1, 7, 1, 1, 1, 2]])
-    assert separator_ends(t.numpy()[0], [1, 1]).tolist() == [False, False, True, False, False, True, True,
-                                                             False]
+    assert separator_ends(t.numpy()[0], [1, 1]).tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+        True,
+        False,
+    ]
     assert doc_ids_from_tokens(t, [1, 1]).tolist() == [[0, 0, 0, 1, 1, 1, 2, 3]]
     assert doc_ids_from_tokens(t, [7]).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]]
 
@@ -125,8 +132,17 @@ def test_loader_doc_ids_match_the_model_derivation(tmp_path, shakespeare_path, s
     ds = BinDataset(tmp_path / "c", "train", 128)
     x, y, doc = ds.batch(16, seed=seed % 1000, step=0, with_doc_ids=True)
     assert doc.dtype == torch.int32 and doc.shape == x.shape and (doc[:, 1:] >= doc[:, :-1]).all()
-    model = GPT(GPTConfig(block_size=128, vocab_size=128, n_layer=1, n_head=2, n_embd=32, document_mask=True,
-                          doc_separator_ids=meta["doc_separator_ids"]))
+    model = GPT(
+        GPTConfig(
+            block_size=128,
+            vocab_size=128,
+            n_layer=1,
+            n_head=2,
+            n_embd=32,
+            document_mask=True,
+            doc_separator_ids=meta["doc_separator_ids"],
+        )
+    )
     derived = model.document_ids(x)
     clean = x[:, 0] != nl  # a window starting on the second '\n' of a separator: the model cannot see it
     assert torch.equal(derived[clean], doc[clean]), f"seed={seed}"
@@ -136,16 +152,24 @@ def test_loader_doc_ids_match_the_model_derivation(tmp_path, shakespeare_path, s
 # ---------------------------------------------------------------------------------------- trainer
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["attention.window=0"], "attention.window=0 must be null or a positive integer"),
-    (["attention.window=true"], "attention.window=True must be null or a positive integer"),
-    (["attention.document_mask=maybe"], "attention.document_mask='maybe' is not valid; choose true or false"),
-    (["attention.document_mask=true"], "attention.document_mask=true needs documents: set data.doc_sep"),
-    (["model.attn_dropout=1.0"], r"model.attn_dropout=1.0 must be in \[0, 1\)"),
-    (["data.doc_separator=''"], "data.doc_separator='' must be null or a non-empty string"),
-    (["attention=sdpa", "attention.sdpa_backend=cudnn", "attention.window=8"],
-     "attention.sdpa_backend=cudnn takes no attention mask"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["attention.window=0"], "attention.window=0 must be null or a positive integer"),
+        (["attention.window=true"], "attention.window=True must be null or a positive integer"),
+        (
+            ["attention.document_mask=maybe"],
+            "attention.document_mask='maybe' is not valid; choose true or false",
+        ),
+        (["attention.document_mask=true"], "attention.document_mask=true needs documents: set data.doc_sep"),
+        (["model.attn_dropout=1.0"], r"model.attn_dropout=1.0 must be in \[0, 1\)"),
+        (["data.doc_separator=''"], "data.doc_separator='' must be null or a non-empty string"),
+        (
+            ["attention=sdpa", "attention.sdpa_backend=cudnn", "attention.window=8"],
+            "attention.sdpa_backend=cudnn takes no attention mask",
+        ),
+    ],
+)
 def test_variant_config_errors(tmp_path, overrides, match):
     """Each bad variant key is a config error naming it: from OmegaConf's types while composing (as
     train.py reports them, trainer.config_errors) or from the checks of trainer/config.py."""
@@ -170,8 +194,15 @@ def test_variant_config_errors(tmp_path, overrides, match):
 def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shakespeare_path):
     from helpers_train import describe, run_train, tiny_overrides
 
-    proc = run_train(tiny_overrides(char_data, shakespeare_path, tmp_path / "run", **{
-        "data.doc_separator": "'\\n\\n'", "attention.document_mask": True}), timeout=120)
+    proc = run_train(
+        tiny_overrides(
+            char_data,
+            shakespeare_path,
+            tmp_path / "run",
+            **{"data.doc_separator": "'\\n\\n'", "attention.document_mask": True},
+        ),
+        timeout=120,
+    )
     assert proc.returncode == 2, describe(proc)
     text = proc.stderr + proc.stdout
     assert "data.doc_separator" in text and "a folder of its own" in text, describe(proc)
@@ -185,24 +216,36 @@ def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespear
     data = tmp_path / "docs"
     losses = {}
     for backend in ("naive", "sdpa", "flash", "plain"):
-        extra = {"attention": "naive" if backend == "plain" else backend, "max_steps": 3, "seq_len": 64,
-                 "batch.tokens_per_step": 512, "model.dropout": 0.0, "eval.interval": 0, "eval.batches": 1,
-                 "checkpoint.interval": 0, "checkpoint.at_end": False, "optim.decay_steps": 3,
-                 "data.doc_separator": "'\\n\\n'"}
+        extra = {
+            "attention": "naive" if backend == "plain" else backend,
+            "max_steps": 3,
+            "seq_len": 64,
+            "batch.tokens_per_step": 512,
+            "model.dropout": 0.0,
+            "eval.interval": 0,
+            "eval.batches": 1,
+            "checkpoint.interval": 0,
+            "checkpoint.at_end": False,
+            "optim.decay_steps": 3,
+            "data.doc_separator": "'\\n\\n'",
+        }
         if backend != "plain":
             extra.update({"attention.window": 16, "attention.document_mask": True})
         env = train_env(TRITON_INTERPRET=1) if backend == "flash" else train_env()
-        proc = run_train(tiny_overrides(data, shakespeare_path, tmp_path / backend, **extra), env=env,
-                         timeout=400)
+        proc = run_train(
+            tiny_overrides(data, shakespeare_path, tmp_path / backend, **extra), env=env, timeout=400
+        )
         assert proc.returncode == 0, describe(proc)
         losses[backend] = train_losses(tmp_path / backend)
     assert sorted(losses["naive"]) == [1, 2, 3]
     for backend in ("sdpa", "flash"):
         for step, loss in losses["naive"].items():
-            assert abs(losses[backend][step] - loss) < 1e-4, \
+            assert abs(losses[backend][step] - loss) < 1e-4, (
                 f"{backend} step {step}: {losses[backend]} vs naive {losses['naive']}"
-    assert any(abs(losses["plain"][s] - losses["naive"][s]) > 1e-4 for s in (2, 3)), \
+            )
+    assert any(abs(losses["plain"][s] - losses["naive"][s]) > 1e-4 for s in (2, 3)), (
         "window + document mask changed nothing"
+    )
 
 
 def test_bench_variants_dry_run(tmp_path):
@@ -214,9 +257,24 @@ def test_bench_variants_dry_run(tmp_path):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "bench.variants", "--dry-run", "--out", str(tmp_path),
-                           "--modes", "fwd", "--ns", "64"], cwd=repo, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.variants",
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--modes",
+            "fwd",
+            "--ns",
+            "64",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     data = json.loads((tmp_path / "variants_dryrun.json").read_text())
     assert {r["mask"] for r in data["records"]} == {"causal", "window16", "docs"}

@@ -21,7 +21,17 @@ from bench import report as br
 
 REPO = Path(__file__).resolve().parents[1]
 RECORD_KEYS = {
-    "provider", "N", "d", "B", "H", "mode", "ms_median", "tflops", "peak_gib", "status", "max_abs_err",
+    "provider",
+    "N",
+    "d",
+    "B",
+    "H",
+    "mode",
+    "ms_median",
+    "tflops",
+    "peak_gib",
+    "status",
+    "max_abs_err",
 }
 
 
@@ -29,7 +39,11 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run(
         [sys.executable, "-m", "bench.attention", "--dry-run", "--out", str(tmp_path), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "| N |" in proc.stdout  # markdown table printed
@@ -53,8 +67,9 @@ def _check_flops(rec: dict) -> None:
 
 
 def test_attention_dry_run_plumbing(tmp_path):
-    data = _run_bench(tmp_path, "--providers", "naive,sdpa-math", "--inject-failure", "sdpa-math:error",
-                      "--cpu-reps", "1")
+    data = _run_bench(
+        tmp_path, "--providers", "naive,sdpa-math", "--inject-failure", "sdpa-math:error", "--cpu-reps", "1"
+    )
     meta, recs = data["metadata"], data["records"]
     for key in ("gpu", "torch", "triton", "cuda", "date", "dtype"):
         assert key in meta
@@ -101,8 +116,9 @@ def test_attention_merge_records_invocations(tmp_path):
     md = (tmp_path / "attention_cpu.md").read_text()
     assert md.count("merged (`--merge`)") == 2 and "N = [16]" in md and "N = [32]" in md
     # re-measuring only the forward of N=16 keeps the first invocation (its bwd rows are left) ...
-    part = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--modes", "fwd",
-                      "--cpu-reps", "1", "--merge")
+    part = _run_bench(
+        tmp_path, "--providers", "naive", "--seqlens", "16", "--modes", "fwd", "--cpu-reps", "1", "--merge"
+    )
     assert [i["seqlens"] for i in part["metadata"]["invocations"]] == [[16], [32], [16]]
     # ... measuring all of N=16 again replaces its rows: both earlier N=16 lines go, the new one is last
     again = _run_bench(tmp_path, "--providers", "naive", "--seqlens", "16", "--cpu-reps", "1", "--merge")
@@ -117,24 +133,45 @@ def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path):
     path = tmp_path / "attention_cpu.json"
     good = path.read_text()
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "bench.attention", "--dry-run", "--out", str(tmp_path),
-           "--providers", "naive", "--seqlens", "32", "--cpu-reps", "1", "--merge"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.attention",
+        "--dry-run",
+        "--out",
+        str(tmp_path),
+        "--providers",
+        "naive",
+        "--seqlens",
+        "32",
+        "--cpu-reps",
+        "1",
+        "--merge",
+    ]
     rec = {"provider": "naive", "N": 16, "d": 16, "mode": "fwd"}
-    for bad in ("[]", "null", '{"records": 5}', '{"records": [1, 2]}', '{"records": [], "metadata": "abc"}',
-                '{"records": [{"provider": "naive"}]}', "{not json",
-                '{"records": [{"provider": "naive", "N": "16", "d": 16, "mode": "fwd"}]}',
-                '{"records": [{"provider": ["x"], "N": 16, "d": 16, "mode": "fwd"}]}',
-                json.dumps({"records": [rec], "metadata": {"invocations": "abc"}}),
-                json.dumps({"records": [rec], "metadata": {"seqlens": 5}}),
-                json.dumps({"records": [rec], "metadata": {"invocations": [{"seqlens": [[16]]}]}})):
+    for bad in (
+        "[]",
+        "null",
+        '{"records": 5}',
+        '{"records": [1, 2]}',
+        '{"records": [], "metadata": "abc"}',
+        '{"records": [{"provider": "naive"}]}',
+        "{not json",
+        '{"records": [{"provider": "naive", "N": "16", "d": 16, "mode": "fwd"}]}',
+        '{"records": [{"provider": ["x"], "N": 16, "d": 16, "mode": "fwd"}]}',
+        json.dumps({"records": [rec], "metadata": {"invocations": "abc"}}),
+        json.dumps({"records": [rec], "metadata": {"seqlens": 5}}),
+        json.dumps({"records": [rec], "metadata": {"invocations": [{"seqlens": [[16]]}]}}),
+    ):
         path.write_text(bad)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 2, (bad, proc.stderr[-500:])
         assert "error: --merge: cannot read" in proc.stderr, (bad, proc.stderr[-500:])
         assert path.read_text() == bad
     path.write_text(good)
-    proc = subprocess.run([*cmd, "--dtype", "float16"], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [*cmd, "--dtype", "float16"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-500:]
     assert "dtype=" in proc.stderr and "another --tag" in proc.stderr, proc.stderr[-500:]
     assert path.read_text() == good
@@ -172,8 +209,9 @@ def test_reference_attention_matches_float64_autograd(seed):
 
 @pytest.mark.parametrize("kind, expect", [("oom", "oom"), ("error", "error:"), ("wrong", "mismatch:")])
 def test_bench_provider_failures_recorded(kind, expect, seed):
-    inp = ba.make_inputs(2, 2, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
-                         need_grads=True)
+    inp = ba.make_inputs(
+        2, 2, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed, need_grads=True
+    )
     timer = ba.Timer(torch.device("cpu"), cpu_reps=1)
     cpu = torch.device("cpu")
     factory = lambda: ba.inject_failure(ba.build_provider("sdpa-math", n=16, device=cpu), kind)
@@ -187,8 +225,9 @@ def test_bench_provider_failures_recorded(kind, expect, seed):
 
 
 def test_bench_provider_ok_checks_grads(seed):
-    inp = ba.make_inputs(2, 3, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed,
-                         need_grads=True)
+    inp = ba.make_inputs(
+        2, 3, 16, 8, device=torch.device("cpu"), dtype=torch.float32, seed=seed, need_grads=True
+    )
     timer = ba.Timer(torch.device("cpu"), cpu_reps=1)
     factory = lambda: ba.build_provider("sdpa-math", n=16, device=torch.device("cpu"))
     recs = ba.bench_provider("sdpa-math", factory, inp, modes=("fwd", "bwd"), timer=timer, tol=(5e-3, 1e-2))
@@ -198,10 +237,21 @@ def test_bench_provider_ok_checks_grads(seed):
 
 
 def _fake_record(provider, n, d, mode, status="ok", tflops=None, peak=None):
-    return {"provider": provider, "N": n, "d": d, "B": 16384 // n, "H": 2048 // d, "mode": mode,
-            "ms_median": 1.0 if status == "ok" else None, "tflops": tflops if status == "ok" else None,
-            "peak_gib": peak, "peak_extra_gib": None if peak is None else peak / 2, "status": status,
-            "max_abs_err": 1e-3, "errors": {"o": 1e-3}}
+    return {
+        "provider": provider,
+        "N": n,
+        "d": d,
+        "B": 16384 // n,
+        "H": 2048 // d,
+        "mode": mode,
+        "ms_median": 1.0 if status == "ok" else None,
+        "tflops": tflops if status == "ok" else None,
+        "peak_gib": peak,
+        "peak_extra_gib": None if peak is None else peak / 2,
+        "status": status,
+        "max_abs_err": 1e-3,
+        "errors": {"o": 1e-3},
+    }
 
 
 def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
@@ -214,8 +264,11 @@ def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
                     if p == "naive" and n == 32768:
                         recs.append(_fake_record(p, n, d, m, status="oom"))
                     else:
-                        recs.append(_fake_record(p, n, d, m, tflops=float(rng.uniform(50, 500)),
-                                                 peak=float(rng.uniform(1, 9))))
+                        recs.append(
+                            _fake_record(
+                                p, n, d, m, tflops=float(rng.uniform(50, 500)), peak=float(rng.uniform(1, 9))
+                            )
+                        )
     md = ba.markdown_report(recs, {"gpu": "NVIDIA H200", "dtype": "bfloat16"})
     idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in recs}
     ratio = idx[("flash", 1024, 128, "bwd")]["tflops"] / idx[("flex", 1024, 128, "bwd")]["tflops"]
@@ -226,8 +279,10 @@ def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
     png = ba.plot_report(recs, tmp_path / "a.png")
     assert png.stat().st_size > 0
     # --merge semantics: same key replaced in place, new keys appended
-    new = [_fake_record("flash", 1024, 64, "fwd", tflops=1.0),
-           _fake_record("flash", 2048, 64, "fwd", tflops=2.0)]
+    new = [
+        _fake_record("flash", 1024, 64, "fwd", tflops=1.0),
+        _fake_record("flash", 2048, 64, "fwd", tflops=2.0),
+    ]
     merged = ba.merge_records(recs, new)
     assert len(merged) == len(recs) + 1
     assert idx[("flash", 1024, 64, "fwd")] not in merged and new[0] in merged and merged[-1] is new[1]
@@ -240,15 +295,25 @@ def _random_walk(rng: np.random.Generator, n: int, start: float = 10.0) -> np.nd
     return start - np.cumsum(np.abs(rng.normal(0.02, 0.05, n))) + rng.normal(0, 0.05, n)
 
 
-def make_run(root: Path, name: str, backend: str, seq_len: int, *, status: str = "ok",
-             train: dict[int, float] | None = None, val: dict[int, float] | None = None,
-             tps: list[float] | None = None, sdpa_backend: str | None = None) -> Path:
+def make_run(
+    root: Path,
+    name: str,
+    backend: str,
+    seq_len: int,
+    *,
+    status: str = "ok",
+    train: dict[int, float] | None = None,
+    val: dict[int, float] | None = None,
+    tps: list[float] | None = None,
+    sdpa_backend: str | None = None,
+) -> Path:
     d = root / name
     (d / ".hydra").mkdir(parents=True)
     att = f"  name: {backend}\n" + (f"  sdpa_backend: {sdpa_backend}\n" if sdpa_backend else "")
     (d / ".hydra" / "config.yaml").write_text(
         f"attention:\n{att}seq_len: {seq_len}\nrun_name: ${{now:%H}}_{backend}\n"
-        f"wandb:\n  project: flashgpt-test\n  group: sweep-test\n")
+        f"wandb:\n  project: flashgpt-test\n  group: sweep-test\n"
+    )
     train = train or {}
     val = val or {}
     tps = tps or []
@@ -261,8 +326,9 @@ def make_run(root: Path, name: str, backend: str, seq_len: int, *, status: str =
             if s in val:
                 row["val/loss"] = val[s]
             if i < len(tps):
-                row.update({"perf/tokens_per_sec": tps[i], "perf/mfu": tps[i] / 1e6,
-                            "mem/peak_gib": 1.5 + i * 0.01})
+                row.update(
+                    {"perf/tokens_per_sec": tps[i], "perf/mfu": tps[i] / 1e6, "mem/peak_gib": 1.5 + i * 0.01}
+                )
             f.write(json.dumps(row) + "\n")
     summary = {"status": status, "attention": backend, "seq_len": seq_len, "steps": steps[-1] if steps else 0}
     if train:
@@ -280,8 +346,15 @@ def test_report_sweep(tmp_path, seed, capsys):
     for i, (backend, n) in enumerate([("naive", 256), ("flash", 256), ("flash", 512), ("sdpa", 512)]):
         tps = list(rng.uniform(1e4, 1e5, 20))
         loss = _random_walk(rng, 20)
-        make_run(sweep, f"{i}_{backend}_n{n}", backend, n, train=dict(enumerate(loss.tolist(), 1)), tps=tps,
-                 sdpa_backend="flash" if backend == "sdpa" else None)
+        make_run(
+            sweep,
+            f"{i}_{backend}_n{n}",
+            backend,
+            n,
+            train=dict(enumerate(loss.tolist(), 1)),
+            tps=tps,
+            sdpa_backend="flash" if backend == "sdpa" else None,
+        )
         label = backend if backend != "sdpa" else "sdpa-flash"
         expected_tps[(label, n)] = float(np.median(tps[2:]))  # first 10 % of 20 points dropped
     make_run(sweep, "4_naive_n512", "naive", 512, status="oom")
@@ -314,11 +387,23 @@ def test_report_figures_agree_with_summary(tmp_path, seed):
     sweep = tmp_path / "sweep"
     summaries = {}
     for name in ("0_flash_n256", "1_flash_n256_rerun"):
-        d = make_run(sweep, name, "flash", 256, train=dict(enumerate(_random_walk(rng, 10).tolist(), 1)),
-                     tps=list(rng.uniform(1e4, 2e4, 10)))
+        d = make_run(
+            sweep,
+            name,
+            "flash",
+            256,
+            train=dict(enumerate(_random_walk(rng, 10).tolist(), 1)),
+            tps=list(rng.uniform(1e4, 2e4, 10)),
+        )
         summary = json.loads((d / "summary.json").read_text())
-        summary.update({"perf/tokens_per_sec": float(rng.uniform(3e4, 4e4)), "perf/mfu": float(rng.uniform()),
-                        "mem/peak_gib": float(rng.uniform(3, 4)), "final/val_loss": float(rng.uniform(4, 5))})
+        summary.update(
+            {
+                "perf/tokens_per_sec": float(rng.uniform(3e4, 4e4)),
+                "perf/mfu": float(rng.uniform()),
+                "mem/peak_gib": float(rng.uniform(3, 4)),
+                "final/val_loss": float(rng.uniform(4, 5)),
+            }
+        )
         (d / "summary.json").write_text(json.dumps(summary))
         summaries[name] = summary
     logged_tps = list(rng.uniform(1e4, 2e4, 10))
@@ -394,8 +479,12 @@ def _expected_diffs(a: dict, b: dict, window: int) -> dict:
     x, y = np.array([a[s] for s in steps]), np.array([b[s] for s in steps])
     k = len(steps) // window
     wx, wy = x[: k * window].reshape(k, window).mean(1), y[: k * window].reshape(k, window).mean(1)
-    return {"aligned": len(steps), "max": np.abs(x - y).max(), "mean": np.abs(x - y).mean(),
-            "win": np.abs(wx - wy).max()}
+    return {
+        "aligned": len(steps),
+        "max": np.abs(x - y).max(),
+        "mean": np.abs(x - y).mean(),
+        "win": np.abs(wx - wy).max(),
+    }
 
 
 def test_compare_diffs_and_exit_codes(tmp_path, seed, capsys):
@@ -428,8 +517,23 @@ def test_compare_diffs_and_exit_codes(tmp_path, seed, capsys):
     assert "naive N=256 (reference)" in out and "flash N=256" in out
 
     # near passes, far exceeds (train ~0.3 and val 0.3 apart)
-    assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.05", "--val-tolerance", "0.05",
-                    "--out", str(png)]) == 0
+    assert (
+        bc.main(
+            [
+                str(r0),
+                str(r1),
+                "--window",
+                "10",
+                "--tolerance",
+                "0.05",
+                "--val-tolerance",
+                "0.05",
+                "--out",
+                str(png),
+            ]
+        )
+        == 0
+    )
     assert bc.main([str(r0), str(r2), "--window", "10", "--tolerance", "0.05", "--out", str(png)]) == 1
     assert "--tolerance" in capsys.readouterr().out
     assert bc.main([str(r0), str(r2), "--window", "10", "--val-tolerance", "0.05", "--out", str(png)]) == 1
@@ -457,8 +561,9 @@ def test_compare_flags_incomplete_runs(tmp_path, seed, capsys):
     rng = np.random.default_rng(seed)
     base = dict(enumerate(_random_walk(rng, 40).tolist(), 1))
     r0 = make_run(tmp_path, "ok", "sdpa", 64, train=base)
-    r1 = make_run(tmp_path, "diverged", "flash", 64, status="nonfinite",
-                  train={s: v for s, v in base.items() if s <= 3})
+    r1 = make_run(
+        tmp_path, "diverged", "flash", 64, status="nonfinite", train={s: v for s, v in base.items() if s <= 3}
+    )
     assert bc.main([str(r0), str(r1)]) == 0  # no tolerance asked: report only, with a warning
     assert (r0 / "compare.png").is_file()
     assert "status 'nonfinite'" in capsys.readouterr().err
@@ -474,8 +579,12 @@ def test_compare_max_step(tmp_path, seed):
     r1 = make_run(tmp_path, "b", "flash", 64, train=other)
     png = tmp_path / "c.png"
     assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--out", str(png)]) == 1
-    assert bc.main([str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--max-step", "30",
-                    "--out", str(png)]) == 0
+    assert (
+        bc.main(
+            [str(r0), str(r1), "--window", "10", "--tolerance", "0.1", "--max-step", "30", "--out", str(png)]
+        )
+        == 0
+    )
 
 
 def test_compare_val_difference_never_at_step_0(tmp_path, seed, capsys):
@@ -504,13 +613,23 @@ def test_compare_warns_when_configs_differ(tmp_path, seed, capsys):
     and both values; the backend, out_dir and W&B keys never count as differences."""
     rng = np.random.default_rng(seed)
     base = dict(enumerate(_random_walk(rng, 30).tolist(), 1))
-    cfg = {"attention": {"name": "sdpa"}, "seq_len": 64, "max_steps": 30, "out_dir": "runs/a",
-           "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": None}, "wandb": {"group": "g1"}}
+    cfg = {
+        "attention": {"name": "sdpa"},
+        "seq_len": 64,
+        "max_steps": 30,
+        "out_dir": "runs/a",
+        "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": None},
+        "wandb": {"group": "g1"},
+    }
     runs = []
-    for name, change in (("ref", {}), ("same", {"attention": {"name": "flash"}, "out_dir": "runs/b",
-                                                "wandb": {"group": "g2"}}),
-                         ("other", {"seq_len": 128, "max_steps": 60,
-                                    "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": 30}})):
+    for name, change in (
+        ("ref", {}),
+        ("same", {"attention": {"name": "flash"}, "out_dir": "runs/b", "wandb": {"group": "g2"}}),
+        (
+            "other",
+            {"seq_len": 128, "max_steps": 60, "optim": {"lr": 6e-4, "warmup_steps": 5, "decay_steps": 30}},
+        ),
+    ):
         d = make_run(tmp_path, name, "sdpa", 64, train=base)
         (d / "config.resolved.yaml").write_text(json.dumps({**cfg, **change}))  # JSON is YAML
         runs.append(str(d))
@@ -547,15 +666,45 @@ def test_run_config_prefers_the_trainers_copy(tmp_path):
 def test_throughput_cpu_cell_agrees_with_the_runs_summary(tiny, tmp_path):
     """bench.throughput runs train.py once per cell (here one tiny CPU cell) and its JSON and table carry
     the run's own summary.json figures; the run directory goes to --runs-dir, not next to the results."""
-    skip = ("out_dir=", "max_steps=", "log_interval=", "eval.interval=", "checkpoint.interval=",
-            "wandb.mode=")
+    skip = (
+        "out_dir=",
+        "max_steps=",
+        "log_interval=",
+        "eval.interval=",
+        "checkpoint.interval=",
+        "wandb.mode=",
+    )
     overrides = [a for a in tiny(tmp_path / "unused") if not a.startswith(skip)]
     out, runs = tmp_path / "res" / "tp", tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "-m", "bench.throughput", "--backends", "naive",
-                           "--seq-lens", "64", "--steps", "4", "--warmup", "1", "--profile-steps", "0",
-                           "--log-interval", "1",
-                           "--out", str(out), "--runs-dir", str(runs), "--", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.throughput",
+            "--backends",
+            "naive",
+            "--seq-lens",
+            "64",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--profile-steps",
+            "0",
+            "--log-interval",
+            "1",
+            "--out",
+            str(out),
+            "--runs-dir",
+            str(runs),
+            "--",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (cell,) = json.loads(out.with_suffix(".json").read_text())["cells"]
     (summary_path,) = runs.glob("*/naive_n64/summary.json")
@@ -585,8 +734,10 @@ def test_tune_records_of_default_tiles_are_json():
                 assert (len(back) == 6) == (cfg.no_tma is not None)
     alt = TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
     assert cfg_fields(alt) == [64, 64, 4, 2, True, [64, 128, 8, 2, False]]
-    assert parse_configs("64x64x4x2t,128x64x8x3") == [TileConfig(64, 64, 4, 2, tma=True),
-                                                       TileConfig(128, 64, 8, 3)]
+    assert parse_configs("64x64x4x2t,128x64x8x3") == [
+        TileConfig(64, 64, 4, 2, tma=True),
+        TileConfig(128, 64, 8, 3),
+    ]
 
 
 def test_tune_plan_syntax():
@@ -596,8 +747,10 @@ def test_tune_plan_syntax():
 
     assert parse_plan("default") == {}
     assert parse_plan("provider:flex") == {"provider": "flex"}
-    assert parse_plan("dkdv=64x64x4x2t+dq=128x64x8x3") == {"bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True),
-                                                           "bwd_dq": TileConfig(128, 64, 8, 3)}
+    assert parse_plan("dkdv=64x64x4x2t+dq=128x64x8x3") == {
+        "bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True),
+        "bwd_dq": TileConfig(128, 64, 8, 3),
+    }
     for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64", "fused"):
         with pytest.raises(SystemExit):
             parse_plan(bad)
@@ -623,8 +776,14 @@ def test_tune_uses_only_the_public_kernel_api():
 
 def _run_tune(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "bench.tune", "--dry-run", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.tune", "--dry-run", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -655,8 +814,9 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(tmp_path, argv):
     """bench.tune without --dry-run stops with status 2 and a message naming the fix (no traceback, no
     files)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []  # bench.tune used to create tune.jsonl before failing

@@ -124,9 +124,23 @@ def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     src = _distinct_corpus(tmp_path, 300)
     out = tmp_path / "cli_char"
     res = subprocess.run(
-        [sys.executable, "-m", "data.prepare", "--source", str(src), "--out-dir", str(out),
-         "--tokenizer", "char", "--val-fraction", "0.2"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "data.prepare",
+            "--source",
+            str(src),
+            "--out-dir",
+            str(out),
+            "--tokenizer",
+            "char",
+            "--val-fraction",
+            "0.2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     assert "240 train + 60 val tokens" in res.stdout
@@ -137,9 +151,18 @@ def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     request.getfixturevalue("gpt2_bpe")  # skips offline without tiktoken's files
     out = tmp_path / "cli_gpt2"
     res = subprocess.run(
-        [sys.executable, str(REPO / "data" / "prepare.py"), "--source", str(shakespeare_path),
-         "--out-dir", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "data" / "prepare.py"),
+            "--source",
+            str(shakespeare_path),
+            "--out-dir",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     meta = load_meta(out)
@@ -147,7 +170,10 @@ def test_cli_module_and_script(tmp_path, shakespeare_path, request):
 
     res = subprocess.run(
         [sys.executable, "-m", "data.prepare", "--source", str(tmp_path / "nope.txt"), "--out-dir", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 1 and "nope.txt" in res.stderr and "Traceback" not in res.stderr
 
@@ -251,7 +277,9 @@ def test_download_failure_says_to_pass_local_path(tmp_path, monkeypatch):
         raise urllib.error.URLError("Temporary failure in name resolution")
 
     monkeypatch.setattr(prep.urllib.request, "urlopen", offline)
-    with pytest.raises(RuntimeError, match=r"could not download https://.*tinyshakespeare.*data\.source=PATH"):
+    with pytest.raises(
+        RuntimeError, match=r"could not download https://.*tinyshakespeare.*data\.source=PATH"
+    ):
         prepare(None, tmp_path / "out", tokenizer="char")
     assert not (tmp_path / "out" / "input.txt").exists()
 

@@ -87,18 +87,22 @@ def test_bfloat16_runs_in_float32_under_interpreter(seed):
     assert o.dtype == torch.bfloat16 and (o.double() - ref_o).abs().max().item() < 2e-2, f"seed={seed}"
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(q=torch.randn(1, 2, 17, 16)), "1..16 query rows"),
-    (dict(q=torch.randn(1, 3, 1, 16)), "multiple of KV heads"),
-    (dict(q=torch.randn(1, 2, 1, 16).double()), "one dtype"),
-    (dict(cache_seqlens=torch.tensor([0])), r"cache_seqlens must be in \[Nq=1"),
-    (dict(cache_seqlens=torch.tensor([11])), "max 11"),
-    (dict(cache_seqlens=torch.tensor([3.0])), "int32/int64 tensor"),
-    (dict(num_splits=0), "num_splits must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(q=torch.randn(1, 2, 17, 16)), "1..16 query rows"),
+        (dict(q=torch.randn(1, 3, 1, 16)), "multiple of KV heads"),
+        (dict(q=torch.randn(1, 2, 1, 16).double()), "one dtype"),
+        (dict(cache_seqlens=torch.tensor([0])), r"cache_seqlens must be in \[Nq=1"),
+        (dict(cache_seqlens=torch.tensor([11])), "max 11"),
+        (dict(cache_seqlens=torch.tensor([3.0])), "int32/int64 tensor"),
+        (dict(num_splits=0), "num_splits must be an int >= 1"),
+    ],
+)
 def test_errors(kwargs, match):
-    args = dict(q=torch.randn(1, 2, 1, 16), k_cache=torch.randn(1, 2, 10, 16),
-                v_cache=torch.randn(1, 2, 10, 16))
+    args = dict(
+        q=torch.randn(1, 2, 1, 16), k_cache=torch.randn(1, 2, 10, 16), v_cache=torch.randn(1, 2, 10, 16)
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         flash_decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
@@ -110,8 +114,9 @@ def test_needs_interpreter_or_cuda(monkeypatch):
         flash_decode(torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
 
 
-@pytest.mark.parametrize("dtype,d,group,n_q", [(torch.bfloat16, 128, 8, 1), (torch.float16, 64, 1, 16),
-                                               (torch.float32, 64, 4, 1)])
+@pytest.mark.parametrize(
+    "dtype,d,group,n_q", [(torch.bfloat16, 128, 8, 1), (torch.float16, 64, 1, 16), (torch.float32, 64, 4, 1)]
+)
 def test_kernels_compile_for_sm90(dtype, d, group, n_q):
     """No GPU here: compile both kernels for sm_90 as a launch would (catches compiled-mode-only errors;
     speed and GPU accuracy are for the GPU session)."""
@@ -131,10 +136,32 @@ def test_decode_bench_dry_run(tmp_path):
     """bench.decode's plumbing on the CPU: every provider checked against the reference, then timed."""
     from bench import decode
 
-    code = decode.main(["--dry-run", "--out", str(tmp_path), "--contexts", "40", "--batches", "2",
-                        "--dims", "16", "--groups", "4", "--kv-heads", "2",
-                        "--providers", "flash-decode,naive,sdpa-math", "--e2e",
-                        "--e2e-backends", "naive", "--prompt-len", "4", "--new-tokens", "3"])
+    code = decode.main(
+        [
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--contexts",
+            "40",
+            "--batches",
+            "2",
+            "--dims",
+            "16",
+            "--groups",
+            "4",
+            "--kv-heads",
+            "2",
+            "--providers",
+            "flash-decode,naive,sdpa-math",
+            "--e2e",
+            "--e2e-backends",
+            "naive",
+            "--prompt-len",
+            "4",
+            "--new-tokens",
+            "3",
+        ]
+    )
     assert code == 0
     data = __import__("json").loads((tmp_path / "decode_dryrun.json").read_text())
     assert [r["status"] for r in data["kernel"]] == ["ok"] * 3, data["kernel"]

@@ -98,7 +98,8 @@ def assert_fa_rule(seed, ours, low, ref, what):
         err = (a.float() - r.float()).abs().max().item()
         base = (b.float() - r.float()).abs().max().item()
         assert err <= 2 * base + 1e-5, (
-            f"seed={seed} {what}: {name} max err {err:.3g} > 2 * torch-{a.dtype} err {base:.3g} + 1e-5")
+            f"seed={seed} {what}: {name} max err {err:.3g} > 2 * torch-{a.dtype} err {base:.3g} + 1e-5"
+        )
 
 
 def make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype):
@@ -119,11 +120,11 @@ CASES = [
     (F16, 4, 4, 4096, 4096, 128, False),
     (BF16, 2, 2, 16384, 16384, 128, True),
     (F16, 2, 2, 16384, 16384, 64, True),
-    (BF16, 4, 4, 2000, 2000, 80, True),     # odd N, odd d
+    (BF16, 4, 4, 2000, 2000, 80, True),  # odd N, odd d
     (F16, 4, 4, 777, 777, 96, False),
-    (BF16, 8, 2, 4096, 4096, 128, True),    # GQA
-    (F16, 4, 1, 1000, 3000, 64, True),      # MQA, Nq < Nk (bottom-right causal)
-    (BF16, 4, 2, 3000, 1000, 64, True),     # GQA, Nq > Nk (rows without keys)
+    (BF16, 8, 2, 4096, 4096, 128, True),  # GQA
+    (F16, 4, 1, 1000, 3000, 64, True),  # MQA, Nq < Nk (bottom-right causal)
+    (BF16, 4, 2, 3000, 1000, 64, True),  # GQA, Nq > Nk (rows without keys)
 ]
 
 
@@ -245,8 +246,15 @@ def test_torch_compile_fullgraph_gpu(seed):
         assert gerr <= 5e-2 * p.grad.float().abs().max().item() + 1e-6, f"seed={seed} grad err {gerr:.3g}"
 
 
-@pytest.mark.parametrize("layout,Hq,Hkv,N,d", [("bhnd", 8, 2, 1024, 128), ("fused", 12, 12, 1024, 64),
-                                               ("bhnd", 4, 4, 4096, 64), ("fused", 8, 8, 2048, 128)])
+@pytest.mark.parametrize(
+    "layout,Hq,Hkv,N,d",
+    [
+        ("bhnd", 8, 2, 1024, 128),
+        ("fused", 12, 12, 1024, 64),
+        ("bhnd", 4, 4, 4096, 64),
+        ("fused", 8, 8, 2048, 128),
+    ],
+)
 def test_tma_backward_bitwise_gpu(seed, layout, Hq, Hkv, N, d):
     """Tensor-descriptor (TMA) loads in the compiled backward: same tiles, so bitwise-identical gradients
     to the pointer loads, for contiguous heads with GQA and for the trainer's fused-qkv layout (N a

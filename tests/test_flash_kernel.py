@@ -127,24 +127,24 @@ def check_against_reference(seed, ours, ref, dtype, what):
 # (B, Hq, Hkv, Nq, Nk, d, causal, dtype): a covering set, not the cross product.
 F32, F16 = torch.float32, torch.float16
 CASES = [
-    (1, 2, 2, 1, 1, 16, True, F32),        # single token
-    (2, 2, 2, 17, 17, 40, True, F32),      # odd N, non-pow2 d
-    (1, 2, 2, 64, 64, 64, False, F32),     # exact multiple of the blocks
+    (1, 2, 2, 1, 1, 16, True, F32),  # single token
+    (2, 2, 2, 17, 17, 40, True, F32),  # odd N, non-pow2 d
+    (1, 2, 2, 64, 64, 64, False, F32),  # exact multiple of the blocks
     (1, 2, 2, 100, 100, 16, True, F32),
-    (1, 1, 1, 129, 129, 128, True, F32),   # one past a block boundary, d=128
+    (1, 1, 1, 129, 129, 128, True, F32),  # one past a block boundary, d=128
     (1, 2, 2, 129, 129, 40, False, F32),
-    (1, 2, 2, 17, 100, 40, True, F32),     # Nq < Nk (bottom-right causal)
-    (1, 2, 2, 1, 64, 16, True, F32),       # decode-like: one query, many keys
+    (1, 2, 2, 17, 100, 40, True, F32),  # Nq < Nk (bottom-right causal)
+    (1, 2, 2, 1, 64, 16, True, F32),  # decode-like: one query, many keys
     (1, 2, 2, 33, 129, 64, False, F32),
-    (1, 2, 2, 100, 17, 16, True, F32),     # Nq > Nk: 83 rows see no key
+    (1, 2, 2, 100, 17, 16, True, F32),  # Nq > Nk: 83 rows see no key
     (1, 2, 2, 129, 64, 64, False, F32),
-    (1, 2, 2, 64, 1, 16, True, F32),       # only the last query row sees the one key
-    (2, 4, 1, 64, 64, 64, True, F32),      # MQA
-    (1, 4, 2, 100, 100, 40, True, F32),    # GQA
-    (1, 4, 2, 17, 64, 16, True, F32),      # GQA, Nq < Nk
-    (1, 4, 1, 100, 33, 16, True, F32),     # MQA, Nq > Nk
-    (1, 2, 2, 33, 33, 8, True, F32),       # smallest d
-    (1, 1, 1, 33, 33, 256, True, F32),     # largest d
+    (1, 2, 2, 64, 1, 16, True, F32),  # only the last query row sees the one key
+    (2, 4, 1, 64, 64, 64, True, F32),  # MQA
+    (1, 4, 2, 100, 100, 40, True, F32),  # GQA
+    (1, 4, 2, 17, 64, 16, True, F32),  # GQA, Nq < Nk
+    (1, 4, 1, 100, 33, 16, True, F32),  # MQA, Nq > Nk
+    (1, 2, 2, 33, 33, 8, True, F32),  # smallest d
+    (1, 1, 1, 33, 33, 256, True, F32),  # largest d
     (1, 2, 2, 50, 50, 96, False, F32),
     (2, 2, 2, 100, 100, 64, True, F16),
     (1, 4, 2, 129, 129, 128, True, F16),
@@ -189,8 +189,11 @@ def test_strided_fused_qkv_no_copy(seed, monkeypatch, dtype, Hq, Hkv):
     do = torch.randn(B, Hq, N, d, generator=g).to(dtype)
 
     def split(t):
-        return (t[:, :, :Hq].transpose(1, 2), t[:, :, Hq:Hq + Hkv].transpose(1, 2),
-                t[:, :, Hq + Hkv:].transpose(1, 2))
+        return (
+            t[:, :, :Hq].transpose(1, 2),
+            t[:, :, Hq : Hq + Hkv].transpose(1, 2),
+            t[:, :, Hq + Hkv :].transpose(1, 2),
+        )
 
     copies = []
     real = fa._unit_last_stride
@@ -269,12 +272,17 @@ def test_backward_is_deterministic(seed):
 @pytest.mark.parametrize(
     "configs",
     [
-        dict(fwd=TileConfig(16, 16, 4, 1), bwd_dkdv=TileConfig(16, 16, 4, 1),
-             bwd_dq=TileConfig(16, 16, 4, 1)),
-        dict(fwd=TileConfig(16, 64, 4, 1), bwd_dkdv=TileConfig(64, 16, 4, 1),
-             bwd_dq=TileConfig(16, 32, 4, 1)),
-        dict(fwd=TileConfig(128, 128, 4, 1), bwd_dkdv=TileConfig(128, 128, 4, 1),
-             bwd_dq=TileConfig(128, 128, 4, 1)),
+        dict(
+            fwd=TileConfig(16, 16, 4, 1), bwd_dkdv=TileConfig(16, 16, 4, 1), bwd_dq=TileConfig(16, 16, 4, 1)
+        ),
+        dict(
+            fwd=TileConfig(16, 64, 4, 1), bwd_dkdv=TileConfig(64, 16, 4, 1), bwd_dq=TileConfig(16, 32, 4, 1)
+        ),
+        dict(
+            fwd=TileConfig(128, 128, 4, 1),
+            bwd_dkdv=TileConfig(128, 128, 4, 1),
+            bwd_dq=TileConfig(128, 128, 4, 1),
+        ),
     ],
     ids=["all16", "mixed", "all128"],
 )
@@ -321,32 +329,62 @@ def _qkv(q=(1, 1, 4, 16), k=(1, 1, 4, 16), v=(1, 1, 4, 16)):
 
 
 ERROR_CASES = [
-    ("not a tensor", lambda: (1.0, _t(1, 1, 4, 16), _t(1, 1, 4, 16)), {}, TypeError,
-     "q must be a torch.Tensor"),
+    (
+        "not a tensor",
+        lambda: (1.0, _t(1, 1, 4, 16), _t(1, 1, 4, 16)),
+        {},
+        TypeError,
+        "q must be a torch.Tensor",
+    ),
     ("rank", _qkv(q=(1, 4, 16)), {}, ValueError, "q must be 4-D"),
     ("rank v", _qkv(v=(1, 1, 1, 4, 16)), {}, ValueError, "v must be 4-D"),
-    ("dtype", lambda: (_t(1, 1, 4, 16, dtype=torch.float64),) * 3, {}, TypeError,
-     "float16, bfloat16 and float32"),
+    (
+        "dtype",
+        lambda: (_t(1, 1, 4, 16, dtype=torch.float64),) * 3,
+        {},
+        TypeError,
+        "float16, bfloat16 and float32",
+    ),
     ("int dtype", lambda: (torch.ones(1, 1, 4, 16, dtype=torch.int32),) * 3, {}, TypeError, "q has dtype"),
-    ("dtype mismatch", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16, dtype=torch.float16), _t(1, 1, 4, 16)), {},
-     TypeError, "same dtype"),
+    (
+        "dtype mismatch",
+        lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16, dtype=torch.float16), _t(1, 1, 4, 16)),
+        {},
+        TypeError,
+        "same dtype",
+    ),
     ("batch", _qkv(q=(2, 1, 4, 16)), {}, ValueError, "batch size mismatch"),
     ("head dim", _qkv(k=(1, 1, 4, 32), v=(1, 1, 4, 32)), {}, ValueError, "head dim mismatch"),
     ("Nk", _qkv(v=(1, 1, 5, 16)), {}, ValueError, "same sequence length"),
     ("Hkv", _qkv(q=(1, 2, 4, 16), k=(1, 2, 4, 16)), {}, ValueError, "same number of heads"),
     ("GQA", _qkv(q=(1, 3, 4, 16), k=(1, 2, 4, 16), v=(1, 2, 4, 16)), {}, ValueError, "multiple of"),
-    ("d small", _qkv((1, 1, 4, 4), (1, 1, 4, 4), (1, 1, 4, 4)), {}, ValueError,
-     r"outside the supported range \[8, 256\]"),
-    ("d large", _qkv((1, 1, 2, 264), (1, 1, 2, 264), (1, 1, 2, 264)), {}, ValueError,
-     r"outside the supported range \[8, 256\]"),
+    (
+        "d small",
+        _qkv((1, 1, 4, 4), (1, 1, 4, 4), (1, 1, 4, 4)),
+        {},
+        ValueError,
+        r"outside the supported range \[8, 256\]",
+    ),
+    (
+        "d large",
+        _qkv((1, 1, 2, 264), (1, 1, 2, 264), (1, 1, 2, 264)),
+        {},
+        ValueError,
+        r"outside the supported range \[8, 256\]",
+    ),
     ("Nq zero", _qkv(q=(1, 1, 0, 16)), {}, ValueError, "must be >= 1"),
     ("Nk zero", _qkv(k=(1, 1, 0, 16), v=(1, 1, 0, 16)), {}, ValueError, "must be >= 1"),
     ("B zero", _qkv((0, 1, 4, 16), (0, 1, 4, 16), (0, 1, 4, 16)), {}, ValueError, "empty batch or head"),
     ("causal", _qkv(), {"causal": 1}, TypeError, "causal must be a bool"),
     ("scale type", _qkv(), {"softmax_scale": "0.1"}, TypeError, "softmax_scale"),
     ("scale nan", _qkv(), {"softmax_scale": float("nan")}, ValueError, "finite"),
-    ("device", lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16).to("meta"), _t(1, 1, 4, 16)), {}, ValueError,
-     "same device"),
+    (
+        "device",
+        lambda: (_t(1, 1, 4, 16), _t(1, 1, 4, 16).to("meta"), _t(1, 1, 4, 16)),
+        {},
+        ValueError,
+        "same device",
+    ),
 ]
 
 
@@ -380,8 +418,9 @@ def _run_python(code: str, env_interpret):
     if env_interpret is not None:
         env["TRITON_INTERPRET"] = env_interpret
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_interpreter_chosen_at_call_time():
@@ -477,7 +516,8 @@ def test_matches_sdpa_causal_lower_right(seed):
     q, k, v, _ = make_inputs(seed, 2, 2, 2, 23, 61, 32, F32)
     o = flash_attention(q, k, v, causal=True)
     r = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double(), v.double(), attn_mask=causal_lower_right(23, 61))
+        q.double(), k.double(), v.double(), attn_mask=causal_lower_right(23, 61)
+    )
     assert rel_err(o, r) <= TOL[F32], f"seed={seed}"
 
 
@@ -517,8 +557,9 @@ def test_outputs_and_grads_keep_the_input_layout(seed):
     q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, N, d) views, strides (., d, 3Hd, 1)
     o = flash_attention(q, k, v, causal=True)
     assert o.transpose(1, 2).is_contiguous() and _dim_order(o) == [0, 2, 1, 3], f"seed={seed} {o.stride()}"
-    grads = torch.ops.flashgpt.flash_attn_bwd_cpu(torch.randn_like(o), q.detach(), k.detach(), v.detach(),
-                                                  o.detach(), torch.zeros(B, H, N), True, 0.25)
+    grads = torch.ops.flashgpt.flash_attn_bwd_cpu(
+        torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), torch.zeros(B, H, N), True, 0.25
+    )
     for gr in grads:
         assert gr.transpose(1, 2).is_contiguous(), f"seed={seed} {gr.stride()}"
     real = [t.detach() for t in (q, k, v)]
@@ -544,8 +585,10 @@ def test_custom_ops_opcheck(seed):
     v.requires_grad_()
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd_cpu.default, (q, k, v, True, 0.25))
     o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(q.detach(), k.detach(), v.detach(), True, 0.25)
-    torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd_cpu.default,
-                          (do, q.detach(), k.detach(), v.detach(), o, lse, True, 0.25))
+    torch.library.opcheck(
+        torch.ops.flashgpt.flash_attn_bwd_cpu.default,
+        (do, q.detach(), k.detach(), v.detach(), o, lse, True, 0.25),
+    )
 
 
 def test_torch_compile_fullgraph(seed):
@@ -658,8 +701,10 @@ def _qkv_layout(seed, layout, B, Hq, Hkv, Nq, Nk, d, dtype):
     return q, k, v, do
 
 
-@pytest.mark.parametrize("layout,Nq,Nk,causal", [("bhnd", 48, 80, True), ("bhnd", 80, 48, True),
-                                                  ("fused", 64, 64, True), ("fused", 32, 32, False)])
+@pytest.mark.parametrize(
+    "layout,Nq,Nk,causal",
+    [("bhnd", 48, 80, True), ("bhnd", 80, 48, True), ("fused", 64, 64, True), ("fused", 32, 32, False)],
+)
 def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq, Nk, causal):
     """The tensor-descriptor (TMA) loads of the backward move the same tiles as the pointer loads, so
     the gradients are bitwise identical; rows past the sequence end (another head's data through the
@@ -707,12 +752,12 @@ def test_tma_operand_refuses_what_it_cannot_address():
         rows, cols, rb, rh, ch = fa._tma_operand(x, 32)
         flat = x.as_strided((rows, cols), (x.stride(2), 1))  # what the kernel's descriptor spans
         for b, h, n in ((1, 2, 7), (0, 1, 39), (1, 0, 0)):
-            assert torch.equal(flat[b * rb + h * rh + n, h * ch: h * ch + 32], x[b, h, n])
-    assert fa._tma_operand(t.float(), 32) is None                  # not a 16-bit dtype
-    assert fa._tma_operand(t[..., :24], 32) is None                # d != BLOCK_D (padded head dim)
-    assert fa._tma_operand(t.transpose(0, 1), 32) is None          # heads outermost: no 2-D map
+            assert torch.equal(flat[b * rb + h * rh + n, h * ch : h * ch + 32], x[b, h, n])
+    assert fa._tma_operand(t.float(), 32) is None  # not a 16-bit dtype
+    assert fa._tma_operand(t[..., :24], 32) is None  # d != BLOCK_D (padded head dim)
+    assert fa._tma_operand(t.transpose(0, 1), 32) is None  # heads outermost: no 2-D map
     odd = torch.randn(2 * 3 * 40 * 32 + 1, dtype=F16)[1:].view(2, 3, 40, 32)
-    assert fa._tma_operand(odd, 32) is None                        # first element not 16-byte aligned
+    assert fa._tma_operand(odd, 32) is None  # first element not 16-byte aligned
 
 
 def test_tma_default_and_override(seed, monkeypatch):
@@ -722,8 +767,9 @@ def test_tma_default_and_override(seed, monkeypatch):
     taken = []
     real = fa._tma_operand
     monkeypatch.setattr(fa, "_tma_operand", lambda t, bd: taken.append(t.shape[2]) or real(t, bd))
-    with override_tile_config(bwd_dkdv=TileConfig(16, 32, 4, 1, tma=False),
-                              bwd_dq=TileConfig(32, 16, 4, 1, tma=True)):
+    with override_tile_config(
+        bwd_dkdv=TileConfig(16, 32, 4, 1, tma=False), bwd_dq=TileConfig(32, 16, 4, 1, tma=True)
+    ):
         run_flash(q, k, v, do, True)
         assert len(taken) == 2  # only the dQ kernel's k and v
         taken.clear()
@@ -755,10 +801,11 @@ def test_no_tma_alternative_tile(seed, monkeypatch, N):
             def launch(*args, **kw):
                 launched.append((self.name, kw["BLOCK_M"], kw["BLOCK_N"]))
                 return self.kern[grid](*args, **kw)
+
             return launch
 
     monkeypatch.setattr(fa, "_kernels", lambda interp: {n: _Spy(n, kk) for n, kk in real(interp).items()})
-    ref = run_reference(q, k, v, do, True, 32 ** -0.5)
+    ref = run_reference(q, k, v, do, True, 32**-0.5)
     tile = TileConfig(16, 32, 4, 1, tma=True, no_tma=TileConfig(32, 16, 4, 1))
     dq_tile = TileConfig(32, 16, 4, 1, tma=True, no_tma=TileConfig(16, 16, 4, 1))
     for forced, expect in ((None, (16, 32) if N % 16 == 0 else (32, 16)), (False, (32, 16))):
@@ -776,8 +823,10 @@ def test_no_tma_alternative_tile(seed, monkeypatch, N):
 
 
 @pytest.mark.parametrize("N", [45, 48])
-@pytest.mark.parametrize("layout,which", [("bhnd", "q"), ("bhnd", "k"), ("bhnd", "v"), ("bhnd", "do"),
-                                          ("fused", "k"), ("fused", "do")])
+@pytest.mark.parametrize(
+    "layout,which",
+    [("bhnd", "q"), ("bhnd", "k"), ("bhnd", "v"), ("bhnd", "do"), ("fused", "k"), ("fused", "do")],
+)
 def test_tma_rows_past_the_end_do_not_leak_non_finite_values(seed, monkeypatch, layout, which, N):
     """Through a descriptor, rows past N would be the next head's (contiguous heads) or the next batch
     element's (fused qkv) data, and 0 * inf in the dots would carry a NaN/inf there into this head. So TMA

@@ -94,20 +94,20 @@ def check(seed, ours, ref, what, low=None):
 # (B, Hq, Hkv, Nq, Nk, d, causal, window, docs, dropout_p): docs = mean document length, "pair" variants use
 # separate query / key ids; a covering set, not the cross product.
 CASES = [
-    (1, 2, 2, 96, 96, 16, True, 1, None, 0.0),       # window 1: each query sees only itself
-    (1, 2, 2, 96, 96, 16, True, 24, None, 0.0),      # several skipped blocks on both sides
-    (2, 2, 1, 70, 70, 32, True, 17, None, 0.0),      # ragged N, window not a block multiple, GQA
-    (1, 2, 2, 40, 90, 16, True, 33, None, 0.0),      # Nq < Nk (bottom-right window)
-    (1, 2, 2, 90, 40, 16, True, 9, None, 0.0),       # Nq > Nk: rows without keys
-    (1, 2, 2, 50, 50, 16, True, 500, None, 0.0),     # window wider than N = plain causal
-    (1, 2, 2, 96, 96, 16, True, None, 12.0, 0.0),    # documents
-    (2, 2, 1, 77, 77, 32, True, None, 5.0, 0.0),     # many short documents (length-1 ones too), GQA
-    (1, 2, 2, 96, 96, 16, False, None, 20.0, 0.0),   # bidirectional within documents
-    (1, 2, 2, 96, 96, 16, True, 10, 30.0, 0.0),      # window and documents
+    (1, 2, 2, 96, 96, 16, True, 1, None, 0.0),  # window 1: each query sees only itself
+    (1, 2, 2, 96, 96, 16, True, 24, None, 0.0),  # several skipped blocks on both sides
+    (2, 2, 1, 70, 70, 32, True, 17, None, 0.0),  # ragged N, window not a block multiple, GQA
+    (1, 2, 2, 40, 90, 16, True, 33, None, 0.0),  # Nq < Nk (bottom-right window)
+    (1, 2, 2, 90, 40, 16, True, 9, None, 0.0),  # Nq > Nk: rows without keys
+    (1, 2, 2, 50, 50, 16, True, 500, None, 0.0),  # window wider than N = plain causal
+    (1, 2, 2, 96, 96, 16, True, None, 12.0, 0.0),  # documents
+    (2, 2, 1, 77, 77, 32, True, None, 5.0, 0.0),  # many short documents (length-1 ones too), GQA
+    (1, 2, 2, 96, 96, 16, False, None, 20.0, 0.0),  # bidirectional within documents
+    (1, 2, 2, 96, 96, 16, True, 10, 30.0, 0.0),  # window and documents
     (1, 4, 2, 33, 80, 16, True, None, "pair", 0.0),  # Nq < Nk, separate ids: rows of absent docs see nothing
-    (1, 2, 2, 64, 64, 16, True, None, None, 0.25),   # dropout
-    (1, 4, 1, 45, 70, 16, True, None, None, 0.5),    # dropout, MQA, Nq < Nk
-    (1, 2, 2, 80, 80, 32, True, 19, 16.0, 0.2),      # everything
+    (1, 2, 2, 64, 64, 16, True, None, None, 0.25),  # dropout
+    (1, 4, 1, 45, 70, 16, True, None, None, 0.5),  # dropout, MQA, Nq < Nk
+    (1, 2, 2, 80, 80, 32, True, 19, 16.0, 0.2),  # everything
 ]
 
 
@@ -168,8 +168,9 @@ def test_window_skips_key_blocks_outside_it(seed):
     assert torch.isnan(o[:, :, :16]).any(), f"seed={seed}: the poison did not reach the rows that see it"
     o = flash_attention(q, k, v, window=w)
     o.backward(_poison(do, slice(80, 96)))
-    assert torch.isfinite(k.grad[:, :, :32]).all() and torch.isfinite(v.grad[:, :, :32]).all(), \
+    assert torch.isfinite(k.grad[:, :, :32]).all() and torch.isfinite(v.grad[:, :, :32]).all(), (
         f"seed={seed}: dK/dV visited query blocks outside the window"
+    )
     assert torch.isfinite(q.grad[:, :, :80]).all(), f"seed={seed}: dQ of clean rows"
 
 
@@ -184,8 +185,9 @@ def test_documents_skip_blocks_of_other_documents(seed):
         assert torch.isfinite(o[:, :, 32:]).all(), f"seed={seed} causal={causal}: forward visited doc 0"
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
         flash_attention(qq, kk, vv, causal=causal, doc_ids=doc).backward(_poison(do, slice(32, 96)))
-        assert torch.isfinite(kk.grad[:, :, :32]).all() and torch.isfinite(vv.grad[:, :, :32]).all(), \
+        assert torch.isfinite(kk.grad[:, :, :32]).all() and torch.isfinite(vv.grad[:, :, :32]).all(), (
             f"seed={seed} causal={causal}: dK/dV of doc 0 visited doc 1's queries"
+        )
         assert torch.isfinite(qq.grad[:, :, :32]).all(), f"seed={seed} causal={causal}: dQ of doc 0"
 
 
@@ -248,8 +250,9 @@ def test_dropout_keep_rate_within_binomial_bounds(seed, p):
     # neighbouring elements are independent: agreement of horizontal neighbours ~ p^2 + (1 - p)^2
     agree = (keep[..., 1:] == keep[..., :-1]).float().mean().item()
     expect = p * p + (1 - p) ** 2
-    assert abs(agree - expect) <= 5 * math.sqrt(expect * (1 - expect) / keep[..., 1:].numel()), \
+    assert abs(agree - expect) <= 5 * math.sqrt(expect * (1 - expect) / keep[..., 1:].numel()), (
         f"seed={seed}: neighbour agreement {agree:.4f}, expected {expect:.4f}"
+    )
 
 
 # -------------------------------------------------------------------------------------- errors
@@ -259,21 +262,24 @@ def _qkv(n=16, d=16):
     return torch.randn(1, 2, n, d), torch.randn(1, 2, n, d), torch.randn(1, 2, n, d)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(window=0), ValueError, "window must be None or an int >= 1"),
-    (dict(window=True), ValueError, "window must be None or an int >= 1"),
-    (dict(window=2.0), ValueError, "window must be None or an int >= 1"),
-    (dict(window=4, causal=False), ValueError, "window needs causal=True"),
-    (dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
-    (dict(dropout_p=-0.1), ValueError, r"dropout_p must be a float in \[0, 1\)"),
-    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed must be None, an int"),
-    (dict(dropout_p=0.1, dropout_seed=torch.tensor([1.0])), ValueError, "one int64 element"),
-    (dict(doc_ids=torch.zeros(1, 16)), TypeError, "must be an integer tensor"),
-    (dict(doc_ids=torch.zeros(1, 15, dtype=torch.int32)), ValueError, r"doc_ids must be \(B, Nk\)"),
-    (dict(doc_ids=torch.zeros(2, 16, dtype=torch.int32)), ValueError, "doc_ids have batch size 2"),
-    (dict(doc_ids=torch.tensor([[1] * 8 + [0] * 8])), ValueError, "non-decreasing"),
-    (dict(doc_ids="abc"), TypeError, "doc_ids must be a"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(window=0), ValueError, "window must be None or an int >= 1"),
+        (dict(window=True), ValueError, "window must be None or an int >= 1"),
+        (dict(window=2.0), ValueError, "window must be None or an int >= 1"),
+        (dict(window=4, causal=False), ValueError, "window needs causal=True"),
+        (dict(dropout_p=1.0), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+        (dict(dropout_p=-0.1), ValueError, r"dropout_p must be a float in \[0, 1\)"),
+        (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed must be None, an int"),
+        (dict(dropout_p=0.1, dropout_seed=torch.tensor([1.0])), ValueError, "one int64 element"),
+        (dict(doc_ids=torch.zeros(1, 16)), TypeError, "must be an integer tensor"),
+        (dict(doc_ids=torch.zeros(1, 15, dtype=torch.int32)), ValueError, r"doc_ids must be \(B, Nk\)"),
+        (dict(doc_ids=torch.zeros(2, 16, dtype=torch.int32)), ValueError, "doc_ids have batch size 2"),
+        (dict(doc_ids=torch.tensor([[1] * 8 + [0] * 8])), ValueError, "non-decreasing"),
+        (dict(doc_ids="abc"), TypeError, "doc_ids must be a"),
+    ],
+)
 def test_variant_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         flash_attention(*_qkv(), **kwargs)
@@ -293,12 +299,29 @@ def test_ops_opcheck_with_variants(seed):
     q_doc, k_doc = document_ranges(*(random_doc_ids(g, 1, 40, 10.0),) * 2)
     s = torch.tensor([seed], dtype=torch.int64)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd_cpu.default,
-                          (q, k, v, True, 0.25, 9, q_doc, k_doc, 0.2, s))
+    torch.library.opcheck(
+        torch.ops.flashgpt.flash_attn_fwd_cpu.default, (q, k, v, True, 0.25, 9, q_doc, k_doc, 0.2, s)
+    )
     o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(q, k, v, True, 0.25, 9, q_doc, k_doc, 0.2, s)
-    torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd_cpu.default,
-                          (do, q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), True, 0.25, None,
-                           9, q_doc, k_doc, 0.2, s))
+    torch.library.opcheck(
+        torch.ops.flashgpt.flash_attn_bwd_cpu.default,
+        (
+            do,
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            o.detach(),
+            lse.detach(),
+            True,
+            0.25,
+            None,
+            9,
+            q_doc,
+            k_doc,
+            0.2,
+            s,
+        ),
+    )
 
 
 def test_custom_op_equals_eager_path_bitwise(seed):
@@ -308,11 +331,13 @@ def test_custom_op_equals_eager_path_bitwise(seed):
     eager = run_flash(q, k, v, do, window=11, doc_ids=doc, dropout_p=0.2, dropout_seed=7)
     qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
     q_doc, k_doc = document_ranges(doc, doc)
-    o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(qq, kk, vv, True, 0.25, 11, q_doc, k_doc, 0.2,
-                                                   torch.tensor([7]))
+    o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(
+        qq, kk, vv, True, 0.25, 11, q_doc, k_doc, 0.2, torch.tensor([7])
+    )
     o.backward(do)
-    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), eager, (o, lse, qq.grad, kk.grad, vv.grad),
-                          strict=True):
+    for name, a, b in zip(
+        ("o", "lse", "dq", "dk", "dv"), eager, (o, lse, qq.grad, kk.grad, vv.grad), strict=True
+    ):
         assert torch.equal(a, b.detach()), f"seed={seed}: {name} differs between the op and the eager path"
 
 
@@ -332,11 +357,14 @@ def test_variant_kernels_compile_for_sm90():
         "print(compile_kernel('fwd', torch.bfloat16, 64, even=True, inductor=True, variants=('window',\n"
         "                     'doc', 'dropout')).line())\n"
     )
-    code = ("import os, torch\nos.environ.pop('TRITON_INTERPRET', None)\n"
-            "from kernels.compile_report import compile_kernel\n" + body + "print('ok')\n")
+    code = (
+        "import os, torch\nos.environ.pop('TRITON_INTERPRET', None)\n"
+        "from kernels.compile_report import compile_kernel\n" + body + "print('ok')\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
     if "ptxas" in out.stderr and "not found" in out.stderr.lower():
         pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
@@ -398,6 +426,7 @@ def test_gpu_compiled_equals_eager_with_variants(seed, monkeypatch):
 
     def f(q, k, v):
         return flash_attention(q, k, v, window=64, doc_ids=doc, dropout_p=0.1, dropout_seed=s)
+
     results = []
     for fn in (f, torch.compile(f, fullgraph=True)):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))

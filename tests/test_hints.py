@@ -23,8 +23,13 @@ from trainer.checks import (
     resolve_plan,
 )
 
-SOURCES = [*sorted((REPO / "trainer").glob("*.py")), *sorted((REPO / "data").glob("*.py")),
-           *sorted((REPO / "model").glob("*.py")), REPO / "train.py", *sorted((REPO / "bench").glob("*.py"))]
+SOURCES = [
+    *sorted((REPO / "trainer").glob("*.py")),
+    *sorted((REPO / "data").glob("*.py")),
+    *sorted((REPO / "model").glob("*.py")),
+    REPO / "train.py",
+    *sorted((REPO / "bench").glob("*.py")),
+]
 GROUPS = ("attention", "model", "data", "optim", "batch", "eval", "checkpoint", "parity", "perf", "wandb")
 DOTTED_KEY = re.compile(r"(?<![\w./-])((?:" + "|".join(GROUPS) + r")\.[a-z_]+)=")
 HINT = re.compile(r"(?<![\w./$-])([a-z_]+(?:\.[a-z_]+)*)=([^\s,;()]+)")
@@ -37,7 +42,9 @@ def _message_strings(path: Path) -> list[str]:
         id(node.body[0].value)
         for node in ast.walk(tree)
         if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
     }
     return [
         node.value
@@ -102,8 +109,12 @@ def test_suggested_head_counts_and_widths_are_accepted(attention, n_embd, n_head
         plan = accepted([*base, f"model.n_head={h}"], cuda=True)
         assert plan.head_dim >= 8, (msg, h)
     for e in embds:
-        assert accepted([*TINY, f"attention={attention}", f"model.n_embd={e}", f"model.n_head={n_head}"],
-                        cuda=True).head_dim >= 8, (msg, e)
+        assert (
+            accepted(
+                [*TINY, f"attention={attention}", f"model.n_embd={e}", f"model.n_head={n_head}"], cuda=True
+            ).head_dim
+            >= 8
+        ), (msg, e)
 
 
 @pytest.mark.parametrize(("n_embd", "n_head"), [(128, 32), (4096, 8), (7, 1)])
@@ -194,8 +205,14 @@ def test_seq_len_hint_fits_the_corpus_and_the_batch(tmp_path):
     from data.prepare import ensure_prepared
 
     meta = ensure_prepared(str(small), str(tmp_path / "small"), "char", 0.1)
-    base = ["model=tiny", "data=shakespeare_char", f"data.source={small}", f"data.dir={tmp_path / 'small'}",
-            "batch.micro_batch_size=4", "batch.tokens_per_step=1024"]
+    base = [
+        "model=tiny",
+        "data=shakespeare_char",
+        f"data.source={small}",
+        f"data.dir={tmp_path / 'small'}",
+        "batch.micro_batch_size=4",
+        "batch.tokens_per_step=1024",
+    ]
     with pytest.raises(ConfigError) as e:
         check_data_fits(compose_cfg([*base, "seq_len=256"]), meta)
     (value,) = hints(str(e.value), "seq_len", 256)

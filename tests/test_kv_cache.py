@@ -57,8 +57,9 @@ def test_cached_attention_rejects_bad_shapes_and_backends():
 
 
 def _model(backend: str, block_size: int = 16) -> GPT:
-    cfg = GPTConfig(block_size=block_size, vocab_size=61, n_layer=2, n_head=2, n_embd=32, dropout=0.0,
-                    attention=backend)
+    cfg = GPTConfig(
+        block_size=block_size, vocab_size=61, n_layer=2, n_head=2, n_embd=32, dropout=0.0, attention=backend
+    )
     model = GPT(cfg).eval()
     with torch.no_grad():  # larger weights than GPT-2's init: logits far apart, so argmax ties are unlikely
         for p in model.parameters():
@@ -81,8 +82,9 @@ def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backe
     for t in range(5, 16):
         got.append(model.forward_cached(idx[:, t : t + 1], cache))
     assert cache.length == 16 and cache.k.shape == (2, 3, 2, 16, 16)
-    torch.testing.assert_close(torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5,
-                               msg=lambda m: f"seed={seed} {backend}: {m}")
+    torch.testing.assert_close(
+        torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed} {backend}: {m}"
+    )
     with pytest.raises(ValueError, match="at cache position 16"):
         model.forward_cached(idx[:, :1], cache)
 
@@ -92,8 +94,13 @@ def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backe
     for t in range(5, 16):
         got.append(model.decode_step(idx[:, t : t + 1], cache))
     assert cache.length == 16 and cache.lengths.tolist() == [16, 16, 16]
-    torch.testing.assert_close(torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5,
-                               msg=lambda m: f"seed={seed} {backend} static: {m}")
+    torch.testing.assert_close(
+        torch.stack(got, 1),
+        full[:, 4:],
+        rtol=1e-5,
+        atol=1e-5,
+        msg=lambda m: f"seed={seed} {backend} static: {m}",
+    )
     with pytest.raises(ValueError, match="KV cache is full"):
         model.decode_step(idx[:, :1], cache)
 
@@ -120,10 +127,12 @@ def test_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend)
 def test_sampling_with_cache_is_reproducible(seed):
     model = _model("sdpa")
     prompt = torch.randint(0, 61, (4, 3))
-    a = model.generate(prompt, 12, temperature=0.9, top_k=20, top_p=0.9,
-                       generator=torch.Generator().manual_seed(seed))
-    b = model.generate(prompt, 12, temperature=0.9, top_k=20, top_p=0.9,
-                       generator=torch.Generator().manual_seed(seed))
+    a = model.generate(
+        prompt, 12, temperature=0.9, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(seed)
+    )
+    b = model.generate(
+        prompt, 12, temperature=0.9, top_k=20, top_p=0.9, generator=torch.Generator().manual_seed(seed)
+    )
     assert torch.equal(a, b), f"seed={seed}"
 
 
@@ -153,13 +162,16 @@ def test_sample_next_filters(seed):
     assert set(sample_next(logits, 1.0, top_p=1.0, generator=g).unique().tolist()) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(temperature=-0.1), "temperature must be >= 0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0"),
-    (dict(top_k=0), "top_k must be an int >= 1"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(temperature=-0.1), "temperature must be >= 0"),
+        (dict(temperature=float("nan")), "temperature must be >= 0"),
+        (dict(top_k=0), "top_k must be an int >= 1"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    ],
+)
 def test_sampling_argument_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         sample_next(torch.zeros(1, 5), **{"temperature": 1.0, **kwargs})
@@ -179,6 +191,7 @@ def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
         def wrapped(*a, **k):
             calls[name] += 1
             return fn(*a, **k)
+
         return wrapped
 
     monkeypatch.setattr(kernels, "flash_decode", count("decode", real_decode))

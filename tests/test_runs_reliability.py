@@ -109,8 +109,9 @@ def _assert_one_clean_run(run_dir: Path, max_steps: int) -> dict:
 def test_same_second_launches_get_their_own_dirs(tiny, tmp_path):
     """Two launches with the same name prefix (as two launches in the same second get) and two with the
     default name, all at once: four directories, each holding exactly one run."""
-    args = tiny(None, max_steps=4, eval__interval=2, checkpoint__interval=2, wandb__mode="offline",
-                seq_len=32)
+    args = tiny(
+        None, max_steps=4, eval__interval=2, checkpoint__interval=2, wandb__mode="offline", seq_len=32
+    )
     same = [*args, "run_name=clash_${run_token:}"]
     procs = [_popen(same, tmp_path), _popen(same, tmp_path), _popen(args, tmp_path), _popen(args, tmp_path)]
     results = _finish(procs)
@@ -144,7 +145,7 @@ def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
             assert "in use by another live train.py process (pid" in second.stderr, second.stderr
             assert f"pid {first.pid} " in second.stderr and "Traceback" not in second.stderr
     finally:
-        (rc, o, e), = _finish([first])
+        ((rc, o, e),) = _finish([first])
     assert rc == 0, f"{o[-2000:]}\n{e[-2000:]}"
     _assert_one_clean_run(out, 16)
 
@@ -207,8 +208,11 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(run_dir)): p.read_bytes()
         for p in sorted(run_dir.rglob("*"))
-        if p.is_file() and ".hydra" not in p.parts and "logs" not in p.parts
-        and p.name not in (".flashgpt.lock", "train.log") and not p.name.startswith("debug")
+        if p.is_file()
+        and ".hydra" not in p.parts
+        and "logs" not in p.parts
+        and p.name not in (".flashgpt.lock", "train.log")
+        and not p.name.startswith("debug")
     }
 
 
@@ -308,8 +312,12 @@ def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
 
     resumed = run_train(tiny(out, resume=True, **base))
     assert resumed.returncode == 0, describe(resumed)
-    why = {"between": "no checkpoint was saved after step 8", "corrupt": "step_00000008.pt do not load",
-           "deleted": "step_00000008.pt is missing (deleted)", "killed": "(status running) between"}[how]
+    why = {
+        "between": "no checkpoint was saved after step 8",
+        "corrupt": "step_00000008.pt do not load",
+        "deleted": "step_00000008.pt is missing (deleted)",
+        "killed": "(status running) between",
+    }[how]
     assert f"replaying steps {k + 1}-{last}: the newest loadable checkpoint is step {k}" in resumed.stdout
     assert why in resumed.stdout and f"metrics.abandoned.{k + 1}-{last}.jsonl" in resumed.stdout
 

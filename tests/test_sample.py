@@ -20,8 +20,17 @@ CHARS = list("\n !,.:;?ABCabc")
 
 
 def _char_meta(itos=CHARS) -> dict:
-    return {"format_version": 1, "tokenizer": "char", "vocab_size": len(itos), "train_tokens": 0,
-            "val_tokens": 0, "source": "x", "source_sha256": "0", "dtype": "uint16", "itos": list(itos)}
+    return {
+        "format_version": 1,
+        "tokenizer": "char",
+        "vocab_size": len(itos),
+        "train_tokens": 0,
+        "val_tokens": 0,
+        "source": "x",
+        "source_sha256": "0",
+        "dtype": "uint16",
+        "itos": list(itos),
+    }
 
 
 def _write_meta(d, meta) -> None:
@@ -41,8 +50,10 @@ def test_tokenizer_record_holds_char_vocabulary():
 
 def test_old_checkpoint_falls_back_to_meta_json(tmp_path):
     _write_meta(tmp_path / "d", _char_meta())
-    old = {"tokenizer": {"name": "char", "vocab_size": len(CHARS)},
-           "config": {"data": {"dir": str(tmp_path / "d")}}}
+    old = {
+        "tokenizer": {"name": "char", "vocab_size": len(CHARS)},
+        "config": {"data": {"dir": str(tmp_path / "d")}},
+    }
     assert tokenizer_from_checkpoint(old).itos == CHARS
     # an explicit data_dir wins over the config's
     _write_meta(tmp_path / "e", _char_meta(CHARS[::-1]))
@@ -50,8 +61,10 @@ def test_old_checkpoint_falls_back_to_meta_json(tmp_path):
 
 
 def test_old_checkpoint_without_meta_json_is_a_clear_error(tmp_path):
-    old = {"tokenizer": {"name": "char", "vocab_size": 14},
-           "config": {"data": {"dir": str(tmp_path / "gone")}}}
+    old = {
+        "tokenizer": {"name": "char", "vocab_size": 14},
+        "config": {"data": {"dir": str(tmp_path / "gone")}},
+    }
     with pytest.raises(ValueError, match="not in the checkpoint.*meta.json"):
         tokenizer_from_checkpoint(old)
     with pytest.raises(ValueError, match="names no data.dir"):
@@ -76,8 +89,11 @@ EVAL = REPO / "eval.py"
 
 def _tree(d: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under d (what a refused command must leave as it was)."""
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +102,30 @@ def trained(tmp_path_factory, shakespeare_path):
     base = tmp_path_factory.mktemp("sample")
     data = prepare_char_data(base, shakespeare_path)
     run = base / "run"
-    args = tiny_overrides(data, shakespeare_path, run, max_steps=6, checkpoint__interval=3,
-                          optim__decay_steps=6, eval__interval=0, model__dropout=0.0)
+    args = tiny_overrides(
+        data,
+        shakespeare_path,
+        run,
+        max_steps=6,
+        checkpoint__interval=3,
+        optim__decay_steps=6,
+        eval__interval=0,
+        model__dropout=0.0,
+    )
     proc = run_train(["experiment=cpu_tiny", *args])
     assert proc.returncode == 0, describe(proc)
     return run, data
 
 
 def _run(script: Path, args: list[str], cwd: Path, **env):
-    return subprocess.run([sys.executable, str(script), *args], cwd=str(cwd), env=train_env(**env),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=str(cwd),
+        env=train_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_trainer_checkpoint_holds_char_vocabulary(trained):
@@ -107,8 +137,9 @@ def test_trainer_checkpoint_holds_char_vocabulary(trained):
 def test_sample_end_to_end(trained, tmp_path):
     run, _ = trained
     records = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
-    proc = _run(SAMPLE, [f"run={run}", "prompt=ROMEO:", "num_samples=2", "max_new_tokens=30", "seed=3"],
-                tmp_path)
+    proc = _run(
+        SAMPLE, [f"run={run}", "prompt=ROMEO:", "num_samples=2", "max_new_tokens=30", "seed=3"], tmp_path
+    )
     assert proc.returncode == 0, describe(proc)
     assert "sample 1/2" in proc.stdout and "sample 2/2" in proc.stdout and "ROMEO:" in proc.stdout
     assert "step_00000006.pt" in proc.stdout  # the newest checkpoint
@@ -129,10 +160,14 @@ def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
     run, _ = trained
     common = [f"run={run}", "prompt=First Citizen:", "num_samples=1", "max_new_tokens=8", "temperature=0"]
     texts = []
-    for extra, env in [([], {}), (["attention=sdpa", "attention.sdpa_backend=math"], {}),
-                       (["use_cache=false"], {}), (["static_decode=true"], {}),
-                       (["attention=flash"], {"TRITON_INTERPRET": "1"}),
-                       (["attention=flash", "static_decode=true"], {"TRITON_INTERPRET": "1"})]:
+    for extra, env in [
+        ([], {}),
+        (["attention=sdpa", "attention.sdpa_backend=math"], {}),
+        (["use_cache=false"], {}),
+        (["static_decode=true"], {}),
+        (["attention=flash"], {"TRITON_INTERPRET": "1"}),
+        (["attention=flash", "static_decode=true"], {"TRITON_INTERPRET": "1"}),
+    ]:
         out = tmp_path / f"{len(texts)}.txt"
         proc = _run(SAMPLE, [*common, *extra, f"out={out}"], tmp_path, **env)
         assert proc.returncode == 0, describe(proc)
@@ -160,21 +195,24 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     assert proc.returncode == 0, describe(proc)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["run={tmp}/nope"], "no such run directory"),
-    (["run={empty}"], "it has no checkpoint"),
-    (["ckpt={tmp}/nope.pt"], "no such checkpoint file"),
-    ([], "say which run"),
-    (["run={run}", "prompt='héllo'"], "character 'é'"),
-    (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
-    (["run={run}", "prompt=''"], "prompt is empty"),
-    (["run={run}", "num_samples=0"], "num_samples must be an int >= 1"),
-    (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
-    (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
-    (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
-    (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
-    (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run={tmp}/nope"], "no such run directory"),
+        (["run={empty}"], "it has no checkpoint"),
+        (["ckpt={tmp}/nope.pt"], "no such checkpoint file"),
+        ([], "say which run"),
+        (["run={run}", "prompt='héllo'"], "character 'é'"),
+        (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
+        (["run={run}", "prompt=''"], "prompt is empty"),
+        (["run={run}", "num_samples=0"], "num_samples must be an int >= 1"),
+        (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
+        (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
+        (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
+        (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
+        (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
+    ],
+)
 def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     run, _ = trained
     (tmp_path / "empty").mkdir()
@@ -191,8 +229,17 @@ def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message
 def test_sample_long_prompt_keeps_last_block(trained, tmp_path):
     run, _ = trained
     (tmp_path / "p.txt").write_text("ab" * 50)  # 100 chars, block size 64
-    proc = _run(SAMPLE, [f"run={run}", f"prompt=file:{tmp_path / 'p.txt'}", "max_new_tokens=2",
-                         "num_samples=1", f"out={tmp_path / 's.txt'}"], tmp_path)
+    proc = _run(
+        SAMPLE,
+        [
+            f"run={run}",
+            f"prompt=file:{tmp_path / 'p.txt'}",
+            "max_new_tokens=2",
+            "num_samples=1",
+            f"out={tmp_path / 's.txt'}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, describe(proc)
     assert "keeping its last 64 tokens" in proc.stderr
     assert json.loads((tmp_path / "s.json").read_text())["prompt_tokens"] == 64
@@ -219,12 +266,15 @@ def test_eval_matches_the_runs_val_loss(trained, tmp_path):
     assert after == records and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("args,message", [
-    (["run={tmp}/nope"], "no such run directory"),
-    (["run={run}", "data.split=test"], "use val or train"),
-    (["run={run}", "data.dir={tmp}/nodata"], "not found"),
-    (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["run={tmp}/nope"], "no such run directory"),
+        (["run={run}", "data.split=test"], "use val or train"),
+        (["run={run}", "data.dir={tmp}/nodata"], "not found"),
+        (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
+    ],
+)
 def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     run, _ = trained
     before = _tree(run)

@@ -64,8 +64,12 @@ class Train:
         self.out = out
         cmd, env = train_command(args)
         self.proc = subprocess.Popen(
-            cmd, cwd=str(REPO), env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cmd,
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
 
     def wait_for_log(self, text: str, timeout: float = 120) -> None:
@@ -113,8 +117,14 @@ def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
     assert 8 in val_losses(out)  # the evaluation that was running is kept
     assert "resume with:" in stdout and s["resume_hint"] in stdout
 
-    resumed = subprocess.run(_as_typed(s["resume_hint"]), cwd=str(REPO), env=train_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, describe(resumed)
     assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
 
@@ -158,8 +168,14 @@ def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
     assert read_jsonl(out)[-1]["status"] == "interrupted"
     assert s["resume_hint"] in stdout
 
-    resumed = subprocess.run(_as_typed(s["resume_hint"]), cwd=str(REPO), env=train_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, describe(resumed)
     assert "resumed from" in resumed.stdout and "step_00000004.pt" in resumed.stdout
     assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
@@ -196,8 +212,14 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny, small_disk):
     assert s["resume_hint"] in err
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
-    resumed = subprocess.run(_as_typed(s["resume_hint"]), cwd=str(REPO), env=train_env(),
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, describe(resumed)
     assert summary(out)["status"] == "ok" and summary(out)["steps"] == 16
 
@@ -250,12 +272,18 @@ def _sweep_args(tiny, tmp_path) -> list[str]:
 
 def test_sweep_where_every_job_failed_exits_nonzero_and_report_shows_errors(tiny, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_train(["-m", *_sweep_args(tiny, tmp_path), "batch.tokens_per_step=1000,1001",
-                      f"hydra.sweep.dir={sweep}"])
+    proc = run_train(
+        ["-m", *_sweep_args(tiny, tmp_path), "batch.tokens_per_step=1000,1001", f"hydra.sweep.dir={sweep}"]
+    )
     assert proc.returncode == 2, describe(proc)  # both jobs: config error (2)
     assert "sweep: all 2 jobs failed" in proc.stderr and f"python -m bench.report {sweep}" in proc.stderr
-    report = subprocess.run([sys.executable, "-m", "bench.report", str(sweep)], cwd=str(REPO),
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "bench.report", str(sweep)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     md = (sweep / "report.md").read_text()
     assert "## Failed runs" in md
@@ -269,14 +297,26 @@ def test_sweep_with_an_oom_and_a_failed_job_goes_on_and_exits_0(tiny, tmp_path):
     """An OOM (status oom, exit 0) is a result of the sweep, so not every job failed: exit 0, and the
     failure is listed; the report shows both jobs' error texts."""
     sweep = tmp_path / "sweep"
-    proc = run_train(["-m", *_sweep_args(tiny, tmp_path), "fault.raise_oom_at_step=1",
-                      "batch.tokens_per_step=1024,1000", f"hydra.sweep.dir={sweep}"])
+    proc = run_train(
+        [
+            "-m",
+            *_sweep_args(tiny, tmp_path),
+            "fault.raise_oom_at_step=1",
+            "batch.tokens_per_step=1024,1000",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
     assert proc.returncode == 0, describe(proc)
     assert "sweep: 1 of 2 jobs failed" in proc.stderr
     statuses = sorted(summary(d)["status"] for d in sweep.iterdir() if (d / "summary.json").is_file())
     assert statuses == ["error", "oom"]
-    report = subprocess.run([sys.executable, "-m", "bench.report", str(sweep)], cwd=str(REPO),
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "bench.report", str(sweep)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     md = (sweep / "report.md").read_text()
     assert "CUDA out of memory at step 1" in md and "batch.tokens_per_step=1000 is not a multiple" in md

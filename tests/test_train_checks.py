@@ -107,11 +107,17 @@ def test_batch_does_not_divide_tokens_per_step(expect_error):
     assert "batch.micro_tokens=64" in err
 
 
-@pytest.mark.parametrize(("seq_len", "world", "micro", "accum"), [
-    (256, 1, 128, 2), (1024, 1, 32, 2), (8192, 1, 4, 2), (32768, 1, 1, 2),
-    (1024, 8, 8, 1),   # never more than one rank's share of tokens_per_step
-    (16384, 4, 1, 1),
-])
+@pytest.mark.parametrize(
+    ("seq_len", "world", "micro", "accum"),
+    [
+        (256, 1, 128, 2),
+        (1024, 1, 32, 2),
+        (8192, 1, 4, 2),
+        (32768, 1, 1, 2),
+        (1024, 8, 8, 1),  # never more than one rank's share of tokens_per_step
+        (16384, 4, 1, 1),
+    ],
+)
 def test_token_budget_batch_defaults(seq_len, world, micro, accum):
     """The default batch is a token budget per micro-batch (batch.micro_tokens), so `python train.py
     seq_len=N` needs no batch override at any N from 256 to 32768, on one or several ranks."""
@@ -122,8 +128,9 @@ def test_token_budget_batch_defaults(seq_len, world, micro, accum):
 
 
 def test_explicit_micro_batch_size_wins_over_the_token_budget():
-    plan = resolve_plan(compose_cfg(["seq_len=1024", "batch.micro_batch_size=4"]), world_size=1,
-                        cuda_available=True)
+    plan = resolve_plan(
+        compose_cfg(["seq_len=1024", "batch.micro_batch_size=4"]), world_size=1, cuda_available=True
+    )
     assert (plan.micro_batch_size, plan.grad_accum) == (4, 16)
     with pytest.raises(ConfigError, match="batch.micro_batch_size=null needs batch.micro_tokens"):
         resolve_plan(compose_cfg(["batch.micro_tokens=null"]), world_size=1, cuda_available=True)
@@ -132,16 +139,25 @@ def test_explicit_micro_batch_size_wins_over_the_token_budget():
 def test_compile_mode_key():
     """compile_mode passes through to torch.compile ("default" -> None); unknown values and CUDA graphs
     under DDP are refused, naming the key."""
-    for mode, expect in (("default", None), ("reduce-overhead", "reduce-overhead"),
-                         ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")):
+    for mode, expect in (
+        ("default", None),
+        ("reduce-overhead", "reduce-overhead"),
+        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
+    ):
         plan = resolve_plan(compose_cfg([f"compile_mode={mode}"]), world_size=1, cuda_available=True)
         assert plan.compile and plan.compile_mode == expect
-    with pytest.raises(ConfigError, match="compile_mode='turbo' is not valid; choose one of: default, "
-                                          "reduce-overhead, max-autotune-no-cudagraphs"):
+    with pytest.raises(
+        ConfigError,
+        match="compile_mode='turbo' is not valid; choose one of: default, "
+        "reduce-overhead, max-autotune-no-cudagraphs",
+    ):
         resolve_plan(compose_cfg(["compile_mode=turbo"]), world_size=1, cuda_available=True)
     with pytest.raises(ConfigError, match="compile_mode=reduce-overhead .* one process only"):
-        resolve_plan(compose_cfg(["compile_mode=reduce-overhead", "batch.tokens_per_step=131072"]),
-                     world_size=2, cuda_available=True)
+        resolve_plan(
+            compose_cfg(["compile_mode=reduce-overhead", "batch.tokens_per_step=131072"]),
+            world_size=2,
+            cuda_available=True,
+        )
     with pytest.raises(ConfigError, match="perf.profile_steps"):
         resolve_plan(compose_cfg(["perf.profile_steps=-1"]), world_size=1, cuda_available=True)
 
@@ -299,11 +315,17 @@ def test_refused_resume_leaves_the_run_untouched(expect_error, tmp_path):
 def test_plan_notes_say_what_a_key_does_not_do():
     """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
     micro_batch_size, GPU profiling and CUDA graphs on the CPU."""
-    plan = resolve_plan(compose_cfg(["experiment=cpu_tiny", "batch.micro_tokens=4096"]), world_size=1,
-                        cuda_available=False)
+    plan = resolve_plan(
+        compose_cfg(["experiment=cpu_tiny", "batch.micro_tokens=4096"]), world_size=1, cuda_available=False
+    )
     assert any("batch.micro_tokens=4096 is not used" in n for n in plan.notes), plan.notes
-    plan = resolve_plan(compose_cfg(["experiment=cpu_tiny", "perf.profile_steps=2", "compile=true",
-                                     "compile_mode=reduce-overhead"]), world_size=1, cuda_available=False)
+    plan = resolve_plan(
+        compose_cfg(
+            ["experiment=cpu_tiny", "perf.profile_steps=2", "compile=true", "compile_mode=reduce-overhead"]
+        ),
+        world_size=1,
+        cuda_available=False,
+    )
     assert any("perf.profile_steps" in n for n in plan.notes) and any("CUDA graphs" in n for n in plan.notes)
     gpu = resolve_plan(compose_cfg(["perf.profile_steps=2"]), world_size=1, cuda_available=True)
     assert gpu.notes == []

@@ -208,8 +208,9 @@ def test_resume_refuses_tokenizer_change(reference_run, tiny, tmp_path, capsys, 
 
     out = tmp_path / "run"
     shutil.copytree(reference_run / "ckpt", out / "ckpt")
-    overrides = tiny(out, resume=True, data="shakespeare", data__dir=tmp_path / "gpt2data",
-                     data__source=_source(tiny))
+    overrides = tiny(
+        out, resume=True, data="shakespeare", data__dir=tmp_path / "gpt2data", data__source=_source(tiny)
+    )
     outcome = run_inprocess(overrides, out)
     err = capsys.readouterr().err
     assert (outcome.status, outcome.exit_code) == ("error", 2), err

@@ -14,9 +14,19 @@ pytestmark = pytest.mark.gpu
 
 
 def _gpu_run(char_data, shakespeare_path, out, **extra):
-    args = tiny_overrides(char_data, shakespeare_path, out, device="cuda", compile=True, max_steps=12,
-                          eval__interval=0, checkpoint__interval=0, checkpoint__at_end=False,
-                          model__dropout=0.0, **extra)
+    args = tiny_overrides(
+        char_data,
+        shakespeare_path,
+        out,
+        device="cuda",
+        compile=True,
+        max_steps=12,
+        eval__interval=0,
+        checkpoint__interval=0,
+        checkpoint__at_end=False,
+        model__dropout=0.0,
+        **extra,
+    )
     proc = run_train(args, timeout=600)
     assert proc.returncode == 0, describe(proc)
     return train_losses(out), summary(out)
@@ -30,8 +40,9 @@ def test_cuda_graphs_give_the_same_losses(char_data, shakespeare_path, tmp_path,
         pytest.skip("needs a CUDA GPU")
     common = dict(attention=attention, deterministic=True, dtype="float32", tf32=False)
     base, _ = _gpu_run(char_data, shakespeare_path, tmp_path / "default", **common)
-    graphs, s = _gpu_run(char_data, shakespeare_path, tmp_path / "graphs", compile_mode="reduce-overhead",
-                         **common)
+    graphs, s = _gpu_run(
+        char_data, shakespeare_path, tmp_path / "graphs", compile_mode="reduce-overhead", **common
+    )
     assert s["grad_accum"] == 2 and s["compile_mode"] == "reduce-overhead"
     assert sorted(base) == sorted(graphs) == list(range(1, 13))
     for step in base:
@@ -43,7 +54,13 @@ def test_gpu_busy_fraction_in_the_summary(char_data, shakespeare_path, tmp_path)
     (0, 1.05] and the profiled steps are left out of the tokens/sec median."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    _, s = _gpu_run(char_data, shakespeare_path, tmp_path / "busy", attention="flash",
-                    perf__exclude_first_steps=3, perf__profile_steps=2)
+    _, s = _gpu_run(
+        char_data,
+        shakespeare_path,
+        tmp_path / "busy",
+        attention="flash",
+        perf__exclude_first_steps=3,
+        perf__profile_steps=2,
+    )
     assert 0.0 < s["perf/gpu_busy"] <= 1.05, s
     assert s["perf/profiled_steps"] == 2 and s["perf/timed_steps"] == 12 - 3 - 2, s

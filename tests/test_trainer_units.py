@@ -285,11 +285,14 @@ def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
 
     from trainer.loop import Trainer
 
-    run = SimpleNamespace(overrides=["experiment=cpu_tiny", "attention=flash", "resume=false", "out_dir=old"],
-                          out_dir=tmp_path / "run")
+    run = SimpleNamespace(
+        overrides=["experiment=cpu_tiny", "attention=flash", "resume=false", "out_dir=old"],
+        out_dir=tmp_path / "run",
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert Trainer.resume_command(run) == (
-        f"python train.py experiment=cpu_tiny attention=flash resume=true out_dir={tmp_path / 'run'}")
+        f"python train.py experiment=cpu_tiny attention=flash resume=true out_dir={tmp_path / 'run'}"
+    )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert Trainer.resume_command(run).startswith("TRITON_INTERPRET=1 python train.py experiment=cpu_tiny")
     monkeypatch.setenv("TRITON_INTERPRET", "0")

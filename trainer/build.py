@@ -96,8 +96,11 @@ class Setup:
                 from data.prepare import ensure_prepared
 
                 ensure_prepared(
-                    effective_data_source(cfg), cfg.data.dir, cfg.data.tokenizer,
-                    float(cfg.data.val_fraction), cfg.data.doc_separator,
+                    effective_data_source(cfg),
+                    cfg.data.dir,
+                    cfg.data.tokenizer,
+                    float(cfg.data.val_fraction),
+                    cfg.data.doc_separator,
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -261,8 +264,15 @@ class Setup:
             self.say(note)
         if self.device.type == "cpu" and d.is_main and d_["n_params"] >= progress.CPU_WARN_PARAMS:
             per_token = self.raw_model.flops_per_token(int(cfg.seq_len))
-            self.say(progress.cpu_warning(d_["n_params"], per_token, int(cfg.batch.tokens_per_step),
-                                          int(cfg.max_steps) - self.step, progress.matmul_flops(self.device)))
+            self.say(
+                progress.cpu_warning(
+                    d_["n_params"],
+                    per_token,
+                    int(cfg.batch.tokens_per_step),
+                    int(cfg.max_steps) - self.step,
+                    progress.matmul_flops(self.device),
+                )
+            )
         if cfg.resume:
             self.say(f"resumed from {self.resume_path} at step {self.step}")
             for note in self.resume_notes:
@@ -398,8 +408,6 @@ class Setup:
             )
             gen = torch.Generator(device=self.device).manual_seed(0)  # leaves the global RNG streams alone
             q = torch.randn(shape, device=self.device, dtype=dtype, generator=gen)
-            return "sdpa:" + str(
-                sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend)
-            )
+            return "sdpa:" + str(sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend))
         except Exception as e:  # noqa: BLE001 - best effort, for logging only
             return f"sdpa:unknown ({type(e).__name__})"

@@ -163,8 +163,10 @@ def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = 
 
     record = state.get("tokenizer")
     if not isinstance(record, dict) or "name" not in record:
-        raise ValueError("the checkpoint names no tokenizer (no state['tokenizer']['name']); it was not "
-                         "written by flashgpt's trainer")
+        raise ValueError(
+            "the checkpoint names no tokenizer (no state['tokenizer']['name']); it was not "
+            "written by flashgpt's trainer"
+        )
     name, vocab = record["name"], record.get("vocab_size")
     if name == "gpt2":
         tok = make_tokenizer("gpt2")
@@ -175,8 +177,10 @@ def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = 
         if data_dir is None:
             data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
         if data_dir is None:
-            raise ValueError("the checkpoint's char vocabulary is not in the checkpoint (an older one) and "
-                             "its config names no data.dir; pass the data directory it was trained on")
+            raise ValueError(
+                "the checkpoint's char vocabulary is not in the checkpoint (an older one) and "
+                "its config names no data.dir; pass the data directory it was trained on"
+            )
         try:
             meta = load_meta(data_dir)
         except (OSError, ValueError) as e:
@@ -187,15 +191,19 @@ def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = 
                 "this trainer (resume it)"
             ) from e
         if meta["tokenizer"] != "char":
-            raise ValueError(f"{data_dir}/meta.json is for tokenizer {meta['tokenizer']!r}, but the "
-                             "checkpoint was trained with 'char'; point data_dir at the run's own data dir")
+            raise ValueError(
+                f"{data_dir}/meta.json is for tokenizer {meta['tokenizer']!r}, but the "
+                "checkpoint was trained with 'char'; point data_dir at the run's own data dir"
+            )
         tok = make_tokenizer("char", itos=meta["itos"])
     else:
         raise ValueError(f"the checkpoint names unknown tokenizer {name!r}")
     if vocab is not None and tok.vocab_size != int(vocab):
-        raise ValueError(f"the checkpoint's tokenizer has vocab_size={vocab}, but the rebuilt {name} "
-                         f"tokenizer has {tok.vocab_size}: the data directory's vocabulary is not the one "
-                         "it trained on")
+        raise ValueError(
+            f"the checkpoint's tokenizer has vocab_size={vocab}, but the rebuilt {name} "
+            f"tokenizer has {tok.vocab_size}: the data directory's vocabulary is not the one "
+            "it trained on"
+        )
     return tok
 
 

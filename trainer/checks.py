@@ -121,11 +121,15 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     if cfg.perf.profile_steps and device_type != "cuda":
         notes.append("note: perf.profile_steps is a GPU measurement (CUDA kernel time); skipped on the CPU")
     if compile_mode == "reduce-overhead" and compile_ and device_type != "cuda":
-        notes.append("note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
-                     "it runs like compile_mode=default here")
+        notes.append(
+            "note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
+            "it runs like compile_mode=default here"
+        )
     if cfg.attention.name != "sdpa" and cfg.attention.sdpa_backend != "auto":
-        notes.append(f"note: attention.sdpa_backend={cfg.attention.sdpa_backend} applies to attention=sdpa "
-                     f"only; attention={cfg.attention.name} does not use it")
+        notes.append(
+            f"note: attention.sdpa_backend={cfg.attention.sdpa_backend} applies to attention=sdpa "
+            f"only; attention={cfg.attention.name} does not use it"
+        )
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
     return Plan(
         device_type=device_type,
@@ -211,9 +215,11 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     if meta.get("doc_separator") != parse_separator(separator):
         given = Path(str(cfg.data.dir))
         other = given.parent / f"{given.name or 'data'}_{'docs' if separator is not None else 'nodocs'}"
-        raise ConfigError(f"data.dir={cfg.data.dir} was prepared with data.doc_separator="
-                          f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
-                          f"data.dir={other} (a folder of its own) or delete {cfg.data.dir} to re-prepare it")
+        raise ConfigError(
+            f"data.dir={cfg.data.dir} was prepared with data.doc_separator="
+            f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
+            f"data.dir={other} (a folder of its own) or delete {cfg.data.dir} to re-prepare it"
+        )
     try:
         same_split = abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
     except (TypeError, ValueError):

@@ -48,12 +48,21 @@ class AttentionConfig:
     """``attention=naive|sdpa|flash`` (configs/attention/)."""
 
     name: str = spec("sdpa", "attention backend: naive | sdpa | flash (model.attention registry)")
-    sdpa_backend: str = spec("auto", "SDPA kernel for attention=sdpa: auto | flash | cudnn | efficient | "
-                                     "math (pinned: raises instead of falling back)")
-    window: int | None = spec(None, "causal sliding window: each token sees its w most recent positions "
-                                    "(itself included); null = full causal", POS_INT, 256)
-    document_mask: bool = spec(False, "a token attends only within its document (needs data.doc_separator)",
-                               BOOL)
+    sdpa_backend: str = spec(
+        "auto",
+        "SDPA kernel for attention=sdpa: auto | flash | cudnn | efficient | "
+        "math (pinned: raises instead of falling back)",
+    )
+    window: int | None = spec(
+        None,
+        "causal sliding window: each token sees its w most recent positions "
+        "(itself included); null = full causal",
+        POS_INT,
+        256,
+    )
+    document_mask: bool = spec(
+        False, "a token attends only within its document (needs data.doc_separator)", BOOL
+    )
 
     @staticmethod
     def validate(cfg) -> None:
@@ -63,8 +72,11 @@ class AttentionConfig:
 
         a = cfg.attention
         if a.name not in available_attention_backends():
-            raise ConfigError(problem_with("attention.name (attention=...)", a.name,
-                                           tuple(available_attention_backends()), "sdpa"))
+            raise ConfigError(
+                problem_with(
+                    "attention.name (attention=...)", a.name, tuple(available_attention_backends()), "sdpa"
+                )
+            )
         msg = problem_with("attention.sdpa_backend", a.sdpa_backend, tuple(SDPA_BACKENDS), "auto")
         if msg:
             raise ConfigError(msg)
@@ -99,12 +111,14 @@ class ModelConfig:
     n_head: int = spec(12, "attention heads per block; head dim = n_embd / n_head", POS_INT, 12)
     n_embd: int = spec(768, "model width (d_model)", POS_INT, 768)
     dropout: float = spec(0.0, "residual and embedding dropout probability", UNIT, 0.0)
-    attn_dropout: float = spec(0.0, "dropout on the attention probabilities in training (every backend)",
-                               UNIT, 0.1)
+    attn_dropout: float = spec(
+        0.0, "dropout on the attention probabilities in training (every backend)", UNIT, 0.1
+    )
     bias: bool = spec(True, "biases in Linear layers and LayerNorms (GPT-2: true)", BOOL)
     block_size: int | None = spec(None, "position-embedding length; null = seq_len", POS_INT, 1024)
-    vocab_size: int | None = spec(None, "token ids; null = the tokenizer's vocab rounded up to 64",
-                                  POS_INT, 50304)
+    vocab_size: int | None = spec(
+        None, "token ids; null = the tokenizer's vocab rounded up to 64", POS_INT, 50304
+    )
 
     @staticmethod
     def validate(cfg) -> None:
@@ -164,16 +178,21 @@ class DataConfig:
     dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
     val_fraction: float = spec(0.1, "share of the corpus held out for validation, in [0, 1)", UNIT, 0.1)
-    doc_separator: str | None = spec(None, "null | the string between documents, e.g. '\\n\\n' (escapes "
-                                           "understood); prepare records the documents")
+    doc_separator: str | None = spec(
+        None,
+        "null | the string between documents, e.g. '\\n\\n' (escapes "
+        "understood); prepare records the documents",
+    )
 
     @staticmethod
     def validate(cfg) -> None:
         """data.doc_separator: null or a non-empty string."""
         sep = cfg.data.doc_separator
         if sep is not None and not sep:
-            raise ConfigError(f"data.doc_separator={sep!r} must be null or a non-empty string, e.g. "
-                              "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)")
+            raise ConfigError(
+                f"data.doc_separator={sep!r} must be null or a non-empty string, e.g. "
+                "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)"
+            )
 
 
 @dataclass
@@ -186,11 +205,13 @@ class OptimConfig:
     weight_decay: float = spec(0.1, "AdamW weight decay (2-D weights only)", NONNEG, 0.1)
     beta1: float = spec(0.9, "AdamW beta1", UNIT, 0.9)
     beta2: float = spec(0.95, "AdamW beta2", UNIT, 0.95)
-    grad_clip: float = spec(1.0, "max global grad norm (0 = no clipping; the norm is still checked)", NONNEG,
-                            1.0)
+    grad_clip: float = spec(
+        1.0, "max global grad norm (0 = no clipping; the norm is still checked)", NONNEG, 1.0
+    )
     warmup_steps: int = spec(100, "linear warmup length in optimizer steps", NONNEG_INT, 100)
-    decay_steps: int | None = spec(None, "cosine decay length in optimizer steps; null = max_steps",
-                                      POS_INT, 1000)
+    decay_steps: int | None = spec(
+        None, "cosine decay length in optimizer steps; null = max_steps", POS_INT, 1000
+    )
 
     @staticmethod
     def validate(cfg) -> None:
@@ -207,12 +228,18 @@ class OptimConfig:
 class BatchConfig:
     """``batch.*``: tokens per optimizer step and how one rank's share is cut into micro-batches."""
 
-    tokens_per_step: int = spec(65536, "tokens per optimizer step, over micro-batches and ranks", POS_INT,
-                                65536)
-    micro_tokens: int | None = spec(32768, "tokens per forward/backward on one rank (at most); "
-                                              "micro-batch = max(1, that // seq_len)", POS_INT, 32768)
-    micro_batch_size: int | None = spec(None, "sequences per forward/backward on one rank (wins over "
-                                                 "micro_tokens)", POS_INT, 8)
+    tokens_per_step: int = spec(
+        65536, "tokens per optimizer step, over micro-batches and ranks", POS_INT, 65536
+    )
+    micro_tokens: int | None = spec(
+        32768,
+        "tokens per forward/backward on one rank (at most); micro-batch = max(1, that // seq_len)",
+        POS_INT,
+        32768,
+    )
+    micro_batch_size: int | None = spec(
+        None, "sequences per forward/backward on one rank (wins over micro_tokens)", POS_INT, 8
+    )
 
     @staticmethod
     def split(cfg, world_size: int) -> tuple[int, int, list[str]]:
@@ -245,8 +272,10 @@ class BatchConfig:
             )
         notes = []
         if b.micro_batch_size is not None and b.micro_tokens is not None:
-            notes.append(f"note: batch.micro_batch_size={micro_batch_size} is set, so batch.micro_tokens="
-                         f"{b.micro_tokens} is not used (batch.micro_batch_size=null uses the token budget)")
+            notes.append(
+                f"note: batch.micro_batch_size={micro_batch_size} is set, so batch.micro_tokens="
+                f"{b.micro_tokens} is not used (batch.micro_batch_size=null uses the token budget)"
+            )
         per_micro = micro_batch_size * seq_len * world_size
         if tokens_per_step % per_micro:
             per_seq = seq_len * world_size
@@ -278,11 +307,13 @@ def _multiples_near(n: int, unit: int) -> str:
 class EvalConfig:
     """``eval.*``: validation passes on fixed batches."""
 
-    interval: int = spec(100, "optimizer steps between validation passes (0 = only at the end)",
-                         NONNEG_INT, 100)
+    interval: int = spec(
+        100, "optimizer steps between validation passes (0 = only at the end)", NONNEG_INT, 100
+    )
     batches: int = spec(20, "fixed validation batches (same every eval, backend and resume)", POS_INT, 20)
-    batch_size: int | None = spec(None, "sequences per validation batch; null = the micro-batch size",
-                                     POS_INT, 8)
+    batch_size: int | None = spec(
+        None, "sequences per validation batch; null = the micro-batch size", POS_INT, 8
+    )
     at_start: bool = spec(True, "also evaluate before the first step (step 0)", BOOL)
 
 
@@ -290,8 +321,9 @@ class EvalConfig:
 class CheckpointConfig:
     """``checkpoint.*``: atomic checkpoints in <out_dir>/ckpt."""
 
-    interval: int = spec(500, "optimizer steps between checkpoints (0 = only at the end / on preemption)",
-                         NONNEG_INT, 500)
+    interval: int = spec(
+        500, "optimizer steps between checkpoints (0 = only at the end / on preemption)", NONNEG_INT, 500
+    )
     keep: int = spec(3, "newest checkpoints kept", POS_INT, 3)
     at_end: bool = spec(True, "save one after the last step", BOOL)
 
@@ -309,8 +341,9 @@ class PerfConfig:
     """``perf.*``: throughput and MFU accounting."""
 
     peak_flops: Any = spec("auto", "FLOP/s per device for MFU: auto (from the GPU name) or a number")
-    exclude_first_steps: int = spec(2, "steps (compile warm-up) left out of the median tokens/sec",
-                                    NONNEG_INT, 2)
+    exclude_first_steps: int = spec(
+        2, "steps (compile warm-up) left out of the median tokens/sec", NONNEG_INT, 2
+    )
     profile_steps: int = spec(0, ">0: profile this many CUDA steps and report perf/gpu_busy", NONNEG_INT, 5)
 
     @staticmethod
@@ -334,8 +367,11 @@ class PerfConfig:
 class WandbConfig:
     """``logger=wandb`` (key ``wandb``): Weights & Biases run settings."""
 
-    mode: str = spec("auto", "auto (online when logged in, else offline) | online | offline | disabled",
-                     ("auto", "online", "offline", "disabled"))
+    mode: str = spec(
+        "auto",
+        "auto (online when logged in, else offline) | online | offline | disabled",
+        ("auto", "online", "offline", "disabled"),
+    )
     project: str = spec("flashgpt", "W&B project")
     entity: str | None = spec(None, "W&B entity (team/user); null = your default")
     group: str | None = spec(None, "null: none for single runs, the sweep folder's name under -m")
@@ -366,26 +402,36 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    seq_len: int = spec(1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT,
-                        1024)
-    seed: int = spec(1337, "seeds weights, dropout and the data windows (seed, step, micro_step, rank)",
-                     NONNEG_INT, 1337)
+    seq_len: int = spec(
+        1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT, 1024
+    )
+    seed: int = spec(
+        1337, "seeds weights, dropout and the data windows (seed, step, micro_step, rank)", NONNEG_INT, 1337
+    )
     max_steps: int = spec(1000, "optimizer steps", POS_INT, 1000)
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))
-    dtype: str = spec("auto", "auto (bf16 autocast on cuda, float32 on cpu) | bfloat16 | float32",
-                      ("auto", "bfloat16", "float32"))
+    dtype: str = spec(
+        "auto",
+        "auto (bf16 autocast on cuda, float32 on cpu) | bfloat16 | float32",
+        ("auto", "bfloat16", "float32"),
+    )
     tf32: bool = spec(True, "CUDA: float32 matmuls may use TF32 tensor cores (false = full float32)", BOOL)
-    compile: Any = spec("auto", "torch.compile the model: true | false | auto (true on cuda)",
-                        (True, False, "auto"))
-    compile_mode: str = spec("default", "torch.compile mode: default | reduce-overhead (CUDA graphs) | "
-                                        "max-autotune-no-cudagraphs", COMPILE_MODES)
-    deterministic: bool = spec(False, "torch.use_deterministic_algorithms (bitwise-reproducible runs)",
-                               BOOL)
+    compile: Any = spec(
+        "auto", "torch.compile the model: true | false | auto (true on cuda)", (True, False, "auto")
+    )
+    compile_mode: str = spec(
+        "default",
+        "torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs",
+        COMPILE_MODES,
+    )
+    deterministic: bool = spec(False, "torch.use_deterministic_algorithms (bitwise-reproducible runs)", BOOL)
     resume: bool = spec(False, "continue the run in out_dir from its newest loadable checkpoint", BOOL)
-    nonfinite: str = spec("stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)",
-                          ("stop", "skip"))
-    oom_exit_code: int = spec(0, "exit status after a CUDA out-of-memory (0 lets sweeps go on)",
-                              NONNEG_INT, 0)
+    nonfinite: str = spec(
+        "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")
+    )
+    oom_exit_code: int = spec(
+        0, "exit status after a CUDA out-of-memory (0 lets sweeps go on)", NONNEG_INT, 0
+    )
     log_interval: int = spec(10, "optimizer steps between console / metrics.jsonl / W&B lines", POS_INT, 10)
     batch: BatchConfig = field(default_factory=BatchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

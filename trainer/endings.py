@@ -172,11 +172,14 @@ class Endings:
         # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
         write_json_atomic(self.out_dir / "summary.json", {**self.log.summary, **figures, **extra})
         with contextlib.suppress(Exception):
-            self.log.log(self.step, {"status": "interrupted", "signal": name, "exited_at_once": True},
-                         wandb_too=False)
+            self.log.log(
+                self.step, {"status": "interrupted", "signal": name, "exited_at_once": True}, wandb_too=False
+            )
         if hint:
-            self.say(f"{name}: exited at once after step {self.step}; last checkpoint {self.last_ckpt}\n"
-                     f"resume with:\n  {hint}")
+            self.say(
+                f"{name}: exited at once after step {self.step}; last checkpoint {self.last_ckpt}\n"
+                f"resume with:\n  {hint}"
+            )
         else:
             self.say(f"{name}: exited at once after step {self.step}; no checkpoint was saved yet")
 

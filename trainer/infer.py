@@ -77,8 +77,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def build_model(state: dict, attention: str | None, sdpa_backend: str | None, device: torch.device,
-                dtype: torch.dtype):
+def build_model(
+    state: dict, attention: str | None, sdpa_backend: str | None, device: torch.device, dtype: torch.dtype
+):
     """The checkpoint's GPT in eval mode on ``device`` in ``dtype`` (weights cast), with attention backend
     ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one).
 
@@ -109,8 +110,9 @@ def build_model(state: dict, attention: str | None, sdpa_backend: str | None, de
         except RuntimeError as e:
             raise InferError(f"attention=flash: {e}") from e
         if device.type == "cpu" and dtype == torch.bfloat16:
-            raise InferError("attention=flash on the CPU (Triton interpreter) runs float32/float16 only; "
-                             "use dtype=float32")
+            raise InferError(
+                "attention=flash on the CPU (Triton interpreter) runs float32/float16 only; use dtype=float32"
+            )
     model = GPT(config)
     try:
         model.load_state_dict(state["model"])
@@ -122,7 +124,7 @@ def build_model(state: dict, attention: str | None, sdpa_backend: str | None, de
 def read_prompt(prompt: str) -> str:
     """``prompt`` itself, or the text of PATH for ``file:PATH`` (UTF-8). Raises InferError."""
     if prompt.startswith("file:"):
-        path = Path(os.path.expanduser(prompt[len("file:"):]))
+        path = Path(os.path.expanduser(prompt[len("file:") :]))
         try:
             return path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

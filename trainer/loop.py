@@ -87,8 +87,9 @@ class Trainer(Setup, Endings):
         self._step_ms: list[float] = []
         self._steps_here = 0
         self._cudagraphs = False
-        self.gpu_busy = GpuBusy(int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps),
-                                enabled=plan.device_type == "cuda")
+        self.gpu_busy = GpuBusy(
+            int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps), enabled=plan.device_type == "cuda"
+        )
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
 
     def _say(self, msg: str) -> None:

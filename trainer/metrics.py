@@ -193,8 +193,11 @@ class RunLogger:
                 fork = f"{parent}?_step={step}"
                 return wandb.init(**common, config=config, id=new_run_id(), fork_from=fork)
             except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
-                print(f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
-                      "run linked to it in the config (wandb_parent)", flush=True)
+                print(
+                    f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
+                    "run linked to it in the config (wandb_parent)",
+                    flush=True,
+                )
         return wandb.init(**common, config=config, id=new_run_id())
 
     @property

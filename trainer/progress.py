@@ -54,8 +54,9 @@ def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
     return 2.0 * n**3 * reps / max(time.perf_counter() - t0, 1e-9)
 
 
-def cpu_warning(n_params: int, flops_per_token: float, tokens_per_step: int, max_steps: int,
-                flops_per_s: float) -> str | None:
+def cpu_warning(
+    n_params: int, flops_per_token: float, tokens_per_step: int, max_steps: int, flops_per_s: float
+) -> str | None:
     """The warning for a model of ``n_params`` trained on the CPU, or None when it is small.
 
     Time per step is at least ``flops_per_token * tokens_per_step / flops_per_s`` (the model's training
