@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._timing import short_error
+from kernels.reference import chunked_causal_reference as reference_attention  # noqa: F401
 
 PROVIDERS: tuple[str, ...] = (
     "flash",
@@ -24,61 +25,6 @@ INJECT_KINDS = ("error", "oom", "wrong")
 
 
 # ------------------------------------------------------------------------------------------- reference
-
-
-def reference_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor | None = None,
-    *,
-    scale: float | None = None,
-    chunk: int = 1024,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-    """Causal softmax attention and its exact backward, computed in `dtype` chunk by chunk of query rows.
-
-    q, k, v: (..., N, d) of any float dtype on any device (copied to `dtype`); do: dL/dO of q's shape
-    or None. Returns ``(o, None)`` or ``(o, (dq, dk, dv))``, all in `dtype`, shaped like q/k/v.
-    Memory is O(chunk * N) per leading index instead of O(N^2): for rows [s, e) only keys [0, e) can be
-    attended. Algorithm: the definition O = softmax(scale * Q K^T + causal mask) V and its textbook
-    gradient (as written in the FlashAttention-2 paper, Dao 2023, Alg. 2, without tiling of keys):
-    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K,
-    dK = scale dS^T Q. Raises ValueError when q and k lengths differ (the causal mask here assumes
-    self-attention).
-    """
-    n, d = q.shape[-2], q.shape[-1]
-    if k.shape[-2] != n or v.shape[-2] != n:
-        raise ValueError(f"reference_attention needs equal query/key lengths, got {n} and {k.shape[-2]}")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qf, kf, vf = (t.detach().to(dtype) for t in (q, k, v))
-    o = torch.empty_like(qf)
-    grads = None
-    if do is not None:
-        dof = do.detach().to(dtype)
-        dq, dk, dv = torch.empty_like(qf), torch.zeros_like(kf), torch.zeros_like(vf)
-    cols = torch.arange(n, device=q.device)
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        qc, kc, vc = qf[..., s:e, :], kf[..., :e, :], vf[..., :e, :]
-        scores = (qc @ kc.transpose(-1, -2)) * scale
-        rows = torch.arange(s, e, device=q.device)[:, None]
-        scores.masked_fill_(cols[None, :e] > rows, float("-inf"))
-        p = torch.softmax(scores, dim=-1)
-        del scores
-        oc = p @ vc
-        o[..., s:e, :] = oc
-        if do is not None:
-            doc = dof[..., s:e, :]
-            dv[..., :e, :] += p.transpose(-1, -2) @ doc
-            dp = doc @ vc.transpose(-1, -2)
-            ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
-            del dp
-            dq[..., s:e, :] = (ds @ kc) * scale
-            dk[..., :e, :] += (ds.transpose(-1, -2) @ qc) * scale
-    if do is not None:
-        grads = (dq, dk, dv)
-    return o, grads
 
 
 def check_pairs(b: int, h: int, max_all: int = 8) -> list[tuple[int, int]]:

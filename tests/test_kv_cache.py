@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from kernels.reference import attention_reference
 from model import GPT, GPTConfig
 from model.attention import cached_attention, register_attention_backend
 from model.sampling import sample_next
@@ -22,14 +21,8 @@ def _need(backend: str, monkeypatch) -> None:
 
 
 def reference_bottom_right(q, k, v) -> torch.Tensor:
-    """float64 attention, query i of Nq sees keys j <= i + Nk - Nq (explicit max-subtracted softmax)."""
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
-    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
-    s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
-    allowed = torch.arange(nk).view(1, nk) <= torch.arange(nq).view(nq, 1) + (nk - nq)
-    s = torch.where(allowed, s, torch.full_like(s, -math.inf))
-    p = torch.exp(s - s.max(dim=-1, keepdim=True).values)
-    return torch.einsum("bhij,bhjd->bhid", p / p.sum(dim=-1, keepdim=True), v)
+    """float64 attention, query i of Nq sees keys j <= i + Nk - Nq (kernels/reference.py)."""
+    return attention_reference(q, k, v, causal=True)[0]
 
 
 @pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)

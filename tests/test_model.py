@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from kernels.reference import attention_reference
 from model import ATTENTION_BACKENDS, GPT, PRESETS, SDPA_BACKENDS, GPTConfig, attention
 from model.attention import (
     available_attention_backends,
@@ -20,18 +21,8 @@ from model.attention import (
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Independent float64 causal attention with an explicit, loop-free, max-subtracted softmax."""
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
-    n, d = q.shape[-2], q.shape[-1]
-    s = torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
-    i = torch.arange(n).view(n, 1)
-    j = torch.arange(n).view(1, n)
-    allowed = j <= i  # causal: key j visible from query i iff j <= i
-    s = torch.where(allowed, s, torch.full_like(s, -math.inf))
-    m = s.max(dim=-1, keepdim=True).values
-    e = torch.exp(s - m)
-    p = e / e.sum(dim=-1, keepdim=True)
-    return torch.einsum("bhij,bhjd->bhid", p, v)
+    """The project's one float64 reference (kernels/reference.py: explicit mask, max-subtracted softmax)."""
+    return attention_reference(q, k, v, causal=True)[0]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
