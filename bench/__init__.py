@@ -5,6 +5,7 @@ Benchmarks (GPU; ``--dry-run`` checks the plumbing on a CPU where it applies):
     throughput  training tokens/sec, MFU, memory and GPU busy of ``train.py`` per backend and seq_len
     decode      KV-cache decode step (flash-decoding vs SDPA) and end-to-end generation tokens/sec
     tune        tile search for our kernels, and interleaved A/B timing of tile plans (``--plans``)
+    variants    sliding window and document masks against full causal and FlexAttention (issue 16)
 
 Run analysis (any machine; reads run directories written by ``train.py``):
     compare     loss curves of runs against the first one: differences, tolerances, PNG

@@ -220,7 +220,11 @@ def main(argv=None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", required=True, help="output directory (JSON + markdown)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (JSON + markdown; default bench/results, outputs/bench for --dry-run)",
+    )
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run under the Triton interpreter")
     p.add_argument("--ns", type=int, nargs="+", default=None, help="sequence lengths (default 8k..64k)")
     p.add_argument("--windows", type=int, nargs="+", default=None, help="window sizes (256 1024 4096)")
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default=None, help="file name tag (default: h200 / the GPU name / dryrun)")
     args = p.parse_args(argv)
     dry = args.dry_run
+    args.out = args.out or ("outputs/bench" if dry else "bench/results")
     args.ns = args.ns or ([64] if dry else [8192, 16384, 32768, 65536])
     args.windows = args.windows or ([16] if dry else [256, 1024, 4096])
     args.tokens = args.tokens or (192 if dry else 65536)

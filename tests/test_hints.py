@@ -179,6 +179,25 @@ def test_pinned_sdpa_backend_hint_runs():
         probe_attention(cfg, resolve_plan(cfg, world_size=1, cuda_available=False), "cpu", 4)
 
 
+def test_pinned_sdpa_backend_is_probed_with_the_runs_attention_dropout():
+    """SDPA's CPU flash kernel runs without dropout but not with it: the probe must try the run's
+    model.attn_dropout, or the run fails at its first training step instead of exiting 2 up front."""
+    cfg = compose_cfg([*TINY, "attention=sdpa", "attention.sdpa_backend=flash"])
+    plan = resolve_plan(cfg, world_size=1, cuda_available=False)
+    try:
+        probe_attention(cfg, plan, "cpu", int(cfg.model.n_head))
+    except ConfigError:
+        pytest.skip("this torch build has no CPU flash SDPA kernel at all")
+    cfg = compose_cfg([*TINY, "attention=sdpa", "attention.sdpa_backend=flash", "model.attn_dropout=0.1"])
+    plan = resolve_plan(cfg, world_size=1, cuda_available=False)
+    with pytest.raises(ConfigError) as e:
+        probe_attention(cfg, plan, "cpu", int(cfg.model.n_head))
+    assert "model.attn_dropout=0.1" in str(e.value) and "attention.sdpa_backend=auto" in str(e.value)
+    (backend,) = [b for b in hints(str(e.value), "attention.sdpa_backend", "flash") if b != "auto"]
+    ok = compose_cfg([*TINY, "attention=sdpa", f"attention.sdpa_backend={backend}", "model.attn_dropout=0.1"])
+    probe_attention(ok, resolve_plan(ok, world_size=1, cuda_available=False), "cpu", 4)
+
+
 # ------------------------------------------------------------------------------------------ data
 
 

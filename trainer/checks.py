@@ -284,7 +284,8 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
 
     For attention=flash: ``kernels.check_flash_available(device)`` when present. For a pinned SDPA backend
     (attention.sdpa_backend != auto): a (1, min(2, n_head), min(seq_len, 128), head_dim) causal forward and
-    backward under ``sdpa_kernel([that backend])``; if it raises, the other SDPA backends are tried too so
+    backward, with the run's ``model.attn_dropout``, under ``sdpa_kernel([that backend])``; if it
+    raises, the other SDPA backends are tried too so
     the error can list the ones that do run.
 
     Raises:
@@ -313,6 +314,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
 
     dtype = torch.bfloat16 if plan.autocast_dtype == "bfloat16" else torch.float32
     shape = (1, min(2, n_head), min(cfg.seq_len, 128), plan.head_dim)
+    attn_dropout = float(getattr(cfg.model, "attn_dropout", 0.0) or 0.0)
 
     def runs(backend: str) -> str | None:
         try:
@@ -321,7 +323,8 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
                 torch.randn(shape, device=device, dtype=dtype, generator=gen).requires_grad_()
                 for _ in range(3)
             )
-            attention_fn(q, k, v, "sdpa", backend).sum().backward()
+            # as training calls it: with the run's attention dropout (some kernels have no dropout path)
+            attention_fn(q, k, v, "sdpa", backend, dropout_p=attn_dropout).sum().backward()
             return None
         except Exception as e:  # noqa: BLE001 - any failure means "cannot run"
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -334,7 +337,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
     ok = [b for b in SDPA_BACKENDS if b not in ("auto", sdpa_backend) and runs(b) is None]
     raise ConfigError(
         f"attention.sdpa_backend={sdpa_backend} cannot run head_dim={plan.head_dim}, "
-        f"dtype={str(dtype)[6:]} on "
+        f"dtype={str(dtype)[6:]}" + (f", model.attn_dropout={attn_dropout}" if attn_dropout else "") + " on "
         f"{device} ({err}); use attention.sdpa_backend=auto"
         + (" or one that runs here: " + ", ".join(f"attention.sdpa_backend={b}" for b in ok) if ok else "")
     )
