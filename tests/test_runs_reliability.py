@@ -138,8 +138,11 @@ def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
                 break
             time.sleep(0.05)
         assert first.poll() is None, "the first run ended too early"
+        hydra_files = {p: p.read_bytes() for p in (out / ".hydra").iterdir()}
         for extra in ({}, {"resume": True}):
             second = run_train(tiny(out, wandb__mode="offline", **extra))
+            # refused before Hydra writes: the live run's .hydra/*.yaml are untouched
+            assert {p: p.read_bytes() for p in (out / ".hydra").iterdir()} == hydra_files
             assert first.poll() is None, "the first run ended before the second was refused"
             assert second.returncode == 2, describe(second)
             assert "in use by another live train.py process (pid" in second.stderr, second.stderr

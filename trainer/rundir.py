@@ -112,16 +112,44 @@ def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
         finally:
             os.close(fd)
-        raise RunDirBusy(
-            f"out_dir={out_dir} is in use by another live train.py process ({holder}); two runs never "
-            "share a directory. Choose another out_dir, or leave out_dir unset (each new run gets its "
-            "own runs/<time>_<backend>_n<seq_len>_<token>)"
-        ) from None
+        raise RunDirBusy(_busy_message(out_dir, holder)) from None
     # who holds it, for the message another process would print (the lock itself is the flock)
     info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
     os.ftruncate(fd, 0)
     os.pwrite(fd, info.encode() + b"\n", 0)
     return RunDirLock(out_dir, fd)
+
+
+def _busy_message(out_dir: Path, holder: str) -> str:
+    return (
+        f"out_dir={out_dir} is in use by another live train.py process ({holder}); two runs never "
+        "share a directory. Choose another out_dir, or leave out_dir unset (each new run gets its "
+        "own runs/<time>_<backend>_n<seq_len>_<token>)"
+    )
+
+
+def held_by_live_process(out_dir: Path) -> str | None:
+    """The `RunDirBusy` message when another live process holds ``out_dir``'s lock, else None.
+
+    Read-only: opens an existing lock file (never creates one) and tries the lock without keeping it.
+    """
+    path = Path(out_dir) / LOCK_NAME
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
+            return _busy_message(out_dir, holder)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def read_summary(out_dir: Path) -> dict:
@@ -239,8 +267,28 @@ class OutDirCheck(_HydraCallback):
     or written is a config error: ``config error: ...`` on stderr, exit status 2."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check ``hydra.run.dir`` (= ``out_dir``)."""
+        """Check ``hydra.run.dir`` (= ``out_dir``), and refuse, before Hydra writes its ``.hydra/`` files
+        there, a directory that a live process holds or (resume=false) one that already holds a run: the
+        trainer refuses both too, but by then Hydra would have rewritten that run's ``.hydra/*.yaml``."""
         self._check(config, "hydra.run.dir", "out_dir")
+        from omegaconf import OmegaConf
+
+        try:
+            path = OmegaConf.select(config, "hydra.run.dir")
+        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
+            return
+        if path is None or not Path(path).is_dir():
+            return
+        problem = held_by_live_process(Path(path))
+        if problem is None:
+            try:
+                check_new_run_dir(config, Path(path))  # the trainer's order: the specific message first
+                check_out_dir(config, Path(path))
+            except ConfigError as e:
+                problem = str(e)
+        if problem:
+            print(f"config error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
 
     def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
         """Check the sweep folder ``hydra.sweep.dir``."""
