@@ -72,26 +72,11 @@ from bench._timing import Timer, classify_exception  # noqa: F401
 from bench._timing import free_memory as _free
 
 GPU_DEFAULT_PROVIDERS: tuple[str, ...] = (
-    "flash",
-    "naive",
-    "sdpa-flash",
-    "sdpa-cudnn",
-    "sdpa-efficient",
-    "flex",
+    "flash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex",
 )
 DRY_RUN_PROVIDERS: tuple[str, ...] = ("flash", "naive", "sdpa-math")
 RECORD_KEYS: tuple[str, ...] = (
-    "provider",
-    "N",
-    "d",
-    "B",
-    "H",
-    "mode",
-    "ms_median",
-    "tflops",
-    "peak_gib",
-    "status",
-    "max_abs_err",
+    "provider", "N", "d", "B", "H", "mode", "ms_median", "tflops", "peak_gib", "status", "max_abs_err",
 )
 GPU_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 GPU_HEADDIMS = (64, 128)
@@ -99,13 +84,9 @@ DRY_SEQLENS = (16, 32)
 DRY_HEADDIMS = (16,)
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 _DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32,
 }
 # (abs tolerance on O, tolerance on dQ/dK/dV relative to max(1, max|reference grad|)).
 # float32 leaves room for TF32 tensor-core dots on GPU.
@@ -124,10 +105,8 @@ def shape_for(tokens: int, hidden: int, n: int, d: int) -> tuple[int, int]:
     if min(tokens, hidden, n, d) <= 0:
         raise ValueError(f"tokens={tokens}, hidden={hidden}, N={n}, d={d} must all be positive")
     if hidden % d:
-        raise ValueError(
-            f"--hidden {hidden} is not a multiple of head dim {d}; pick a hidden size "
-            f"divisible by every --headdims value"
-        )
+        raise ValueError(f"--hidden {hidden} is not a multiple of head dim {d}; pick a hidden size "
+                         f"divisible by every --headdims value")
     return max(1, tokens // n), hidden // d
 
 
@@ -168,18 +147,8 @@ class ShapeInputs:
     extra: dict = field(default_factory=dict)
 
 
-def make_inputs(
-    b: int,
-    h: int,
-    n: int,
-    d: int,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    seed: int,
-    need_grads: bool,
-    chunk: int = 1024,
-) -> ShapeInputs:
+def make_inputs(b: int, h: int, n: int, d: int, *, device: torch.device, dtype: torch.dtype, seed: int,
+                need_grads: bool, chunk: int = 1024) -> ShapeInputs:
     """Standard-normal q, k, v (requires_grad) and dO of shape (B, H, N, d), and the reference on
     `check_pairs(B, H)` computed by `reference_attention` in float32 from the very same values."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -188,8 +157,7 @@ def make_inputs(
         t.requires_grad_(True)
     pairs = check_pairs(b, h)
     ref_o, ref_grads = reference_attention(
-        *(take_pairs(t, pairs) for t in (q, k, v)),
-        take_pairs(do, pairs) if need_grads else None,
+        *(take_pairs(t, pairs) for t in (q, k, v)), take_pairs(do, pairs) if need_grads else None,
         chunk=max(1, min(chunk, (1 << 26) // max(1, len(pairs) * n))),
     )
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
@@ -252,10 +220,8 @@ def bench_provider(
                     errors[gname] = max_abs_diff(take_pairs(t.grad, inp.pairs), ref)
                     limit = tol_g * max(1.0, float(ref.abs().max()))
                     if not errors[gname] <= limit:
-                        set_status(
-                            ("bwd", "fwdbwd"),
-                            f"mismatch: max|{gname} - ref| = {errors[gname]:.3g} > {limit:.3g}",
-                        )
+                        set_status(("bwd", "fwdbwd"),
+                                   f"mismatch: max|{gname} - ref| = {errors[gname]:.3g} > {limit:.3g}")
             except Exception as exc:  # backward unsupported / OOM: forward results still count
                 set_status(("bwd", "fwdbwd"), classify_exception(exc))
         del o
@@ -315,25 +281,15 @@ def bench_provider(
     for m in modes:
         ok = status[m] == "ok"
         errs = [errors[key] for key in (("o",) if m == "fwd" else ("o", "dq", "dk", "dv")) if key in errors]
-        records.append(
-            {
-                "provider": name,
-                "N": int(n),
-                "d": int(d),
-                "B": int(b),
-                "H": int(h),
-                "mode": m,
-                "ms_median": ms[m] if ok else None,
-                "tflops": tflops_from_ms(attention_flops(b, h, n, d, m), ms[m]) if ok else None,
-                "peak_gib": peak,
-                "peak_extra_gib": extra,
-                "peak_of": peak_of,
-                "status": status[m],
-                "max_abs_err": max(errs) if errs else None,
-                "errors": dict(errors),
-                "tolerance": {"o_abs": tol_o, "grad_rel": tol_g},
-            }
-        )
+        records.append({
+            "provider": name, "N": int(n), "d": int(d), "B": int(b), "H": int(h), "mode": m,
+            "ms_median": ms[m] if ok else None,
+            "tflops": tflops_from_ms(attention_flops(b, h, n, d, m), ms[m]) if ok else None,
+            "peak_gib": peak, "peak_extra_gib": extra, "peak_of": peak_of,
+            "status": status[m],
+            "max_abs_err": max(errs) if errs else None,
+            "errors": dict(errors), "tolerance": {"o_abs": tol_o, "grad_rel": tol_g},
+        })
     return records
 
 
@@ -370,29 +326,15 @@ def run_benchmark(
             b, h = shape_for(tokens, hidden, n, d)
             log(f"[bench] N={n} d={d} B={b} H={h}")
             try:
-                inp = make_inputs(
-                    b, h, n, d, device=device, dtype=dtype, seed=seed + 7919 * n + d, need_grads=need_grads
-                )
+                inp = make_inputs(b, h, n, d, device=device, dtype=dtype, seed=seed + 7919 * n + d,
+                                  need_grads=need_grads)
             except Exception as exc:
                 st = classify_exception(exc)
                 for p in providers:
                     for m in modes:
-                        records.append(
-                            {
-                                "provider": p,
-                                "N": n,
-                                "d": d,
-                                "B": b,
-                                "H": h,
-                                "mode": m,
-                                "ms_median": None,
-                                "tflops": None,
-                                "peak_gib": None,
-                                "peak_extra_gib": None,
-                                "status": st,
-                                "max_abs_err": None,
-                            }
-                        )
+                        records.append({"provider": p, "N": n, "d": d, "B": b, "H": h, "mode": m,
+                                        "ms_median": None, "tflops": None, "peak_gib": None,
+                                        "peak_extra_gib": None, "status": st, "max_abs_err": None})
                 _free(device)
                 if on_shape_done:
                     on_shape_done(records)
@@ -443,8 +385,8 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         "triton_interpret": interpret_enabled(),
         "flops": "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd",
         "check": "O and dQ/dK/dV vs float32 reference (bench.attention.reference_attention) on "
-        "(batch, head) pairs from check_pairs(B, H); tolerances: O abs, grads relative to "
-        "max(1, max|ref|)",
+                 "(batch, head) pairs from check_pairs(B, H); tolerances: O abs, grads relative to "
+                 "max(1, max|ref|)",
     }
     meta.update(extra)
     return meta
@@ -489,67 +431,40 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.attention",
         description="Benchmark causal attention providers (TFLOP/s, memory, correctness).",
     )
-    p.add_argument(
-        "--seqlens",
-        type=_int_list,
-        default=None,
-        help=f"comma list of N (default {','.join(map(str, GPU_SEQLENS))}; dry run 16,32)",
-    )
-    p.add_argument(
-        "--headdims", type=_int_list, default=None, help="comma list of d (default 64,128; dry run 16)"
-    )
-    p.add_argument(
-        "--providers",
-        type=_choice_list(PROVIDERS),
-        default=None,
-        help=f"comma list from {','.join(PROVIDERS)} (default {','.join(GPU_DEFAULT_PROVIDERS)}; "
-        f"dry run {','.join(DRY_RUN_PROVIDERS)})",
-    )
-    p.add_argument(
-        "--modes", type=_choice_list(MODES), default=list(MODES), help="comma list (default fwd,bwd,fwdbwd)"
-    )
-    p.add_argument(
-        "--dtype", choices=sorted(_DTYPES), default=None, help="default bfloat16 (dry run float32)"
-    )
-    p.add_argument(
-        "--tokens", type=int, default=None, help="B*N tokens per shape (default 16384; dry run 64)"
-    )
+    p.add_argument("--seqlens", type=_int_list, default=None,
+                   help=f"comma list of N (default {','.join(map(str, GPU_SEQLENS))}; dry run 16,32)")
+    p.add_argument("--headdims", type=_int_list, default=None,
+                   help="comma list of d (default 64,128; dry run 16)")
+    p.add_argument("--providers", type=_choice_list(PROVIDERS), default=None,
+                   help=f"comma list from {','.join(PROVIDERS)} (default {','.join(GPU_DEFAULT_PROVIDERS)}; "
+                        f"dry run {','.join(DRY_RUN_PROVIDERS)})")
+    p.add_argument("--modes", type=_choice_list(MODES), default=list(MODES),
+                   help="comma list (default fwd,bwd,fwdbwd)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="default bfloat16 (dry run float32)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="B*N tokens per shape (default 16384; dry run 64)")
     p.add_argument("--hidden", type=int, default=None, help="H*d (default 2048; dry run 64)")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="output directory (default bench/results on a GPU; outputs/bench on a CPU, so a "
-        "dry run never lands beside the committed GPU results)",
-    )
+    p.add_argument("--out", default=None,
+                   help="output directory (default bench/results on a GPU; outputs/bench on a CPU, so a "
+                        "dry run never lands beside the committed GPU results)")
     p.add_argument("--tag", default=None, help="file tag (default h200 / GPU-name slug / cpu)")
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="tiny CPU run to test the plumbing (sets TRITON_INTERPRET=1 for flash)",
-    )
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny CPU run to test the plumbing (sets TRITON_INTERPRET=1 for flash)")
     p.add_argument("--device", default=None, help="cuda or cpu (default cuda when available, else cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     p.add_argument("--cpu-reps", type=int, default=3, help="timed repetitions on CPU")
-    p.add_argument(
-        "--atol-o",
-        type=float,
-        default=None,
-        help="abs tolerance on O vs the float32 reference (default bf16 2e-2, fp16 5e-3, fp32 5e-3)",
-    )
-    p.add_argument(
-        "--rtol-grad",
-        type=float,
-        default=None,
-        help="tolerance on dQ/dK/dV relative to max(1, max|ref|) (default bf16 5e-2, fp16 2e-2, fp32 1e-2)",
-    )
-    p.add_argument(
-        "--merge",
-        action="store_true",
-        help="merge into an existing attention_<tag>.json (same provider/N/d/mode replaced), "
-        "to split a sweep over several invocations",
-    )
+    p.add_argument("--atol-o", type=float, default=None,
+                   help="abs tolerance on O vs the float32 reference "
+                        "(default bf16 2e-2, fp16 5e-3, fp32 5e-3)")
+    p.add_argument("--rtol-grad", type=float, default=None,
+                   help="tolerance on dQ/dK/dV relative to max(1, max|ref|) (default bf16 5e-2, fp16 2e-2, "
+                        "fp32 1e-2)")
+    p.add_argument("--merge", action="store_true",
+                   help="merge into an existing attention_<tag>.json (same provider/N/d/mode replaced), "
+                        "to split a sweep over several invocations")
     p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
     return p
 
@@ -561,11 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print(
-            "error: --device cuda but torch.cuda.is_available() is False; use --dry-run (CPU) or a "
-            "CUDA machine",
-            file=sys.stderr,
-        )
+        print("error: --device cuda but torch.cuda.is_available() is False; use --dry-run (CPU) or a "
+              "CUDA machine", file=sys.stderr)
         return 2
     small = device.type != "cuda"  # CPU: tiny dry-run shapes unless given explicitly
     if args.out is None:
@@ -585,10 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec in args.inject_failure:
         prov, _, kind = spec.partition(":")
         if prov not in PROVIDERS or (kind or "error") not in INJECT_KINDS:
-            print(
-                f"error: --inject-failure {spec!r}: expected PROVIDER[:{'|'.join(INJECT_KINDS)}]",
-                file=sys.stderr,
-            )
+            print(f"error: --inject-failure {spec!r}: expected PROVIDER[:{'|'.join(INJECT_KINDS)}]",
+                  file=sys.stderr)
             return 2
         inject[prov] = kind or "error"
     for d in headdims:
@@ -599,10 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     timer = Timer(device, warmup_ms=args.warmup, rep_ms=args.rep, cpu_reps=args.cpu_reps)
     default_tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-    tol = (
-        default_tol[0] if args.atol_o is None else args.atol_o,
-        default_tol[1] if args.rtol_grad is None else args.rtol_grad,
-    )
+    tol = (default_tol[0] if args.atol_o is None else args.atol_o,
+           default_tol[1] if args.rtol_grad is None else args.rtol_grad)
     tag = args.tag or default_tag(device)
     previous: list[dict] = []
     previous_meta: dict = {}
@@ -610,60 +518,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             previous, previous_meta = read_for_merge(output_paths(args.out, tag)["json"])
         except (OSError, ValueError) as exc:
-            print(
-                f"error: --merge: cannot read {output_paths(args.out, tag)['json']} ({exc}); "
-                f"fix or move it, or run without --merge",
-                file=sys.stderr,
-            )
+            print(f"error: --merge: cannot read {output_paths(args.out, tag)['json']} ({exc}); "
+                  f"fix or move it, or run without --merge", file=sys.stderr)
             return 2
     meta = collect_metadata(
-        device,
-        dtype,
-        tag=tag,
-        dry_run=small,
-        tokens=tokens,
-        hidden=hidden,
-        seqlens=seqlens,
-        headdims=headdims,
-        providers=providers,
-        modes=modes,
-        timing=timer.describe(),
-        seed=args.seed,
+        device, dtype, tag=tag, dry_run=small, tokens=tokens, hidden=hidden, seqlens=seqlens,
+        headdims=headdims, providers=providers, modes=modes, timing=timer.describe(), seed=args.seed,
         naive_impl=naive_impl()[1] if "naive" in providers else None,
         tolerance={"o_abs": tol[0], "grad_rel": tol[1]},
-        injected_failures=inject or None,
-        merged_with_previous=bool(previous),
-        complete=False,
+        injected_failures=inject or None, merged_with_previous=bool(previous), complete=False,
     )
     if previous:
         clash = merge_clash(previous_meta, meta)
         if clash:
-            print(
-                f"error: --merge: {output_paths(args.out, tag)['json']} was measured with {clash}; one "
-                "table must hold comparable rows: use another --tag (or the same settings)",
-                file=sys.stderr,
-            )
+            print(f"error: --merge: {output_paths(args.out, tag)['json']} was measured with {clash}; one "
+                  "table must hold comparable rows: use another --tag (or the same settings)",
+                  file=sys.stderr)
             return 2
         meta["invocations"] = merged_invocations(previous_meta, meta)
 
     def save_partial(recs: list[dict]) -> None:
         write_outputs(merge_records(previous, recs), meta, args.out, tag, png=False)
 
-    records = run_benchmark(
-        seqlens=seqlens,
-        headdims=headdims,
-        providers=providers,
-        modes=modes,
-        tokens=tokens,
-        hidden=hidden,
-        dtype=dtype,
-        device=device,
-        timer=timer,
-        seed=args.seed,
-        inject=inject,
-        tol=tol,
-        on_shape_done=save_partial,
-    )
+    records = run_benchmark(seqlens=seqlens, headdims=headdims, providers=providers, modes=modes,
+                            tokens=tokens, hidden=hidden, dtype=dtype, device=device, timer=timer,
+                            seed=args.seed, inject=inject, tol=tol, on_shape_done=save_partial)
     meta["complete"] = True
     paths = write_outputs(merge_records(previous, records), meta, args.out, tag)
     print(paths["md"].read_text())

@@ -86,19 +86,8 @@ def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full_end, hi
 
 
-def _key_block_range(
-    m0,
-    N_Q,
-    N_K,
-    window,
-    DOC_LO,
-    DOC_HI,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _key_block_range(m0, N_Q, N_K, window, DOC_LO, DOC_HI, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key range of the query block starting at row m0 with the variants: (lo, full_lo, full_end, hi).
 
     Key blocks starting in [lo, hi) are visited; those in [full_lo, full_end) need no mask, the others
@@ -125,20 +114,8 @@ def _key_block_range(
     return lo, full_lo, full_end, hi
 
 
-def _query_block_range(
-    n0,
-    start_m,
-    full_start,
-    N_Q,
-    N_K,
-    window,
-    DOC_LO,
-    DOC_HI,
-    HAS_WINDOW: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def _query_block_range(n0, start_m, full_start, N_Q, N_K, window, DOC_LO, DOC_HI, HAS_WINDOW: tl.constexpr,
+                       HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Query range of the key block starting at n0 (dK/dV): (start_m, full_start, full_end, hi).
 
     start_m / full_start: the causal bounds of `_bwd_dkdv_kernel`. Query blocks starting in [start_m, hi)
@@ -173,19 +150,9 @@ def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.con
     return start >= full_end
 
 
-def _score_keep(
-    rows,
-    cols,
-    doc_lo,
-    doc_hi,
-    N_Q,
-    N_K,
-    window,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    CHECK_COLS: tl.constexpr = True,
-):
+def _score_keep(rows, cols, doc_lo, doc_hi, N_Q, N_K, window,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
+                CHECK_COLS: tl.constexpr = True):
     """Boolean keep tile of the scores: key `cols` in range, causal, inside the window and the document.
 
     rows / cols: query / key indices as broadcastable tiles ((M, 1) and (1, N), or transposed for dK/dV);
@@ -207,9 +174,8 @@ def _score_keep(
     return keep
 
 
-def _variant_args(
-    DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p, HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr
-):
+def _variant_args(DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p,
+                  HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """Per-program inputs of the variants: the document ranges of rows offs_rows of batch element b
     (DOC int32 (2, B, N_ROWS): lo, then hi; (BLOCK, 1) tiles and base pointers), the Philox key, and
     dropout_p as fp32."""
@@ -269,6 +235,7 @@ def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
     return u >= dropout_p
 
 
+
 # ---------------------------------------------------------------------------------------------
 # test helper: the dropout keep mask itself
 # ---------------------------------------------------------------------------------------------
@@ -290,11 +257,8 @@ def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.conste
     for start_n in range(0, N_K, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         keep = _dropout_keep(seed_lo, seed_hi, rows[:, None], cols[None, :], b * H_Q + h, dropout_p)
-        tl.store(
-            base + rows[:, None].to(tl.int64) * N_K + cols[None, :],
-            keep.to(tl.int8),
-            mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K),
-        )
+        tl.store(base + rows[:, None].to(tl.int64) * N_K + cols[None, :], keep.to(tl.int8),
+                 mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,11 +274,9 @@ def mode_problem(interpret: bool):
     no GPU kernel can be compiled in this process. (The other direction is handled, see above.)
     """
     if not interpret and not isinstance(tl.sum, triton.JITFunction):
-        return (
-            "triton was imported while TRITON_INTERPRET=1 was set, so this process can only run the "
-            "Triton interpreter; compiled GPU kernels need TRITON_INTERPRET unset before anything "
-            "imports triton (run GPU jobs/tests in a process without it)"
-        )
+        return ("triton was imported while TRITON_INTERPRET=1 was set, so this process can only run the "
+                "Triton interpreter; compiled GPU kernels need TRITON_INTERPRET unset before anything "
+                "imports triton (run GPU jobs/tests in a process without it)")
     return None
 
 
@@ -326,3 +288,28 @@ def _clone(fn, namespace: dict):
     new.__doc__ = fn.__doc__
     new.__module__ = fn.__module__
     return new
+
+
+def build(module_globals: dict, helpers, interpreter_helpers: dict, kernels: dict, interpret: bool) -> dict:
+    """Clone `helpers` and `kernels` into one namespace (a copy of `module_globals`) and wrap them.
+
+    interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
+    interpret=True : `triton.runtime.interpreter.InterpretedFunction`s for the kernels, with
+    `interpreter_helpers` (name -> function) standing in for the helpers of that name; the helpers stay
+    plain Python functions, which then run with the already patched `triton.language` (much faster than
+    re-patching on every nested call). Returns {name: launchable kernel} for the names of `kernels`.
+    """
+    namespace = dict(module_globals)
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        wrap_kernel, wrap_helper = InterpretedFunction, (lambda f: f)
+    else:
+        wrap_kernel = wrap_helper = triton.JITFunction
+    for fn in helpers:
+        impl = interpreter_helpers.get(fn.__name__, fn) if interpret else fn
+        namespace[fn.__name__] = wrap_helper(_clone(impl, namespace))
+    built = {}
+    for name, fn in kernels.items():
+        built[name] = namespace[fn.__name__] = wrap_kernel(_clone(fn, namespace))
+    return built

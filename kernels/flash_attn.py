@@ -164,37 +164,15 @@ def _empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return dense.permute([order.index(i) for i in range(t.dim())])
 
 
-def _launch_fwd(
-    q,
-    k,
-    v,
-    causal: bool,
-    softmax_scale: float,
-    traced: bool = False,
-    window: int = 0,
-    q_doc=None,
-    k_doc=None,
-    dropout_p: float = 0.0,
-    dropout_seed=None,
-):
+def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = False, window: int = 0,
+                q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None):
     """Forward launch. Variants (validated by `flash_attention`): window w >= 1 (0: none), q_doc int32
     (2, B, Nq) document key ranges of the query rows (k_doc: unused here), dropout_p with its int64 (1,)
     seed."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
-        o, lse = _launch_fwd(
-            q.float(),
-            k.float(),
-            v.float(),
-            causal,
-            softmax_scale,
-            False,
-            window,
-            q_doc,
-            k_doc,
-            dropout_p,
-            dropout_seed,
-        )
+        o, lse = _launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale, False, window, q_doc,
+                             k_doc, dropout_p, dropout_seed)
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -206,30 +184,12 @@ def _launch_fwd(
     grid = (_cdiv(Nq, cfg.block_m), Hq, B)
     with _device_ctx(q):
         _launcher(_kernels(interp)["fwd"], grid, traced)(
-            q,
-            k,
-            v,
-            o,
-            lse,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *o.stride(),
-            Hq,
-            Hq // Hkv,
-            Nq,
-            Nk,
-            d,
-            softmax_scale * LOG2E,
-            CAUSAL=causal,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_D=block_d,
-            EVEN_M=Nq % cfg.block_m == 0,
-            EVEN_N=Nk % cfg.block_n == 0,
-            EVEN_D=d == block_d,
-            DOT_PRECISION=_dot_precision(q.dtype),
-            **_launch_options(cfg),
+            q, k, v, o, lse,
+            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E,
+            CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
+            DOT_PRECISION=_dot_precision(q.dtype), **_launch_options(cfg),
             **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
     return o, lse
@@ -237,28 +197,19 @@ def _launch_fwd(
 
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
     """Kernel keyword arguments of the variants (issue 16); all off gives the plain causal kernels."""
-    return dict(
-        Q_DOC=q_doc,
-        SEED=dropout_seed,
-        window=int(window),
-        dropout_p=float(dropout_p),
-        HAS_WINDOW=window > 0,
-        HAS_DOC=q_doc is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
-    )
+    return dict(Q_DOC=q_doc, SEED=dropout_seed, window=int(window), dropout_p=float(dropout_p),
+                HAS_WINDOW=window > 0, HAS_DOC=q_doc is not None, HAS_DROPOUT=dropout_p > 0.0)
 
 
-def _dropout_mask(
-    dropout_seed: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int, dropout_p: float
-) -> torch.Tensor:
+def _dropout_mask(dropout_seed: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int,
+                  dropout_p: float) -> torch.Tensor:
     """The kernels' own dropout keep mask, bool (B, Hq, Nq, Nk) on the seed's device (a test helper: the
     attention kernels never store it, they regenerate it). dropout_seed: int64 (1,) tensor."""
     out = torch.empty((B, Hq, Nq, Nk), dtype=torch.int8, device=dropout_seed.device)
     interp = interpret_enabled()
     with _device_ctx(out):
         _kernels(interp)["dropout_mask"][(_cdiv(Nq, 16), Hq, B)](
-            dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16
-        )
+            dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
     return out.bool()
 
 
@@ -279,14 +230,8 @@ def _tma_operand(t: torch.Tensor, block_d: int):
     B, H, N, d = t.shape
     sb, sh, sn, sd = t.stride()
     esz = t.element_size()
-    if (
-        t.dtype not in (torch.float16, torch.bfloat16)
-        or d != block_d
-        or sd != 1
-        or (t.storage_offset() * esz) % 16
-        or (sn * esz) % 16
-        or sn < d
-    ):
+    if (t.dtype not in (torch.float16, torch.bfloat16) or d != block_d or sd != 1
+            or (t.storage_offset() * esz) % 16 or (sn * esz) % 16 or sn < d):
         return None
     if type(t) is torch.Tensor and t.data_ptr() % 16:  # real tensors: the allocation itself too
         return None
@@ -311,41 +256,11 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
     return None if tx is None or ty is None else (*tx, *ty)
 
 
-def _launch_bwd(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    causal: bool,
-    softmax_scale: float,
-    dlse=None,
-    traced: bool = False,
-    window: int = 0,
-    q_doc=None,
-    k_doc=None,
-    dropout_p: float = 0.0,
-    dropout_seed=None,
-):
+def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
+                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None):
     if q.dtype == torch.bfloat16 and interpret_enabled():
-        grads = _launch_bwd(
-            do.float(),
-            q.float(),
-            k.float(),
-            v.float(),
-            o.float(),
-            lse,
-            causal,
-            softmax_scale,
-            dlse,
-            False,
-            window,
-            q_doc,
-            k_doc,
-            dropout_p,
-            dropout_seed,
-        )
+        grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
+                            softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed)
         return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -382,65 +297,22 @@ def _launch_bwd(
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dq,
-            o,
-            dlse,  # dlse None: HAS_DLSE=False, never read
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *do.stride(),
-            *dq.stride(),
-            *o.stride(),
-            *scale_args,
-            *(tma2 or _NO_TMA),
-            CAUSAL=causal,
-            BLOCK_M=c2.block_m,
-            BLOCK_N=c2.block_n,
-            BLOCK_D=block_d,
-            EVEN_M=Nq % c2.block_m == 0,
-            EVEN_N=Nk % c2.block_n == 0,
-            EVEN_D=even_d,
-            DOT_PRECISION=prec,
-            USE_TMA=tma2 is not None,
-            HAS_DLSE=dlse is not None,
-            **_launch_options(c2),
-            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
+            q, k, v, do, lse, delta, dq, o, dlse,  # dlse None: HAS_DLSE=False, never read
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
+            *scale_args, *(tma2 or _NO_TMA),
+            CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % c2.block_m == 0, EVEN_N=Nk % c2.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
+            **_launch_options(c2), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
-            q,
-            k,
-            v,
-            do,
-            lse,
-            delta,
-            dk,
-            dv,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *do.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            *scale_args,
-            *(tma1 or _NO_TMA),
-            CAUSAL=causal,
-            BLOCK_M=c1.block_m,
-            BLOCK_N=c1.block_n,
-            BLOCK_D=block_d,
-            EVEN_M=Nq % c1.block_m == 0,
-            EVEN_N=Nk % c1.block_n == 0,
-            EVEN_D=even_d,
-            DOT_PRECISION=prec,
-            USE_TMA=tma1 is not None,
-            **_launch_options(c1),
-            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
-            K_DOC=k_doc,
+            q, k, v, do, lse, delta, dk, dv,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            *scale_args, *(tma1 or _NO_TMA),
+            CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
+            EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
+            DOT_PRECISION=prec, USE_TMA=tma1 is not None, **_launch_options(c1),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed), K_DOC=k_doc,
         )
     return dq, dk, dv
 
@@ -458,45 +330,23 @@ def _launch_bwd(
 # torch.compile, FakeTensorMode and make_fx see as one node with a fake implementation.
 
 
-def _fwd_fake(
-    q, k, v, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0, dropout_seed=None
-):
+def _fwd_fake(q, k, v, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
+              dropout_seed=None):
     q = _unit_last_stride(q)  # as _launch_fwd sees it
     B, Hq, Nq, d = q.shape
     return _empty_like_layout(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
-def _bwd_fake(
-    do,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    causal,
-    softmax_scale,
-    dlse=None,
-    window=0,
-    q_doc=None,
-    k_doc=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-):
+def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
+              dropout_p=0.0, dropout_seed=None):
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # as _launch_bwd sees them
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 def _fwd_op_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    window: int = 0,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+    window: int = 0, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
     (`flash_attention` validates). Variants: window (0 = none), q_doc / k_doc int32 (2, B, Nq) / (2, B, Nk)
@@ -523,9 +373,8 @@ def _bwd_op_body(
     """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), each dense with its input's dim order
     (`_empty_like_layout`). dlse: optional gradient of the lse output (float32 (B, Hq, Nq)). Variants
     as in the forward op. Deterministic (no atomics)."""
-    return _launch_bwd(
-        do, q, k, v, o, lse, causal, softmax_scale, dlse, True, window, q_doc, k_doc, dropout_p, dropout_seed
-    )
+    return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, True, window, q_doc, k_doc,
+                       dropout_p, dropout_seed)
 
 
 # one body, two registrations: traced into the graph on CUDA, opaque (with a fake) for the interpreter
@@ -544,21 +393,8 @@ def _setup_context(ctx, inputs, output):
     _save(ctx, q, k, v, o, lse, causal, softmax_scale, *variants)
 
 
-def _save(
-    ctx,
-    q,
-    k,
-    v,
-    o,
-    lse,
-    causal,
-    softmax_scale,
-    window=0,
-    q_doc=None,
-    k_doc=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-):
+def _save(ctx, q, k, v, o, lse, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
+          dropout_seed=None):
     """Keep what the backward needs: q, k, v, o, lse and the variants' tensors, and the flags."""
     ctx.save_for_backward(q, k, v, o, lse, q_doc, k_doc, dropout_seed)
     ctx.causal = causal
@@ -573,31 +409,15 @@ def _grads_from_saved(ctx, do, dlse, backward_fn):
     q, k, v, o, lse, q_doc, k_doc, dropout_seed = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = backward_fn(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        ctx.causal,
-        ctx.softmax_scale,
-        dlse,
-        window=ctx.window,
-        q_doc=q_doc,
-        k_doc=k_doc,
-        dropout_p=ctx.dropout_p,
-        dropout_seed=dropout_seed,
-    )
+    dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse, window=ctx.window,
+                             q_doc=q_doc, k_doc=k_doc, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-flash_attn_fwd.register_autograd(
-    lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd), setup_context=_setup_context
-)
+flash_attn_fwd.register_autograd(lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd),
+                                 setup_context=_setup_context)
 flash_attn_fwd_cpu.register_autograd(
-    lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd_cpu), setup_context=_setup_context
-)
+    lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd_cpu), setup_context=_setup_context)
 
 
 def _ops_for(t: torch.Tensor):
@@ -617,9 +437,8 @@ class _FlashAttnEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed):
-        o, lse = _launch_fwd(
-            q, k, v, causal, softmax_scale, False, window, q_doc, k_doc, dropout_p, dropout_seed
-        )
+        o, lse = _launch_fwd(q, k, v, causal, softmax_scale, False, window, q_doc, k_doc, dropout_p,
+                             dropout_seed)
         _save(ctx, q, k, v, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed)
         ctx.set_materialize_grads(False)  # an unused lse output gets None, not a tensor of zeros
         return o, lse
@@ -656,9 +475,8 @@ def _plain_eager_call(*tensors: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def dropout_keep_mask(
-    dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p: float, device="cpu"
-) -> torch.Tensor:
+def dropout_keep_mask(dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p: float,
+                      device="cpu") -> torch.Tensor:
     """The keep mask that `flash_attention(..., dropout_p=p, dropout_seed=seed)` applies, for tests.
 
     Args: dropout_seed (int or int64 (1,) tensor), the attention's shape B, Hq, Nq, Nk, dropout_p in [0, 1),
@@ -674,19 +492,8 @@ def dropout_keep_mask(
     return _dropout_mask(_seed_tensor(dropout_seed, torch.device(device)), B, Hq, Nq, Nk, dropout_p)
 
 
-def flash_attention(
-    q,
-    k,
-    v,
-    *,
-    causal=True,
-    softmax_scale=None,
-    return_lse=False,
-    window=None,
-    doc_ids=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-):
+def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
+                    dropout_p=0.0, dropout_seed=None):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
     Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of

@@ -51,7 +51,6 @@ from .sampling import check_sampling_args, sample_next
 
 __all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
 
-
 class KVCache:
     """Key/value caches of every layer for one batch of sequences, preallocated to ``max_len`` positions.
 
@@ -66,16 +65,8 @@ class KVCache:
     whole buffer with a length mask (static shapes: one torch.compile graph / CUDA graph for every step).
     """
 
-    def __init__(
-        self,
-        n_layer: int,
-        batch_size: int,
-        n_head: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, n_layer: int, batch_size: int, n_head: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (n_layer, batch_size, n_head, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -115,14 +106,8 @@ class CausalSelfAttention(nn.Module):
         self.window = config.window
         self.attn_dropout = float(config.attn_dropout)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        static: bool = False,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """(B, N, C) -> (B, N, C). With ``cache``: x holds positions ``cache.length .. + N - 1``; their k/v
         are written into layer ``layer``'s cache (``cache.length`` itself is advanced by ``GPT``). With
         ``static`` (N = 1): x holds position ``cache.lengths[b]`` of each sequence b. ``doc_ids`` (B, N):
@@ -135,29 +120,14 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, N, H, C // H).transpose(1, 2)
         if cache is None:
             p = self.attn_dropout if self.training else 0.0
-            y = attention(
-                q,
-                k,
-                v,
-                self.attention_backend,
-                self.sdpa_backend,
-                window=self.window,
-                doc_ids=doc_ids,
-                dropout_p=p,
-            )  # (B, H, N, d)
+            y = attention(q, k, v, self.attention_backend, self.sdpa_backend, window=self.window,
+                          doc_ids=doc_ids, dropout_p=p)  # (B, H, N, d)
         elif static:
             rows = torch.arange(B, device=x.device)
             cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
             cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
-            y = static_decode_attention(
-                q,
-                cache.k[layer],
-                cache.v[layer],
-                cache.lengths + 1,
-                self.attention_backend,
-                self.sdpa_backend,
-                window=self.window,
-            )
+            y = static_decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths + 1,
+                                        self.attention_backend, self.sdpa_backend, window=self.window)
         else:
             start, end = cache.length, cache.length + N
             cache.k[layer, :, :, start:end] = k
@@ -165,14 +135,8 @@ class CausalSelfAttention(nn.Module):
             if start == 0:  # prefill: plain causal attention over the new rows, on the chosen backend
                 y = attention(q, k, v, self.attention_backend, self.sdpa_backend, window=self.window)
             else:
-                y = cached_attention(
-                    q,
-                    cache.k[layer, :, :, :end],
-                    cache.v[layer, :, :, :end],
-                    self.attention_backend,
-                    self.sdpa_backend,
-                    window=self.window,
-                )
+                y = cached_attention(q, cache.k[layer, :, :, :end], cache.v[layer, :, :, :end],
+                                     self.attention_backend, self.sdpa_backend, window=self.window)
         y = y.transpose(1, 2).reshape(B, N, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -200,14 +164,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        static: bool = False,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0,
+                static: bool = False, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer, static, doc_ids)
         return x + self.mlp(self.ln_2(x))
 
@@ -263,9 +221,8 @@ class GPT(nn.Module):
             return None
         if doc_ids is not None:
             if doc_ids.shape != idx.shape:
-                raise ValueError(
-                    f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}"
-                )
+                raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape "
+                                 f"{tuple(idx.shape)}")
             return doc_ids.to(idx.device)
         if self.config.doc_separator_ids is None:
             return None
@@ -273,9 +230,8 @@ class GPT(nn.Module):
 
         return doc_ids_from_tokens(idx, self.config.doc_separator_ids)
 
-    def _hidden(
-        self, idx: torch.Tensor, cache: KVCache | None = None, doc_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _hidden(self, idx: torch.Tensor, cache: KVCache | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
@@ -490,9 +446,8 @@ class GPT(nn.Module):
         device default to the model's parameters'."""
         p = self.transformer.wte.weight
         c = self.config
-        return KVCache(
-            c.n_layer, batch_size, c.n_head, c.block_size, c.head_dim, dtype or p.dtype, device or p.device
-        )
+        return KVCache(c.n_layer, batch_size, c.n_head, c.block_size, c.head_dim,
+                       dtype or p.dtype, device or p.device)
 
     @torch.no_grad()
     def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -521,14 +476,11 @@ class GPT(nn.Module):
             ValueError: idx not (cache.batch_size, 1), or the cache is full (cache.length == block_size).
         """
         if idx.dim() != 2 or idx.shape != (cache.batch_size, 1):
-            raise ValueError(
-                f"decode_step takes idx of shape ({cache.batch_size}, 1), got {tuple(idx.shape)}"
-            )
+            raise ValueError(f"decode_step takes idx of shape ({cache.batch_size}, 1), got "
+                             f"{tuple(idx.shape)}")
         if cache.length >= self.config.block_size:
-            raise ValueError(
-                f"the KV cache is full (block_size={self.config.block_size}); reset it and "
-                "prefill the last block_size tokens"
-            )
+            raise ValueError(f"the KV cache is full (block_size={self.config.block_size}); reset it and "
+                             "prefill the last block_size tokens")
         logits = self._decode_static(idx.contiguous(), cache)  # one stride whatever view idx is
         cache.length += 1
         return logits
@@ -622,10 +574,6 @@ class GPT(nn.Module):
         if timings is not None:
             ctx = min(idx.shape[1] - max_new_tokens, bs)
             b = idx.shape[0]
-            timings.update(
-                prefill_s=t_prefill - t0,
-                prefill_tokens=b * ctx if max_new_tokens else 0,
-                decode_s=t1 - t_prefill,
-                decode_tokens=b * max(0, max_new_tokens - 1),
-            )
+            timings.update(prefill_s=t_prefill - t0, prefill_tokens=b * ctx if max_new_tokens else 0,
+                           decode_s=t1 - t_prefill, decode_tokens=b * max(0, max_new_tokens - 1))
         return idx
