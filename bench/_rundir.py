@@ -152,6 +152,21 @@ def attention_label(cfg: dict, summary: dict) -> str | None:
     return name
 
 
+def variant_label(cfg: dict) -> str:
+    """' w=<window>', ' doc-mask' and ' attn-drop=<p>' for the attention variants a run config sets (issue
+    16: attention.window, attention.document_mask, model.attn_dropout), '' for plain causal attention."""
+    out = ""
+    window = cfg_get(cfg, "attention.window")
+    if _is_plain(window):
+        out += f" w={window}"
+    if cfg_get(cfg, "attention.document_mask") is True:
+        out += " doc-mask"
+    p = cfg_get(cfg, "model.attn_dropout")
+    if _is_plain(p) and isinstance(p, (int, float)) and p > 0:
+        out += f" attn-drop={p:g}"
+    return out
+
+
 def seq_len_of(cfg: dict, summary: dict) -> int | None:
     """Sequence length: config `seq_len` (else `data.seq_len`, `model.block_size`), else summary."""
     for v in (

@@ -57,7 +57,8 @@ class Run:
 
 def load_run(path: str | Path) -> Run:
     """Read a run directory (or its metrics.jsonl). Label: '<backend> N=<seq_len>' from the Hydra
-    config / summary when known, else the directory name. Raises RunDirError when the directory or
+    config / summary when known, plus the attention variant ('w=256', 'doc-mask', 'attn-drop=0.1'; see
+    `_rundir.variant_label`), else the directory name. Raises RunDirError when the directory or
     metrics.jsonl is missing or holds no train/loss."""
     path = Path(path)
     run_dir = path.parent if path.is_file() else path
@@ -78,16 +79,20 @@ def load_run(path: str | Path) -> Run:
         if dtype in ("float32", "bfloat16"):  # an explicit dtype (not "auto") is part of what is compared
             no_tf32 = dtype == "float32" and _rundir.cfg_get(cfg, "tf32") is False
             label += f" {dtype}" + (" no-TF32" if no_tf32 else "")
+        label += _rundir.variant_label(cfg)
     else:
         label = run_dir.resolve().name
     return Run(run_dir, label, train, _rundir.series(rows, "val/loss"), cfg)
 
 
-# Config keys (dotted prefixes) that do not change what a loss curve means: the backend under comparison,
+# Config keys (dotted prefixes) that do not change what a loss curve means: the backend under comparison
+# (its mask variants, attention.window and attention.document_mask, do change it and are reported),
 # where and how the run is recorded, run bookkeeping, and file paths (the same corpus lies elsewhere on
 # another machine; its name and tokenizer are compared). Every other key that differs is reported.
 CONFIG_KEYS_IGNORED = (
-    "attention",
+    "attention.name",
+    "attention.backend",
+    "attention.sdpa_backend",
     "out_dir",
     "run_name",
     "wandb",
@@ -127,7 +132,8 @@ def config_differences(ref: dict, other: dict, ignored: Sequence[str] = CONFIG_K
     a, b = _flatten(ref), _flatten(other)
 
     def skip(key: str) -> bool:
-        return any(key == p or key.startswith(p + ".") for p in ignored)
+        # a bare `attention` leaf is the backend name of older configs (attention: flash)
+        return key == "attention" or any(key == p or key.startswith(p + ".") for p in ignored)
 
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not skip(k) and a.get(k) != b.get(k)}
 

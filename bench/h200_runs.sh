@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The H200 training runs whose results are committed under bench/results/ and quoted in the README.
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt)
+#        compare_dropout | sweep | preempt | window_ablation)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt) ;;
-*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt)"; exit 2 ;;
+case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation) ;;
+*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -93,5 +93,13 @@ preempt)  # flash at seq_len 8192: SIGTERM mid-way, resume, compare with an unin
   python train.py "${args[@]}" out_dir="$OUT/preempt_killed" resume=true
   python -m bench.compare "$OUT/preempt_full" "$OUT/preempt_killed" --window 1 --tolerance 0 \
     --out "$OUT/preempt.png" --json "$OUT/preempt.json" ;;
+window_ablation)  # issue 16: sliding window w = none / 256 / 1024 at seq_len 4096, 500 steps from one seed, flash
+  # (a Hydra multirun, as a researcher would run the ablation), then the loss curves against the full-causal run
+  python train.py -m experiment=gpt2_shakespeare attention=flash attention.window=null,256,1024 seq_len=4096 \
+    max_steps=500 compile=false batch.tokens_per_step=16384 log_interval=1 eval.interval=100 eval.batches=10 \
+    checkpoint.interval=0 checkpoint.at_end=false wandb.group=window_ablation_n4096 "${common[@]}" \
+    hydra.sweep.dir="$OUT/window_ablation"
+  python -m bench.compare "$OUT"/window_ablation/0_* "$OUT"/window_ablation/1_* "$OUT"/window_ablation/2_* \
+    --window 20 --out "$OUT/window_ablation.png" --json "$OUT/window_ablation.json" ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

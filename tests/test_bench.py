@@ -647,6 +647,39 @@ def test_compare_warns_when_configs_differ(tmp_path, seed, capsys):
     assert diffs == {"max_steps": [30, 60], "optim.decay_steps": [None, 30], "seq_len": [64, 128]}
 
 
+def test_compare_names_and_reports_attention_variants(tmp_path, seed, capsys):
+    """A window / document-mask / attention-dropout ablation (issue 16): each run's label names its variant
+    and the differing keys are reported (they change what the curve means), while the backend name is not."""
+    rng = np.random.default_rng(seed)
+    base = dict(enumerate(_random_walk(rng, 20).tolist(), 1))
+    w = int(rng.integers(16, 512))
+    variants = (
+        ("causal", {"name": "flash", "window": None, "document_mask": False}, 0.0),
+        ("window", {"name": "flash", "window": w, "document_mask": False}, 0.0),
+        ("docs", {"name": "sdpa", "window": None, "document_mask": True}, 0.1),
+    )
+    runs = []
+    for name, attn, p in variants:
+        d = make_run(tmp_path, name, attn["name"], 64, train=base)
+        cfg = {"attention": attn, "seq_len": 64, "model": {"attn_dropout": p}}
+        (d / "config.resolved.yaml").write_text(json.dumps(cfg))
+        runs.append(str(d))
+    assert [bc.load_run(r).label for r in runs] == [
+        "flash N=64",
+        f"flash N=64 w={w}",
+        "sdpa N=64 doc-mask attn-drop=0.1",
+    ]
+    js = tmp_path / "c.json"
+    assert bc.main([*runs, "--out", str(tmp_path / "c.png"), "--json", str(js)]) == 0
+    res = json.loads(js.read_text())["results"]
+    assert res[0]["config_differences"] == {"attention.window": [None, w]}
+    assert res[1]["config_differences"] == {
+        "attention.document_mask": [False, True],
+        "model.attn_dropout": [0.0, 0.1],
+    }
+    assert "attention.window: None vs " + str(w) in capsys.readouterr().err
+
+
 def test_run_config_prefers_the_trainers_copy(tmp_path):
     """Hydra rewrites .hydra/config.yaml for every command aimed at a run dir (also one the trainer then
     refuses); the trainer's config.resolved.yaml, written when the run started, is the run's config."""
