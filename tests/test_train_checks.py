@@ -261,7 +261,7 @@ def test_block_size_follows_seq_len_and_presets_compose():
     assert cfg.model.block_size is None and cfg.model.name == "gpt2" and cfg.attention.name == "naive"
     assert cfg.attention.sdpa_backend == "auto"  # typed: every attention config has every key
     tiny = compose_cfg(["experiment=cpu_tiny"])
-    assert tiny.model.name == "tiny" and tiny.data.tokenizer == "char" and tiny.seq_len == 256
+    assert tiny.model.name == "mini" and tiny.data.tokenizer == "char" and tiny.seq_len == 128
     plan = resolve_plan(tiny, world_size=1, cuda_available=False)
     assert (plan.device_type, plan.compile, plan.autocast_dtype) == ("cpu", False, None)
     gpu = resolve_plan(
