@@ -276,9 +276,10 @@ class Endings:
 
 def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False) -> Outcome:
     """Print ``config error: ...`` (no traceback). A single run then takes back what it created in its run
-    directory (``rundir.discard_refused_run``: a config error writes nothing); a job of a ``-m`` sweep (or
-    a run whose directory that cannot undo) records status "error" in summary.json instead, which the
-    sweep's summary and ``bench.report`` list."""
+    directory (``rundir.discard_refused_run``: a config error writes nothing); a job of a ``-m`` sweep, or a
+    run that cannot take back what is there (a directory not noted by Hydra's ``OutDirCheck``, or holding
+    more than a refused run writes), records status "error" in summary.json instead, which the sweep's
+    summary and ``bench.report`` list."""
     if is_main:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         from trainer.rundir import discard_refused_run
