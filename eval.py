@@ -11,7 +11,9 @@ run's own ``val/loss``, so the number printed for its last checkpoint matches it
 config.resolved.yaml) are never written; the result goes to the console and to
 ``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``write=false``: console only).
 
-Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, bad key), nothing written.
+Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, a config error such as a
+misspelt key, ``+typo=1`` or a wrong type: ``config error: ...`` like train.py), nothing written.
+Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 """
 
 from __future__ import annotations
@@ -25,10 +27,16 @@ import hydra
 from omegaconf import DictConfig
 
 from trainer.infer import InferError
+from trainer.infer_config import ConfigError, EvalConfig, check_config, in_job, main_reporting_config_errors
 
 
 def eval_main(cfg: DictConfig) -> int:
-    """Evaluate for ``cfg`` (keys of ``configs/eval.yaml``); returns the exit status (0 or 2)."""
+    """Evaluate for ``cfg`` (``EvalConfig``, configs/eval.yaml); returns the exit status (0 or 2)."""
+    try:
+        check_config(cfg, EvalConfig)  # +typo=1 and the field checks, before any checkpoint load
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     try:
         return _eval(cfg)
     except InferError as e:
@@ -49,9 +57,7 @@ def _eval(cfg: DictConfig) -> int:
     from data.loader import BinDataset
     from trainer.infer import build_model, find_checkpoint, resolve_device, resolve_dtype
 
-    split = str(cfg.data.split)
-    if split not in ("val", "train"):
-        raise InferError(f"data.split={split!r}; use val or train")
+    split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
     dtype = resolve_dtype(str(cfg.dtype), device)
     path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
@@ -81,8 +87,7 @@ def _eval(cfg: DictConfig) -> int:
             f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
             f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir"
         )
-    att = cfg.get("attention") or {}
-    model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
+    model = build_model(state, cfg.attention.name, cfg.attention.sdpa_backend, device, dtype)
 
     total, n = 0.0, 0
     t0 = time.perf_counter()
@@ -128,10 +133,11 @@ def _eval(cfg: DictConfig) -> int:
 
 @hydra.main(config_path="configs", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    code = eval_main(cfg)
+    with in_job():
+        code = eval_main(cfg)
     if code:
         sys.exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_reporting_config_errors(main, EvalConfig))

@@ -12,7 +12,9 @@ are printed and written to ``<run>/samples/<time>_<ckpt>.txt`` with a ``.json`` 
 and prefill / decode tokens per second.
 
 Exit status: 0 ok; 2 for a user error (no run or checkpoint, a prompt the tokenizer cannot encode,
-temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing written.
+temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing written; also for a config error
+(``config error: ...``: a misspelt key such as ``temprature=0.5``, ``+typo=1``, a wrong type), like train.py.
+Keys: ``trainer/infer_config.py`` ``SampleConfig``.
 """
 
 from __future__ import annotations
@@ -26,10 +28,16 @@ import hydra
 from omegaconf import DictConfig
 
 from trainer.infer import InferError
+from trainer.infer_config import ConfigError, SampleConfig, check_config, in_job, main_reporting_config_errors
 
 
 def sample_main(cfg: DictConfig) -> int:
-    """Run sampling for ``cfg`` (keys of ``configs/sample.yaml``); returns the exit status (0 or 2)."""
+    """Run sampling for ``cfg`` (``SampleConfig``, configs/sample.yaml); returns the exit status (0 or 2)."""
+    try:
+        check_config(cfg, SampleConfig)  # +typo=1 and the field checks, before any checkpoint load
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     try:
         return _sample(cfg)
     except InferError as e:
@@ -51,11 +59,6 @@ def _sample(cfg: DictConfig) -> int:
         check_sampling_args(float(cfg.temperature), top_k, top_p)
     except (TypeError, ValueError) as e:
         raise InferError(str(e)) from e
-    for key in ("num_samples", "max_new_tokens"):
-        value = cfg[key]
-        low = 1 if key == "num_samples" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InferError(f"{key} must be an int >= {low}, got {value!r}")
     device = resolve_device(str(cfg.device))
     dtype = resolve_dtype(str(cfg.dtype), device)
     text = read_prompt(str(cfg.prompt))
@@ -71,8 +74,7 @@ def _sample(cfg: DictConfig) -> int:
         ids = tok.encode(text)
     except ValueError as e:
         raise InferError(f"prompt cannot be encoded by the run's {tok.name} tokenizer: {e}") from e
-    att = cfg.get("attention") or {}
-    model = build_model(state, att.get("name"), att.get("sdpa_backend"), device, dtype)
+    model = build_model(state, cfg.attention.name, cfg.attention.sdpa_backend, device, dtype)
     block = model.config.block_size
     if len(ids) > block:
         print(
@@ -155,10 +157,11 @@ def _sample(cfg: DictConfig) -> int:
 
 @hydra.main(config_path="configs", config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    code = sample_main(cfg)
+    with in_job():
+        code = sample_main(cfg)
     if code:
         sys.exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main_reporting_config_errors(main, SampleConfig))

@@ -6,8 +6,11 @@ ids as raw ``uint16`` so that training memory-maps them. See ``data/meta.py`` fo
 
 CLI (either form, from anywhere)::
 
-    python -m data.prepare --source PATH --out-dir DIR --tokenizer gpt2|char [--val-fraction 0.1]
+    python -m data.prepare --source PATH --out-dir DIR --tokenizer gpt2|char [--val-fraction 0.1] [--force]
     python data/prepare.py  --source PATH --out-dir DIR --tokenizer gpt2|char
+
+A DIR that already holds data of another tokenizer, corpus, split or separator is refused (exit 1, nothing
+written: runs read it) unless ``--force``; the same arguments again just re-prepare it.
 
 Without ``--source`` Tiny Shakespeare is downloaded into ``DIR/input.txt``; without ``--out-dir`` the
 output goes to ``data/shakespeare`` (gpt2) or ``data/shakespeare_char`` (char) next to this file.
@@ -390,6 +393,46 @@ def ensure_prepared(
     return prepare(source, out_dir, tokenizer, val_fraction, doc_separator)
 
 
+def conflict_reason(
+    source: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    tokenizer: str = "gpt2",
+    val_fraction: float = 0.1,
+    doc_separator: str | None = None,
+) -> str | None:
+    """What ``out_dir`` already holds that preparing these arguments there would replace, or None.
+
+    A directory with a loadable ``meta.json`` holds data that runs read (and resume from): preparing
+    another tokenizer, document separator, split or corpus there would swap it under them. None when
+    ``out_dir`` is not prepared (or its meta.json is broken) or holds exactly these arguments' data.
+
+    Raises:
+        FileNotFoundError / IsADirectoryError: local ``source`` is not an existing file.
+    """
+    out = Path(out_dir).expanduser()
+    try:
+        meta = load_meta(out)
+    except (FileNotFoundError, ValueError):
+        return None
+    src_path, src_label = _resolve_source(source, out, fetch=False)
+    doc_separator = parse_separator(doc_separator)
+    if meta["tokenizer"] != tokenizer:
+        return (
+            f"data tokenized with {meta['tokenizer']!r} (vocab_size {meta['vocab_size']}), not {tokenizer!r}"
+        )
+    if meta.get("doc_separator") != doc_separator:
+        return f"data prepared with doc_separator={meta.get('doc_separator')!r}, not {doc_separator!r}"
+    old_fraction = meta.get("val_fraction")
+    if old_fraction is not None and not math.isclose(float(old_fraction), float(val_fraction), abs_tol=1e-12):
+        return f"data split with val_fraction={old_fraction}, not {val_fraction}"
+    if _is_url(src_label):
+        if meta["source"] != src_label:
+            return f"data prepared from {meta['source']}, not {src_label}"
+    elif sha256_file(src_path) != meta["source_sha256"]:
+        return f"data prepared from {meta['source']} (another text than {src_label})"
+    return None
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (0 ok, 1 error with a message on stderr)."""
@@ -415,11 +458,26 @@ def main(argv: list[str] | None = None) -> int:
         help="string between documents, e.g. $'\\n\\n' (records document starts for "
         "document masking; gpt2 writes <|endoftext|> between documents)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace data of another tokenizer, corpus, split or separator already in OUT_DIR",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
     try:
+        held = conflict_reason(args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator)
+        if held and not args.force:
+            other = Path(out_dir).parent / f"{Path(out_dir).name}_{args.tokenizer}"
+            print(
+                f"error: {out_dir} already holds {held}; preparing there would replace the train.bin / "
+                f"val.bin / meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "
+                "or add --force to replace it",
+                file=sys.stderr,
+            )
+            return 1
         meta = prepare(args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 
 from .attention import check_attention_backend, check_sdpa_backend
 
-#: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs).
-#: The one list of sizes: trainer/config.py stores each as the Hydra config ``model=<name>``.
+#: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs,
+#: "mini" for the CPU quickstart, experiment=cpu_tiny: about 0.8M parameters, readable char-level text in
+#: a few minutes on two cores). The one list of sizes: trainer/config.py stores each as ``model=<name>``.
 PRESETS: dict[str, dict] = {
     "tiny": dict(n_layer=2, n_head=4, n_embd=128),
+    "mini": dict(n_layer=4, n_head=4, n_embd=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
 }

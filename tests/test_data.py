@@ -178,6 +178,37 @@ def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     assert res.returncode == 1 and "nope.txt" in res.stderr and "Traceback" not in res.stderr
 
 
+def _files(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_cli_refuses_a_dir_prepared_otherwise_unless_forced(tmp_path, capsys):
+    """`python -m data.prepare --out-dir X` never silently replaces X's data of another tokenizer, split
+    or corpus (runs read it): exit 1 naming what X holds and both fixes, nothing written; --force
+    replaces it; the same arguments again re-prepare it."""
+    src = _distinct_corpus(tmp_path, 300)
+    out = tmp_path / "data"
+    base = ["--source", str(src), "--out-dir", str(out)]
+    assert prep.main([*base, "--tokenizer", "char"]) == 0
+    before = _files(out)
+    capsys.readouterr()
+    other = _write(tmp_path / "other.txt", "another text entirely\n" * 20)
+    for args, held in [
+        (["--tokenizer", "gpt2"], "data tokenized with 'char' (vocab_size 300), not 'gpt2'"),
+        (["--tokenizer", "char", "--val-fraction", "0.2"], "data split with val_fraction=0.1, not 0.2"),
+        (["--tokenizer", "char", "--source", str(other)], f"data prepared from {src}"),
+    ]:
+        assert prep.main([*base, *args]) == 1
+        err = capsys.readouterr().err
+        assert f"{out} already holds {held}" in err, err
+        assert f"--out-dir {out}_" in err and "--force" in err, err
+        assert _files(out) == before
+    assert prep.main([*base, "--tokenizer", "char"]) == 0  # the same data again: fine
+    assert _files(out) == before
+    assert prep.main([*base, "--tokenizer", "char", "--val-fraction", "0.2", "--force"]) == 0
+    assert load_meta(out)["val_fraction"] == 0.2 and load_meta(out)["train_tokens"] == 240
+
+
 def test_atomic_prepare_leaves_no_valid_looking_dir(tmp_path, monkeypatch):
     src = _write(tmp_path / "a.txt", "abcdefghij" * 20)
     out = tmp_path / "out"

@@ -240,6 +240,52 @@ def test_seq_len_hint_fits_the_corpus_and_the_batch(tmp_path):
     resolve_plan(cfg, world_size=1, cuda_available=False)
 
 
+def test_seq_len_beyond_the_corpus_is_one_message_whose_fixes_pass(tmp_path):
+    """seq_len=2000000 with cpu_tiny's batch: one message from resolve_plan, before the batch split (whose
+    own hint would lead to the corpus error next), naming the limit; each suggested seq_len (alone, or
+    with its batch.tokens_per_step) gets past the data and the batch checks. Exact once data.dir is
+    prepared; an upper bound from the source file's size before that."""
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1720 chars: 172 val tokens
+    from data.prepare import ensure_prepared
+
+    base = ["experiment=cpu_tiny", f"data.source={small}", f"data.dir={tmp_path / 'small'}"]
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(compose_cfg([*base, "seq_len=2000000"]), world_size=1, cuda_available=False)
+    msg = str(e.value)
+    assert msg.startswith("seq_len=2000000 is longer than the data allows") and "at most about 172;" in msg, (
+        msg
+    )
+    assert not (tmp_path / "small").exists()  # nothing prepared to find it out
+    meta = ensure_prepared(str(small), str(tmp_path / "small"), "char", 0.1)
+    assert meta["val_tokens"] == 172
+    for seq_len in (2000000, 172):
+        with pytest.raises(ConfigError) as e:
+            resolve_plan(compose_cfg([*base, f"seq_len={seq_len}"]), world_size=1, cuda_available=False)
+        msg = str(e.value)
+        assert "batch." not in msg.split(";")[0] and "so seq_len can be at most 171;" in msg, msg
+        (fits,) = hints(msg, "seq_len", seq_len)
+        assert fits == "128"
+        cfg = compose_cfg([*base, f"seq_len={fits}"])
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+        check_data_fits(cfg, meta)
+    # a batch that one suggested seq_len fits: that one alone
+    cfg = compose_cfg([*base, "seq_len=2000000", "batch.tokens_per_step=1024", "batch.micro_batch_size=4"])
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+    assert "use seq_len=128 (or any value up to 171)" in str(e.value), str(e.value)
+    # a batch no power of two within the limit fits: the seq_len with the batch.tokens_per_step it needs
+    cfg = compose_cfg([*base, "seq_len=2000000", "batch.tokens_per_step=1000", "batch.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+    (fits,) = hints(str(e.value), "seq_len", 2000000)
+    (tokens,) = hints(str(e.value), "batch.tokens_per_step", 1000)
+    cfg = compose_cfg(
+        [*base, f"seq_len={fits}", f"batch.tokens_per_step={tokens}", "batch.micro_batch_size=3"]
+    )
+    resolve_plan(cfg, world_size=1, cuda_available=False)
+
+
 def test_char_vocabulary_too_large_names_the_real_key():
     from data.tokenizer import MAX_VOCAB, make_tokenizer
 

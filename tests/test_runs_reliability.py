@@ -249,9 +249,10 @@ def test_resume_of_a_finished_run_changes_nothing(tiny, tmp_path):
 
 def test_new_run_never_reuses_a_run_that_trained_then_failed(tiny, tmp_path):
     out = tmp_path / "run"
-    # refused before training (config error): the directory stays free for a new run
+    # refused before training (config error): nothing written, the path stays free for a new run
     bad = run_train(tiny(out, max_steps=8, batch__tokens_per_step=1000))
-    assert bad.returncode == 2 and summary(out)["status"] == "error", describe(bad)
+    assert bad.returncode == 2 and not out.exists(), describe(bad)
+    out.mkdir()
     # trains 4 steps, then its checkpoint save fails (ckpt/ is a file): status error after steps
     (out / "ckpt").write_text("not a directory")
     failed = run_train(tiny(out, max_steps=8, checkpoint__interval=4, wandb__mode="offline"))

@@ -205,12 +205,25 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
         (["run={run}", "prompt='héllo'"], "character 'é'"),
         (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
         (["run={run}", "prompt=''"], "prompt is empty"),
-        (["run={run}", "num_samples=0"], "num_samples must be an int >= 1"),
+        (["run={run}", "num_samples=0"], "config error: num_samples=0 must be a positive integer"),
+        (
+            ["run={run}", "temprature=0.5"],
+            "config error: temprature is not a config key; did you mean temperature?",
+        ),
+        (["run={run}", "+typo=1"], "config error: typo is not a config key"),
+        (
+            ["run={run}", "max_new_tokens=abc"],
+            "config error: max_new_tokens='abc' must be a non-negative integer",
+        ),
+        (["run={run}", "attention.window=8"], "config error: attention.window is not a config key"),
+        (["run={run}", "attention=gpt"], "config error: attention=gpt is not a config of group attention"),
         (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
         (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
         (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
         (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
         (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
+        (["run={run}", "dtype=float64"], "dtype='float64' is not supported"),
+        (["run={run}", "device=tpu"], "device='tpu' is not a device"),
     ],
 )
 def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
@@ -270,7 +283,13 @@ def test_eval_matches_the_runs_val_loss(trained, tmp_path):
     "args,message",
     [
         (["run={tmp}/nope"], "no such run directory"),
-        (["run={run}", "data.split=test"], "use val or train"),
+        (
+            ["run={run}", "data.split=test"],
+            "config error: data.split='test' is not valid; choose one of: val, train",
+        ),
+        (["run={run}", "bathces=3"], "config error: bathces is not a config key; did you mean batches?"),
+        (["run={run}", "+typo=1"], "config error: typo is not a config key"),
+        (["run={run}", "seq_len=abc"], "config error: seq_len='abc' must be null or a positive integer"),
         (["run={run}", "data.dir={tmp}/nodata"], "not found"),
         (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
     ],
@@ -279,5 +298,5 @@ def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     run, _ = trained
     before = _tree(run)
     proc = _run(EVAL, [a.format(run=run, tmp=tmp_path) for a in args], tmp_path)
-    assert proc.returncode == 2 and message in proc.stderr, describe(proc)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
     assert _tree(run) == before and list(tmp_path.iterdir()) == []

@@ -36,17 +36,20 @@ def test_seq_len_larger_than_block_size(expect_error):
 
 def test_seq_len_larger_than_data(expect_error, tmp_path):
     small = tmp_path / "small.txt"
-    small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1760 chars: val split ~176
-    err = expect_error(
-        **{"data.source": small, "data.dir": tmp_path / "small", "seq_len": 256, "batch.micro_batch_size": 4}
-    )
+    small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1720 chars: val split 172
+    args = {"data.source": small, "data.dir": tmp_path / "small", "seq_len": 256, "batch.micro_batch_size": 4}
+    err = expect_error(**args)  # before preparing: a bound from the file's size (tokens <= bytes)
+    assert not (tmp_path / "small").exists()
+    assert err.startswith("config error: seq_len=256 is longer than the data allows: ")
+    assert "(1,720 bytes) gives at most about 173 validation tokens" in err and "use seq_len=128," in err
+    from data.prepare import ensure_prepared
+
+    ensure_prepared(str(small), str(tmp_path / "small"), "char", 0.1)
+    err = expect_error(**args)
     val_tokens = json.loads((tmp_path / "small" / "meta.json").read_text())["val_tokens"]
-    assert val_tokens < 256
-    assert (
-        "seq_len=256 needs 257 tokens" in err
-        and f"val split of {tmp_path / 'small'} has only {val_tokens}" in err
-    )
-    assert f"use seq_len=128 (at most {val_tokens - 1})" in err
+    assert val_tokens == 172
+    assert f"data.dir={tmp_path / 'small'} holds 172 validation and 1,548 training tokens" in err
+    assert "so seq_len can be at most 171; use seq_len=128 (or any value up to 171)" in err
 
 
 def test_n_embd_not_divisible_by_n_head(expect_error):
@@ -258,7 +261,7 @@ def test_block_size_follows_seq_len_and_presets_compose():
     assert cfg.model.block_size is None and cfg.model.name == "gpt2" and cfg.attention.name == "naive"
     assert cfg.attention.sdpa_backend == "auto"  # typed: every attention config has every key
     tiny = compose_cfg(["experiment=cpu_tiny"])
-    assert tiny.model.name == "tiny" and tiny.data.tokenizer == "char" and tiny.seq_len == 256
+    assert tiny.model.name == "mini" and tiny.data.tokenizer == "char" and tiny.seq_len == 128
     plan = resolve_plan(tiny, world_size=1, cuda_available=False)
     assert (plan.device_type, plan.compile, plan.autocast_dtype) == ("cpu", False, None)
     gpu = resolve_plan(

@@ -7,7 +7,6 @@ Each run is a real ``python train.py ...`` process; W&B runs offline where a tes
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import subprocess
@@ -302,8 +301,22 @@ def test_torchrun_two_gloo_processes(tiny, tmp_path):
     assert len(state["rng"]) == 2 and state["world_size"] == 2
 
 
-def test_config_error_exits_2_without_traceback(tiny, tmp_path):
-    proc = run_train(tiny(tmp_path / "run", **{"batch.tokens_per_step": 1000}))
+def test_config_error_exits_2_without_traceback_and_writes_nothing(tiny, tmp_path):
+    """A config error found inside the training task, after Hydra created the run directory and wrote its
+    .hydra/ and log there (the batch split; set-up's missing checkpoint on resume), takes all of that
+    back: no run directory, no runs/ folder. A folder that existed before keeps exactly what it held."""
+    proc = run_train(tiny(tmp_path / "runs" / "run", **{"batch.tokens_per_step": 1000}))
     assert proc.returncode == 2, describe(proc)
     assert "config error: batch.tokens_per_step=1000" in proc.stderr and "Traceback" not in proc.stderr
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "error"
+    assert not (tmp_path / "runs").exists()
+    proc = run_train(tiny(tmp_path / "runs" / "new", resume=True))  # refused in set-up: metrics.jsonl open
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, describe(proc)
+    assert not (tmp_path / "runs").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    for extra in ({"batch.tokens_per_step": 1000}, {"resume": True}):
+        proc = run_train(tiny(mine, **extra))
+        assert proc.returncode == 2, describe(proc)
+        assert [p.name for p in mine.iterdir()] == ["notes.txt"], describe(proc)
+        assert (mine / "notes.txt").read_text() == "the user's"

@@ -297,3 +297,51 @@ def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
     assert Trainer.resume_command(run).startswith("TRITON_INTERPRET=1 python train.py experiment=cpu_tiny")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert Trainer.resume_command(run).startswith("python train.py")
+
+
+def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
+    """rundir.discard_refused_run (a config error writes nothing): what Hydra and set-up made in a new
+    directory goes, with the empty folders above it that did not exist; a folder that existed keeps what
+    it held; anything else new (W&B files, logged metrics) leaves the directory as it is (returns False);
+    a directory Hydra's OutDirCheck never noted is not touched."""
+    from trainer import rundir
+
+    def refused_run(d):
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "config.yaml").write_text("x: 1\n")
+        for name in ("train.log", rundir.LOCK_NAME, "metrics.jsonl"):
+            (d / name).write_text("" if name == "metrics.jsonl" else "line\n")
+
+    (tmp_path / "runs").mkdir()
+    new = tmp_path / "runs" / "a" / "b"
+    rundir.note_run_dir_before(new)
+    refused_run(new)
+    assert rundir.discard_refused_run(new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"] and not any((tmp_path / "runs").iterdir())
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (mine / "train.log").write_text("an earlier log\n")
+    rundir.note_run_dir_before(mine)
+    (mine / ".hydra").mkdir()
+    for name in (rundir.LOCK_NAME, "metrics.jsonl"):
+        (mine / name).write_text("")
+    with open(mine / "train.log", "a") as f:  # an existing log is appended to, never removed
+        f.write("config error: ...\n")
+    assert rundir.discard_refused_run(mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.log"]
+
+    more = tmp_path / "more"
+    rundir.note_run_dir_before(more)
+    refused_run(more)
+    (more / "wandb").mkdir()
+    (more / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert not rundir.discard_refused_run(more)
+    assert sorted(p.name for p in more.iterdir()) == sorted(
+        [".hydra", "train.log", rundir.LOCK_NAME, "metrics.jsonl", "wandb"]
+    )
+
+    unnoted = tmp_path / "unnoted"
+    refused_run(unnoted)
+    assert not rundir.discard_refused_run(unnoted) and (unnoted / ".hydra" / "config.yaml").is_file()

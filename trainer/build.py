@@ -110,7 +110,7 @@ class Setup:
         from data.loader import load_meta
 
         self.meta = load_meta(cfg.data.dir)
-        check_data_fits(cfg, self.meta)
+        check_data_fits(cfg, self.meta, d.world_size)
 
     def _build_model_config(self) -> None:
         """``self.gpt_config`` from the model keys and the tokenizer's vocab; the attention probe."""

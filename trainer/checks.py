@@ -4,7 +4,8 @@ Every error is a ``ConfigError`` whose message names the config key, the bad val
 the fix; ``train.py`` prints it and exits with status 2 (no traceback: it is a user error, not a bug).
 
 Order of use in the trainer:
-1. ``resolve_plan(cfg, ...)``: ``trainer.config.validate`` (ranges, shapes), then devices and batch split;
+1. ``resolve_plan(cfg, ...)``: ``trainer.config.validate`` (ranges, shapes), then devices, seq_len against
+   the data when it is known (``check_seq_len_fits_data``), then the batch split;
 2. ``check_data_source(cfg)`` then the data is prepared, then ``check_data_fits(cfg, meta)``;
 3. ``probe_attention(plan, cfg)``: flash availability and a pinned SDPA backend, tried on a tiny tensor
    with the real head dim and dtype on the target device;
@@ -117,6 +118,9 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "compile_mode=reduce-overhead (CUDA graphs) is supported on one process only, and this run has "
             f"{world_size} ranks (DDP's gradient hooks run outside the graphs); use compile_mode=default"
         )
+    check_seq_len_fits_data(
+        cfg, world_size
+    )  # before the batch split: the data's limit is the message to give
     micro_batch_size, grad_accum, notes = C.BatchConfig.split(cfg, world_size)
     if cfg.perf.profile_steps and device_type != "cuda":
         notes.append("note: perf.profile_steps is a GPU measurement (CUDA kernel time); skipped on the CPU")
@@ -256,27 +260,129 @@ def effective_data_source(cfg) -> str | None:
     return None
 
 
-def check_data_fits(cfg, meta: dict) -> None:
+def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
     """The prepared corpus must hold at least seq_len + 1 tokens in each split (one window + its target).
 
     Raises:
-        ConfigError naming seq_len, the split's token count and the largest valid seq_len.
+        ConfigError naming seq_len, the split's token count, the largest valid seq_len and a seq_len that
+        fits the batch too (``seq_len_too_long``).
     """
-    need = cfg.seq_len + 1
     largest = min(int(meta["train_tokens"]), int(meta["val_tokens"])) - 1  # fits both splits
-    for split in ("train", "val"):
-        have = int(meta[f"{split}_tokens"])
-        if have < need:
-            fits = f"use seq_len={_pow2_at_most(largest)} (at most {largest}) or " if largest >= 1 else "use "
-            raise ConfigError(
-                f"seq_len={cfg.seq_len} needs {need} tokens per window, but the {split} split of "
-                f"{cfg.data.dir} has only {have}; {fits}a larger corpus (data.source=PATH with a "
-                "data.dir of its own)"
-            )
+    if cfg.seq_len > largest:
+        counts = f"{int(meta['val_tokens']):,} validation and {int(meta['train_tokens']):,} training tokens"
+        raise ConfigError(
+            seq_len_too_long(cfg, f"data.dir={cfg.data.dir} holds {counts}", largest, world_size)
+        )
     if meta.get("tokenizer") != cfg.data.tokenizer:  # pragma: no cover - ensure_prepared re-prepares
         raise ConfigError(
             f"data.tokenizer={cfg.data.tokenizer} but {cfg.data.dir}/meta.json is for {meta.get('tokenizer')}"
         )
+
+
+def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: bool = False) -> str:
+    """The one message for a seq_len longer than the data allows: ``what`` holds (e.g. "data.dir=X holds
+    N validation and M training tokens"), the limit ``largest`` (``about``: an upper bound, the corpus is
+    not tokenized yet) and one fix that gets past every check: the longest power of two within the limit
+    when it fits the batch too, else the longest one that fits the current batch, with the batch change
+    that the longer one needs."""
+    limit = f"at most about {largest:,}" if about else f"at most {largest:,}"
+    head = (
+        f"seq_len={cfg.seq_len} is longer than the data allows: {what}, and one training or validation "
+        f"window needs seq_len + 1 tokens, so seq_len can be {limit}"
+    )
+    corpus = "a larger corpus (data.source=PATH with a data.dir of its own)"
+    if largest < 1:
+        return f"{head}; use {corpus}"
+    world = world_size
+    best = _pow2_at_most(largest)
+    fitting = next((n for n in _pow2_down(best) if _batch_fits(cfg, n, world)), None)
+    if fitting == best:
+        upto = "" if about else f" (or any value up to {largest})"
+        return f"{head}; use seq_len={best}{upto}, or {corpus}"
+    tokens = _step_tokens_for(cfg, best, world)
+    longer = f"seq_len={best} batch.tokens_per_step={tokens}"
+    if fitting is None:
+        return f"{head}; use {longer}, or {corpus}"
+    return f"{head}; use seq_len={fitting} (fits the current batch), or {longer}, or {corpus}"
+
+
+def _pow2_down(n: int):
+    while n >= 1:
+        yield n
+        n //= 2
+
+
+def _batch_fits(cfg, seq_len: int, world: int, tokens_per_step: int | None = None) -> bool:
+    """Whether ``BatchConfig.split`` accepts ``seq_len`` (and ``tokens_per_step``) with cfg's batch keys."""
+    from types import SimpleNamespace
+
+    b = cfg.batch
+    batch = SimpleNamespace(
+        tokens_per_step=b.tokens_per_step if tokens_per_step is None else tokens_per_step,
+        micro_tokens=b.micro_tokens,
+        micro_batch_size=b.micro_batch_size,
+    )
+    try:
+        C.BatchConfig.split(SimpleNamespace(batch=batch, seq_len=seq_len), world)
+    except ConfigError:
+        return False
+    return True
+
+
+def _step_tokens_for(cfg, seq_len: int, world: int) -> int:
+    """The smallest multiple of batch.tokens_per_step's unit at ``seq_len`` that is at least the current
+    batch.tokens_per_step: micro-batch x seq_len x world_size (the micro-batch from cfg's batch keys)."""
+    b = cfg.batch
+    if b.micro_batch_size is not None:
+        micro = int(b.micro_batch_size)
+    else:
+        micro = max(1, int(b.micro_tokens or seq_len) // seq_len)
+    unit = micro * seq_len * world
+    tokens = max(unit, -(-int(b.tokens_per_step) // unit) * unit)
+    while not _batch_fits(cfg, seq_len, world, tokens) and tokens < 64 * unit:  # micro_tokens rounding
+        tokens += unit
+    return tokens
+
+
+def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
+    """Before the batch checks: a seq_len longer than the data can hold is the error to report, whatever
+    else it breaks (the batch split), so the user gets one message with the real limit. Exact when
+    data.dir is already prepared for this tokenizer and split; an upper bound (tokens <= bytes, for both
+    tokenizers) from a local source file otherwise; nothing to say before a download.
+
+    Raises:
+        ConfigError from ``check_data_fits`` / ``seq_len_too_long``.
+    """
+    from data.prepare import split_point
+
+    data_dir = Path(str(cfg.data.dir)).expanduser()
+    meta = _prepared_meta(data_dir)
+    try:
+        same = (
+            meta is not None
+            and meta.get("tokenizer") == cfg.data.tokenizer
+            and abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
+        )
+    except (TypeError, ValueError):
+        same = False
+    if same and "train_tokens" in meta and "val_tokens" in meta:
+        check_data_fits(cfg, meta, world_size)
+        return
+    src = effective_data_source(cfg)
+    path = Path(str(src)).expanduser() if src and not str(src).startswith(("http://", "https://")) else None
+    if path is None and src is None:
+        path = data_dir / "input.txt"  # a download kept from an earlier prepare
+    try:
+        size = path.stat().st_size if path is not None and path.is_file() else 0
+    except OSError:
+        size = 0
+    if size < 2:
+        return
+    n_val = size - split_point(size, float(cfg.data.val_fraction)) + 1
+    largest = min(n_val, size) - 1
+    if cfg.seq_len > largest:
+        what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
+        raise ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=True))
 
 
 def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:

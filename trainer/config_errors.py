@@ -1,6 +1,7 @@
 """Hydra/OmegaConf composition errors as ``ConfigError`` (the trainer's wording: key and a valid value).
 
-train.py (and tests/helpers_train.run_inprocess) print the result as ``config error: ...`` and exit 2.
+train.py (and tests/helpers_train.run_inprocess) print the result as ``config error: ...`` and exit 2;
+sample.py and eval.py do the same against their own schemas (``schema=``, trainer/infer_config.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from trainer.config import TrainConfig
 from trainer.fields import BOOL, FINITE, NONNEG_INT, ConfigError, dataclass_type, is_nullable, problem_with
 
 
-def config_error_from(exc: BaseException) -> ConfigError | None:
+def config_error_from(exc: BaseException, schema: type = TrainConfig) -> ConfigError | None:
     """The ``ConfigError`` for a Hydra/OmegaConf composition error (walks ``__cause__``), or None when
-    ``exc`` is not one (a bug: let it raise).
+    ``exc`` is not one (a bug: let it raise). ``schema``: the dataclass the config was composed on
+    (train.py's ``TrainConfig``; sample.py / eval.py pass theirs), whose keys the messages name.
 
     Wrong type: the key's check message (``seq_len='abc' must be a positive integer, e.g. seq_len=1024``).
     Unknown key: the key, the valid keys beside it and the closest one. Unknown group option: the options.
@@ -39,11 +41,11 @@ def config_error_from(exc: BaseException) -> ConfigError | None:
         if isinstance(e, (*unknown, ValidationError)) and getattr(e, "full_key", None):
             key = str(e.full_key)
             if isinstance(e, unknown):
-                return ConfigError(unknown_key(key))
-            check, example = _spec_of(key)
-            f = _field_of(key)
+                return ConfigError(unknown_key(key, schema))
+            check, example = _spec_of(key, schema)
+            f = _field_of(key, schema)
             nullable = f is not None and is_nullable(f)
-            msg = problem_with(key, e.value, check or _type_check(key), example, nullable)
+            msg = problem_with(key, e.value, check or _type_check(key, schema), example, nullable)
             if msg is None:
                 msg = f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}"
             return ConfigError(msg)
@@ -56,8 +58,8 @@ def config_error_from(exc: BaseException) -> ConfigError | None:
     return None
 
 
-def _field_of(key: str):
-    schema, f = TrainConfig, None
+def _field_of(key: str, schema: type = TrainConfig):
+    f = None
     for part in key.split("."):
         if schema is None:
             return None
@@ -68,27 +70,28 @@ def _field_of(key: str):
     return f
 
 
-def _spec_of(key: str):
-    f = _field_of(key)
+def _spec_of(key: str, schema: type = TrainConfig):
+    f = _field_of(key, schema)
     return (f.metadata.get("check"), f.metadata.get("example")) if f is not None else (None, None)
 
 
-def _type_check(key: str):
+def _type_check(key: str, schema: type = TrainConfig):
     """A check from the field's type when its spec has none (e.g. ``data.source`` is a string)."""
-    f = _field_of(key)
+    f = _field_of(key, schema)
     t = str(f.type) if f is not None else ""
     return BOOL if "bool" in t else FINITE if "float" in t else NONNEG_INT if "int" in t else None
 
 
-def unknown_key(key: str) -> str:
-    """Message for ``key``, which ``TrainConfig`` does not have: the closest valid key and those beside it."""
+def unknown_key(key: str, schema: type = TrainConfig) -> str:
+    """Message for ``key``, which ``schema`` (default ``TrainConfig``) does not have: the closest valid key
+    and those beside it."""
     parent, _, name = key.rpartition(".")
-    schema = TrainConfig
+    where_keys = "trainer/config.py" if schema is TrainConfig else "trainer/infer_config.py"
     if parent:
-        f = _field_of(parent)
+        f = _field_of(parent, schema)
         schema = dataclass_type(f) if f is not None else None
     if schema is None:
-        return f"{key} is not a config key (nor is {parent}); see trainer/config.py for the keys"
+        return f"{key} is not a config key (nor is {parent}); see {where_keys} for the keys"
     names = [f.name for f in fields(schema)]
     close = difflib.get_close_matches(name, names, n=1)
     full = [f"{parent}.{n}" if parent else n for n in names]

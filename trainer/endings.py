@@ -274,10 +274,21 @@ class Endings:
         return text, s, True, need, free
 
 
-def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool) -> Outcome:
-    """Print ``config error: ...`` (no traceback) and record status "error" in summary.json."""
+def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False) -> Outcome:
+    """Print ``config error: ...`` (no traceback). A single run then takes back what it created in its run
+    directory (``rundir.discard_refused_run``: a config error writes nothing); a job of a ``-m`` sweep, or a
+    run that cannot take back what is there (a directory not noted by Hydra's ``OutDirCheck``, or holding
+    more than a refused run writes), records status "error" in summary.json instead, which the sweep's
+    summary and ``bench.report`` list."""
     if is_main:
         print(f"config error: {e}", file=sys.stderr, flush=True)
+        from trainer.rundir import discard_refused_run
+
+        try:
+            if not multirun and discard_refused_run(out_dir):
+                return Outcome("error", EXIT_CONFIG)
+        except OSError:
+            pass
         try:
             from trainer.metrics import write_json_atomic
 

@@ -413,7 +413,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
     problem = out_dir_problem(out_dir) if is_main else None  # the lock file needs a writable directory
     if problem:
-        return report_config_error(ConfigError(problem), out_dir, cfg, is_main)
+        return report_config_error(ConfigError(problem), out_dir, cfg, is_main, multirun)
     try:  # one live process per run directory; the checks below hold only under this lock
         lock = rundir.claim_run_dir(out_dir, is_main=is_main)
     except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
@@ -426,7 +426,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         check_data_source(cfg)
     except ConfigError as e:
         lock.release()
-        return report_config_error(e, out_dir, cfg, is_main)
+        return report_config_error(e, out_dir, cfg, is_main, multirun)
     cfg = C.typed(cfg)  # checked: from here on the run reads a TrainConfig, not Hydra's DictConfig
     dist = init_distributed(plan.device_type)
     try:
@@ -438,7 +438,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             trainer.setup()
         except ConfigError as e:
             trainer.log.close(exit_code=EXIT_CONFIG)
-            return report_config_error(e, out_dir, cfg, dist.is_main)
+            return report_config_error(e, out_dir, cfg, dist.is_main, multirun)
         except rundir.RunFinished as e:  # nothing was written: say so and leave the run as it is
             trainer.log.close(exit_code=0)
             if dist.is_main:

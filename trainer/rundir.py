@@ -13,6 +13,8 @@
   max_steps, and for a raised max_steps (the cosine schedule changes).
 * ``out_dir_problem`` / ``check_out_dir`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be
   created or written, and a new run in a directory that already holds one, are config errors (exit 2).
+* ``note_run_dir_before`` / ``discard_refused_run``: a single run refused by a config error after Hydra
+  created its directory takes back what it created there (a user's existing folder keeps what it held).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import string
 import sys
@@ -277,7 +280,10 @@ class OutDirCheck(_HydraCallback):
             path = OmegaConf.select(config, "hydra.run.dir")
         except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
             return
-        if path is None or not Path(path).is_dir():
+        if path is None:
+            return
+        note_run_dir_before(path)  # so that a run refused later takes back what it created
+        if not Path(path).is_dir():
             return
         problem = held_by_live_process(Path(path))
         if problem is None:
@@ -308,6 +314,71 @@ class OutDirCheck(_HydraCallback):
         if problem:
             print(f"config error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
+
+
+# ------------------------------------------------------------------------------- refused single runs
+#: (first folder of the path that did not exist, or None when the run directory existed; the names it
+#: held then, or None) of each run directory, noted by ``OutDirCheck`` before Hydra creates it
+_BEFORE: dict[str, tuple[Path | None, frozenset[str] | None]] = {}
+
+#: what a single run refused by a config error may have written into its run directory: Hydra's ``.hydra/``
+#: and log file, the lock, the metrics.jsonl that set-up opens (empty), the error summary
+REFUSED_RUN_FILES = frozenset({".hydra", "train.log", LOCK_NAME, "metrics.jsonl", "summary.json"})
+
+
+def _key(path) -> str:
+    return str(Path(str(path)).expanduser().resolve())
+
+
+def note_run_dir_before(path) -> None:
+    """Record whether run directory ``path`` exists and what it holds, before Hydra creates it or writes
+    its ``.hydra/`` there (``OutDirCheck.on_run_start``): what ``discard_refused_run`` may take back."""
+    p = Path(_key(path))
+    if p.is_dir():
+        _BEFORE[str(p)] = (None, frozenset(os.listdir(p)))
+        return
+    missing = [q for q in (p, *p.parents) if not q.exists()]
+    _BEFORE[str(p)] = (missing[-1] if missing else p, None)
+
+
+def discard_refused_run(out_dir) -> bool:
+    """Take back what this process created in ``out_dir`` for a run that a config error refused, so that
+    the refused command leaves nothing behind; True when it did (then write nothing more there).
+
+    Only what ``note_run_dir_before`` did not see is removed, and only when that is all of the kind a
+    refused run writes (``REFUSED_RUN_FILES``, metrics.jsonl empty); a directory that existed before
+    (a user's folder, a run refused on resume) keeps everything it held, and the directory itself goes
+    only when this process created it (with the empty folders above it that it created, e.g. ``runs/``).
+    False, changing nothing, when the directory was not noted (``trainer.loop.run`` called without
+    Hydra) or holds anything else new.
+    """
+    key = _key(out_dir)
+    if key not in _BEFORE:
+        return False
+    top, before = _BEFORE[key]
+    p = Path(key)
+    if not p.is_dir():
+        return True
+    new = set(os.listdir(p)) - set(before or ())
+    metrics = p / "metrics.jsonl"
+    if not new <= REFUSED_RUN_FILES or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
+        return False
+    for name in new:
+        q = p / name
+        if q.is_dir() and not q.is_symlink():
+            shutil.rmtree(q)
+        else:
+            q.unlink()
+    if before is None:  # created by this process (Hydra): the folder and the empty ones it made above it
+        for d in (p, *p.parents):
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            if d == top:
+                break
+    del _BEFORE[key]
+    return True
 
 
 def check_out_dir(cfg, out_dir: Path) -> None:

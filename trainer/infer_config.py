@@ -1,0 +1,178 @@
+"""Typed configs of sample.py and eval.py, registered in Hydra's ConfigStore like train.py's schema.
+
+``configs/sample.yaml`` composes on ``SampleConfig`` (stored as ``flashgpt_sample_schema``) and
+``configs/eval.yaml`` on ``EvalConfig`` (``flashgpt_eval_schema``), so OmegaConf refuses a misspelt key
+(``temprature=0.5``) or a wrong type (``max_new_tokens=abc``) while composing, and ``check_config`` refuses
+a key added with ``+`` (``+typo=1``, which gets past OmegaConf). Both entry points print those as
+``config error: ...`` (``trainer.config_errors.config_error_from`` with this schema), exit 2, no
+traceback, nothing written. What depends on the checkpoint (seq_len against its block size, the prompt
+against its tokenizer) is checked by the entry points themselves (``trainer.infer.InferError``).
+
+    python -m trainer.infer_config sample     # every sample.py key, its default and its doc (eval: eval)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+
+from trainer.fields import BOOL, NONNEG_INT, POS_INT, ConfigError, check_fields, fmt, spec
+
+__all__ = [
+    "ConfigError",
+    "EvalConfig",
+    "SampleConfig",
+    "check_config",
+    "in_job",
+    "main_reporting_config_errors",
+]
+
+
+@dataclass
+class InferAttentionConfig:
+    """``attention=naive|sdpa|flash`` (configs/attention/) for inference; unset = the run's own."""
+
+    name: str | None = spec(
+        None, "attention backend: naive | sdpa | flash; null = the one the run trained with"
+    )
+    sdpa_backend: str | None = spec(
+        None, "SDPA kernel for sdpa: auto | flash | cudnn | efficient | math; null = the run's"
+    )
+
+
+@dataclass
+class SampleConfig:
+    """The whole sample.py config (configs/sample.yaml)."""
+
+    attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
+    run: str | None = spec(None, "run directory (runs/<name>); its newest checkpoint that loads is used")
+    ckpt: str | None = spec(None, "or a checkpoint file (wins over run's newest)")
+    prompt: str = spec("\n", "text, or file:PATH to read it from a UTF-8 file")
+    num_samples: int = spec(3, "sequences, generated as one batch", POS_INT, 3)
+    max_new_tokens: int = spec(500, "tokens generated per sample", NONNEG_INT, 500)
+    # temperature, top_k and top_p: their ranges are checked by model.sampling.check_sampling_args
+    temperature: float = spec(0.8, "0 = greedy (argmax); must be >= 0")
+    top_k: int | None = spec(200, "sample among the top_k likeliest tokens (>= 1); null = no top-k filter")
+    top_p: float | None = spec(None, "nucleus sampling in (0, 1]; null = off")
+    seed: int = spec(1337, "torch generator seed of the sampling", NONNEG_INT, 1337)
+    compile: bool = spec(
+        False, "torch.compile the static decode step (implies static_decode; slow first call)", BOOL
+    )
+    static_decode: bool = spec(
+        False, "decode steps over the whole cache buffer with a length mask (static shapes)", BOOL
+    )
+    dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
+    device: str = spec("auto", "auto | cpu | cuda")
+    use_cache: bool = spec(True, "false: recompute the whole context every token (reference, slow)", BOOL)
+    out: str | None = spec(
+        None, "samples file; null = <run>/samples/<time>_<ckpt>.txt (plus a .json of settings)"
+    )
+
+
+@dataclass
+class EvalDataConfig:
+    """``data.*`` of eval.py: which split of which data directory."""
+
+    split: str = spec("val", "val | train", ("val", "train"))
+    dir: str | None = spec(None, "data directory; null = the one the run trained on (its config's data.dir)")
+
+
+@dataclass
+class EvalConfig:
+    """The whole eval.py config (configs/eval.yaml)."""
+
+    attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
+    data: EvalDataConfig = field(default_factory=EvalDataConfig)
+    run: str | None = spec(None, "run directory; its newest checkpoint that loads is used")
+    ckpt: str | None = spec(None, "or a checkpoint file")
+    batches: int | None = spec(None, "fixed evaluation batches; null = the run's eval.batches", POS_INT, 20)
+    batch_size: int | None = spec(
+        None, "sequences per batch; null = the run's evaluation batch size", POS_INT, 8
+    )
+    seq_len: int | None = spec(
+        None, "tokens per sequence; null = the run's seq_len (at most the model's block size)", POS_INT, 256
+    )
+    seed: int | None = spec(
+        None,
+        "seed of the fixed batches; null = the run's seed (same batches as its val/loss)",
+        NONNEG_INT,
+        1337,
+    )
+    dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
+    device: str = spec("auto", "auto | cpu | cuda")
+    write: bool = spec(True, "false: print only (no <run>/evals/ file)", BOOL)
+
+
+def check_config(cfg, schema: type) -> None:
+    """Every field check of ``schema`` on the composed ``cfg``, and no key outside it (``+typo=1``).
+
+    Raises:
+        ConfigError: naming the key and a valid value (the closest key for an unknown one).
+    """
+    from trainer.config_errors import unknown_key
+
+    check_fields(cfg, schema, ignore={"hydra"}, unknown=lambda key: unknown_key(key, schema))
+
+
+_IN_JOB = [False]  # True while sample.py's / eval.py's task function runs (its errors are no config errors)
+
+
+@contextlib.contextmanager
+def in_job() -> Iterator[None]:
+    """Mark the body of a Hydra task function: an exception raised there is a bug (traceback), never
+    reported as a composition error by ``main_reporting_config_errors``."""
+    _IN_JOB[0] = True
+    try:
+        yield
+    finally:
+        _IN_JOB[0] = False
+
+
+def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
+    """Run the Hydra entry ``main`` (sample.py's or eval.py's) with every mistake Hydra/OmegaConf find while
+    composing on ``schema`` (a misspelt key, a wrong type, an unknown group option, an unparsable
+    override) printed as ``config error: ...``, exit status 2, no traceback: train.py's behaviour. Other
+    exceptions, and any raised inside the task (``in_job``), are re-raised. Returns the exit status."""
+    from trainer.config_errors import config_error_from
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
+    try:
+        main()
+    except Exception as e:
+        err = None if _IN_JOB[0] else config_error_from(e, schema)
+        if err is None:
+            raise
+        print(f"config error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def register() -> None:
+    """Store ``flashgpt_sample_schema`` and ``flashgpt_eval_schema`` in Hydra's ConfigStore (idempotent;
+    called on import of this module)."""
+    cs = ConfigStore.instance()
+    cs.store(name="flashgpt_sample_schema", node=SampleConfig)
+    cs.store(name="flashgpt_eval_schema", node=EvalConfig)
+
+
+register()
+
+if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from trainer.config import field_docs
+
+    _schema = {"sample": SampleConfig, "eval": EvalConfig}.get(sys.argv[1] if len(sys.argv) > 1 else "sample")
+    if _schema is None:
+        sys.exit("usage: python -m trainer.infer_config sample|eval")
+    _defaults = OmegaConf.structured(_schema)
+    for _key, _doc in field_docs(_schema).items():
+        _v = OmegaConf.select(_defaults, _key)
+        print(f"{_key} = {repr(_v) if isinstance(_v, str) else fmt(_v)}    # {_doc}")
