@@ -225,6 +225,69 @@ def compile_kernel(
     )
 
 
+def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | None, str]:
+    """(registers, spill store bytes, spill load bytes, ptxas stderr) of PTX assembled for sm_`arch`."""
+    import triton
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        suffix = "a" if arch == 90 else ""
+        out = subprocess.run(
+            [triton.knobs.nvidia.ptxas.path, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+        )
+    m = re.search(r"Used (\d+) registers", out.stderr)
+    regs = int(m.group(1)) if m else None
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+    st, ld = (int(m.group(1)), int(m.group(2))) if m else (None, None)
+    return regs, st, ld, out.stderr
+
+
+def compile_gluon_forward(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
+    """Compile the experimental warp-specialised Gluon forward (kernels/_gluon_fwd.py) for sm_90 without
+    a GPU, with its CONFIGS tile; `registers` is the kernel-wide budget (the consumer warps raise theirs
+    with setmaxnreg), `wgmma_serialized` flags ptxas warnings C7514/C7515 (wgmma made synchronous).
+    Raises KeyError for a head dim outside CONFIGS, triton.CompilationError when it does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ._gluon_fwd import CONFIGS, _fwd_ws_kernel
+
+    block, stages, warps = CONFIGS[head_dim]
+    values = dict(BLOCK_M=block, BLOCK_N=block, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
+    signature, constants = {}, {}
+    for name in _fwd_ws_kernel.arg_names:
+        if name in values:
+            signature[name], constants[name] = "constexpr", values[name]
+        elif name in ("Q", "K", "V", "O"):
+            signature[name] = "*" + _TL_NAME[dtype]
+        elif name == "LSE":
+            signature[name] = "*fp32"
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    src = GluonASTSource(_fwd_ws_kernel, signature, constants)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    regs, st, ld, err = _ptxas_report(compiled.asm["ptx"], 90)
+    return CompileInfo(
+        "gluon_fwd",
+        _TL_NAME[dtype],
+        head_dim,
+        TileConfig(block, block, warps, stages),
+        compiled.metadata.shared,
+        regs,
+        st,
+        ld,
+        "wgmma" in compiled.asm["ptx"],
+        "cp.async.bulk.tensor" in compiled.asm["ptx"],
+        "C7514" in err or "C7515" in err,
+    )
+
+
 def compile_decode_kernel(
     kernel: str,
     dtype: torch.dtype,

@@ -354,3 +354,70 @@ def test_triton_ops_opcheck_gpu(seed):
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd.default, (*args, True, 0.125))
     o, lse = torch.ops.flashgpt.flash_attn_fwd(q, k, v, True, 0.125)
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd.default, (do, q, k, v, o, lse, True, 0.125))
+
+
+# ------------------------------------------------------------- experimental Gluon forward (issue 14)
+# (B, Hq, Hkv, N, d, layout): N not a multiple of the 128-row block, GQA, the fused-qkv view of the trainer
+GLUON_CASES = [
+    (8, 12, 12, 1024, 64, "contiguous"),
+    (4, 4, 4, 4096, 128, "contiguous"),
+    (2, 8, 2, 2000, 128, "contiguous"),
+    (3, 4, 4, 1000, 64, "qkv"),
+    (1, 2, 2, 16384, 128, "qkv"),
+]
+
+
+def _gluon_inputs(seed, B, Hq, Hkv, N, d, layout, dtype):
+    if layout == "contiguous":
+        return make_inputs(seed, B, Hq, Hkv, N, N, d, dtype)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, N, 3, Hq, d, generator=g, device="cuda", dtype=dtype)
+    do = torch.randn(B, Hq, N, d, generator=g, device="cuda", dtype=dtype)
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))
+    return q, k, v, do
+
+
+def _needs_hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon forward is built for sm_90 (Hopper)")
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,N,d,layout", GLUON_CASES)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_gluon_forward_accuracy_rule_gpu(seed, dtype, B, Hq, Hkv, N, d, layout):
+    """The warp-specialised Gluon forward (FLASHGPT_GLUON_FWD / override_tile_config(gluon_fwd=True)) under
+    the FlashAttention rule, with the backward (the Triton kernels) run on its o and LSE."""
+    _needs_hopper()
+    from kernels import override_tile_config
+
+    q, k, v, do = _gluon_inputs(seed, B, Hq, Hkv, N, d, layout, dtype)
+    scale = 1.0 / math.sqrt(d)
+    with override_tile_config(gluon_fwd=True):
+        ours = flash_with_grads(q, k, v, do, True)
+        _, lse = _flash()(q, k, v, causal=True, return_lse=True)
+    with override_tile_config(gluon_fwd=False):
+        _, lse_triton = _flash()(q, k, v, causal=True, return_lse=True)
+    low = naive_chunked(q, k, v, do, True, scale, dtype)
+    ref = naive_chunked(q, k, v, do, True, scale, torch.float32)
+    assert_fa_rule(seed, ours, low, ref, f"gluon case={(dtype, B, Hq, Hkv, N, d, layout)}")
+    err = (lse - lse_triton).abs().max().item()
+    assert err <= 1e-3, f"seed={seed}: Gluon LSE differs from the Triton kernel's by {err:.3g}"
+
+
+def test_gluon_forward_in_the_compiled_graph_gpu(seed):
+    """Under torch.compile the Gluon forward is launched from the generated code, like the Triton ones,
+    and gives the eager bits."""
+    _needs_hopper()
+    from torch._inductor.utils import run_and_get_code
+
+    from kernels import override_tile_config
+
+    q, k, v, do = make_inputs(seed, 2, 12, 12, 1024, 1024, 64, BF16)
+    with override_tile_config(gluon_fwd=True):
+        torch._dynamo.reset()
+        out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do)
+        eager = flash_with_grads(q, k, v, do, True)
+    torch._dynamo.reset()
+    assert "_fwd_ws_kernel" in "\n".join(codes), "the Gluon forward is not in the generated code"
+    for name, a, b in zip(("o", "dq", "dk", "dv"), out, eager, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: compiled {name} differs from eager"

@@ -494,6 +494,23 @@ def test_gpu_kernels_compile_for_sm90():
     )
 
 
+def test_gluon_forward_compiles_for_sm90():
+    """The experimental warp-specialised Gluon forward (no interpreter path: Gluon's warp specialisation
+    and async wgmma have none) lowers for sm_90 at d = 64 and 128, bf16 and fp16: TMA loads, wgmma that
+    ptxas keeps asynchronous (no C7514/C7515), no spills, within shared memory, and the producer /
+    consumer register split (setmaxnreg 24 / 240). Its numbers are checked on the GPU
+    (tests/test_flash_gpu.py::test_gluon_forward_accuracy_rule_gpu)."""
+    _compile_for_sm90(
+        "from kernels.compile_report import compile_gluon_forward\n"
+        "for d in (64, 128):\n"
+        "    for dt in (torch.bfloat16, torch.float16):\n"
+        "        info = compile_gluon_forward(d, dt)\n"
+        "        print(info.line())\n"
+        "        assert info.uses_wgmma and info.uses_tma and not info.wgmma_serialized, info.line()\n"
+        "        assert info.spill_store_bytes == 0 and info.shared_bytes <= 227 * 1024, info.line()\n"
+    )
+
+
 def test_default_hopper_tiles_keep_wgmma_asynchronous():
     """Performance guard without a GPU: with the default bf16 tiles (d = 64, 128; sequence lengths
     multiples of the blocks or not) every kernel uses wgmma and ptxas does not serialise it (warning
