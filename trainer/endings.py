@@ -256,7 +256,7 @@ class Endings:
     def _save_problem(self, e: BaseException, s: int, need: int) -> tuple:
         """``CheckpointSaveError`` arguments for a failed save of step ``s``: a full disk (or quota) says so,
         with the checkpoint's size and the free space; anything else gives the error."""
-        target = ckpt.ckpt_path(self.out_dir, s)
+        target = ckpt.ckpt_path(self.out_dir, s, dcp=getattr(self, "_dcp", False))
         try:
             free: int | None = shutil.disk_usage(target.parent).free
         except OSError:
