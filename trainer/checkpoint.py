@@ -31,6 +31,7 @@ to the ``meta.json`` of the data directory named in their config.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -145,6 +146,17 @@ def _dist_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+@contextlib.contextmanager
+def _quiet_no_dist():
+    """DCP warns that it assumes one process whenever there is no process group, even with
+    ``no_dist=True``: that is the intent here (sample.py, eval.py, one-process runs)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
+        yield
+
+
 def save_dcp_checkpoint(
     model_state: dict,
     optim_state: dict,
@@ -189,7 +201,9 @@ def save_dcp_checkpoint(
         tmp_name = box[0]
     tmp = d / tmp_name
     try:
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp), no_dist=not ready)
+        with _quiet_no_dist():
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=not ready)
         if main:
             atomic_write(tmp / DCP_RECORD, lambda f: torch.save(record, f))
             _fsync_dir(tmp)
@@ -236,14 +250,15 @@ def load_dcp_into(path: str | os.PathLike, model: torch.nn.Module, optimizer=Non
     )
 
     no_dist = not _dist_ready()
-    if optimizer is None:
-        msd = get_model_state_dict(model)
-        dcp.load({"model": msd}, checkpoint_id=str(path), no_dist=no_dist)
-        set_model_state_dict(model, msd)
-        return
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path), no_dist=no_dist)
-    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    with _quiet_no_dist():
+        if optimizer is None:
+            msd = get_model_state_dict(model)
+            dcp.load({"model": msd}, checkpoint_id=str(path), no_dist=no_dist)
+            set_model_state_dict(model, msd)
+            return
+        msd, osd = get_state_dict(model, optimizer)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path), no_dist=no_dist)
+        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
 
 def _stale_temp(path: Path) -> bool:
