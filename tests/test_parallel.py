@@ -200,6 +200,17 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, parallel):
         assert names == ["step_00000003.pt", "step_00000006.pt"], names
 
 
+def test_fsdp_with_compiled_blocks_matches_one_process(tiny, tmp_path, reference):
+    """compile=true under fsdp compiles each block before sharding it (Inductor on the CPU); the first two
+    steps give the eager single-process losses within TOL."""
+    out = tmp_path / "compiled"
+    proc = run_train(_args(tiny, out, parallel="fsdp", compile="true", max_steps=2), launcher=TORCHRUN)
+    assert proc.returncode == 0, describe(proc)
+    assert summary(out)["compile"] is True
+    _assert_close(train_losses(out), train_losses(reference), "compiled fsdp train/loss", [1, 2])
+    _assert_close(val_losses(out), val_losses(reference), "compiled fsdp val/loss", [0])
+
+
 def _truncate_to(src: Path, dst: Path, step: int) -> None:
     """A copy of run ``src`` as if it had stopped right after the checkpoint of ``step``."""
     shutil.copytree(src, dst)
@@ -224,15 +235,18 @@ def fsdp_first_half(tiny, tmp_path_factory) -> Path:
     return first
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_dcp_checkpoint_of_two_ranks_resumes_at_world(tiny, tmp_path, reference, fsdp_first_half, world):
-    """The step-3 DCP checkpoint of a 2-rank fsdp run resumes at 1 process (unsharded, no process group)
-    and at 2 ranks (sharded), and steps 4-6 give the uninterrupted losses within TOL; eval.py reads the
-    resumed run's final DCP checkpoint in one process and gets its last val loss."""
-    out = tmp_path / f"resumed_w{world}"
+@pytest.mark.parametrize(("world", "parallel"), [(1, "fsdp"), (2, "fsdp"), (2, "ddp")])
+def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
+    tiny, tmp_path, reference, fsdp_first_half, world, parallel
+):
+    """The step-3 DCP checkpoint of a 2-rank fsdp run resumes at 1 process (unsharded, no process group),
+    at 2 fsdp ranks (sharded) and at 2 ddp ranks (each reads the full tensors), and steps 4-6 give the
+    uninterrupted losses within TOL; eval.py reads the resumed run's final checkpoint (DCP for fsdp, a file
+    for ddp) in one process and gets its last val loss."""
+    out = tmp_path / f"resumed_w{world}_{parallel}"
     _truncate_to(fsdp_first_half, out, 3)
     proc = run_train(
-        _args(tiny, out, parallel="fsdp", resume="true"), launcher=TORCHRUN if world == 2 else None
+        _args(tiny, out, parallel=parallel, resume="true"), launcher=TORCHRUN if world == 2 else None
     )
     assert proc.returncode == 0, describe(proc)
     assert f"resumed from {ckpt.ckpt_path(out, 3, dcp=True)} at step 3" in proc.stdout
@@ -240,7 +254,8 @@ def test_dcp_checkpoint_of_two_ranks_resumes_at_world(tiny, tmp_path, reference,
     assert s["status"] == "ok" and s["steps"] == STEPS and s["world_size"] == world
     _assert_close(train_losses(out), train_losses(reference), f"world {world} train/loss", [4, 5, 6])
     _assert_close(val_losses(out), val_losses(reference), f"world {world} val/loss", [6])
-    assert ckpt.is_dcp(ckpt.ckpt_path(out, 6, dcp=True))
+    final = ckpt.ckpt_path(out, 6, dcp=parallel == "fsdp")
+    assert final.exists() and ckpt.is_dcp(final) == (parallel == "fsdp")
 
     ev = subprocess.run(
         [sys.executable, str(REPO / "eval.py"), f"run={out}", "write=false"],

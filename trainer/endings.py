@@ -143,8 +143,9 @@ class Endings:
         keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
         env = [f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET'].strip()}"] if interpret_enabled() else []
         launcher = "python train.py"
-        if self.dist.enabled:
-            world = self.dist.world_size
+        dist = getattr(self, "dist", None)  # None: a stand-in without one (tests)
+        if dist is not None and dist.enabled:
+            world = dist.world_size
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             if local == world:
                 launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
