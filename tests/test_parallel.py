@@ -335,3 +335,39 @@ def test_config_error_under_torchrun(tiny, tmp_path, bad):
     assert proc.stderr.count("exitcode  : 2") == 2, describe(proc)  # torchrun's table: every rank
     assert "exitcode  : -15" not in proc.stderr
     assert 'File "' + str(REPO) not in proc.stderr  # no traceback through our code (torchrun's own is there)
+
+
+def test_busy_run_dir_under_torchrun_stops_every_rank(tiny, tmp_path):
+    """A check only rank 0 makes (its run directory's lock, held here by another process): rank 1 hears
+    rank 0's verdict instead of waiting for it in init_process_group; one config error line, both ranks
+    exit 2, and rank 0's record of the directory is not touched."""
+    from trainer import rundir
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]); from trainer import rundir; "
+            "from pathlib import Path; rundir.claim_run_dir(Path(sys.argv[2]), is_main=True); "
+            "print('locked', flush=True); time.sleep(120)",
+            str(REPO),
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t0 = time.monotonic()
+        proc = run_train(tiny(out, max_steps=2), launcher=TORCHRUN, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.stderr.count("config error: ") == 1 and "in use by another live train.py" in proc.stderr, (
+        describe(proc)
+    )
+    assert proc.stderr.count("exitcode  : 2") == 2, describe(proc)
+    assert took < 60, f"took {took:.0f} s: rank 1 waited for rank 0 instead of hearing its verdict"
+    assert not (out / "summary.json").exists() and rundir.LOCK_NAME in {p.name for p in out.iterdir()}

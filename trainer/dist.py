@@ -101,15 +101,81 @@ def local_norm(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+def _launch_store(timeout_s: float):
+    """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT),
+    or None outside torchrun or without the agent store (another launcher: a store of our own at that port
+    would take the one ``init_process_group`` opens there)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        os.environ.get("MASTER_ADDR", "localhost"),
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _launch_key(name: str) -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"flashgpt/{name}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+# rank0_verdict calls in this process (the jobs of a -m sweep run in the same order on every rank)
+_VERDICTS = [0]
+
+
+def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
+    """Rank 0's ``problem`` (None: none) on every rank, before any process group exists: rank 0 publishes it
+    on the launch's store, the other ranks wait for it (at most ``timeout_s``; then None). For the checks
+    only rank 0 makes (its run directory's lock, whether out_dir is writable; Hydra's out_dir callback
+    runs on rank 0 only): without this the other ranks would go on into ``init_process_group`` and wait
+    there for a rank 0 that has exited. A rank waiting here also stops (with a problem) once another rank
+    is in ``exit_together``. Outside torchrun: ``problem`` as it is."""
+    _VERDICTS[0] += 1
+    try:
+        store = _launch_store(timeout_s)
+    except Exception:  # noqa: BLE001 - no store: every rank decides alone, as before
+        return problem
+    if store is None:
+        return problem
+    import time
+
+    key, gone = _launch_key(f"verdict{_VERDICTS[0]}"), _launch_key("exit")
+    try:
+        if int(os.environ["RANK"]) == 0:
+            store.set(key, "" if problem is None else "!" + problem)
+            return problem
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if store.check([key]):
+                value = store.get(key).decode("utf-8", "replace")
+                return value[1:] if value else None
+            if int(store.add(gone, 0)) > 0:  # a rank is already exiting on a config error of its own
+                return "another rank stopped on a config error (rank 0 printed it)"
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - no word from rank 0: go on (init_process_group decides)
+        return None
+    return None
+
+
 def exit_together(code: int, timeout_s: float = 30.0) -> None:
     """Under torchrun, wait until every rank of this launch reaches here, then exit with ``code``.
 
     For config errors, which every rank finds alike (the same argv and config): without this, the first
     rank to exit makes torchrun's agent SIGTERM the others, which then end with -15 instead of ``code``.
     The ranks meet on the launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT; no
-    process group needed: composition errors happen before there is one), then ignore SIGTERM for the last
-    moments and exit. A rank that does not arrive within ``timeout_s`` seconds (an error only one rank
-    saw) is not waited for. No-op (returns) without torchrun; otherwise never returns.
+    process group needed: composition errors happen before there is one), ignoring SIGTERM from arrival
+    on, and exit. A rank that does not arrive within ``timeout_s`` seconds (an error only one rank saw) is
+    not waited for. No-op (returns) without torchrun; otherwise never returns.
     """
     import signal
     import time
@@ -117,29 +183,20 @@ def exit_together(code: int, timeout_s: float = 30.0) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
         return
+    # From here on torchrun's SIGTERM (sent once the first rank has exited) is ignored: every rank ignores
+    # it before it is counted, so none exits before all do.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-        store = TCPStore(
-            os.environ.get("MASTER_ADDR", "localhost"),
-            int(os.environ["MASTER_PORT"]),
-            world,
-            is_master=not agent and int(os.environ["RANK"]) == 0,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        key = f"flashgpt/exit/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store = _launch_store(timeout_s)
+        if store is None:
+            raise RuntimeError("no launch store")
+        key = _launch_key("exit")
         store.add(key, 1)
         deadline = time.monotonic() + timeout_s
         while int(store.add(key, 0)) < world and time.monotonic() < deadline:
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - no store to meet on: exit anyway
         pass
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's SIGTERM for the ranks still exiting
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

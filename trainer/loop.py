@@ -40,7 +40,14 @@ from trainer import config as C
 from trainer import rundir
 from trainer.build import Setup, gpt_config_for
 from trainer.checks import ConfigError, Plan, check_data_source, resolve_plan
-from trainer.dist import DistInfo, broadcast_obj, global_micro_index, init_distributed, local_norm
+from trainer.dist import (
+    DistInfo,
+    broadcast_obj,
+    global_micro_index,
+    init_distributed,
+    local_norm,
+    rank0_verdict,
+)
 from trainer.endings import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -451,14 +458,24 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
-    problem = out_dir_problem(out_dir) if is_main else None  # the lock file needs a writable directory
+    # Rank 0's own checks (its out_dir, its lock); under torchrun the other ranks hear its verdict and
+    # stop with it (exit 2 on every rank) instead of waiting for it in init_process_group.
+    problem, busy, lock = None, False, None
+    if is_main:
+        problem = out_dir_problem(out_dir)  # the lock file needs a writable directory
+        if not problem:
+            try:  # one live process per run directory; the checks below hold only under this lock
+                lock = rundir.claim_run_dir(out_dir, is_main=True)
+            except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
+                problem, busy = str(e), True
+    problem = rank0_verdict(problem)
     if problem:
+        if busy:
+            print(f"config error: {problem}", file=sys.stderr, flush=True)
+            return Outcome("error", EXIT_CONFIG)
         return report_config_error(ConfigError(problem), out_dir, cfg, is_main)
-    try:  # one live process per run directory; the checks below hold only under this lock
-        lock = rundir.claim_run_dir(out_dir, is_main=is_main)
-    except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
-        print(f"config error: {e}", file=sys.stderr, flush=True)
-        return Outcome("error", EXIT_CONFIG)
+    if lock is None:
+        lock = rundir.claim_run_dir(out_dir, is_main=False)
     try:
         rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)
