@@ -108,6 +108,10 @@ def test_parallel_key_choices_and_the_one_process_note():
         resolve_plan(compose_cfg(["experiment=cpu_tiny"]), world_size=2, cuda_available=False).parallel
         == "ddp"
     )
+    with pytest.raises(ConfigError, match=r"reduce-overhead.*2 ranks \(FSDP's gradient hooks"):
+        resolve_plan(
+            compose_cfg(["parallel=fsdp", "compile_mode=reduce-overhead"]), world_size=2, cuda_available=True
+        )
     with pytest.raises(ConfigError, match="parallel='zero3' is not valid; choose one of: ddp, fsdp"):
         resolve_plan(
             compose_cfg(["experiment=cpu_tiny", "parallel=zero3"]), world_size=2, cuda_available=False
@@ -250,6 +254,9 @@ def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
     )
     assert proc.returncode == 0, describe(proc)
     assert f"resumed from {ckpt.ckpt_path(out, 3, dcp=True)} at step 3" in proc.stdout
+    if world == 1:  # no torchrun: one unsharded process, said so; RNG states of 2 ranks for 1
+        assert "note: parallel=fsdp with one process" in proc.stdout, proc.stdout
+        assert "checkpoint has RNG states of 2 ranks, this run has 1" in proc.stdout
     s = summary(out)
     assert s["status"] == "ok" and s["steps"] == STEPS and s["world_size"] == world
     _assert_close(train_losses(out), train_losses(reference), f"world {world} train/loss", [4, 5, 6])
