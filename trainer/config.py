@@ -407,7 +407,7 @@ class TrainConfig:
         1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT, 1024
     )
     seed: int = spec(
-        1337, "seeds weights, dropout and the data windows (seed, step, micro_step, rank)", NONNEG_INT, 1337
+        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", NONNEG_INT, 1337
     )
     max_steps: int = spec(1000, "optimizer steps", POS_INT, 1000)
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))
