@@ -6,11 +6,14 @@
     python train.py <run's overrides> resume=true out_dir=runs/<run>   # continue from the newest checkpoint
     python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384
     torchrun --nproc_per_node=N train.py ...                # DDP (NCCL on GPU, gloo on CPU)
+    torchrun --nproc_per_node=N train.py model=gpt2-xl parallel=fsdp   # FSDP2, DCP checkpoints
 
 Run directory (``out_dir``, = Hydra's run dir): ``config.resolved.yaml``, ``.hydra/``, ``metrics.jsonl``,
 ``summary.json``, ``train.log``, ``ckpt/``, ``wandb/``.
 Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss or a checkpoint that
-could not be written (full disk), 2 config error, 128 + signal after SIGTERM/SIGINT (checkpoint saved).
+could not be written (full disk), 2 config error (under torchrun: one ``config error`` line from rank 0,
+every rank exits 2; torchrun then prints its own failure summary), 128 + signal after SIGTERM/SIGINT
+(checkpoint saved).
 A ``-m`` sweep goes on past failed jobs and exits 0, unless every job failed: then it exits with their
 common status (else 1). The training loop is in ``trainer/loop.py``.
 """
@@ -111,11 +114,27 @@ def main_reporting_config_errors() -> int:
         err = None if _IN_JOB[0] else config_error_from(e)
         if err is None:
             raise
-        print(f"config error: {err}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds it; one line says it
+            print(f"config error: {err}", file=sys.stderr, flush=True)
         return 2
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
 
 
+def exit_status() -> int:
+    """``main_reporting_config_errors()``, with a run's own ``sys.exit(code)`` turned into its code."""
+    try:
+        return main_reporting_config_errors()
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        raise
+
+
 if __name__ == "__main__":
     _quiet_non_main_ranks()
-    sys.exit(main_reporting_config_errors())
+    code = exit_status()
+    if code == 2:  # a config error: under torchrun every rank exits 2 (not killed by the agent first)
+        from trainer.dist import exit_together
+
+        exit_together(code)
+    sys.exit(code)

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The H200 training runs whose results are committed under bench/results/ and quoted in the README.
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation)
+#        compare_dropout | sweep | preempt | window_ablation |
+#        multigpu)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation) ;;
-*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation)"; exit 2 ;;
+case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu) ;;
+*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -101,5 +102,27 @@ window_ablation)  # issue 16: sliding window w = none / 256 / 1024 at seq_len 40
     hydra.sweep.dir="$OUT/window_ablation"
   python -m bench.compare "$OUT"/window_ablation/0_* "$OUT"/window_ablation/1_* "$OUT"/window_ablation/2_* \
     --window 20 --out "$OUT/window_ablation.png" --json "$OUT/window_ablation.json" ;;
+multigpu)  # needs 2 GPUs (NGPU=2 by default): 1 GPU vs torchrun ddp vs torchrun fsdp, flash and sdpa at seq_len 8192,
+  # the same global batch (65,536 tokens = 8 sequences; micro-batch 4 sequences everywhere: 1 GPU accumulates 2,
+  # each of 2 ranks 1), so the data are the same windows and the losses comparable. Then loss curves
+  # (bench.compare, per backend, against the 1-GPU run) and tokens/sec, MFU, peak memory (bench.report) into
+  # $OUT/multigpu; tokens/sec of a torchrun run is over all its GPUs (MFU per GPU).
+  n=${NGPU:-2}
+  m=(experiment=gpt2_shakespeare seq_len=8192 max_steps=200 batch.tokens_per_step=65536 batch.micro_batch_size=4
+     log_interval=1 eval.interval=100 eval.batches=8 checkpoint.interval=0 wandb.group=multigpu_n8192 "${common[@]}")
+  for a in flash sdpa; do
+    python train.py "${m[@]}" attention=$a out_dir="$OUT/multigpu/1gpu_$a" || echo "MULTIGPU FAILED: 1gpu $a"
+    torchrun --standalone --nproc_per_node="$n" train.py "${m[@]}" attention=$a parallel=ddp \
+      out_dir="$OUT/multigpu/${n}gpu_ddp_$a" || echo "MULTIGPU FAILED: ddp $a"
+    torchrun --standalone --nproc_per_node="$n" train.py "${m[@]}" attention=$a parallel=fsdp \
+      out_dir="$OUT/multigpu/${n}gpu_fsdp_$a" || echo "MULTIGPU FAILED: fsdp $a"
+    python -m bench.compare "$OUT/multigpu/1gpu_$a" "$OUT/multigpu/${n}gpu_ddp_$a" "$OUT/multigpu/${n}gpu_fsdp_$a" \
+      --window 20 --out "$OUT/multigpu/compare_$a.png" --json "$OUT/multigpu/compare_$a.json"
+  done
+  python -m bench.report "$OUT/multigpu" --out "$OUT/multigpu"
+  # a copy of the fsdp run resumed on one GPU (another world size) for 10 more steps: its DCP checkpoint loads
+  rm -rf "$OUT/multigpu_resume_1gpu" && cp -r "$OUT/multigpu/${n}gpu_fsdp_flash" "$OUT/multigpu_resume_1gpu"
+  python train.py "${m[@]}" attention=flash parallel=fsdp max_steps=210 resume=true \
+    out_dir="$OUT/multigpu_resume_1gpu" || echo "MULTIGPU FAILED: fsdp resume on 1 GPU" ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac

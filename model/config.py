@@ -17,6 +17,8 @@ PRESETS: dict[str, dict] = {
     "mini": dict(n_layer=4, n_head=4, n_embd=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 
 

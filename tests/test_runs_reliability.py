@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from helpers_train import (
     REPO,
     describe,
@@ -98,7 +97,7 @@ def _assert_one_clean_run(run_dir: Path, max_steps: int) -> dict:
     wb = read_offline_run(run_dir)
     assert wb["run_id"] == s["wandb_run_id"] and len(find_wandb_files(run_dir)) == 1
     assert sorted(h["_step"] for h in wb["history"] if "train/loss" in h) == list(range(1, max_steps + 1))
-    state = torch.load(Path(s["last_checkpoint"]), weights_only=True)
+    state = ckpt.load_checkpoint(Path(s["last_checkpoint"]))  # a file, or a DCP directory's record
     assert state["wandb_run_id"] == s["wandb_run_id"] and Path(s["last_checkpoint"]).parent.parent == run_dir
     return s
 
@@ -169,9 +168,12 @@ def test_multirun_launches_get_their_own_sweep_dirs(tiny, tmp_path):
             assert read_offline_run(sw / j)["group"] == sw.name
 
 
-def test_torchrun_ranks_agree_on_rank0s_new_dir(tiny, tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_ranks_agree_on_rank0s_new_dir(tiny, tmp_path, parallel):
+    """Under torchrun (ddp and fsdp alike) rank 0 alone names, logs and owns the run: one directory, one
+    W&B run, every step logged once; the fsdp checkpoint is a DCP directory whose record names that run."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    args = tiny(None, max_steps=2, seq_len=32, eval__interval=0, wandb__mode="offline")
+    args = tiny(None, max_steps=2, seq_len=32, eval__interval=0, wandb__mode="offline", parallel=parallel)
     ((rc, o, e),) = _finish([_popen(args, tmp_path, launcher)])
     assert rc == 0, f"{o[-3000:]}\n{e[-3000:]}"
     dirs = list((tmp_path / "runs").iterdir())

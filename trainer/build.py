@@ -27,6 +27,11 @@ from trainer.compiling import compile_model
 from trainer.schedule import lr_at
 
 
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def gpt_config_for(cfg, vocab_size: int, doc_separator_ids=None):
     """``model.GPTConfig`` of a run: every ``model.*`` and ``attention.*`` key that is a GPTConfig field, by
     name (``attention.name`` is GPTConfig's ``attention``; issue 16's ``window``, ``document_mask``,
@@ -161,29 +166,90 @@ class Setup:
         return state
 
     def _build_model(self, state: dict | None) -> None:
-        """Model (compiled, DDP-wrapped), optimizer and the resumed state; datasets and fixed eval batches."""
+        """Model (compiled; DDP-wrapped or FSDP2-sharded), optimizer and the resumed state; datasets and
+        fixed eval batches.
+
+        ``parallel=fsdp`` with several ranks: the blocks are compiled one by one (when compile is on) and
+        sharded (``trainer.dist.shard_model``), then the optimizer is built on the sharded parameters. A
+        resume loads a DCP checkpoint with ``checkpoint.load_dcp_into`` (any world size, sharded or plain
+        model) and a single-file checkpoint into the plain model before it is sharded (its optimizer state
+        by parameter name, then sharded by ``set_optimizer_state_dict``)."""
         from data.loader import BinDataset
         from model import GPT
 
         cfg, plan, d = self.cfg, self.plan, self.dist
-        self.raw_model = GPT(self.gpt_config).to(self.device)
+        self.fsdp = plan.parallel == "fsdp" and d.enabled
+        if self.fsdp and d.rank != 0:
+            # FSDP2 keeps each rank's shard of the weights that rank built (DDP broadcasts rank 0's), so
+            # every rank builds rank 0's initial weights: the seed of rank 0, in a forked RNG stream
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(cfg.seed))
+                self.raw_model = GPT(self.gpt_config).to(self.device)
+        else:
+            self.raw_model = GPT(self.gpt_config).to(self.device)
         o = cfg.optim
-        self.optimizer = self.raw_model.configure_optimizers(
-            float(o.weight_decay), float(o.lr), (float(o.beta1), float(o.beta2)), plan.device_type
-        )
-        if state is not None:
+
+        def make_optimizer():
+            return self.raw_model.configure_optimizers(
+                float(o.weight_decay), float(o.lr), (float(o.beta1), float(o.beta2)), plan.device_type
+            )
+
+        dcp_path = state.get("dcp") if state is not None else None
+        full_optim = None
+        if state is not None and dcp_path is None:
             self.raw_model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.fsdp:  # a single-file checkpoint into a sharded run: optimizer state by parameter name
+                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+                plain = make_optimizer()
+                plain.load_state_dict(state["optimizer"])
+                full_optim = get_optimizer_state_dict(self.raw_model, plain)
+                del plain
+        if self.fsdp:
+            from trainer.compiling import compile_options
+            from trainer.dist import shard_model
+
+            shard_model(
+                self.raw_model,
+                plan.device_type,
+                d.world_size,
+                bf16=plan.autocast_dtype == "bfloat16" and plan.device_type == "cuda",
+                compile_options=compile_options(plan.compile_mode) if plan.compile else None,
+            )
+        self.optimizer = make_optimizer()
+        if state is not None:
+            if dcp_path is not None:
+                try:
+                    ckpt.load_dcp_into(dcp_path, self.raw_model, self.optimizer)
+                except Exception as e:  # noqa: BLE001 - DCP's errors: missing keys, shapes, I/O
+                    raise ConfigError(
+                        f"resume: the DCP checkpoint {dcp_path} does not load: {_first(e)}"
+                    ) from e
+            elif full_optim is not None:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(
+                    self.raw_model, self.optimizer, full_optim, options=StateDictOptions(full_state_dict=True)
+                )
+                del full_optim
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.step = int(state["step"])
             self.skipped = int(state.get("skipped_steps", 0))
             self.last_ckpt, self.last_ckpt_step = self.resume_path, self.step
             rngs = state["rng"]
             if len(rngs) != d.world_size:
                 self.say(
-                    f"warning: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}"
+                    f"note: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}: "
+                    f"rank r continues rank r mod {len(rngs)}'s streams (dropout differs from an "
+                    "uninterrupted run; the data do not, they are drawn per global micro-batch)"
                 )
             ckpt.set_rng_state(rngs[d.rank % len(rngs)])
-        self.fwd_model = compile_model(self.raw_model, plan.compile_mode) if plan.compile else self.raw_model
+        if self.fsdp:
+            self.fwd_model = self.raw_model  # its blocks are compiled in place (shard_model)
+        else:
+            compiled = plan.compile
+            self.fwd_model = compile_model(self.raw_model, plan.compile_mode) if compiled else self.raw_model
         # CUDA graphs (compile_mode=reduce-overhead): each forward starts a new graph step, so outputs of
         # the previous replay (the last micro-batch's loss) are never overwritten while still in use
         self._cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"
@@ -195,7 +261,9 @@ class Setup:
             for p in self.raw_model.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        if d.enabled:
+        if self.fsdp:
+            self.train_model = self.raw_model
+        elif d.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.train_model = DDP(
@@ -308,7 +376,7 @@ class Setup:
     def _no_checkpoint_message(self) -> str:
         runs = (
             sorted(
-                (p.parent.parent for p in Path("runs").glob("*/ckpt/step_*.pt")),
+                (p.parent.parent for p in Path("runs").glob("*/ckpt/step_*")),
                 key=lambda p: p.stat().st_mtime,
             )
             if Path("runs").is_dir()
@@ -352,13 +420,13 @@ class Setup:
 
     def _replay_reason(self, k: int, last: int, summary: dict) -> str:
         """Why the newest loadable checkpoint (step k) is behind the last logged step."""
-        newer = [s for s, _ in ckpt.list_checkpoints(self.out_dir) if s > k]
+        newer = [(s, p) for s, p in ckpt.list_checkpoints(self.out_dir) if s > k]
         if newer:
-            names = ", ".join(ckpt.ckpt_path(self.out_dir, s).name for s in newer)
+            names = ", ".join(p.name for _, p in newer)
             return f"the newer checkpoint(s) {names} do not load"
         lc = str(summary.get("last_checkpoint") or "")
-        name = Path(lc).name
-        if name.startswith("step_") and name[5:-3].isdigit() and int(name[5:-3]) > k:
+        lc_step = ckpt.checkpoint_step(lc) if lc else None
+        if lc_step is not None and lc_step > k:
             return f"the newest checkpoint {lc} is missing (deleted)"
         return (
             f"no checkpoint was saved after step {k}: the run stopped at step {last} "

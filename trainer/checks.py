@@ -51,7 +51,9 @@ class Plan:
         micro_batch_size: sequences per forward/backward per rank.
         grad_accum: micro-batches per optimizer step per rank.
         eval_batch_size: sequences per validation batch.
-        world_size: number of DDP processes.
+        world_size: number of processes (torchrun ranks).
+        parallel: "ddp" or "fsdp" (``parallel``): how several ranks hold the model, and the checkpoint
+            format ("fsdp": DCP directories, also at world size 1; "ddp": single files).
         head_dim: n_embd // n_head.
         peak_flops: FLOP/s per device for MFU (float) or None to decide from the GPU name later.
     """
@@ -67,6 +69,7 @@ class Plan:
     peak_flops: float | None
     compile_mode: str | None = None
     notes: list[str] = field(default_factory=list)
+    parallel: str = "ddp"
 
 
 def _interpret_enabled() -> bool:
@@ -116,12 +119,18 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     if compile_mode == "reduce-overhead" and compile_ and world_size > 1:
         raise ConfigError(
             "compile_mode=reduce-overhead (CUDA graphs) is supported on one process only, and this run has "
-            f"{world_size} ranks (DDP's gradient hooks run outside the graphs); use compile_mode=default"
+            f"{world_size} ranks ({cfg.parallel.upper()}'s gradient hooks and collectives run outside the "
+            "graphs); use compile_mode=default"
         )
     check_seq_len_fits_data(
         cfg, world_size
     )  # before the batch split: the data's limit is the message to give
     micro_batch_size, grad_accum, notes = C.BatchConfig.split(cfg, world_size)
+    if cfg.parallel == "fsdp" and world_size <= 1:
+        notes.append(
+            "note: parallel=fsdp with one process (no torchrun, or --nproc_per_node=1): nothing to shard, so "
+            "the model runs unsharded; checkpoints are still DCP directories (they resume at any world size)"
+        )
     if cfg.perf.profile_steps and device_type != "cuda":
         notes.append("note: perf.profile_steps is a GPU measurement (CUDA kernel time); skipped on the CPU")
     if compile_mode == "reduce-overhead" and compile_ and device_type != "cuda":
@@ -147,6 +156,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         peak_flops=C.PerfConfig.peak(cfg),
         compile_mode=None if compile_mode == "default" else compile_mode,
         notes=notes,
+        parallel=cfg.parallel,
     )
 
 

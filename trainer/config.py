@@ -104,7 +104,7 @@ def flash_head_dim_range() -> tuple[int, int]:
 
 @dataclass
 class ModelConfig:
-    """``model=tiny|gpt2|gpt2-medium``: GPT-2 shape (presets from ``model.gpt.PRESETS``)."""
+    """``model=tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl``: GPT-2 shape (``model.gpt.PRESETS``)."""
 
     name: str = spec("gpt2", "preset name (for records; the sizes below are what counts)")
     n_layer: int = spec(12, "transformer blocks", POS_INT, 12)
@@ -392,6 +392,7 @@ class WandbConfig:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass
@@ -406,7 +407,7 @@ class TrainConfig:
         1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT, 1024
     )
     seed: int = spec(
-        1337, "seeds weights, dropout and the data windows (seed, step, micro_step, rank)", NONNEG_INT, 1337
+        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", NONNEG_INT, 1337
     )
     max_steps: int = spec(1000, "optimizer steps", POS_INT, 1000)
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))
@@ -423,6 +424,11 @@ class TrainConfig:
         "default",
         "torch.compile mode: default | reduce-overhead (CUDA graphs) | max-autotune-no-cudagraphs",
         COMPILE_MODES,
+    )
+    parallel: str = spec(
+        "ddp",
+        "several ranks (torchrun): ddp (replicated, all-reduce) | fsdp (FSDP2 sharded; DCP checkpoints)",
+        PARALLEL_MODES,
     )
     deterministic: bool = spec(False, "torch.use_deterministic_algorithms (bitwise-reproducible runs)", BOOL)
     resume: bool = spec(False, "continue the run in out_dir from its newest loadable checkpoint", BOOL)

@@ -1,8 +1,10 @@
-"""torch.distributed for the trainer: joining torchrun's process group, and rank-0 broadcasts."""
+"""torch.distributed for the trainer: joining torchrun's process group, rank-0 broadcasts, FSDP2 sharding
+(``parallel=fsdp``), the data index of a micro-batch, and the common exit of every rank on a config error."""
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,3 +45,158 @@ def broadcast_obj(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def global_micro_index(micro: int, grad_accum: int, rank: int, world_size: int) -> int:
+    """Index of rank ``rank``'s micro-batch ``micro`` in the step's global batch, in [0, grad_accum x
+    world_size): ``micro * world_size + rank``. The data of a micro-batch are drawn from this index alone
+    (``BinDataset.batch(micro_step=index, rank=0)``), so a step's global batch is the same set of windows
+    at every world size with the same micro-batch size (one process: the index is ``micro``, as before),
+    and a run resumed at another world size sees the data it would have seen."""
+    if not 0 <= micro < grad_accum or not 0 <= rank < world_size:
+        raise ValueError(f"micro={micro} / rank={rank} outside grad_accum={grad_accum} / world={world_size}")
+    return micro * world_size + rank
+
+
+def shard_model(model, device_type: str, world_size: int, bf16: bool, compile_options: dict | None):
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ranks: each transformer block, then the root
+    (embeddings, final LayerNorm, the tied lm_head). In place; returns ``model`` (now an ``FSDPModule``).
+
+    Args:
+        model: a ``model.GPT`` with its weights in place (they are sharded as they are: rank r keeps
+            dim-0 shard r of every parameter, as a DTensor).
+        device_type: "cuda" or "cpu" (the 1-D device mesh; NCCL or gloo underneath).
+        world_size: ranks of the default process group (the mesh's size).
+        bf16: mixed precision ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the
+            all-gathered parameters and the gradients are bfloat16, the reduce-scatter and the sharded
+            master weights (what the optimizer updates) float32. False: float32 throughout.
+        compile_options: torch.compile options (``trainer.compiling.compile_options``) to compile each
+            block before it is sharded (``Block.compile``, in place, so parameter names do not change);
+            None: eager. Per block, not the whole model: FSDP2's hooks run between the compiled blocks.
+
+    Blocks reshard after forward (their parameters are gathered again in backward: memory per rank ~
+    one block's full parameters at a time); the root keeps its parameters gathered after forward,
+    since backward needs the lm_head first.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for block in model.transformer.h:
+        if compile_options is not None:
+            block.compile(options=compile_options)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def local_norm(t: torch.Tensor) -> torch.Tensor:
+    """A norm from ``clip_grad_norm_`` as a plain tensor (a DTensor under FSDP2: its full value)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def _launch_store(timeout_s: float):
+    """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT),
+    or None outside torchrun or without the agent store (another launcher: a store of our own at that port
+    would take the one ``init_process_group`` opens there)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        os.environ.get("MASTER_ADDR", "localhost"),
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _launch_key(name: str) -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return f"flashgpt/{name}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+# rank0_verdict calls in this process (the jobs of a -m sweep run in the same order on every rank)
+_VERDICTS = [0]
+
+
+def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
+    """Rank 0's ``problem`` (None: none) on every rank, before any process group exists: rank 0 publishes it
+    on the launch's store, the other ranks wait for it (at most ``timeout_s``; then None). For the checks
+    only rank 0 makes (its run directory's lock, whether out_dir is writable; Hydra's out_dir callback
+    runs on rank 0 only): without this the other ranks would go on into ``init_process_group`` and wait
+    there for a rank 0 that has exited. A rank waiting here also stops (with a problem) once another rank
+    is in ``exit_together``. Outside torchrun: ``problem`` as it is."""
+    _VERDICTS[0] += 1
+    try:
+        store = _launch_store(timeout_s)
+    except Exception:  # noqa: BLE001 - no store: every rank decides alone, as before
+        return problem
+    if store is None:
+        return problem
+    import time
+
+    key, gone = _launch_key(f"verdict{_VERDICTS[0]}"), _launch_key("exit")
+    try:
+        if int(os.environ["RANK"]) == 0:
+            store.set(key, "" if problem is None else "!" + problem)
+            return problem
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if store.check([key]):
+                value = store.get(key).decode("utf-8", "replace")
+                return value[1:] if value else None
+            if int(store.add(gone, 0)) > 0:  # a rank is already exiting on a config error of its own
+                return "another rank stopped on a config error (rank 0 printed it)"
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - no word from rank 0: go on (init_process_group decides)
+        return None
+    return None
+
+
+def exit_together(code: int, timeout_s: float = 30.0) -> None:
+    """Under torchrun, wait until every rank of this launch reaches here, then exit with ``code``.
+
+    For config errors, which every rank finds alike (the same argv and config): without this, the first
+    rank to exit makes torchrun's agent SIGTERM the others, which then end with -15 instead of ``code``.
+    The ranks meet on the launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT; no
+    process group needed: composition errors happen before there is one), ignoring SIGTERM from arrival
+    on, and exit. A rank that does not arrive within ``timeout_s`` seconds (an error only one rank saw) is
+    not waited for. No-op (returns) without torchrun; otherwise never returns.
+    """
+    import signal
+    import time
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+        return
+    # From here on torchrun's SIGTERM (sent once the first rank has exited) is ignored: every rank ignores
+    # it before it is counted, so none exits before all do.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        store = _launch_store(timeout_s)
+        if store is None:
+            raise RuntimeError("no launch store")
+        key = _launch_key("exit")
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while int(store.add(key, 0)) < world and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - no store to meet on: exit anyway
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

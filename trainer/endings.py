@@ -134,12 +134,25 @@ class Endings:
         self.log.close(exit_code=exit_code)
 
     def resume_command(self) -> str:
-        """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set."""
+        """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set.
+        Under torchrun it starts with this launch's torchrun (one node: ``torchrun --standalone
+        --nproc_per_node=W``; several: ``--nnodes``/``--nproc_per_node`` and a placeholder for the
+        rendezvous options); any other world size works too (see README "Several GPUs")."""
         from kernels import interpret_enabled
 
         keep = [o for o in self.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
         env = [f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET'].strip()}"] if interpret_enabled() else []
-        return " ".join([*env, "python train.py", *keep, "resume=true", f"out_dir={self.out_dir}"])
+        launcher = "python train.py"
+        dist = getattr(self, "dist", None)  # None: a stand-in without one (tests)
+        if dist is not None and dist.enabled:
+            world = dist.world_size
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            if local == world:
+                launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
+            else:
+                nodes = world // local
+                launcher = f"torchrun --nnodes={nodes} --nproc_per_node={local} <rendezvous> train.py"
+        return " ".join([*env, launcher, *keep, "resume=true", f"out_dir={self.out_dir}"])
 
     def _end_interrupted(self, s: int, signum: int) -> Outcome:
         import signal
@@ -256,7 +269,7 @@ class Endings:
     def _save_problem(self, e: BaseException, s: int, need: int) -> tuple:
         """``CheckpointSaveError`` arguments for a failed save of step ``s``: a full disk (or quota) says so,
         with the checkpoint's size and the free space; anything else gives the error."""
-        target = ckpt.ckpt_path(self.out_dir, s)
+        target = ckpt.ckpt_path(self.out_dir, s, dcp=getattr(self, "_dcp", False))
         try:
             free: int | None = shutil.disk_usage(target.parent).free
         except OSError:

@@ -23,6 +23,8 @@ class InferError(Exception):
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
     """The checkpoint to use, as (path, state, run directory).
 
+    A checkpoint is a file (``step_N.pt``) or a parallel=fsdp run's DCP directory (``step_N``; its
+    ``state`` is the record, with ``state["dcp"]`` the directory, whose weights ``build_model`` reads).
     ``ckpt_path`` wins when given (its run directory is the folder above its ``ckpt/``, or ``run`` when
     given); else the newest checkpoint of ``run`` that loads (unloadable ones are skipped with a warning).
 
@@ -32,8 +34,8 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     """
     if ckpt_path:
         p = Path(ckpt_path)
-        if not p.is_file():
-            raise InferError(f"ckpt={ckpt_path}: no such checkpoint file")
+        if not p.exists():
+            raise InferError(f"ckpt={ckpt_path}: no such checkpoint file or DCP directory")
         try:
             state = ckpt.load_checkpoint(p, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - truncated, corrupt, not ours: all the same to the user
@@ -115,9 +117,19 @@ def build_model(
             )
     model = GPT(config)
     try:
-        model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise InferError(f"the checkpoint's weights do not fit its model_args: {e}") from e
+        if state.get("dcp"):  # a parallel=fsdp run's DCP directory: read in this process alone
+            ckpt.load_dcp_into(state["dcp"], model)
+        else:
+            model.load_state_dict(state["model"])
+    except Exception as e:  # noqa: BLE001 - RuntimeError (load_state_dict), DCP's CheckpointException
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        how = (
+            f" (to inspect it as one file: python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
+            f"{state['dcp']} OUT.pt)"
+            if state.get("dcp")
+            else ""
+        )
+        raise InferError(f"the checkpoint's weights do not fit its model_args: {text}{how}") from e
     return model.to(device=device, dtype=dtype).eval()
 
 

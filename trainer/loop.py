@@ -1,8 +1,10 @@
 """The training loop behind ``train.py`` (Hydra entry point): set-up, steps, eval, logging, checkpoints.
 
 Step numbering: ``step`` counts optimizer updates completed. Update ``s`` (1-based) uses the data of
-``BinDataset.batch(..., seed=cfg.seed, step=s - 1, micro_step=m, rank=r)`` for micro-batches m of rank r,
-so the data depend only on (seed, s, m, r), whatever the backend and across resumes. Metrics logged at
+``BinDataset.batch(..., seed=cfg.seed, step=s - 1, micro_step=g, rank=0)`` for micro-batch m of rank r,
+where ``g = m * world_size + r`` (``trainer.dist.global_micro_index``; one process: g = m), so the data
+depend only on (seed, s, g), whatever the backend, across resumes and at any world size with the same
+micro-batch size. Metrics logged at
 ``step=s`` describe update s (its loss is computed before the update); ``val/loss`` at step s is measured
 after s updates (step 0 = at initialisation). A checkpoint ``ckpt/step_{s}.pt`` holds the state after s
 updates; resuming from it continues with update s + 1.
@@ -38,7 +40,14 @@ from trainer import config as C
 from trainer import rundir
 from trainer.build import Setup, gpt_config_for
 from trainer.checks import ConfigError, Plan, check_data_source, resolve_plan
-from trainer.dist import DistInfo, broadcast_obj, init_distributed
+from trainer.dist import (
+    DistInfo,
+    broadcast_obj,
+    global_micro_index,
+    init_distributed,
+    local_norm,
+    rank0_verdict,
+)
 from trainer.endings import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -91,6 +100,8 @@ class Trainer(Setup, Endings):
             int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps), enabled=plan.device_type == "cuda"
         )
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
+        self.fsdp = False  # parallel=fsdp with several ranks (set by _build_model)
+        self._dcp = plan.parallel == "fsdp"  # checkpoints are DCP directories (also at world size 1)
 
     def _say(self, msg: str) -> None:
         """Progress line: to the console and appended to <out_dir>/train.log (beside Hydra's log lines),
@@ -127,8 +138,8 @@ class Trainer(Setup, Endings):
             self.plan.micro_batch_size,
             seed=int(self.cfg.seed),
             step=s - 1,
-            micro_step=micro,
-            rank=self.dist.rank,
+            micro_step=global_micro_index(micro, self.plan.grad_accum, self.dist.rank, self.dist.world_size),
+            rank=0,
         )
         nb = self.device.type == "cuda"
         if nb:
@@ -146,16 +157,23 @@ class Trainer(Setup, Endings):
     def _train_step(self, s: int) -> tuple[float, float]:
         """Forward/backward over the micro-batches of update ``s``, then clip.
 
+        Gradients are reduced across ranks only in the last micro-batch's backward: DDP's ``no_sync()``
+        before it; under FSDP2 ``set_requires_gradient_sync(False)`` (the unsharded gradients accumulate
+        locally, then one reduce-scatter). Clipping is ``clip_grad_norm_`` on the (sharded, DTensor)
+        parameters: its norm is the global one.
+
         Returns (mean loss over micro-batches and ranks, global grad norm before clipping) as floats."""
         cfg, accum = self.cfg, self.plan.grad_accum
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for micro in range(accum):
             x, y = self._batch(s, micro)
-            sync_ctx = (
-                self.train_model.no_sync()
-                if self.dist.enabled and micro < accum - 1
-                else contextlib.nullcontext()
-            )
+            if self.fsdp:
+                self.train_model.set_requires_gradient_sync(micro == accum - 1)
+                sync_ctx = contextlib.nullcontext()
+            elif self.dist.enabled and micro < accum - 1:
+                sync_ctx = self.train_model.no_sync()
+            else:
+                sync_ctx = contextlib.nullcontext()
             with sync_ctx:
                 if self._cudagraphs:
                     torch.compiler.cudagraph_mark_step_begin()
@@ -168,21 +186,30 @@ class Trainer(Setup, Endings):
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.raw_model.parameters(), clip if clip > 0 else float("inf")
         )
-        return float(loss_mean.item()), float(grad_norm.item())
+        return float(loss_mean.item()), float(local_norm(grad_norm).item())
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the fixed validation batches (split over ranks, then all-reduced)."""
+        """Mean loss over the fixed validation batches (split over ranks, then all-reduced).
+
+        Under FSDP2 every forward is collective (the all-gathers), so every rank runs the same number of
+        forwards: a rank whose share is short repeats its first batch with weight 0."""
         model = self.fwd_model
         model.eval()
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for x, y in self.eval_batches[self.dist.rank :: self.dist.world_size]:
+        mine = self.eval_batches[self.dist.rank :: self.dist.world_size]
+        weights = [1.0] * len(mine)
+        if self.fsdp:
+            n = -(-len(self.eval_batches) // self.dist.world_size)
+            pad = self.eval_batches[0] if not mine else mine[0]
+            mine, weights = mine + [pad] * (n - len(mine)), weights + [0.0] * (n - len(mine))
+        for (x, y), w in zip(mine, weights, strict=True):
             if self._cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with self.autocast:
                 _, loss = model(x.to(self.device), y.to(self.device))
-            totals[0] += loss.double()
-            totals[1] += 1
+            totals[0] += w * loss.double()
+            totals[1] += w
         model.train()
         totals = self._all_reduce_sum(totals)
         return float(totals[0] / totals[1])
@@ -190,7 +217,8 @@ class Trainer(Setup, Endings):
     def _parity(self, s: int) -> dict:
         """Loss/logits of update s's first micro-batch with the run's backend and the reference backend,
         without gradients, on the current weights (before update s). Memory it uses is kept out of
-        ``mem/peak_gib`` (peak recorded before, stats reset after)."""
+        ``mem/peak_gib`` (peak recorded before, stats reset after). Under FSDP2 every rank runs it (its
+        forwards are collective); rank 0's result is the one logged."""
         ref = self.cfg.parity.reference
         cuda = self.device.type == "cuda"
         if cuda:
@@ -227,6 +255,9 @@ class Trainer(Setup, Endings):
         return out
 
     def _save(self, s: int) -> Path:
+        """Checkpoint after update ``s``: a single file written by rank 0 (ddp, one process), or with
+        ``parallel=fsdp`` a DCP directory to which every rank writes its shards (collective; also at world
+        size 1). Every rank returns the path, or every rank raises CheckpointSaveError."""
         rng = ckpt.rng_state()
         if self.dist.enabled:
             import torch.distributed as dist
@@ -235,15 +266,13 @@ class Trainer(Setup, Endings):
             dist.all_gather_object(rngs, rng)
         else:
             rngs = [rng]
-        path, problem = None, None
+        record = None
         if self.dist.is_main:
-            state = {
+            record = {
                 "format_version": 1,
                 "step": s,
                 "data_step": s,
                 "seed": int(self.cfg.seed),
-                "model": self.raw_model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
                 "rng": rngs,
                 "config": C.to_dict(self.cfg),
                 "model_args": dataclasses.asdict(self.gpt_config),
@@ -252,8 +281,24 @@ class Trainer(Setup, Endings):
                 "wandb_run_id": self.log.wandb_id,
                 "skipped_steps": self.skipped,
                 "world_size": self.dist.world_size,
+                "parallel": self.plan.parallel,
                 "torch_version": str(torch.__version__),
             }
+        path, problem = None, None
+        if self._dcp:
+            from torch.distributed.checkpoint import CheckpointException
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(self.raw_model, self.optimizer)
+            try:
+                path = ckpt.save_dcp_checkpoint(
+                    model_state, optim_state, record, self.out_dir, s, int(self.cfg.checkpoint.keep)
+                )
+            except (OSError, RuntimeError, CheckpointException) as e:
+                problem = self._save_problem(e, s, _nbytes(model_state) + _nbytes(optim_state))
+            del model_state, optim_state
+        elif self.dist.is_main:
+            state = {**record, "model": self.raw_model.state_dict(), "optimizer": self.optimizer.state_dict()}
             try:
                 path = ckpt.save_checkpoint(state, self.out_dir, s, int(self.cfg.checkpoint.keep))
             except (OSError, RuntimeError) as e:  # RuntimeError: torch.save's wrapper of a failed write
@@ -316,7 +361,9 @@ class Trainer(Setup, Endings):
             lr = lr_at(s, cfg.optim, max_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            parity = self._parity(s) if every and s % every == 0 and self.dist.is_main else None
+            parity = (
+                self._parity(s) if every and s % every == 0 and (self.dist.is_main or self.fsdp) else None
+            )
 
             self._sync()
             with self.gpu_busy.step(self._steps_here):
@@ -411,14 +458,24 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
-    problem = out_dir_problem(out_dir) if is_main else None  # the lock file needs a writable directory
+    # Rank 0's own checks (its out_dir, its lock); under torchrun the other ranks hear its verdict and
+    # stop with it (exit 2 on every rank) instead of waiting for it in init_process_group.
+    problem, busy, lock = None, False, None
+    if is_main:
+        problem = out_dir_problem(out_dir)  # the lock file needs a writable directory
+        if not problem:
+            try:  # one live process per run directory; the checks below hold only under this lock
+                lock = rundir.claim_run_dir(out_dir, is_main=True)
+            except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
+                problem, busy = str(e), True
+    problem = rank0_verdict(problem)
     if problem:
+        if busy:
+            print(f"config error: {problem}", file=sys.stderr, flush=True)
+            return Outcome("error", EXIT_CONFIG)
         return report_config_error(ConfigError(problem), out_dir, cfg, is_main, multirun)
-    try:  # one live process per run directory; the checks below hold only under this lock
-        lock = rundir.claim_run_dir(out_dir, is_main=is_main)
-    except rundir.RunDirBusy as e:  # the directory is another process's: write nothing into it
-        print(f"config error: {e}", file=sys.stderr, flush=True)
-        return Outcome("error", EXIT_CONFIG)
+    if lock is None:
+        lock = rundir.claim_run_dir(out_dir, is_main=False)
     try:
         rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)
