@@ -194,22 +194,7 @@ def compile_kernel(
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, debug=inductor),
     )
-    regs = st = ld = None
-    ptxas = triton.knobs.nvidia.ptxas.path
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(compiled.asm["ptx"])
-        f.flush()
-        suffix = "a" if arch == 90 else ""
-        out = subprocess.run(
-            [ptxas, f"-arch=sm_{arch}{suffix}", "-v", f.name, "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-        )
-    m = re.search(r"Used (\d+) registers", out.stderr)
-    regs = int(m.group(1)) if m else None
-    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
-    if m:
-        st, ld = int(m.group(1)), int(m.group(2))
+    regs, st, ld, ptxas_log = _ptxas_report(compiled.asm["ptx"], arch)
     return CompileInfo(
         kernel,
         _TL_NAME[dtype],
@@ -221,7 +206,7 @@ def compile_kernel(
         ld,
         "wgmma" in compiled.asm["ptx"],
         "cp.async.bulk.tensor" in compiled.asm["ptx"],
-        "C7515" in out.stderr,
+        "C7515" in ptxas_log,
     )
 
 

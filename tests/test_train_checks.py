@@ -319,7 +319,9 @@ def test_plan_notes_say_what_a_key_does_not_do():
     """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
     micro_batch_size, GPU profiling and CUDA graphs on the CPU."""
     plan = resolve_plan(
-        compose_cfg(["experiment=cpu_tiny", "batch.micro_tokens=4096"]), world_size=1, cuda_available=False
+        compose_cfg(["experiment=cpu_tiny", "batch.micro_batch_size=16", "batch.micro_tokens=4096"]),
+        world_size=1,
+        cuda_available=False,
     )
     assert any("batch.micro_tokens=4096 is not used" in n for n in plan.notes), plan.notes
     plan = resolve_plan(
