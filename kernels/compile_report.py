@@ -230,39 +230,52 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | No
     return regs, st, ld, out.stderr
 
 
-def compile_gluon_forward(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
-    """Compile the experimental warp-specialised Gluon forward (kernels/_gluon_fwd.py) for sm_90 without
-    a GPU, with its CONFIGS tile; `registers` is the kernel-wide budget (the consumer warps raise theirs
-    with setmaxnreg), `wgmma_serialized` flags ptxas warnings C7514/C7515 (wgmma made synchronous).
-    Raises KeyError for a head dim outside CONFIGS, triton.CompilationError when it does not compile."""
+def compile_gluon_kernel(kernel: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
+    """Compile an experimental warp-specialised Gluon kernel, "fwd" (kernels/_gluon_fwd.py) or "dkdv"
+    (kernels/_gluon_bwd.py), for sm_90 without a GPU, with its CONFIGS tile; `registers` is the
+    kernel-wide budget (the consumer warps raise theirs with setmaxnreg), `wgmma_serialized` flags ptxas
+    warnings C7514/C7515 (wgmma made synchronous). Raises ValueError for another kernel, KeyError for a
+    head dim outside CONFIGS, triton.CompilationError when it does not compile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ._gluon_fwd import CONFIGS, _fwd_ws_kernel
+    if kernel == "fwd":
+        from ._gluon_fwd import CONFIGS
+        from ._gluon_fwd import _fwd_ws_kernel as fn
 
-    block, stages, warps = CONFIGS[head_dim]
-    values = dict(BLOCK_M=block, BLOCK_N=block, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
+        block, stages, warps = CONFIGS[head_dim]
+        values = dict(BLOCK_M=block, BLOCK_N=block, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
+        cfg = TileConfig(block, block, warps, stages)
+    elif kernel == "dkdv":
+        from ._gluon_bwd import CONFIGS
+        from ._gluon_bwd import _bwd_dkdv_ws_kernel as fn
+
+        block_m, block_n, stages, warps = CONFIGS[head_dim]
+        values = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
+        cfg = TileConfig(block_m, block_n, warps, stages)
+    else:
+        raise ValueError(f"unknown Gluon kernel {kernel!r}; expected 'fwd' or 'dkdv'")
     signature, constants = {}, {}
-    for name in _fwd_ws_kernel.arg_names:
+    for name in fn.arg_names:
         if name in values:
             signature[name], constants[name] = "constexpr", values[name]
-        elif name in ("Q", "K", "V", "O"):
+        elif name in _TENSORS:
             signature[name] = "*" + _TL_NAME[dtype]
-        elif name == "LSE":
+        elif name in _F32_TENSORS:
             signature[name] = "*fp32"
-        elif name == "qk_scale":
+        elif name in ("qk_scale", "softmax_scale", "scale_log2"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    src = GluonASTSource(_fwd_ws_kernel, signature, constants)
+    src = GluonASTSource(fn, signature, constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     regs, st, ld, err = _ptxas_report(compiled.asm["ptx"], 90)
     return CompileInfo(
-        "gluon_fwd",
+        f"gluon_{kernel}",
         _TL_NAME[dtype],
         head_dim,
-        TileConfig(block, block, warps, stages),
+        cfg,
         compiled.metadata.shared,
         regs,
         st,

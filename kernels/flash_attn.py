@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from . import _gluon_route as gluon_route
 from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users and tests import them
     _HAS_TRITON,
     MAX_HEAD_DIM,
@@ -46,7 +47,7 @@ from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users an
     document_ranges,
     interpret_enabled,
 )
-from .tiles import block_d_for, get_tile_config, gluon_forward_requested, tma_override
+from .tiles import block_d_for, get_tile_config, tma_override
 
 LOG2E = 1.4426950408889634
 
@@ -179,14 +180,10 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
-    if (not interp and causal and Nq == Nk and window == 0 and q_doc is None and dropout_p == 0.0
-            and gluon_forward_requested() and _gluon_fwd_applies(q, k, v)):
-        from ._gluon_fwd import fwd_gluon_launch  # Hopper-only, experimental (opt-in; bench/NOTES.md)
-
-        ensure_scratch_allocator()  # its TMA descriptors are built on the device
-        with _device_ctx(q):
-            fwd_gluon_launch(q, k, v, o, lse, softmax_scale, lambda kern, grid: _launcher(kern, grid, traced))
-        return o, lse
+    variants = window > 0 or q_doc is not None or dropout_p > 0.0
+    if (not interp and causal and Nq == Nk and not variants
+            and gluon_route.forward(q, k, v, o, lse, softmax_scale, traced)):
+        return o, lse  # the experimental Gluon forward ran (opt-in; kernels/_gluon_route.py)
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
     block_d = block_d_for(d)
     grid = (_cdiv(Nq, cfg.block_m), Hq, B)
@@ -201,22 +198,6 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
             **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
     return o, lse
-
-
-def _gluon_fwd_applies(q, k, v) -> bool:
-    """Whether the experimental Gluon forward can run these inputs: an sm_90 GPU, bf16/fp16, d of its
-    CONFIGS, and what its TMA descriptors need (last stride 1, other strides and the first element
-    16-byte aligned). Shape arithmetic only, so it also holds for the fake tensors of torch.compile."""
-    from ._gluon_fwd import CONFIGS
-
-    if q.dtype not in (torch.bfloat16, torch.float16) or int(q.shape[-1]) not in CONFIGS:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    for t in (q, k, v):
-        if t.stride(-1) != 1 or any(int(s) % 8 for s in t.stride()[:-1]) or int(t.storage_offset()) % 8:
-            return False
-    return True
 
 
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
@@ -329,6 +310,10 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
             **_launch_options(c2), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
+        variants = window > 0 or q_doc is not None or dropout_p > 0.0
+        if (not interp and causal and Nq == Nk and Hq == Hkv and not variants
+                and gluon_route.dkdv(q, k, v, do, lse, delta, dk, dv, softmax_scale, traced)):
+            return dq, dk, dv  # the experimental Gluon dK/dV kernel ran (opt-in)
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),

@@ -384,40 +384,44 @@ def _needs_hopper():
 
 @pytest.mark.parametrize("B,Hq,Hkv,N,d,layout", GLUON_CASES)
 @pytest.mark.parametrize("dtype", [BF16, F16])
-def test_gluon_forward_accuracy_rule_gpu(seed, dtype, B, Hq, Hkv, N, d, layout):
-    """The warp-specialised Gluon forward (FLASHGPT_GLUON_FWD / override_tile_config(gluon_fwd=True)) under
-    the FlashAttention rule, with the backward (the Triton kernels) run on its o and LSE."""
+@pytest.mark.parametrize("which", ["fwd", "dkdv", "both"])
+def test_gluon_kernels_accuracy_rule_gpu(seed, which, dtype, B, Hq, Hkv, N, d, layout):
+    """The warp-specialised Gluon forward and / or dK/dV kernel (override_tile_config(gluon_fwd=...,
+    gluon_bwd=...)) under the FlashAttention rule, the other kernels Triton's; the Gluon LSE matches the
+    Triton forward's. (The GQA case runs the Triton dK/dV kernel: the Gluon one takes Hq == Hkv only.)"""
     _needs_hopper()
     from kernels import override_tile_config
 
     q, k, v, do = _gluon_inputs(seed, B, Hq, Hkv, N, d, layout, dtype)
     scale = 1.0 / math.sqrt(d)
-    with override_tile_config(gluon_fwd=True):
+    flags = dict(gluon_fwd=which in ("fwd", "both"), gluon_bwd=which in ("dkdv", "both"))
+    with override_tile_config(**flags):
         ours = flash_with_grads(q, k, v, do, True)
         _, lse = _flash()(q, k, v, causal=True, return_lse=True)
-    with override_tile_config(gluon_fwd=False):
+    with override_tile_config(gluon_fwd=False, gluon_bwd=False):
         _, lse_triton = _flash()(q, k, v, causal=True, return_lse=True)
     low = naive_chunked(q, k, v, do, True, scale, dtype)
     ref = naive_chunked(q, k, v, do, True, scale, torch.float32)
-    assert_fa_rule(seed, ours, low, ref, f"gluon case={(dtype, B, Hq, Hkv, N, d, layout)}")
+    assert_fa_rule(seed, ours, low, ref, f"gluon {which} case={(dtype, B, Hq, Hkv, N, d, layout)}")
     err = (lse - lse_triton).abs().max().item()
-    assert err <= 1e-3, f"seed={seed}: Gluon LSE differs from the Triton kernel's by {err:.3g}"
+    assert err <= 1e-3, f"seed={seed}: LSE with gluon {which} differs from the Triton forward's by {err:.3g}"
 
 
-def test_gluon_forward_in_the_compiled_graph_gpu(seed):
-    """Under torch.compile the Gluon forward is launched from the generated code, like the Triton ones,
-    and gives the eager bits."""
+def test_gluon_kernels_in_the_compiled_graph_gpu(seed):
+    """Under torch.compile the Gluon kernels are launched from the generated code, like the Triton ones,
+    and give the eager bits."""
     _needs_hopper()
     from torch._inductor.utils import run_and_get_code
 
     from kernels import override_tile_config
 
     q, k, v, do = make_inputs(seed, 2, 12, 12, 1024, 1024, 64, BF16)
-    with override_tile_config(gluon_fwd=True):
+    with override_tile_config(gluon_fwd=True, gluon_bwd=True):
         torch._dynamo.reset()
         out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do)
         eager = flash_with_grads(q, k, v, do, True)
     torch._dynamo.reset()
-    assert "_fwd_ws_kernel" in "\n".join(codes), "the Gluon forward is not in the generated code"
+    for kernel in ("_fwd_ws_kernel", "_bwd_dkdv_ws_kernel"):
+        assert kernel in "\n".join(codes), f"{kernel} is not in the generated code"
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, eager, strict=True):
         assert torch.equal(a, b), f"seed={seed}: compiled {name} differs from eager"

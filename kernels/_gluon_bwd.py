@@ -1,0 +1,186 @@
+"""Hopper-only causal dK/dV kernel in Gluon: a TMA producer warp and an 8-warp consumer (experimental).
+
+It replaces `_triton_kernels._bwd_dkdv_kernel` (same inputs and outputs; Delta from the dQ kernel, which
+runs first) when `FLASHGPT_GLUON_BWD=1` / `override_tile_config(gluon_bwd=True)` asks for it, for causal
+bf16/fp16 self-attention without GQA or variants at d = 64 or 128. Like kernels/_gluon_fwd.py it has no
+interpreter path and is unmeasured until the H200 A/B in bench/NOTES.md v9.
+
+FlashAttention-2's backward with the key block outer (Dao 2023, §3.2, Algorithm 2), scheduled as
+FlashAttention-3 does on Hopper (Shah et al. 2024, §3.3): K and V of the block stay in shared memory, dK
+and dV in registers; one producer warp streams Q_i and dO_i through a ring of TMA loads; per query block
+the consumer issues S^T = K Q_i^T and dP^T = V dO_i^T together, computes P^T = exp2(S^T - LSE_i) while
+dP^T is still on the tensor cores, issues dV += P^T dO_i, forms dS^T = P^T (dP^T - Delta_i) under it, then
+issues dK += dS^T Q_i and waits for both before the next block (an accumulator left in flight across loop
+iterations makes ptxas serialise every wgmma, NOTES v9).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+
+@gluon.jit
+def _bwd_loader(
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+    n0, m_start, n_q, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Producer (1 warp): K and V of the key block once, then Q_i and dO_i into ring slot i % STAGES."""
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [n0, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [n0, 0], kv_bar, v_smem)
+    for i in range(n_q):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)  # free (the first pass does not wait)
+        mbarrier.expect(ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        m = m_start + i * BLOCK_M
+        tma.async_copy_global_to_shared(q_desc, [m, 0], ready.index(slot), q_bufs.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [m, 0], ready.index(slot), do_bufs.index(slot))
+
+
+@gluon.jit
+def _bwd_consumer(
+    k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+    LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn,
+    n0, m_start, n_q, N, softmax_scale, scale_log2,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Consumer (default partition): dV += P^T dO, dK += dS^T Q over the query blocks that see the keys."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    dtype: gl.constexpr = k_smem.dtype
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query (a column of S^T)
+
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    keys = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    offs_m = gl.arange(0, BLOCK_M, layout=col_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    for i in range(n_q):
+        slot = i % STAGES
+        m = m_start + i * BLOCK_M
+        q_smem = q_bufs.index(slot)
+        do_smem = do_bufs.index(slot)
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        # -- S^T = K Q_i^T and dP^T = V dO_i^T, both in flight
+        s_t = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        # -- LSE_i (base 2) and Delta_i of these query rows; past N: P = 0 (LSE = +inf), Delta = 0
+        rows = m + offs_m
+        lse2 = gl.load(LSE + stat_off + rows, mask=rows < N, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(DELTA + stat_off + rows, mask=rows < N, other=0.0)
+        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+        # -- P^T = exp2(S^T scale log2(e) - LSE); the first query blocks straddle the diagonal
+        p_t = gl.exp2(s_t * scale_log2 - lse2[None, :])
+        if i < BLOCK_N // BLOCK_M:
+            p_t = gl.where(keys[:, None] <= rows[None, :], p_t, 0.0)
+        # -- dV += P^T dO_i (P^T from registers) while dP^T finishes
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_smem, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))
+        # -- dS^T = P^T (dP^T - Delta); dK += dS^T Q_i
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_smem, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    # -- dK (scaled: S = scale Q K^T) and dV of the key rows below N
+    rows_k = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    keep = rows_k[:, None] < N
+    dk = (dk * softmax_scale).to(dtype)
+    gl.store(DK + dk_off + rows_k[:, None] * stride_dkn + cols[None, :], dk, mask=keep)
+    gl.store(DV + dv_off + rows_k[:, None] * stride_dvn + cols[None, :], dv.to(dtype), mask=keep)
+
+
+@gluon.jit
+def _bwd_dkdv_ws_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H, N, softmax_scale, scale_log2,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dK, dV of one key block of one (batch, head); grid (cdiv(N, BLOCK_N), H, B). Causal, Nq = Nk,
+    one query head per KV head; BLOCK_N a multiple of BLOCK_M (query blocks start on the key block)."""
+    pid_n = gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    n0 = pid_n * BLOCK_N
+    m_start = n0  # the first query that sees key n0 is n0 itself
+    n_q = gl.cdiv(N - m_start, BLOCK_M)
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [N, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [N, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [N, HEAD_D], [stride_qn, 1],
+                                        [BLOCK_M, HEAD_D], q_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, [N, HEAD_D], [stride_don, 1],
+                                         [BLOCK_M, HEAD_D], q_layout)
+
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    stat_off = (b * H + h) * N
+    gl.warp_specialize(
+        [
+            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
+                             LSE, DELTA, DK, DV, stat_off, b * stride_dkb + h * stride_dkh,
+                             b * stride_dvb + h * stride_dvh, stride_dkn, stride_dvn,
+                             n0, m_start, n_q, N, softmax_scale, scale_log2,
+                             BLOCK_M, BLOCK_N, HEAD_D, STAGES, num_warps)),
+            (_bwd_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
+                           empty, n0, m_start, n_q, BLOCK_M, STAGES)),
+        ],
+        [1],
+        [24],
+    )
+
+
+# (head_dim) -> (BLOCK_M, BLOCK_N, STAGES, consumer warps); shared memory: K, V (BLOCK_N x d) and STAGES
+# pairs of Q, dO tiles (BLOCK_M x d), bf16: d = 128 128 KiB, d = 64 80 KiB
+CONFIGS = {64: (64, 128, 3, 8), 128: (64, 128, 2, 8)}
+
+
+def dkdv_gluon_launch(q, k, v, do, lse, delta, dk, dv, softmax_scale: float, launcher=None) -> None:
+    """Launch the warp-specialised dK/dV kernel: fills dk, dv (k's shape; any strides, last 1).
+
+    q, k, v, do (B, H, N, d) bf16/fp16 on an sm_90 GPU, one query head per KV head, d in CONFIGS, TMA-able
+    strides (`flash_attn._gluon_fwd_applies` checks them); lse, delta (B, H, N) float32 contiguous
+    (lse natural log from the forward, delta = rowsum(dO * O) from the dQ kernel). launcher(kernel, grid)
+    as in `_gluon_fwd.fwd_gluon_launch`.
+    """
+    B, H, N, d = (int(x) for x in q.shape)
+    block_m, block_n, stages, warps = CONFIGS[d]
+    grid = (triton.cdiv(N, block_n), H, B)
+    launch = (launcher or (lambda kern, g: kern[g]))(_bwd_dkdv_ws_kernel, grid)
+    launch(
+        q, k, v, do, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        H, N, softmax_scale, softmax_scale * 1.4426950408889634,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, num_warps=warps,
+    )
