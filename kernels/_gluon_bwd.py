@@ -159,6 +159,159 @@ def _bwd_dkdv_ws_kernel(
     )
 
 
+@gluon.jit
+def _dq_loader(
+    q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty,
+    m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):
+    """Producer (1 warp): Q_i, dO_i, O_i once, then K_j and V_j into ring slot j % STAGES."""
+    mbarrier.expect(row_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes + o_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [m0, 0], row_bar, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [m0, 0], row_bar, do_smem)
+    tma.async_copy_global_to_shared(o_desc, [m0, 0], row_bar, o_smem)
+    for j in range(n_blocks):
+        slot = j % STAGES
+        mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], ready.index(slot), k_bufs.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], ready.index(slot), v_bufs.index(slot))
+
+
+@gluon.jit
+def _dq_consumer(
+    q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty,
+    LSE, DELTA, DQ, stat_off, dq_off, stride_dqn, m0, n_blocks, N, softmax_scale, scale_log2,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Consumer (default partition): Delta_i = rowsum(dO_i O_i) (stored for dK/dV), dQ_i += dS K_j."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    dtype: gl.constexpr = q_smem.dtype
+
+    rows = m0 + gl.arange(0, BLOCK_M, layout=row_layout)
+    lse2 = gl.load(LSE + stat_off + rows, mask=rows < N, other=float("inf")) * 1.4426950408889634
+    mbarrier.wait(row_bar, 0)
+    # -- Delta_i = rowsum(dO_i * O_i), stored for the dK/dV kernel (launched after this one)
+    do_t = do_smem.load(tile_layout).to(gl.float32)
+    o_t = o_smem.load(tile_layout).to(gl.float32)
+    delta = gl.convert_layout(gl.sum(do_t * o_t, 1), row_layout)
+    gl.store(DELTA + stat_off + rows, delta, mask=rows < N)
+
+    dq = gl.zeros([BLOCK_M, HEAD_D], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    first_masked = m0 // BLOCK_N  # key blocks from here on reach past the first row of this block
+    for j in range(n_blocks):
+        slot = j % STAGES
+        k_smem = k_bufs.index(slot)
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        # -- S = Q_i K_j^T and dP = dO_i V_j^T, both in flight
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        p = gl.exp2(s * scale_log2 - lse2[:, None])
+        if j >= first_masked:
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(cols[None, :] <= rows[:, None], p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        # -- dS = P (dP - Delta); dQ += dS K_j
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_smem, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(empty.index(slot), count=1)
+
+    rows_o = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
+    dq = (dq * softmax_scale).to(dtype)
+    gl.store(DQ + dq_off + rows_o[:, None] * stride_dqn + cols_o[None, :], dq, mask=rows_o[:, None] < N)
+
+
+@gluon.jit
+def _bwd_dq_ws_kernel(
+    Q, K, V, DO, O, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_ob, stride_oh, stride_on, stride_dqb, stride_dqh, stride_dqn,
+    H, N, softmax_scale, scale_log2,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """dQ (and Delta) of one query block of one (batch, head); grid (cdiv(N, BLOCK_M), H, B), heaviest
+    query blocks first. Causal, Nq = Nk, one query head per KV head; BLOCK_M a multiple of BLOCK_N."""
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
+    h = gl.program_id(1)
+    b = gl.program_id(2)
+    m0 = pid_m * BLOCK_M
+    n_blocks = gl.cdiv(gl.minimum(m0 + BLOCK_M, N), BLOCK_N)
+    dtype: gl.constexpr = Q.dtype.element_ty
+
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [N, HEAD_D], [stride_qn, 1],
+                                        [BLOCK_M, HEAD_D], row_layout)
+    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, [N, HEAD_D], [stride_don, 1],
+                                         [BLOCK_M, HEAD_D], row_layout)
+    o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, [N, HEAD_D], [stride_on, 1],
+                                        [BLOCK_M, HEAD_D], row_layout)
+    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [N, HEAD_D], [stride_kn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [N, HEAD_D], [stride_vn, 1],
+                                        [BLOCK_N, HEAD_D], kv_layout)
+
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
+    row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(row_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (q_smem, do_smem, o_smem, k_bufs, v_bufs, row_bar, ready, empty,
+                            LSE, DELTA, DQ, (b * H + h) * N, b * stride_dqb + h * stride_dqh, stride_dqn,
+                            m0, n_blocks, N, softmax_scale, scale_log2,
+                            BLOCK_M, BLOCK_N, HEAD_D, STAGES, num_warps)),
+            (_dq_loader, (q_desc, do_desc, o_desc, k_desc, v_desc, q_smem, do_smem, o_smem, k_bufs, v_bufs,
+                          row_bar, ready, empty, m0, n_blocks, BLOCK_N, STAGES)),
+        ],
+        [1],
+        [24],
+    )
+
+
+# dQ kernel: (head_dim) -> (BLOCK_M, BLOCK_N, STAGES, consumer warps); shared memory: Q, dO, O (BLOCK_M x d)
+# and STAGES pairs of K, V tiles (BLOCK_N x d), bf16: d = 128 160 KiB, d = 64 88 KiB
+DQ_CONFIGS = {64: (128, 64, 4, 8), 128: (128, 64, 3, 8)}
+
+
+def dq_gluon_launch(q, k, v, do, o, lse, delta, dq, softmax_scale: float, launcher=None) -> None:
+    """Launch the warp-specialised dQ kernel: fills dq (q's shape; any strides, last 1) and delta (B, H, N)
+    float32 contiguous = rowsum(dO * O), which the dK/dV kernel reads. Inputs as `dkdv_gluon_launch`'s,
+    plus o (B, H, N, d) from the forward (TMA-able strides)."""
+    B, H, N, d = (int(x) for x in q.shape)
+    block_m, block_n, stages, warps = DQ_CONFIGS[d]
+    grid = (triton.cdiv(N, block_m), H, B)
+    launch = (launcher or (lambda kern, g: kern[g]))(_bwd_dq_ws_kernel, grid)
+    launch(
+        q, k, v, do, o, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
+        H, N, softmax_scale, softmax_scale * 1.4426950408889634,
+        BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=d, STAGES=stages, num_warps=warps,
+    )
+
+
 # (head_dim) -> (BLOCK_M, BLOCK_N, STAGES, consumer warps); shared memory: K, V (BLOCK_N x d) and STAGES
 # pairs of Q, dO tiles (BLOCK_M x d), bf16: d = 128 128 KiB, d = 64 80 KiB
 CONFIGS = {64: (64, 128, 3, 8), 128: (64, 128, 2, 8)}

@@ -1,10 +1,10 @@
 """Where the experimental Hopper Gluon kernels replace the Triton ones (opt-in, bench/NOTES.md v9).
 
-`flash_attn._launch_fwd` / `_launch_bwd` call `forward` / `dkdv` for causal self-attention without variants
-(and, for dK/dV, one query head per KV head); each launches its Gluon kernel and returns True only when it
-is asked for (`tiles.gluon_requested`: FLASHGPT_GLUON_FWD=1 / FLASHGPT_GLUON_BWD=1, or
-`override_tile_config(gluon_fwd=..., gluon_bwd=...)`) and the inputs suit it (`applies`); otherwise the
-Triton kernels run. The Gluon modules are imported only then (they need a CUDA build of Triton).
+`flash_attn._launch_fwd` / `_launch_bwd` call `forward` / `backward` for causal self-attention without
+variants (the backward also: one query head per KV head, no LSE gradient). Each launches its Gluon kernels
+and returns True only when they are asked for (`tiles.gluon_requested`: FLASHGPT_GLUON_FWD=1 /
+FLASHGPT_GLUON_BWD=1, or `override_tile_config(gluon_fwd=..., gluon_bwd=...)`) and the inputs suit them
+(`applies`); otherwise the Triton kernels run. The Gluon modules are imported only then.
 """
 
 from __future__ import annotations
@@ -46,11 +46,14 @@ def forward(q, k, v, o, lse, softmax_scale: float, traced: bool) -> bool:
     return True
 
 
-def dkdv(q, k, v, do, lse, delta, dk, dv, softmax_scale: float, traced: bool) -> bool:
-    """Run the Gluon dK/dV kernel into dk, dv if asked for and applicable; True when it ran."""
-    if not (gluon_requested("bwd") and applies(q, k, v, do)):
+def backward(q, k, v, do, o, lse, delta, dq, dk, dv, softmax_scale: float, traced: bool) -> bool:
+    """Run the Gluon dQ kernel (which also stores Delta) and then the Gluon dK/dV kernel into dq, dk, dv if
+    asked for and applicable; True when they ran."""
+    if not (gluon_requested("bwd") and applies(q, k, v, do, o)):
         return False
-    from ._gluon_bwd import dkdv_gluon_launch
+    from ._gluon_bwd import dkdv_gluon_launch, dq_gluon_launch
 
-    dkdv_gluon_launch(q, k, v, do, lse, delta, dk, dv, softmax_scale, _launcher(traced))
+    launcher = _launcher(traced)
+    dq_gluon_launch(q, k, v, do, o, lse, delta, dq, softmax_scale, launcher)
+    dkdv_gluon_launch(q, k, v, do, lse, delta, dk, dv, softmax_scale, launcher)
     return True

@@ -231,7 +231,7 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | No
 
 
 def compile_gluon_kernel(kernel: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
-    """Compile an experimental warp-specialised Gluon kernel, "fwd" (kernels/_gluon_fwd.py) or "dkdv"
+    """Compile an experimental warp-specialised Gluon kernel, "fwd" (kernels/_gluon_fwd.py), "dkdv" or "dq"
     (kernels/_gluon_bwd.py), for sm_90 without a GPU, with its CONFIGS tile; `registers` is the
     kernel-wide budget (the consumer warps raise theirs with setmaxnreg), `wgmma_serialized` flags ptxas
     warnings C7514/C7515 (wgmma made synchronous). Raises ValueError for another kernel, KeyError for a
@@ -247,15 +247,16 @@ def compile_gluon_kernel(kernel: str, head_dim: int, dtype: torch.dtype = torch.
         block, stages, warps = CONFIGS[head_dim]
         values = dict(BLOCK_M=block, BLOCK_N=block, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
         cfg = TileConfig(block, block, warps, stages)
-    elif kernel == "dkdv":
-        from ._gluon_bwd import CONFIGS
-        from ._gluon_bwd import _bwd_dkdv_ws_kernel as fn
+    elif kernel in ("dkdv", "dq"):
+        from . import _gluon_bwd
 
-        block_m, block_n, stages, warps = CONFIGS[head_dim]
+        fn = _gluon_bwd._bwd_dkdv_ws_kernel if kernel == "dkdv" else _gluon_bwd._bwd_dq_ws_kernel
+        configs = _gluon_bwd.CONFIGS if kernel == "dkdv" else _gluon_bwd.DQ_CONFIGS
+        block_m, block_n, stages, warps = configs[head_dim]
         values = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
         cfg = TileConfig(block_m, block_n, warps, stages)
     else:
-        raise ValueError(f"unknown Gluon kernel {kernel!r}; expected 'fwd' or 'dkdv'")
+        raise ValueError(f"unknown Gluon kernel {kernel!r}; expected 'fwd', 'dkdv' or 'dq'")
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in values:

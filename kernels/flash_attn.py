@@ -299,6 +299,10 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     if (tma1 is not None or tma2 is not None) and q.is_cuda:
         ensure_scratch_allocator()
     with _device_ctx(q):
+        variants = window > 0 or q_doc is not None or dropout_p > 0.0 or dlse is not None
+        if (not interp and causal and Nq == Nk and Hq == Hkv and not variants
+                and gluon_route.backward(q, k, v, do, o, lse, delta, dq, dk, dv, softmax_scale, traced)):
+            return dq, dk, dv  # the experimental Gluon dQ and dK/dV kernels ran (opt-in)
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
@@ -310,10 +314,6 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             DOT_PRECISION=prec, USE_TMA=tma2 is not None, HAS_DLSE=dlse is not None,
             **_launch_options(c2), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
-        variants = window > 0 or q_doc is not None or dropout_p > 0.0
-        if (not interp and causal and Nq == Nk and Hq == Hkv and not variants
-                and gluon_route.dkdv(q, k, v, do, lse, delta, dk, dv, softmax_scale, traced)):
-            return dq, dk, dv  # the experimental Gluon dK/dV kernel ran (opt-in)
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk, dv,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),

@@ -384,17 +384,17 @@ def _needs_hopper():
 
 @pytest.mark.parametrize("B,Hq,Hkv,N,d,layout", GLUON_CASES)
 @pytest.mark.parametrize("dtype", [BF16, F16])
-@pytest.mark.parametrize("which", ["fwd", "dkdv", "both"])
+@pytest.mark.parametrize("which", ["fwd", "bwd", "both"])
 def test_gluon_kernels_accuracy_rule_gpu(seed, which, dtype, B, Hq, Hkv, N, d, layout):
-    """The warp-specialised Gluon forward and / or dK/dV kernel (override_tile_config(gluon_fwd=...,
+    """The warp-specialised Gluon forward and / or backward (dQ + dK/dV; override_tile_config(gluon_fwd=...,
     gluon_bwd=...)) under the FlashAttention rule, the other kernels Triton's; the Gluon LSE matches the
-    Triton forward's. (The GQA case runs the Triton dK/dV kernel: the Gluon one takes Hq == Hkv only.)"""
+    Triton forward's. (The GQA case runs the Triton backward: the Gluon one takes Hq == Hkv only.)"""
     _needs_hopper()
     from kernels import override_tile_config
 
     q, k, v, do = _gluon_inputs(seed, B, Hq, Hkv, N, d, layout, dtype)
     scale = 1.0 / math.sqrt(d)
-    flags = dict(gluon_fwd=which in ("fwd", "both"), gluon_bwd=which in ("dkdv", "both"))
+    flags = dict(gluon_fwd=which in ("fwd", "both"), gluon_bwd=which in ("bwd", "both"))
     with override_tile_config(**flags):
         ours = flash_with_grads(q, k, v, do, True)
         _, lse = _flash()(q, k, v, causal=True, return_lse=True)
@@ -421,7 +421,7 @@ def test_gluon_kernels_in_the_compiled_graph_gpu(seed):
         out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do)
         eager = flash_with_grads(q, k, v, do, True)
     torch._dynamo.reset()
-    for kernel in ("_fwd_ws_kernel", "_bwd_dkdv_ws_kernel"):
+    for kernel in ("_fwd_ws_kernel", "_bwd_dq_ws_kernel", "_bwd_dkdv_ws_kernel"):
         assert kernel in "\n".join(codes), f"{kernel} is not in the generated code"
     for name, a, b in zip(("o", "dq", "dk", "dv"), out, eager, strict=True):
         assert torch.equal(a, b), f"seed={seed}: compiled {name} differs from eager"

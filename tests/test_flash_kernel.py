@@ -495,13 +495,13 @@ def test_gpu_kernels_compile_for_sm90():
 
 
 def test_gluon_kernels_compile_for_sm90():
-    """The experimental warp-specialised Gluon forward and dK/dV kernels (no interpreter path: Gluon's warp
-    specialisation and async wgmma have none) lower for sm_90 at d = 64 and 128, bf16 and fp16: TMA loads,
-    wgmma that ptxas keeps asynchronous (no C7514/C7515), no spills, within shared memory. Their numbers
-    are checked on the GPU (tests/test_flash_gpu.py, `-k gluon`)."""
+    """The experimental warp-specialised Gluon forward, dK/dV and dQ kernels (no interpreter path: Gluon's
+    warp specialisation and async wgmma have none) lower for sm_90 at d = 64 and 128, bf16 and fp16: TMA
+    loads, wgmma that ptxas keeps asynchronous (no C7514/C7515), no spills, within shared memory. Their
+    numbers are checked on the GPU (tests/test_flash_gpu.py, `-k gluon`)."""
     _compile_for_sm90(
         "from kernels.compile_report import compile_gluon_kernel\n"
-        "for kernel, d, dt in [(k, d, t) for k in ('fwd', 'dkdv') for d in (64, 128)\n"
+        "for kernel, d, dt in [(k, d, t) for k in ('fwd', 'dkdv', 'dq') for d in (64, 128)\n"
         "                      for t in (torch.bfloat16, torch.float16)]:\n"
         "        info = compile_gluon_kernel(kernel, d, dt)\n"
         "        print(info.line())\n"
