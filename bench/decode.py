@@ -256,25 +256,41 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the grids: the GPU benchmark's, and tiny shapes for a CPU plumbing check (--dry-run: seconds, not hours)
+GPU_SHAPES = dict(
+    contexts="1024,2048,4096,8192,16384,32768,65536,131072",
+    batches="1,16,64",
+    dims="64,128",
+    groups="1,4,8",
+    kv_heads=8,
+    prompt_len=512,
+    new_tokens=256,
+)
+DRY_RUN_SHAPES = dict(
+    contexts="40,100", batches="1,2", dims="16", groups="1,4", kv_heads=2, prompt_len=4, new_tokens=3
+)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.decode",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
-    ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--groups", default="1,4,8", help="query heads per KV head")
-    ap.add_argument("--kv-heads", type=int, default=8)
+    # defaults: the GPU grid; --dry-run has tiny ones of its own (DRY_RUN_SHAPES)
+    ap.add_argument("--contexts", default=None, help="comma list (GPU default: 1024 .. 131072)")
+    ap.add_argument("--batches", default=None, help="comma list (GPU default: 1,16,64)")
+    ap.add_argument("--dims", default=None, help="comma list of d (GPU default: 64,128)")
+    ap.add_argument("--groups", default=None, help="query heads per KV head (GPU default: 1,4,8)")
+    ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU default: 8)")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--e2e", action="store_true", help="also time GPT-2 124M generation end to end")
     ap.add_argument("--e2e-only", action="store_true")
     ap.add_argument("--e2e-backends", default="sdpa,flash")
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=None, help="GPU default: 512")
+    ap.add_argument("--new-tokens", type=int, default=None, help="GPU default: 256")
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
     ap.add_argument(
         "--graphs",
@@ -291,6 +307,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
+    for key, value in (DRY_RUN_SHAPES if args.dry_run else GPU_SHAPES).items():
+        if getattr(args, key) is None:  # what the user did not give
+            setattr(args, key, value)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         args.copy_bytes = min(args.copy_bytes, 1 << 22)

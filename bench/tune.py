@@ -45,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -459,7 +460,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         default=None,
-        help="JSON lines appended here (default: search tune.jsonl; A/B: none, console only)",
+        help="JSON lines appended here (default: search outputs/tune.jsonl, --dry-run "
+        "outputs/bench/tune_dryrun.jsonl; A/B: none, console only)",
     )
     p.add_argument(
         "--dry-run",
@@ -522,7 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     a.timer = Timer(a.device, cpu_reps=1) if small else Timer(a.device)
-    out_path = a.out or (None if a.plans else "tune.jsonl")
+    # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
+    default_out = "outputs/bench/tune_dryrun.jsonl" if a.dry_run else "outputs/tune.jsonl"
+    out_path = a.out or (None if a.plans else default_out)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     out = open(out_path, "a") if out_path else None
     try:
         (ab if a.plans else search)(a, out)

@@ -170,6 +170,17 @@ def test_decode_bench_dry_run(tmp_path):
     assert "flash-decode" in (tmp_path / "decode_dryrun.md").read_text()
 
 
+def test_decode_bench_dry_run_defaults_are_tiny(tmp_path):
+    """`--dry-run` alone (what the README shows) runs tiny shapes on the CPU, not the GPU grid (contexts up
+    to 131072, batch 64: gigabytes of cache and hours under the interpreter)."""
+    from bench import decode
+
+    assert decode.main(["--dry-run", "--out", str(tmp_path), "--providers", "flash-decode,naive"]) == 0
+    data = __import__("json").loads((tmp_path / "decode_dryrun.json").read_text())
+    assert data["kernel"] and all(r["status"] == "ok" for r in data["kernel"]), data["kernel"]
+    assert max(r["context"] for r in data["kernel"]) <= 100 and max(r["batch"] for r in data["kernel"]) <= 2
+
+
 def test_op_path_equals_eager(seed):
     """Under torch.compile, fake tensors etc. flash_decode goes through flashgpt::flash_decode_cpu:
     same kernels, bitwise the same result as the eager launch; the fake gives the shapes."""
