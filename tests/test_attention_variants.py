@@ -208,6 +208,23 @@ def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shake
     assert "data.doc_separator" in text and "a folder of its own" in text, describe(proc)
 
 
+def test_a_separator_that_never_occurs_is_reported(tmp_path, shakespeare_path):
+    """document_mask with a data.doc_separator absent from the corpus (one document): the run goes on but
+    says that the mask changes nothing, instead of silently training plain causal attention."""
+    from helpers_train import describe, run_train, tiny_overrides
+
+    extra = {
+        "data.doc_separator": "ZZZQQQ",
+        "attention.document_mask": True,
+        "max_steps": 1,
+        "eval.interval": 0,
+        "attention": "naive",
+    }
+    proc = run_train(tiny_overrides(tmp_path / "d", shakespeare_path, tmp_path / "run", **extra), timeout=180)
+    assert proc.returncode == 0, describe(proc)
+    assert "data.doc_separator='ZZZQQQ' does not occur" in proc.stdout, describe(proc)
+
+
 def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespeare_path):
     """Three 3-step CPU runs (naive, sdpa, flash under TRITON_INTERPRET=1), window 16 and document masks on
     Tiny Shakespeare speeches (float32): the logged losses agree to 1e-4, and differ from plain causal."""

@@ -116,6 +116,13 @@ class Setup:
 
         self.meta = load_meta(cfg.data.dir)
         check_data_fits(cfg, self.meta, d.world_size)
+        if cfg.attention.document_mask and self.meta.get("train_docs") == 1:
+            # a separator that never occurs: one document, so the mask is plain causal attention
+            self.say(
+                f"warning: data.doc_separator={cfg.data.doc_separator!r} does not occur in the training "
+                f"split of {cfg.data.dir} (1 document), so attention.document_mask=true changes nothing; "
+                "check the separator (Tiny Shakespeare's speeches: data.doc_separator='\\n\\n')"
+            )
 
     def _build_model_config(self) -> None:
         """``self.gpt_config`` from the model keys and the tokenizer's vocab; the attention probe."""
