@@ -55,7 +55,7 @@ def _eval(cfg: DictConfig) -> int:
     import torch
 
     from data.loader import BinDataset
-    from trainer.infer import build_model, find_checkpoint, resolve_device, resolve_dtype
+    from trainer.infer import build_model, claim_new_file, find_checkpoint, resolve_device, resolve_dtype
 
     split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
@@ -120,12 +120,8 @@ def _eval(cfg: DictConfig) -> int:
         f"attention={model.attention_backend} | dtype={result['dtype']}"
     )
     if cfg.write:
-        out = (
-            run_dir
-            / "evals"
-            / (f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}.json")
-        )
-        out.parent.mkdir(parents=True, exist_ok=True)
+        stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
+        out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
         out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
         print(f"written to {out}")
     return 0

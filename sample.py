@@ -50,7 +50,14 @@ def _sample(cfg: DictConfig) -> int:
 
     from model.sampling import check_sampling_args
     from trainer.checkpoint import tokenizer_from_checkpoint
-    from trainer.infer import build_model, find_checkpoint, read_prompt, resolve_device, resolve_dtype
+    from trainer.infer import (
+        build_model,
+        claim_new_file,
+        find_checkpoint,
+        read_prompt,
+        resolve_device,
+        resolve_dtype,
+    )
 
     # settings first: a bad key costs no checkpoint load
     top_k = None if cfg.top_k is None else cfg.top_k
@@ -119,9 +126,12 @@ def _sample(cfg: DictConfig) -> int:
         f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s"
     )
 
-    name = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}.txt"
-    txt = Path(cfg.out) if cfg.out else run_dir / "samples" / name
-    txt.parent.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}"
+    if cfg.out:
+        txt = Path(cfg.out)
+        txt.parent.mkdir(parents=True, exist_ok=True)
+    else:  # a new name even for two runs in the same second (never another run's samples)
+        txt = claim_new_file(run_dir / "samples", stem, ".txt", siblings=(".json",))
     txt.write_text(
         "".join(
             f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)

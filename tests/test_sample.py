@@ -300,3 +300,19 @@ def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     proc = _run(EVAL, [a.format(run=run, tmp=tmp_path) for a in args], tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
     assert _tree(run) == before and list(tmp_path.iterdir()) == []
+
+
+def test_samples_and_evals_of_the_same_second_get_their_own_files(tmp_path):
+    """sample.py / eval.py name their files by the second: a second run in that second gets `-2`, never the
+    first one's file (a `.txt` whose `.json` sibling exists counts as taken)."""
+    from trainer.infer import claim_new_file
+
+    first = claim_new_file(tmp_path / "samples", "20261201-195753_step_20", ".txt", siblings=(".json",))
+    first.write_text("sample of seed 1")
+    first.with_suffix(".json").write_text("{}")
+    second = claim_new_file(tmp_path / "samples", "20261201-195753_step_20", ".txt", siblings=(".json",))
+    assert second.name == "20261201-195753_step_20-2.txt" and second.exists()
+    assert first.read_text() == "sample of seed 1"
+    (tmp_path / "samples" / "x-2.json").write_text("{}")  # only the sibling of -2 exists
+    (tmp_path / "samples" / "x.txt").write_text("")
+    assert claim_new_file(tmp_path / "samples", "x", ".txt", siblings=(".json",)).name == "x-3.txt"

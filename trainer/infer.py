@@ -142,3 +142,21 @@ def read_prompt(prompt: str) -> str:
         except (OSError, UnicodeDecodeError) as e:
             raise InferError(f"prompt=file:{path}: cannot read it as UTF-8 text ({e})") from e
     return prompt
+
+
+def claim_new_file(folder: Path, stem: str, suffix: str, siblings: tuple[str, ...] = ()) -> Path:
+    """``folder/stem{suffix}``, or ``stem-2``, ``stem-3``, ... if taken, created empty and exclusively
+    (``open(..., "x")``), so two sample.py / eval.py runs in the same second never write one file; a name
+    counts as taken when a file with one of its ``siblings`` suffixes (the ``.json`` beside a ``.txt``)
+    exists too. Raises InferError past 10,000 such names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
+        if any(path.with_suffix(s).exists() for s in siblings):
+            continue
+        try:
+            with open(path, "x", encoding="utf-8"):
+                return path
+        except FileExistsError:
+            continue
+    raise InferError(f"{folder} holds 10,000 files named {stem}*{suffix}; clean it up or pass out=PATH")
