@@ -300,6 +300,21 @@ def _finished_run(path):
     return (path / "summary.json").read_text(), (path / "metrics.jsonl").read_text()
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_not_a_loop_of_advice(expect_error, tmp_path):
+    """A run killed hard before its first checkpoint (summary "running", no ckpt/): a new run there is
+    refused without pointing at resume=true, and resume=true says there is nothing to continue instead of
+    pointing at another run; the directory is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"status": "running"}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "train/loss": 4.0}\n')
+    err = expect_error()
+    assert "without a checkpoint, so resume=true has nothing to continue" in err and "new out_dir" in err, err
+    err = expect_error(resume=True)
+    assert "stopped before the first one" in err and "newest run with checkpoints" not in err, err
+    assert json.loads((run / "summary.json").read_text()) == {"status": "running"}
+
+
 def test_new_run_in_an_existing_run_dir_is_refused(expect_error, tmp_path):
     summary, metrics = _finished_run(tmp_path / "run")
     err = expect_error()

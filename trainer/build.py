@@ -389,6 +389,13 @@ class Setup:
             if Path("runs").is_dir()
             else []
         )
+        status = rundir.read_summary(self.out_dir).get("status")
+        if status not in (None, "error"):  # a run was here and died before its first checkpoint
+            return (
+                f"resume=true but {self.out_dir} has no loadable checkpoint: its run stopped before the "
+                f"first one (summary status {status!r}), so there is nothing to continue; start it again "
+                f"in a new out_dir (or delete {self.out_dir} if its records are not needed)"
+            )
         hint = f" (newest run with checkpoints: out_dir={runs[-1]})" if runs else ""
         return (
             f"resume=true but {self.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "

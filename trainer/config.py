@@ -177,7 +177,7 @@ class DataConfig:
     source: str | None = spec(None, "null = download Tiny Shakespeare; or a path/URL of a UTF-8 text file")
     dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
-    val_fraction: float = spec(0.1, "share of the corpus held out for validation, in [0, 1)", UNIT, 0.1)
+    val_fraction: float = spec(0.1, "share of the corpus held out for validation, in (0, 1)", UNIT, 0.1)
     doc_separator: str | None = spec(
         None,
         "null | the string between documents, e.g. '\\n\\n' (escapes "

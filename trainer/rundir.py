@@ -403,6 +403,14 @@ def check_out_dir(cfg, out_dir: Path) -> None:
     except (OSError, ValueError):
         status = None
     # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
+    any_ckpt = (out_dir / "ckpt").is_dir() and any((out_dir / "ckpt").glob("step_*"))  # files or DCP dirs
+    if not any_ckpt and status not in (None, "error"):
+        # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
+        raise ConfigError(
+            f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
+            "resume=true has nothing to continue; choose a new out_dir (the default, "
+            f"runs/<time>_<backend>_n<seq_len>, is new), or delete {out_dir} if its records are not needed"
+        )
     if ckpts or status not in (None, "error"):
         raise ConfigError(
             f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
