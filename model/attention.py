@@ -492,7 +492,9 @@ _ENUM_TO_NAME = {
 }
 
 
-def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str) -> str:
+def sdpa_backend_that_ran(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdpa_backend: str, dropout_p: float = 0.0
+) -> str:
     """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` uses, for logs.
 
     A pinned ``sdpa_backend`` is returned as is (if it could not run, ``attention`` raises instead).
@@ -507,6 +509,8 @@ def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdp
     Args:
         q, k, v: (B, H, N, d) tensors as passed to ``attention``.
         sdpa_backend: one of ``SDPA_BACKENDS``.
+        dropout_p: the attention dropout of the calls (training): kernels that take no dropout are not
+            chosen (on the CPU, PyTorch's flash kernel; math runs instead).
 
     Returns:
         a backend name (str).
@@ -520,7 +524,7 @@ def sdpa_backend_that_ran(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sdp
     try:
         from torch.nn.attention import SDPBackend
 
-        choice = torch._fused_sdp_choice(q, k, v, is_causal=True)
+        choice = torch._fused_sdp_choice(q, k, v, dropout_p=float(dropout_p), is_causal=True)
         member = choice if isinstance(choice, SDPBackend) else SDPBackend(int(choice))
         return _ENUM_TO_NAME.get(member.name, member.name.lower())
     except Exception:  # private API: any failure means "we don't know"

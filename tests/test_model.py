@@ -125,6 +125,8 @@ def test_sdpa_backend_that_ran(seed):
     for pinned in ("flash", "cudnn", "efficient", "math"):
         assert sdpa_backend_that_ran(q, k, v, pinned) == pinned
     assert sdpa_backend_that_ran(q, k, v, "auto") in {"flash", "efficient", "cudnn", "math", "overrideable"}
+    if q.device.type == "cpu":  # PyTorch's CPU flash kernel takes no dropout: with it, math runs
+        assert sdpa_backend_that_ran(q, k, v, "auto", dropout_p=0.1) == "math"
     with pytest.raises(ValueError):
         sdpa_backend_that_ran(q, k, v, "bogus")
 

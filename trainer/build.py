@@ -490,6 +490,7 @@ class Setup:
             )
             gen = torch.Generator(device=self.device).manual_seed(0)  # leaves the global RNG streams alone
             q = torch.randn(shape, device=self.device, dtype=dtype, generator=gen)
-            return "sdpa:" + str(sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend))
+            p = float(self.cfg.model.attn_dropout or 0.0)  # the training calls' dropout steers the choice
+            return "sdpa:" + str(sdpa_backend_that_ran(q, q, q, self.cfg.attention.sdpa_backend, p))
         except Exception as e:  # noqa: BLE001 - best effort, for logging only
             return f"sdpa:unknown ({type(e).__name__})"
