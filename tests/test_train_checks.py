@@ -330,6 +330,18 @@ def test_refused_resume_leaves_the_run_untouched(expect_error, tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
 
 
+def test_an_eval_batch_beyond_the_machine_is_refused_and_a_window_past_seq_len_noted():
+    """An eval.batch_size whose logits need terabytes (any machine) is a config error naming a size that
+    fits, before it takes the machine down; a window >= seq_len runs, with a note that it is full causal."""
+    huge = ["experiment=cpu_tiny", "eval.batch_size=100000000"]
+    with pytest.raises(ConfigError, match=r"eval.batch_size=100000000 needs about .* GiB .*use eval.batch_s"):
+        resolve_plan(compose_cfg(huge), world_size=1, cuda_available=False)
+    plan = resolve_plan(
+        compose_cfg(["experiment=cpu_tiny", "attention.window=1000"]), world_size=1, cuda_available=False
+    )
+    assert any("attention.window=1000 >= seq_len=128" in n for n in plan.notes), plan.notes
+
+
 def test_plan_notes_say_what_a_key_does_not_do():
     """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
     micro_batch_size, GPU profiling and CUDA graphs on the CPU."""

@@ -15,6 +15,7 @@ Order of use in the trainer:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +85,33 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
+    """Refuse an evaluation batch whose float32 logits, (eval_bs, seq_len, vocab) x 4 bytes, need with the
+    loss' temporaries about 3x that (logits, log-softmax, its output) and exceed the machine's memory (CPU
+    RAM; on CUDA the GPU's), before it takes the machine down: eval.batch_size=100000 at seq_len 128 on the
+    65-symbol char corpus grew a process to 24 GB and had it killed (measured). Best effort: no limit is
+    applied where the memory size cannot be read."""
+    # the vocabulary before the data are read: GPT-2's padded 50304, a char corpus' few hundred at most
+    vocab = int(cfg.model.vocab_size or (50304 if cfg.data.tokenizer == "gpt2" else 256))
+    need = 3 * int(eval_bs) * int(cfg.seq_len) * vocab * 4
+    try:
+        if device_type == "cuda":
+            import torch
+
+            total = torch.cuda.get_device_properties(0).total_memory
+        else:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except Exception:  # noqa: BLE001 - no size known (or no CUDA build): no limit
+        return
+    if need > total:
+        fit = max(1, total // (3 * 4 * int(cfg.seq_len) * vocab) // 2)
+        raise ConfigError(
+            f"eval.batch_size={eval_bs} needs about {need / 2**30:,.0f} GiB for its logits and loss "
+            f"(3 x {eval_bs} x seq_len {cfg.seq_len} x vocab {vocab} x 4 bytes), more than this machine's "
+            f"{total / 2**30:,.0f} GiB; use eval.batch_size={fit} or less (null: the training micro-batch)"
+        )
+
+
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     """Validate the config (``trainer.config.validate``) and derive devices, dtype and the batch split.
 
@@ -143,7 +171,13 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             f"note: attention.sdpa_backend={cfg.attention.sdpa_backend} applies to attention=sdpa "
             f"only; attention={cfg.attention.name} does not use it"
         )
+    if cfg.attention.window is not None and int(cfg.attention.window) >= int(cfg.seq_len):
+        notes.append(
+            f"note: attention.window={cfg.attention.window} >= seq_len={cfg.seq_len}: every token sees all "
+            "earlier ones, the same as attention.window=null (full causal)"
+        )
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
+    _check_eval_batch_fits(cfg, eval_bs, device_type)
     return Plan(
         device_type=device_type,
         autocast_dtype=autocast_dtype,
