@@ -21,6 +21,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from ._gluon_fwd import barrier_ring, head_descriptor
+
 
 @gluon.jit
 def _bwd_loader(
@@ -120,28 +122,17 @@ def _bwd_dkdv_ws_kernel(
     n_q = gl.cdiv(N - m_start, BLOCK_M)
     dtype: gl.constexpr = Q.dtype.element_ty
 
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [N, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [N, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [N, HEAD_D], [stride_qn, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, [N, HEAD_D], [stride_don, 1],
-                                         [BLOCK_M, HEAD_D], q_layout)
+    k_desc = head_descriptor(K + b * stride_kb + h * stride_kh, N, stride_kn, BLOCK_N, HEAD_D)
+    v_desc = head_descriptor(V + b * stride_vb + h * stride_vh, N, stride_vn, BLOCK_N, HEAD_D)
+    q_desc = head_descriptor(Q + b * stride_qb + h * stride_qh, N, stride_qn, BLOCK_M, HEAD_D)
+    do_desc = head_descriptor(DO + b * stride_dob + h * stride_doh, N, stride_don, BLOCK_M, HEAD_D)
 
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], kv_layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    kv_bar = barrier_ring(1).index(0)
+    ready, empty = barrier_ring(STAGES), barrier_ring(STAGES)
 
     stat_off = (b * H + h) * N
     gl.warp_specialize(
@@ -249,31 +240,19 @@ def _bwd_dq_ws_kernel(
     n_blocks = gl.cdiv(gl.minimum(m0 + BLOCK_M, N), BLOCK_N)
     dtype: gl.constexpr = Q.dtype.element_ty
 
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [N, HEAD_D], [stride_qn, 1],
-                                        [BLOCK_M, HEAD_D], row_layout)
-    do_desc = tma.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, [N, HEAD_D], [stride_don, 1],
-                                         [BLOCK_M, HEAD_D], row_layout)
-    o_desc = tma.make_tensor_descriptor(O + b * stride_ob + h * stride_oh, [N, HEAD_D], [stride_on, 1],
-                                        [BLOCK_M, HEAD_D], row_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + h * stride_kh, [N, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + h * stride_vh, [N, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_desc = head_descriptor(Q + b * stride_qb + h * stride_qh, N, stride_qn, BLOCK_M, HEAD_D)
+    do_desc = head_descriptor(DO + b * stride_dob + h * stride_doh, N, stride_don, BLOCK_M, HEAD_D)
+    o_desc = head_descriptor(O + b * stride_ob + h * stride_oh, N, stride_on, BLOCK_M, HEAD_D)
+    k_desc = head_descriptor(K + b * stride_kb + h * stride_kh, N, stride_kn, BLOCK_N, HEAD_D)
+    v_desc = head_descriptor(V + b * stride_vb + h * stride_vh, N, stride_vn, BLOCK_N, HEAD_D)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
-    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], row_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    row_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(row_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], do_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], o_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    row_bar = barrier_ring(1).index(0)
+    ready, empty = barrier_ring(STAGES), barrier_ring(STAGES)
 
     gl.warp_specialize(
         [

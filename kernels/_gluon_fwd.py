@@ -33,6 +33,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
+def head_descriptor(base, N, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexpr):
+    """A TMA descriptor over one (batch, head)'s rows of ``base`` ((N, d), row stride ``stride_n``, last
+    stride 1): BLOCK x d tiles, zero-filled past row N. Built on the device (Triton's scratch allocator)."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], base.dtype.element_ty)
+    return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BLOCK, HEAD_D], layout)
+
+
+@gluon.jit
+def barrier_ring(STAGES: gl.constexpr):
+    """STAGES mbarriers in shared memory, each completing on one arrival (or one TMA transaction count)."""
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return bars
+
+
+@gluon.jit
 def _ws_loader(
     q_desc, k_desc, v_desc, q_smem, k_bufs, v_bufs, q_bar, k_ready, k_empty, v_ready, v_empty,
     m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -162,29 +179,16 @@ def _fwd_ws_kernel(
     dtype: gl.constexpr = Q.dtype.element_ty
 
     # -- one 2D TMA descriptor per (batch, head): rows = positions, columns = d; zero past row N
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_D], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_desc = tma.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, [N, HEAD_D], [stride_qn, 1],
-                                        [BLOCK_M, HEAD_D], q_layout)
-    k_desc = tma.make_tensor_descriptor(K + b * stride_kb + hk * stride_kh, [N, HEAD_D], [stride_kn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
-    v_desc = tma.make_tensor_descriptor(V + b * stride_vb + hk * stride_vh, [N, HEAD_D], [stride_vn, 1],
-                                        [BLOCK_N, HEAD_D], kv_layout)
+    q_desc = head_descriptor(Q + b * stride_qb + h * stride_qh, N, stride_qn, BLOCK_M, HEAD_D)
+    k_desc = head_descriptor(K + b * stride_kb + hk * stride_kh, N, stride_kn, BLOCK_N, HEAD_D)
+    v_desc = head_descriptor(V + b * stride_vb + hk * stride_vh, N, stride_vn, BLOCK_N, HEAD_D)
 
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], kv_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_D], q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = barrier_ring(1).index(0)
+    k_ready, k_empty = barrier_ring(STAGES), barrier_ring(STAGES)
+    v_ready, v_empty = barrier_ring(STAGES), barrier_ring(STAGES)
 
     o_off = b * stride_ob + h * stride_oh
     lse_off = bh * N

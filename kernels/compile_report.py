@@ -194,20 +194,18 @@ def compile_kernel(
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, debug=inductor),
     )
+    return _compile_info(kernel, dtype, head_dim, cfg, compiled, arch)
+
+
+def _compile_info(kernel: str, dtype: torch.dtype, head_dim: int, cfg: TileConfig, compiled, arch: int):
+    """CompileInfo of a compiled kernel: shared memory, ptxas' registers and spills, wgmma / TMA use, and
+    whether ptxas serialised the wgmma (warnings C7514 / C7515)."""
     regs, st, ld, ptxas_log = _ptxas_report(compiled.asm["ptx"], arch)
+    ptx = compiled.asm["ptx"]
     return CompileInfo(
-        kernel,
-        _TL_NAME[dtype],
-        head_dim,
-        cfg,
-        compiled.metadata.shared,
-        regs,
-        st,
-        ld,
-        "wgmma" in compiled.asm["ptx"],
-        "cp.async.bulk.tensor" in compiled.asm["ptx"],
-        "C7515" in ptxas_log,
-    )
+        kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
+        "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, "C7514" in ptxas_log or "C7515" in ptxas_log,
+    )  # fmt: skip
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | None, str]:
@@ -271,20 +269,7 @@ def compile_gluon_kernel(kernel: str, head_dim: int, dtype: torch.dtype = torch.
             signature[name] = "i32"
     src = GluonASTSource(fn, signature, constants)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    regs, st, ld, err = _ptxas_report(compiled.asm["ptx"], 90)
-    return CompileInfo(
-        f"gluon_{kernel}",
-        _TL_NAME[dtype],
-        head_dim,
-        cfg,
-        compiled.metadata.shared,
-        regs,
-        st,
-        ld,
-        "wgmma" in compiled.asm["ptx"],
-        "cp.async.bulk.tensor" in compiled.asm["ptx"],
-        "C7514" in err or "C7515" in err,
-    )
+    return _compile_info(f"gluon_{kernel}", dtype, head_dim, cfg, compiled, 90)
 
 
 def compile_decode_kernel(
