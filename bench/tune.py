@@ -378,6 +378,8 @@ def ab(a, out) -> None:
                     line += (
                         f"  bwd {statistics.median(bwd_tf):6.1f} TF/s ({min(bwd_tf):.0f}-{max(bwd_tf):.0f})"
                     )
+                elif not a.no_bwd:  # forward+backward timed no slower than forward alone: noise, no figure
+                    line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
                 print(line, flush=True)
                 if out is not None:
                     out.write(
