@@ -342,6 +342,28 @@ def test_an_eval_batch_beyond_the_machine_is_refused_and_a_window_past_seq_len_n
     assert any("attention.window=1000 >= seq_len=128" in n for n in plan.notes), plan.notes
 
 
+def test_token_budget_batch_hint_names_what_the_user_set():
+    """With the micro-batch from the token budget (cpu_tiny), a tokens_per_step that does not split names
+    batch.micro_tokens (not a micro_batch_size the user never set) and suggests steps that do split."""
+    import re
+
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(
+            compose_cfg(["experiment=cpu_tiny", "batch.tokens_per_step=1000"]),
+            world_size=1,
+            cuda_available=False,
+        )
+    msg = str(e.value)
+    assert "batch.micro_tokens=2048" in msg and "micro_batch_size" not in msg, msg
+    for t in map(int, re.search(r"use batch.tokens_per_step=([\d or]+)", msg).group(1).split(" or ")):
+        plan = resolve_plan(
+            compose_cfg(["experiment=cpu_tiny", f"batch.tokens_per_step={t}"]),
+            world_size=1,
+            cuda_available=False,
+        )
+        assert plan.micro_batch_size * 128 * plan.grad_accum == t
+
+
 def test_plan_notes_say_what_a_key_does_not_do():
     """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
     micro_batch_size, GPU profiling and CUDA graphs on the CPU."""

@@ -288,6 +288,21 @@ class BatchConfig:
                 smaller = f"batch.micro_tokens={fits[0] * seq_len}"
             else:
                 smaller = f"batch.micro_batch_size={fits[0]}"
+            if b.micro_batch_size is None:  # token budget: the micro-batch follows tokens_per_step
+
+                def splits(t: int) -> bool:
+                    m = max(1, min(b.micro_tokens, max(1, t // world_size)) // seq_len)
+                    return t % (m * per_seq) == 0
+
+                near = [t for t in _multiples_around(tokens_per_step, per_seq) if splits(t)][:2]
+                capped = " (capped at one rank's share of the step)" if b.micro_tokens > budget else ""
+                raise ConfigError(
+                    f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
+                    f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
+                    f"sequences of seq_len={seq_len} per micro-batch x world_size({world_size}) = "
+                    f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near)))}"
+                    + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
+                )
             raise ConfigError(
                 f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
                 f"micro_batch_size({micro_batch_size}) "
@@ -295,6 +310,13 @@ class BatchConfig:
                 f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
             )
         return micro_batch_size, tokens_per_step // per_micro, notes
+
+
+def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
+    """Positive multiples of ``unit``, nearest to ``n`` first (ties: the smaller first)."""
+    lo = (n // unit) * unit
+    cands = {lo - k * unit for k in range(count)} | {lo + (k + 1) * unit for k in range(count)}
+    return sorted((c for c in cands if c > 0), key=lambda c: (abs(c - n), c))
 
 
 def _multiples_near(n: int, unit: int) -> str:
