@@ -101,7 +101,8 @@ window_ablation)  # issue 16: sliding window w = none / 256 / 1024 at seq_len 40
     checkpoint.interval=0 checkpoint.at_end=false wandb.group=window_ablation_n4096 "${common[@]}" \
     hydra.sweep.dir="$OUT/window_ablation"
   python -m bench.compare "$OUT"/window_ablation/0_* "$OUT"/window_ablation/1_* "$OUT"/window_ablation/2_* \
-    --window 20 --out "$OUT/window_ablation.png" --json "$OUT/window_ablation.json" ;;
+    --window 20 --out "$OUT/window_ablation.png" --json "$OUT/window_ablation.json"
+  python -m bench.report "$OUT/window_ablation" --out "$OUT/window_ablation" ;;  # val loss, tokens/sec per run
 multigpu)  # needs 2 GPUs (NGPU=2 by default): 1 GPU vs torchrun ddp vs torchrun fsdp, flash and sdpa at seq_len 8192,
   # the same global batch (65,536 tokens = 8 sequences; micro-batch 4 sequences everywhere: 1 GPU accumulates 2,
   # each of 2 ranks 1), so the data are the same windows and the losses comparable. Then loss curves
