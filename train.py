@@ -3,7 +3,7 @@
     python train.py                                         # GPT-2 124M, sdpa, seq_len 1024
     python train.py experiment=cpu_tiny attention=naive     # tiny model on the CPU
     python train.py attention=sdpa seq_len=8192             # block size follows seq_len
-    python train.py <run's overrides> resume=true out_dir=runs/<run>   # continue from the newest checkpoint
+    python train.py resume=true out_dir=runs/<run>          # continue it with its saved config
     python train.py -m experiment=context_sweep attention=naive,sdpa,flash seq_len=1024,2048,4096,8192,16384
     torchrun --nproc_per_node=N train.py ...                # DDP (NCCL on GPU, gloo on CPU)
     torchrun --nproc_per_node=N train.py model=gpt2-xl parallel=fsdp   # FSDP2, DCP checkpoints

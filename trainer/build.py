@@ -350,6 +350,8 @@ class Setup:
             )
         if cfg.resume:
             self.say(f"resumed from {self.resume_path} at step {self.step}")
+            for line in getattr(self, "resume_intro", ()):
+                self.say(line)
             for note in self.resume_notes:
                 self.say(note)
             replay = self._replay_record()

@@ -99,6 +99,7 @@ class Trainer(Setup, Endings):
         self.gpu_busy = GpuBusy(
             int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps), enabled=plan.device_type == "cuda"
         )
+        self.resume_intro: list[str] = []  # resume: where its config came from (said at start-up)
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
         self.fsdp = False  # parallel=fsdp with several ranks (set by _build_model)
         self._dcp = plan.parallel == "fsdp"  # checkpoints are DCP directories (also at world size 1)
@@ -451,10 +452,10 @@ class Trainer(Setup, Endings):
 
 def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     """Validate, set up and train one run; never raises for user errors (returns their Outcome)."""
-    if cfg.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     is_main = int(os.environ.get("RANK", "0")) == 0
+    # the run to resume: rank 0's out_dir; the other ranks' Hydra dir is a throwaway, the given key is not
+    run_dir = Path(out_dir) if is_main else Path(str(cfg.out_dir))
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
@@ -476,7 +477,15 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         return report_config_error(ConfigError(problem), out_dir, cfg, is_main, multirun)
     if lock is None:
         lock = rundir.claim_run_dir(out_dir, is_main=False)
+    intro: list[str] = []  # resume: lines for the start-up report (where its config came from)
     try:
+        if cfg.resume:
+            # the run's own config before anything is checked or prepared (not the defaults' data)
+            cfg, set_here = rundir.resume_config(cfg, run_dir, overrides)
+            if set_here is not None:
+                given = ", ".join(set_here) or "nothing"
+                saved = run_dir / rundir.RESOLVED_CONFIG
+                intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
@@ -485,12 +494,15 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         lock.release()
         return report_config_error(e, out_dir, cfg, is_main, multirun)
     cfg = C.typed(cfg)  # checked: from here on the run reads a TrainConfig, not Hydra's DictConfig
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     dist = init_distributed(plan.device_type)
     try:
         if dist.enabled:
             out_dir = Path(broadcast_obj(str(out_dir)))
             cfg.out_dir = str(out_dir)
         trainer = Trainer(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
+        trainer.resume_intro = intro
         try:
             trainer.setup()
         except ConfigError as e:

@@ -1,0 +1,119 @@
+"""Resume from the run's own config, and runs killed before their ending (real train.py processes on the
+CPU, real files, the offline W&B run read back).
+
+1. ``resume=true out_dir=RUN`` alone continues RUN with its saved config: it prepares no default data
+   (offline: a download would fail) and trains with the run's data source.
+2. A SIGKILLed run's summary.json says "running" forever; the readers (bench.report, bench.compare) report
+   it as killed / unfinished with its last step, and resume rewrites the status first.
+3. bench.compare never says "ok" for an unfinished run, tolerances or not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers_train import (
+    REPO,
+    describe,
+    read_jsonl,
+    run_train,
+    summary,
+    train_command,
+    train_env,
+    train_losses,
+)
+
+from trainer.wandb_read import read_offline_run
+
+pytestmark = pytest.mark.slow
+
+KILL_AFTER = 5  # the killed run is killed once it has logged this step (checkpoints every 4)
+
+
+def _offline_env() -> dict:
+    """train.py's environment with the network cut off: any download fails at once."""
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+    return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    proc = run_train(tiny(out, max_steps=8, checkpoint__interval=4, wandb__mode="offline"))
+    assert proc.returncode == 0, describe(proc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory, tiny) -> Path:
+    """A 16-step run SIGKILLed after it logged step KILL_AFTER: no ending, summary.json says "running"."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    cmd, env = train_command(
+        tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__step_sleep_s=0.3)
+    )
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").is_file() and any(
+                r.get("step", 0) >= KILL_AFTER and "train/loss" in r for r in read_jsonl(out)
+            ):
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, "the run ended before it was killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert summary(out)["status"] == "running"
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / run.name
+    shutil.copytree(run, dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------------------ 1. resume config
+
+
+def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespeare_path):
+    """``resume=true out_dir=RUN max_steps=8``, launched from an empty folder with the network cut off:
+    the run's saved config (char data, tiny model) is used; the default data (GPT-2 BPE Tiny Shakespeare,
+    downloaded into data/shakespeare) is never prepared."""
+    out = tmp_path / "run"
+    first = run_train(tiny(out, max_steps=4, checkpoint__interval=4, wandb__mode="offline"))
+    assert first.returncode == 0, describe(first)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cmd, env = train_command(["resume=true", f"out_dir={out}", "max_steps=8"], env=_offline_env())
+    again = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, describe(again)
+    assert list(elsewhere.iterdir()) == []  # no data/, runs/ or anything else prepared here
+    assert f"resume: config from {out}/config.resolved.yaml; set on this command line: max_steps" in (
+        again.stdout
+    )
+    s = summary(out)
+    assert s["status"] == "ok" and s["steps"] == 8, s
+    assert sorted(train_losses(out)) == list(range(1, 9))
+    wb = read_offline_run(out)
+    assert wb["config"]["data"]["source"] == str(shakespeare_path)
+    assert wb["config"]["model"]["name"] == "tiny" and wb["config"]["max_steps"] == 8
+    assert wb["summary"]["status"] == "ok"
+
+
+def test_override_keys_of_group_choices():
+    """What a resume command line sets over the saved config: keys, group subtrees, and the keys of
+    ``_global_`` options (trainer=cpu, experiment=cpu_tiny with the groups its defaults pick)."""
+    from trainer.rundir import override_keys
+
+    keys = override_keys(["max_steps=8", "attention=naive", "logger=disabled", "hydra.run.dir=x"])
+    assert {"max_steps", "attention", "wandb"} <= keys and not any(k.startswith("hydra") for k in keys)
+    exp = override_keys(["experiment=cpu_tiny"])
+    assert {"model", "data", "seq_len", "optim.lr", "compile", "batch.tokens_per_step"} <= exp
+    assert "optim" not in exp and "wandb" not in exp  # only the keys it sets: the rest stays saved
