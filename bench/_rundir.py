@@ -94,6 +94,20 @@ def read_summary(run_dir: str | Path) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
+def run_status(run_dir: str | Path, summary: dict | None = None) -> tuple[str | None, str | None]:
+    """``(status, note)``: summary.json's status as it really is (``trainer.rundir.true_status``): a
+    "running" summary whose process is gone (no live process holds the run directory's lock) is
+    ``"killed"``, with the note "killed / unfinished (last step S): ..."; note None otherwise."""
+    from trainer.rundir import true_status
+
+    run_dir = Path(run_dir)
+    return true_status(run_dir, read_summary(run_dir) if summary is None else summary)
+
+
+#: statuses of a run that did not reach its end and still holds no ending: killed, or still training
+UNFINISHED_STATUSES = ("killed", "running")
+
+
 def read_config(run_dir: str | Path) -> dict:
     """The run's config as a plain dict: `run_dir/config.resolved.yaml` (written by the trainer when the run
     starts, so a later refused command cannot change it), else Hydra's `.hydra/config.yaml` with

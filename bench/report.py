@@ -91,6 +91,9 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     summary = _rundir.read_summary(run_dir)
     rows = _rundir.read_metrics(run_dir)
     status = str(summary.get("status", "no summary" if not summary else "unknown"))
+    true, killed_note = _rundir.run_status(run_dir, summary)  # a dead "running" run is "killed"
+    if killed_note is not None:
+        status = str(true)
 
     sources: dict[str, str] = {}
 
@@ -126,7 +129,7 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
         if peaks:
             sources["peak_gib"] = "metrics.jsonl max"
     steps = summary.get("steps")
-    if steps is None and rows:
+    if (steps is None or killed_note is not None) and rows:  # a killed run's summary has its start step
         steps = max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=None)
     rel = run_dir.relative_to(sweep_dir) if run_dir != sweep_dir else Path(".")
     return {
@@ -141,7 +144,7 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
         "final_val_loss": last("final_val_loss", "val/loss", "final/val_loss"),
         "steps": steps,
         "sources": sources,
-        "error": error_text(summary, status),
+        "error": killed_note or error_text(summary, status),
         "wandb_group": _rundir.cfg_get(cfg, "wandb.group"),
         "wandb_project": _rundir.cfg_get(cfg, "wandb.project"),
         "wandb_entity": _rundir.cfg_get(cfg, "wandb.entity"),

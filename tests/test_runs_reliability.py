@@ -322,7 +322,7 @@ def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
         "between": "no checkpoint was saved after step 8",
         "corrupt": "step_00000008.pt do not load",
         "deleted": "step_00000008.pt is missing (deleted)",
-        "killed": "(status running) between",
+        "killed": "(status killed) between",
     }[how]
     assert f"replaying steps {k + 1}-{last}: the newest loadable checkpoint is step {k}" in resumed.stdout
     assert why in resumed.stdout and f"metrics.abandoned.{k + 1}-{last}.jsonl" in resumed.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -117,3 +118,44 @@ def test_override_keys_of_group_choices():
     exp = override_keys(["experiment=cpu_tiny"])
     assert {"model", "data", "seq_len", "optim.lr", "compile", "batch.tokens_per_step"} <= exp
     assert "optim" not in exp and "wandb" not in exp  # only the keys it sets: the rest stays saved
+
+
+# ------------------------------------------------------------------------------------------ 2. killed runs
+
+
+def test_readers_report_a_killed_run_as_unfinished(killed_run, tmp_path):
+    from bench import report
+
+    run = _copy(killed_run, tmp_path)
+    last = max(train_losses(run))
+    assert last >= KILL_AFTER
+    row = report.summarize_run(run, tmp_path)
+    assert row["status"] == "killed" and row["steps"] >= last, row
+    assert f"killed / unfinished (last step {last})" in row["error"]
+    assert f"resume=true out_dir={run}" in row["error"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.report", str(tmp_path), "--out", str(tmp_path / "report")],
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert "| killed |" in proc.stdout and f"killed / unfinished (last step {last})" in proc.stdout
+
+
+# ------------------------------------------------------------------------------- 2. resume a killed run
+
+
+def test_resume_rewrites_a_killed_runs_status(killed_run, tiny):
+    """Last in this file: it finishes the shared killed run (the tests above read copies of it)."""
+    last = max(train_losses(killed_run))
+    resumed = run_train(tiny(killed_run, resume=True, checkpoint__interval=4, wandb__mode="offline"))
+    assert resumed.returncode == 0, describe(resumed)
+    out = resumed.stdout
+    assert f"the previous process of this run was killed / unfinished (last step {last})" in out
+    assert "(status killed) between checkpoints" in out  # the replay's reason reads the rewritten status
+    s = summary(killed_run)
+    assert s["status"] == "ok" and s["steps"] == 16, s
+    assert read_offline_run(killed_run)["summary"]["status"] == "ok"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import socket
 from pathlib import Path
 
 import torch
@@ -321,6 +323,9 @@ class Setup:
                 "max_steps": int(cfg.max_steps),
                 "wandb_run_id": self.log.wandb_id,
                 "out_dir": str(self.out_dir),
+                # who runs it: readers tell a dead "running" run by its lock, else by these
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
                 **self._derived(),
             }
         )
@@ -405,10 +410,16 @@ class Setup:
         )
 
     def _resume_checks(self, state: dict) -> None:
-        """resume=true, before anything is written: refuse a run that already reached max_steps
-        (RunFinished: nothing changes), note a changed max_steps (it changes the LR schedule), and set
-        apart the records of the logged steps after the checkpoint, which this resume replays."""
+        """resume=true, once a checkpoint loads: a summary left "running" by a killed process is rewritten
+        to "killed" (``rundir.mark_killed_on_resume``; a refused resume leaves the run as it was). Then,
+        before anything else is written: refuse a run that already reached max_steps (RunFinished:
+        nothing else changes), note a changed max_steps (it changes the LR schedule), and set apart the
+        records of the logged steps after the checkpoint, which this resume replays."""
         cfg, k, max_steps = self.cfg, int(state["step"]), int(self.cfg.max_steps)
+        if self.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
+            killed = rundir.mark_killed_on_resume(self.out_dir)
+            if killed:
+                self.say(killed)
         summary = rundir.read_summary(self.out_dir) if self.dist.is_main else {}
         done = k
         if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):

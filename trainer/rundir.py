@@ -17,6 +17,8 @@
   created its directory takes back what it created there (a user's existing folder keeps what it held).
 * ``resume_config``: resume=true starts from the run's saved ``config.resolved.yaml`` (only the keys of
   the resume command line on top), before any check or data preparation.
+* ``true_status`` / ``mark_killed_on_resume``: a summary left "running" by a process that died without
+  its ending is reported as killed / unfinished (no live process holds the lock), and rewritten on resume.
 """
 
 from __future__ import annotations
@@ -523,3 +525,102 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         ) from e
     assert isinstance(merged, DictConfig)
     return merged, sorted(keys - set(_NOT_RESUMED))
+
+
+# ------------------------------------------------------------------------------------------ unfinished runs
+#: the status readers report for a summary that says "running" while no process runs it any more
+KILLED = "killed"
+
+
+def last_trained_step(run_dir: Path) -> int | None:
+    """The highest step with a ``train/loss`` in ``<run_dir>/metrics.jsonl`` (None when there is none);
+    unparsable lines (a killed run's truncated last line) are skipped."""
+    p = Path(run_dir) / "metrics.jsonl"
+    best = None
+    try:
+        lines = p.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "train/loss" in row and isinstance(row.get("step"), int):
+            best = row["step"] if best is None else max(best, row["step"])
+    return best
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def is_stale_running(run_dir: Path, summary: dict) -> bool:
+    """Whether ``summary`` says "running" for a run whose process is gone (SIGKILL, the OOM killer, a
+    crash or power loss that skipped the normal ending, which writes the final status).
+
+    The test is the run directory's lock (``claim_run_dir``): the process that runs a run holds an
+    ``flock`` on ``<run_dir>/.flashgpt.lock`` from start to end and the kernel drops it when that process
+    dies, however it dies, so "running" with nobody holding the lock is stale. Nothing needs to be
+    written while the run goes on (no heartbeat to tune), and a slow step is never taken for a death.
+    A directory without a lock file (older trainers) falls back to the ``pid`` and ``host`` the summary
+    records: stale when that pid is not alive on this host; unknown (False) from another host.
+    """
+    if summary.get("status") != "running":
+        return False
+    run_dir = Path(run_dir)
+    if (run_dir / LOCK_NAME).is_file():
+        return held_by_live_process(run_dir) is None
+    pid, host = summary.get("pid"), summary.get("host")
+    if isinstance(pid, int) and host == socket.gethostname():
+        return not _pid_alive(pid)
+    return False
+
+
+def unfinished_text(last_step: int | None) -> str:
+    """How readers describe a killed run: ``killed / unfinished (last step S)``."""
+    return f"killed / unfinished (last step {last_step if last_step is not None else 'none'})"
+
+
+def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
+    """``(status, note)`` of a run as readers should report it: summary.json's status, except that a stale
+    "running" (``is_stale_running``) is ``KILLED`` with the note "killed / unfinished (last step S): ...",
+    S from metrics.jsonl. The note is None when the summary's status stands."""
+    status = summary.get("status")
+    if not is_stale_running(run_dir, summary):
+        return status, None
+    note = (
+        f"{unfinished_text(last_trained_step(run_dir))}: summary.json still said 'running' but no process "
+        "holds the run directory any more (killed, or crashed past the normal ending); resume it with "
+        f"python train.py resume=true out_dir={run_dir}"
+    )
+    return KILLED, note
+
+
+def mark_killed_on_resume(run_dir: Path) -> str | None:
+    """On resume, under this process's lock of ``run_dir``: a summary still saying "running" belongs to a
+    run that died without its ending (the lock proves no other process runs it), so rewrite it to
+    ``KILLED`` with the last trained step, before anything else reads it. Returns the note, else None."""
+    summary = read_summary(run_dir)
+    if summary.get("status") != "running":
+        return None
+    from trainer.metrics import write_json_atomic
+
+    last = last_trained_step(run_dir)
+    note = f"the previous process of this run was {unfinished_text(last)}; it is resumed now"
+    write_json_atomic(
+        Path(run_dir) / "summary.json",
+        {
+            **summary,
+            "status": KILLED,
+            "steps": last if last is not None else summary.get("steps"),
+            "error": f"{unfinished_text(last)}: no ending was recorded (killed, or a crash past it)",
+        },
+    )
+    return note
