@@ -24,9 +24,14 @@ differs from the reference's (seq_len, max_steps, the LR schedule, batch, seed, 
 curves of different setups differ for reasons other than the attention kernel. The JSON holds them as
 ``config_differences``.
 
+A run that is unfinished (its summary.json says "running": still training, or killed, e.g. by SIGKILL,
+before it could record an ending; ``bench._rundir.run_status`` tells them apart) is never "ok": its
+comparison shows "not checked" and is listed under NOT CHECKED with its last step, with or without
+tolerances, since its curve is cut off wherever it stopped.
+
 Exit status: 0 all within tolerance (or no tolerance given), 1 a tolerance exceeded or could not be
-checked (no aligned steps, non-finite loss; each printed), 2 bad input (missing run directory or
-metrics.jsonl, no train/loss, fewer than two runs).
+checked (no aligned steps, non-finite loss, an unfinished run; each printed), 2 bad input (missing run
+directory or metrics.jsonl, no train/loss, fewer than two runs).
 """
 
 from __future__ import annotations
@@ -242,7 +247,7 @@ def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
                 _f(r["window_max_abs_diff"]),
                 val_step,
                 _f(r["final_val_abs_diff"]),
-                "FAIL" if r.get("failures") else "ok",
+                "FAIL" if r.get("failures") else "not checked" if r.get("not_checked") else "ok",
             ]
         )
     widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
@@ -370,13 +375,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "differ for more than the attention backend",
                 file=sys.stderr,
             )
-    statuses = {r.label: _rundir.read_summary(r.path).get("status", "ok") for r in runs}
+    statuses, unfinished = {}, {}
+    for r in runs:
+        status, note = _rundir.run_status(r.path)
+        statuses[r.label] = status or "ok"  # no summary (a bare metrics.jsonl): nothing says otherwise
+        if statuses[r.label] in _rundir.UNFINISHED_STATUSES:
+            unfinished[r.label] = note or "still running (a live process holds its run directory)"
     for label, status in statuses.items():
-        if status != "ok":  # a diverged, OOM or interrupted run: its curve stops early
+        if status != "ok" and label not in unfinished:  # a diverged, OOM or interrupted run: stops early
             print(
                 f"warning: {label} ended with status {status!r}; only its logged steps are compared",
                 file=sys.stderr,
             )
+    not_checked = []
     for run in others:
         res = compare_pair(ref, run, args.window)
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
@@ -385,9 +396,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             res["failures"] += [
                 f"{lab}: status {statuses[lab]!r} (not a complete run)"
                 for lab in (ref.label, run.label)
-                if statuses[lab] != "ok"
+                if statuses[lab] != "ok" and lab not in unfinished
             ]
+        # with or without tolerances: a curve that is still growing (or was cut off) cannot pass
+        res["not_checked"] = [
+            f"{lab}: {unfinished[lab]}; the run is unfinished, so its comparison is not meaningful"
+            for lab in dict.fromkeys((ref.label, run.label))
+            if lab in unfinished
+        ]
         failures += res["failures"]
+        not_checked += [m for m in res["not_checked"] if m not in not_checked]
         results.append(res)
     print(text_table(ref, results, args.window))
     png = plot(ref, others, Path(args.out) if args.out else ref.path / "compare.png", args.window)
@@ -403,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "tolerance": args.tolerance,
                         "val_tolerance": args.val_tolerance,
                         "results": results,
-                        "passed": not failures,
+                        "passed": not failures and not not_checked,
                     }
                 ),
                 indent=1,
@@ -413,6 +431,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.json}")
     if failures:
         print("\nFAILED:\n  " + "\n  ".join(failures))
+    if not_checked:
+        print("\nNOT CHECKED (unfinished runs):\n  " + "\n  ".join(not_checked))
+    if failures or not_checked:
         return 1
     if args.tolerance is not None or args.val_tolerance is not None:
         print("\nall within tolerance")

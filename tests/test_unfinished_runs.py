@@ -145,6 +145,28 @@ def test_readers_report_a_killed_run_as_unfinished(killed_run, tmp_path):
     assert "| killed |" in proc.stdout and f"killed / unfinished (last step {last})" in proc.stdout
 
 
+# ------------------------------------------------------------------------------------------ 3. compare
+
+
+def test_compare_does_not_pass_an_unfinished_run(finished_run, killed_run, tmp_path, capsys):
+    from bench import compare
+
+    run = _copy(killed_run, tmp_path)
+    last = max(train_losses(run))
+    for tolerances in ([], ["--tolerance", "10"]):
+        code = compare.main([str(finished_run), str(run), "--out", str(tmp_path / "c.png"), *tolerances])
+        text = capsys.readouterr().out
+        assert code == 1, text
+        table_row = [line for line in text.splitlines() if line.startswith("1 ")][0]
+        assert table_row.rstrip().endswith("not checked") and " ok" not in table_row, text
+        assert "NOT CHECKED (unfinished runs)" in text and "all within tolerance" not in text
+        assert f"killed / unfinished (last step {last})" in text
+        assert "the run is unfinished, so its comparison is not meaningful" in text
+    # two finished runs still pass
+    code = compare.main([str(finished_run), str(finished_run), "--out", str(tmp_path / "d.png")])
+    assert code == 0 and "not checked" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------- 2. resume a killed run
 
 
