@@ -111,7 +111,7 @@ def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespe
 def test_override_keys_of_group_choices():
     """What a resume command line sets over the saved config: keys, group subtrees, and the keys of
     ``_global_`` options (trainer=cpu, experiment=cpu_tiny with the groups its defaults pick)."""
-    from trainer.rundir import override_keys
+    from trainer.resume_config import override_keys
 
     keys = override_keys(["max_steps=8", "attention=naive", "logger=disabled", "hydra.run.dir=x"])
     assert {"max_steps", "attention", "wandb"} <= keys and not any(k.startswith("hydra") for k in keys)

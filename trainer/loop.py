@@ -37,7 +37,7 @@ from omegaconf import open_dict
 
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import rundir
+from trainer import resume_config, rundir
 from trainer.build import Setup, gpt_config_for
 from trainer.checks import ConfigError, Plan, check_data_source, resolve_plan
 from trainer.dist import (
@@ -481,10 +481,10 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     try:
         if cfg.resume:
             # the run's own config before anything is checked or prepared (not the defaults' data)
-            cfg, set_here = rundir.resume_config(cfg, run_dir, overrides)
+            cfg, set_here = resume_config.resume_config(cfg, run_dir, overrides)
             if set_here is not None:
                 given = ", ".join(set_here) or "nothing"
-                saved = run_dir / rundir.RESOLVED_CONFIG
+                saved = run_dir / resume_config.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)

@@ -1,0 +1,116 @@
+"""The config of ``resume=true``: a run continues with its own saved config, not the defaults.
+
+``resume_config(cfg, run_dir, overrides)`` loads ``<run_dir>/config.resolved.yaml`` (written at every start
+of the run by trainer/build.py) and puts on top only the keys the resume command line set
+(``override_keys``), before any check or data preparation, so ``python train.py resume=true out_dir=RUN``
+prepares no data of its own and rebuilds the same model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.fields import ConfigError
+
+#: the record of a run's resolved config, rewritten by every start of the run (trainer/build.py)
+RESOLVED_CONFIG = "config.resolved.yaml"
+#: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
+_NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def override_keys(overrides: list[str]) -> set[str]:
+    """Dotted keys the command line set: ``a.b=v`` sets ``a.b``; a group choice ``G=NAME`` sets what
+    configs/G/NAME.yaml sets (``_group_keys``: the ``G`` subtree, or for a ``# @package _global_`` file
+    such as ``trainer=cpu`` or ``experiment=cpu_tiny`` its keys and the groups its defaults list picks).
+    ``hydra.*`` overrides are left out (they are no run keys)."""
+    keys: set[str] = set()
+    for o in overrides:
+        key, sep, value = o.lstrip("+~").partition("=")
+        key = key.strip()
+        if not key or key.startswith("hydra"):
+            continue
+        keys.add(key)
+        if sep and "." not in key:
+            keys |= _group_keys(key, value.strip())
+    return keys
+
+
+def _group_keys(group: str, name: str, depth: int = 0) -> set[str]:
+    """The keys that option ``name`` of config group ``group`` sets: ``{group}`` (or its ``# @package``)
+    for a packaged option or one from the ConfigStore (the model presets); for a ``_global_`` file its
+    leaves and, recursively, the groups its defaults list overrides."""
+    import yaml
+
+    path = CONFIGS_DIR / group / f"{name}.yaml"
+    try:
+        text = path.read_text()
+        spec = yaml.safe_load(text) or {}
+    except (OSError, yaml.YAMLError):
+        return {group}  # not a file of configs/ (a ConfigStore option, a plain key): the subtree at most
+    header = next((ln for ln in text.splitlines() if ln.startswith("# @package")), "")
+    package = header.split()[-1] if header else group
+    if package != "_global_":
+        return {package}
+    keys: set[str] = set()
+    for entry in (spec.pop("defaults", None) or []) if isinstance(spec, dict) else []:
+        if isinstance(entry, dict) and depth < 4:
+            for k, v in entry.items():
+                keys |= _group_keys(str(k).split()[-1].lstrip("/"), str(v), depth + 1)
+
+    def leaves(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                leaves(v, f"{prefix}{k}.")
+            else:
+                keys.add(f"{prefix}{k}")
+
+    leaves(spec if isinstance(spec, dict) else {}, "")
+    return keys
+
+
+def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
+    """``saved`` without the keys the command line set (``keys``, or a key under one of them) and without
+    keys this config schema no longer has (a run saved by an older trainer)."""
+    out = {}
+    for k, v in saved.items():
+        key = f"{prefix}{k}"
+        if key in keys or any(key.startswith(p + ".") for p in keys) or k not in composed:
+            continue
+        if isinstance(v, dict) and hasattr(composed[k], "keys"):
+            out[k] = _drop(v, composed[k], keys, key + ".")
+        else:
+            out[k] = v
+    return out
+
+
+def resume_config(cfg, run_dir: Path, overrides: list[str]):
+    """The config of ``resume=true``: the run's own resolved config (``<run_dir>/config.resolved.yaml``),
+    with only what this command line set on top. So ``python train.py resume=true out_dir=RUN`` continues
+    the run with its data source, data dir, model and schedule, and prepares no data of its own (the
+    defaults, e.g. a Tiny Shakespeare download, never come into play). Returns ``(cfg, keys)``: the merged
+    DictConfig and the sorted keys the command line set over the saved ones; ``(cfg, None)`` unchanged
+    for a new run or a run directory without a saved config (it never got through set-up).
+
+    Raises:
+        ConfigError when config.resolved.yaml cannot be read or no longer fits the schema.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    path = Path(run_dir) / RESOLVED_CONFIG
+    if not cfg.resume or not path.is_file():
+        return cfg, None
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        if not isinstance(saved, dict):
+            raise ValueError("not a mapping")
+        keys = override_keys(overrides) | set(_NOT_RESUMED)
+        merged = OmegaConf.merge(cfg, _drop(saved, cfg, keys))
+    except Exception as e:  # noqa: BLE001 - YAML and OmegaConf's validation errors alike
+        raise ConfigError(
+            f"resume=true: the run's saved config {path} does not load ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); repeat the run's original "
+            "overrides on the command line, or fix or delete that file"
+        ) from e
+    assert isinstance(merged, DictConfig)
+    return merged, sorted(keys - set(_NOT_RESUMED))
