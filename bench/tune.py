@@ -23,8 +23,7 @@ tensor-descriptor (TMA) loads per kernel (`TileConfig.tma`), the same tiles with
 Interleaved A/B (`--plans`): every plan in turn for --rounds rounds (A B C A B C ...), so clock and thermal
 drift hit every plan alike, which separate runs do not (NOTES v5); prints per (N, plan) the median forward
 and backward TFLOP/s over the rounds and their range. A plan is 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG'
-or several joined by '+' ('fwd=gluon', 'bwd=gluon': the experimental warp-specialised Gluon forward /
-backward, sm_90), or 'provider:NAME' to time another provider of `bench.attention` (e.g.
+or several joined by '+', or 'provider:NAME' to time another provider of `bench.attention` (e.g.
 provider:flex, provider:sdpa-cudnn) as a yardstick in the same rounds:
 
     python -m bench.tune --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3 provider:flex
@@ -84,9 +83,7 @@ def parse_configs(text: str) -> list:
 def parse_plan(text: str) -> dict:
     """A/B plan text -> overrides for `kernels.override_tile_config`: 'default' -> {},
     'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig},
-    'provider:flex' -> {'provider': 'flex'}, 'fwd=gluon' / 'bwd=gluon' -> {'gluon_fwd': True} /
-    {'gluon_bwd': True} (kernels/_gluon_fwd.py; _gluon_bwd.py: dQ and dK/dV). Raises SystemExit naming
-    the bad part and the valid forms."""
+    'provider:flex' -> {'provider': 'flex'}. Raises SystemExit naming the bad part and the valid forms."""
     if text == "default":
         return {}
     if text.startswith("provider:"):
@@ -100,9 +97,6 @@ def parse_plan(text: str) -> dict:
     plan = {}
     for part in text.split("+"):
         key, _, cfg = part.partition("=")
-        if part in ("fwd=gluon", "bwd=gluon"):  # the experimental warp-specialised Gluon kernels (sm_90)
-            plan["gluon_fwd" if key == "fwd" else "gluon_bwd"] = True
-            continue
         if key not in PLAN_KEYS or not cfg:
             raise SystemExit(
                 f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
