@@ -228,50 +228,6 @@ def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | No
     return regs, st, ld, out.stderr
 
 
-def compile_gluon_kernel(kernel: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
-    """Compile an experimental warp-specialised Gluon kernel, "fwd" (kernels/_gluon_fwd.py), "dkdv" or "dq"
-    (kernels/_gluon_bwd.py), for sm_90 without a GPU, with its CONFIGS tile; `registers` is the
-    kernel-wide budget (the consumer warps raise theirs with setmaxnreg), `wgmma_serialized` flags ptxas
-    warnings C7514/C7515 (wgmma made synchronous). Raises ValueError for another kernel, KeyError for a
-    head dim outside CONFIGS, triton.CompilationError when it does not compile."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    if kernel == "fwd":
-        from ._gluon_fwd import CONFIGS
-        from ._gluon_fwd import _fwd_ws_kernel as fn
-
-        block, stages, warps = CONFIGS[head_dim]
-        values = dict(BLOCK_M=block, BLOCK_N=block, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
-        cfg = TileConfig(block, block, warps, stages)
-    elif kernel in ("dkdv", "dq"):
-        from . import _gluon_bwd
-
-        fn = _gluon_bwd._bwd_dkdv_ws_kernel if kernel == "dkdv" else _gluon_bwd._bwd_dq_ws_kernel
-        configs = _gluon_bwd.CONFIGS if kernel == "dkdv" else _gluon_bwd.DQ_CONFIGS
-        block_m, block_n, stages, warps = configs[head_dim]
-        values = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_D=head_dim, STAGES=stages, num_warps=warps)
-        cfg = TileConfig(block_m, block_n, warps, stages)
-    else:
-        raise ValueError(f"unknown Gluon kernel {kernel!r}; expected 'fwd', 'dkdv' or 'dq'")
-    signature, constants = {}, {}
-    for name in fn.arg_names:
-        if name in values:
-            signature[name], constants[name] = "constexpr", values[name]
-        elif name in _TENSORS:
-            signature[name] = "*" + _TL_NAME[dtype]
-        elif name in _F32_TENSORS:
-            signature[name] = "*fp32"
-        elif name in ("qk_scale", "softmax_scale", "scale_log2"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    src = GluonASTSource(fn, signature, constants)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
-    return _compile_info(f"gluon_{kernel}", dtype, head_dim, cfg, compiled, 90)
-
-
 def compile_decode_kernel(
     kernel: str,
     dtype: torch.dtype,

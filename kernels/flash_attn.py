@@ -32,7 +32,6 @@ import math
 
 import torch
 
-from . import _gluon_route as gluon_route
 from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users and tests import them
     _HAS_TRITON,
     MAX_HEAD_DIM,
@@ -180,10 +179,6 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
-    variants = window > 0 or q_doc is not None or dropout_p > 0.0
-    if (not interp and causal and Nq == Nk and not variants
-            and gluon_route.forward(q, k, v, o, lse, softmax_scale, traced)):
-        return o, lse  # the experimental Gluon forward ran (opt-in; kernels/_gluon_route.py)
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
     block_d = block_d_for(d)
     grid = (_cdiv(Nq, cfg.block_m), Hq, B)
@@ -299,10 +294,6 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     if (tma1 is not None or tma2 is not None) and q.is_cuda:
         ensure_scratch_allocator()
     with _device_ctx(q):
-        variants = window > 0 or q_doc is not None or dropout_p > 0.0 or dlse is not None
-        if (not interp and causal and Nq == Nk and Hq == Hkv and not variants
-                and gluon_route.backward(q, k, v, do, o, lse, delta, dq, dk, dv, softmax_scale, traced)):
-            return dq, dk, dv  # the experimental Gluon dQ and dK/dV kernels ran (opt-in)
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(

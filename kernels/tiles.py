@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -66,13 +65,7 @@ _FLAG_OVERRIDE: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
-def override_tile_config(
-    *,
-    tma: bool | None = None,
-    gluon_fwd: bool | None = None,
-    gluon_bwd: bool | None = None,
-    **configs: TileConfig,
-) -> Iterator[None]:
+def override_tile_config(*, tma: bool | None = None, **configs: TileConfig) -> Iterator[None]:
     """Temporarily force tile configs, e.g. `with override_tile_config(fwd=TileConfig(32, 16, 4, 1)):`.
 
     Keys are kernel names (see KERNEL_NAMES); `tma=True/False` forces the tensor-descriptor
@@ -80,14 +73,11 @@ def override_tile_config(
     each kernel's `TileConfig.tma`). A kernel that then runs without TMA launches its config's `no_tma`
     tile if it has one, so at d = 128 `tma=False` also changes the dK/dV tile (64x64x4x2 -> 64x128x8x2):
     a comparison of TMA on / off there compares two tiles, not only the loads. Meant for tests and
-    tuning; not thread-safe. `gluon_fwd=True/False` / `gluon_bwd=True/False` force the experimental
-    warp-specialised Gluon forward (`kernels/_gluon_fwd.py`) / dK/dV kernel (`kernels/_gluon_bwd.py`) on / off
-    where they apply (None: `gluon_requested(...)`).
+    tuning; not thread-safe.
     Raises ValueError for an unknown kernel name or a block that is not a power of two >= 16.
     """
-    for flag, value in (("tma", tma), ("gluon_fwd", gluon_fwd), ("gluon_bwd", gluon_bwd)):
-        if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{flag} must be True, False or None, got {value!r}")
+    if tma is not None and not isinstance(tma, bool):
+        raise ValueError(f"tma must be True, False or None, got {tma!r}")
     for name, cfg in configs.items():
         if name not in KERNEL_NAMES:
             raise ValueError(f"unknown kernel {name!r}; expected one of {KERNEL_NAMES}")
@@ -98,10 +88,6 @@ def override_tile_config(
     _OVERRIDES.update(configs)
     if tma is not None:
         _FLAG_OVERRIDE["tma"] = tma
-    if gluon_fwd is not None:
-        _FLAG_OVERRIDE["gluon_fwd"] = gluon_fwd
-    if gluon_bwd is not None:
-        _FLAG_OVERRIDE["gluon_bwd"] = gluon_bwd
     try:
         yield
     finally:
@@ -221,13 +207,3 @@ def _capped(cfg: TileConfig, n_q: int, n_k: int) -> TileConfig:
 def tma_override() -> bool | None:
     """The `override_tile_config(tma=...)` in force (True/False), or None (use `TileConfig.tma`)."""
     return _FLAG_OVERRIDE.get("tma")
-
-
-def gluon_requested(kind: str) -> bool:
-    """Whether an experimental Gluon kernel is asked for, kind "fwd" or "bwd": `override_tile_config(
-    gluon_fwd=... / gluon_bwd=...)`, else the environment variable FLASHGPT_GLUON_FWD=1 / FLASHGPT_GLUON_BWD=1
-    (read per call, so a benchmark can switch it)."""
-    forced = _FLAG_OVERRIDE.get(f"gluon_{kind}")
-    if forced is not None:
-        return forced
-    return os.environ.get(f"FLASHGPT_GLUON_{kind.upper()}", "") == "1"

@@ -494,22 +494,6 @@ def test_gpu_kernels_compile_for_sm90():
     )
 
 
-def test_gluon_kernels_compile_for_sm90():
-    """The experimental warp-specialised Gluon forward, dK/dV and dQ kernels (no interpreter path: Gluon's
-    warp specialisation and async wgmma have none) lower for sm_90 at d = 64 and 128, bf16 and fp16: TMA
-    loads, wgmma that ptxas keeps asynchronous (no C7514/C7515), no spills, within shared memory. Their
-    numbers are checked on the GPU (tests/test_flash_gpu.py, `-k gluon`)."""
-    _compile_for_sm90(
-        "from kernels.compile_report import compile_gluon_kernel\n"
-        "for kernel, d, dt in [(k, d, t) for k in ('fwd', 'dkdv', 'dq') for d in (64, 128)\n"
-        "                      for t in (torch.bfloat16, torch.float16)]:\n"
-        "        info = compile_gluon_kernel(kernel, d, dt)\n"
-        "        print(info.line())\n"
-        "        assert info.uses_wgmma and info.uses_tma and not info.wgmma_serialized, info.line()\n"
-        "        assert info.spill_store_bytes == 0 and info.shared_bytes <= 227 * 1024, info.line()\n"
-    )
-
-
 def test_default_hopper_tiles_keep_wgmma_asynchronous():
     """Performance guard without a GPU: with the default bf16 tiles (d = 64, 128; sequence lengths
     multiples of the blocks or not) every kernel uses wgmma and ptxas does not serialise it (warning
@@ -869,30 +853,3 @@ def test_tma_rows_past_the_end_do_not_leak_non_finite_values(seed, monkeypatch, 
     for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), results[True], results[False], strict=True):
         assert torch.isfinite(a[keep]).all(), f"seed={seed} {layout}/{which}: non-finite {name} leaked in"
         assert torch.equal(a[keep], b[keep]), f"seed={seed} {layout}/{which}: {name} differs TMA vs pointers"
-
-
-def test_gluon_switches_route_only_where_they_apply(seed, monkeypatch):
-    """The experimental Gluon kernels are opt-in: `override_tile_config(gluon_fwd=..., gluon_bwd=...)` and
-    FLASHGPT_GLUON_FWD / _BWD switch `gluon_requested`, non-bool values are refused, and inputs they cannot
-    take (here CPU tensors under the interpreter) keep the Triton kernels: the bits of the switches off."""
-    from kernels import _gluon_route
-    from kernels.tiles import gluon_requested
-
-    monkeypatch.delenv("FLASHGPT_GLUON_FWD", raising=False)
-    monkeypatch.delenv("FLASHGPT_GLUON_BWD", raising=False)
-    assert not gluon_requested("fwd") and not gluon_requested("bwd")
-    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "1")
-    assert gluon_requested("bwd") and not gluon_requested("fwd")
-    with override_tile_config(gluon_fwd=True, gluon_bwd=False):
-        assert gluon_requested("fwd") and not gluon_requested("bwd")
-    assert gluon_requested("bwd") and not gluon_requested("fwd")  # restored
-    with pytest.raises(ValueError, match="gluon_fwd must be True, False or None"):
-        with override_tile_config(gluon_fwd=1):
-            pass
-    q, k, v, do = _qkv_layout(seed, "fused", 2, 4, 4, 64, 64, 64, F16)
-    assert not _gluon_route.applies(q, k, v)  # CPU tensors
-    with override_tile_config(gluon_fwd=False, gluon_bwd=False):
-        off = run_flash(q, k, v, do, True)
-    with override_tile_config(gluon_fwd=True, gluon_bwd=True):
-        on = run_flash(q, k, v, do, True)
-    assert_bitwise_equal(seed, on, off, "gluon switches on CPU inputs")
