@@ -235,26 +235,27 @@ def compile_decode_kernel(
     *,
     group: int = 4,
     n_q: int = 1,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     arch: int = 90,
 ):
     """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
-    sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it; returns the compiled kernel
-    (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError when it does not compile."""
+    sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it (block_n None: its GPU tile);
+    returns the compiled kernel (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError
+    when it does not compile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from ._decode_kernels import build_decode_kernels
-    from .flash_decode import _pow2
+    from .flash_decode import _gpu_block_n, _pow2
 
     fn = build_decode_kernels(False)[kernel]
     block_d = _pow2(head_dim)
     values = dict(
         BLOCK_M=_pow2(group * n_q),
-        BLOCK_N=block_n,
+        BLOCK_N=_gpu_block_n(head_dim, dtype) if block_n is None else block_n,
         BLOCK_D=block_d,
         BLOCK_S=8,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,

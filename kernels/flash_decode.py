@@ -39,7 +39,14 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
-    """Splits so that (splits x B x Hkv) programs cover the device about twice (untuned heuristic)."""
+    """Key splits per (sequence, KV head): enough that splits x ``programs`` (B x Hkv) programs give about
+    two per SM on a GPU (4 programs under the interpreter), at most one split per key tile and 128 in all.
+
+    Checked on the H200 (bf16, Hkv 8, group 8, one query row, d 64/128, L 8k-128k; the sweep behind
+    bench/results/decode_h200.md): the count chosen here (33 at batch 1, 3 at batch 16, before
+    ``_launch_decode`` rounds the split length to whole tiles) times at or within noise of the best split
+    count there, which was 16-33 at batch 1 and 3-16 at batch 16.
+    """
     n_blocks = _cdiv(n_max, block_n)
     if device.type == "cuda":
         target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
@@ -110,8 +117,26 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
 
 
-def _block_n(d: int) -> int:
-    return 16 if interpret_enabled() else (64 if d <= 128 else 32)  # untuned on the GPU
+def _gpu_block_n(d: int, dtype: torch.dtype) -> int:
+    """Keys per tile of the split kernel on the GPU.
+
+    128 for d <= 128 in bf16/fp16: the H200 sweep (bf16, Hkv 8, group 8, one query row;
+    do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in every cell: batch 1, d 64:
+    9.5 -> 7.8 us at L 8k, 24.5 -> 21.8 us at 32k, 71 -> 66 us at 128k; d 128, L 8k: 13.4 -> 11.1 us
+    (against the 64-key default before; part of the batch-1 gain was the per-call lengths fill that
+    cache_seqlens=None no longer launches); within +-2% at batch 16, already at the copy ceiling. Shared
+    memory is no limit there: 128 keys x d 128 in bf16 compiled and ran with num_stages 2 and 3 (about
+    40 KiB at group 8, 64 KiB at 128 query rows per tile, kernels.compile_report). float32 keeps 64 (not
+    swept; 128 x 128 float32 tiles need about 272 KiB at Triton's default 3 stages, over the 227 KiB an
+    H100/H200 block may use), d > 128 keeps 32 (not swept).
+    """
+    if d > 128:
+        return 32
+    return 64 if dtype == torch.float32 else 128
+
+
+def _block_n(d: int, dtype: torch.dtype) -> int:
+    return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
@@ -128,7 +153,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = Hq // Hkv
-    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d)
+    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d, q.dtype)
     # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
     split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
     splits = _cdiv(n_max, split_len)
@@ -242,7 +267,7 @@ def flash_decode(
     if cache_seqlens is None:
         cache_seqlens = torch.full((B,), n_max, dtype=torch.int32, device=q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    splits = num_splits or _choose_splits(n_max, _block_n(d), B * Hkv, q.device)
+    splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if _plain_eager_call(q, k_cache, v_cache, cache_seqlens):
         o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
