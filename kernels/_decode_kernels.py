@@ -15,7 +15,8 @@ head), too few to fill a GPU, so the keys are split as well:
 
 Causal masking is bottom-right per sequence: query row i of Nq sees keys j <= L_b - Nq + i (the new
 rows' own keys are the last Nq cached ones). Cache lengths come from a device tensor, so the grid
-depends only on the static cache size (CUDA-graph friendly). Scores are in base-2 units as in
+depends only on the static cache size (CUDA-graph friendly); without one (``HAS_SEQLENS`` False) every
+L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 ``_triton_kernels`` (scale * log2 e folded into the scale).
 
 Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 only. GPU correctness
@@ -51,16 +52,21 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, scale_log2,
+    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, N_MAX, scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
-    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units."""
+    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
+    SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX."""
     scale_log2 = tl.cast(scale_log2, tl.float32)
     split = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    seq_len = tl.load(SEQLENS + b).to(tl.int32)
+    if HAS_SEQLENS:
+        seq_len = tl.load(SEQLENS + b).to(tl.int32)
+    else:  # no lengths tensor: no load here, and no fill kernel launched per call by the wrapper
+        seq_len = N_MAX
 
     offs_r = tl.arange(0, BLOCK_M)
     row_ok = offs_r < GROUP * N_Q

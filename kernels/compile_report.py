@@ -239,9 +239,11 @@ def compile_decode_kernel(
     num_warps: int = 4,
     num_stages: int = 2,
     arch: int = 90,
+    has_seqlens: bool = True,
 ):
     """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
-    sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it (block_n None: its GPU tile);
+    sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it (block_n None: its GPU tile;
+    has_seqlens False: the split kernel of cache_seqlens=None);
     returns the compiled kernel (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError
     when it does not compile."""
     import triton
@@ -259,6 +261,7 @@ def compile_decode_kernel(
         BLOCK_D=block_d,
         BLOCK_S=8,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        HAS_SEQLENS=has_seqlens,
     )
     signature, constants = {}, {}
     for name in fn.arg_names:
@@ -266,8 +269,10 @@ def compile_decode_kernel(
             signature[name] = "*" + _TL_NAME[dtype]
         elif name in ("O_PART", "LSE_PART", "LSE"):
             signature[name] = "*fp32"
-        elif name == "SEQLENS":
+        elif name == "SEQLENS" and has_seqlens:
             signature[name] = "*i32"
+        elif name == "SEQLENS":  # None, as flash_decode passes it without lengths
+            signature[name], constants[name] = "constexpr", None
         elif name.startswith("stride_") and name.endswith("d"):
             signature[name], constants[name] = "constexpr", 1
         elif name == "scale_log2":

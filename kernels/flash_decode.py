@@ -140,7 +140,9 @@ def _block_n(d: int, dtype: torch.dtype) -> int:
 
 
 def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
-    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation."""
+    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation.
+    cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
+    is built, so no fill kernel runs per call)."""
     from ._decode_kernels import build_decode_kernels
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
@@ -178,11 +180,13 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
             d,
             split_len,
             splits,
+            n_max,
             scale * LOG2E,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_D=block_d,
             DOT_PRECISION=_dot_precision(q.dtype),
+            HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
             o_part,
@@ -204,11 +208,12 @@ def _decode_op_body(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode."""
+    """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode.
+    cache_seqlens None: all sequences fill the cache (as flash_attn's ops take q_doc=None)."""
     return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
 
 
@@ -264,12 +269,11 @@ def flash_decode(
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
-    if cache_seqlens is None:
-        cache_seqlens = torch.full((B,), n_max, dtype=torch.int32, device=q.device)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
-    if _plain_eager_call(q, k_cache, v_cache, cache_seqlens):
+    tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
+    if _plain_eager_call(*tensors):
         o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
     else:  # an op: torch.compile / fake tensors see one node (traced into the graph on CUDA)
         op = flash_decode_op if q.is_cuda else flash_decode_cpu_op

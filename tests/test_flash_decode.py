@@ -63,6 +63,23 @@ def test_strided_cache_view_default_lengths_and_scale(seed):
     assert err < 2e-5, f"seed={seed}: {err}"
 
 
+def test_no_lengths_equals_full_lengths(seed):
+    """cache_seqlens=None (no lengths tensor, the kernel's HAS_SEQLENS=False) is bitwise the result of
+    passing L_b = Nmax for every sequence, eagerly and through the CPU op (whose opcheck takes None)."""
+    from kernels.flash_decode import flash_decode_cpu_op
+
+    q = torch.randn(2, 4, 3, 24)
+    k, v = torch.randn(2, 2, 37, 24), torch.randn(2, 2, 37, 24)
+    full = torch.full((2,), 37, dtype=torch.int32)
+    o, lse = flash_decode(q, k, v, full, num_splits=3, return_lse=True)
+    o2, lse2 = flash_decode(q, k, v, None, num_splits=3, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"seed={seed}"
+    o3, lse3 = flash_decode_cpu_op(q, k, v, None, 1.0 / math.sqrt(24), 3)
+    assert torch.equal(o, o3) and torch.equal(lse, lse3), f"seed={seed}"
+    result = torch.library.opcheck(flash_decode_cpu_op, (q, k, v, None, 0.25, 3))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
 def test_float16_close_to_float64(seed):
     q = torch.randn(2, 4, 1, 64).half()
     k, v = torch.randn(2, 2, 37, 64).half(), torch.randn(2, 2, 37, 64).half()
@@ -124,7 +141,8 @@ def test_needs_interpreter_or_cuda(monkeypatch):
         (torch.float32, 128, 8, 16),
     ],
 )
-def test_kernels_compile_for_sm90(dtype, d, group, n_q):
+@pytest.mark.parametrize("has_seqlens", [True, False])
+def test_kernels_compile_for_sm90(dtype, d, group, n_q, has_seqlens):
     """No GPU here: compile both kernels for sm_90 as a launch would (the GPU tile, Triton's default 3
     stages), within an H100/H200 block's shared memory (catches compiled-mode-only errors and a tile too
     big; GPU accuracy is tests/test_flash_decode_gpu.py's)."""
@@ -133,7 +151,9 @@ def test_kernels_compile_for_sm90(dtype, d, group, n_q):
 
     if mode_problem(False):
         pytest.skip(mode_problem(False))
-    split = compile_decode_kernel("split", dtype, d, group=group, n_q=n_q, num_stages=3)
+    split = compile_decode_kernel(
+        "split", dtype, d, group=group, n_q=n_q, num_stages=3, has_seqlens=has_seqlens
+    )
     combine = compile_decode_kernel("combine", dtype, d, group=group, n_q=n_q, num_stages=3)
     assert split.metadata.shared <= 227 * 1024 and combine.asm["ptx"], split.metadata.shared
     if dtype != torch.float32:

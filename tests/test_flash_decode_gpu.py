@@ -3,7 +3,8 @@
 Accuracy: the FlashAttention test rule, max|ours - ref64| <= 2 * max|torch_lowprec - ref64| + 1e-5, with
 ref64 float64 attention from the same low-precision inputs and torch_lowprec naive PyTorch attention whose
 probabilities are rounded to the input dtype before the product with v (as a bf16/fp16 kernel does).
-Also: the triton_op path (opcheck, torch.compile fullgraph bitwise equal to eager) and cached greedy
+Also: the triton_op path (opcheck, torch.compile fullgraph bitwise equal to eager; cache_seqlens=None
+bitwise equal to full lengths) and cached greedy
 generation of a small GPT equal to uncached generation with the flash backend on CUDA.
 """
 
@@ -80,6 +81,24 @@ def test_op_path_opcheck_and_compile_gpu(seed):
     compiled = torch.compile(lambda *a: flash_decode(*a), fullgraph=True)(q, k, v, lengths)
     assert torch.equal(eager, compiled), f"seed={seed}"
     result = torch.library.opcheck(flash_decode_op, (q, k, v, lengths, 0.125, 4))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_no_lengths_equals_full_lengths_gpu(seed):
+    """cache_seqlens=None (HAS_SEQLENS=False, no lengths tensor) bitwise equals L_b = Nmax, eagerly and
+    compiled (the triton_op takes None), and its opcheck passes."""
+    from kernels import flash_decode
+    from kernels.flash_decode import flash_decode_op
+
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 3000, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    full = torch.full((2,), 3000, dtype=torch.int32, device="cuda")
+    ref = flash_decode(q, k, v, full)
+    assert torch.equal(flash_decode(q, k, v), ref), f"seed={seed}"
+    compiled = torch.compile(lambda *a: flash_decode(*a), fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, ref), f"seed={seed}"
+    result = torch.library.opcheck(flash_decode_op, (q, k, v, None, 0.125, 4))
     assert set(result.values()) == {"SUCCESS"}, result
 
 
