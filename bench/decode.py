@@ -16,9 +16,15 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
 the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA), twice on a
 GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host is
-slower than the kernel), ``ms`` replays one call captured in a CUDA graph (``--no-graphs`` to skip), the
-way a serving loop or ``torch.compile(mode="reduce-overhead")`` runs a decode step: kernel time only,
-the same for every provider. The tables and the bandwidth use ``ms``.
+slower than the kernel); ``ms`` is the replay time of one CUDA graph holding ``GRAPH_CALLS`` (20)
+back-to-back calls on the same inputs (each call's output overwritten by the next), divided by
+``GRAPH_CALLS`` (``--no-graphs`` to skip). That is how a serving loop or
+``torch.compile(mode="reduce-overhead")`` runs a decode step, one graph holding every layer's attention
+call: kernel time only, the same for every provider, with the graph-launch overhead (several us)
+shared by the 20 calls instead of added to each, as a step shares it among its layers. Unlike
+a step's layers, the 20 calls read the same K/V: a cache that fits in L2 (about 50 MB on an H100/H200)
+is re-read from L2 after the first call, so at small batch x context ``ms`` is below an HBM-bound
+figure (look for bandwidth above the copy ceiling). The tables and the bandwidth use ``ms``.
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -99,9 +105,17 @@ def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _captured(fn, *args) -> torch.cuda.CUDAGraph:
-    """One call of fn(*args) captured in a CUDA graph (after warm-up calls on a side stream, as
-    torch.cuda.graphs documents); replaying it launches the same kernels with no Python in between."""
+# Calls of a provider per captured CUDA graph; ``ms`` = replay time / GRAPH_CALLS. One graph launch
+# costs several microseconds, about a batch-1 decode kernel's own time: a decode step pays it once for
+# all layers, so a graph of one call would add it to every figure (module docstring).
+GRAPH_CALLS = 20
+
+
+def _captured(fn, *args, calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
+    """``calls`` back-to-back calls of fn(*args) captured in one CUDA graph (after warm-up calls on a side
+    stream, as torch.cuda.graphs documents); replaying it launches the same kernels with no Python in
+    between. Each call's output is dropped at once, so the graph's pool reuses its memory for the next
+    call's (one call's footprint, not ``calls``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -110,7 +124,8 @@ def _captured(fn, *args) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn(*args)
+        for _ in range(calls):
+            fn(*args)
     return graph
 
 
@@ -140,7 +155,7 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
                 ms = ms_eager = timer(lambda fn=fn: fn(q, k, v))
                 if args.graphs and device.type == "cuda":
                     graph = _captured(fn, q, k, v)
-                    ms = timer(graph.replay)
+                    ms = timer(graph.replay) / GRAPH_CALLS
                     del graph
                 rec.update(
                     status="ok",
@@ -211,8 +226,10 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         f"# Decode benchmark ({meta['device']}, {meta['dtype']})",
         "",
         f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
-        "(fraction of the ceiling); ms of a CUDA-graph replay where the JSON's `timing` says "
-        "cuda_graph (kernel time; `ms_eager` there: called from Python), else of eager calls.",
+        "(fraction of the ceiling). Where the JSON's `timing` says cuda_graph, ms = replay time of one "
+        f"CUDA graph of {meta.get('graph_calls', 1)} back-to-back calls on the same inputs / "
+        f"{meta.get('graph_calls', 1)} (kernel time, graph launch shared; K/V that fit in L2 are re-read "
+        "from it; `ms_eager` there: called from Python), else ms of eager calls.",
         "",
     ]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
@@ -331,6 +348,7 @@ def main(argv=None) -> int:
         time=datetime.datetime.now().isoformat(),
         argv=sys.argv[1:] if argv is None else list(argv),
         copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes),
+        graph_calls=GRAPH_CALLS,  # calls per captured graph behind `ms` (timing cuda_graph)
     )
     kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
     e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
