@@ -1,5 +1,5 @@
 """Decode-step attention benchmark: flash-decoding against naive and every SDPA backend, and end-to-end
-generation tokens/sec. Written without a GPU: the H200 numbers are for the lead's GPU session to produce.
+generation tokens/sec. H200 figures: bench/results/decode_h200.md (re-measure after kernel or timing changes).
 
 Usage (GPU)::
 

@@ -19,9 +19,10 @@ depends only on the static cache size (CUDA-graph friendly); without one (``HAS_
 L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 ``_triton_kernels`` (scale * log2 e folded into the scale).
 
-Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 only. GPU correctness
-(bf16/fp16 rule), tile choice and speed are to be verified and benchmarked on the H200 later; nothing
-here claims a speed.
+Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
+tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200). Tile size
+and split count are chosen in ``kernels/flash_decode.py`` from an H200 sweep; speed figures are in
+bench/results/decode_h200.md (to be re-measured).
 """
 
 import triton.language as tl
