@@ -17,14 +17,14 @@ against a float32 reference on sequence 0 (status ``mismatch`` and not timed whe
 the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA), twice on a
 GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host is
 slower than the kernel); ``ms`` is the replay time of one CUDA graph holding ``GRAPH_CALLS`` (20)
-back-to-back calls on the same inputs (each call's output overwritten by the next), divided by
+back-to-back calls (each call's output overwritten by the next), divided by
 ``GRAPH_CALLS`` (``--no-graphs`` to skip). That is how a serving loop or
 ``torch.compile(mode="reduce-overhead")`` runs a decode step, one graph holding every layer's attention
 call: kernel time only, the same for every provider, with the graph-launch overhead (several us)
-shared by the 20 calls instead of added to each, as a step shares it among its layers. Unlike
-a step's layers, the 20 calls read the same K/V: a cache that fits in L2 (about 50 MB on an H100/H200)
-is re-read from L2 after the first call, so at small batch x context ``ms`` is below an HBM-bound
-figure (look for bandwidth above the copy ceiling). The tables and the bandwidth use ``ms``.
+shared by the 20 calls instead of added to each, as a step shares it among its layers. Like a step's
+layers, consecutive calls read different K/V: the calls cycle through enough copies of q, k, v to span
+twice the L2 cache (``_l2_copies``), so a small cache is read from HBM, not from L2 left warm by the
+call before. The tables and the bandwidth use ``ms``.
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -111,21 +111,31 @@ def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
 GRAPH_CALLS = 20
 
 
-def _captured(fn, *args, calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
-    """``calls`` back-to-back calls of fn(*args) captured in one CUDA graph (after warm-up calls on a side
-    stream, as torch.cuda.graphs documents); replaying it launches the same kernels with no Python in
-    between. Each call's output is dropped at once, so the graph's pool reuses its memory for the next
-    call's (one call's footprint, not ``calls``)."""
+def _l2_copies(q, k, v, kv_bytes: int) -> list[tuple]:
+    """(q, k, v) and fresh copies of it, enough that ``GRAPH_CALLS`` calls cycling through them touch
+    twice the device's L2 cache between two reads of one copy (at most GRAPH_CALLS copies): a decode
+    step's layers each read their own cache, so a benchmark that re-reads one small cache would time
+    L2, not HBM (H200: 50 MB of L2 against a 16.8 MB cache at batch 1, d=64, 8k context)."""
+    l2 = getattr(torch.cuda.get_device_properties(k.device), "L2_cache_size", 0)
+    n = min(GRAPH_CALLS, max(1, math.ceil(2 * l2 / max(1, kv_bytes))))
+    return [(q, k, v)] + [(q.clone(), k.clone(), v.clone()) for _ in range(n - 1)]
+
+
+def _captured(fn, arg_sets: list[tuple], calls: int = GRAPH_CALLS) -> torch.cuda.CUDAGraph:
+    """``calls`` back-to-back calls of fn, call i on ``arg_sets[i % len(arg_sets)]``, captured in one CUDA
+    graph (after warm-up calls on a side stream, as torch.cuda.graphs documents); replaying it launches
+    the same kernels with no Python in between. Each call's output is dropped at once, so the graph's
+    pool reuses its memory for the next call's (one call's footprint, not ``calls``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for args in arg_sets[:3]:
             fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(*args)
+        for i in range(calls):
+            fn(*arg_sets[i % len(arg_sets)])
     return graph
 
 
@@ -143,6 +153,7 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
     math_err = (provider_fn("sdpa-math")(q[:1], k[:1], v[:1]).float() - ref).abs().max().item()
     kv_bytes = 2 * b * hkv * ctx * d * q.element_size()
     records = []
+    copies = None  # the L2-spanning input copies of the graph timing, made at the first graph
     for p in args.providers.split(","):
         rec = dict(d=d, group=group, batch=b, context=ctx, provider=p, kv_bytes=kv_bytes)
         try:
@@ -154,7 +165,8 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             else:
                 ms = ms_eager = timer(lambda fn=fn: fn(q, k, v))
                 if args.graphs and device.type == "cuda":
-                    graph = _captured(fn, q, k, v)
+                    copies = copies or _l2_copies(q, k, v, kv_bytes)
+                    graph = _captured(fn, copies)
                     ms = timer(graph.replay) / GRAPH_CALLS
                     del graph
                 rec.update(
@@ -227,9 +239,9 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         "",
         f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
         "(fraction of the ceiling). Where the JSON's `timing` says cuda_graph, ms = replay time of one "
-        f"CUDA graph of {meta.get('graph_calls', 1)} back-to-back calls on the same inputs / "
-        f"{meta.get('graph_calls', 1)} (kernel time, graph launch shared; K/V that fit in L2 are re-read "
-        "from it; `ms_eager` there: called from Python), else ms of eager calls.",
+        f"CUDA graph of {meta.get('graph_calls', 1)} back-to-back calls / {meta.get('graph_calls', 1)} "
+        "(kernel time, graph launch shared; the calls cycle through copies of the inputs spanning twice "
+        "the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms of eager calls.",
         "",
     ]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
