@@ -8,7 +8,8 @@ fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_
 compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
-H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from an H200 sweep; the
+H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from an H200 sweep
+(bench/NOTES.md, "Decode tiles"; the 128-key tile and the no-lengths path are not yet re-run on a GPU); the
 speed figures are in bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with
 this tile and 20 calls per CUDA graph).
 """
@@ -44,8 +45,8 @@ def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device
     """Key splits per (sequence, KV head): enough that splits x ``programs`` (B x Hkv) programs give about
     two per SM on a GPU (4 programs under the interpreter), at most one split per key tile and 128 in all.
 
-    Checked on the H200 (bf16, Hkv 8, group 8, one query row, d 64/128, L 8k-128k; the sweep behind
-    bench/results/decode_h200.md): the count chosen here (33 at batch 1, 3 at batch 16, before
+    Checked on the H200 (bf16, Hkv 8, group 8, one query row, d 64/128, L 8k-128k; the one-off tile sweep
+    in bench/NOTES.md, "Decode tiles"): the count chosen here (33 at batch 1, 3 at batch 16, before
     ``_launch_decode`` rounds the split length to whole tiles) times at or within noise of the best split
     count there, which was 16-33 at batch 1 and 3-16 at batch 16.
     """
@@ -122,8 +123,8 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
 def _gpu_block_n(d: int, dtype: torch.dtype) -> int:
     """Keys per tile of the split kernel on the GPU.
 
-    128 for d <= 128 in bf16/fp16: the H200 sweep (bf16, Hkv 8, group 8, one query row;
-    do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in every cell: batch 1, d 64:
+    128 for d <= 128 in bf16/fp16: the H200 tile sweep (bench/NOTES.md, "Decode tiles"; bf16, Hkv 8,
+    group 8, one query row; do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in every cell: batch 1, d 64:
     9.5 -> 7.8 us at L 8k, 24.5 -> 21.8 us at 32k, 71 -> 66 us at 128k; d 128, L 8k: 13.4 -> 11.1 us
     (against the 64-key default before; part of the batch-1 gain was the per-call lengths fill that
     cache_seqlens=None no longer launches); within +-2% at batch 16, already at the copy ceiling. Shared
