@@ -21,8 +21,8 @@ L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 
 Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200). Tile size
-and split count are chosen in ``kernels/flash_decode.py`` from an H200 sweep (bench/NOTES.md); speed figures are in
-bench/results/decode_h200.md (to be re-measured).
+and split count are chosen in ``kernels/flash_decode.py`` from an H200 sweep (bench/NOTES.md); speed
+figures are in bench/results/decode_h200.md (to be re-measured).
 """
 
 import triton.language as tl

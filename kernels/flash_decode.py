@@ -124,8 +124,9 @@ def _gpu_block_n(d: int, dtype: torch.dtype) -> int:
     """Keys per tile of the split kernel on the GPU.
 
     128 for d <= 128 in bf16/fp16: the H200 tile sweep (bench/NOTES.md, "Decode tiles"; bf16, Hkv 8,
-    group 8, one query row; do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in every cell: batch 1, d 64:
-    9.5 -> 7.8 us at L 8k, 24.5 -> 21.8 us at 32k, 71 -> 66 us at 128k; d 128, L 8k: 13.4 -> 11.1 us
+    group 8, one query row; do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in
+    every cell: batch 1, d 64: 9.5 -> 7.8 us at L 8k, 24.5 -> 21.8 us at 32k, 71 -> 66 us at 128k;
+    d 128, L 8k: 13.4 -> 11.1 us
     (against the 64-key default before; part of the batch-1 gain was the per-call lengths fill that
     cache_seqlens=None no longer launches); within +-2% at batch 16, already at the copy ceiling. Shared
     memory is no limit there: 128 keys x d 128 in bf16 compiled and ran with num_stages 2 and 3 (about
