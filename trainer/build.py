@@ -67,6 +67,7 @@ class Setup:
         """Device, data, model config, resume checks, model and optimizer, logging, in that order. Raises
         ConfigError for user errors (before GPU allocation) and ``rundir.RunFinished``."""
         self._setup_device()
+        self._check_something_to_resume()
         self._prepare_data()
         self._build_model_config()
         state = self._load_resume()
@@ -141,6 +142,16 @@ class Setup:
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
         probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
+
+    def _check_something_to_resume(self) -> None:
+        """resume=true on a directory without a single checkpoint (a mistyped out_dir, a run that died
+        before its first one): the no-checkpoint error now, before data preparation, which would
+        otherwise prepare (download) the defaults' data for a run that cannot start."""
+        if not self.cfg.resume:
+            return
+        none = not ckpt.list_checkpoints(self.out_dir) if self.dist.is_main else None
+        if self._broadcast(none):
+            raise ConfigError(self._no_checkpoint_message())
 
     def _load_resume(self) -> dict | None:
         """resume=true: the newest loadable checkpoint, checked against this run's model and tokenizer
