@@ -7,7 +7,9 @@ keys. Faults (all optional):
 - ``nan_at_step``: update k reports a NaN loss and grad norm (the nonfinite=stop/skip paths);
 - ``raise_oom_at_step``: update k raises ``torch.cuda.OutOfMemoryError`` (the OOM ending, on a CPU too);
 - ``step_sleep_s``: sleep this long after each step, before the stop-signal check (time to send signals);
-- ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it).
+- ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it);
+- ``sigkill_at_finish``: SIGKILL this process as it starts its ending (after the last step and its final
+  checkpoint, before the final summary is written): a run killed during its ending.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import math
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -30,6 +33,7 @@ def install(faults: dict) -> None:
     from trainer.loop import Trainer
 
     step_fn, stop_fn, eval_fn = Trainer._train_step, Trainer._stop_requested, Trainer.evaluate
+    finish_fn = Trainer._finish
     nan_at, oom_at = faults.get("nan_at_step"), faults.get("raise_oom_at_step")
     step_sleep, eval_sleep = float(faults.get("step_sleep_s", 0)), float(faults.get("eval_sleep_s", 0))
 
@@ -51,7 +55,13 @@ def install(faults: dict) -> None:
             time.sleep(eval_sleep * len(self.eval_batches))
         return eval_fn(self)
 
+    def finish(self, status, extra, exit_code):
+        if faults.get("sigkill_at_finish"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return finish_fn(self, status, extra, exit_code)
+
     Trainer._train_step, Trainer._stop_requested, Trainer.evaluate = train_step, stop_requested, evaluate
+    Trainer._finish = finish
 
 
 if __name__ == "__main__":

@@ -2,14 +2,20 @@
 
 1. A resume pointed at a directory that holds no run stops with the no-checkpoint message before any
    data is prepared (no default download, nothing written where it was launched).
+2. A run SIGKILLed during its ending (after its last step and final checkpoint, before the final
+   summary) is refused by a resume as finished, and that refusal changes nothing: summary.json stays as
+   the killed process left it, and the console does not say the run "is resumed now".
 """
 
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
-from helpers_train import describe, train_command, train_env
+from helpers_train import describe, run_train, summary, train_command, train_env
+
+from trainer.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
 
@@ -18,6 +24,17 @@ def _offline_env() -> dict:
     """train.py's environment with the network cut off: any download fails at once."""
     dead = "http://127.0.0.1:9"  # the discard port: nothing listens
     return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
+
+
+@pytest.fixture(scope="module")
+def killed_in_ending(tmp_path_factory, tiny) -> Path:
+    """A 4-step run (checkpoint at step 4) SIGKILLed as its ending starts: summary.json says "running"."""
+    out = tmp_path_factory.mktemp("ending") / "run"
+    proc = run_train(tiny(out, max_steps=4, checkpoint__interval=4, fault__sigkill_at_finish=1))
+    assert proc.returncode == -9, describe(proc)
+    assert summary(out)["status"] == "running"
+    assert [step for step, _ in list_checkpoints(out)][:1] == [4], list((out / "ckpt").iterdir())
+    return out
 
 
 def test_resume_into_a_dir_without_a_run_prepares_no_data(tmp_path):
@@ -30,3 +47,12 @@ def test_resume_into_a_dir_without_a_run_prepares_no_data(tmp_path):
     assert "has no loadable checkpoint" in proc.stderr, describe(proc)
     assert "download" not in proc.stderr + proc.stdout, describe(proc)
     assert list(elsewhere.iterdir()) == []  # no data/shakespeare prepared (or attempted) here
+
+
+def test_refused_resume_of_a_run_killed_in_its_ending_changes_nothing(killed_in_ending, tiny):
+    before = (killed_in_ending / "summary.json").read_bytes()
+    proc = run_train(tiny(killed_in_ending, resume=True, max_steps=4, checkpoint__interval=4))
+    assert proc.returncode == 0, describe(proc)
+    assert "is already finished" in proc.stdout, describe(proc)
+    assert "is resumed now" not in proc.stdout, describe(proc)  # it is not: nothing is resumed
+    assert (killed_in_ending / "summary.json").read_bytes() == before  # "nothing was changed" holds

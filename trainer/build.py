@@ -421,24 +421,26 @@ class Setup:
         )
 
     def _resume_checks(self, state: dict) -> None:
-        """resume=true, once a checkpoint loads: a summary left "running" by a killed process is rewritten
-        to "killed" (``rundir.mark_killed_on_resume``; a refused resume leaves the run as it was). Then,
-        before anything else is written: refuse a run that already reached max_steps (RunFinished:
-        nothing else changes), note a changed max_steps (it changes the LR schedule), and set apart the
-        records of the logged steps after the checkpoint, which this resume replays."""
+        """resume=true, once a checkpoint loads: refuse a run that already reached max_steps (RunFinished:
+        nothing changes, a summary left "running" by a process killed in its ending included). Else a
+        summary left "running" by a killed process is rewritten to "killed"
+        (``rundir.mark_killed_on_resume``), then, before anything else is written: note a changed
+        max_steps (it changes the LR schedule), and set apart the records of the logged steps after the
+        checkpoint, which this resume replays."""
         cfg, k, max_steps = self.cfg, int(state["step"]), int(self.cfg.max_steps)
-        if self.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
-            killed = rundir.mark_killed_on_resume(self.out_dir)
-            if killed:
-                self.say(killed)
         summary = rundir.read_summary(self.out_dir) if self.dist.is_main else {}
         done = k
         if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):
             done = max(k, summary["steps"])  # finished even when its final checkpoint does not load
         done = self._broadcast(done)
-        if done >= max_steps:
+        if done >= max_steps:  # refused (e.g. killed in its ending, past the last checkpoint): no rewrite
             cmd = " ".join(w for w in self.resume_command().split() if not w.startswith("max_steps="))
             raise rundir.RunFinished(rundir.finished_message(self.out_dir, done, max_steps, cmd))
+        if self.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
+            killed = rundir.mark_killed_on_resume(self.out_dir)
+            if killed:
+                self.say(killed)
+                summary = rundir.read_summary(self.out_dir)  # the replay reason reads "killed"
         old_max = (state.get("config") or {}).get("max_steps")
         if old_max is not None and int(old_max) != max_steps:
             self.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
