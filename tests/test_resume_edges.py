@@ -5,10 +5,13 @@
 2. A run SIGKILLed during its ending (after its last step and final checkpoint, before the final
    summary) is refused by a resume as finished, and that refusal changes nothing: summary.json stays as
    the killed process left it, and the console does not say the run "is resumed now".
+3. Readers that look at the same killed run at once (two bench.report / bench.compare) both see it
+   killed: a reader's look at the run directory's lock does not pass for a live trainer.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -56,3 +59,18 @@ def test_refused_resume_of_a_run_killed_in_its_ending_changes_nothing(killed_in_
     assert "is already finished" in proc.stdout, describe(proc)
     assert "is resumed now" not in proc.stdout, describe(proc)  # it is not: nothing is resumed
     assert (killed_in_ending / "summary.json").read_bytes() == before  # "nothing was changed" holds
+
+
+def test_a_concurrent_reader_does_not_make_a_killed_run_look_alive(killed_in_ending):
+    import fcntl
+
+    from trainer.rundir import LOCK_NAME, true_status
+
+    s = summary(killed_in_ending)
+    assert true_status(killed_in_ending, s)[0] == "killed"
+    fd = os.open(killed_in_ending / LOCK_NAME, os.O_RDONLY)
+    try:  # another reader in the middle of its own look (the lock a reader takes)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        assert true_status(killed_in_ending, s)[0] == "killed"
+    finally:
+        os.close(fd)

@@ -136,7 +136,9 @@ def _busy_message(out_dir: Path, holder: str) -> str:
 def held_by_live_process(out_dir: Path) -> str | None:
     """The `RunDirBusy` message when another live process holds ``out_dir``'s lock, else None.
 
-    Read-only: opens an existing lock file (never creates one) and tries the lock without keeping it.
+    Read-only: opens an existing lock file (never creates one) and tries a shared lock without keeping
+    it: a live trainer's exclusive lock blocks it, another reader's shared one does not (two readers at
+    once must not take each other for a live run).
     """
     path = Path(out_dir) / LOCK_NAME
     try:
@@ -147,7 +149,7 @@ def held_by_live_process(out_dir: Path) -> str | None:
         return None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
             return _busy_message(out_dir, holder)
