@@ -6,7 +6,8 @@
    summary) is refused by a resume as finished, and that refusal changes nothing: summary.json stays as
    the killed process left it, and the console does not say the run "is resumed now".
 3. Readers that look at the same killed run at once (two bench.report / bench.compare) both see it
-   killed: a reader's look at the run directory's lock does not pass for a live trainer.
+   killed: a reader's look at the run directory's lock does not pass for a live trainer; and a run
+   that is still training is reported running, never killed.
 4. (Known, xfail) a ``_global_`` group choice on the resume command line whose file sets nothing
    (``trainer=gpu``: the schema defaults) does not undo the keys the run's own option set
    (``trainer=cpu``'s ``compile: false``), yet the start-up line lists ``trainer`` as set here.
@@ -77,6 +78,32 @@ def test_a_concurrent_reader_does_not_make_a_killed_run_look_alive(killed_in_end
         assert true_status(killed_in_ending, s)[0] == "killed"
     finally:
         os.close(fd)
+
+
+def test_readers_report_a_live_run_as_running(tiny, tmp_path):
+    import time
+
+    from helpers_train import read_jsonl
+
+    from bench import report
+    from trainer.rundir import true_status
+
+    out = tmp_path / "run"
+    cmd, env = train_command(tiny(out, fault__step_sleep_s=0.5))
+    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "metrics.jsonl").is_file() and any("train/loss" in r for r in read_jsonl(out)):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it was read"
+        assert true_status(out, summary(out)) == ("running", None)
+        assert report.summarize_run(out, tmp_path)["status"] == "running"
+        assert proc.poll() is None  # the readers' looks did not disturb it
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 @pytest.mark.xfail(
