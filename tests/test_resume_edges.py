@@ -8,6 +8,8 @@
 3. Readers that look at the same killed run at once (two bench.report / bench.compare) both see it
    killed: a reader's look at the run directory's lock does not pass for a live trainer; and a run
    that is still training is reported running, never killed.
+5. An empty config.resolved.yaml (truncated by a kill while it was rewritten, or emptied by hand) is
+   an error naming the file, not a silent resume with the defaults (whose data it would prepare).
 4. (Known, xfail) a ``_global_`` group choice on the resume command line whose file sets nothing
    (``trainer=gpu``: the schema defaults) does not undo the keys the run's own option set
    (``trainer=cpu``'s ``compile: false``), yet the start-up line lists ``trainer`` as set here.
@@ -104,6 +106,23 @@ def test_readers_report_a_live_run_as_running(tiny, tmp_path):
     finally:
         proc.kill()
         proc.wait(timeout=60)
+
+
+def test_resume_with_an_empty_saved_config_is_refused(killed_in_ending, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(killed_in_ending, run)
+    saved = run / "config.resolved.yaml"
+    saved.write_text("")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cmd, env = train_command(["resume=true", f"out_dir={run}"], env=_offline_env())
+    proc = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, describe(proc)
+    assert f"the run's saved config {saved} does not load" in proc.stderr, describe(proc)
+    assert "download" not in proc.stderr + proc.stdout, describe(proc)
+    assert list(elsewhere.iterdir()) == []
 
 
 @pytest.mark.xfail(

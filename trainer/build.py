@@ -312,7 +312,11 @@ class Setup:
         if group is None and self.multirun:
             group = self.out_dir.parent.name
         if d.is_main:
-            (self.out_dir / "config.resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+            # temp file + rename: a kill mid-write never leaves a truncated record for the next resume
+            path = self.out_dir / "config.resolved.yaml"
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+            os.replace(tmp, path)
         self.log.start_wandb(
             mode=cfg.wandb.mode,
             project=cfg.wandb.project,

@@ -104,6 +104,8 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         if not isinstance(saved, dict):
             raise ValueError("not a mapping")
+        if not saved:  # an empty file (e.g. truncated by a kill) would silently resume with the defaults
+            raise ValueError("empty")
         keys = override_keys(overrides) | set(_NOT_RESUMED)
         merged = OmegaConf.merge(cfg, _drop(saved, cfg, keys))
     except Exception as e:  # noqa: BLE001 - YAML and OmegaConf's validation errors alike
