@@ -10,9 +10,9 @@
    that is still training is reported running, never killed.
 5. An empty config.resolved.yaml (truncated by a kill while it was rewritten, or emptied by hand) is
    an error naming the file, not a silent resume with the defaults (whose data it would prepare).
-4. (Known, xfail) a ``_global_`` group choice on the resume command line whose file sets nothing
-   (``trainer=gpu``: the schema defaults) does not undo the keys the run's own option set
-   (``trainer=cpu``'s ``compile: false``), yet the start-up line lists ``trainer`` as set here.
+4. A ``_global_`` group choice on the resume command line whose file sets nothing (``trainer=gpu``: the
+   schema defaults) undoes the keys the run's own option set (``trainer=cpu``'s ``compile: false``),
+   found through the group options that config.resolved.yaml records.
 """
 
 from __future__ import annotations
@@ -125,11 +125,6 @@ def test_resume_with_an_empty_saved_config_is_refused(killed_in_ending, tmp_path
     assert list(elsewhere.iterdir()) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="override_keys knows only the keys the new option's file sets, not those of the run's old "
-    "option of the same group; a fix needs the saved run's group choices or a rule for siblings",
-)
 def test_resume_trainer_gpu_over_a_cpu_run_takes_the_gpu_keys(killed_in_ending):
     from hydra import compose, initialize_config_dir
 

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import progress, rundir
+from trainer import progress, resume_config, rundir
 from trainer.checks import (
     ConfigError,
     check_data_fits,
@@ -308,6 +308,10 @@ class Setup:
         wandb_id = state.get("wandb_run_id") if state is not None else None
         resolved = C.to_dict(cfg)
         resolved["derived"] = self._derived()
+        # the group options (trainer=cpu, model=tiny, ...): a resume changing one undoes the old one's keys
+        resolved["derived"][resume_config.CHOICES_KEY] = resume_config.run_choices(
+            self.out_dir, self.overrides, bool(cfg.resume)
+        )
         group = cfg.wandb.group
         if group is None and self.multirun:
             group = self.out_dir.parent.name

@@ -107,7 +107,14 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         if not saved:  # an empty file (e.g. truncated by a kill) would silently resume with the defaults
             raise ValueError("empty")
         keys = override_keys(overrides) | set(_NOT_RESUMED)
-        merged = OmegaConf.merge(cfg, _drop(saved, cfg, keys))
+        # a group option changed on resume (trainer=cpu -> trainer=gpu) also undoes what the run's old
+        # option set, even keys the new one leaves at the schema default
+        undone = set(keys)
+        old_choices = _saved_choices(saved)
+        for group in _groups_set(overrides):
+            if old_choices.get(group) is not None:
+                undone |= _group_keys(group, old_choices[group])
+        merged = OmegaConf.merge(cfg, _drop(saved, cfg, undone))
     except Exception as e:  # noqa: BLE001 - YAML and OmegaConf's validation errors alike
         raise ConfigError(
             f"resume=true: the run's saved config {path} does not load ({type(e).__name__}: "
@@ -116,3 +123,53 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         ) from e
     assert isinstance(merged, DictConfig)
     return merged, sorted(keys - set(_NOT_RESUMED))
+
+
+# ------------------------------------------------------------------------------------------ group choices
+#: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
+CHOICES_KEY = "group_choices"
+
+
+def _groups_set(overrides: list[str]) -> set[str]:
+    """Config groups the command line chose an option of (``G=NAME``, ``+G=NAME``; no dotted keys)."""
+    out = set()
+    for o in overrides:
+        key, sep, _ = o.lstrip("+~").partition("=")
+        key = key.strip()
+        if sep and key and "." not in key and not key.startswith("hydra"):
+            out.add(key)
+    return out
+
+
+def _saved_choices(saved: dict) -> dict:
+    derived = saved.get("derived")
+    choices = derived.get(CHOICES_KEY) if isinstance(derived, dict) else None
+    return {str(k): str(v) for k, v in choices.items() if v is not None} if isinstance(choices, dict) else {}
+
+
+def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, str]:
+    """This run's config-group options, for config.resolved.yaml: Hydra's runtime choices (its own
+    ``hydra/*`` groups left out; {} outside a Hydra app). On resume the run's recorded options stay for
+    the groups this command line does not choose (Hydra's choices there are the defaults, not the run's)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return {}
+    current = {
+        str(k): str(v)
+        for k, v in HydraConfig.get().runtime.choices.items()
+        if v is not None and not str(k).startswith("hydra")
+    }
+    if not resume:
+        return current
+    from omegaconf import OmegaConf
+
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
+    except Exception:  # noqa: BLE001 - no record (resume_config has already refused a broken one)
+        return current
+    old = _saved_choices(saved) if isinstance(saved, dict) else {}
+    if not old:
+        return current
+    chosen = _groups_set(overrides)
+    return {**old, **{g: v for g, v in current.items() if g in chosen}}
