@@ -231,6 +231,16 @@ def _f(x, spec: str = ".4g") -> str:
     return "—" if x is None else format(x, spec)
 
 
+def _check_cell(r: dict) -> str:
+    """The table's check column: FAIL, not checked (an unfinished run), or ok, naming a run that ended
+    early (interrupted, diverged, oom: compared over its logged steps only)."""
+    if r.get("failures"):
+        return "FAIL"
+    if r.get("not_checked"):
+        return "not checked"
+    return f"ok ({r['ended_early']})" if r.get("ended_early") else "ok"
+
+
 def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
     """Fixed-width text table of the comparisons (reference first)."""
     head = ["#", "run", "aligned", "max|Δ|", "mean|Δ|", f"win{window} max|Δ|", "val step", "|Δ val|", "check"]
@@ -247,7 +257,7 @@ def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
                 _f(r["window_max_abs_diff"]),
                 val_step,
                 _f(r["final_val_abs_diff"]),
-                "FAIL" if r.get("failures") else "not checked" if r.get("not_checked") else "ok",
+                _check_cell(r),
             ]
         )
     widths = [max(len(row[j]) for row in [head] + rows) for j in range(len(head))]
@@ -404,6 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             for lab in dict.fromkeys((ref.label, run.label))
             if lab in unfinished
         ]
+        # a run that ended early (interrupted, diverged, oom) is compared over its logged steps only: say so
+        early = [
+            f"{lab} {statuses[lab]}"
+            for lab in dict.fromkeys((ref.label, run.label))
+            if statuses[lab] != "ok" and lab not in unfinished
+        ]
+        res["ended_early"] = ", ".join(early) or None
         failures += res["failures"]
         not_checked += [m for m in res["not_checked"] if m not in not_checked]
         results.append(res)
