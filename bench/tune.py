@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -64,9 +65,15 @@ def cfg_fields(cfg) -> list:
     return out
 
 
+def _bad_input(message: str) -> NoReturn:
+    """Print ``message`` to stderr and exit 2 (bad input, as the module's exit statuses say)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_configs(text: str) -> list:
     """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads) -> [TileConfig, ...],
-    e.g. '128x64x8x3,64x128x4x2t'. Raises SystemExit naming the item and the format when one is malformed."""
+    e.g. '128x64x8x3,64x128x4x2t'. Exits 2 naming the item and the format when one is malformed."""
     from kernels import TileConfig
 
     cfgs = []
@@ -75,7 +82,7 @@ def parse_configs(text: str) -> list:
         tma = item.endswith("t")
         parts = (item[:-1] if tma else item).split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            raise SystemExit(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+            _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
         cfgs.append(TileConfig(*map(int, parts), tma=tma))
     return cfgs
 
@@ -83,13 +90,13 @@ def parse_configs(text: str) -> list:
 def parse_plan(text: str) -> dict:
     """A/B plan text -> overrides for `kernels.override_tile_config`: 'default' -> {},
     'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig},
-    'provider:flex' -> {'provider': 'flex'}. Raises SystemExit naming the bad part and the valid forms."""
+    'provider:flex' -> {'provider': 'flex'}. Exits 2 naming the bad part and the valid forms."""
     if text == "default":
         return {}
     if text.startswith("provider:"):
         name = text.partition(":")[2]
         if not name or "+" in name or "=" in name:
-            raise SystemExit(
+            _bad_input(
                 f"error: plan {text!r}: provider:NAME takes one provider of bench.attention "
                 "(e.g. provider:flex) and no tile overrides"
             )
@@ -98,7 +105,7 @@ def parse_plan(text: str) -> dict:
     for part in text.split("+"):
         key, _, cfg = part.partition("=")
         if key not in PLAN_KEYS or not cfg:
-            raise SystemExit(
+            _bad_input(
                 f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
                 "(joined by '+') or provider:NAME"
             )

@@ -789,8 +789,9 @@ def test_tune_plan_syntax():
         "bwd_dq": TileConfig(128, 64, 8, 3),
     }
     for bad in ("provider:", "provider:flex+dkdv=64x64x4x2", "dkdv", "bogus=64x64x4x2", "dq=64x64", "fused"):
-        with pytest.raises(SystemExit):
+        with pytest.raises(SystemExit) as e:
             parse_plan(bad)
+        assert e.value.code == 2, bad  # bad input, as bench.tune's exit statuses say
 
 
 def test_tune_uses_only_the_public_kernel_api():
