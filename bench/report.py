@@ -131,6 +131,11 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     steps = summary.get("steps")
     if (steps is None or killed_note is not None) and rows:  # a killed run's summary has its start step
         steps = max((int(r["step"]) for r in rows if isinstance(r.get("step"), (int, float))), default=None)
+    final_val = last("final_val_loss", "val/loss", "final/val_loss")
+    val_steps = list(_rundir.series(rows, "val/loss"))
+    if final_val is not None and val_steps and max(val_steps) == 0 and (steps or 0) > 0:
+        # the only eval was the untrained model's (eval.at_start; a run stopped before its first interval)
+        final_val, sources["final_val_loss"] = None, "left out: the only eval was at step 0 (untrained)"
     rel = run_dir.relative_to(sweep_dir) if run_dir != sweep_dir else Path(".")
     return {
         "run": str(rel),
@@ -141,7 +146,7 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
         "mfu_pct": None if mfu is None else 100.0 * mfu,
         "peak_gib": peak,
         "final_train_loss": last("final_train_loss", "train/loss", "final/train_loss"),
-        "final_val_loss": last("final_val_loss", "val/loss", "final/val_loss"),
+        "final_val_loss": final_val,
         "steps": steps,
         "sources": sources,
         "error": killed_note or error_text(summary, status),

@@ -426,6 +426,26 @@ def test_report_figures_agree_with_summary(tmp_path, seed):
     assert f"{np.median(logged_tps[1:]):,.0f}†" in row, row
 
 
+def test_report_leaves_out_an_untrained_val_loss(tmp_path, seed):
+    """A run whose only eval was at step 0 (eval.at_start, stopped before its first interval) has no
+    final val loss in the report (the untrained model's would read as the run's); one evaluated later keeps
+    its last."""
+    rng = np.random.default_rng(seed)
+    sweep = tmp_path / "sweep"
+    train = dict(enumerate(_random_walk(rng, 12).tolist(), 1))
+    v0, v12 = float(rng.uniform(4, 5)), float(rng.uniform(2, 3))
+    for name, val in (("0_flash_n64", {0: v0}), ("1_sdpa_n64", {0: v0, 12: v12})):
+        d = make_run(sweep, name, name.split("_")[1], 64, status="interrupted", train=train, val=val)
+        summary = json.loads((d / "summary.json").read_text())
+        summary["final/val_loss"] = val[max(val)]
+        (d / "summary.json").write_text(json.dumps(summary))
+    assert br.main([str(sweep), "--out", str(tmp_path / "out")]) == 0
+    rows = {r["run"]: r for r in json.loads((tmp_path / "out" / "report.json").read_text())["runs"]}
+    assert rows["0_flash_n64"]["final_val_loss"] is None, rows["0_flash_n64"]
+    assert "step 0" in rows["0_flash_n64"]["sources"]["final_val_loss"]
+    assert rows["1_sdpa_n64"]["final_val_loss"] == v12
+
+
 def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, capsys):
     rng = np.random.default_rng(seed)
     make_run(tmp_path / "s", "0_flash_n128", "flash", 128, train={1: float(rng.normal())}, tps=[1e4])

@@ -229,6 +229,9 @@ def test_resume_of_a_finished_run_changes_nothing(tiny, tmp_path):
     before = _snapshot(out)
     s0 = summary(out)
     assert s0["final/val_loss"] is not None and "perf/tokens_per_sec" in s0
+    rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    val_rows = [r for r in rows if "val/loss" in r]
+    assert s0["final/val_step"] == val_rows[-1]["step"] and s0["final/val_loss"] == val_rows[-1]["val/loss"]
 
     again = run_train(tiny(out, max_steps=8, resume=True, **base))
     assert again.returncode == 0, describe(again)

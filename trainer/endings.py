@@ -97,6 +97,7 @@ class Endings:
             "steps": self.step,
             "final/train_loss": self.last_train_loss,
             "final/val_loss": self.last_val_loss,
+            "final/val_step": self.last_val_step,  # its step: 0 is the untrained model's (eval.at_start)
             "mem/peak_gib": self.peak_gib(),
             "train/skipped_steps": self.skipped,
             "last_checkpoint": str(self.last_ckpt) if self.last_ckpt else None,

@@ -91,6 +91,7 @@ class Trainer(Setup, Endings):
         self.last_ckpt_step = -1
         self.last_train_loss: float | None = None
         self.last_val_loss: float | None = None
+        self.last_val_step: int | None = None  # the step of last_val_loss
         self._peak_bytes = 0
         self._step_tps: list[float] = []
         self._step_ms: list[float] = []
@@ -348,7 +349,7 @@ class Trainer(Setup, Endings):
         cfg = self.cfg
         max_steps = int(cfg.max_steps)
         if self.step == 0 and cfg.eval.at_start:
-            self.last_val_loss = self._evaluate_noting(handler)
+            self.last_val_loss, self.last_val_step = self._evaluate_noting(handler), 0
             self.log.log(0, {"val/loss": self.last_val_loss})
             self.say(f"step {0:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
             signum = self._stop_requested(handler)
@@ -424,7 +425,7 @@ class Trainer(Setup, Endings):
                     self.say(f"step {s:>6} | parity skipped: {parity['parity/skipped']}")
             eval_every = int(cfg.eval.interval)
             if (eval_every and s % eval_every == 0) or s == max_steps:
-                self.last_val_loss = self._evaluate_noting(handler)
+                self.last_val_loss, self.last_val_step = self._evaluate_noting(handler), s
                 metrics["val/loss"] = self.last_val_loss
                 self.say(f"step {s:>6}/{max_steps} | val loss {self.last_val_loss:.4f}")
             if metrics:
