@@ -417,6 +417,9 @@ def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr, proc.stderr
     assert "model=gpt3 is not a config of group model; choose one of: " in proc.stderr
+    # an unquoted value Hydra's grammar cannot read (non-ASCII): the message says how to quote it
+    proc = run_train(["wandb.tags=[héllo]", f"out_dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2 and "quote a value" in proc.stderr, proc.stderr
 
 
 def test_model_presets_are_the_model_package_presets():

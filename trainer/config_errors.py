@@ -50,7 +50,10 @@ def config_error_from(exc: BaseException, schema: type = TrainConfig) -> ConfigE
                 msg = f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}"
             return ConfigError(msg)
         if isinstance(e, OverrideParseException):
-            return ConfigError(f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024)")
+            return ConfigError(
+                f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024; quote a value "
+                "with spaces, non-ASCII or special characters, e.g. \"prompt='héllo, world'\")"
+            )
         nxt = e.__cause__ or e.__context__
         if nxt is None and isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
             return ConfigError(str(e).splitlines()[0])
