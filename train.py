@@ -116,6 +116,10 @@ def main_reporting_config_errors() -> int:
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds it; one line says it
             print(f"config error: {err}", file=sys.stderr, flush=True)
+        if not _SWEEP_JOBS:  # a -m command refused before its first job: no sweep folder left behind
+            from trainer.rundir import discard_refused_sweep
+
+            discard_refused_sweep()
         return 2
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
 

@@ -422,6 +422,25 @@ def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "quote a value" in proc.stderr, proc.stderr
 
 
+def test_a_sweep_refused_before_its_first_job_leaves_no_folder(tmp_path):
+    """`-m` with a bad sweep value: config error, exit 2, and no multirun/<time>_<token>/ holding only
+    Hydra's multirun.yaml (config errors write nothing); a folder the user made keeps what it held."""
+    import subprocess
+
+    from helpers_train import describe, train_command
+
+    cmd, env = train_command(["-m", "experiment=cpu_tiny", "seq_len=128,abc", "wandb.mode=disabled"])
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "seq_len='abc'" in proc.stderr, describe(proc)
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    cmd, env = train_command(["-m", "seq_len=128,abc", f"hydra.sweep.dir={mine}", "wandb.mode=disabled"])
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, describe(proc)
+    assert (mine / "notes").is_dir()
+
+
 def test_model_presets_are_the_model_package_presets():
     """``model=<name>`` is ``model.gpt.PRESETS[name]`` (one list of sizes), and sets only model keys."""
     from omegaconf import OmegaConf

@@ -301,8 +301,18 @@ class OutDirCheck(_HydraCallback):
             raise SystemExit(2)
 
     def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check the sweep folder ``hydra.sweep.dir``."""
+        """Check the sweep folder ``hydra.sweep.dir``, and note what it holds before Hydra creates it
+        (``discard_refused_sweep``)."""
         self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
+        from omegaconf import OmegaConf
+
+        try:
+            path = OmegaConf.select(config, "hydra.sweep.dir")
+        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
+            return
+        if path is not None:
+            note_run_dir_before(path)
+            _SWEEP_NOTED[:] = [_key(path)]
 
     @staticmethod
     def _check(config, node: str, key: str) -> None:
@@ -328,6 +338,9 @@ _BEFORE: dict[str, tuple[Path | None, frozenset[str] | None]] = {}
 #: what a single run refused by a config error may have written into its run directory: Hydra's ``.hydra/``
 #: and log file, the lock, the metrics.jsonl that set-up opens (empty), the error summary
 REFUSED_RUN_FILES = frozenset({".hydra", "train.log", LOCK_NAME, "metrics.jsonl", "summary.json"})
+#: what a -m command refused before its first job leaves in the sweep folder
+REFUSED_SWEEP_FILES = frozenset({"multirun.yaml"})
+_SWEEP_NOTED: list[str] = []  # the sweep folder of this process's -m command, noted by OutDirCheck
 
 
 def _key(path) -> str:
@@ -345,7 +358,14 @@ def note_run_dir_before(path) -> None:
     _BEFORE[str(p)] = (missing[-1] if missing else p, None)
 
 
-def discard_refused_run(out_dir) -> bool:
+def discard_refused_sweep() -> bool:
+    """Take back the sweep folder of a ``-m`` command refused by a config error before any job ran (Hydra
+    writes its ``multirun.yaml`` first): True when it did. Only a folder this process created and that
+    holds nothing but that file goes (``discard_refused_run``'s rules)."""
+    return bool(_SWEEP_NOTED) and discard_refused_run(_SWEEP_NOTED[0], allowed=REFUSED_SWEEP_FILES)
+
+
+def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) -> bool:
     """Take back what this process created in ``out_dir`` for a run that a config error refused, so that
     the refused command leaves nothing behind; True when it did (then write nothing more there).
 
@@ -365,7 +385,7 @@ def discard_refused_run(out_dir) -> bool:
         return True
     new = set(os.listdir(p)) - set(before or ())
     metrics = p / "metrics.jsonl"
-    if not new <= REFUSED_RUN_FILES or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
+    if not new <= allowed or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
         return False
     for name in new:
         q = p / name
