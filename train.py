@@ -61,6 +61,14 @@ def main(cfg: DictConfig) -> None:
         return
     if multirun and outcome.status != "interrupted":
         return  # the sweep goes on; the run's status is in its summary.json / W&B summary
+    if multirun and int(os.environ.get("RANK", "0")) == 0:  # a signal stops the whole sweep: say so
+        print(
+            f"sweep stopped by a signal in job {hc.job.num} ({out_dir}): the jobs after it did not run. "
+            f"Continue this job with the resume command above; re-launch the others with -m and their "
+            f"values (python -m bench.report {hc.sweep.dir} lists the jobs that ran)",
+            file=sys.stderr,
+            flush=True,
+        )
     sys.exit(outcome.exit_code)
 
 
