@@ -29,6 +29,9 @@ before it could record an ending; ``bench._rundir.run_status`` tells them apart)
 comparison shows "not checked" and is listed under NOT CHECKED with its last step, with or without
 tolerances, since its curve is cut off wherever it stopped.
 
+The table's check column: ok (within the tolerances given), FAIL, not checked (an unfinished run), or
+"—" when no tolerance was given, since then nothing was checked; a run that ended early is named there.
+
 Exit status: 0 all within tolerance (or no tolerance given), 1 a tolerance exceeded or could not be
 checked (no aligned steps, non-finite loss, an unfinished run; each printed), 2 bad input (missing run
 directory or metrics.jsonl, no train/loss, fewer than two runs).
@@ -232,13 +235,15 @@ def _f(x, spec: str = ".4g") -> str:
 
 
 def _check_cell(r: dict) -> str:
-    """The table's check column: FAIL, not checked (an unfinished run), or ok, naming a run that ended
-    early (interrupted, diverged, oom: compared over its logged steps only)."""
+    """The table's check column: FAIL, not checked (an unfinished run), ok (within the tolerances), or
+    "—" when no tolerance was given (nothing was checked); a run that ended early (interrupted,
+    diverged, oom: compared over its logged steps only) is named after it."""
     if r.get("failures"):
         return "FAIL"
     if r.get("not_checked"):
         return "not checked"
-    return f"ok ({r['ended_early']})" if r.get("ended_early") else "ok"
+    cell = "ok" if r.get("tolerance_checked") else "—"
+    return f"{cell} ({r['ended_early']})" if r.get("ended_early") else cell
 
 
 def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
@@ -402,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = compare_pair(ref, run, args.window)
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
+        res["tolerance_checked"] = args.tolerance is not None or args.val_tolerance is not None
         if args.tolerance is not None or args.val_tolerance is not None:
             res["failures"] += [
                 f"{lab}: status {statuses[lab]!r} (not a complete run)"
