@@ -199,7 +199,8 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     "args,message",
     [
         (["run={tmp}/nope"], "no such run directory"),
-        (["run={empty}"], "it has no checkpoint"),
+        (["run={empty}"], "it has no checkpoint (looked in"),
+        (["run={empty}"], "ended before its first checkpoint (checkpoint.interval): train anew"),
         (["ckpt={tmp}/nope.pt"], "no such checkpoint file"),
         ([], "say which run"),
         (["run={run}", "prompt='héllo'"], "character 'é'"),

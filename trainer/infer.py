@@ -51,9 +51,11 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     if path is None:
         found = len(ckpt.list_checkpoints(run_dir))
         why = f"none of its {found} checkpoints loads" if found else "it has no checkpoint"
-        raise InferError(
-            f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); train it further or pass ckpt=PATH"
-        )
+        # a run with no checkpoint cannot be resumed either (resume=true needs one): say what does work
+        fix = "pass ckpt=PATH of a checkpoint that loads"
+        if not found:
+            fix = "it ended before its first checkpoint (checkpoint.interval): train anew or pass ckpt=PATH"
+        raise InferError(f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); {fix}")
     return path, state, run_dir
 
 
