@@ -9,7 +9,8 @@ keys. Faults (all optional):
 - ``step_sleep_s``: sleep this long after each step, before the stop-signal check (time to send signals);
 - ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it);
 - ``sigkill_at_finish``: SIGKILL this process as it starts its ending (after the last step and its final
-  checkpoint, before the final summary is written): a run killed during its ending.
+  checkpoint, before the final summary is written): a run killed during its ending;
+- ``sigkill_at_step``: SIGKILL this process as update k ends (a run killed mid-training).
 """
 
 from __future__ import annotations
@@ -35,12 +36,15 @@ def install(faults: dict) -> None:
     step_fn, stop_fn, eval_fn = Trainer._train_step, Trainer._stop_requested, Trainer.evaluate
     finish_fn = Trainer._finish
     nan_at, oom_at = faults.get("nan_at_step"), faults.get("raise_oom_at_step")
+    kill_at = faults.get("sigkill_at_step")
     step_sleep, eval_sleep = float(faults.get("step_sleep_s", 0)), float(faults.get("eval_sleep_s", 0))
 
     def train_step(self, s):
         if oom_at is not None and s == int(oom_at):
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory (simulated: fault.raise_oom_at_step={s})")
         loss, grad_norm = step_fn(self, s)
+        if kill_at is not None and s == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
         if nan_at is not None and s == int(nan_at):
             return math.nan, math.nan
         return loss, grad_norm

@@ -67,6 +67,27 @@ def test_refused_resume_of_a_run_killed_in_its_ending_changes_nothing(killed_in_
     assert (killed_in_ending / "summary.json").read_bytes() == before  # "nothing was changed" holds
 
 
+def test_readers_do_not_advise_resuming_a_run_killed_in_its_ending(killed_in_ending, killed_run_dir):
+    """Readers call a run killed in its ending (checkpoint of its last step) complete and point to eval,
+    not to a resume that would only say it is finished; a run killed mid-training still gets the resume."""
+    from trainer.rundir import true_status
+
+    status, note = true_status(killed_in_ending, summary(killed_in_ending))
+    assert status == "killed" and "its training is complete" in note and "eval.py" in note, note
+    assert "resume it with" not in note, note
+    status, note = true_status(killed_run_dir, summary(killed_run_dir))
+    assert status == "killed" and "resume it with python train.py resume=true" in note, note
+
+
+@pytest.fixture(scope="module")
+def killed_run_dir(tmp_path_factory, tiny) -> Path:
+    """A 16-step run SIGKILLed mid-training, after its step-8 checkpoint."""
+    out = tmp_path_factory.mktemp("midway") / "run"
+    proc = run_train(tiny(out, max_steps=16, checkpoint__interval=8, fault__sigkill_at_step=10))
+    assert proc.returncode == -9, describe(proc)
+    return out
+
+
 def test_a_concurrent_reader_does_not_make_a_killed_run_look_alive(killed_in_ending):
     import fcntl
 

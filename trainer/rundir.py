@@ -510,12 +510,38 @@ def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
     status = summary.get("status")
     if not is_stale_running(run_dir, summary):
         return status, None
-    note = (
-        f"{unfinished_text(last_trained_step(run_dir))}: summary.json still said 'running' but no process "
-        "holds the run directory any more (killed, or crashed past the normal ending); resume it with "
-        f"python train.py resume=true out_dir={run_dir}"
+    last = last_trained_step(run_dir)
+    head = (
+        f"{unfinished_text(last)}: summary.json still said 'running' but no process holds the run directory"
     )
+    if _trained_to_the_end(run_dir):  # killed in its ending: a resume would find nothing to do
+        note = (
+            f"{head} any more (killed in its ending, after a checkpoint of its last step): its training is "
+            f"complete, only the ending's records are missing; sample or evaluate it (python eval.py "
+            f"run={run_dir}), a resume has nothing left to run"
+        )
+    else:
+        note = (
+            f"{head} any more (killed, or crashed past the normal ending); resume it with "
+            f"python train.py resume=true out_dir={run_dir}"
+        )
     return KILLED, note
+
+
+def _trained_to_the_end(run_dir: Path) -> bool:
+    """True when the run's newest checkpoint is of step max_steps (config.resolved.yaml's)."""
+    import yaml
+
+    from trainer.checkpoint import list_checkpoints
+
+    try:
+        max_steps = (yaml.safe_load((Path(run_dir) / "config.resolved.yaml").read_text()) or {}).get(
+            "max_steps"
+        )
+    except (OSError, yaml.YAMLError, AttributeError):
+        return False
+    found = list_checkpoints(run_dir)
+    return isinstance(max_steps, int) and bool(found) and found[0][0] >= max_steps
 
 
 def mark_killed_on_resume(run_dir: Path) -> str | None:
