@@ -82,6 +82,12 @@ def train_env(**extra) -> dict:
     return env
 
 
+def offline_train_env() -> dict:
+    """train.py's environment with the network cut off: any download fails at once."""
+    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
+    return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
+
+
 def train_command(args: list[str], launcher: list[str] | None = None, env: dict | None = None):
     """(argv, env) of ``python train.py ARGS`` (or ``launcher + [train.py] + ARGS``).
 

@@ -22,17 +22,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers_train import REPO, describe, run_train, summary, train_command, train_env
+from helpers_train import REPO, describe, offline_train_env, run_train, summary, train_command
 
 from trainer.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
-
-
-def _offline_env() -> dict:
-    """train.py's environment with the network cut off: any download fails at once."""
-    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
-    return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +44,7 @@ def test_resume_into_a_dir_without_a_run_prepares_no_data(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     missing = tmp_path / "no_such_run"
-    cmd, env = train_command(["resume=true", f"out_dir={missing}"], env=_offline_env())
+    cmd, env = train_command(["resume=true", f"out_dir={missing}"], env=offline_train_env())
     proc = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, describe(proc)
     assert "has no loadable checkpoint" in proc.stderr, describe(proc)
@@ -138,7 +132,7 @@ def test_resume_with_an_empty_saved_config_is_refused(killed_in_ending, tmp_path
     saved.write_text("")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    cmd, env = train_command(["resume=true", f"out_dir={run}"], env=_offline_env())
+    cmd, env = train_command(["resume=true", f"out_dir={run}"], env=offline_train_env())
     proc = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, describe(proc)
     assert f"the run's saved config {saved} does not load" in proc.stderr, describe(proc)

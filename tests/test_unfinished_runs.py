@@ -21,6 +21,7 @@ import pytest
 from helpers_train import (
     REPO,
     describe,
+    offline_train_env,
     read_jsonl,
     run_train,
     summary,
@@ -34,12 +35,6 @@ from trainer.wandb_read import read_offline_run
 pytestmark = pytest.mark.slow
 
 KILL_AFTER = 5  # the killed run is killed once it has logged this step (checkpoints every 4)
-
-
-def _offline_env() -> dict:
-    """train.py's environment with the network cut off: any download fails at once."""
-    dead = "http://127.0.0.1:9"  # the discard port: nothing listens
-    return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +87,7 @@ def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespe
     assert first.returncode == 0, describe(first)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    cmd, env = train_command(["resume=true", f"out_dir={out}", "max_steps=8"], env=_offline_env())
+    cmd, env = train_command(["resume=true", f"out_dir={out}", "max_steps=8"], env=offline_train_env())
     again = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, describe(again)
     assert list(elsewhere.iterdir()) == []  # no data/, runs/ or anything else prepared here
