@@ -153,3 +153,22 @@ def test_resume_trainer_gpu_over_a_cpu_run_takes_the_gpu_keys(killed_in_ending):
     assert keys == ["trainer"]  # what the start-up line says the command line set
     # the run was trainer=cpu (compile false, from configs/trainer/cpu.yaml); trainer=gpu: the default
     assert fresh.compile is not False and merged.compile == fresh.compile, merged.compile
+
+
+def test_resume_from_another_folder_reads_the_runs_relative_data_dir(tiny, tmp_path):
+    """A run started in folder A with a relative data.dir, resumed from folder B without overrides: the
+    data dir is A's (derived.cwd anchors it), so B gets nothing (no second data preparation)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    out = tmp_path / "run"
+    cmd, env = train_command(tiny(out, max_steps=4, checkpoint__interval=4, data__dir="chars"))
+    first = subprocess.run(cmd, cwd=str(a), env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0 and (a / "chars" / "train.bin").is_file(), describe(first)
+    cmd, env = train_command(["resume=true", f"out_dir={out}", "max_steps=6"], env=offline_train_env())
+    again = subprocess.run(cmd, cwd=str(b), env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, describe(again)
+    assert list(b.iterdir()) == [], list(b.rglob("*"))
+    saved = (out / "config.resolved.yaml").read_text()
+    assert f"dir: {a / 'chars'}" in saved, saved
+    assert summary(out)["steps"] == 6

@@ -309,6 +309,7 @@ class Setup:
         resolved = C.to_dict(cfg)
         resolved["derived"] = self._derived()
         # the group options (trainer=cpu, model=tiny, ...): a resume changing one undoes the old one's keys
+        resolved["derived"]["cwd"] = os.getcwd()  # what relative paths in this config are relative to
         resolved["derived"][resume_config.CHOICES_KEY] = resume_config.run_choices(
             self.out_dir, self.overrides, bool(cfg.resume)
         )

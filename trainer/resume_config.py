@@ -115,6 +115,7 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
             if old_choices.get(group) is not None:
                 undone |= _group_keys(group, old_choices[group])
         merged = OmegaConf.merge(cfg, _drop(saved, cfg, undone))
+        _anchor_relative_paths(merged, saved, keys)
     except Exception as e:  # noqa: BLE001 - YAML and OmegaConf's validation errors alike
         raise ConfigError(
             f"resume=true: the run's saved config {path} does not load ({type(e).__name__}: "
@@ -173,3 +174,26 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
         return current
     chosen = _groups_set(overrides)
     return {**old, **{g: v for g, v in current.items() if g in chosen}}
+
+
+#: saved path keys that are relative to the working directory of the run's start
+_CWD_PATHS = ("data.dir", "data.source")
+
+
+def _anchor_relative_paths(merged, saved: dict, set_here: set[str]) -> None:
+    """A relative data.dir / data.source taken from the saved config means what it meant in the run's own
+    working directory (``derived.cwd``), not in the resume's: a resume from elsewhere would otherwise
+    prepare (or download) the data again in a new place. Keys this command line set keep their value."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    derived = saved.get("derived")
+    cwd = derived.get("cwd") if isinstance(derived, dict) else None
+    if not isinstance(cwd, str) or Path(cwd) == Path.cwd():
+        return
+    for key in _CWD_PATHS:
+        value = OmegaConf.select(merged, key)
+        if key in set_here or not isinstance(value, str) or "://" in value or os.path.isabs(value):
+            continue
+        OmegaConf.update(merged, key, str(Path(cwd) / value))
