@@ -117,6 +117,8 @@ CONFIG_KEYS_IGNORED = (
     "device",
     "data.source",
     "data.dir",
+    "derived.cwd",  # the folder the run started in
+    "derived.group_choices",  # the group options (attention=flash, ...): their keys are compared themselves
 )
 
 

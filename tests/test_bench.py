@@ -671,6 +671,20 @@ def test_compare_warns_when_configs_differ(tmp_path, seed, capsys):
     assert diffs == {"max_steps": [30, 60], "optim.decay_steps": [None, 30], "seq_len": [64, 128]}
 
 
+def test_compare_ignores_where_and_how_a_config_was_composed():
+    """derived.cwd and derived.group_choices (attention=flash vs sdpa) are no config difference; a real
+    key under derived (the micro-batch the plan chose) still is."""
+
+    def cfg(cwd: str, backend: str) -> dict:
+        derived = {"cwd": cwd, "group_choices": {"attention": backend}, "micro_batch_size": 8}
+        return {"seq_len": 64, "derived": derived}
+
+    a, b = cfg("/x", "sdpa"), cfg("/y", "flash")
+    assert bc.config_differences(a, b) == {}
+    b["derived"]["micro_batch_size"] = 4
+    assert bc.config_differences(a, b) == {"derived.micro_batch_size": (8, 4)}
+
+
 def test_compare_names_and_reports_attention_variants(tmp_path, seed, capsys):
     """A window / document-mask / attention-dropout ablation (issue 16): each run's label names its variant
     and the differing keys are reported (they change what the curve means), while the backend name is not."""
