@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from data.prepare import atomic_write
 from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import progress, resume_config, rundir
@@ -308,8 +309,8 @@ class Setup:
         wandb_id = state.get("wandb_run_id") if state is not None else None
         resolved = C.to_dict(cfg)
         resolved["derived"] = self._derived()
-        # the group options (trainer=cpu, model=tiny, ...): a resume changing one undoes the old one's keys
         resolved["derived"]["cwd"] = os.getcwd()  # what relative paths in this config are relative to
+        # the group options (trainer=cpu, model=tiny, ...): a resume changing one undoes the old one's keys
         resolved["derived"][resume_config.CHOICES_KEY] = resume_config.run_choices(
             self.out_dir, self.overrides, bool(cfg.resume)
         )
@@ -318,10 +319,8 @@ class Setup:
             group = self.out_dir.parent.name
         if d.is_main:
             # temp file + rename: a kill mid-write never leaves a truncated record for the next resume
-            path = self.out_dir / "config.resolved.yaml"
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-            os.replace(tmp, path)
+            text = OmegaConf.to_yaml(OmegaConf.create(resolved)).encode()
+            atomic_write(self.out_dir / rundir.RESOLVED_CONFIG, lambda f: f.write(text))
         self.log.start_wandb(
             mode=cfg.wandb.mode,
             project=cfg.wandb.project,
@@ -375,7 +374,7 @@ class Setup:
             )
         if cfg.resume:
             self.say(f"resumed from {self.resume_path} at step {self.step}")
-            for line in getattr(self, "resume_intro", ()):
+            for line in self.resume_intro:
                 self.say(line)
             for note in self.resume_notes:
                 self.say(note)

@@ -267,15 +267,9 @@ def _stale_temp(path: Path) -> bool:
     pid = path.name.split("-")[1] if path.name.count("-") >= 2 else ""
     if not pid.isdigit():
         return False
-    if int(pid) == os.getpid():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: alive, another user's
-        return False
-    return False
+    from trainer.rundir import pid_alive
+
+    return int(pid) == os.getpid() or not pid_alive(int(pid))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:

@@ -485,7 +485,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             cfg, set_here = resume_config.resume_config(cfg, run_dir, overrides)
             if set_here is not None:
                 given = ", ".join(set_here) or "nothing"
-                saved = run_dir / resume_config.RESOLVED_CONFIG
+                saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir)  # before check_out_dir: the more specific message
         check_out_dir(cfg, out_dir)

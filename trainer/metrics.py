@@ -72,7 +72,8 @@ def _jsonable(v):
     return v
 
 
-def _step_of(row: dict) -> int | None:
+def step_of(row: dict) -> int | None:
+    """A metrics row's step as an int (None when it has none)."""
     s = row.get("step")
     return int(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else None
 
@@ -87,9 +88,9 @@ def live_branch(rows: list[dict]) -> list[dict]:
     out: list[dict] = []
     top: int | None = None
     for row in rows:
-        s = _step_of(row)
+        s = step_of(row)
         if s is not None and top is not None and s < top:
-            out = [r for r in out if (_step_of(r) is None or _step_of(r) <= s)]
+            out = [r for r in out if (step_of(r) is None or step_of(r) <= s)]
         if s is not None:
             top = s if top is None or s < top else max(top, s)
         out.append(row)
@@ -101,6 +102,31 @@ def write_json_atomic(path: Path, obj: dict) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def read_metric_lines(out_dir: Path) -> list[tuple[dict | None, str]]:
+    """(parsed row or None, raw line) of every non-blank line of ``<out_dir>/metrics.jsonl`` ([] without
+    one); a line that does not parse (a killed run's truncated last one) gives None."""
+    path = Path(out_dir) / "metrics.jsonl"
+    out: list[tuple[dict | None, str]] = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        out.append((row if isinstance(row, dict) else None, line))
+    return out
+
+
+def read_metric_rows(out_dir: Path) -> list[dict]:
+    """The rows of ``<out_dir>/metrics.jsonl`` that parse (``read_metric_lines``)."""
+    return [r for r, _ in read_metric_lines(out_dir) if r is not None]
 
 
 class RunLogger:
@@ -224,25 +250,12 @@ class RunLogger:
 
     def last_logged_step(self) -> int | None:
         """Highest step of metrics.jsonl's live branch (None when nothing is logged)."""
-        rows = [r for r, _ in self._read_lines() if r is not None]
-        steps = [x for x in map(_step_of, live_branch(rows)) if x is not None]
+        steps = [x for x in map(step_of, live_branch(read_metric_rows(self.out_dir))) if x is not None]
         return max(steps) if steps else None
 
     def _read_lines(self) -> list[tuple[dict | None, str]]:
         """(parsed row or None, raw line) of every non-blank line of metrics.jsonl."""
-        path = self.out_dir / "metrics.jsonl"
-        out: list[tuple[dict | None, str]] = []
-        if not path.is_file():
-            return out
-        for line in path.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a truncated last line of a killed run
-                row = None
-            out.append((row if isinstance(row, dict) else None, line))
-        return out
+        return read_metric_lines(self.out_dir)
 
     def set_apart_after(self, step: int) -> dict | None:
         """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older
@@ -258,12 +271,12 @@ class RunLogger:
             return None
         lines = self._read_lines()
         rows = [r for r, _ in lines if r is not None]
-        keep_ids = {id(r) for r in live_branch(rows) if (_step_of(r) or 0) <= step}
+        keep_ids = {id(r) for r in live_branch(rows) if (step_of(r) or 0) <= step}
         kept = [raw for r, raw in lines if r is not None and id(r) in keep_ids]
         gone = [(r, raw) for r, raw in lines if r is None or id(r) not in keep_ids]
         if not gone:
             return None
-        steps = [x for x in (_step_of(r) for r, _ in gone if r is not None) if x is not None]
+        steps = [x for x in (step_of(r) for r, _ in gone if r is not None) if x is not None]
         last = max(steps) if steps else step + 1
         payload = "".join(raw + "\n" for _, raw in gone)
         base = f"metrics.abandoned.{step + 1}-{last}"

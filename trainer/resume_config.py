@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.fields import ConfigError
+from trainer.rundir import RESOLVED_CONFIG
 
-#: the record of a run's resolved config, rewritten by every start of the run (trainer/build.py)
-RESOLVED_CONFIG = "config.resolved.yaml"
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
 _NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -25,15 +24,23 @@ def override_keys(overrides: list[str]) -> set[str]:
     such as ``trainer=cpu`` or ``experiment=cpu_tiny`` its keys and the groups its defaults list picks).
     ``hydra.*`` overrides are left out (they are no run keys)."""
     keys: set[str] = set()
+    for key, value in _parsed(overrides):
+        keys.add(key)
+        if value is not None and "." not in key:
+            keys |= _group_keys(key, value)
+    return keys
+
+
+def _parsed(overrides: list[str]) -> list[tuple[str, str | None]]:
+    """(key, value or None for a bare ``~key``) of each override, ``+``/``~`` stripped, ``hydra.*`` and
+    Hydra's own groups left out."""
+    out = []
     for o in overrides:
         key, sep, value = o.lstrip("+~").partition("=")
         key = key.strip()
-        if not key or key.startswith("hydra"):
-            continue
-        keys.add(key)
-        if sep and "." not in key:
-            keys |= _group_keys(key, value.strip())
-    return keys
+        if key and not key.startswith("hydra"):
+            out.append((key, value.strip() if sep else None))
+    return out
 
 
 def _group_keys(group: str, name: str, depth: int = 0) -> set[str]:
@@ -133,13 +140,7 @@ CHOICES_KEY = "group_choices"
 
 def _groups_set(overrides: list[str]) -> set[str]:
     """Config groups the command line chose an option of (``G=NAME``, ``+G=NAME``; no dotted keys)."""
-    out = set()
-    for o in overrides:
-        key, sep, _ = o.lstrip("+~").partition("=")
-        key = key.strip()
-        if sep and key and "." not in key and not key.startswith("hydra"):
-            out.add(key)
-    return out
+    return {key for key, value in _parsed(overrides) if value is not None and "." not in key}
 
 
 def _saved_choices(saved: dict) -> dict:

@@ -341,6 +341,8 @@ REFUSED_RUN_FILES = frozenset({".hydra", "train.log", LOCK_NAME, "metrics.jsonl"
 #: what a -m command refused before its first job leaves in the sweep folder
 REFUSED_SWEEP_FILES = frozenset({"multirun.yaml"})
 _SWEEP_NOTED: list[str] = []  # the sweep folder of this process's -m command, noted by OutDirCheck
+#: the record of a run's resolved config, rewritten by every start of the run (trainer/build.py)
+RESOLVED_CONFIG = "config.resolved.yaml"
 
 
 def _key(path) -> str:
@@ -420,15 +422,16 @@ def check_out_dir(cfg, out_dir: Path) -> None:
         raise ConfigError(problem)
     if cfg.resume:
         return
+    from trainer.checkpoint import list_checkpoints
+
     out_dir = Path(out_dir)
-    ckpts = list((out_dir / "ckpt").glob("step_*.pt")) if (out_dir / "ckpt").is_dir() else []
+    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
     try:
         status = json.loads((out_dir / "summary.json").read_text()).get("status")
     except (OSError, ValueError):
         status = None
     # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
-    any_ckpt = (out_dir / "ckpt").is_dir() and any((out_dir / "ckpt").glob("step_*"))  # files or DCP dirs
-    if not any_ckpt and status not in (None, "error"):
+    if not ckpts and status not in (None, "error"):
         # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
         raise ConfigError(
             f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
@@ -450,28 +453,19 @@ KILLED = "killed"
 def last_trained_step(run_dir: Path) -> int | None:
     """The highest step with a ``train/loss`` in ``<run_dir>/metrics.jsonl`` (None when there is none);
     unparsable lines (a killed run's truncated last line) are skipped."""
-    p = Path(run_dir) / "metrics.jsonl"
-    best = None
-    try:
-        lines = p.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and "train/loss" in row and isinstance(row.get("step"), int):
-            best = row["step"] if best is None else max(best, row["step"])
-    return best
+    from trainer.metrics import read_metric_rows, step_of
+
+    steps = [step_of(r) for r in read_metric_rows(Path(run_dir)) if "train/loss" in r]
+    return max((s for s in steps if s is not None), default=None)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts: signal 0 is refused, EPERM)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's live process
+    except OSError:  # EPERM: alive, another user's
         return True
     return True
 
@@ -494,7 +488,7 @@ def is_stale_running(run_dir: Path, summary: dict) -> bool:
         return held_by_live_process(run_dir) is None
     pid, host = summary.get("pid"), summary.get("host")
     if isinstance(pid, int) and host == socket.gethostname():
-        return not _pid_alive(pid)
+        return not pid_alive(pid)
     return False
 
 
@@ -535,9 +529,7 @@ def _trained_to_the_end(run_dir: Path) -> bool:
     from trainer.checkpoint import list_checkpoints
 
     try:
-        max_steps = (yaml.safe_load((Path(run_dir) / "config.resolved.yaml").read_text()) or {}).get(
-            "max_steps"
-        )
+        max_steps = (yaml.safe_load((Path(run_dir) / RESOLVED_CONFIG).read_text()) or {}).get("max_steps")
     except (OSError, yaml.YAMLError, AttributeError):
         return False
     found = list_checkpoints(run_dir)
