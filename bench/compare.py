@@ -405,30 +405,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
     not_checked = []
+    checked = args.tolerance is not None or args.val_tolerance is not None
     for run in others:
         res = compare_pair(ref, run, args.window)
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
-        res["tolerance_checked"] = args.tolerance is not None or args.val_tolerance is not None
-        if args.tolerance is not None or args.val_tolerance is not None:
-            res["failures"] += [
-                f"{lab}: status {statuses[lab]!r} (not a complete run)"
-                for lab in (ref.label, run.label)
-                if statuses[lab] != "ok" and lab not in unfinished
-            ]
+        res["tolerance_checked"] = checked
+        pair = list(dict.fromkeys((ref.label, run.label)))
+        # a run that ended early (interrupted, diverged, oom) is compared over its logged steps only: say so
+        early = [lab for lab in pair if statuses[lab] != "ok" and lab not in unfinished]
+        if checked:
+            res["failures"] += [f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early]
         # with or without tolerances: a curve that is still growing (or was cut off) cannot pass
         res["not_checked"] = [
             f"{lab}: {unfinished[lab]}; the run is unfinished, so its comparison is not meaningful"
-            for lab in dict.fromkeys((ref.label, run.label))
+            for lab in pair
             if lab in unfinished
         ]
-        # a run that ended early (interrupted, diverged, oom) is compared over its logged steps only: say so
-        early = [
-            f"{lab} {statuses[lab]}"
-            for lab in dict.fromkeys((ref.label, run.label))
-            if statuses[lab] != "ok" and lab not in unfinished
-        ]
-        res["ended_early"] = ", ".join(early) or None
+        res["ended_early"] = ", ".join(f"{lab} {statuses[lab]}" for lab in early) or None
         failures += res["failures"]
         not_checked += [m for m in res["not_checked"] if m not in not_checked]
         results.append(res)
@@ -460,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nNOT CHECKED (unfinished runs):\n  " + "\n  ".join(not_checked))
     if failures or not_checked:
         return 1
-    if args.tolerance is not None or args.val_tolerance is not None:
+    if checked:
         print("\nall within tolerance")
     return 0
 
