@@ -194,14 +194,9 @@ def compile_kernel(
         target=GPUTarget("cuda", arch, 32),
         options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, debug=inductor),
     )
-    return _compile_info(kernel, dtype, head_dim, cfg, compiled, arch)
-
-
-def _compile_info(kernel: str, dtype: torch.dtype, head_dim: int, cfg: TileConfig, compiled, arch: int):
-    """CompileInfo of a compiled kernel: shared memory, ptxas' registers and spills, wgmma / TMA use, and
-    whether ptxas serialised the wgmma (warnings C7514 / C7515)."""
-    regs, st, ld, ptxas_log = _ptxas_report(compiled.asm["ptx"], arch)
     ptx = compiled.asm["ptx"]
+    regs, st, ld, ptxas_log = _ptxas_report(ptx, arch)
+    # wgmma serialised by ptxas: warning C7514 or C7515
     return CompileInfo(
         kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
         "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, "C7514" in ptxas_log or "C7515" in ptxas_log,
