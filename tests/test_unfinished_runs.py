@@ -11,10 +11,8 @@ CPU, real files, the offline W&B run read back).
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ from helpers_train import (
     REPO,
     describe,
     offline_train_env,
-    read_jsonl,
     run_train,
     summary,
     train_command,
@@ -49,22 +46,10 @@ def finished_run(tmp_path_factory, tiny) -> Path:
 def killed_run(tmp_path_factory, tiny) -> Path:
     """A 16-step run SIGKILLed after it logged step KILL_AFTER: no ending, summary.json says "running"."""
     out = tmp_path_factory.mktemp("killed") / "run"
-    cmd, env = train_command(
-        tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__step_sleep_s=0.3)
+    proc = run_train(
+        tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__sigkill_at_step=KILL_AFTER + 1)
     )
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").is_file() and any(
-                r.get("step", 0) >= KILL_AFTER and "train/loss" in r for r in read_jsonl(out)
-            ):
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it was killed"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.wait(timeout=60)
+    assert proc.returncode == -9, describe(proc)  # killed as update KILL_AFTER + 1 ended, before its log
     assert summary(out)["status"] == "running"
     return out
 
