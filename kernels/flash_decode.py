@@ -8,10 +8,10 @@ fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_
 compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
-H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from an H200 sweep
-(bench/NOTES.md, "Decode tiles"; the 128-key tile and the no-lengths path are not yet re-run on a GPU); the
-speed figures are in bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with
-this tile and 20 calls per CUDA graph).
+H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from H200 sweeps
+(bench/NOTES.md, "Decode tiles" and "Decode splits"); the speed figures are in
+bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with the split rule of
+"Decode splits", which no full benchmark has run yet).
 """
 
 from __future__ import annotations
@@ -42,20 +42,23 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head): enough that splits x ``programs`` (B x Hkv) programs give about
-    two per SM on a GPU (4 programs under the interpreter), at most one split per key tile and 128 in all.
+    """Key splits per (sequence, KV head), at most one per key tile and 128 in all.
 
-    Checked on the H200 (bf16, Hkv 8, group 8, one query row, d 64/128, L 8k-128k; the one-off tile sweep
-    in bench/NOTES.md, "Decode tiles"): the count chosen here (33 at batch 1, 3 at batch 16, before
-    ``_launch_decode`` rounds the split length to whole tiles) times at or within noise of the best split
-    count there, which was 16-33 at batch 1 and 3-16 at batch 16.
+    GPU: with fewer (sequence, KV head) pairs (``programs`` = B x Hkv) than SMs, about one program per SM
+    (batch 1, Hkv 8 on the H200's 132 SMs: 17, 16 after ``_launch_decode`` rounds the split length to whole
+    tiles; batch 16: 2); with more, 4 per pair. Measured on the H200 (bf16, Hkv 8, group 4, one query row,
+    K/V cycling through L2-spanning copies; bench/NOTES.md, "Decode splits"): two programs per SM (the
+    previous rule) cost d = 128 batch 1 at 8k 17.6 us against 14.5 us at 16 splits, since a split of two
+    128-key tiles is too short to fill the load pipeline; at batch 64 one split per pair left d = 64 at
+    283 us (8k) and 1127 us (32k) against 249 / 954 us with 4. Under the interpreter: 4 programs in all.
     """
     n_blocks = _cdiv(n_max, block_n)
-    if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
-    return max(1, min(n_blocks, 128, _cdiv(target, max(1, programs))))
+    programs = max(1, programs)
+    if device.type != "cuda":
+        return max(1, min(n_blocks, 128, _cdiv(4, programs)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = _cdiv(sms, programs) if programs < sms else 4
+    return max(1, min(n_blocks, 128, want))
 
 
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
