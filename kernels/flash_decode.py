@@ -146,10 +146,36 @@ def _block_n(d: int, dtype: torch.dtype) -> int:
     return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
 
 
-def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
+_auto_block_n = _block_n  # _launch_decode's name for it: its ``_block_n`` override parameter shadows it
+
+
+def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits) of ``num_splits`` requested splits: a split is a whole number of key
+    tiles, and the count is recomputed from that length so that no split is empty for Nmax."""
+    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
+    return split_len, _cdiv(n_max, split_len)
+
+
+def _launch_decode(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    scale: float,
+    num_splits: int,
+    traced: bool = False,
+    *,
+    _block_n: int | None = None,
+    _num_warps: int | None = None,
+    _num_stages: int | None = None,
+):
     """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation.
     cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
-    is built, so no fill kernel runs per call)."""
+    is built, so no fill kernel runs per call).
+
+    ``_block_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
+    of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
+    keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed)."""
     from ._decode_kernels import build_decode_kernels
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
@@ -162,10 +188,14 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = Hq // Hkv
-    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d, q.dtype)
-    # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
-    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
-    splits = _cdiv(n_max, split_len)
+    block_d, block_m = _pow2(d), _pow2(group * Nq)
+    block_n = _auto_block_n(d, q.dtype) if _block_n is None else int(_block_n)
+    launch_opts = {
+        name: int(value)
+        for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
+        if value is not None
+    }
+    split_len, splits = _split_layout(n_max, num_splits, block_n)
     o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
@@ -194,6 +224,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
             BLOCK_D=block_d,
             DOT_PRECISION=_dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
+            **launch_opts,
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
             o_part,
