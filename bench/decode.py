@@ -14,11 +14,16 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 (kernels.flash_decode), ``naive`` (float32 scores, k/v repeated for GQA), and
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
-the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA), twice on a
-GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host is
-slower than the kernel); ``ms`` is the replay time of one CUDA graph holding ``GRAPH_CALLS`` (20)
+the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA, warm-up
+``--warmup-ms`` 10 and ``--rep-ms`` 40; a call of 10 ms or more, ``TIMER_SLOW_MS``: median of 3 calls), twice
+on a GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host
+is slower than the kernel); ``ms`` is the replay time of one CUDA graph holding ``GRAPH_CALLS`` (20)
 back-to-back calls (each call's output overwritten by the next), divided by
-``GRAPH_CALLS`` (``--no-graphs`` to skip). That is how a serving loop or
+``GRAPH_CALLS`` (``--no-graphs`` to skip). Long calls are timed eagerly only: when ``ms_eager`` is at
+least ``EAGER_ONLY_MS`` (1 ms) the record has ``timing: "eager"`` and ``ms = ms_eager`` (``time_call``):
+the host's launch overhead (several us) is then a few percent at most and such a cache is far bigger than
+the L2, so a graph would change nothing but cost 20 calls per replay (the naive and sdpa-math providers
+at large cells take tens of ms a call). That is how a serving loop or
 ``torch.compile(mode="reduce-overhead")`` runs a decode step, one graph holding every layer's attention
 call: kernel time only, the same for every provider, with the graph-launch overhead (several us)
 shared by the 20 calls instead of added to each, as a step shares it among its layers. Like a step's
@@ -29,9 +34,21 @@ Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the co
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
 End to end (``--e2e``): randomly initialised GPT-2 124M, a ``--prompt-len`` prompt, ``--new-tokens`` greedy
-tokens, per backend and batch, reporting prefill and decode tokens/sec from ``GPT.generate(timings=...)``.
+tokens, per backend, mode and batch (``--batches``), reporting prefill and decode tokens/sec from
+``GPT.generate(timings=...)`` after a 4-token warm-up generation. Modes: ``eager`` (the growing cache
+view), ``static`` (``static_decode=True``: ``decode_step``'s static shapes, still eager) and ``compiled``
+(static, with ``model._decode_static = torch.compile(model._decode_static)`` as sample.py's
+``compile=true``; there the decode kernel, not Python, sets the speed). A compiled record counts the
+graphs compiled during the timed generation (``recompiles``, 0 when the warm-up compiled everything); a
+compilation failure is that record's error. ``--compile-backend``: inductor on a GPU; the dry run
+defaults to dynamo's ``eager`` backend (the tracing and the op plumbing, without Inductor's CPU code
+generation: about 20 s per model on two cores), recorded as ``compile_backend`` and in the markdown.
 
-Outputs in ``--out``: ``decode_<tag>.json`` and ``decode_<tag>.md`` (also printed).
+Outputs in ``--out``: ``decode_<tag>.json`` and ``decode_<tag>.md`` (also printed), rewritten atomically
+after every kernel shape and every end-to-end record with ``meta["complete"] = False`` (the markdown says
+it is incomplete), and ``complete: True`` at the end: a run killed part-way keeps what it measured.
+Per-shape elapsed seconds go to stderr. ``python -m bench.decode --report decode_<tag>.json`` rewrites a
+results file's markdown.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import json
 import math
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -49,7 +67,8 @@ import torch.nn.functional as F
 
 from bench._attention_report import compact_json
 from bench._providers import sdpa_backend
-from bench._timing import Timer
+from bench._timing import Timer, free_memory
+from data.prepare import atomic_write
 
 PROVIDERS = ("flash-decode", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -91,10 +110,16 @@ def provider_fn(name: str):
 
 
 def reference(q, k, v) -> torch.Tensor:
-    """float32 decode attention of sequence 0 (all cache slots visible), GQA by repeating k/v."""
-    g = q.shape[1] // k.shape[1]
-    q0, k0, v0 = q[:1].float(), k[:1].float().repeat_interleave(g, 1), v[:1].float().repeat_interleave(g, 1)
-    return torch.softmax(q0 @ k0.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v0
+    """float32 decode attention of sequence 0 (all cache slots visible), (1, Hq, Nq, d). GQA: the query
+    heads of one KV head are grouped as rows against that head's k/v, not k/v repeated per query head
+    (the same products, without a float32 copy of the cache per query head: 8.6 GB at group 8, d 128,
+    131k context)."""
+    _, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    q0 = q[:1].float().reshape(1, hkv, (hq // hkv) * nq, d)  # query head h = hk * group + g
+    k0, v0 = k[:1].float(), v[:1].float()
+    o = torch.softmax(q0 @ k0.transpose(-1, -2) / math.sqrt(d), -1) @ v0
+    return o.reshape(1, hq, nq, d)
 
 
 def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
@@ -109,6 +134,11 @@ def copy_ceiling_gbs(device: torch.device, timer: Timer, nbytes: int) -> float:
 # costs several microseconds, about a batch-1 decode kernel's own time: a decode step pays it once for
 # all layers, so a graph of one call would add it to every figure (module docstring).
 GRAPH_CALLS = 20
+# A provider whose eager median is at least this long (ms) is not also timed as a CUDA graph (module
+# docstring): its launch overhead is a few percent at most, its cache far bigger than the L2.
+EAGER_ONLY_MS = 1.0
+# Timer.slow_ms of the kernel sweep: calls this long (ms) are timed as the median of 3 calls
+TIMER_SLOW_MS = 10.0
 
 
 def _l2_copies(q, k, v, kv_bytes: int) -> list[tuple]:
@@ -139,6 +169,16 @@ def _captured(fn, arg_sets: list[tuple], calls: int = GRAPH_CALLS) -> torch.cuda
     return graph
 
 
+def time_call(fn, args: tuple, timer, graph_ms=None) -> dict:
+    """``ms``, ``ms_eager`` and ``timing`` of ``fn(*args)``: the eager median from ``timer``, then, unless
+    ``graph_ms`` is None (no graphs) or the eager median is at least ``EAGER_ONLY_MS``, ``graph_ms(fn)``
+    (the CUDA-graph time per call) as ``ms``; else ``ms = ms_eager`` and timing "eager"."""
+    ms_eager = timer(lambda: fn(*args))
+    if graph_ms is None or ms_eager >= EAGER_ONLY_MS:
+        return dict(ms=ms_eager, ms_eager=ms_eager, timing="eager")
+    return dict(ms=graph_ms(fn), ms_eager=ms_eager, timing="cuda_graph")
+
+
 def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int) -> list[dict]:
     """Records of every provider for one (d, group, batch, context) decode step."""
     hkv = args.kv_heads
@@ -154,7 +194,19 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
     kv_bytes = 2 * b * hkv * ctx * d * q.element_size()
     records = []
     copies = None  # the L2-spanning input copies of the graph timing, made at the first graph
+
+    def graph_ms(fn) -> float:
+        nonlocal copies
+        copies = copies or _l2_copies(q, k, v, kv_bytes)
+        graph = _captured(fn, copies)
+        try:
+            return timer(graph.replay) / GRAPH_CALLS
+        finally:
+            del graph
+
+    seconds = []
     for p in args.providers.split(","):
+        t0 = time.perf_counter()
         rec = dict(d=d, group=group, batch=b, context=ctx, provider=p, kv_bytes=kv_bytes)
         try:
             fn = provider_fn(p)
@@ -163,85 +215,160 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                ms = ms_eager = timer(lambda fn=fn: fn(q, k, v))
-                if args.graphs and device.type == "cuda":
-                    copies = copies or _l2_copies(q, k, v, kv_bytes)
-                    graph = _captured(fn, copies)
-                    ms = timer(graph.replay) / GRAPH_CALLS
-                    del graph
-                rec.update(
-                    status="ok",
-                    ms=ms,
-                    ms_eager=ms_eager,
-                    gbs=kv_bytes / (ms * 1e-3) / 1e9,
-                    timing="cuda_graph" if ms is not ms_eager else "eager",
+                timed = time_call(
+                    fn, (q, k, v), timer, graph_ms if args.graphs and device.type == "cuda" else None
                 )
+                rec.update(status="ok", **timed, gbs=kv_bytes / (timed["ms"] * 1e-3) / 1e9)
         except torch.OutOfMemoryError:
             rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
             rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         records.append(rec)
+        seconds.append(f"{p} {time.perf_counter() - t0:.1f}")
         print(json.dumps(rec), flush=True)
+    shape = f"d={d} group={group} batch={b} context={ctx}"
+    print(f"[bench.decode] {shape}: seconds per provider " + ", ".join(seconds), file=sys.stderr)
     return records
 
 
-def kernel_sweep(args, device, timer, dtype) -> list[dict]:
+def kernel_sweep(args, device, timer, dtype, on_shape=None) -> list[dict]:
+    """Records of every shape of the grid; ``on_shape(records)`` after each shape with that shape's."""
     records = []
     for d in _ints(args.dims):
         for group in _ints(args.groups):
             for b in _ints(args.batches):
                 for ctx in _ints(args.contexts):
-                    records += bench_shape(args, device, timer, dtype, d, group, b, ctx)
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    t0 = time.perf_counter()
+                    shape = bench_shape(args, device, timer, dtype, d, group, b, ctx)
+                    records += shape
+                    free_memory(device)
+                    if on_shape is not None:
+                        on_shape(shape)
+                    print(
+                        f"[bench.decode] shape done in {time.perf_counter() - t0:.1f} s "
+                        f"({len(records)} kernel records)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return records
 
 
-def e2e_sweep(args, device, dtype) -> list[dict]:
+E2E_MODES = ("eager", "static", "compiled")  # growing cache view; decode_step; decode_step compiled
+E2E_WARMUP_TOKENS = 4  # the warm-up generation: B = 1 compiles twice (idx's stride, then dynamic) by 3
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
+    """Generation tokens/sec per backend, mode (``E2E_MODES``) and batch; ``on_record(rec)`` after each."""
     from model import GPT, PRESETS, GPTConfig
 
     records = []
     preset = PRESETS["tiny"] if args.dry_run else PRESETS["gpt2"]
     block = args.prompt_len + args.new_tokens
     for backend in args.e2e_backends.split(","):
-        for static in (False, True):
+        for mode in E2E_MODES:
             for b in _ints(args.batches):
-                torch.manual_seed(args.seed)
-                model = GPT(GPTConfig(block_size=block, vocab_size=50304, attention=backend, **preset))
-                model = model.to(device=device, dtype=dtype).eval()
-                prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
-                t: dict = {}
+                t0 = time.perf_counter()
+                static = mode != "eager"
                 rec = dict(
                     backend=backend,
+                    mode=mode,
                     static_decode=static,
                     batch=b,
                     prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens,
                 )
+                if mode == "compiled":
+                    rec["compile_backend"] = args.compile_backend
+                model = None
                 try:
-                    model.generate(prompt, 2, temperature=0, static_decode=static)  # warm-up
+                    torch.manual_seed(args.seed)
+                    model = GPT(GPTConfig(block_size=block, vocab_size=50304, attention=backend, **preset))
+                    model = model.to(device=device, dtype=dtype).eval()
+                    prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
+                    if mode == "compiled":
+                        torch._dynamo.reset()  # a fresh cache per record: no guards left by other models
+                        model._decode_static = torch.compile(
+                            model._decode_static, backend=args.compile_backend
+                        )
+                    warm = min(E2E_WARMUP_TOKENS, args.new_tokens)
+                    model.generate(prompt, warm, temperature=0, static_decode=static)  # warm-up, compiles
+                    graphs = _compiled_graphs()
+                    t: dict = {}
                     model.generate(prompt, args.new_tokens, temperature=0, static_decode=static, timings=t)
+                    if mode == "compiled":
+                        rec["recompiles"] = _compiled_graphs() - graphs
                     rec.update(
                         status="ok",
                         prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"],
                         decode_tokens_per_sec=t["decode_tokens"] / t["decode_s"],
                     )
-                except Exception as e:  # noqa: BLE001
-                    rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                except torch.OutOfMemoryError:
+                    rec["status"] = "oom"
+                except Exception as e:  # noqa: BLE001 - a backend or compilation that fails is a result
+                    rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+                finally:
+                    del model
+                    if mode == "compiled":
+                        torch._dynamo.reset()
+                    free_memory(device)
                 records.append(rec)
                 print(json.dumps(rec), flush=True)
+                print(
+                    f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                if on_record is not None:
+                    on_record(rec)
     return records
 
 
+def _kernel_cell(r: dict | None, ceiling: float, mark_eager: bool) -> str:
+    if r is None:
+        return "-"
+    if r.get("status") != "ok":
+        return r["status"].split(":")[0]
+    cell = f"{r['ms']:.3f} / {r['gbs']:.0f} ({r['gbs'] / ceiling:.0%})"
+    return cell + (" e" if mark_eager and r.get("timing") == "eager" else "")
+
+
+def _e2e_note(r: dict) -> str:
+    notes = []
+    if r.get("compile_backend") not in (None, "inductor"):
+        notes.append(f"torch.compile backend {r['compile_backend']!r} (dry run: no Inductor)")
+    if r.get("recompiles"):
+        notes.append(f"{r['recompiles']} graph(s) compiled inside the timed run")
+    return "; ".join(notes)
+
+
 def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
-    lines = [
-        f"# Decode benchmark ({meta['device']}, {meta['dtype']})",
-        "",
+    lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", ""]
+    if not meta.get("complete", True):  # files of older runs have no flag: they were written at the end
+        lines += [
+            f"**Incomplete**: the run stopped (or is still running) after {len(kernel)} kernel and "
+            f"{len(e2e)} end-to-end records; missing cells were not measured.",
+            "",
+        ]
+    calls = meta.get("graph_calls", 1)
+    eager_only = meta.get("eager_only_ms") if meta.get("graphs") else None
+    lines += [
         f"Copy ceiling: {meta['copy_ceiling_gbs']:.0f} GB/s. Cells: ms / GB/s of K/V read "
         "(fraction of the ceiling). Where the JSON's `timing` says cuda_graph, ms = replay time of one "
-        f"CUDA graph of {meta.get('graph_calls', 1)} back-to-back calls / {meta.get('graph_calls', 1)} "
+        f"CUDA graph of {calls} back-to-back calls / {calls} "
         "(kernel time, graph launch shared; the calls cycle through copies of the inputs spanning twice "
-        "the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms of eager calls.",
+        "the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms of eager calls"
+        + (
+            f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
+            "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
+            if eager_only is not None
+            else "."
+        ),
         "",
     ]
     providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
@@ -250,39 +377,74 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
             "| d | group | batch | context | " + " | ".join(providers) + " |",
             "|---|---|---|---|" + "---|" * len(providers),
         ]
-        keys = sorted({(r["d"], r["group"], r["batch"], r["context"]) for r in kernel})
-        for key in keys:
-            cells = []
-            for p in providers:
-                r = next(
-                    (
-                        r
-                        for r in kernel
-                        if (r["d"], r["group"], r["batch"], r["context"]) == key and r["provider"] in (p, "*")
-                    ),
-                    None,
+        index = {(r["d"], r["group"], r["batch"], r["context"], r["provider"]): r for r in kernel}
+        for key in sorted({(r["d"], r["group"], r["batch"], r["context"]) for r in kernel}):
+            cells = [
+                _kernel_cell(
+                    index.get((*key, p), index.get((*key, "*"))), meta["copy_ceiling_gbs"], bool(eager_only)
                 )
-                if r is None or r.get("status") != "ok":
-                    cells.append(r["status"].split(":")[0] if r else "-")
-                else:
-                    frac = r["gbs"] / meta["copy_ceiling_gbs"]
-                    cells.append(f"{r['ms']:.3f} / {r['gbs']:.0f} ({frac:.0%})")
+                for p in providers
+            ]
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells) + " |")
     if e2e:
         lines += [
             "",
-            "| backend | static decode | batch | prefill tok/s | decode tok/s |",
-            "|---|---|---|---|---|",
+            "End to end: mode eager = the growing cache view, static = `static_decode=True` (decode_step, "
+            "eager), compiled = static with `torch.compile(model._decode_static)` "
+            "(sample.py `compile=true`).",
+            "",
+            "| backend | mode | batch | prefill tok/s | decode tok/s | note |",
+            "|---|---|---|---|---|---|",
         ]
         for r in e2e:
+            mode = r.get("mode", "static" if r["static_decode"] else "eager")  # older files: no mode
             if r["status"] == "ok":
                 lines.append(
-                    f"| {r['backend']} | {r['static_decode']} | {r['batch']} | "
-                    f"{r['prefill_tokens_per_sec']:.0f} | {r['decode_tokens_per_sec']:.0f} |"
+                    f"| {r['backend']} | {mode} | {r['batch']} | "
+                    f"{r['prefill_tokens_per_sec']:.0f} | {r['decode_tokens_per_sec']:.0f} | {_e2e_note(r)} |"
                 )
             else:
-                lines.append(f"| {r['backend']} | {r['static_decode']} | {r['batch']} | {r['status']} | |")
+                lines.append(f"| {r['backend']} | {mode} | {r['batch']} | {r['status']} | | {_e2e_note(r)} |")
     return "\n".join(lines) + "\n"
+
+
+def _write_text(path: Path, text: str) -> None:
+    data = text.encode("utf-8")
+    atomic_write(path, lambda f: f.write(data))
+
+
+class Results:
+    """``decode_<tag>.json`` and ``.md`` in ``out``, rewritten atomically (temporary file, then
+    os.replace) by ``save``: after every shape with ``complete=False``, at the end with True."""
+
+    def __init__(self, out: Path, tag: str, meta: dict):
+        out.mkdir(parents=True, exist_ok=True)
+        self.json_path, self.md_path = out / f"decode_{tag}.json", out / f"decode_{tag}.md"
+        self.meta, self.kernel, self.e2e = meta, [], []
+
+    def add_kernel(self, records: list[dict]) -> None:
+        self.kernel += records
+        self.save()
+
+    def add_e2e(self, rec: dict) -> None:
+        self.e2e.append(rec)
+        self.save()
+
+    def save(self, complete: bool = False) -> str:
+        """Write both files; returns the markdown."""
+        self.meta["complete"] = complete
+        _write_text(self.json_path, compact_json(dict(meta=self.meta, kernel=self.kernel, e2e=self.e2e)))
+        report = markdown(self.meta, self.kernel, self.e2e)
+        _write_text(self.md_path, report)
+        return report
+
+
+def rewrite_report(path: Path) -> str:
+    """Rewrite the markdown beside a results JSON (``--report``), complete or not; returns it."""
+    data = json.loads(path.read_text())
+    report = markdown(data["meta"], data["kernel"], data["e2e"])
+    _write_text(path.with_suffix(".md"), report)
+    return report
 
 
 # the grids: the GPU benchmark's, and tiny shapes for a CPU plumbing check (--dry-run: seconds, not hours)
@@ -320,7 +482,14 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e-backends", default="sdpa,flash")
     ap.add_argument("--prompt-len", type=int, default=None, help="GPU default: 512")
     ap.add_argument("--new-tokens", type=int, default=None, help="GPU default: 256")
+    ap.add_argument(
+        "--compile-backend",
+        default=None,
+        help="torch.compile backend of the e2e compiled mode (default inductor; --dry-run: eager)",
+    )
     ap.add_argument("--copy-bytes", type=int, default=2 << 30)
+    ap.add_argument("--warmup-ms", type=int, default=10, help="do_bench warm-up per timing (GPU)")
+    ap.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per timing (GPU)")
     ap.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
@@ -335,7 +504,15 @@ def main(argv=None) -> int:
         "so a dry run never lands beside the committed GPU results)",
     )
     ap.add_argument("--tag", default=None)
+    ap.add_argument(
+        "--report", default=None, metavar="JSON", help="only rewrite the markdown of a results file"
+    )
     args = ap.parse_args(argv)
+    if args.report:
+        print(rewrite_report(Path(args.report)))
+        return 0
+    if args.compile_backend is None:
+        args.compile_backend = "eager" if args.dry_run else "inductor"
     for key, value in (DRY_RUN_SHAPES if args.dry_run else GPU_SHAPES).items():
         if getattr(args, key) is None:  # what the user did not give
             setattr(args, key, value)
@@ -351,7 +528,7 @@ def main(argv=None) -> int:
             )
             return 2
         device, dtype = torch.device("cuda"), DTYPES[args.dtype]
-        timer = Timer(device)
+        timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, slow_ms=TIMER_SLOW_MS)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     meta = dict(
         device=name,
@@ -361,16 +538,19 @@ def main(argv=None) -> int:
         argv=sys.argv[1:] if argv is None else list(argv),
         copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes),
         graph_calls=GRAPH_CALLS,  # calls per captured graph behind `ms` (timing cuda_graph)
+        graphs=bool(args.graphs and device.type == "cuda"),
+        eager_only_ms=EAGER_ONLY_MS,  # eager medians this long are not also timed as a graph
+        timer=timer.describe(),
+        complete=False,
     )
-    kernel = [] if args.e2e_only else kernel_sweep(args, device, timer, dtype)
-    e2e = e2e_sweep(args, device, dtype) if (args.e2e or args.e2e_only) else []
     tag = args.tag or ("dryrun" if args.dry_run else "h200")
-    out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"decode_{tag}.json").write_text(compact_json(dict(meta=meta, kernel=kernel, e2e=e2e)))
-    report = markdown(meta, kernel, e2e)
-    (out / f"decode_{tag}.md").write_text(report)
-    print(report)
+    results = Results(Path(args.out or ("outputs/bench" if args.dry_run else "bench/results")), tag, meta)
+    results.save()
+    if not args.e2e_only:
+        kernel_sweep(args, device, timer, dtype, on_shape=results.add_kernel)
+    if args.e2e or args.e2e_only:
+        e2e_sweep(args, device, dtype, on_record=results.add_e2e)
+    print(results.save(complete=True))
     return 0
 
 

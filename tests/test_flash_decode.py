@@ -194,8 +194,19 @@ def test_decode_bench_dry_run(tmp_path):
     data = __import__("json").loads((tmp_path / "decode_dryrun.json").read_text())
     assert [r["status"] for r in data["kernel"]] == ["ok"] * 3, data["kernel"]
     assert all(r["max_abs_err"] < 1e-4 for r in data["kernel"])
-    assert [r["status"] for r in data["e2e"]] == ["ok"] * 2 and data["meta"]["copy_ceiling_gbs"] > 0
-    assert "flash-decode" in (tmp_path / "decode_dryrun.md").read_text()
+    assert [r["status"] for r in data["e2e"]] == ["ok"] * 3 and data["meta"]["copy_ceiling_gbs"] > 0
+    # the three e2e modes; the dry run compiles with dynamo's eager backend (no Inductor) and says so
+    assert [(r["mode"], r["static_decode"]) for r in data["e2e"]] == [
+        ("eager", False),
+        ("static", True),
+        ("compiled", True),
+    ]
+    compiled = data["e2e"][2]
+    assert compiled["compile_backend"] == "eager" and compiled["recompiles"] == 0, compiled
+    assert data["meta"]["complete"] is True
+    md = (tmp_path / "decode_dryrun.md").read_text()
+    assert "flash-decode" in md and "| naive | compiled | 2 |" in md and "no Inductor" in md
+    assert "Incomplete" not in md
 
 
 def test_decode_bench_dry_run_defaults_are_tiny(tmp_path):
