@@ -481,7 +481,9 @@ class GPT(nn.Module):
         if cache.length >= self.config.block_size:
             raise ValueError(f"the KV cache is full (block_size={self.config.block_size}); reset it and "
                              "prefill the last block_size tokens")
-        logits = self._decode_static(idx.contiguous(), cache)  # one stride whatever view idx is
+        # fresh (B, 1) strides whatever view idx is: at B = 1 a column of the growing token buffer counts as
+        # contiguous with that buffer's row stride, a new stride each step (a recompile under torch.compile)
+        logits = self._decode_static(idx.clone(memory_format=torch.contiguous_format), cache)
         cache.length += 1
         return logits
 
