@@ -137,7 +137,7 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
         )
 
         def fn(q, k, v, bn=bn, sp=sp, w=w, st=st):
-            return fd._launch_decode(q, k, v, None, scale, sp, _block_n=bn, _num_warps=w, _num_stages=st)[0]
+            return fd._launch_decode(q, k, v, None, scale, sp, _tile_n=bn, _num_warps=w, _num_stages=st)[0]
 
         try:
             diff = (fn(q, k, v).float() - ref.float()).abs().max().item()

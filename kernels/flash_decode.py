@@ -146,9 +146,6 @@ def _block_n(d: int, dtype: torch.dtype) -> int:
     return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
 
 
-_auto_block_n = _block_n  # _launch_decode's name for it: its ``_block_n`` override parameter shadows it
-
-
 def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
     """(keys per split, splits) of ``num_splits`` requested splits: a split is a whole number of key
     tiles, and the count is recomputed from that length so that no split is empty for Nmax."""
@@ -165,7 +162,7 @@ def _launch_decode(
     num_splits: int,
     traced: bool = False,
     *,
-    _block_n: int | None = None,
+    _tile_n: int | None = None,
     _num_warps: int | None = None,
     _num_stages: int | None = None,
 ):
@@ -173,7 +170,7 @@ def _launch_decode(
     cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
     is built, so no fill kernel runs per call).
 
-    ``_block_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
+    ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
     of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
     keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed)."""
     from ._decode_kernels import build_decode_kernels
@@ -189,7 +186,7 @@ def _launch_decode(
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = Hq // Hkv
     block_d, block_m = _pow2(d), _pow2(group * Nq)
-    block_n = _auto_block_n(d, q.dtype) if _block_n is None else int(_block_n)
+    block_n = _block_n(d, q.dtype) if _tile_n is None else int(_tile_n)
     launch_opts = {
         name: int(value)
         for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))

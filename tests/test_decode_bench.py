@@ -174,7 +174,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
     ref = _reference64(q, k, v)
     for bn in (16, 32, 64):
         launches.clear()
-        o, _ = fd._launch_decode(q, k, v, None, 0.25, 3, _block_n=bn, _num_warps=8, _num_stages=3)
+        o, _ = fd._launch_decode(q, k, v, None, 0.25, 3, _tile_n=bn, _num_warps=8, _num_stages=3)
         (grid, kw), (_, combine_kw) = launches
         split_len, splits = fd._split_layout(100, 3, bn)
         assert kw["BLOCK_N"] == bn and kw["num_warps"] == 8 and kw["num_stages"] == 3, kw
