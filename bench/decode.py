@@ -254,7 +254,7 @@ def kernel_sweep(args, device, timer, dtype, on_shape=None) -> list[dict]:
 
 
 E2E_MODES = ("eager", "static", "compiled")  # growing cache view; decode_step; decode_step compiled
-E2E_WARMUP_TOKENS = 4  # the warm-up generation: B = 1 compiles twice (idx's stride, then dynamic) by 3
+E2E_WARMUP_TOKENS = 4  # the warm-up generation: the prefill and the first decode steps (which compile)
 
 
 def _compiled_graphs() -> int:
