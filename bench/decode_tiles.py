@@ -40,10 +40,16 @@ import importlib
 import itertools
 import json
 import math
+import os
 import platform
 import sys
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
+    # the CPU plumbing check runs the kernels in Triton's interpreter, which must be chosen before anything
+    # imports triton (the imports below do)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 
@@ -317,6 +323,13 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     print(_save(out, tag, meta, records, complete=True))
+    bad = [r for r in records if r.get("status") != "ok"]
+    if args.dry_run and bad:  # the plumbing check: every configuration must run and match
+        print(
+            f"error: dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -206,3 +206,33 @@ def test_decode_tiles_dry_run(tmp_path):
     md = (tmp_path / "decode_tiles_dryrun.md").read_text()
     assert md.count("Automatic (block_n 16") == 2 and "| block_n | warps | stages | s=1 |" in md
     assert "Incomplete" not in md
+
+
+def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
+    """The plumbing check exists to run our kernel: a flash-decode record that errors makes the dry run
+    exit 1 (other providers that cannot run on a CPU stay results)."""
+    real = decode.provider_fn
+
+    def broken_flash(name):
+        if name == "flash-decode":
+
+            def fail(q, k, v):
+                raise RuntimeError("kernel plumbing broken")
+
+            return fail
+        return real(name)
+
+    monkeypatch.setattr(decode, "provider_fn", broken_flash)
+    argv = TINY + [
+        "--out",
+        str(tmp_path),
+        "--contexts",
+        "40",
+        "--batches",
+        "1",
+        "--providers",
+        "flash-decode,naive",
+    ]
+    assert decode.main(argv) == 1
+    monkeypatch.setattr(decode, "provider_fn", real)
+    assert decode.main(argv) == 0
