@@ -10,8 +10,11 @@ out of memory is recorded as `oom` and the sweep goes on.
 
     python -m bench.throughput --out bench/results/throughput_h200 -- data.source=/path/to/tinyshakespeare.txt
     python -m bench.throughput --backends sdpa,flash --seq-lens 1024 -- compile_mode=reduce-overhead
-    python -m bench.throughput --backends naive,sdpa --seq-lens 64,128 --steps 4 --warmup 1 \
+    python -m bench.throughput --allow-cpu --backends naive,sdpa --seq-lens 64,128 --steps 4 --warmup 1 \
         --profile-steps 0 -- experiment=cpu_tiny      # a CPU try-out of the tool (no GPU figures)
+
+Without a CUDA GPU it refuses (exit 2) unless given --allow-cpu: the default cells train GPT-2 124M at
+65,536 tokens a step, days on a CPU.
 
 Writes OUT.json (GPU, versions, date, command, one record per cell), OUT.md (table) and OUT.png (tokens/sec
 and GPU busy against seq_len). The run directories go to --runs-dir (default outputs/throughput_runs),
@@ -57,6 +60,13 @@ def cell_command(backend: str, seq_len: int, a, out_dir: Path) -> list[str]:
     ]
 
 
+def _error_excerpt(log_tail: str, limit: int = 600) -> str:
+    """The last line of a cell's log that names an error, whole (up to ``limit`` characters), else the
+    log's last ``limit`` characters: a long one-line message cut from its end loses what it says."""
+    named = [line for line in log_tail.splitlines() if "error" in line.lower()]
+    return (named[-1] if named else log_tail[-limit:])[:limit]
+
+
 def read_cell(
     backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s: float, log_tail: str
 ) -> dict:
@@ -64,7 +74,7 @@ def read_cell(
     rec = {"backend": backend, "seq_len": seq_len, "returncode": returncode, "wall_s": round(wall_s, 1)}
     path = run_dir / "summary.json"
     if not path.is_file():
-        rec.update(status="error", error=log_tail[-600:] or f"exit {returncode}, no summary.json")
+        rec.update(status="error", error=_error_excerpt(log_tail) or f"exit {returncode}, no summary.json")
         return rec
     s = json.loads(path.read_text())
     rec["status"] = s.get("status", "unknown")
@@ -85,7 +95,7 @@ def read_cell(
         if s.get(key) is not None:
             rec[name] = s[key]
     if rec["status"] != "ok":
-        rec["error"] = str(s.get("error") or log_tail[-600:])[:600]
+        rec["error"] = str(s.get("error") or _error_excerpt(log_tail))[:600]
     return rec
 
 
@@ -189,6 +199,7 @@ def environment() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
+        prog="python -m bench.throughput",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
@@ -211,8 +222,23 @@ def main(argv=None) -> int:
     )
     p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
     p.add_argument("--runs-dir", default="outputs/throughput_runs", help="run folders (%(default)s)")
+    p.add_argument(
+        "--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out of the tool, no figures)"
+    )
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = p.parse_args(argv)
+    if not a.allow_cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
+                "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
+                "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
+                "--profile-steps 0 -- experiment=cpu_tiny",
+                file=sys.stderr,
+            )
+            return 2
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if bad:

@@ -752,6 +752,7 @@ def test_throughput_cpu_cell_agrees_with_the_runs_summary(tiny, tmp_path):
             sys.executable,
             "-m",
             "bench.throughput",
+            "--allow-cpu",
             "--backends",
             "naive",
             "--seq-lens",
@@ -784,6 +785,21 @@ def test_throughput_cpu_cell_agrees_with_the_runs_summary(tiny, tmp_path):
     assert f"{summary['perf/tokens_per_sec']:,.0f}" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").stat().st_size > 0
     assert sorted(p.name for p in out.parent.iterdir()) == ["tp.json", "tp.md", "tp.png"]
+
+
+def test_throughput_refuses_without_a_gpu_unless_allowed(tmp_path, capsys):
+    """Without CUDA the default grid (GPT-2 124M cells) is refused, exit 2, nothing written; a long error
+    line in a cell's log is kept from its start."""
+    from bench import throughput
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    out = tmp_path / "tp"
+    assert throughput.main(["--out", str(out), "--runs-dir", str(tmp_path / "runs")]) == 2
+    assert "--allow-cpu" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    line = "train.py: error: data files (ConnectionError: " + "x" * 900
+    assert throughput._error_excerpt("step 1\n" + line + "\nTraceback tail").startswith("train.py: error")
 
 
 # ------------------------------------------------------------------------------------------- tuning tools
