@@ -463,3 +463,17 @@ def test_issue16_keys_compose_with_their_defaults():
     assert (cfg.attention.window, cfg.attention.document_mask) == (None, False)
     assert (cfg.model.attn_dropout, cfg.data.doc_separator) == (0.0, None)
     assert compose_cfg(["data.doc_separator='<|endoftext|>'"]).data.doc_separator == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("micro_tokens,count", [(128, "gives 1 sequence of"), (256, "gives 2 sequences of")])
+def test_token_budget_batch_hint_counts_sequences_in_english(micro_tokens, count):
+    """The micro-batch count of the split error reads "1 sequence", "2 sequences"."""
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(
+            compose_cfg(
+                ["experiment=cpu_tiny", f"batch.micro_tokens={micro_tokens}", "batch.tokens_per_step=1000"]
+            ),
+            world_size=1,
+            cuda_available=False,
+        )
+    assert count in str(e.value), e.value

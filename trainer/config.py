@@ -299,7 +299,8 @@ class BatchConfig:
                 raise ConfigError(
                     f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
                     f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
-                    f"sequences of seq_len={seq_len} per micro-batch x world_size({world_size}) = "
+                    f"sequence{'' if micro_batch_size == 1 else 's'} of seq_len={seq_len} per micro-batch "
+                    f"x world_size({world_size}) = "
                     f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near)))}"
                     + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
                 )
