@@ -477,3 +477,19 @@ def test_token_budget_batch_hint_counts_sequences_in_english(micro_tokens, count
             cuda_available=False,
         )
     assert count in str(e.value), e.value
+
+
+def test_resume_hint_names_the_run_with_the_newest_checkpoint(expect_error, tmp_path, monkeypatch):
+    """resume=true in a directory without checkpoints points at the run whose checkpoint is newest, not
+    at the run directory touched last (a no-op resume of an older run bumps that one's mtime)."""
+    monkeypatch.chdir(tmp_path)
+    for name, age in (("older", 3000), ("newer", 1000)):
+        f = tmp_path / "runs" / name / "ckpt" / "step_00000008.pt"
+        f.parent.mkdir(parents=True)
+        f.write_bytes(b"x")
+        t = 1_700_000_000 - age
+        os.utime(f, (t, t))
+        os.utime(f.parent.parent, (t, t))
+    os.utime(tmp_path / "runs" / "older", (1_800_000_000, 1_800_000_000))  # a no-op resume of it, later
+    err = expect_error(resume=True)
+    assert f"(newest run with checkpoints: out_dir={os.path.join('runs', 'newer')})" in err, err

@@ -35,6 +35,21 @@ def _first(e: BaseException) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def newest_run_with_checkpoints(root: Path) -> Path | None:
+    """The run directory under ``root`` (``root/<run>/ckpt/step_*``) whose newest checkpoint was written
+    last, or None. Checkpoint times, not the run directories': a resume that ends without training (a
+    finished run, a refused one) still writes into its run directory and so bumps that one's mtime."""
+    newest: tuple[float, Path] | None = None
+    for p in root.glob("*/ckpt/step_*"):
+        try:
+            t = p.stat().st_mtime
+        except OSError:  # removed meanwhile (keep=N rotation of a live run)
+            continue
+        if newest is None or t > newest[0]:
+            newest = (t, p.parent.parent)
+    return newest[1] if newest else None
+
+
 def gpt_config_for(cfg, vocab_size: int, doc_separator_ids=None):
     """``model.GPTConfig`` of a run: every ``model.*`` and ``attention.*`` key that is a GPTConfig field, by
     name (``attention.name`` is GPTConfig's ``attention``; issue 16's ``window``, ``document_mask``,
@@ -407,14 +422,7 @@ class Setup:
         }
 
     def _no_checkpoint_message(self) -> str:
-        runs = (
-            sorted(
-                (p.parent.parent for p in Path("runs").glob("*/ckpt/step_*")),
-                key=lambda p: p.stat().st_mtime,
-            )
-            if Path("runs").is_dir()
-            else []
-        )
+        newest = newest_run_with_checkpoints(Path("runs"))
         status = rundir.read_summary(self.out_dir).get("status")
         if status not in (None, "error"):  # a run was here and died before its first checkpoint
             return (
@@ -422,7 +430,7 @@ class Setup:
                 f"first one (summary status {status!r}), so there is nothing to continue; start it again "
                 f"in a new out_dir (or delete {self.out_dir} if its records are not needed)"
             )
-        hint = f" (newest run with checkpoints: out_dir={runs[-1]})" if runs else ""
+        hint = f" (newest run with checkpoints: out_dir={newest})" if newest else ""
         return (
             f"resume=true but {self.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
             f"of the run to continue>{hint}, or resume=false to start a new run"
