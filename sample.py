@@ -70,7 +70,12 @@ def _sample(cfg: DictConfig) -> int:
     dtype = resolve_dtype(str(cfg.dtype), device)
     text = read_prompt(str(cfg.prompt))
     if not text:
-        raise InferError("prompt is empty; give some text, e.g. prompt='\\n' or prompt=file:PATH")
+        # (not prompt='\n': Hydra passes that on as a backslash and an n, which no char vocabulary has)
+        raise InferError(
+            "prompt is empty; give some text, e.g. prompt=ROMEO: (with spaces: \"prompt='First Citizen:'\"), "
+            "or prompt=file:PATH for a file's text (to start at a new line: printf '\\n' > nl.txt, then "
+            "prompt=file:nl.txt)"
+        )
 
     path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
     try:

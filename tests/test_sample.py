@@ -240,6 +240,33 @@ def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message
     assert (_tree(run), _tree(tmp_path)) == before
 
 
+def test_empty_prompt_hint_suggests_prompts_that_work(trained, tmp_path):
+    """The empty-prompt error suggests prompts that go through Hydra and the char vocabulary as typed in
+    bash (not prompt='\\n', which arrives as a backslash and an n); each suggestion samples."""
+    run, _ = trained
+    proc = _run(SAMPLE, [f"run={run}", "prompt="], tmp_path)
+    assert proc.returncode == 2 and "prompt is empty" in proc.stderr, describe(proc)
+    hint = proc.stderr
+    assert "prompt='\\n'" not in hint, hint
+    make_file = "printf '\\n' > nl.txt"
+    prompts = ["prompt=ROMEO:", "\"prompt='First Citizen:'\"", "prompt=file:nl.txt"]
+    assert all(s in hint for s in [make_file, *prompts]), hint
+    # as bash runs them: printf's file holds one newline, the quoted prompt is one argument
+    for i, prompt in enumerate(prompts):
+        cmd = f"{make_file} && {sys.executable} {SAMPLE} run={run} max_new_tokens=2 num_samples=1 {prompt}"
+        proc = subprocess.run(
+            ["bash", "-c", f"{cmd} out={tmp_path / f'{i}.txt'}"],
+            cwd=tmp_path,
+            env=train_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, describe(proc)
+    got = [json.loads((tmp_path / f"{i}.json").read_text())["prompt"] for i in range(len(prompts))]
+    assert got == ["ROMEO:", "First Citizen:", "\n"]
+
+
 def test_sample_long_prompt_keeps_last_block(trained, tmp_path):
     run, _ = trained
     (tmp_path / "p.txt").write_text("ab" * 50)  # 100 chars, block size 64
