@@ -7,7 +7,9 @@
 The batches are ``BinDataset.eval_batches(batches, batch_size, seed)`` of the run's data directory: with
 the defaults (the run's eval.batches, evaluation batch size, seq_len and seed) they are the batches of the
 run's own ``val/loss``, so the number printed for its last checkpoint matches its last logged val loss
-(same backend and dtype). The run's training records (metrics.jsonl, summary.json, checkpoints,
+(same backend and dtype). A relative ``data.dir`` of the run means what it meant where the run started
+(``derived.cwd`` of its config.resolved.yaml, as for ``resume=true``); a ``data.dir=`` given to eval.py is
+relative to the current directory. The run's training records (metrics.jsonl, summary.json, checkpoints,
 config.resolved.yaml) are never written; the result goes to the console and to
 ``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``write=false``: console only).
 
@@ -55,7 +57,14 @@ def _eval(cfg: DictConfig) -> int:
     import torch
 
     from data.loader import BinDataset
-    from trainer.infer import build_model, claim_new_file, find_checkpoint, resolve_device, resolve_dtype
+    from trainer.infer import (
+        build_model,
+        claim_new_file,
+        find_checkpoint,
+        resolve_device,
+        resolve_dtype,
+        run_data_dir,
+    )
 
     split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
@@ -75,7 +84,8 @@ def _eval(cfg: DictConfig) -> int:
     batch_size = _pick(cfg.batch_size, run_bs, "batch_size")
     batches = _pick(cfg.batches, run_eval.get("batches", 20), "batches")
     seed = _pick(cfg.seed, rc.get("seed", 1337), "seed", low=0)
-    data_dir = cfg.data.dir or (rc.get("data") or {}).get("dir")
+    # a data.dir given here is relative to this directory, the run's own to the one it started in
+    data_dir = cfg.data.dir or run_data_dir(state, run_dir)
     if not data_dir:
         raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH")
     try:

@@ -57,6 +57,7 @@ def _sample(cfg: DictConfig) -> int:
         read_prompt,
         resolve_device,
         resolve_dtype,
+        run_data_dir,
     )
 
     # settings first: a bad key costs no checkpoint load
@@ -79,7 +80,8 @@ def _sample(cfg: DictConfig) -> int:
 
     path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
     try:
-        tok = tokenizer_from_checkpoint(state)
+        # an older checkpoint's vocabulary is in its run's data dir (relative to where the run started)
+        tok = tokenizer_from_checkpoint(state, run_data_dir(state, run_dir))
     except (ValueError, RuntimeError) as e:
         raise InferError(f"tokenizer of {path}: {e}") from e
     try:

@@ -330,6 +330,40 @@ def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     assert _tree(run) == before and list(tmp_path.iterdir()) == []
 
 
+def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_path):
+    """A run trained with a relative data.dir (from its start directory, derived.cwd) is evaluated, and an
+    older checkpoint of it (vocabulary only in meta.json) sampled, from another directory; a data.dir given
+    to eval.py stays relative to the current directory."""
+    import shutil
+
+    import yaml
+
+    src, data = trained
+    start, elsewhere, run = tmp_path / "start", tmp_path / "elsewhere", tmp_path / "run"
+    (start / "rel").mkdir(parents=True)
+    (start / "rel" / "data").symlink_to(data, target_is_directory=True)
+    elsewhere.mkdir()
+    (run / "ckpt").mkdir(parents=True)
+    state = torch.load(src / "ckpt" / "step_00000006.pt", weights_only=True)
+    state["config"]["data"]["dir"] = "rel/data"
+    del state["tokenizer"]["itos"]  # written before checkpoints held the vocabulary
+    torch.save(state, run / "ckpt" / "step_00000006.pt")
+    saved = yaml.safe_load((src / "config.resolved.yaml").read_text())
+    saved["data"]["dir"], saved["derived"]["cwd"] = "rel/data", str(start)
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump(saved))
+    shutil.copy(src / "metrics.jsonl", run / "metrics.jsonl")
+
+    proc = _run(EVAL, [f"run={run}"], elsewhere)
+    assert proc.returncode == 0, describe(proc)
+    (result,) = (run / "evals").glob("*.json")
+    assert json.loads(result.read_text())["data_dir"] == str(start / "rel" / "data")
+    proc = _run(SAMPLE, [f"run={run}", "max_new_tokens=3", "num_samples=1"], elsewhere)
+    assert proc.returncode == 0, describe(proc)
+    proc = _run(EVAL, [f"run={run}", "data.dir=rel/data", "write=false"], elsewhere)
+    assert proc.returncode == 2 and "data.dir=rel/data (val): rel/data/meta.json not found" in proc.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_samples_and_evals_of_the_same_second_get_their_own_files(tmp_path):
     """sample.py / eval.py name their files by the second: a second run in that second gets `-2`, never the
     first one's file (a `.txt` whose `.json` sibling exists counts as taken)."""

@@ -59,6 +59,19 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     return path, state, run_dir
 
 
+def run_data_dir(state: dict, run_dir: Path) -> str | None:
+    """The data directory of a checkpoint's run (``data.dir`` of its config), None when it names none.
+    A relative one is relative to where the run started (``derived.cwd`` of the run's
+    config.resolved.yaml), not to this command's directory, as for ``resume=true``
+    (``trainer.resume_config.anchored``); without that record it stays as it is (relative to the cwd)."""
+    from trainer.resume_config import anchored, run_cwd
+
+    data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
+    if not data_dir:
+        return None
+    return anchored(str(data_dir), run_cwd(run_dir))
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` -> cuda when available, else cpu. Raises InferError for cuda without a GPU."""
     if device == "auto":

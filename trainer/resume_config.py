@@ -8,6 +8,7 @@ prepares no data of its own and rebuilds the same model.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from trainer.fields import ConfigError
@@ -181,20 +182,46 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
 _CWD_PATHS = ("data.dir", "data.source")
 
 
+def saved_cwd(saved: dict) -> str | None:
+    """The working directory a run started in (``derived.cwd`` of its config.resolved.yaml, as a dict),
+    which its relative paths are relative to; None when it is not recorded."""
+    derived = saved.get("derived") if isinstance(saved, dict) else None
+    cwd = derived.get("cwd") if isinstance(derived, dict) else None
+    return cwd if isinstance(cwd, str) and cwd else None
+
+
+def run_cwd(run_dir: Path) -> str | None:
+    """``saved_cwd`` of ``<run_dir>/config.resolved.yaml``; None when that file is absent or unreadable
+    (a checkpoint copied out of its run, a run from before the record)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / RESOLVED_CONFIG
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
+        return None
+    return saved_cwd(saved) if isinstance(saved, dict) else None
+
+
+def anchored(value: str, cwd: str | None) -> str:
+    """A run's saved path ``value`` as it meant it: relative to ``cwd``, the directory it started in, when
+    it is relative and ``cwd`` is not this process's working directory; an empty value, a URL, an absolute
+    or ``~`` path, and any path with no ``cwd`` on record come back as they are."""
+    if not value or cwd is None or "://" in value or os.path.isabs(os.path.expanduser(value)):
+        return value
+    if Path(cwd) == Path.cwd():
+        return value
+    return str(Path(cwd) / value)
+
+
 def _anchor_relative_paths(merged, saved: dict, set_here: set[str]) -> None:
     """A relative data.dir / data.source taken from the saved config means what it meant in the run's own
     working directory (``derived.cwd``), not in the resume's: a resume from elsewhere would otherwise
     prepare (or download) the data again in a new place. Keys this command line set keep their value."""
-    import os
-
     from omegaconf import OmegaConf
 
-    derived = saved.get("derived")
-    cwd = derived.get("cwd") if isinstance(derived, dict) else None
-    if not isinstance(cwd, str) or Path(cwd) == Path.cwd():
-        return
+    cwd = saved_cwd(saved)
     for key in _CWD_PATHS:
         value = OmegaConf.select(merged, key)
-        if key in set_here or not isinstance(value, str) or "://" in value or os.path.isabs(value):
-            continue
-        OmegaConf.update(merged, key, str(Path(cwd) / value))
+        if key not in set_here and isinstance(value, str) and anchored(value, cwd) != value:
+            OmegaConf.update(merged, key, anchored(value, cwd))
