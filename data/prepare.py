@@ -235,7 +235,9 @@ def prepare(
 
     Files are written through temporary files and ``os.replace``; a previous ``meta.json`` is removed
     first and the new one written last, so an interrupted run never leaves a directory that looks
-    prepared. The corpus is tokenized in memory (fine up to a few hundred MB).
+    prepared. The corpus is tokenized in memory (fine up to a few hundred MB). When it fails (e.g. a
+    download without network), the directories this call created are removed again, with what it wrote
+    there; a directory that existed before, or holds other files, is kept.
 
     Raises:
         ValueError: bad tokenizer / val_fraction, non-UTF-8 or empty corpus, fewer than 2 tokens.
@@ -244,7 +246,52 @@ def prepare(
     """
     _check_args(tokenizer, val_fraction)
     out = Path(out_dir).expanduser()
+    created = _missing_dirs(out)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
+    except BaseException:
+        _take_back(created)  # a refused or failed prepare leaves no empty data directory of its own
+        raise
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, deepest first (what ``mkdir`` creates)."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing.append(p)
+    return missing
+
+
+def _take_back(created: list[Path]) -> None:
+    """After a failed ``prepare``: remove the directories it created (``created``, deepest first) with the
+    files it writes there (download, token files, meta.json). A directory holding anything else is kept,
+    and so are those above it; a directory that existed before is never in ``created``."""
+    if not created:
+        return
+    out = created[0]
+    for path in (out / DOWNLOAD_NAME, meta_path(out), *(bin_path(out, split) for split in SPLITS)):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+    for d in created:
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            return
+
+
+def _prepare_into(
+    out: Path,
+    source: str | os.PathLike | None,
+    tokenizer: str,
+    val_fraction: float,
+    doc_separator: str | None,
+) -> dict:
+    """``prepare`` into the existing directory ``out``."""
     src_path, src_label = _resolve_source(source, out, fetch=True)
 
     raw = src_path.read_bytes()

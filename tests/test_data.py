@@ -315,6 +315,59 @@ def test_download_failure_says_to_pass_local_path(tmp_path, monkeypatch):
     assert not (tmp_path / "out" / "input.txt").exists()
 
 
+def test_failed_download_takes_back_the_data_dirs_it_created(tmp_path, monkeypatch):
+    """A prepare whose download fails removes the data directory (and the parents) it created, with the
+    same error; a directory that existed before, or that holds other files by then, is kept."""
+    foreign: list[Path] = []
+
+    def offline(*args, **kwargs):
+        for d in foreign:  # another writer's file appears in the new directory meanwhile
+            _write(d / "notes.txt", "not prepare's")
+        raise urllib.error.URLError("Temporary failure in name resolution")
+
+    monkeypatch.setattr(prep.urllib.request, "urlopen", offline)
+
+    def failure(out: Path) -> str:
+        with pytest.raises(RuntimeError) as e:
+            ensure_prepared(None, out, "char")
+        return str(e.value)
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    message = failure(existing)
+    assert message.startswith(f"could not download {prep.TINY_SHAKESPEARE_URL} (URLError: ")
+    assert existing.is_dir() and list(existing.iterdir()) == []  # there before: kept
+
+    assert failure(tmp_path / "new" / "shakespeare_char") == message  # the same error ...
+    assert sorted(os.listdir(tmp_path)) == ["existing"]  # ... and both directories it made are gone
+
+    foreign.append(tmp_path / "busy" / "data")
+    assert failure(foreign[0]) == message
+    assert os.listdir(foreign[0]) == ["notes.txt"]  # someone else's file: the directory stays
+
+
+def test_train_without_network_leaves_no_empty_data_dir(tmp_path):
+    """train.py with the default (downloaded) corpus and no network: config error, and the data.dir it
+    would have prepared is not left behind empty."""
+    from helpers_train import describe, offline_train_env, run_train
+
+    data = tmp_path / "data" / "shakespeare_char"
+    proc = run_train(
+        [
+            "experiment=cpu_tiny",
+            "max_steps=1",
+            f"data.dir={data}",
+            f"out_dir={tmp_path / 'run'}",
+            "wandb.mode=disabled",
+        ],
+        env=offline_train_env(),
+    )
+    assert proc.returncode == 2, describe(proc)
+    assert f"data (data.source=None, data.dir={data}): could not download" in proc.stderr, describe(proc)
+    assert "data.source=PATH" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "data").exists(), sorted(map(str, tmp_path.rglob("*")))
+
+
 def test_default_source_reuses_downloaded_input(tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
