@@ -61,7 +61,7 @@ def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device
     return max(1, min(n_blocks, 128, want))
 
 
-def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
+def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
@@ -103,7 +103,8 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
         # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
         # (is_compiling first: dynamo cannot trace is_current_stream_capturing, a graph break)
         if (
-            not torch.compiler.is_compiling()
+            check_lengths
+            and not torch.compiler.is_compiling()
             and _plain_eager_call(q, cache_seqlens)
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
         ):
@@ -263,7 +264,15 @@ flash_decode_cpu_op.register_fake(_decode_fake)
 
 
 def flash_decode(
-    q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None, return_lse=False
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    *,
+    softmax_scale=None,
+    num_splits=None,
+    return_lse=False,
+    check_lengths=True,
 ):
     """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
 
@@ -276,6 +285,11 @@ def flash_decode(
         softmax_scale: None = 1/sqrt(d).
         num_splits: key splits per (sequence, KV head); None chooses from the grid size.
         return_lse: also return the natural-log LSE (B, Hq, Nq) float32.
+        check_lengths: in eager mode, read cache_seqlens on the host to range-check them (one device
+            synchronisation per call). False skips the read, for a caller that keeps the lengths in range
+            itself (the model's KV cache: 12 layers would otherwise synchronise 12 times per token); the
+            kernel clamps each length to [0, Nmax] either way, so no slot outside the cache is read, but an
+            out-of-range length then gives that clamped length's result instead of an error.
 
     q, k_cache, v_cache share one dtype among float16, bfloat16, float32 (bfloat16 runs in float32 under
     the interpreter) and one device. Row i of sequence b attends to keys j <= L_b - Nq + i.
@@ -284,12 +298,12 @@ def flash_decode(
         o (B, Hq, Nq, d) in q.dtype, and lse when ``return_lse``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, not
-            under CUDA-graph capture, torch.compile or fake tensors), Nq outside 1..16, head dim outside
-            8..256, bad softmax_scale / num_splits.
+        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, with
+            check_lengths, not under CUDA-graph capture, torch.compile or fake tensors), Nq outside
+            1..16, head dim outside 8..256, bad softmax_scale / num_splits.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
-    _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)
+    _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, check_lengths)
     check_flash_available(q.device)
     if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
         out = flash_decode(
@@ -300,6 +314,7 @@ def flash_decode(
             softmax_scale=softmax_scale,
             num_splits=num_splits,
             return_lse=return_lse,
+            check_lengths=False,  # checked above
         )
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     B, Hq, Nq, d = (int(x) for x in q.shape)

@@ -97,6 +97,24 @@ def test_float16_close_to_float64(seed):
     assert o.dtype == torch.float16 and err <= 2 * torch_err + 1e-5, f"seed={seed}: {err} vs {torch_err}"
 
 
+def test_unchecked_lengths_are_clamped_to_the_cache(seed):
+    """check_lengths=False reads no lengths on the host (no error for out-of-range ones) and the kernel
+    clamps each length to [0, Nmax]: a length past the cache gives the full cache's result, bitwise, and no
+    slot outside the cache is read (the cache is a prefix view of a bigger buffer holding NaN past it)."""
+    buf = torch.full((2, 2, 2, 50, 16), float("nan"))  # (k/v, B, Hkv, slots, d)
+    buf[:, :, :, :30] = torch.randn(2, 2, 2, 30, 16)
+    k, v = buf[0, :, :, :30], buf[1, :, :, :30]
+    q = torch.randn(2, 4, 1, 16)
+    lengths = torch.tensor([30, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max 45"):
+        flash_decode(q, k, v, torch.tensor([45, 12], dtype=torch.int32))
+    over = flash_decode(q, k, v, torch.tensor([45, 12], dtype=torch.int32), check_lengths=False)
+    assert torch.equal(over, flash_decode(q, k, v, lengths, check_lengths=False)), f"seed={seed}"
+    ref_o, _ = reference(q, k, v, lengths)
+    err = (over.double() - ref_o).abs().max().item()
+    assert err < 2e-5, f"seed={seed}: {err}"
+
+
 def test_bfloat16_runs_in_float32_under_interpreter(seed):
     q, k = torch.randn(1, 2, 2, 16).bfloat16(), torch.randn(1, 2, 9, 16).bfloat16()
     o = flash_decode(q, k, k)
