@@ -9,7 +9,7 @@ Usage (GPU)::
     TRITON_INTERPRET=1 python -m bench.decode_tiles --dry-run      # CPU plumbing check (outputs/bench/)
 
 Each configuration runs the real launch code, ``kernels.flash_decode._launch_decode`` with its private
-``_block_n`` / ``_num_warps`` / ``_num_stages`` overrides and an explicit split count (the count actually
+``_tile_n`` / ``_num_warps`` / ``_num_stages`` overrides and an explicit split count (the count actually
 launched, after ``_split_layout`` rounds each split to whole tiles, is the record's ``splits``;
 ``splits_requested`` is the grid's). Every output is checked against ``flash_decode`` itself (the automatic
 configuration) on the same inputs: status ``mismatch`` and not timed past ``TOLERANCE`` (max abs
