@@ -34,8 +34,10 @@ from omegaconf import DictConfig
 import trainer.config  # noqa: F401 - stores the schema and the model presets in Hydra's ConfigStore
 
 _RANK_DIR_PREFIX = "flashgpt-rank"
-# (run dir, status, exit code) of each job of a -m sweep run in this process (Hydra's basic launcher)
+# (run dir, status, exit code) of each job of a -m sweep run in this process (Hydra's basic launcher);
+# status REFUSED: the job's directory already held a run (of an earlier sweep), left as it was
 _SWEEP_JOBS: list[tuple[str, str, int]] = []
+REFUSED = "refused"
 _SWEEP_DIR: list[str] = []  # the sweep folder (hydra.sweep.dir), once known
 _IN_JOB: list[bool] = [False]  # True while a job's task function runs (its errors are not config errors)
 
@@ -55,7 +57,8 @@ def main(cfg: DictConfig) -> None:
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
         shutil.rmtree(out_dir, ignore_errors=True)
     if multirun and int(os.environ.get("RANK", "0")) == 0:
-        _SWEEP_JOBS.append((str(out_dir), outcome.status, outcome.exit_code))
+        status = REFUSED if outcome.taken_dir else outcome.status
+        _SWEEP_JOBS.append((str(out_dir), status, outcome.exit_code))
         _SWEEP_DIR[:] = [str(hc.sweep.dir)]
     if outcome.exit_code == 0:
         return
@@ -75,22 +78,48 @@ def main(cfg: DictConfig) -> None:
 def sweep_exit_code(jobs: list[tuple[str, str, int]], sweep_dir: str | None = None) -> int:
     """Exit status of a finished sweep from its jobs' (run dir, status, exit code): 0 when any job
     succeeded (an OOM with ``oom_exit_code=0`` counts as a result, not a failure) or none ran here; when
-    every job failed, their common exit code, or 1 when they differ. Prints which jobs failed."""
+    every job failed, their common exit code, or 1 when they differ. Prints which jobs failed; a job
+    ``REFUSED`` because its directory already holds a run is listed as such, with a new sweep folder to
+    use (that run's summary.json is untouched and holds no error)."""
     failed = [j for j in jobs if j[2] != 0]
     if not failed:
         return 0
-    listing = "\n".join(f"  {status} (exit {code}): {run_dir}" for run_dir, status, code in failed)
     sweep = sweep_dir or Path(failed[0][0]).parent
-    if len(failed) < len(jobs):
-        print(f"sweep: {len(failed)} of {len(jobs)} jobs failed:\n{listing}", file=sys.stderr)
-        return 0
-    print(
-        f"sweep: all {len(jobs)} jobs failed:\n{listing}\neach run's summary.json holds its error; "
-        f"python -m bench.report {sweep} lists them",
-        file=sys.stderr,
+    listing = "\n".join(
+        f"  refused: {run_dir} already holds a run; use a new hydra.sweep.dir"
+        if status == REFUSED
+        else f"  {status} (exit {code}): {run_dir}"
+        for run_dir, status, code in failed
     )
+    refused = sum(status == REFUSED for _, status, _ in failed)
+    notes = []
+    if len(failed) == len(jobs) and refused < len(failed):
+        whose = (
+            "the other failed runs' summary.json hold their errors"
+            if refused
+            else "each run's summary.json holds its error"
+        )
+        notes.append(f"{whose}; python -m bench.report {sweep} lists them")
+    if refused:
+        notes.append(
+            f"the refused jobs ran nothing: {sweep} holds an earlier sweep's runs, kept as they were; run "
+            f"the sweep again with a new hydra.sweep.dir (e.g. hydra.sweep.dir={_free_sibling(Path(sweep))}, "
+            "or leave it unset for a new multirun/<time> folder)"
+        )
+    head = f"{len(failed)} of {len(jobs)}" if len(failed) < len(jobs) else f"all {len(jobs)}"
+    print(f"sweep: {head} jobs failed:\n{listing}" + "".join(f"\n{n}" for n in notes), file=sys.stderr)
+    if len(failed) < len(jobs):
+        return 0
     codes = {code for _, _, code in failed}
     return codes.pop() if len(codes) == 1 else 1
+
+
+def _free_sibling(sweep: Path) -> Path:
+    """``<sweep>_2`` (or ``_3``, ...): a folder beside ``sweep`` that does not exist yet."""
+    n = 2
+    while sweep.with_name(f"{sweep.name}_{n}").exists():
+        n += 1
+    return sweep.with_name(f"{sweep.name}_{n}")
 
 
 def _quiet_non_main_ranks() -> None:

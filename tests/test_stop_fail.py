@@ -338,6 +338,55 @@ def test_sweep_with_an_oom_and_a_failed_job_goes_on_and_exits_0(tiny, tmp_path):
     assert "CUDA out of memory at step 1" in md and "batch.tokens_per_step=1000 is not a multiple" in md
 
 
+def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, tmp_path):
+    """The same sweep again into the same hydra.sweep.dir: every job is refused (its directory holds a
+    run); the end-of-sweep message says so per job and names a new sweep folder, instead of pointing at
+    error summaries that do not exist (the earlier runs' summaries are untouched and say ok)."""
+    sweep = tmp_path / "sweep"
+    args = [a for a in _sweep_args(tiny, tmp_path) if not a.startswith("attention=")]
+    cmd = ["-m", *args, "attention=naive,sdpa", "eval.interval=0", f"hydra.sweep.dir={sweep}"]
+    first = run_train(cmd)
+    assert first.returncode == 0, describe(first)
+    jobs = [sweep / "0_naive_n64", sweep / "1_sdpa_n64"]
+
+    def records():
+        return {j: ((j / "summary.json").read_bytes(), (j / "metrics.jsonl").read_bytes()) for j in jobs}
+
+    before = records()
+    again = run_train(cmd)
+    assert again.returncode == 2, describe(again)
+    err = again.stderr
+    assert "sweep: all 2 jobs failed" in err, describe(again)
+    for j in jobs:
+        assert f"refused: {j} already holds a run; use a new hydra.sweep.dir" in err, err
+        assert f"config error: out_dir={j} already holds a run" in err, err
+    assert f"hydra.sweep.dir={sweep}_2" in err and "multirun/<time>" in err, err
+    assert "holds its error" not in err and "bench.report" not in err, err
+    assert "runs/<time>_<backend>_n<seq_len>" not in err, err  # a single run's hint: not for -m
+    assert records() == before
+    assert all(summary(j)["status"] == "ok" for j in jobs)
+
+
+def test_sweep_exit_code_lists_refused_jobs_apart(capsys, tmp_path):
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    sweep = tmp_path / "sw"
+    (tmp_path / "sw_2").mkdir()  # taken: the suggestion is the next free name
+    refused, err = (str(sweep / "0_a"), train.REFUSED, 2), (str(sweep / "1_b"), "error", 2)
+    assert train.sweep_exit_code([refused, err], str(sweep)) == 2
+    out = capsys.readouterr().err
+    assert f"refused: {sweep / '0_a'} already holds a run; use a new hydra.sweep.dir" in out, out
+    assert f"error (exit 2): {sweep / '1_b'}" in out, out
+    assert "the other failed runs' summary.json hold their errors" in out, out
+    assert f"python -m bench.report {sweep} lists them" in out and f"hydra.sweep.dir={sweep}_3" in out, out
+    assert train.sweep_exit_code([refused, ("c", "ok", 0)], str(sweep)) == 0
+    out = capsys.readouterr().err
+    assert "1 of 2 jobs failed" in out and "refused: " in out and "bench.report" not in out, out
+
+
 def test_sweep_exit_code_rules(capsys):
     sys.path.insert(0, str(REPO))
     try:

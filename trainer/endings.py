@@ -72,10 +72,12 @@ def _os_error_in(e: BaseException) -> OSError | None:
 
 @dataclass
 class Outcome:
-    """How a run ended: ``status`` (see module docstring) and the process exit code it asks for."""
+    """How a run ended: ``status`` (see module docstring) and the process exit code it asks for;
+    ``taken_dir``: for a new run refused because its directory already holds a run, that directory."""
 
     status: str
     exit_code: int
+    taken_dir: str | None = None
 
 
 def _oom_types() -> tuple[type[BaseException], ...]:
@@ -294,6 +296,9 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multi
     run that cannot take back what is there (a directory not noted by Hydra's ``OutDirCheck``, or holding
     more than a refused run writes), records status "error" in summary.json instead, which the sweep's
     summary and ``bench.report`` list."""
+    from trainer.rundir import RunDirTaken
+
+    taken = str(e.out_dir) if isinstance(e, RunDirTaken) else None  # another run's: never written to
     if is_main:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         from trainer.rundir import discard_refused_run
@@ -308,7 +313,7 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multi
 
             # Record the error only in a run directory of our own: a refused resume or a refused
             # re-use of an existing run must leave that run's summary as it was.
-            if out_dir.is_dir() and not cfg.resume and not (out_dir / "summary.json").exists():
+            if out_dir.is_dir() and not cfg.resume and not taken and not (out_dir / "summary.json").exists():
                 write_json_atomic(
                     out_dir / "summary.json",
                     {
@@ -320,4 +325,4 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multi
                 )
         except OSError:
             pass
-    return Outcome("error", EXIT_CONFIG)
+    return Outcome("error", EXIT_CONFIG, taken)

@@ -172,13 +172,29 @@ def read_summary(out_dir: Path) -> dict:
 FAILED_STATUSES = ("error", "save_failed", "disk_full")
 
 
-def check_new_run_dir(cfg, out_dir: Path) -> None:
+class RunDirTaken(ConfigError):
+    """A new run refused because its directory ``out_dir`` already holds a run (which stays as it was)."""
+
+    def __init__(self, message: str, out_dir: Path) -> None:
+        super().__init__(message)
+        self.out_dir = Path(out_dir)
+
+
+#: the fix for a taken run directory: a single run picks another out_dir, a -m job another sweep folder
+_NEW_DIR = {
+    False: "choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)",
+    True: "use a new hydra.sweep.dir (or leave it unset: a new multirun/<time> folder)",
+}
+
+
+def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     """A new run (resume=false) may reuse a directory whose summary says ``error`` only when that run was
     refused before training: it never got through set-up (no ``steps`` in its summary), logged nothing
     and started no W&B run. A run that trained and then failed keeps its directory.
 
     Raises:
-        ConfigError naming out_dir, what the failed run did, and the fixes (resume=true, a new out_dir).
+        RunDirTaken naming out_dir, what the failed run did, and the fixes (resume=true, a new out_dir;
+        for a job of a -m sweep, ``multirun``: a new hydra.sweep.dir).
     """
     if cfg.resume:
         return
@@ -193,11 +209,11 @@ def check_new_run_dir(cfg, out_dir: Path) -> None:
     if status == "error" and "steps" not in summary and not logged and not started_wandb:
         return  # refused by a config error before training: free for a new run
     steps = summary.get("steps", "?")
-    raise ConfigError(
+    raise RunDirTaken(
         f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
         f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
-        "resume=true to continue it from its newest checkpoint, or choose a new out_dir (or leave "
-        "out_dir unset for a fresh runs/ directory)"
+        f"resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}",
+        out_dir,
     )
 
 
@@ -407,7 +423,7 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
     return True
 
 
-def check_out_dir(cfg, out_dir: Path) -> None:
+def check_out_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     """Refuse an out_dir that cannot be written, and a new run (resume=false) in a directory that already
     holds one.
 
@@ -415,7 +431,9 @@ def check_out_dir(cfg, out_dir: Path) -> None:
     status but "error", which a refused config leaves); starting afresh there would
     append a second curve to its metrics.jsonl, overwrite its summary and mix two runs in one W&B run.
     Raises:
-        ConfigError naming out_dir and the fixes (a writable out_dir; resume=true, or another out_dir).
+        ConfigError naming out_dir and the fixes (a writable out_dir); RunDirTaken for a directory that
+        holds a run (resume=true, or another out_dir; for a job of a -m sweep, ``multirun``: a new
+        hydra.sweep.dir).
     """
     problem = out_dir_problem(out_dir)
     if problem:
@@ -433,15 +451,17 @@ def check_out_dir(cfg, out_dir: Path) -> None:
     # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
     if not ckpts and status not in (None, "error"):
         # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
-        raise ConfigError(
+        raise RunDirTaken(
             f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
-            "resume=true has nothing to continue; choose a new out_dir (the default, "
-            f"runs/<time>_<backend>_n<seq_len>, is new), or delete {out_dir} if its records are not needed"
+            f"resume=true has nothing to continue; {_NEW_DIR[multirun]}, or delete {out_dir} if its "
+            "records are not needed",
+            out_dir,
         )
     if ckpts or status not in (None, "error"):
-        raise ConfigError(
+        raise RunDirTaken(
             f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
-            "continue it, or choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)"
+            f"continue it, or {_NEW_DIR[multirun]}",
+            out_dir,
         )
 
 
