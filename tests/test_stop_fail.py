@@ -341,7 +341,9 @@ def test_sweep_with_an_oom_and_a_failed_job_goes_on_and_exits_0(tiny, tmp_path):
 def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, tmp_path):
     """The same sweep again into the same hydra.sweep.dir: every job is refused (its directory holds a
     run); the end-of-sweep message says so per job and names a new sweep folder, instead of pointing at
-    error summaries that do not exist (the earlier runs' summaries are untouched and say ok)."""
+    error summaries that do not exist; the earlier runs' records and Hydra's files of that sweep
+    (.hydra/*.yaml, train.log, multirun.yaml, which Hydra rewrites before any job can be refused) are
+    byte for byte as they were."""
     sweep = tmp_path / "sweep"
     args = [a for a in _sweep_args(tiny, tmp_path) if not a.startswith("attention=")]
     cmd = ["-m", *args, "attention=naive,sdpa", "eval.interval=0", f"hydra.sweep.dir={sweep}"]
@@ -349,11 +351,17 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
     assert first.returncode == 0, describe(first)
     jobs = [sweep / "0_naive_n64", sweep / "1_sdpa_n64"]
 
-    def records():
-        return {j: ((j / "summary.json").read_bytes(), (j / "metrics.jsonl").read_bytes()) for j in jobs}
+    def records():  # the runs' own records and Hydra's files of the earlier sweep
+        files = [sweep / "multirun.yaml"] + [
+            j / name
+            for j in jobs
+            for name in ("summary.json", "metrics.jsonl", "train.log", "config.resolved.yaml")
+        ]
+        files += sorted(p for j in jobs for p in (j / ".hydra").iterdir())
+        return {p: p.read_bytes() for p in files}
 
     before = records()
-    again = run_train(cmd)
+    again = run_train(cmd + ["optim.lr=0.0123"])  # another config: Hydra's files would differ
     assert again.returncode == 2, describe(again)
     err = again.stderr
     assert "sweep: all 2 jobs failed" in err, describe(again)

@@ -325,4 +325,11 @@ def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multi
                 )
         except OSError:
             pass
+        if taken and multirun:  # Hydra rewrote that run's .hydra/ files and logged there: put them back
+            from trainer.hydra_files import restore_job
+
+            try:
+                restore_job(taken)
+            except OSError:
+                pass
     return Outcome("error", EXIT_CONFIG, taken)

@@ -329,6 +329,9 @@ class OutDirCheck(_HydraCallback):
         if path is not None:
             note_run_dir_before(path)
             _SWEEP_NOTED[:] = [_key(path)]
+            from trainer.hydra_files import snapshot_sweep
+
+            snapshot_sweep(path)  # an earlier sweep's Hydra files, put back for jobs refused there
 
     @staticmethod
     def _check(config, node: str, key: str) -> None:
