@@ -426,3 +426,56 @@ def test_wandb_fork_refused_starts_a_linked_run(tmp_path, monkeypatch, capsys):
     assert wb["config"]["wandb_parent"] == {"run_id": parent, "step": 4}
     assert [h["_step"] for h in wb["history"]] == [5, 6, 7, 8]
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_wandb_run_file_is_complete_when_close_returns(tmp_path, monkeypatch, capsys):
+    """RunLogger.close() returns once wandb-core has written the run's .wandb file out. Run.finish() only
+    asks wandb-core to close the run's stream and its file's buffered tail (for a short run, all but the
+    header) is written when wandb-core gets to that: read right away, the file could hold no run (a flaky
+    run_id "" under load). Simulated here: the finished file is held back and written 0.5 s after
+    finish() returns. Bounded: a file that never completes costs WANDB_FILE_WAIT_S and a warning."""
+    import threading
+
+    from trainer import metrics
+    from trainer.metrics import RunLogger
+    from trainer.wandb_read import wait_run_file_finished
+
+    kw = dict(mode="offline", project="flashgpt-tests", entity=None, group="g", name="n", tags=[], config={})
+    late_writes: list[threading.Timer] = []
+
+    def start(out: Path, write_back_after: float | None) -> RunLogger:
+        log = RunLogger(out)
+        log.start_wandb(**kw, run_id=None)
+        for s in range(1, 4):
+            log.log(s, {"train/loss": float(s)})
+        run = log.wandb_run
+        real_finish = run.finish
+
+        def finish_then_lag(*args, **kwargs):
+            real_finish(*args, **kwargs)
+            f = Path(run.settings.sync_file)
+            assert wait_run_file_finished(f, timeout=60)  # the file as wandb-core writes it in the end
+            whole = f.read_bytes()
+            f.write_bytes(whole[:7])  # as it is until wandb-core closes the stream: the header only
+            if write_back_after is not None:
+                late_writes.append(threading.Timer(write_back_after, f.write_bytes, [whole]))
+                late_writes[-1].start()
+
+        monkeypatch.setattr(run, "finish", finish_then_lag)
+        return log
+
+    log = start(tmp_path / "a", write_back_after=0.5)
+    run_id = log.wandb_id
+    log.close()
+    wb = read_offline_run(tmp_path / "a")
+    assert wb["run_id"] == run_id and [h["_step"] for h in wb["history"]] == [1, 2, 3]
+    assert "has not finished writing" not in capsys.readouterr().out
+
+    monkeypatch.setattr(metrics, "WANDB_FILE_WAIT_S", 0.3)
+    log = start(tmp_path / "b", write_back_after=None)
+    t0 = time.monotonic()
+    log.close()
+    assert time.monotonic() - t0 < 10
+    assert "warning: W&B has not finished writing" in capsys.readouterr().out
+    for t in late_writes:
+        t.join()

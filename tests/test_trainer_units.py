@@ -22,7 +22,14 @@ from trainer import checkpoint as ckpt
 from trainer.loop import Trainer, lr_at
 from trainer.metrics import resolve_wandb_mode
 from trainer.signals import PreemptionHandler
-from trainer.wandb_read import WandbFileError, read_offline_run
+from trainer.wandb_read import (
+    WandbFileError,
+    WandbFileIncomplete,
+    read_offline_run,
+    read_wandb_file,
+    run_file_finished,
+    wait_run_file_finished,
+)
 
 # ------------------------------------------------------------------------------------------ LR
 
@@ -239,6 +246,72 @@ def test_reader_rejects_bad_header_and_checksum(tmp_path, seed):
         read_offline_run(f)
     with pytest.raises(FileNotFoundError, match="no W&B run file"):
         read_offline_run(tmp_path / "empty_dir_that_does_not_exist")
+
+
+def _exit_record() -> bytes:
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    r = pb.Record()
+    r.exit.exit_code = 0
+    return r.SerializeToString()
+
+
+def test_wandb_reader_refuses_a_file_without_its_run_record(tmp_path, seed):
+    """A .wandb file cut before its run record is complete (what a reader finds while wandb-core still
+    buffers the run, or after a kill before it flushed): read_offline_run raises WandbFileIncomplete instead
+    of returning a run with run_id "". read_wandb_file (one file, low level) still reads it as empty."""
+    recs, _ = _records(seed)
+    whole = tmp_path / "whole.wandb"
+    _write_leveldb_log(whole, recs)
+    data = whole.read_bytes()
+    for cut in (7, 7 + 7 + len(recs[0]) // 2):  # the header only; the run record's chunk cut in half
+        f = tmp_path / f"run-cut{cut}.wandb"
+        f.write_bytes(data[:cut])
+        assert read_wandb_file(f)["run_id"] == "" and read_wandb_file(f)["history"] == []
+        with pytest.raises(WandbFileIncomplete, match=f"no run record in it yet \\({cut} bytes\\)"):
+            read_offline_run(f)
+        assert issubclass(WandbFileIncomplete, WandbFileError)
+    # a run directory: the newest file decides; an older file without a run record (killed) is skipped
+    run_dir = tmp_path / "run"
+    older = run_dir / "wandb" / "offline-run-20250101_000000-abcd1234" / "run-abcd1234.wandb"
+    newer = run_dir / "wandb" / "offline-run-20250101_000001-abcd1234" / "run-abcd1234.wandb"
+    older.parent.mkdir(parents=True)
+    newer.parent.mkdir(parents=True)
+    older.write_bytes(data[:7])
+    newer.write_bytes(data)
+    assert read_offline_run(run_dir)["run_id"] == "abcd1234"
+    older.write_bytes(data)
+    newer.write_bytes(data[:7])
+    with pytest.raises(WandbFileIncomplete, match="offline-run-20250101_000001-abcd1234"):
+        read_offline_run(run_dir)
+
+
+def test_wandb_run_file_finished_waits_for_the_exit_record(tmp_path, seed):
+    """run_file_finished: True once the exit record is in the file (wandb-core has written the run out);
+    wait_run_file_finished polls for it, bounded."""
+    import threading
+    import time
+
+    recs, _ = _records(seed)
+    f = tmp_path / "run-abcd1234.wandb"
+    assert not run_file_finished(f)  # no file
+    _write_leveldb_log(f, recs)
+    assert not run_file_finished(f)  # a live run: no exit record yet
+    _write_leveldb_log(f, [*recs, _exit_record()])
+    whole = f.read_bytes()
+    assert run_file_finished(f)
+    f.write_bytes(whole[:-2])  # the exit record's chunk half written
+    assert not run_file_finished(f)
+    t0 = time.monotonic()
+    assert not wait_run_file_finished(f, timeout=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 2
+    later = threading.Timer(0.3, f.write_bytes, [whole])
+    later.start()
+    try:
+        assert wait_run_file_finished(f, timeout=30)
+        assert f.read_bytes() == whole
+    finally:
+        later.join()
 
 
 # ------------------------------------------------------------------------------------------ parity

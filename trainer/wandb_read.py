@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +35,11 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
 class WandbFileError(ValueError):
     """The file is not a readable W&B transaction log (bad header, checksum or truncated chunk)."""
+
+
+class WandbFileIncomplete(WandbFileError):
+    """The file holds no run record yet: wandb-core has not written it out (the run is still running or
+    finishing), or the run was killed before wandb flushed it."""
 
 
 def _iter_raw_records(data: bytes, path: str, verify_crc: bool = True) -> Iterator[bytes]:
@@ -156,8 +162,10 @@ def read_wandb_file(wandb_file: str | Path) -> dict:
     history: list of dicts, one per ``wandb.log`` call, with ``_step`` set (int) and the logged keys
     (keys containing "/" such as ``train/loss`` are kept flat, as W&B logs them).
     summary: the final run summary (later updates win). config: the run config (nested dicts), without
-    wandb's internal ``_wandb`` entry. run_id: the 8-character W&B run id. Also group, name, tags (from the
-    run record) and branch_point: dict(run_id, step, metric) of a forked run's parent, else None.
+    wandb's internal ``_wandb`` entry. run_id: the 8-character W&B run id, "" when the file holds no run
+    record (a killed run's never-flushed file, or one wandb-core is still writing; ``read_offline_run``
+    raises WandbFileIncomplete for such a run). Also group, name, tags (from the run record) and
+    branch_point: dict(run_id, step, metric) of a forked run's parent, else None.
     Raises WandbFileError for a file that is not a W&B log.
     """
     history: list[dict] = []
@@ -196,6 +204,55 @@ def read_wandb_file(wandb_file: str | Path) -> dict:
     return {"history": history, "summary": summary, "config": config, "run_id": run_id, **extra}
 
 
+def run_file_finished(wandb_file: str | Path) -> bool:
+    """True when ``wandb_file`` holds the run's exit record, i.e. wandb-core has written the whole run out.
+
+    wandb-core buffers the file in 32 KiB blocks and writes the last one only when it closes the run's
+    stream, which ``Run.finish()`` asks for without waiting (see ``wait_run_file_finished``). Only the last
+    few records are decoded (the exit record is the last, or near it in older wandb versions), so this is
+    cheap for a long run's file too. False for a missing, short or damaged file.
+    """
+    from collections import deque
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = str(wandb_file)
+    try:
+        tail = deque(_iter_raw_records(Path(path).read_bytes(), path, verify_crc=False), maxlen=4)
+    except (OSError, WandbFileError):
+        return False
+    for raw in tail:
+        rec = pb.Record()
+        try:
+            rec.ParseFromString(raw)
+        except Exception:  # noqa: BLE001 - a record being written; the next poll sees it whole
+            continue
+        if rec.WhichOneof("record_type") == "exit":
+            return True
+    return False
+
+
+def wait_run_file_finished(wandb_file: str | Path, timeout: float = 5.0) -> bool:
+    """Wait (at most ``timeout`` seconds) until ``run_file_finished(wandb_file)``; returns whether it is.
+
+    ``Run.finish()`` returns once wandb-core has handled the run's exit, but only *tells* wandb-core to
+    close the run's stream (a message it does not wait on); the file's buffered tail, which for a small
+    run is the whole run (its run record included), is written when wandb-core gets to that. A reader
+    right after ``finish()`` can therefore find the file holding only its header, more often under load.
+    Usually the file is complete at the first look; then this costs one read of the file.
+    """
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        if run_file_finished(wandb_file):
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(delay, left))
+        delay = min(delay * 2, 0.1)
+
+
 def find_wandb_files(run_dir: str | Path) -> list[Path]:
     """All ``*.wandb`` files of a run directory (``<run_dir>/wandb/*/run-*.wandb``), oldest first.
 
@@ -223,11 +280,12 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
     merged in time order: histories concatenated, config and summary updated by the later ones. Folders of
     other run ids than the newest one are ignored, except the parents of a forked newest run (see
     ``branch_point``): their history up to the fork step is prepended and ``parents`` lists them.
-    Raises FileNotFoundError when no ``.wandb`` file is found, WandbFileError for a damaged header/checksum.
+    Raises FileNotFoundError when no ``.wandb`` file is found, WandbFileError for a damaged header/checksum
+    and WandbFileIncomplete when the newest file holds no run record yet (rather than a run with run_id "").
     """
     p = Path(run_dir_or_wandb_file)
     if p.is_file():
-        return read_wandb_file(p)
+        return _check_has_run(read_wandb_file(p), p)
     files = find_wandb_files(p)
     if not files:
         files = sorted(p.glob("run-*.wandb"))
@@ -236,6 +294,7 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
             f"no W&B run file (*.wandb) under {p}; was the run started with wandb.mode=offline|online?"
         )
     runs = [read_wandb_file(f) for f in files]
+    _check_has_run(runs[-1], files[-1])
     merged = _merge_same_id(runs, runs[-1]["run_id"])
     # a fork (a resume that replayed steps): its parent's history up to the fork step comes first, as
     # W&B shows it; the parent's later (abandoned) steps are left out. "parents" lists the chain.
@@ -251,6 +310,18 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
         merged["history"] = [h for h in parent["history"] if h["_step"] <= bp["step"]] + merged["history"]
         child = parent
     return merged
+
+
+def _check_has_run(run: dict, path: Path) -> dict:
+    """``run`` (read from ``path``) unless it has no run id: then WandbFileIncomplete says why."""
+    if run["run_id"]:
+        return run
+    size = path.stat().st_size
+    raise WandbFileIncomplete(
+        f"{path}: no run record in it yet ({size} bytes): wandb-core has not written the run out - it is "
+        "still running or finishing (read it after RunLogger.close() has returned; run.finish() alone does "
+        "not wait for the file), or it was killed before wandb flushed the file"
+    )
 
 
 def _merge_same_id(runs: list[dict], run_id: str) -> dict:
