@@ -62,6 +62,8 @@ def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device
 
 
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
+    if not isinstance(check_lengths, bool):  # check_lengths="no" would be truthy: the check would run
+        raise ValueError(f"check_lengths must be True or False, got {check_lengths!r}")
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
@@ -154,6 +156,24 @@ def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
     return split_len, _cdiv(n_max, split_len)
 
 
+def _check_overrides(tile_n, num_warps, num_stages) -> None:
+    """``_launch_decode``'s private overrides: a bad one is a clear ValueError here, not a Triton error
+    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``_split_layout``)."""
+
+    def bad(value, low: int, pow2: bool) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            return True
+        return pow2 and value & (value - 1) != 0
+
+    for name, value, low, pow2, rule in (
+        ("_tile_n", tile_n, 16, True, "a power of two >= 16"),
+        ("_num_warps", num_warps, 1, True, "a power of two >= 1"),
+        ("_num_stages", num_stages, 1, False, "an int >= 1"),
+    ):
+        if value is not None and bad(value, low, pow2):
+            raise ValueError(f"{name} must be {rule} or None, got {value!r}")
+
+
 def _launch_decode(
     q,
     k_cache,
@@ -178,6 +198,7 @@ def _launch_decode(
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
 
+    _check_overrides(_tile_n, _num_warps, _num_stages)
     interp = interpret_enabled()
     problem = mode_problem(interp)
     if problem is not None:
@@ -187,9 +208,9 @@ def _launch_decode(
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = Hq // Hkv
     block_d, block_m = _pow2(d), _pow2(group * Nq)
-    block_n = _block_n(d, q.dtype) if _tile_n is None else int(_tile_n)
+    block_n = _block_n(d, q.dtype) if _tile_n is None else _tile_n
     launch_opts = {
-        name: int(value)
+        name: value
         for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
         if value is not None
     }
@@ -300,7 +321,7 @@ def flash_decode(
     Raises:
         ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, with
             check_lengths, not under CUDA-graph capture, torch.compile or fake tensors), Nq outside
-            1..16, head dim outside 8..256, bad softmax_scale / num_splits.
+            1..16, head dim outside 8..256, bad softmax_scale / num_splits, check_lengths not a bool.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, check_lengths)
@@ -322,6 +343,8 @@ def flash_decode(
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
+        cache_seqlens = cache_seqlens.contiguous()
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     if _plain_eager_call(*tensors):
         o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
