@@ -447,7 +447,12 @@ class Results:
 
 def rewrite_report(path: Path) -> str:
     """Rewrite the markdown beside a results JSON (``--report``), complete or not; returns it."""
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # missing, a directory, not JSON
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict) or not {"meta", "kernel", "e2e"} <= data.keys():
+        raise ValueError(f"{path} is not a bench.decode results file (no meta, kernel and e2e)")
     report = markdown(data["meta"], data["kernel"], data["e2e"])
     _write_text(path.with_suffix(".md"), report)
     return report
@@ -515,7 +520,11 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     if args.report:
-        print(rewrite_report(Path(args.report)))
+        try:
+            print(rewrite_report(Path(args.report)))
+        except ValueError as e:
+            print(f"error: --report: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.compile_backend is None:
         args.compile_backend = "eager" if args.dry_run else "inductor"

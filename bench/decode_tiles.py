@@ -239,6 +239,22 @@ def _save(out: Path, tag: str, meta: dict, records: list[dict], complete: bool) 
     return report
 
 
+def _grid_problem(value: str | None, low: int, pow2: bool) -> str | None:
+    """What is wrong with one comma list of the grid (None: nothing, or the option not given)."""
+    if value is None:
+        return None
+    try:
+        ints = _ints(value)
+    except ValueError:
+        return "must be a comma list of integers"
+    if not ints:
+        return "is an empty list"
+    rule = f"powers of two >= {low}" if pow2 else f"integers >= {low}"
+    if any(n < low or (pow2 and n & (n - 1)) for n in ints):
+        return f"must be {rule}"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.decode_tiles",
@@ -265,6 +281,23 @@ def main(argv=None) -> int:
     for key, value in (DRY_RUN_GRID if args.dry_run else GPU_GRID).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    # a bad grid is a usage error before anything runs: an empty list swept nothing and still exited 0,
+    # --splits 0 or --block-n 0 died in a ZeroDivisionError, --block-n 7 in one Triton error per config
+    for flag, key, low, pow2 in (
+        ("--block-n", "block_n", 16, True),
+        ("--splits", "splits", 1, False),
+        ("--warps", "warps", 1, True),
+        ("--stages", "stages", 1, False),
+        ("--dims", "dims", 1, False),
+        ("--batches", "batches", 1, False),
+        ("--contexts", "contexts", 1, False),
+    ):
+        problem = _grid_problem(getattr(args, key), low, pow2)
+        if problem:
+            ap.error(f"{flag} {getattr(args, key)!r}: {problem}")
+    for flag, value in (("--kv-heads", args.kv_heads), ("--group", args.group)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
     if args.dims is None and args.batches is None and args.contexts is None:
         shapes = list(DRY_RUN_SHAPES if args.dry_run else GPU_SHAPES)
     else:

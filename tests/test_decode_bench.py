@@ -236,3 +236,47 @@ def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
     assert decode.main(argv) == 1
     monkeypatch.setattr(decode, "provider_fn", real)
     assert decode.main(argv) == 0
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--splits", "0"], "--splits '0': must be integers >= 1"),
+        (["--block-n", "7"], "--block-n '7': must be powers of two >= 16"),
+        (["--block-n", "0"], "--block-n '0': must be powers of two >= 16"),
+        (["--splits", ""], "--splits '': is an empty list"),
+        (["--block-n", ","], "--block-n ',': is an empty list"),
+        (["--warps", "3"], "--warps '3': must be powers of two >= 1"),
+        (["--contexts", "0"], "--contexts '0': must be integers >= 1"),
+        (["--dims", "x"], "--dims 'x': must be a comma list of integers"),
+        (["--group", "0"], "--group must be >= 1"),
+    ],
+)
+def test_decode_tiles_refuses_a_bad_grid(tmp_path, capsys, flags, match):
+    """A bad grid is a usage error (exit 2) before anything runs or is written: an empty list once swept
+    nothing and exited 0, --splits 0 died in a ZeroDivisionError, --block-n 7 in Triton errors."""
+    from bench import decode_tiles
+
+    with pytest.raises(SystemExit) as exc:
+        decode_tiles.main(["--dry-run", "--out", str(tmp_path), *flags])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (None, "cannot read"),
+        ('{"kernel": [', "cannot read"),
+        ("[1, 2]", "not a bench.decode results file"),
+        ('{"kernel": []}', "not a bench.decode results file"),
+    ],
+)
+def test_report_of_a_missing_or_corrupt_file_is_one_error_line(tmp_path, capsys, content, match):
+    path = tmp_path / "decode_x.json"
+    if content is not None:
+        path.write_text(content)
+    assert decode.main(["--report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --report: ") and match in err and "Traceback" not in err
+    assert not path.with_suffix(".md").exists()
