@@ -241,12 +241,16 @@ def main(argv=None) -> int:
             return 2
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
-    if bad:
-        p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    if bad or not backends:  # an empty list once ran no cell and wrote an empty table
+        p.error(f"--backends: unknown {bad or repr(a.backends)}; choose from {', '.join(BACKENDS)}")
     try:
         seq_lens = [int(n) for n in a.seq_lens.split(",")]
     except ValueError:
         p.error(f"--seq-lens must be comma-separated integers, got {a.seq_lens!r}")
+    if min(seq_lens) < 1:  # else one failed cell per backend, each a fresh train.py process
+        p.error(f"--seq-lens must be positive, got {a.seq_lens!r}")
+    if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
+        p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
     if a.steps <= a.warmup + a.profile_steps:
         p.error(f"--steps ({a.steps}) must exceed --warmup + --profile-steps ({a.warmup + a.profile_steps})")
 

@@ -802,6 +802,27 @@ def test_throughput_refuses_without_a_gpu_unless_allowed(tmp_path, capsys):
     assert throughput._error_excerpt("step 1\n" + line + "\nTraceback tail").startswith("train.py: error")
 
 
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--backends", ""], "--backends: unknown ''"),
+        (["--backends", ","], "--backends: unknown ','"),
+        (["--seq-lens", "0"], "--seq-lens must be positive"),
+        (["--timeout", "-1"], "--timeout must be a positive number"),
+    ],
+)
+def test_throughput_refuses_bad_arguments(tmp_path, capsys, flags, match):
+    """Usage errors, exit 2 and nothing written, not empty tables or one failed cell per backend."""
+    from bench import throughput
+
+    argv = ["--allow-cpu", "--backends", "sdpa", "--seq-lens", "64", "--steps", "4", "--warmup", "1"]
+    argv += ["--profile-steps", "0", "--out", str(tmp_path / "tp"), "--runs-dir", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit) as exc:
+        throughput.main(argv + flags + ["--", "experiment=cpu_tiny"])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 # ------------------------------------------------------------------------------------------- tuning tools
 
 
