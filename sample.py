@@ -127,8 +127,19 @@ def _sample(cfg: DictConfig) -> int:
         print(f"---------- sample {i + 1}/{len(samples)}")
         print(prompt_text + s)
     print("----------")
+    # greedy decoding has no randomness to vary (said only when true: batched rows could differ in a tie)
+    if float(cfg.temperature) == 0 and len(new) > 1 and all(row == new[0] for row in new):
+        print(
+            f"sample.py: temperature=0 is greedy: the {len(samples)} samples are identical (num_samples=1 "
+            "gives one; temperature > 0 varies them)",
+            file=sys.stderr,
+        )
+    # the SDPA kernel when pinned (attention.sdpa_backend=math), as the run's own attention/backend_ran
+    attention = model.attention_backend
+    if attention == "sdpa" and model.config.sdpa_backend != "auto":
+        attention += f" (sdpa_backend={model.config.sdpa_backend})"
     print(
-        f"{path} | attention={model.attention_backend} | device={device} | dtype={str(dtype)[6:]} | "
+        f"{path} | attention={attention} | device={device} | dtype={str(dtype)[6:]} | "
         f"prefill {timings['prefill_tokens']} tokens at {rate['prefill_tokens_per_sec']:.1f} tok/s | "
         f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s"
     )

@@ -175,6 +175,26 @@ def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
     assert all(t == texts[0] for t in texts), texts
 
 
+def test_sample_greedy_note_and_pinned_sdpa_kernel_in_the_header(trained, tmp_path):
+    """temperature=0 with several samples says once (stderr) that they are identical, the files unchanged;
+    the header line names a pinned SDPA kernel (attention.sdpa_backend=math), not just attention=sdpa."""
+    run, _ = trained
+    common = [f"run={run}", "prompt=First Citizen:", "max_new_tokens=4", "attention=sdpa"]  # trained naive
+    proc = _run(SAMPLE, [*common, "num_samples=2", "temperature=0", f"out={tmp_path / 'g.txt'}"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    assert proc.stderr.count("temperature=0 is greedy: the 2 samples are identical") == 1, describe(proc)
+    assert "sample 2/2" in proc.stdout and "| attention=sdpa | device=" in proc.stdout
+    assert (tmp_path / "g.txt").read_text().count("---------- sample") == 2
+    proc = _run(
+        SAMPLE,
+        [*common, "num_samples=2", "attention.sdpa_backend=math", f"out={tmp_path / 'm.txt'}"],
+        tmp_path,
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert "| attention=sdpa (sdpa_backend=math) | device=" in proc.stdout, describe(proc)
+    assert "greedy" not in proc.stderr
+
+
 def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     """A checkpoint whose data directory is gone still samples (the vocabulary is inside); an older
     checkpoint without it falls back to meta.json, or is a clear error when that is gone too."""
