@@ -409,6 +409,27 @@ def test_typed_config_errors_name_the_full_key(expect_error, key, value, expecte
     assert expected in expect_error(**{key: value})
 
 
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("typo", None),  # 0.67 from dtype: no longer offered
+        ("foo", None),
+        ("sq_len", "seq_len"),
+        ("max_step", "max_steps"),
+        ("evl", "eval"),
+        ("model.n_heads", "model.n_head"),
+    ],
+)
+def test_unknown_key_suggests_only_a_close_match(key, hint):
+    from trainer.config_errors import unknown_key
+
+    msg = unknown_key(key)
+    if hint is None:
+        assert "did you mean" not in msg and msg.startswith(f"{key} is not a config key; valid keys"), msg
+    else:
+        assert f"did you mean {hint}? " in msg, msg
+
+
 def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
     from helpers_train import run_train
 

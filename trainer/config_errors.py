@@ -85,6 +85,9 @@ def _type_check(key: str, schema: type = TrainConfig):
     return BOOL if "bool" in t else FINITE if "float" in t else NONNEG_INT if "int" in t else None
 
 
+SUGGEST_CUTOFF = 0.75  # difflib ratio a key needs to be offered as "did you mean"
+
+
 def unknown_key(key: str, schema: type = TrainConfig) -> str:
     """Message for ``key``, which ``schema`` (default ``TrainConfig``) does not have: the closest valid key
     and those beside it."""
@@ -96,7 +99,9 @@ def unknown_key(key: str, schema: type = TrainConfig) -> str:
     if schema is None:
         return f"{key} is not a config key (nor is {parent}); see {where_keys} for the keys"
     names = [f.name for f in fields(schema)]
-    close = difflib.get_close_matches(name, names, n=1)
+    # only a close match (a letter or two off: temprature, sq_len, bathces, all >= 0.85): difflib's
+    # default cutoff 0.6 suggested dtype for +typo=1 (0.67), a guess that misleads more than it helps
+    close = difflib.get_close_matches(name, names, n=1, cutoff=SUGGEST_CUTOFF)
     full = [f"{parent}.{n}" if parent else n for n in names]
     hint = f"did you mean {full[names.index(close[0])]}? " if close else ""
     where = f"under {parent}" if parent else "at the top level"
