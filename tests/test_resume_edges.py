@@ -172,3 +172,23 @@ def test_resume_from_another_folder_reads_the_runs_relative_data_dir(tiny, tmp_p
     saved = (out / "config.resolved.yaml").read_text()
     assert f"dir: {a / 'chars'}" in saved, saved
     assert summary(out)["steps"] == 6
+
+
+def test_resume_line_names_a_preset_instead_of_its_keys():
+    """``experiment=cpu_tiny`` on a resume command line is named as the preset, with the keys it set in
+    parentheses, not listed as if each key had been typed; a key also typed on its own (max_steps) stays
+    on its own, and plain keys and packaged groups (attention=flash) read as before."""
+    from trainer.resume_config import _NOT_RESUMED, describe_set_here, override_keys
+
+    def line(overrides):
+        return describe_set_here(overrides, sorted(override_keys(overrides) - set(_NOT_RESUMED)))
+
+    got = line(["experiment=cpu_tiny", "resume=true", "out_dir=/x", "max_steps=40"])
+    assert got.startswith("experiment=cpu_tiny (batch.micro_batch_size, ") and got.endswith("), max_steps")
+    preset = got[len("experiment=cpu_tiny (") : -len("), max_steps")].split(", ")
+    assert (
+        "seq_len" in preset and "model" in preset and "max_steps" not in preset and "experiment" not in preset
+    )
+    assert line(["resume=true", "max_steps=8"]) == "max_steps"
+    assert line(["resume=true", "attention=flash", "model.n_layer=2"]) == "attention, model.n_layer"
+    assert line(["resume=true"]) == "nothing"

@@ -484,7 +484,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             # the run's own config before anything is checked or prepared (not the defaults' data)
             cfg, set_here = resume_config.resume_config(cfg, run_dir, overrides)
             if set_here is not None:
-                given = ", ".join(set_here) or "nothing"
+                given = resume_config.describe_set_here(overrides, set_here)  # presets named as such
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir, multirun)  # before check_out_dir: the more specific message

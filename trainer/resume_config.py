@@ -134,6 +134,30 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
     return merged, sorted(keys - set(_NOT_RESUMED))
 
 
+def describe_set_here(overrides: list[str], keys: list[str]) -> str:
+    """The "set on this command line" list of a resume's start-up line, from ``resume_config``'s keys: a
+    preset that sets keys outside its own group (``experiment=cpu_tiny``, ``trainer=cpu``: a ``_global_``
+    file) is named once, in command-line order, with the keys it set in parentheses (a key also given on
+    its own is listed on its own instead); then the keys set one by one, sorted. "nothing" for none."""
+    rest = set(keys)
+    presets = []
+    for key, value in _parsed(overrides):
+        if value is None or "." in key or key not in rest:
+            continue
+        from_preset = _group_keys(key, value)
+        if from_preset <= {key}:  # a plain key, or a group option that sets only its own subtree
+            continue
+        presets.append((key, value, from_preset))
+    preset_names = {key for key, _, _ in presets}
+    explicit = {key for key, _ in _parsed(overrides) if key not in preset_names}
+    parts = []
+    for key, value, from_preset in presets:
+        mine = sorted((from_preset & rest) - explicit - {key})
+        rest -= set(mine) | {key}
+        parts.append(f"{key}={value}" + (f" ({', '.join(mine)})" if mine else ""))
+    return ", ".join(parts + sorted(rest)) or "nothing"
+
+
 # ------------------------------------------------------------------------------------------ group choices
 #: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
 CHOICES_KEY = "group_choices"
