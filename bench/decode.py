@@ -81,7 +81,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+    """A comma list of integers; SystemExit(2) with a one-line error for anything else."""
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: expected a comma list of integers, got {s!r}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def provider_fn(name: str):

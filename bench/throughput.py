@@ -227,18 +227,6 @@ def main(argv=None) -> int:
     )
     p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = p.parse_args(argv)
-    if not a.allow_cpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            print(
-                "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
-                "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
-                "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
-                "--profile-steps 0 -- experiment=cpu_tiny",
-                file=sys.stderr,
-            )
-            return 2
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if bad or not backends:  # an empty list once ran no cell and wrote an empty table
@@ -253,6 +241,18 @@ def main(argv=None) -> int:
         p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
     if a.steps <= a.warmup + a.profile_steps:
         p.error(f"--steps ({a.steps}) must exceed --warmup + --profile-steps ({a.warmup + a.profile_steps})")
+    if not a.allow_cpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
+                "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
+                "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
+                "--profile-steps 0 -- experiment=cpu_tiny",
+                file=sys.stderr,
+            )
+            return 2
 
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,8 @@ def _launch_decode(
     _num_warps: int | None = None,
     _num_stages: int | None = None,
 ):
-    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation.
+    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
+    validated (``flash_decode`` does that); the private overrides below are.
     cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
     is built, so no fill kernel runs per call).
 
