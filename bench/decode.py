@@ -81,12 +81,23 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _ints(s: str) -> list[int]:
-    """A comma list of integers; SystemExit(2) with a one-line error for anything else."""
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _grid_problem(value: str | None, low: int, pow2: bool = False) -> str | None:
+    """What is wrong with one comma list of a grid (None: nothing, or the option not given)."""
+    if value is None:
+        return None
     try:
-        return [int(x) for x in s.split(",") if x.strip()]
+        ints = _ints(value)
     except ValueError:
-        print(f"error: expected a comma list of integers, got {s!r}", file=sys.stderr)
-        raise SystemExit(2) from None
+        return "must be a comma list of integers"
+    if not ints:
+        return "is an empty list"
+    rule = f"powers of two >= {low}" if pow2 else f"integers >= {low}"
+    if any(n < low or (pow2 and n & (n - 1)) for n in ints):
+        return f"must be {rule}"
+    return None
 
 
 def provider_fn(name: str):
@@ -536,6 +547,15 @@ def main(argv=None) -> int:
     for key, value in (DRY_RUN_SHAPES if args.dry_run else GPU_SHAPES).items():
         if getattr(args, key) is None:  # what the user did not give
             setattr(args, key, value)
+    for flag, key in (
+        ("--contexts", "contexts"),
+        ("--batches", "batches"),
+        ("--dims", "dims"),
+        ("--groups", "groups"),
+    ):
+        problem = _grid_problem(getattr(args, key), 1)
+        if problem:
+            ap.error(f"{flag} {getattr(args, key)!r}: {problem}")
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         args.copy_bytes = min(args.copy_bytes, 1 << 22)

@@ -55,7 +55,7 @@ import torch
 
 from bench._attention_report import compact_json
 from bench._timing import Timer, free_memory
-from bench.decode import DTYPES, GRAPH_CALLS, _captured, _ints, _l2_copies, _write_text
+from bench.decode import DTYPES, GRAPH_CALLS, _captured, _grid_problem, _ints, _l2_copies, _write_text
 
 GPU_SHAPES = (
     (128, 1, 8192),
@@ -237,22 +237,6 @@ def _save(out: Path, tag: str, meta: dict, records: list[dict], complete: bool) 
     report = markdown(meta, records)
     _write_text(out / f"decode_tiles_{tag}.md", report)
     return report
-
-
-def _grid_problem(value: str | None, low: int, pow2: bool) -> str | None:
-    """What is wrong with one comma list of the grid (None: nothing, or the option not given)."""
-    if value is None:
-        return None
-    try:
-        ints = _ints(value)
-    except ValueError:
-        return "must be a comma list of integers"
-    if not ints:
-        return "is an empty list"
-    rule = f"powers of two >= {low}" if pow2 else f"integers >= {low}"
-    if any(n < low or (pow2 and n & (n - 1)) for n in ints):
-        return f"must be {rule}"
-    return None
 
 
 def main(argv=None) -> int:

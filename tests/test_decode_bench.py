@@ -280,3 +280,19 @@ def test_report_of_a_missing_or_corrupt_file_is_one_error_line(tmp_path, capsys,
     err = capsys.readouterr().err
     assert err.startswith("error: --report: ") and match in err and "Traceback" not in err
     assert not path.with_suffix(".md").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--contexts", "4x"], "--contexts '4x': must be a comma list of integers"),
+        (["--batches", "0"], "--batches '0': must be integers >= 1"),
+        (["--dims", ""], "--dims '': is an empty list"),
+    ],
+)
+def test_decode_refuses_a_bad_grid(tmp_path, capsys, flags, match):
+    """A bad comma list is a usage error (exit 2, one line) before anything runs or is written."""
+    with pytest.raises(SystemExit) as exc:
+        decode.main(["--dry-run", "--out", str(tmp_path), *flags])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
