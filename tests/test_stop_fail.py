@@ -28,6 +28,8 @@ from helpers_train import (
     val_losses,
 )
 
+from trainer.rundir import LOCK_NAME
+
 pytestmark = pytest.mark.slow
 
 
@@ -342,7 +344,8 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
     """The same sweep again into the same hydra.sweep.dir: every job is refused (its directory holds a
     run); the end-of-sweep message says so per job and names a new sweep folder, instead of pointing at
     error summaries that do not exist; the earlier runs' records and Hydra's files of that sweep
-    (.hydra/*.yaml, train.log, multirun.yaml, which Hydra rewrites before any job can be refused) are
+    (.hydra/*.yaml, train.log, multirun.yaml, which Hydra rewrites before any job can be refused, and the
+    lock file's text, which the trainer rewrites as it takes the lock) are
     byte for byte as they were."""
     sweep = tmp_path / "sweep"
     args = [a for a in _sweep_args(tiny, tmp_path) if not a.startswith("attention=")]
@@ -355,7 +358,7 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
         files = [sweep / "multirun.yaml"] + [
             j / name
             for j in jobs
-            for name in ("summary.json", "metrics.jsonl", "train.log", "config.resolved.yaml")
+            for name in ("summary.json", "metrics.jsonl", "train.log", "config.resolved.yaml", LOCK_NAME)
         ]
         files += sorted(p for j in jobs for p in (j / ".hydra").iterdir())
         return {p: p.read_bytes() for p in files}
