@@ -6,7 +6,7 @@ Usage (GPU)::
     python -m bench.decode                                   # full sweep, bf16, writes bench/results/
     python -m bench.decode --contexts 8192,32768 --batches 1,16 --dims 128 --groups 4
     python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
-    TRITON_INTERPRET=1 python -m bench.decode --dry-run      # CPU plumbing check (outputs/bench/)
+    python -m bench.decode --dry-run                         # CPU plumbing check (outputs/bench/)
 
 Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d) with
 Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--contexts``, batch in
@@ -15,21 +15,16 @@ Hkv = ``--kv-heads`` (default 8) and Hq = group x Hkv, for context L in ``--cont
 ``sdpa-<auto|flash|cudnn|efficient|math>`` (SDPA pinned, ``enable_gqa=True``). Each is first checked
 against a float32 reference on sequence 0 (status ``mismatch`` and not timed when off by more than 2x
 the SDPA-math error + 1e-3), then timed (``bench._timing.Timer``: do_bench median on CUDA, warm-up
-``--warmup-ms`` 10 and ``--rep-ms`` 40; a call of 10 ms or more, ``TIMER_SLOW_MS``: median of 3 calls), twice
-on a GPU: ``ms_eager`` calls the provider from Python each time (its host time included whenever the host
-is slower than the kernel); ``ms`` is the replay time of one CUDA graph holding ``GRAPH_CALLS`` (20)
-back-to-back calls (each call's output overwritten by the next), divided by
-``GRAPH_CALLS`` (``--no-graphs`` to skip). Long calls are timed eagerly only: when ``ms_eager`` is at
-least ``EAGER_ONLY_MS`` (1 ms) the record has ``timing: "eager"`` and ``ms = ms_eager`` (``time_call``):
-the host's launch overhead (several us) is then a few percent at most and such a cache is far bigger than
-the L2, so a graph would change nothing but cost 20 calls per replay (the naive and sdpa-math providers
-at large cells take tens of ms a call). That is how a serving loop or
-``torch.compile(mode="reduce-overhead")`` runs a decode step, one graph holding every layer's attention
-call: kernel time only, the same for every provider, with the graph-launch overhead (several us)
-shared by the 20 calls instead of added to each, as a step shares it among its layers. Like a step's
-layers, consecutive calls read different K/V: the calls cycle through enough copies of q, k, v to span
-twice the L2 cache (``_l2_copies``), so a small cache is read from HBM, not from L2 left warm by the
-call before. The tables and the bandwidth use ``ms``.
+``--warmup-ms`` 10, ``--rep-ms`` 40; calls of >= ``TIMER_SLOW_MS`` (10 ms): median of 3). On a GPU twice:
+``ms_eager`` calls the provider from Python each time (host time included when the host is slower than the
+kernel); ``ms`` is the replay time of one CUDA graph of ``GRAPH_CALLS`` (20) back-to-back calls / 20
+(``--no-graphs`` to skip), as a serving loop or ``torch.compile(mode="reduce-overhead")`` runs a step's
+layers: kernel time only, the graph launch shared by the 20 calls. Like a step's layers, consecutive calls
+read different K/V: they cycle through copies of q, k, v spanning twice the L2 (``_l2_copies``), so a small
+cache is read from HBM. Calls whose ``ms_eager`` is >= ``EAGER_ONLY_MS`` (1 ms) are timed eagerly only
+(``timing: "eager"``, ``ms = ms_eager``; ``time_call``): launch overhead is then a few percent at most, the
+cache is far bigger than the L2, and 20 calls of naive or sdpa-math at large cells would take seconds a
+replay. The tables and the bandwidth use ``ms``.
 Achieved K/V read bandwidth = 2 * B * Hkv * L * d * bytes / time, against the copy ceiling measured
 here (``torch.Tensor.copy_`` of a 2 GiB buffer: bytes read + written / time).
 
@@ -44,11 +39,9 @@ compilation failure is that record's error. ``--compile-backend``: inductor on a
 defaults to dynamo's ``eager`` backend (the tracing and the op plumbing, without Inductor's CPU code
 generation: about 20 s per model on two cores), recorded as ``compile_backend`` and in the markdown.
 
-Outputs in ``--out``: ``decode_<tag>.json`` and ``decode_<tag>.md`` (also printed), rewritten atomically
-after every kernel shape and every end-to-end record with ``meta["complete"] = False`` (the markdown says
-it is incomplete), and ``complete: True`` at the end: a run killed part-way keeps what it measured.
-Per-shape elapsed seconds go to stderr. ``python -m bench.decode --report decode_<tag>.json`` rewrites a
-results file's markdown.
+Outputs in ``--out``: ``decode_<tag>.json`` and ``.md`` (also printed), rewritten atomically after every
+shape and e2e record with ``meta["complete"]`` False until the end: a run killed part-way keeps what it
+measured. Per-shape seconds go to stderr; ``--report decode_<tag>.json`` rewrites a results file's markdown.
 """
 
 from __future__ import annotations
