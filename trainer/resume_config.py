@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from trainer.fields import ConfigError
-from trainer.rundir import RESOLVED_CONFIG
+from trainer.rundir import RESOLVED_CONFIG, read_resolved_config
 
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
 _NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
@@ -189,13 +189,7 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
     }
     if not resume:
         return current
-    from omegaconf import OmegaConf
-
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
-    except Exception:  # noqa: BLE001 - no record (resume_config has already refused a broken one)
-        return current
-    old = _saved_choices(saved) if isinstance(saved, dict) else {}
+    old = _saved_choices(read_resolved_config(run_dir))  # resume_config has refused a broken record
     if not old:
         return current
     chosen = _groups_set(overrides)
@@ -217,14 +211,7 @@ def saved_cwd(saved: dict) -> str | None:
 def run_cwd(run_dir: Path) -> str | None:
     """``saved_cwd`` of ``<run_dir>/config.resolved.yaml``; None when that file is absent or unreadable
     (a checkpoint copied out of its run, a run from before the record)."""
-    from omegaconf import OmegaConf
-
-    path = Path(run_dir) / RESOLVED_CONFIG
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
-        return None
-    return saved_cwd(saved) if isinstance(saved, dict) else None
+    return saved_cwd(read_resolved_config(run_dir))
 
 
 def anchored(value: str, cwd: str | None) -> str:

@@ -364,6 +364,18 @@ _SWEEP_NOTED: list[str] = []  # the sweep folder of this process's -m command, n
 RESOLVED_CONFIG = "config.resolved.yaml"
 
 
+def read_resolved_config(run_dir) -> dict:
+    """``<run_dir>/config.resolved.yaml`` as a plain dict, interpolations unresolved; {} when it is absent or
+    unreadable (a run from before the record, a truncated file: ``resume_config`` refuses those itself)."""
+    from omegaconf import OmegaConf
+
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
+    except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
 def _key(path) -> str:
     return str(Path(str(path)).expanduser().resolve())
 
@@ -547,14 +559,9 @@ def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
 
 def _trained_to_the_end(run_dir: Path) -> bool:
     """True when the run's newest checkpoint is of step max_steps (config.resolved.yaml's)."""
-    import yaml
-
     from trainer.checkpoint import list_checkpoints
 
-    try:
-        max_steps = (yaml.safe_load((Path(run_dir) / RESOLVED_CONFIG).read_text()) or {}).get("max_steps")
-    except (OSError, yaml.YAMLError, AttributeError):
-        return False
+    max_steps = read_resolved_config(run_dir).get("max_steps")
     found = list_checkpoints(run_dir)
     return isinstance(max_steps, int) and bool(found) and found[0][0] >= max_steps
 
