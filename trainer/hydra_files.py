@@ -2,12 +2,11 @@
 
 Under ``-m`` Hydra writes the sweep's ``multirun.yaml`` and, for each job, ``.hydra/config.yaml``,
 ``hydra.yaml`` and ``overrides.yaml`` in the job's folder and appends to its log file (``train.log``)
-before any check of ours can refuse the job, and the trainer writes its pid into the folder's lock file
-(``.flashgpt.lock``) as it takes the lock, before it finds the folder taken. A job refused because its folder
-already holds a run (``trainer.rundir.RunDirTaken``) would leave that run's records mixed with the refused
-command's. So
-``snapshot_sweep`` (called by ``OutDirCheck.on_multirun_start``, before the sweeper starts) keeps a copy of
-those small files, and ``restore_job`` / ``restore_multirun_yaml`` put them back as they were.
+before any check of ours can refuse the job; the trainer writes its pid into the folder's lock file
+(``.flashgpt.lock``) as it takes the lock, before it finds the folder taken. A job refused because its
+folder already holds a run (``trainer.rundir.RunDirTaken``) would leave that run's records mixed with the
+refused command's. So ``snapshot_sweep`` (called by ``OutDirCheck.on_multirun_start``, before the sweeper
+starts) keeps a copy of those small files, and ``restore_job`` / ``restore_multirun_yaml`` put them back.
 """
 
 from __future__ import annotations

@@ -254,10 +254,6 @@ class RunLogger:
         steps = [x for x in map(step_of, live_branch(read_metric_rows(self.out_dir))) if x is not None]
         return max(steps) if steps else None
 
-    def _read_lines(self) -> list[tuple[dict | None, str]]:
-        """(parsed row or None, raw line) of every non-blank line of metrics.jsonl."""
-        return read_metric_lines(self.out_dir)
-
     def set_apart_after(self, step: int) -> dict | None:
         """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older
         checkpoint) from metrics.jsonl to ``metrics.abandoned.<step+1>-<last>.jsonl``; metrics.jsonl keeps
@@ -270,7 +266,7 @@ class RunLogger:
         """
         if not self.enabled:
             return None
-        lines = self._read_lines()
+        lines = read_metric_lines(self.out_dir)
         rows = [r for r, _ in lines if r is not None]
         keep_ids = {id(r) for r in live_branch(rows) if (step_of(r) or 0) <= step}
         kept = [raw for r, raw in lines if r is not None and id(r) in keep_ids]

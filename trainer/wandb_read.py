@@ -208,7 +208,7 @@ def run_file_finished(wandb_file: str | Path) -> bool:
     """True when ``wandb_file`` holds the run's exit record, i.e. wandb-core has written the whole run out.
 
     wandb-core buffers the file in 32 KiB blocks and writes the last one only when it closes the run's
-    stream, which ``Run.finish()`` asks for without waiting (see ``wait_run_file_finished``). Only the last
+    stream, which ``Run.finish()`` asks for without waiting. Only the last
     few records are decoded (the exit record is the last, or near it in older wandb versions), so this is
     cheap for a long run's file too. False for a missing, short or damaged file.
     """
@@ -234,13 +234,8 @@ def run_file_finished(wandb_file: str | Path) -> bool:
 
 def wait_run_file_finished(wandb_file: str | Path, timeout: float = 5.0) -> bool:
     """Wait (at most ``timeout`` seconds) until ``run_file_finished(wandb_file)``; returns whether it is.
-
-    ``Run.finish()`` returns once wandb-core has handled the run's exit, but only *tells* wandb-core to
-    close the run's stream (a message it does not wait on); the file's buffered tail, which for a small
-    run is the whole run (its run record included), is written when wandb-core gets to that. A reader
-    right after ``finish()`` can therefore find the file holding only its header, more often under load.
-    Usually the file is complete at the first look; then this costs one read of the file.
-    """
+    Why a reader must wait after ``Run.finish()``: ``trainer.metrics.RunLogger._wait_wandb_file``. Usually
+    the file is complete at the first look; then this costs one read of the file."""
     deadline = time.monotonic() + timeout
     delay = 0.002
     while True:
