@@ -4,6 +4,7 @@ Benchmarks (GPU; ``--dry-run`` checks the plumbing on a CPU where it applies):
     attention   causal attention kernels: ours, naive, SDPA backends, FlexAttention (TFLOP/s, memory, check)
     throughput  training tokens/sec, MFU, memory and GPU busy of ``train.py`` per backend and seq_len
     decode      KV-cache decode step (flash-decoding vs SDPA) and end-to-end generation tokens/sec
+    decode_tiles  flash-decode split kernel's BLOCK_N x splits x warps x stages, against the automatic choice
     tune        tile search for our kernels, and interleaved A/B timing of tile plans (``--plans``)
     variants    sliding window and document masks against full causal and FlexAttention (issue 16)
 

@@ -65,7 +65,10 @@ def _decode_split_kernel(
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     if HAS_SEQLENS:
-        seq_len = tl.load(SEQLENS + b).to(tl.int32)
+        # clamped to the cache: a length the wrapper did not range-check (check_lengths=False) can never
+        # make the loop read past the cache's slots; clamped before the int32 cast, so an int64 length
+        # past 2**31 clamps to N_MAX instead of wrapping to some other length
+        seq_len = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N_MAX).to(tl.int32)
     else:  # no lengths tensor: no load here, and no fill kernel launched per call by the wrapper
         seq_len = N_MAX
 

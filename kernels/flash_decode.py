@@ -8,10 +8,10 @@ fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_
 compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
-H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from an H200 sweep
-(bench/NOTES.md, "Decode tiles"; the 128-key tile and the no-lengths path are not yet re-run on a GPU); the
-speed figures are in bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with
-this tile and 20 calls per CUDA graph).
+H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from H200 sweeps
+(bench/NOTES.md, "Decode tiles" and "Decode splits"); the speed figures are in
+bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with the split rule of
+"Decode splits", which no full benchmark has run yet).
 """
 
 from __future__ import annotations
@@ -42,23 +42,28 @@ def _pow2(n: int, low: int = 16) -> int:
 
 
 def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head): enough that splits x ``programs`` (B x Hkv) programs give about
-    two per SM on a GPU (4 programs under the interpreter), at most one split per key tile and 128 in all.
+    """Key splits per (sequence, KV head), at most one per key tile and 128 in all.
 
-    Checked on the H200 (bf16, Hkv 8, group 8, one query row, d 64/128, L 8k-128k; the one-off tile sweep
-    in bench/NOTES.md, "Decode tiles"): the count chosen here (33 at batch 1, 3 at batch 16, before
-    ``_launch_decode`` rounds the split length to whole tiles) times at or within noise of the best split
-    count there, which was 16-33 at batch 1 and 3-16 at batch 16.
+    GPU: with fewer (sequence, KV head) pairs (``programs`` = B x Hkv) than SMs, about one program per SM
+    (batch 1, Hkv 8 on the H200's 132 SMs: 17, 16 after ``_launch_decode`` rounds the split length to whole
+    tiles; batch 16: 2); with more, 4 per pair. Measured on the H200 (bf16, Hkv 8, group 4, one query row,
+    K/V cycling through L2-spanning copies; bench/NOTES.md, "Decode splits"): two programs per SM (the
+    previous rule) cost d = 128 batch 1 at 8k 17.6 us against 14.5 us at 16 splits, since a split of two
+    128-key tiles is too short to fill the load pipeline; at batch 64 one split per pair left d = 64 at
+    283 us (8k) and 1127 us (32k) against 249 / 954 us with 4. Under the interpreter: 4 programs in all.
     """
     n_blocks = _cdiv(n_max, block_n)
-    if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        target = 4
-    return max(1, min(n_blocks, 128, _cdiv(target, max(1, programs))))
+    programs = max(1, programs)
+    if device.type != "cuda":
+        return max(1, min(n_blocks, 128, _cdiv(4, programs)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = _cdiv(sms, programs) if programs < sms else 4
+    return max(1, min(n_blocks, 128, want))
 
 
-def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
+def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
+    if not isinstance(check_lengths, bool):  # check_lengths="no" would be truthy: the check would run
+        raise ValueError(f"check_lengths must be True or False, got {check_lengths!r}")
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(
@@ -100,7 +105,8 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits) -> None:
         # captured, torch.compile traces or fake tensors flow (a data-dependent read breaks all three)
         # (is_compiling first: dynamo cannot trace is_current_stream_capturing, a graph break)
         if (
-            not torch.compiler.is_compiling()
+            check_lengths
+            and not torch.compiler.is_compiling()
             and _plain_eager_call(q, cache_seqlens)
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
         ):
@@ -143,14 +149,57 @@ def _block_n(d: int, dtype: torch.dtype) -> int:
     return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
 
 
-def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits: int, traced: bool = False):
-    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). No validation.
+def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits) of ``num_splits`` requested splits: a split is a whole number of key
+    tiles, and the count is recomputed from that length so that no split is empty for Nmax."""
+    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
+    return split_len, _cdiv(n_max, split_len)
+
+
+def _check_overrides(tile_n, num_warps, num_stages) -> None:
+    """``_launch_decode``'s private overrides: a bad one is a clear ValueError here, not a Triton error
+    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``_split_layout``)."""
+
+    def bad(value, low: int, pow2: bool) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            return True
+        return pow2 and value & (value - 1) != 0
+
+    for name, value, low, pow2, rule in (
+        ("_tile_n", tile_n, 16, True, "a power of two >= 16"),
+        ("_num_warps", num_warps, 1, True, "a power of two >= 1"),
+        ("_num_stages", num_stages, 1, False, "an int >= 1"),
+    ):
+        if value is not None and bad(value, low, pow2):
+            raise ValueError(f"{name} must be {rule} or None, got {value!r}")
+
+
+def _launch_decode(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    scale: float,
+    num_splits: int,
+    traced: bool = False,
+    *,
+    _tile_n: int | None = None,
+    _num_warps: int | None = None,
+    _num_stages: int | None = None,
+):
+    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
+    validated (``flash_decode`` does that); the private overrides below are.
     cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
-    is built, so no fill kernel runs per call)."""
+    is built, so no fill kernel runs per call).
+
+    ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
+    of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
+    keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed)."""
     from ._decode_kernels import build_decode_kernels
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
 
+    _check_overrides(_tile_n, _num_warps, _num_stages)
     interp = interpret_enabled()
     problem = mode_problem(interp)
     if problem is not None:
@@ -159,10 +208,14 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     group = Hq // Hkv
-    block_d, block_m, block_n = _pow2(d), _pow2(group * Nq), _block_n(d, q.dtype)
-    # keys per split: a whole number of tiles; recompute the count so that no split is empty for Nmax
-    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
-    splits = _cdiv(n_max, split_len)
+    block_d, block_m = _pow2(d), _pow2(group * Nq)
+    block_n = _block_n(d, q.dtype) if _tile_n is None else _tile_n
+    launch_opts = {
+        name: value
+        for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
+        if value is not None
+    }
+    split_len, splits = _split_layout(n_max, num_splits, block_n)
     o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
@@ -191,6 +244,7 @@ def _launch_decode(q, k_cache, v_cache, cache_seqlens, scale: float, num_splits:
             BLOCK_D=block_d,
             DOT_PRECISION=_dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
+            **launch_opts,
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
             o_part,
@@ -232,7 +286,15 @@ flash_decode_cpu_op.register_fake(_decode_fake)
 
 
 def flash_decode(
-    q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None, return_lse=False
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens=None,
+    *,
+    softmax_scale=None,
+    num_splits=None,
+    return_lse=False,
+    check_lengths=True,
 ):
     """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
 
@@ -245,6 +307,11 @@ def flash_decode(
         softmax_scale: None = 1/sqrt(d).
         num_splits: key splits per (sequence, KV head); None chooses from the grid size.
         return_lse: also return the natural-log LSE (B, Hq, Nq) float32.
+        check_lengths: in eager mode, read cache_seqlens on the host to range-check them (one device
+            synchronisation per call). False skips the read, for a caller that keeps the lengths in range
+            itself (the model's KV cache: 12 layers would otherwise synchronise 12 times per token); the
+            kernel clamps each length to [0, Nmax] either way, so no slot outside the cache is read, but an
+            out-of-range length then gives that clamped length's result instead of an error.
 
     q, k_cache, v_cache share one dtype among float16, bfloat16, float32 (bfloat16 runs in float32 under
     the interpreter) and one device. Row i of sequence b attends to keys j <= L_b - Nq + i.
@@ -253,12 +320,12 @@ def flash_decode(
         o (B, Hq, Nq, d) in q.dtype, and lse when ``return_lse``.
 
     Raises:
-        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, not
-            under CUDA-graph capture, torch.compile or fake tensors), Nq outside 1..16, head dim outside
-            8..256, bad softmax_scale / num_splits.
+        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, with
+            check_lengths, not under CUDA-graph capture, torch.compile or fake tensors), Nq outside
+            1..16, head dim outside 8..256, bad softmax_scale / num_splits, check_lengths not a bool.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
-    _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits)
+    _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, check_lengths)
     check_flash_available(q.device)
     if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
         out = flash_decode(
@@ -269,6 +336,7 @@ def flash_decode(
             softmax_scale=softmax_scale,
             num_splits=num_splits,
             return_lse=return_lse,
+            check_lengths=False,  # checked above
         )
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     B, Hq, Nq, d = (int(x) for x in q.shape)
@@ -276,6 +344,8 @@ def flash_decode(
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
+        cache_seqlens = cache_seqlens.contiguous()
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     if _plain_eager_call(*tensors):
         o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)

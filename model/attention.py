@@ -328,7 +328,9 @@ def static_decode_attention(
     if backend == "flash" and window is None:
         from kernels import flash_decode
 
-        return flash_decode(q, k, v, lengths)
+        # the KV cache keeps 1 <= lengths <= T: no host read of the lengths, which would synchronise the
+        # device once per layer and token in eager decoding
+        return flash_decode(q, k, v, lengths, check_lengths=False)
     # (B, 1, 1, T): True where the key slot holds a position of that sequence
     slots = torch.arange(k.shape[-2], device=q.device)
     visible = slots < lengths[:, None]

@@ -1,8 +1,9 @@
-"""bench.decode's incremental results and timing rule, its compiled e2e mode, its argument errors and its dry
-run (Triton interpreter on the CPU)."""
+"""bench.decode's incremental results and timing rule, its compiled e2e mode, and bench.decode_tiles's dry
+run with kernels.flash_decode._launch_decode's private tile overrides (Triton interpreter on the CPU)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -152,6 +153,61 @@ def _reference64(q, k, v):
     return torch.softmax(s, -1) @ vv
 
 
+def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
+    """_block_n / _num_warps / _num_stages change the split kernel's launch (tile, grid, options), and
+    every tile gives the float64 result to fp32 tolerance."""
+    fd = importlib.import_module("kernels.flash_decode")  # the module: the package exports the function
+    launches = []
+    real_launcher = fd._launcher
+
+    def spy(kernel, grid, traced):
+        run = real_launcher(kernel, grid, traced)
+
+        def call(*a, **kw):
+            launches.append((grid, kw))
+            return run(*a, **kw)
+
+        return call
+
+    monkeypatch.setattr(fd, "_launcher", spy)
+    q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 100, 16), torch.randn(2, 2, 100, 16)
+    ref = _reference64(q, k, v)
+    for bn in (16, 32, 64):
+        launches.clear()
+        o, _ = fd._launch_decode(q, k, v, None, 0.25, 3, _tile_n=bn, _num_warps=8, _num_stages=3)
+        (grid, kw), (_, combine_kw) = launches
+        split_len, splits = fd._split_layout(100, 3, bn)
+        assert kw["BLOCK_N"] == bn and kw["num_warps"] == 8 and kw["num_stages"] == 3, kw
+        assert grid == (splits, 2, 2) and combine_kw["BLOCK_S"] >= splits and split_len % bn == 0
+        torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=0, msg=f"block_n={bn} seed={seed}")
+    launches.clear()
+    fd._launch_decode(q, k, v, None, 0.25, 3)  # no override: the interpreter's tile, Triton's options
+    assert launches[0][1]["BLOCK_N"] == 16 and "num_warps" not in launches[0][1]
+    assert fd._split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
+
+
+def test_decode_tiles_dry_run(tmp_path):
+    from bench import decode_tiles
+
+    assert decode_tiles.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "decode_tiles_dryrun.json").read_text())
+    meta, records = data["meta"], data["records"]
+    assert meta["complete"] is True and meta["triton"] and meta["torch"] and meta["device"]
+    shapes = {tuple(s) for s in meta["shapes"]}
+    assert shapes == set(decode_tiles.DRY_RUN_SHAPES)
+    for d, b, ctx in shapes:
+        rs = [r for r in records if (r["d"], r["batch"], r["context"]) == (d, b, ctx)]
+        assert sum(r["config"] == "auto" for r in rs) == 1
+        sweep = [r for r in rs if r["config"] == "sweep"]
+        # every (block_n, splits) of the dry grid with no more splits than key tiles, each matching
+        want = {(bn, sp) for bn in (16, 32) for sp in (1, 2, 4) if sp <= -(-ctx // bn)}
+        assert {(r["block_n"], r["splits_requested"]) for r in sweep} == want
+        assert all(r["status"] == "ok" and r["max_abs_diff"] <= 1e-4 and r["ms"] > 0 for r in sweep), sweep
+    md = (tmp_path / "decode_tiles_dryrun.md").read_text()
+    assert md.count("Automatic (block_n 16") == 2 and "| block_n | warps | stages | s=1 |" in md
+    assert "Incomplete" not in md
+
+
 def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
     """The plumbing check exists to run our kernel: a flash-decode record that errors makes the dry run
     exit 1 (other providers that cannot run on a CPU stay results)."""
@@ -180,6 +236,31 @@ def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
     assert decode.main(argv) == 1
     monkeypatch.setattr(decode, "provider_fn", real)
     assert decode.main(argv) == 0
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (["--splits", "0"], "--splits '0': must be integers >= 1"),
+        (["--block-n", "7"], "--block-n '7': must be powers of two >= 16"),
+        (["--block-n", "0"], "--block-n '0': must be powers of two >= 16"),
+        (["--splits", ""], "--splits '': is an empty list"),
+        (["--block-n", ","], "--block-n ',': is an empty list"),
+        (["--warps", "3"], "--warps '3': must be powers of two >= 1"),
+        (["--contexts", "0"], "--contexts '0': must be integers >= 1"),
+        (["--dims", "x"], "--dims 'x': must be a comma list of integers"),
+        (["--group", "0"], "--group must be >= 1"),
+    ],
+)
+def test_decode_tiles_refuses_a_bad_grid(tmp_path, capsys, flags, match):
+    """A bad grid is a usage error (exit 2) before anything runs or is written: an empty list once swept
+    nothing and exited 0, --splits 0 died in a ZeroDivisionError, --block-n 7 in Triton errors."""
+    from bench import decode_tiles
+
+    with pytest.raises(SystemExit) as exc:
+        decode_tiles.main(["--dry-run", "--out", str(tmp_path), *flags])
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

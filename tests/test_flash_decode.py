@@ -97,6 +97,65 @@ def test_float16_close_to_float64(seed):
     assert o.dtype == torch.float16 and err <= 2 * torch_err + 1e-5, f"seed={seed}: {err} vs {torch_err}"
 
 
+def test_unchecked_lengths_are_clamped_to_the_cache(seed):
+    """check_lengths=False reads no lengths on the host (no error for out-of-range ones) and the kernel
+    clamps each length to [0, Nmax]: a length past the cache gives the full cache's result, bitwise, and no
+    slot outside the cache is read (the cache is a prefix view of a bigger buffer holding NaN past it)."""
+    buf = torch.full((2, 2, 2, 50, 16), float("nan"))  # (k/v, B, Hkv, slots, d)
+    buf[:, :, :, :30] = torch.randn(2, 2, 2, 30, 16)
+    k, v = buf[0, :, :, :30], buf[1, :, :, :30]
+    q = torch.randn(2, 4, 1, 16)
+    lengths = torch.tensor([30, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max 45"):
+        flash_decode(q, k, v, torch.tensor([45, 12], dtype=torch.int32))
+    over = flash_decode(q, k, v, torch.tensor([45, 12], dtype=torch.int32), check_lengths=False)
+    assert torch.equal(over, flash_decode(q, k, v, lengths, check_lengths=False)), f"seed={seed}"
+    ref_o, _ = reference(q, k, v, lengths)
+    err = (over.double() - ref_o).abs().max().item()
+    assert err < 2e-5, f"seed={seed}: {err}"
+
+
+def test_strided_and_int64_lengths(seed):
+    """A strided lengths view (every other element of a buffer) means its own elements, not the buffer's
+    first B; an unchecked int64 length past 2**32 clamps to Nmax like any other length past the cache
+    (it once wrapped to its low 32 bits: 2**32 + 3 gave length 3's result)."""
+    q, k, v = torch.randn(3, 2, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    buf = torch.tensor([1, 0, 7, 0, 40, 0], dtype=torch.int32)
+    lengths = buf[::2]
+    ref_o, _ = reference(q, k, v, lengths)
+    for check in (True, False):
+        o = flash_decode(q, k, v, lengths, check_lengths=check)
+        err = (o.double() - ref_o).abs().max().item()
+        assert err < 2e-5, f"seed={seed} check_lengths={check}: {err}"
+    huge = torch.full((3,), 2**32 + 3, dtype=torch.int64)
+    o = flash_decode(q, k, v, huge, check_lengths=False)
+    assert torch.equal(o, flash_decode(q, k, v)), f"seed={seed}"
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        (dict(_tile_n=7), "_tile_n must be a power of two >= 16"),
+        (dict(_tile_n=24), "_tile_n must be a power of two >= 16"),
+        (dict(_tile_n=0), "_tile_n must be a power of two >= 16"),
+        (dict(_tile_n=8), "_tile_n must be a power of two >= 16"),
+        (dict(_tile_n=16.0), "_tile_n must be a power of two >= 16"),
+        (dict(_num_warps=3), "_num_warps must be a power of two"),
+        (dict(_num_stages=0), "_num_stages must be an int >= 1"),
+    ],
+)
+def test_launch_overrides_refuse_bad_values(override, match):
+    """The private tile sweep overrides fail with a clear error, not deep in Triton (or, for a tile of 8
+    under the interpreter, not at all although no GPU tl.dot takes it)."""
+    from kernels.flash_decode import _launch_decode
+
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 40, 16)
+    with pytest.raises(ValueError, match=match):
+        _launch_decode(q, k, k, None, 0.25, 2, **override)
+    o, _ = _launch_decode(q, k, k, None, 0.25, 2, _tile_n=32, _num_warps=4, _num_stages=2)
+    assert torch.allclose(o, flash_decode(q, k, k), atol=1e-5)
+
+
 def test_bfloat16_runs_in_float32_under_interpreter(seed):
     q, k = torch.randn(1, 2, 2, 16).bfloat16(), torch.randn(1, 2, 9, 16).bfloat16()
     o = flash_decode(q, k, k)
@@ -114,6 +173,8 @@ def test_bfloat16_runs_in_float32_under_interpreter(seed):
         (dict(cache_seqlens=torch.tensor([11])), "max 11"),
         (dict(cache_seqlens=torch.tensor([3.0])), "int32/int64 tensor"),
         (dict(num_splits=0), "num_splits must be an int >= 1"),
+        (dict(check_lengths="no"), "check_lengths must be True or False"),
+        (dict(check_lengths=None), "check_lengths must be True or False"),
     ],
 )
 def test_errors(kwargs, match):
