@@ -3,6 +3,8 @@
 Public API:
 * `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
   dropout_p=0.0, dropout_seed=None)` -- with issue 16's variants (sliding window, document masks, dropout)
+* `flash_attention_qkvpacked(qkv, ...)` -- the same on a fused projection's qkv (B, N, 3, H, d): the backward
+  writes d(qkv) whole, so autograd concatenates nothing (`flash_qkvpacked.py`)
 * `dropout_keep_mask(seed, B, Hq, Nq, Nk, p)` -- the kernels' own dropout keep mask (tests);
   `document_ranges(doc_q, doc_k)` -- the per-row document ranges the kernels read
 * `flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
@@ -17,6 +19,7 @@ Files:
 * `_checks.py`         device / interpreter checks, argument and variant validation, `document_ranges`
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
 * `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
+* `flash_qkvpacked.py` the packed-qkv entry point and its ops (same launchers)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask
 * `tiles.py`           `get_tile_config` -- the one place where block sizes / warps / stages are chosen
@@ -37,6 +40,7 @@ from .flash_attn import (
     interpret_enabled,
 )
 from .flash_decode import MAX_DECODE_ROWS, flash_decode
+from .flash_qkvpacked import flash_attention_qkvpacked
 from .tiles import TileConfig, get_tile_config, override_tile_config
 
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "document_ranges",
     "dropout_keep_mask",
     "flash_attention",
+    "flash_attention_qkvpacked",
     "flash_decode",
     "get_tile_config",
     "interpret_enabled",

@@ -257,10 +257,16 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
 
 
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
-                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None):
+                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None, out=None):
+    """Backward launch: (dq, dk, dv), new tensors laid out as q, k, v (`_empty_like_layout`), or written into
+    `out` = (dq, dk, dv) when given (views of one d(qkv) buffer: `kernels.flash_qkvpacked`)."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
                             softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed)
+        if out is not None:
+            for dst, g in zip(out, grads, strict=True):
+                dst.copy_(g)
+            return tuple(out)
         return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -275,7 +281,10 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)  # laid out as inputs
+    if out is None:
+        dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)  # laid out as inputs
+    else:
+        dq, dk, dv = out
 
     c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
     c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -492,6 +501,18 @@ def dropout_keep_mask(dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p
     return _dropout_mask(_seed_tensor(dropout_seed, torch.device(device)), B, Hq, Nq, Nk, dropout_p)
 
 
+def _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed):
+    """Validate a call (raises as `flash_attention` documents) and return (scale, variants): the softmax
+    scale as a float and the op's variant arguments (window or 0, q_doc, k_doc, dropout_p, seed tensor)."""
+    _validate(q, k, v, causal, softmax_scale)
+    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
+    p = float(dropout_p)
+    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
+    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed)
+
+
 def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
                     dropout_p=0.0, dropout_seed=None):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
@@ -551,14 +572,8 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
             TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
     """
-    _validate(q, k, v, causal, softmax_scale)
-    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale, variants = _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
-    p = float(dropout_p)
-    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
-    variants = (0 if window is None else int(window), q_doc, k_doc, p, seed)
     if _plain_eager_call(q, k, v):
         o, lse = _FlashAttnEager.apply(q, k, v, causal, scale, *variants)  # same kernels, less host time
     else:

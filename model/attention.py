@@ -54,6 +54,7 @@ __all__ = [
     "ATTENTION_BACKENDS",
     "SDPA_BACKENDS",
     "attention",
+    "attention_qkvpacked",
     "available_attention_backends",
     "cached_attention",
     "check_attention_backend",
@@ -73,13 +74,24 @@ SDPA_BACKENDS: tuple[str, ...] = ("auto", "flash", "cudnn", "efficient", "math")
 #: A backend function: ``fn(q, k, v, sdpa_backend) -> o`` with q, k, v, o of shape (B, H, N, d).
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor]
 
+#: A packed backend function: ``fn(qkv, sdpa_backend, *, window, doc_ids, dropout_p) -> o`` with qkv
+#: (B, N, 3, H, d) and o (B, N, H, d) (``attention_qkvpacked``).
+QKVPackedFn = Callable[..., torch.Tensor]
+
 _REGISTRY: dict[str, AttentionFn] = {}
+_QKVPACKED: dict[str, QKVPackedFn] = {}  # backends that take a fused projection's qkv whole
 _KV_CACHE_OK: set[str] = set()  # backends whose fn accepts Nq < Nk (bottom-right causal mask)
 _VARIANTS_OK: set[str] = set()  # backends whose fn takes window= / doc_ids= / dropout_p= keywords
 
 
 def register_attention_backend(
-    name: str, fn: AttentionFn, *, overwrite: bool = False, kv_cache: bool = False, variants: bool = False
+    name: str,
+    fn: AttentionFn,
+    *,
+    overwrite: bool = False,
+    kv_cache: bool = False,
+    variants: bool = False,
+    qkvpacked: QKVPackedFn | None = None,
 ) -> None:
     """Register ``fn`` as attention backend ``name``.
 
@@ -94,6 +106,9 @@ def register_attention_backend(
             ``GPT.generate`` with the KV cache.
         variants: ``fn`` also takes the keywords ``window`` (None or int >= 1), ``doc_ids`` (None or (B, N)
             integer ids) and ``dropout_p`` (float in [0, 1)) with the meaning of ``attention``'s.
+        qkvpacked: optional ``fn(qkv, sdpa_backend, *, window, doc_ids, dropout_p) -> o``, the same function
+            on a fused projection's output qkv (B, N, 3, H, d), returning o (B, N, H, d); the model trains
+            through it (``attention_qkvpacked``). Without it the backend gets the three slices.
 
     Raises:
         ValueError: ``name`` is already registered and ``overwrite`` is False (pass overwrite=True or
@@ -115,6 +130,10 @@ def register_attention_backend(
         _VARIANTS_OK.add(name)
     else:
         _VARIANTS_OK.discard(name)
+    if qkvpacked is not None:
+        _QKVPACKED[name] = qkvpacked
+    else:
+        _QKVPACKED.pop(name, None)
 
 
 def available_attention_backends() -> tuple[str, ...]:
@@ -223,6 +242,51 @@ def attention(
     return _REGISTRY[backend](
         q, k, v, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p)
     )
+
+
+def attention_qkvpacked(
+    qkv: torch.Tensor,
+    backend: str,
+    sdpa_backend: str = "auto",
+    *,
+    window: int | None = None,
+    doc_ids: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """``attention`` on the output of a fused qkv projection, as the model trains it.
+
+    Args:
+        qkv: (B, N, 3, H, d): q, k, v stacked in dim 2 (a (B, N, 3 * H * d) projection output viewed so).
+        backend, sdpa_backend, window, doc_ids, dropout_p: as in ``attention``.
+
+    Returns:
+        o: (B, N, H, d) in qkv's dtype (the layout the output projection reads).
+
+    A backend registered with ``qkvpacked=`` gets qkv whole (flash: its backward writes d(qkv) in one
+    buffer, so autograd does not concatenate dq, dk and dv: one copy of d(qkv) per layer saved); the others
+    get the views ``qkv[:, :, i].transpose(1, 2)``, as ``attention`` takes them. Same function either way.
+
+    Raises:
+        ValueError: qkv not (B, N, 3, H, d), and the errors of ``attention``.
+    """
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise ValueError(f"attention_qkvpacked expects qkv of shape (B, N, 3, H, d); got {tuple(qkv.shape)}")
+    packed = _QKVPACKED.get(backend)
+    if packed is None:
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) views
+        o = attention(q, k, v, backend, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=dropout_p)
+        return o.transpose(1, 2)
+    check_sdpa_backend(sdpa_backend)
+    if window is None and doc_ids is None and not dropout_p:
+        return packed(qkv, sdpa_backend)
+    check_variants(window, doc_ids, dropout_p, qkv.shape[1])
+    if backend not in _VARIANTS_OK:
+        raise ValueError(
+            f"attention backend {backend!r} was registered without variants=True: it cannot "
+            "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
+            "sdpa or flash"
+        )
+    return packed(qkv, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p))
 
 
 def cached_attention(
@@ -536,6 +600,18 @@ def sdpa_backend_that_ran(
 # --------------------------------------------------------------------------------------- flash
 
 
+def _kernels():
+    """The `kernels` package, imported on first use; a clear error if it (or triton) cannot be imported."""
+    try:
+        import kernels
+    except ImportError as err:
+        raise RuntimeError(
+            "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
+            f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
+        ) from err
+    return kernels
+
+
 def _flash(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -546,13 +622,7 @@ def _flash(
     doc_ids=None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    try:
-        from kernels import flash_attention
-    except ImportError as err:
-        raise RuntimeError(
-            "attention=flash needs our Triton kernel package `kernels` (and triton), which failed to import: "
-            f"{err}. Fix: install the repo with `pip install -e .` (and triton), or use attention=sdpa."
-        ) from err
+    flash_attention = _kernels().flash_attention
     if window is not None or doc_ids is not None or dropout_p > 0.0:
         return flash_attention(q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p)
     nq, nk = q.shape[-2], k.shape[-2]
@@ -564,6 +634,16 @@ def _flash(
     return flash_attention(q, k, v, causal=True)
 
 
+def _flash_qkvpacked(
+    qkv: torch.Tensor, sdpa_backend: str, *, window=None, doc_ids=None, dropout_p: float = 0.0
+) -> torch.Tensor:
+    return _kernels().flash_attention_qkvpacked(
+        qkv, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p
+    )
+
+
 register_attention_backend("naive", _naive, kv_cache=True, variants=True)
 register_attention_backend("sdpa", _sdpa, kv_cache=True, variants=True)
-register_attention_backend("flash", _flash, kv_cache=True, variants=True)
+
+
+register_attention_backend("flash", _flash, kv_cache=True, variants=True, qkvpacked=_flash_qkvpacked)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from .attention import (
     attention,
+    attention_qkvpacked,
     cached_attention,
     static_decode_attention,
 )
@@ -90,8 +91,9 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused qkv projection; backend chosen by name.
 
-    Input and output (B, N, n_embd). q, k, v are strided (B, H, N, d) views of the c_attn output
-    (no copy); the backend gets them as they are.
+    Input and output (B, N, n_embd). Without a KV cache the c_attn output, viewed (B, N, 3, H, d), goes to
+    ``attention_qkvpacked`` (flash takes it whole; other backends get strided (B, H, N, d) views of it, no
+    copy); with a cache q, k, v are those views.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -114,15 +116,14 @@ class CausalSelfAttention(nn.Module):
         document ids for the document mask (no cache only)."""
         B, N, C = x.shape
         H = self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)  # each (B, N, C), strided
-        q = q.view(B, N, H, C // H).transpose(1, 2)  # (B, H, N, d)
-        k = k.view(B, N, H, C // H).transpose(1, 2)
-        v = v.view(B, N, H, C // H).transpose(1, 2)
-        if cache is None:
+        qkv = self.c_attn(x).view(B, N, 3, H, C // H)
+        if cache is None:  # training / evaluation: the backend may take qkv whole (flash: no dq/dk/dv concat)
             p = self.attn_dropout if self.training else 0.0
-            y = attention(q, k, v, self.attention_backend, self.sdpa_backend, window=self.window,
-                          doc_ids=doc_ids, dropout_p=p)  # (B, H, N, d)
-        elif static:
+            y = attention_qkvpacked(qkv, self.attention_backend, self.sdpa_backend, window=self.window,
+                                    doc_ids=doc_ids, dropout_p=p)  # (B, N, H, d)
+            return self.resid_dropout(self.c_proj(y.reshape(B, N, C)))
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) strided views
+        if static:
             rows = torch.arange(B, device=x.device)
             cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
             cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
