@@ -64,3 +64,31 @@ def test_gpu_busy_fraction_in_the_summary(char_data, shakespeare_path, tmp_path)
     )
     assert 0.0 < s["perf/gpu_busy"] <= 1.05, s
     assert s["perf/profiled_steps"] == 2 and s["perf/timed_steps"] == 12 - 3 - 2, s
+
+
+def test_trace_writes_a_chrome_trace(char_data, shakespeare_path, tmp_path):
+    """perf.trace=true: <out_dir>/trace.json.gz holds the profiled steps' kernels and host ops, and the GPU
+    time per step is counted once (the host ops that launched the kernels are not added again)."""
+    import gzip
+    import json
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    runs = {}
+    for trace in (False, True):
+        _, runs[trace] = _gpu_run(
+            char_data,
+            shakespeare_path,
+            tmp_path / f"trace_{trace}",
+            attention="flash",
+            perf__exclude_first_steps=3,
+            perf__profile_steps=2,
+            perf__trace=trace,
+        )
+    assert not (tmp_path / "trace_False" / "trace.json.gz").exists()
+    with gzip.open(tmp_path / "trace_True" / "trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    cats = {e.get("cat") for e in events}
+    assert {"kernel", "cpu_op"} <= cats, sorted(c for c in cats if c)
+    plain, traced = runs[False]["perf/gpu_ms_per_step"], runs[True]["perf/gpu_ms_per_step"]
+    assert 0.5 * plain < traced < 1.5 * plain, (plain, traced)

@@ -368,6 +368,11 @@ class PerfConfig:
         2, "steps (compile warm-up) left out of the median tokens/sec", NONNEG_INT, 2
     )
     profile_steps: int = spec(0, ">0: profile this many CUDA steps and report perf/gpu_busy", NONNEG_INT, 5)
+    trace: bool = spec(
+        False,
+        "with profile_steps > 0: also record host activity and write <out_dir>/trace.json.gz (Perfetto)",
+        BOOL,
+    )
 
     @staticmethod
     def peak(cfg) -> float | None:

@@ -4,7 +4,9 @@ busy = (CUDA kernel, memcpy and memset time on the device) / (wall time of the s
 busy fraction is well below 1 leaves the GPU waiting for the host (Python, launches, data); at 1 the
 step is GPU-bound and only faster kernels make it faster. Only CUDA activity is recorded (CUPTI), not
 the CPU ops, so the profiler adds little host time; the profiled steps are still left out of the
-tokens/sec median.
+tokens/sec median. With ``trace`` the host side is recorded too (CPU ops, CUDA runtime calls) and the
+steps are written as a Chrome trace (``trace.json.gz``, open in https://ui.perfetto.dev) to see where
+the GPU waits; the busy fraction of such a run includes the profiler's host overhead.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ class GpuBusy:
     once the window is complete, else {}.
     """
 
-    def __init__(self, skip: int, steps: int, enabled: bool) -> None:
+    def __init__(self, skip: int, steps: int, enabled: bool, trace_path=None) -> None:
         self.skip, self.steps = int(skip), int(steps)
         self.enabled = bool(enabled) and self.steps > 0
+        self.trace_path = trace_path  # a .json.gz path: record host activity too and export there
         self._prof = None
         self._done = 0
         self._wall_s = 0.0
@@ -42,7 +45,8 @@ class GpuBusy:
         if self._prof is None:
             from torch.profiler import ProfilerActivity, profile
 
-            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            cpu = [ProfilerActivity.CPU] if self.trace_path is not None else []
+            self._prof = profile(activities=[*cpu, ProfilerActivity.CUDA])
             self._prof.__enter__()
         yield
 
@@ -55,8 +59,15 @@ class GpuBusy:
         if self._done == self.steps:
             torch.cuda.synchronize()
             self._prof.__exit__(None, None, None)
-            # self time of device-side events: kernels, memcpy, memset (each counted once)
-            self._gpu_us = sum(e.self_device_time_total for e in self._prof.key_averages())
+            # self time of device-side events: kernels, memcpy, memset (each counted once; with host activity
+            # recorded, the CPU ops that launched them carry the same time again: left out)
+            from torch.autograd import DeviceType
+
+            self._gpu_us = sum(
+                e.self_device_time_total for e in self._prof.key_averages() if e.device_type != DeviceType.CPU
+            )
+            if self.trace_path is not None:
+                self._prof.export_chrome_trace(str(self.trace_path))  # gzip for a .gz path
             self._prof = None
 
     def summary(self) -> dict:

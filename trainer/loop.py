@@ -98,7 +98,10 @@ class Trainer(Setup, Endings):
         self._steps_here = 0
         self._cudagraphs = False
         self.gpu_busy = GpuBusy(
-            int(cfg.perf.exclude_first_steps), int(cfg.perf.profile_steps), enabled=plan.device_type == "cuda"
+            int(cfg.perf.exclude_first_steps),
+            int(cfg.perf.profile_steps),
+            enabled=plan.device_type == "cuda" and dist.is_main,
+            trace_path=self.out_dir / "trace.json.gz" if cfg.perf.trace else None,
         )
         self.resume_intro: list[str] = []  # resume: where its config came from (said at start-up)
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
