@@ -288,6 +288,7 @@ def _bwd_dkdv_kernel(
     USE_TMA: tl.constexpr,
     Q_DOC=None, K_DOC=None, SEED=None, window=0, dropout_p=0.0,
     HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
+    dk_offset=0, dv_offset=0,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
@@ -297,9 +298,15 @@ def _bwd_dkdv_kernel(
     (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
     batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
     Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
+    Packed d(qkv) (`kernels.flash_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
+    elements past DK's start (the slices of one buffer, passed as one tensor: a compiled graph may clone a
+    written argument, and two views of one buffer would be cloned apart).
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if DV is None:
+        DV = DK + dv_offset
+    DK = DK + dk_offset
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)

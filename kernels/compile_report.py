@@ -29,7 +29,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
-_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM")
+_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "dk_offset", "dv_offset")  # offsets: 0 unless packed
 # the device-side tensor descriptors' extents and coordinate maps (kernels/flash_attn._tma_operand)
 _DESC_INTS = (
     "q_rows",

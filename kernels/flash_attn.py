@@ -257,16 +257,18 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
 
 
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
-                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None, out=None):
-    """Backward launch: (dq, dk, dv), new tensors laid out as q, k, v (`_empty_like_layout`), or written into
-    `out` = (dq, dk, dv) when given (views of one d(qkv) buffer: `kernels.flash_qkvpacked`)."""
+                window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None,
+                dqkv=None):
+    """Backward launch: (dq, dk, dv), new tensors laid out as q, k, v (`_empty_like_layout`); with `dqkv` (a
+    (B, N, 3, H, d) tensor, `kernels.flash_qkvpacked`) the kernels write its three slices and the views of
+    them are returned. The kernels then get dqkv itself, never the views: a compiled graph may clone an
+    argument a kernel writes, and a clone of a view with gaps would not keep the strides the launch passes."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
                             softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed)
-        if out is not None:
-            for dst, g in zip(out, grads, strict=True):
-                dst.copy_(g)
-            return tuple(out)
+        if dqkv is not None:
+            dqkv.copy_(torch.stack(grads, dim=1).permute(0, 3, 1, 2, 4))  # (B, 3, H, N, d) -> (B, N, 3, H, d)
+            return _packed_views(dqkv)
         return tuple(g.to(torch.bfloat16) for g in grads)
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
@@ -281,10 +283,12 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     delta = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    if out is None:
+    if dqkv is None:
         dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)  # laid out as inputs
-    else:
-        dq, dk, dv = out
+        dq_arg, dk_arg, dv_arg, dk_off, dv_off = dq, dk, dv, 0, 0
+    else:  # the slices of dqkv: q's starts at its first element, k's and v's one and two steps of dim 2 on
+        dq, dk, dv = _packed_views(dqkv)  # for the strides
+        dq_arg, dk_arg, dv_arg, dk_off, dv_off = dqkv, dqkv, None, dqkv.stride(2), 2 * dqkv.stride(2)
 
     c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
     c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
@@ -306,7 +310,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         _launcher(kern["bwd_dq"], (_cdiv(Nq, c2.block_m), Hq, B), traced)(
-            q, k, v, do, lse, delta, dq, o, dlse,  # dlse None: HAS_DLSE=False, never read
+            q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: HAS_DLSE=False, never read
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
             *scale_args, *(tma2 or _NO_TMA),
             CAUSAL=causal, BLOCK_M=c2.block_m, BLOCK_N=c2.block_n, BLOCK_D=block_d,
@@ -315,15 +319,22 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
             **_launch_options(c2), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
         _launcher(kern["bwd_dkdv"], (_cdiv(Nk, c1.block_n), Hkv, B), traced)(
-            q, k, v, do, lse, delta, dk, dv,
+            q, k, v, do, lse, delta, dk_arg, dv_arg,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             *scale_args, *(tma1 or _NO_TMA),
             CAUSAL=causal, BLOCK_M=c1.block_m, BLOCK_N=c1.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % c1.block_m == 0, EVEN_N=Nk % c1.block_n == 0, EVEN_D=even_d,
             DOT_PRECISION=prec, USE_TMA=tma1 is not None, **_launch_options(c1),
             **_variant_kwargs(window, q_doc, dropout_p, dropout_seed), K_DOC=k_doc,
+            dk_offset=dk_off, dv_offset=dv_off,
         )
     return dq, dk, dv
+
+
+def _packed_views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as (B, H, N, d) views of a packed (B, N, 3, H, d) tensor; no copy."""
+    q, k, v = qkv.unbind(2)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,12 +18,7 @@ import torch
 
 from .flash_attn import _fwd_fake as _unpacked_fwd_fake
 from .flash_attn import _launch_bwd, _launch_fwd, _plain_eager_call, _prepare_call
-
-
-def _views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as (B, H, N, d) views of qkv (B, N, 3, H, d); no copy."""
-    q, k, v = qkv.unbind(2)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+from .flash_attn import _packed_views as _views
 
 
 def _forward(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed, traced):
@@ -36,7 +31,7 @@ def _backward(do, qkv, o, lse, causal, softmax_scale, dlse, window, q_doc, k_doc
               traced):
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)  # (B, N, 3, H, d)
     _launch_bwd(do.transpose(1, 2), *_views(qkv), o.transpose(1, 2), lse, causal, softmax_scale, dlse, traced,
-                window, q_doc, k_doc, dropout_p, dropout_seed, out=_views(dqkv))
+                window, q_doc, k_doc, dropout_p, dropout_seed, dqkv=dqkv)
     return dqkv
 
 

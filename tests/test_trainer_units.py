@@ -418,3 +418,17 @@ def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
     unnoted = tmp_path / "unnoted"
     refused_run(unnoted)
     assert not rundir.discard_refused_run(unnoted) and (unnoted / ".hydra" / "config.yaml").is_file()
+
+
+def test_take_batch_uses_a_prefetched_batch_once():
+    """The batch prefetched for (step, micro) is used for exactly that (step, micro), once; anything else
+    (a resume, a parity batch, a stop between steps) draws its batch afresh."""
+    t = object.__new__(Trainer)
+    calls = []
+    t._batch = lambda s, m: calls.append((s, m)) or ("fresh", s, m)
+    t._prefetched = ((5, 0), ("prefetched", 5, 0))
+    assert t._take_batch(4, 0) == ("fresh", 4, 0) and t._prefetched is None  # stale: dropped
+    t._prefetched = ((5, 0), ("prefetched", 5, 0))
+    assert t._take_batch(5, 0) == ("prefetched", 5, 0)
+    assert t._take_batch(5, 0) == ("fresh", 5, 0)
+    assert calls == [(4, 0), (5, 0)]
