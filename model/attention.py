@@ -644,6 +644,4 @@ def _flash_qkvpacked(
 
 register_attention_backend("naive", _naive, kv_cache=True, variants=True)
 register_attention_backend("sdpa", _sdpa, kv_cache=True, variants=True)
-
-
 register_attention_backend("flash", _flash, kv_cache=True, variants=True, qkvpacked=_flash_qkvpacked)

@@ -163,6 +163,10 @@ def test_compile_mode_key():
         )
     with pytest.raises(ConfigError, match="perf.profile_steps"):
         resolve_plan(compose_cfg(["perf.profile_steps=-1"]), world_size=1, cuda_available=True)
+    traced = resolve_plan(
+        compose_cfg(["perf.profile_steps=3", "perf.trace=true"]), world_size=1, cuda_available=True
+    )
+    assert traced.device_type == "cuda"
 
 
 @pytest.mark.parametrize(
@@ -182,6 +186,12 @@ def test_compile_mode_key():
         ("deterministic", "maybe", "deterministic='maybe' is not valid; choose true or false"),
         ("eval.at_start", "sometimes", "eval.at_start='sometimes' is not valid; choose true or false"),
         ("checkpoint.at_end", "maybe", "checkpoint.at_end='maybe' is not valid; choose true or false"),
+        ("perf.trace", "maybe", "perf.trace='maybe' is not valid; choose true or false"),
+        (
+            "perf.trace",
+            True,
+            "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none",
+        ),
         ("max_steps", 0, "max_steps=0 must be a positive integer"),
         ("optim.lr", "abc", "optim.lr='abc' is not a finite number"),
         ("optim.lr", "inf", "optim.lr=inf is not a finite number"),

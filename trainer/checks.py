@@ -127,9 +127,14 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         ConfigError: naming the key and a valid value: any check of ``trainer.config.validate``;
             device=cuda without CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1);
             compile_mode=reduce-overhead with several ranks; a batch split that does not divide
-            (``BatchConfig.split``); a bad perf.peak_flops.
+            (``BatchConfig.split``); a bad perf.peak_flops; perf.trace without perf.profile_steps.
     """
     C.validate(cfg)
+    if cfg.perf.trace and not cfg.perf.profile_steps:
+        raise ConfigError(
+            "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none; "
+            "set perf.profile_steps=3 (for example) or perf.trace=false"
+        )
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
     device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
