@@ -739,6 +739,83 @@ def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq
     check_against_reference(seed, tma, ref, F16, f"tma {layout}")
 
 
+@pytest.mark.parametrize("ws", [False, True], ids=["tma", "warp-specialised"])
+@pytest.mark.parametrize(
+    "layout,Nq,Nk,causal",
+    [
+        ("bhnd", 48, 80, True),
+        ("bhnd", 80, 48, True),
+        ("fused", 64, 64, True),
+        ("fused", 32, 32, False),
+        ("bhnd", 48, 45, True),
+    ],
+)
+def test_tma_forward_equals_pointer_loads_bitwise(seed, monkeypatch, ws, layout, Nq, Nk, causal):
+    """The forward's tensor-descriptor loads (TileConfig.tma) and its warp-specialised loop (TileConfig.ws:
+    q through a descriptor too, every key block masked) compute what the pointer loads and the masked
+    diagonal do, bit for bit (GQA, Nq != Nk, both layouts); Nk = 45 is not a multiple of the block, so
+    TMA is not taken there and the results are still equal. The spy checks which path ran."""
+    q, k, v, do = _qkv_layout(seed, layout, 2, 4, 2, Nq, Nk, 32, F16)
+    taken = []
+    real = fa._tma_operand
+    monkeypatch.setattr(fa, "_tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
+    with override_tile_config(fwd=TileConfig(16, 16, 4, 1, tma=True, ws=ws)):
+        fast = run_flash(q, k, v, do, causal)
+    whole = Nk % 16 == 0
+    assert len(taken) == (2 + ws if whole else 0) and None not in taken, f"TMA taken {len(taken)} times"
+    with override_tile_config(fwd=TileConfig(16, 16, 4, 1)):
+        ptr = run_flash(q, k, v, do, causal)
+    assert_bitwise_equal(seed, fast, ptr, f"{layout} ws={ws}: TMA forward vs pointer loads")
+    ref = run_reference(q, k, v, do, causal, 1.0 / math.sqrt(32))
+    check_against_reference(seed, fast, ref, F16, f"tma forward {layout} ws={ws}")
+
+
+@pytest.mark.parametrize("variant", ["window", "doc", "dropout"])
+def test_warp_specialised_forward_variants_bitwise(seed, variant):
+    """Window, document and dropout masks through the warp-specialised forward (mask on every block) equal
+    the default path bit for bit."""
+    q, k, v, do = make_inputs(seed, 2, 2, 2, 64, 64, 32, F16)
+    kw = {
+        "window": {"window": 20},
+        "doc": {"doc_ids": torch.tensor([[0] * 24 + [1] * 40, [0] * 50 + [1] * 14])},
+        "dropout": {"dropout_p": 0.25, "dropout_seed": 7},
+    }[variant]
+    outs = []
+    for cfg in (TileConfig(16, 16, 4, 1, tma=True, ws=True), TileConfig(16, 16, 4, 1)):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+        with override_tile_config(fwd=cfg):
+            o, lse = flash_attention(qs, ks, vs, causal=True, return_lse=True, **kw)
+            o.backward(do)
+        outs.append((o.detach(), lse, qs.grad, ks.grad, vs.grad))
+    assert_bitwise_equal(seed, outs[0], outs[1], f"ws forward, {variant}")
+
+
+def test_warp_specialised_tile_is_forward_only():
+    """TileConfig.ws is the forward's (with tma=True); anything else is refused with the reason."""
+    for kw in (
+        {"bwd_dq": TileConfig(32, 16, 4, 1, tma=True, ws=True)},
+        {"bwd_dkdv": TileConfig(16, 32, 4, 1, tma=True, ws=True)},
+        {"fwd": TileConfig(16, 16, 4, 1, ws=True)},
+    ):
+        with pytest.raises(ValueError, match="ws=True is for the fwd kernel with tma=True"):
+            with override_tile_config(**kw):
+                pass
+
+
+def test_warp_specialised_forward_compiles_for_sm90():
+    """Without a GPU: the forward with TileConfig.ws compiles for sm_90 into a warp-specialised kernel
+    (a ttg.warp_specialize op; triton 3.6 does it for 4-warp loops through descriptors without a branch
+    inside) without spills, at d = 64 and 128 (bench/NOTES.md, "Lead for the kernel issue")."""
+    _compile_for_sm90(
+        "from kernels.tiles import TileConfig\n"
+        "for d in (64, 128):\n"
+        "    info = compile_kernel('fwd', torch.bfloat16, d, even=True,\n"
+        "                          config=TileConfig(64, 64, 4, 2, tma=True, ws=True))\n"
+        "    assert info.warp_specialized and info.spill_store_bytes == 0, info.line()\n"
+        "    print(info.line())\n"
+    )
+
+
 def test_tma_operand_refuses_what_it_cannot_address():
     """Layouts and dtypes a 2-D descriptor cannot address fall back to pointer loads (None), and the
     row/column map of the two supported layouts addresses the right elements."""
