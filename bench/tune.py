@@ -28,9 +28,7 @@ provider:flex, provider:sdpa-cudnn) as a yardstick in the same rounds:
 
     python -m bench.tune --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3 provider:flex
 
-CFG is BMxBNxWARPSxSTAGES with an optional 't' (TMA loads of the streamed tiles) or 'w' (TMA loads in a
-warp-specialised loop, every block masked: `TileConfig.ws`, fwd only, 4 warps), e.g. 128x64x8x3,
-64x64x4x2t or 64x64x4x2w.
+CFG is BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only), e.g. 128x64x8x3 or 64x64x4x2t.
 `--dry-run` runs either mode on the CPU under TRITON_INTERPRET=1 with tiny float32 shapes (plumbing only:
 the timings mean nothing).
 """
@@ -74,19 +72,18 @@ def _bad_input(message: str) -> NoReturn:
 
 
 def parse_configs(text: str) -> list:
-    """'BMxBNxWARPSxSTAGES[t|w]' comma-separated ('t': TMA loads, 'w': TMA loads in a warp-specialised
-    loop) -> [TileConfig, ...], e.g. '128x64x8x3,64x128x4x2t'. Exits 2 naming the item and the format
-    when one is malformed."""
+    """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads) -> [TileConfig, ...],
+    e.g. '128x64x8x3,64x128x4x2t'. Exits 2 naming the item and the format when one is malformed."""
     from kernels import TileConfig
 
     cfgs = []
     for item in text.split(","):
         item = item.strip()
-        flag = item[-1:] if item[-1:] in ("t", "w") else ""
-        parts = item[: len(item) - len(flag)].split("x")
+        tma = item.endswith("t")
+        parts = (item[:-1] if tma else item).split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t|w] (e.g. 128x64x8x3)")
-        cfgs.append(TileConfig(*map(int, parts), tma=bool(flag), ws=flag == "w"))
+            _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+        cfgs.append(TileConfig(*map(int, parts), tma=tma))
     return cfgs
 
 
@@ -113,8 +110,6 @@ def parse_plan(text: str) -> dict:
                 "(joined by '+') or provider:NAME"
             )
         plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
-        if key != "fwd" and plan[PLAN_KEYS[key]].ws:
-            _bad_input(f"error: plan part {part!r}: 'w' (warp-specialised loop) is for fwd only")
     return plan
 
 

@@ -61,10 +61,8 @@ from ._triton_common import build as _build
 def _fwd_inner(
     acc, m_i, l_i, q, k_base, v_base, lo, hi, mask_from,
     offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-    KD, VD, k_row, k_col, v_row, v_col,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WS: tl.constexpr,
     mask_lo=0, doc_lo=None, doc_hi=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
     HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
@@ -78,28 +76,16 @@ def _fwd_inner(
     causal / sequence-end mask; the blocks before it skip the mask arithmetic. One loop, not one loop
     per part: with two pipelined loops carrying the accumulator, ptxas serialises every wgmma of the
     kernel (warning C7515, one wait after each wgmma; bench/NOTES.md v5).
-    USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD (only with EVEN_N, as in
-    `_bwd_dq_inner`). WS (with USE_TMA): the loop is warp-specialised (`tl.range(warp_specialize=True)`:
-    producer warps issue the loads, the consumer warps compute); triton 3.6's Hopper pass takes only a loop
-    without a branch in it, so every block is masked (bench/NOTES.md, "Lead for the kernel issue").
     """
-    tl.static_assert(EVEN_N or not USE_TMA, "TMA loads need N_K % BLOCK_N == 0")
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < N_K
         start_64 = tl.cast(start_n, tl.int64)
-        if USE_TMA:
-            k = KD.load([k_row + start_n, k_col])
-        else:
-            k_ptrs = (k_base + start_64 * stride_kn
-                      + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd))
-            k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
+        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
-            if WS:
-                qk = tl.where(_score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
-                                          CAUSAL, HAS_WINDOW, HAS_DOC), qk, float("-inf"))
-            elif _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
+            if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
                 valid = _score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
                                     CAUSAL, HAS_WINDOW, HAS_DOC)
                 qk = tl.where(valid, qk, float("-inf"))
@@ -116,12 +102,8 @@ def _fwd_inner(
         if HAS_DROPOUT:
             p = tl.where(_dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
                          p * (1.0 / (1.0 - dropout_p)), 0.0)
-        if USE_TMA:
-            v = VD.load([v_row + start_n, v_col])
-        else:
-            v_ptrs = (v_base + start_64 * stride_vn
-                      + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd))
-            v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
+        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -135,11 +117,8 @@ def _fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     H_Q, GROUP, N_Q, N_K, HEAD_DIM, scale_log2,
-    k_rows, k_cols, row_kb, row_kh, col_kh, v_rows, v_cols, row_vb, row_vh, col_vh,
-    q_rows, q_cols, row_qb, row_qh, col_qh,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WS: tl.constexpr,
     Q_DOC=None, SEED=None, window=0, dropout_p=0.0,
     HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
 ):
@@ -147,9 +126,6 @@ def _fwd_kernel(
 
     Variants: window (HAS_WINDOW), documents (HAS_DOC: Q_DOC int32 (2, B, Nq) holds each query row's document
     key range [lo, hi)), dropout (HAS_DROPOUT: SEED int64 (1,), dropout_p in (0, 1)).
-    USE_TMA: k and v through tensor descriptors (the map as in `_bwd_dq_kernel`); WS: also q (EVEN_M), and
-    the key loop warp-specialised (`_fwd_inner`; triton 3.6's pass fails on a kernel that loads q through
-    pointers).
     """
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
     pid_m = tl.program_id(0)
@@ -167,27 +143,12 @@ def _fwd_kernel(
     mask_d = offs_d < HEAD_DIM
 
     m0_64 = tl.cast(m0, tl.int64)
-    if WS:
-        tl.static_assert(EVEN_M and USE_TMA, "the warp-specialised forward needs N_Q % BLOCK_M == 0 and TMA")
-        QD = _tma_descriptor(Q, q_rows, q_cols, stride_qm, BLOCK_M, BLOCK_D)
-        q = QD.load([(b * row_qb + h * row_qh).to(tl.int32) + m0, (h * col_qh).to(tl.int32)])
-    else:
-        q_ptrs = (Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
-                  + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-        q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
+              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
 
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
-    if USE_TMA:
-        KD = _tma_descriptor(K, k_rows, k_cols, stride_kn, BLOCK_N, BLOCK_D)
-        VD = _tma_descriptor(V, v_rows, v_cols, stride_vn, BLOCK_N, BLOCK_D)
-    else:
-        KD = None
-        VD = None
-    k_row = (b * row_kb + hk * row_kh).to(tl.int32)  # descriptor coordinates (only used when USE_TMA)
-    k_col = (hk * col_kh).to(tl.int32)
-    v_row = (b * row_vb + hk * row_vh).to(tl.int32)
-    v_col = (hk * col_vh).to(tl.int32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -202,9 +163,8 @@ def _fwd_kernel(
     acc, m_i, l_i = _fwd_inner(
         acc, m_i, l_i, q, k_base, v_base, lo, hi, full_end,
         offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        KD, VD, k_row, k_col, v_row, v_col,
         CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
-        USE_TMA, WS, full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
+        full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
         HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
     )
 

@@ -68,7 +68,6 @@ class CompileInfo:
     uses_wgmma: bool
     uses_tma: bool = False
     wgmma_serialized: bool = False  # ptxas C7515: each wgmma waits for the previous one
-    warp_specialized: bool = False  # the TTGIR holds a ttg.warp_specialize op (TileConfig.ws taken)
 
     def line(self) -> str:
         c = self.config
@@ -77,7 +76,6 @@ class CompileInfo:
             f"w{c.num_warps} s{c.num_stages}  smem={self.shared_bytes / 1024:6.1f} KiB  "
             f"regs={self.registers}  spill st/ld={self.spill_store_bytes}/{self.spill_load_bytes}  "
             f"wgmma={self.uses_wgmma} tma={self.uses_tma} serialized={self.wgmma_serialized}"
-            + (f" ws={self.warp_specialized}" if c.ws else "")
         )
 
 
@@ -98,7 +96,7 @@ def compile_kernel(
     """Compile one kernel for sm_`arch` without a GPU and return its resource usage.
 
     kernel: one of KERNEL_NAMES; `config` defaults to `get_tile_config`'s.
-    tma: compile "fwd" / "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
+    tma: compile "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads;
         None: as the launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA
         the streamed length is compiled as a multiple of the block (the launcher's condition for TMA).
         Without TMA a config's `no_tma` alternative (default or passed in `config`) is compiled, as
@@ -127,12 +125,14 @@ def compile_kernel(
         raise ValueError(f"unknown variants {variants!r}; expected a subset of ('window', 'doc', 'dropout')")
     big = 1 << 20
     cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
-    tma_possible = dtype != torch.float32 and head_dim == block_d_for(head_dim)
+    tma_possible = (
+        kernel in ("bwd_dkdv", "bwd_dq") and dtype != torch.float32 and head_dim == block_d_for(head_dim)
+    )
     if tma is None:
         tma = cfg.tma and tma_possible and even
     elif tma and not tma_possible:
         raise ValueError(
-            "TMA loads are used only with a 16-bit dtype and a "
+            "TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a "
             f"power-of-two head dim >= 16 (got {kernel}, {dtype}, d={head_dim}); "
             "these run with pointer loads"
         )
@@ -153,16 +153,13 @@ def compile_kernel(
         HAS_DLSE=False,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
         USE_TMA=tma,
-        WS=cfg.ws and tma,
         HAS_WINDOW="window" in variants,
         HAS_DOC="doc" in variants,
         HAS_DROPOUT="dropout" in variants,
     )
     variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
-        values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True  # fwd and dQ stream k, v
-        if cfg.ws:
-            values["EVEN_M"] = True  # the warp-specialised forward loads q through a descriptor too
+        values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(names):
         if name in variant_ptrs:
@@ -203,7 +200,6 @@ def compile_kernel(
     return CompileInfo(
         kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
         "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, "C7514" in ptxas_log or "C7515" in ptxas_log,
-        "ttg.warp_specialize" in compiled.asm["ttgir"],
     )  # fmt: skip
 
 
@@ -311,21 +307,11 @@ def main(argv=None) -> None:
         "--tma",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="with (--tma) or without (--no-tma) tensor-descriptor loads; default: as the tile config says",
-    )
-    p.add_argument(
-        "--ws",
-        action="store_true",
-        help="with --blocks: fwd tile with a warp-specialised loop (TileConfig.ws, implies TMA)",
+        help="bwd_dkdv / bwd_dq with (--tma) or without (--no-tma) tensor-descriptor loads; "
+        "default: as the tile config says",
     )
     args = p.parse_args(argv)
-    if args.ws and not args.blocks:
-        p.error("--ws needs --blocks BLOCK_M BLOCK_N (and --warps 4: triton 3.6 specialises 4-warp loops)")
-    cfg = (
-        TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages, tma=args.ws, ws=args.ws)
-        if args.blocks
-        else None
-    )
+    cfg = TileConfig(args.blocks[0], args.blocks[1], args.warps, args.stages) if args.blocks else None
     for dt in args.dtype:
         for d in args.d:
             for kernel in args.kernel:

@@ -28,6 +28,7 @@ setting it is fine). CPU tensors are only accepted in that mode.
 """
 
 import contextlib
+import math
 
 import torch
 
@@ -39,7 +40,6 @@ from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users an
     FlashAttentionUnavailableError,
     _check_variants,
     _device_problem,
-    _prepare_call,
     _seed_tensor,
     _validate,
     check_flash_available,
@@ -181,37 +181,18 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
     interp = interpret_enabled()
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interp)
     block_d = block_d_for(d)
-    tma, cfg = _tma_choice(cfg, k, v, Nk % cfg.block_n == 0, block_d, forced=None)  # the tile decides
-    # the warp-specialised loop (TileConfig.ws) needs q through a descriptor too: whole query blocks
-    tq = _tma_operand(q, block_d) if cfg.ws and tma is not None and Nq % cfg.block_m == 0 else None
     grid = (_cdiv(Nq, cfg.block_m), Hq, B)
     with _device_ctx(q):
         _launcher(_kernels(interp)["fwd"], grid, traced)(
             q, k, v, o, lse,
             *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E, *(tma or _NO_TMA), *(tq or _NO_TMA[:5]),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E,
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == block_d,
-            DOT_PRECISION=_dot_precision(q.dtype), USE_TMA=tma is not None, WS=tq is not None,
-            **_launch_options(cfg), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
+            DOT_PRECISION=_dot_precision(q.dtype), **_launch_options(cfg),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
         )
     return o, lse
-
-
-def _tma_choice(cfg, x, y, whole_blocks: bool, block_d: int, forced: bool | None):
-    """(descriptor arguments of the streamed pair x, y or None, the config to launch) for one kernel.
-
-    TMA when the config asks for it (or `forced`, the backward's `override_tile_config(tma=...)`, says
-    so), the streamed length is a multiple of the block (past the sequence end a descriptor reads the next
-    head's data) and both tensors can be addressed (`_tma_pair`); else pointer loads with the config's
-    `no_tma` tile if it names one. Installs the scratch allocator the device-side descriptors need."""
-    want = (cfg.tma if forced is None else forced) and whole_blocks
-    tma = _tma_pair(x, y, block_d) if want else None
-    if tma is None and cfg.no_tma is not None:
-        cfg = cfg.no_tma
-    if tma is not None and x.is_cuda:
-        ensure_scratch_allocator()
-    return tma, cfg
 
 
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
@@ -312,8 +293,19 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     c1 = get_tile_config("bwd_dkdv", d, q.dtype, causal, Nq, Nk, interpret=interp)
     c2 = get_tile_config("bwd_dq", d, q.dtype, causal, Nq, Nk, interpret=interp)
     scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
-    tma1, c1 = _tma_choice(c1, q, do, Nq % c1.block_m == 0, block_d, tma_override())  # dK/dV streams q, dO
-    tma2, c2 = _tma_choice(c2, k, v, Nk % c2.block_n == 0, block_d, tma_override())  # dQ streams k, v
+    forced = tma_override()
+    # TMA only for whole blocks: past the sequence end a descriptor reads the next head's data
+    want1 = (c1.tma if forced is None else forced) and Nq % c1.block_m == 0
+    want2 = (c2.tma if forced is None else forced) and Nk % c2.block_n == 0
+    tma1 = _tma_pair(q, do, block_d) if want1 else None
+    tma2 = _tma_pair(k, v, block_d) if want2 else None
+    # a tile chosen for TMA may name another one for pointer loads (tiles.TileConfig.no_tma)
+    if tma1 is None and c1.no_tma is not None:
+        c1 = c1.no_tma
+    if tma2 is None and c2.no_tma is not None:
+        c2 = c2.no_tma
+    if (tma1 is not None or tma2 is not None) and q.is_cuda:
+        ensure_scratch_allocator()
     with _device_ctx(q):
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
@@ -518,6 +510,18 @@ def dropout_keep_mask(dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     check_flash_available(device)
     return _dropout_mask(_seed_tensor(dropout_seed, torch.device(device)), B, Hq, Nq, Nk, dropout_p)
+
+
+def _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed):
+    """Validate a call (raises as `flash_attention` documents) and return (scale, variants): the softmax
+    scale as a float and the op's variant arguments (window or 0, q_doc, k_doc, dropout_p, seed tensor)."""
+    _validate(q, k, v, causal, softmax_scale)
+    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
+    p = float(dropout_p)
+    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
+    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed)
 
 
 def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,

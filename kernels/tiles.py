@@ -41,12 +41,6 @@ class TileConfig:
     `no_tma` if given. Only how tiles reach shared memory changes, the arithmetic and the result do not.
     no_tma: the config to launch instead when a `tma=True` config cannot use TMA (a tile that is fast
     with descriptors may spill with pointer loads: the d = 128 dK/dV tile, NOTES v6).
-    For "fwd", tma=True streams k and v through descriptors the same way (the forward's inner loop).
-    ws: "fwd" with tma=True: q, k, v through descriptors and the key loop warp-specialised (triton 3.6
-    does it on Hopper for num_warps=4 only), every block masked instead of a branch on the diagonal ones;
-    where TMA cannot be taken for all three (ragged N, other layouts) the tile runs without it. An
-    experiment no default uses yet (bench/NOTES.md, "Lead for the kernel issue"): measure it against the
-    defaults, then make it a default or remove it.
     """
 
     block_m: int
@@ -55,7 +49,6 @@ class TileConfig:
     num_stages: int
     tma: bool = False
     no_tma: TileConfig | None = None
-    ws: bool = False
 
 
 def _next_pow2(x: int) -> int:
@@ -91,8 +84,6 @@ def override_tile_config(*, tma: bool | None = None, **configs: TileConfig) -> I
         for blk in (cfg.block_m, cfg.block_n):
             if blk < 16 or blk & (blk - 1):
                 raise ValueError(f"{name}: block sizes must be powers of two >= 16, got {cfg}")
-        if cfg.ws and (name != "fwd" or not cfg.tma):
-            raise ValueError(f"{name}: ws=True is for the fwd kernel with tma=True, got {cfg}")
     saved, saved_flags = dict(_OVERRIDES), dict(_FLAG_OVERRIDE)
     _OVERRIDES.update(configs)
     if tma is not None:
@@ -209,7 +200,7 @@ def _capped(cfg: TileConfig, n_q: int, n_k: int) -> TileConfig:
     cap_n = max(16, _next_pow2(n_k))
     alt = _capped(cfg.no_tma, n_q, n_k) if cfg.no_tma is not None else None
     return TileConfig(
-        min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages, cfg.tma, alt, cfg.ws
+        min(cfg.block_m, cap_m), min(cfg.block_n, cap_n), cfg.num_warps, cfg.num_stages, cfg.tma, alt
     )
 
 
