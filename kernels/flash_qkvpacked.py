@@ -16,8 +16,8 @@ and opaque custom ops `..._cpu` with fake implementations for the Triton interpr
 
 import torch
 
+from .flash_attn import SUPPORTED_DTYPES, _launch_bwd, _launch_fwd, _plain_eager_call, _prepare_call
 from .flash_attn import _fwd_fake as _unpacked_fwd_fake
-from .flash_attn import _launch_bwd, _launch_fwd, _plain_eager_call, _prepare_call
 from .flash_attn import _packed_views as _views
 
 
@@ -140,9 +140,10 @@ def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_ls
         (B, H, N) in natural-log units. Differentiable to first order, with qkv's gradient a contiguous
         (B, N, 3, H, d) tensor.
     Raises:
-        TypeError: qkv not a tensor, or the dtype and argument errors of `flash_attention`.
-        ValueError: qkv not 5-D with size 3 in dim 2 (the message shows the expected view), and the
-            shape, device and variant errors of `flash_attention`.
+        TypeError: qkv not a tensor or not float16 / bfloat16 / float32, return_lse not a bool, and the
+            argument errors of `flash_attention`.
+        ValueError: qkv not 5-D with size 3 in dim 2 (the message shows the expected view), an empty B, N or
+            H, and the shape, device and variant errors of `flash_attention`.
         FlashAttentionUnavailableError: as `flash_attention` (no CUDA and no TRITON_INTERPRET=1, no triton).
     """
     if not isinstance(qkv, torch.Tensor):
@@ -152,6 +153,15 @@ def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_ls
             f"qkv must be (B, N, 3, H, d), got shape {tuple(qkv.shape)}; view a (B, N, 3 * H * d) projection "
             "output as qkv.view(B, N, 3, H, d), or pass separate q, k, v to flash_attention"
         )
+    # what the q, k, v checks of flash_attention would say about a view, said of qkv itself
+    if qkv.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"qkv has dtype {qkv.dtype}; flash attention supports float16, bfloat16 and "
+                        "float32 - cast with qkv.to(torch.bfloat16) (or float16/float32)")
+    if 0 in (qkv.shape[0], qkv.shape[1], qkv.shape[3]):
+        raise ValueError(f"qkv {tuple(qkv.shape)} has an empty dim (B, N and H must be >= 1); skip the call "
+                         "for empty batches or sequences")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale, variants = _prepare_call(*_views(qkv), causal, softmax_scale, window, doc_ids, dropout_p,

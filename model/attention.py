@@ -113,9 +113,15 @@ def register_attention_backend(
     Raises:
         ValueError: ``name`` is already registered and ``overwrite`` is False (pass overwrite=True or
             pick another name), or ``name`` is not a non-empty string.
+        TypeError: ``fn`` or ``qkvpacked`` is not callable.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"attention backend name must be a non-empty string, got {name!r}")
+    for what, f in (("fn", fn), ("qkvpacked", qkvpacked if qkvpacked is not None else fn)):
+        if not callable(f):
+            raise TypeError(
+                f"register_attention_backend({name!r}): {what} must be callable, got {type(f).__name__}"
+            )
     if name in _REGISTRY and not overwrite:
         raise ValueError(
             f"attention backend {name!r} is already registered; pass overwrite=True to replace it "
@@ -267,8 +273,12 @@ def attention_qkvpacked(
     get the views ``qkv[:, :, i].transpose(1, 2)``, as ``attention`` takes them. Same function either way.
 
     Raises:
+        TypeError: qkv is not a tensor.
         ValueError: qkv not (B, N, 3, H, d), and the errors of ``attention``.
+        RuntimeError: a registered ``qkvpacked`` function returned another shape than (B, N, H, d).
     """
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"attention_qkvpacked expects qkv as a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise ValueError(f"attention_qkvpacked expects qkv of shape (B, N, 3, H, d); got {tuple(qkv.shape)}")
     packed = _QKVPACKED.get(backend)
@@ -278,15 +288,23 @@ def attention_qkvpacked(
         return o.transpose(1, 2)
     check_sdpa_backend(sdpa_backend)
     if window is None and doc_ids is None and not dropout_p:
-        return packed(qkv, sdpa_backend)
-    check_variants(window, doc_ids, dropout_p, qkv.shape[1])
-    if backend not in _VARIANTS_OK:
-        raise ValueError(
-            f"attention backend {backend!r} was registered without variants=True: it cannot "
-            "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
-            "sdpa or flash"
+        o = packed(qkv, sdpa_backend)
+    else:
+        check_variants(window, doc_ids, dropout_p, qkv.shape[1])
+        if backend not in _VARIANTS_OK:
+            raise ValueError(
+                f"attention backend {backend!r} was registered without variants=True: it cannot "
+                "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
+                "sdpa or flash"
+            )
+        o = packed(qkv, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p))
+    B, N, _, H, d = qkv.shape
+    if tuple(o.shape) != (B, N, H, d):  # (B, H, N, d), the unpacked contract, would be read scrambled
+        raise RuntimeError(
+            f"attention backend {backend!r}: its qkvpacked function returned shape {tuple(o.shape)}, "
+            f"expected (B, N, H, d) = {(B, N, H, d)} (not the (B, H, N, d) of the plain backend function)"
         )
-    return packed(qkv, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p))
+    return o
 
 
 def cached_attention(

@@ -155,19 +155,24 @@ def test_packed_ops_opcheck(seed):
         ((2, 8, 6, 16), ValueError, r"qkv must be \(B, N, 3, H, d\), got shape \(2, 8, 6, 16\)"),
         ((2, 8, 2, 3, 16), ValueError, r"qkv must be \(B, N, 3, H, d\)"),
         ((2, 8, 3, 3, 4), ValueError, "head dim d=4 is outside"),
-        ("int", TypeError, "has dtype torch.int64"),
+        ("int", TypeError, "qkv has dtype torch.int64"),
+        ((2, 0, 3, 2, 16), ValueError, r"qkv \(2, 0, 3, 2, 16\) has an empty dim"),
+        ("lse", TypeError, "return_lse must be a bool"),
     ],
 )
 def test_packed_bad_input(bad, err, match):
-    """Bad input raises a clear error before any launch."""
+    """Bad input raises a clear error naming qkv before any launch."""
+    kw = {}
     if bad == "list":
         x = [[1.0]]
     elif bad == "int":
         x = torch.zeros(1, 8, 3, 2, 16, dtype=torch.int64)
+    elif bad == "lse":
+        x, kw = torch.randn(1, 8, 3, 2, 16), {"return_lse": "yes"}
     else:
         x = torch.randn(*bad)
     with pytest.raises(err, match=match):
-        flash_attention_qkvpacked(x)
+        flash_attention_qkvpacked(x, **kw)
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa", "flash"])
@@ -180,6 +185,8 @@ def test_attention_qkvpacked_every_backend(seed, backend):
     assert (got - want).abs().max().item() < 1e-5, f"seed={seed} {backend}"
     with pytest.raises(ValueError, match=r"expects qkv of shape \(B, N, 3, H, d\)"):
         A.attention_qkvpacked(qkv[:, :, :2], backend)
+    with pytest.raises(TypeError, match="expects qkv as a torch.Tensor, got list"):
+        A.attention_qkvpacked([1, 2], backend)
 
 
 def test_registry_qkvpacked_keyword(seed):
@@ -207,3 +214,24 @@ def test_registry_qkvpacked_keyword(seed):
         A._REGISTRY.pop("test_packed", None)
         A._QKVPACKED.pop("test_packed", None)
     assert calls == ["packed", "views"]
+
+
+def test_registry_refuses_what_cannot_run(seed):
+    """A non-callable fn / qkvpacked is refused at registration; a packed function that returns the
+    unpacked (B, H, N, d) layout is refused at the call instead of being read scrambled."""
+    for kw in ({"fn": None}, {"fn": A.attention, "qkvpacked": "not a function"}):
+        with pytest.raises(TypeError, match="must be callable"):
+            A.register_attention_backend("test_bad", **kw)
+    assert "test_bad" not in A.available_attention_backends()
+    qkv, _ = _packed(seed, 2, 8, 2, 16, torch.float32)
+
+    def wrong_layout(qkv, sdpa_backend, **variants):
+        return A.attention(*_views(qkv), "naive")  # (B, H, N, d)
+
+    try:
+        A.register_attention_backend("test_layout", lambda q, k, v, s: q, qkvpacked=wrong_layout)
+        with pytest.raises(RuntimeError, match=r"returned shape \(2, 2, 8, 16\), expected \(B, N, H, d\)"):
+            A.attention_qkvpacked(qkv, "test_layout")
+    finally:
+        A._REGISTRY.pop("test_layout", None)
+        A._QKVPACKED.pop("test_layout", None)

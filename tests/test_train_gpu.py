@@ -67,8 +67,8 @@ def test_gpu_busy_fraction_in_the_summary(char_data, shakespeare_path, tmp_path)
 
 
 def test_trace_writes_a_chrome_trace(char_data, shakespeare_path, tmp_path):
-    """perf.trace=true: <out_dir>/trace.json.gz holds the profiled steps' kernels and host ops, and the GPU
-    time per step is counted once (the host ops that launched the kernels are not added again)."""
+    """perf.trace=true: <out_dir>/trace_step4-5.json.gz holds the profiled steps' kernels and host ops, and
+    the GPU time per step is counted once (the host ops that launched the kernels are not added again)."""
     import gzip
     import json
 
@@ -85,8 +85,9 @@ def test_trace_writes_a_chrome_trace(char_data, shakespeare_path, tmp_path):
             perf__profile_steps=2,
             perf__trace=trace,
         )
-    assert not (tmp_path / "trace_False" / "trace.json.gz").exists()
-    with gzip.open(tmp_path / "trace_True" / "trace.json.gz", "rt") as f:
+    assert not list((tmp_path / "trace_False").glob("trace_step*"))
+    # steps 4 and 5: after the 3 excluded steps
+    with gzip.open(tmp_path / "trace_True" / "trace_step4-5.json.gz", "rt") as f:
         events = json.load(f)["traceEvents"]
     cats = {e.get("cat") for e in events}
     assert {"kernel", "cpu_op"} <= cats, sorted(c for c in cats if c)

@@ -19,6 +19,7 @@ from helpers_train import REPO
 from omegaconf import OmegaConf
 
 from trainer import checkpoint as ckpt
+from trainer.gpu_busy import GpuBusy
 from trainer.loop import Trainer, lr_at
 from trainer.metrics import resolve_wandb_mode
 from trainer.signals import PreemptionHandler
@@ -325,6 +326,7 @@ def _parity_trainer(model, ref: str) -> Trainer:
     t.raw_model = model
     t.autocast = contextlib.nullcontext()
     t._peak_bytes = 0
+    t.gpu_busy = GpuBusy(0, 0, enabled=False)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
     t._batch = lambda s, micro: (x, torch.roll(x, -1, dims=1))
@@ -432,3 +434,28 @@ def test_take_batch_uses_a_prefetched_batch_once():
     assert t._take_batch(5, 0) == ("prefetched", 5, 0)
     assert t._take_batch(5, 0) == ("fresh", 5, 0)
     assert calls == [(4, 0), (5, 0)]
+
+
+def test_gpu_busy_window_ends_before_other_work_and_names_its_trace(tmp_path):
+    """GpuBusy profiles the steps of its window; close() (called before an evaluation, a parity check or a
+    checkpoint) ends it early with the steps done so far and no later window opens; the trace is named by
+    the global steps it holds. (On the CPU the profiler records no device time: only the bookkeeping.)"""
+    busy = GpuBusy(skip=1, steps=3, enabled=True, trace_dir=tmp_path)
+    profiled = []
+    for done, step in enumerate(range(11, 17)):  # a resumed run: global steps 11.., this process's 0..
+        with busy.step(done, step):
+            torch.ones(4).sum()
+        profiled.append(busy.active)
+        busy.add_wall(0.01)
+        if step == 13:
+            busy.close()  # e.g. an evaluation after step 13
+    assert profiled == [False, True, True, False, False, False]
+    assert [p.name for p in tmp_path.glob("trace_*")] == ["trace_step12-13.json.gz"]
+    s = busy.summary()
+    assert s["perf/profiled_steps"] == 2 and s["perf/gpu_busy"] >= 0.0
+    (tmp_path / "idle").mkdir()
+    idle = GpuBusy(skip=0, steps=2, enabled=True, trace_dir=tmp_path / "idle")  # CPU: host activity only
+    idle.close()  # nothing open yet: the window is still to come
+    with idle.step(0, 1):
+        pass
+    assert idle.active

@@ -165,7 +165,8 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "the model runs unsharded; checkpoints are still DCP directories (they resume at any world size)"
         )
     if cfg.perf.profile_steps and device_type != "cuda":
-        notes.append("note: perf.profile_steps is a GPU measurement (CUDA kernel time); skipped on the CPU")
+        what = "perf.profile_steps and perf.trace are" if cfg.perf.trace else "perf.profile_steps is"
+        notes.append(f"note: {what} a GPU measurement (CUDA kernel time); skipped on the CPU")
     if compile_mode == "reduce-overhead" and compile_ and device_type != "cuda":
         notes.append(
             "note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "

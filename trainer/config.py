@@ -370,7 +370,7 @@ class PerfConfig:
     profile_steps: int = spec(0, ">0: profile this many CUDA steps and report perf/gpu_busy", NONNEG_INT, 5)
     trace: bool = spec(
         False,
-        "with profile_steps > 0: also record host activity and write <out_dir>/trace.json.gz (Perfetto)",
+        "with profile_steps > 0: also record host activity, write <out_dir>/trace_stepA-B.json.gz (Perfetto)",
         BOOL,
     )
 

@@ -4,14 +4,16 @@ busy = (CUDA kernel, memcpy and memset time on the device) / (wall time of the s
 busy fraction is well below 1 leaves the GPU waiting for the host (Python, launches, data); at 1 the
 step is GPU-bound and only faster kernels make it faster. Only CUDA activity is recorded (CUPTI), not
 the CPU ops, so the profiler adds little host time; the profiled steps are still left out of the
-tokens/sec median. With ``trace`` the host side is recorded too (CPU ops, CUDA runtime calls) and the
-steps are written as a Chrome trace (``trace.json.gz``, open in https://ui.perfetto.dev) to see where
-the GPU waits; the busy fraction of such a run includes the profiler's host overhead.
+tokens/sec median. With a trace directory the host side is recorded too (CPU ops, CUDA runtime calls) and
+the steps are written as a Chrome trace (``trace_step{first}-{last}.json.gz``, open in
+https://ui.perfetto.dev) to see where the GPU waits; the busy fraction of such a run includes the
+profiler's host overhead.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -19,25 +21,31 @@ import torch
 class GpuBusy:
     """Profile `steps` training steps after the first `skip` steps of this process.
 
-    Usage, once per step: ``with busy.step(steps_done):`` around the timed work, then
-    ``busy.add_wall(dt)`` with the step's wall time in seconds (only counted for profiled steps).
-    `summary()` gives {"perf/gpu_busy": fraction, "perf/gpu_ms_per_step": ms, "perf/profiled_steps": n}
-    once the window is complete, else {}.
+    Usage, once per step: ``with busy.step(steps_done, step):`` around the timed work, then
+    ``busy.add_wall(dt)`` with the step's wall time in seconds (only counted for profiled steps). Before work
+    that is not a training step (evaluation, parity, a checkpoint) call ``close()``: the window then ends
+    with the steps profiled so far, so that work's kernels are never counted without its wall time.
+    `summary()` (which closes an open window) gives {"perf/gpu_busy": fraction, "perf/gpu_ms_per_step": ms,
+    "perf/profiled_steps": n} once at least one step was profiled, else {}.
+    With ``trace_dir`` the host activity is recorded too and the window is written as
+    ``trace_dir/trace_step{first}-{last}.json.gz`` (global step numbers, so a resumed run adds its own).
     """
 
-    def __init__(self, skip: int, steps: int, enabled: bool, trace_path=None) -> None:
+    def __init__(self, skip: int, steps: int, enabled: bool, trace_dir=None) -> None:
         self.skip, self.steps = int(skip), int(steps)
         self.enabled = bool(enabled) and self.steps > 0
-        self.trace_path = trace_path  # a .json.gz path: record host activity too and export there
+        self.trace_dir = trace_dir
         self._prof = None
         self._done = 0
         self._wall_s = 0.0
         self._gpu_us: float | None = None
+        self._first = self._last = None  # global steps of the window (trace file name)
         self.active = False
 
     @contextlib.contextmanager
-    def step(self, steps_done: int):
-        """Profile this step if it falls in the window [skip, skip + steps) of this process's steps."""
+    def step(self, steps_done: int, step: int | None = None):
+        """Profile this step if it falls in the window [skip, skip + steps) of this process's steps and the
+        window was not closed early; `step` is the global step number (for the trace file's name)."""
         self.active = self.enabled and self.skip <= steps_done < self.skip + self.steps
         if not self.active:
             yield
@@ -45,9 +53,11 @@ class GpuBusy:
         if self._prof is None:
             from torch.profiler import ProfilerActivity, profile
 
-            cpu = [ProfilerActivity.CPU] if self.trace_path is not None else []
+            cpu = [ProfilerActivity.CPU] if self.trace_dir is not None else []
             self._prof = profile(activities=[*cpu, ProfilerActivity.CUDA])
             self._prof.__enter__()
+            self._first = step
+        self._last = step
         yield
 
     def add_wall(self, dt: float) -> None:
@@ -57,20 +67,37 @@ class GpuBusy:
         self._wall_s += dt
         self._done += 1
         if self._done == self.steps:
-            torch.cuda.synchronize()
-            self._prof.__exit__(None, None, None)
-            # self time of device-side events: kernels, memcpy, memset (each counted once; with host activity
-            # recorded, the CPU ops that launched them carry the same time again: left out)
-            from torch.autograd import DeviceType
+            self.close()
 
-            self._gpu_us = sum(
-                e.self_device_time_total for e in self._prof.key_averages() if e.device_type != DeviceType.CPU
-            )
-            if self.trace_path is not None:
-                self._prof.export_chrome_trace(str(self.trace_path))  # gzip for a .gz path
-            self._prof = None
+    def close(self) -> None:
+        """End the profiling window now (no-op when none is open) and allow no other one: the GPU time of
+        the steps profiled so far is summed and, with a trace_dir, the trace written."""
+        self.active = False
+        if self._prof is None:
+            return
+        self.enabled = False
+        prof, self._prof = self._prof, None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+        if not self._done:
+            return
+        # self time of device-side events: kernels, memcpy, memset (each counted once; with host activity
+        # recorded, the CPU ops that launched them carry the same time again: left out)
+        from torch.autograd import DeviceType
+
+        self._gpu_us = sum(
+            e.self_device_time_total for e in prof.key_averages() if e.device_type != DeviceType.CPU
+        )
+        if self.trace_dir is not None:
+            name = f"trace_step{self._first}-{self._last}.json.gz"
+            prof.export_chrome_trace(str(Path(self.trace_dir) / name))  # gzip for a .gz path
 
     def summary(self) -> dict:
+        try:
+            self.close()  # a run that ended inside its window: report the steps profiled
+        except Exception:  # noqa: BLE001 - a failed device (the OOM ending) must not hide the run's ending
+            pass
         if self._gpu_us is None or self._wall_s <= 0:
             return {}
         return {

@@ -102,7 +102,7 @@ class Trainer(Setup, Endings):
             int(cfg.perf.exclude_first_steps),
             int(cfg.perf.profile_steps),
             enabled=plan.device_type == "cuda" and dist.is_main,
-            trace_path=self.out_dir / "trace.json.gz" if cfg.perf.trace else None,
+            trace_dir=self.out_dir if cfg.perf.trace else None,
         )
         self.resume_intro: list[str] = []  # resume: where its config came from (said at start-up)
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
@@ -237,6 +237,7 @@ class Trainer(Setup, Endings):
         without gradients, on the current weights (before update s). Memory it uses is kept out of
         ``mem/peak_gib`` (peak recorded before, stats reset after). Under FSDP2 every rank runs it (its
         forwards are collective); rank 0's result is the one logged."""
+        self.gpu_busy.close()  # its kernels are not a training step's
         ref = self.cfg.parity.reference
         cuda = self.device.type == "cuda"
         if cuda:
@@ -276,6 +277,7 @@ class Trainer(Setup, Endings):
         """Checkpoint after update ``s``: a single file written by rank 0 (ddp, one process), or with
         ``parallel=fsdp`` a DCP directory to which every rank writes its shards (collective; also at world
         size 1). Every rank returns the path, or every rank raises CheckpointSaveError."""
+        self.gpu_busy.close()  # a checkpoint is not a training step
         rng = ckpt.rng_state()
         if self.dist.enabled:
             import torch.distributed as dist
@@ -386,7 +388,7 @@ class Trainer(Setup, Endings):
             )
 
             self._sync()
-            with self.gpu_busy.step(self._steps_here):
+            with self.gpu_busy.step(self._steps_here, s):
                 t0 = time.perf_counter()
                 loss, grad_norm = self._train_step(s)
                 finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -463,6 +465,7 @@ class Trainer(Setup, Endings):
         """``evaluate()``, with ``handler`` told that an evaluation runs (a signal's message says it waits for
         the evaluation, not a step)."""
         handler.activity = "evaluation"
+        self.gpu_busy.close()  # evaluation kernels are not a training step's
         try:
             return self.evaluate()
         finally:
