@@ -236,18 +236,24 @@ def attention(
     check_attention_backend(backend)
     check_sdpa_backend(sdpa_backend)
     _check_qkv(q, k, v)
+    return _call(
+        _REGISTRY[backend], (q, k, v), backend, sdpa_backend, window, doc_ids, dropout_p, q.shape[-2]
+    )
+
+
+def _call(fn, tensors, backend, sdpa_backend, window, doc_ids, dropout_p, n):
+    """``fn(*tensors, sdpa_backend)``, with the variant keywords when any variant is set (checked, and the
+    backend must have been registered with ``variants=True``)."""
     if window is None and doc_ids is None and not dropout_p:
-        return _REGISTRY[backend](q, k, v, sdpa_backend)
-    check_variants(window, doc_ids, dropout_p, q.shape[-2])
+        return fn(*tensors, sdpa_backend)
+    check_variants(window, doc_ids, dropout_p, n)
     if backend not in _VARIANTS_OK:
         raise ValueError(
             f"attention backend {backend!r} was registered without variants=True: it cannot "
             "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
             "sdpa or flash"
         )
-    return _REGISTRY[backend](
-        q, k, v, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p)
-    )
+    return fn(*tensors, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p))
 
 
 def attention_qkvpacked(
@@ -287,17 +293,7 @@ def attention_qkvpacked(
         o = attention(q, k, v, backend, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=dropout_p)
         return o.transpose(1, 2)
     check_sdpa_backend(sdpa_backend)
-    if window is None and doc_ids is None and not dropout_p:
-        o = packed(qkv, sdpa_backend)
-    else:
-        check_variants(window, doc_ids, dropout_p, qkv.shape[1])
-        if backend not in _VARIANTS_OK:
-            raise ValueError(
-                f"attention backend {backend!r} was registered without variants=True: it cannot "
-                "run attention.window, attention.document_mask or model.attn_dropout; use naive, "
-                "sdpa or flash"
-            )
-        o = packed(qkv, sdpa_backend, window=window, doc_ids=doc_ids, dropout_p=float(dropout_p))
+    o = _call(packed, (qkv,), backend, sdpa_backend, window, doc_ids, dropout_p, qkv.shape[1])
     B, N, _, H, d = qkv.shape
     if tuple(o.shape) != (B, N, H, d):  # (B, H, N, d), the unpacked contract, would be read scrambled
         raise RuntimeError(
