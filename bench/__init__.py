@@ -11,6 +11,7 @@ Benchmarks (GPU; ``--dry-run`` checks the plumbing on a CPU where it applies):
 Run analysis (any machine; reads run directories written by ``train.py``):
     compare     loss curves of runs against the first one: differences, tolerances, PNG
     report      one table and figure for a sweep (``train.py -m``)
+    trace_gaps  where the GPU waits in a ``perf.trace=true`` trace: idle gaps by host context
 
 Shared, not run directly: ``_providers`` (attention providers and the float32 reference), ``_timing``
 (median timer, failure status), ``_attention_report`` (tables and plots of ``attention``), ``_rundir``

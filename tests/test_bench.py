@@ -929,3 +929,63 @@ def test_gpu_only_scripts_exit_cleanly_without_cuda(tmp_path, argv):
     assert proc.returncode == 2, proc.stderr
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == []  # bench.tune used to create tune.jsonl before failing
+
+
+def _trace(tmp_path, events, name="trace_step1-2.json.gz"):
+    import gzip
+
+    path = tmp_path / name
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_trace_gaps_attributes_idle_time_to_the_launching_host_op(tmp_path, capsys):
+    """bench.trace_gaps on a hand-made trace: device span and busy time, gaps over the threshold attributed to
+    the host ops around the launch that ended them, a launch issued after the device went idle counted as
+    host-caused, a gap under the threshold ignored; bad files exit 2 with the reason."""
+    from bench import trace_gaps
+
+    def dev(name, ts, dur, corr, cat="kernel"):
+        return {"cat": cat, "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    def launch(ts, dur, corr):
+        return {
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": dur,
+            "tid": 1,
+            "args": {"correlation": corr},
+        }
+
+    def op(name, ts, dur):
+        return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": 1}
+
+    events = [
+        dev("k_a", 0, 10, 1),
+        dev("k_b", 30, 10, 2),
+        dev("k_c", 41, 5, 3),
+        dev("Memcpy HtoD", 60, 5, 4, cat="gpu_memcpy"),
+        op("Torch-Compiled Region", 0, 100),
+        op("aten::mm", 24, 5),
+        op("aten::copy_", 4, 3),
+        launch(25, 3, 2),  # after k_a ended at 10: the host made the device wait
+        launch(5, 1, 4),  # issued early: the device waited for something else
+    ]
+    r = trace_gaps.analyse(events)
+    assert (r["span_us"], r["busy_us"], r["gap_us"], r["host_caused_us"]) == (65, 30, 34, 20)
+    assert r["by_context"] == [
+        ("Torch-Compiled Region", "aten::mm", 20, 1),
+        ("Torch-Compiled Region", "aten::copy_", 14, 1),
+    ]
+    assert [g[:3] for g in r["gaps"]] == [(20, 30, "k_b"), (14, 60, "Memcpy HtoD")]
+    assert trace_gaps.main([str(_trace(tmp_path, events))]) == 0
+    out = capsys.readouterr().out
+    assert "device busy 0.03 ms (46.2%)" in out and "aten::mm" in out
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a trace")
+    cpu_only = _trace(tmp_path, [op("aten::mm", 0, 5)], "cpu.json.gz")
+    assert trace_gaps.main([str(bad), str(cpu_only)]) == 2
+    err = capsys.readouterr().err
+    assert "notes.txt" in err and "no device events" in err
