@@ -149,7 +149,7 @@ def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path):
         "--merge",
     ]
     rec = {"provider": "naive", "N": 16, "d": 16, "mode": "fwd"}
-    for bad in (
+    bads = (
         "[]",
         "null",
         '{"records": 5}',
@@ -162,12 +162,18 @@ def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path):
         json.dumps({"records": [rec], "metadata": {"invocations": "abc"}}),
         json.dumps({"records": [rec], "metadata": {"seqlens": 5}}),
         json.dumps({"records": [rec], "metadata": {"invocations": [{"seqlens": [[16]]}]}}),
-    ):
+    )
+    from bench._attention_report import read_for_merge
+
+    for bad in bads:  # the reader refuses each; the CLI turns that into exit 2 (checked once below)
         path.write_text(bad)
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 2, (bad, proc.stderr[-500:])
-        assert "error: --merge: cannot read" in proc.stderr, (bad, proc.stderr[-500:])
-        assert path.read_text() == bad
+        with pytest.raises(ValueError):
+            read_for_merge(path)
+    path.write_text(bads[0])
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-500:]
+    assert "error: --merge: cannot read" in proc.stderr, proc.stderr[-500:]
+    assert path.read_text() == bads[0]
     path.write_text(good)
     proc = subprocess.run(
         [*cmd, "--dtype", "float16"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
