@@ -436,20 +436,65 @@ def test_take_batch_uses_a_prefetched_batch_once():
     assert calls == [(4, 0), (5, 0)]
 
 
+def test_device_busy_time_is_the_union_of_device_events():
+    """GPU time of a profiled window: device events only, user annotations left out, overlapping kernels
+    counted once (events built by hand with torch's FunctionEvent; random spans from a printed seed)."""
+    import random
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from trainer.gpu_busy import device_busy_us
+
+    seed = random.randrange(2**31)
+    rng = random.Random(seed)
+
+    def ev(i, start, end, device=DeviceType.CUDA, annotation=False):
+        return FunctionEvent(
+            id=i,
+            name=f"e{i}",
+            thread=0,
+            start_us=start,
+            end_us=end,
+            device_type=device,
+            is_user_annotation=annotation,
+        )
+
+    spans = [(s, s + rng.uniform(1, 50)) for s in sorted(rng.uniform(0, 500) for _ in range(30))]
+    events = [ev(i, a, b) for i, (a, b) in enumerate(spans)]
+    events += [ev(100, 0, 600, DeviceType.CPU), ev(101, -50, 700, annotation=True)]  # host op, annotation
+    covered = [False] * 60000  # reference: 0.01 µs cells marked by any kernel
+    for a, b in spans:
+        for c in range(round(a * 100), round(b * 100)):
+            covered[c] = True
+    want = sum(covered) / 100
+    got = device_busy_us(rng.sample(events, len(events)))
+    assert abs(got - want) < 0.02 * 30, f"seed={seed}: {got} vs {want}"
+    assert got <= max(b for _, b in spans) - spans[0][0] + 1e-9, f"seed={seed}"
+
+
 def test_gpu_busy_window_ends_before_other_work_and_names_its_trace(tmp_path):
     """GpuBusy profiles the steps of its window; close() (called before an evaluation, a parity check or a
     checkpoint) ends it early with the steps done so far and no later window opens; the trace is named by
     the global steps it holds. (On the CPU the profiler records no device time: only the bookkeeping.)"""
     busy = GpuBusy(skip=1, steps=3, enabled=True, trace_dir=tmp_path)
-    profiled = []
+    profiled, told = [], []
     for done, step in enumerate(range(11, 17)):  # a resumed run: global steps 11.., this process's 0..
         with busy.step(done, step):
             torch.ones(4).sum()
         profiled.append(busy.active)
-        busy.add_wall(0.01)
+        told.append(busy.add_wall(0.01))
         if step == 13:
             busy.close()  # e.g. an evaluation after step 13
     assert profiled == [False, True, True, False, False, False]
+    assert told == profiled  # what the trainer leaves out of the tokens/sec median
+    (tmp_path / "whole").mkdir()  # a window that ends by itself at its last step (CPU: host activity)
+    whole = GpuBusy(skip=0, steps=2, enabled=True, trace_dir=tmp_path / "whole")
+    for done in range(3):
+        with whole.step(done, done + 1):
+            pass
+        told_whole = whole.add_wall(0.01)
+        assert told_whole == (done < 2), f"step {done + 1}: add_wall said {told_whole}"
     assert [p.name for p in tmp_path.glob("trace_*")] == ["trace_step12-13.json.gz"]
     s = busy.summary()
     assert s["perf/profiled_steps"] == 2 and s["perf/gpu_busy"] >= 0.0

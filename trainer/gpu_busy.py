@@ -60,14 +60,16 @@ class GpuBusy:
         self._last = step
         yield
 
-    def add_wall(self, dt: float) -> None:
-        """Record the wall time (s) of the step just run; closes the window after the last one."""
+    def add_wall(self, dt: float) -> bool:
+        """Record the wall time (s) of the step just run; closes the window after the last one. Returns
+        whether that step was profiled (the caller leaves it out of the tokens/sec median)."""
         if not self.active:
-            return
+            return False
         self._wall_s += dt
         self._done += 1
         if self._done == self.steps:
             self.close()
+        return True
 
     def close(self) -> None:
         """End the profiling window now (no-op when none is open) and allow no other one: the GPU time of
@@ -82,18 +84,13 @@ class GpuBusy:
         prof.__exit__(None, None, None)
         if not self._done:
             return
-        # self time of device-side events: kernels, memcpy, memset (each counted once; with host activity
-        # recorded, the CPU ops that launched them carry the same time again: left out)
-        from torch.autograd import DeviceType
-
-        self._gpu_us = sum(
-            e.self_device_time_total for e in prof.key_averages() if e.device_type != DeviceType.CPU
-        )
+        self._gpu_us = device_busy_us(prof.events())
         if self.trace_dir is not None:
             name = f"trace_step{self._first}-{self._last}.json.gz"
             prof.export_chrome_trace(str(Path(self.trace_dir) / name))  # gzip for a .gz path
 
     def summary(self) -> dict:
+        """{"perf/gpu_busy", "perf/gpu_ms_per_step", "perf/profiled_steps"} of the profiled steps, or {}."""
         try:
             self.close()  # a run that ended inside its window: report the steps profiled
         except Exception:  # noqa: BLE001 - a failed device (the OOM ending) must not hide the run's ending
@@ -105,3 +102,32 @@ class GpuBusy:
             "perf/gpu_ms_per_step": self._gpu_us * 1e-3 / self._done,
             "perf/profiled_steps": self._done,
         }
+
+
+def device_busy_us(events) -> float:
+    """Time in µs during which the device ran at least one kernel, memcpy or memset.
+
+    events: torch.profiler FunctionEvents (``prof.events()``). Device-side events only (host ops, which
+    carry their kernels' time again when CPU activity is recorded, are left out), and not the
+    ``gpu_user_annotation`` ranges (a ``record_function`` range drawn on the GPU timeline, spanning kernels
+    that are counted themselves). The union of the intervals, so kernels that overlap (several streams) or
+    an annotation that slipped through are counted once, and busy time never exceeds wall time.
+    """
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
+    )
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in spans:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return float(total)

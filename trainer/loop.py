@@ -401,12 +401,12 @@ class Trainer(Setup, Endings):
                 self.optimizer.zero_grad(set_to_none=not self._cudagraphs)
                 self._sync()
                 dt = time.perf_counter() - t0
-            self.gpu_busy.add_wall(dt)
+            profiled = self.gpu_busy.add_wall(dt)  # a profiled step stays out of the tokens/sec median
             self.step = s
             self._steps_here += 1
 
             tokens = int(cfg.batch.tokens_per_step)
-            if self._steps_here > int(cfg.perf.exclude_first_steps) and not self.gpu_busy.active:
+            if self._steps_here > int(cfg.perf.exclude_first_steps) and not profiled:
                 self._step_tps.append(tokens / dt)
                 self._step_ms.append(dt * 1e3)
             win_tokens, win_time, win_steps = win_tokens + tokens, win_time + dt, win_steps + 1
