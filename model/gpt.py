@@ -509,6 +509,7 @@ class GPT(nn.Module):
         timings: dict | None = None,
         vocab_size: int | None = None,
         static_decode: bool = False,
+        cuda_graph: bool = False,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens autoregressively; the context is the last block_size tokens.
 
@@ -532,13 +533,17 @@ class GPT(nn.Module):
                 vocabulary is padded to a multiple of 64, and padding ids decode to nothing).
             static_decode: decode with ``decode_step`` (static shapes, whole-buffer length mask) instead of
                 the growing cache view; same tokens.
+            cuda_graph: static decoding replayed as one CUDA graph (``model.decode_graph``; implies
+                static_decode; CUDA only): no per-kernel launch cost, which sets the pace at small batch.
+                Same tokens. The graph and its KV cache stay on the model for the next call of this batch
+                size (``model.decode_graph.release(model)`` frees them).
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).
 
         Raises:
-            ValueError: invalid sampling arguments, empty prompt, or a backend without KV-cache support
-                (``use_cache=True``).
+            ValueError: invalid sampling arguments, empty prompt, a backend without KV-cache support
+                (``use_cache=True``), or cuda_graph without use_cache or off CUDA.
 
         Call ``model.eval()`` first if the model has dropout.
         """
@@ -547,7 +552,16 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be a (B, N >= 1) tensor of prompt ids, got shape {tuple(idx.shape)}")
         bs = self.config.block_size
         sync = torch.cuda.synchronize if idx.device.type == "cuda" else (lambda: None)
-        cache = self.make_kv_cache(idx.shape[0]) if use_cache and max_new_tokens > 0 else None
+        if cuda_graph and (not use_cache or idx.device.type != "cuda"):
+            raise ValueError(f"cuda_graph=True needs use_cache=True and a CUDA device (got use_cache="
+                             f"{use_cache}, device {idx.device}); pass cuda_graph=False")
+        graph = None
+        if cuda_graph and max_new_tokens > 0:
+            from .decode_graph import decode_graph
+
+            graph = decode_graph(self, idx.shape[0])  # kept on the model: captured once per batch size
+        cache = self.make_kv_cache(idx.shape[0]) if use_cache and max_new_tokens > 0 and not graph else None
+        cache = graph.cache if graph else cache
 
         def next_logits(step: int) -> torch.Tensor:
             context = idx[:, -bs:]
@@ -556,6 +570,8 @@ class GPT(nn.Module):
             if step == 0 or cache.length >= bs:  # prefill, or the window slid: positions shifted
                 cache.reset()
                 return self.forward_cached(context, cache)
+            if graph is not None:
+                return graph.step(context[:, -1:])
             if static_decode:
                 return self.decode_step(context[:, -1:], cache)
             return self.forward_cached(context[:, -1:], cache)

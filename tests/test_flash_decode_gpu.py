@@ -113,3 +113,31 @@ def test_cached_generation_equals_uncached_flash_gpu(seed, static_decode):
         cached = model.generate(idx, 40, temperature=0.0, use_cache=True, static_decode=static_decode)
         plain = model.generate(idx, 40, temperature=0.0, use_cache=False)
     assert torch.equal(cached, plain), f"seed={seed}"
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("backend", ["flash", "sdpa", "naive"])
+def test_cuda_graph_decode_gives_the_same_tokens_gpu(seed, monkeypatch, backend, compiled):
+    """generate(cuda_graph=True) (model.decode_graph: the static step replayed as one CUDA graph) gives the
+    static path's greedy tokens, bf16, batch 3; the prompt of the second call fills the block so the cache
+    resets and prefills again under the same graph (the window slides); the graph is captured once."""
+    from model import GPT, GPTConfig
+    from model import decode_graph as dg
+
+    cfg = GPTConfig(block_size=48, vocab_size=97, n_layer=2, n_head=4, n_embd=64, attention=backend)
+    model = GPT(cfg).cuda().to(torch.bfloat16).eval()
+    if compiled:
+        model._decode_static = torch.compile(model._decode_static)
+    captures = []
+    real = dg.DecodeGraph.__init__
+    monkeypatch.setattr(dg.DecodeGraph, "__init__", lambda self, *a: captures.append(1) or real(self, *a))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for n_prompt, new in ((5, 30), (44, 20)):
+        idx = torch.randint(0, 97, (3, n_prompt), device="cuda", generator=g)
+        with torch.no_grad():
+            static = model.generate(idx, new, temperature=0.0, static_decode=True)
+            graphed = model.generate(idx, new, temperature=0.0, cuda_graph=True)
+        assert torch.equal(graphed, static), f"seed={seed} {backend} prompt {n_prompt}: tokens differ"
+    assert len(captures) == 1, f"seed={seed}: {len(captures)} captures for one batch size"
+    dg.release(model)
+    assert "_decode_graph" not in model.__dict__

@@ -172,6 +172,20 @@ def test_sampling_argument_errors(kwargs, match):
         _model("naive").generate(torch.zeros(1, 2, dtype=torch.long), 1, **{"temperature": 1.0, **kwargs})
 
 
+def test_cuda_graph_decoding_needs_cuda_and_the_cache():
+    """generate(cuda_graph=True) off CUDA or without the KV cache is a clear error before any work, and
+    DecodeGraph refuses a CPU cache (its GPU behaviour: tests/test_flash_decode_gpu.py)."""
+    from model.decode_graph import DecodeGraph
+
+    model = _model("naive")
+    idx = torch.zeros(1, 2, dtype=torch.long)
+    for kwargs in (dict(), dict(use_cache=False)):
+        with pytest.raises(ValueError, match="cuda_graph=True needs use_cache=True and a CUDA device"):
+            model.generate(idx, 3, cuda_graph=True, **kwargs)
+    with pytest.raises(ValueError, match="needs the model and its KV cache on a CUDA device"):
+        DecodeGraph(model, model.make_kv_cache(1))
+
+
 def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     """attention=flash: the prefill runs flash_attention, each decode step (per layer) flash_decode."""
     _need("flash", monkeypatch)
