@@ -69,6 +69,13 @@ def _sample(cfg: DictConfig) -> int:
         raise InferError(str(e)) from e
     device = resolve_device(str(cfg.device))
     dtype = resolve_dtype(str(cfg.dtype), device)
+    graph_ok = device.type == "cuda" and bool(cfg.use_cache)
+    if cfg.cuda_graph and not graph_ok:
+        raise InferError(
+            f"cuda_graph=true needs device=cuda and use_cache=true (device is {device}, use_cache="
+            f"{str(bool(cfg.use_cache)).lower()}); drop cuda_graph=true"
+        )
+    cuda_graph = graph_ok if cfg.cuda_graph is None else bool(cfg.cuda_graph)  # null: on where it can run
     text = read_prompt(str(cfg.prompt))
     if not text:
         # (not prompt='\n': Hydra passes that on as a backslash and an n, which no char vocabulary has)
@@ -114,6 +121,7 @@ def _sample(cfg: DictConfig) -> int:
         timings=timings,
         vocab_size=tok.vocab_size,
         static_decode=bool(cfg.compile or cfg.static_decode),
+        cuda_graph=cuda_graph,
     )
     new = out[:, len(ids) :].tolist()
     samples = [tok.decode(row) for row in new]
@@ -172,7 +180,8 @@ def _sample(cfg: DictConfig) -> int:
         "dtype": str(dtype)[6:],
         "use_cache": bool(cfg.use_cache),
         "compile": bool(cfg.compile),
-        "static_decode": bool(cfg.compile or cfg.static_decode),
+        "static_decode": bool(cfg.compile or cfg.static_decode or cuda_graph),
+        "cuda_graph": cuda_graph,
         **timings,
         **rate,
         "samples": samples,

@@ -245,6 +245,7 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
         (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
         (["run={run}", "dtype=float64"], "dtype='float64' is not supported"),
         (["run={run}", "device=tpu"], "device='tpu' is not a device"),
+        (["run={run}", "device=cpu", "cuda_graph=true"], "cuda_graph=true needs device=cuda"),
     ],
 )
 def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):

@@ -66,6 +66,13 @@ class SampleConfig:
     static_decode: bool = spec(
         False, "decode steps over the whole cache buffer with a length mask (static shapes)", BOOL
     )
+    cuda_graph: bool | None = spec(
+        None,
+        "replay the static decode step as one CUDA graph (implies static_decode; CUDA only); "
+        "null = on for device cuda with use_cache",
+        BOOL,
+        True,
+    )
     dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
     device: str = spec("auto", "auto | cpu | cuda")
     use_cache: bool = spec(True, "false: recompute the whole context every token (reference, slow)", BOOL)
