@@ -33,10 +33,12 @@ tokens, per backend, mode and batch (``--batches``), reporting prefill and decod
 ``GPT.generate(timings=...)`` after a 4-token warm-up generation. Modes: ``eager`` (the growing cache
 view), ``static`` (``static_decode=True``: ``decode_step``'s static shapes, still eager) and ``compiled``
 (static, with ``model._decode_static = torch.compile(model._decode_static)`` as sample.py's
-``compile=true``; there the decode kernel, not Python, sets the speed). A compiled record counts the
-graphs compiled during the timed generation (``recompiles``, 0 when the warm-up compiled everything); a
-compilation failure is that record's error. ``--compile-backend``: inductor on a GPU; the dry run
-defaults to dynamo's ``eager`` backend (the tracing and the op plumbing, without Inductor's CPU code
+``compile=true``), and ``graph`` / ``compiled-graph``: the static or compiled step replayed as one CUDA
+graph (``cuda_graph=True``, ``model.decode_graph``, sample.py ``cuda_graph=true``; captured in the warm-up,
+CUDA only): no launch cost per kernel, so there the decode kernel, not Python, sets the speed. A compiled
+record counts the graphs compiled during the timed generation (``recompiles``, 0 when the warm-up compiled
+everything); a compilation failure is that record's error. ``--compile-backend``: inductor on a GPU; the
+dry run defaults to dynamo's ``eager`` backend (the tracing and the op plumbing, without Inductor's CPU code
 generation: about 20 s per model on two cores), recorded as ``compile_backend`` and in the markdown.
 
 Outputs in ``--out``: ``decode_<tag>.json`` and ``.md`` (also printed), rewritten atomically after every
@@ -268,7 +270,9 @@ def kernel_sweep(args, device, timer, dtype, on_shape=None) -> list[dict]:
     return records
 
 
-E2E_MODES = ("eager", "static", "compiled")  # growing cache view; decode_step; decode_step compiled
+# growing cache view; decode_step; decode_step compiled; decode_step as a CUDA graph (model.decode_graph),
+# eager or compiled (CUDA only)
+E2E_MODES = ("eager", "static", "compiled", "graph", "compiled-graph")
 E2E_WARMUP_TOKENS = 4  # the warm-up generation: the prefill and the first decode steps (which compile)
 
 
@@ -290,6 +294,7 @@ def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
             for b in _ints(args.batches):
                 t0 = time.perf_counter()
                 static = mode != "eager"
+                compiled, graph = mode.startswith("compiled"), mode.endswith("graph")
                 rec = dict(
                     backend=backend,
                     mode=mode,
@@ -298,25 +303,28 @@ def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
                     prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens,
                 )
-                if mode == "compiled":
+                if compiled:
                     rec["compile_backend"] = args.compile_backend
+                if graph and device.type != "cuda":
+                    continue  # CUDA graphs: nothing to time on the CPU (the dry run)
                 model = None
                 try:
                     torch.manual_seed(args.seed)
                     model = GPT(GPTConfig(block_size=block, vocab_size=50304, attention=backend, **preset))
                     model = model.to(device=device, dtype=dtype).eval()
                     prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
-                    if mode == "compiled":
+                    if compiled:
                         torch._dynamo.reset()  # a fresh cache per record: no guards left by other models
                         model._decode_static = torch.compile(
                             model._decode_static, backend=args.compile_backend
                         )
                     warm = min(E2E_WARMUP_TOKENS, args.new_tokens)
-                    model.generate(prompt, warm, temperature=0, static_decode=static)  # warm-up, compiles
+                    kw = dict(temperature=0, static_decode=static, cuda_graph=graph)
+                    model.generate(prompt, warm, **kw)  # warm-up: compiles, captures the graph
                     graphs = _compiled_graphs()
                     t: dict = {}
-                    model.generate(prompt, args.new_tokens, temperature=0, static_decode=static, timings=t)
-                    if mode == "compiled":
+                    model.generate(prompt, args.new_tokens, timings=t, **kw)
+                    if compiled:
                         rec["recompiles"] = _compiled_graphs() - graphs
                     rec.update(
                         status="ok",
@@ -329,7 +337,7 @@ def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
                     rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
                 finally:
                     del model
-                    if mode == "compiled":
+                    if compiled:
                         torch._dynamo.reset()
                     free_memory(device)
                 records.append(rec)
@@ -406,7 +414,8 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
             "",
             "End to end: mode eager = the growing cache view, static = `static_decode=True` (decode_step, "
             "eager), compiled = static with `torch.compile(model._decode_static)` "
-            "(sample.py `compile=true`).",
+            "(sample.py `compile=true`), graph / compiled-graph = the static / compiled step replayed as "
+            "one CUDA graph (sample.py `cuda_graph=true`).",
             "",
             "| backend | mode | batch | prefill tok/s | decode tok/s | note |",
             "|---|---|---|---|---|---|",
