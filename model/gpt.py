@@ -124,9 +124,12 @@ class CausalSelfAttention(nn.Module):
             return self.resid_dropout(self.c_proj(y.reshape(B, N, C)))
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) strided views
         if static:
-            rows = torch.arange(B, device=x.device)
-            cache.k[layer, rows, :, cache.lengths] = k[:, :, 0]  # index_put: no shape depends on lengths
-            cache.v[layer, rows, :, cache.lengths] = v[:, :, 0]
+            # slot lengths[b] of every head, written in the whole buffer by index (no shape depends on the
+            # lengths; indexing the base, not a layer view, lets Inductor write in place, not copy the cache)
+            at = (torch.full_like(cache.lengths, layer)[:, None], torch.arange(B, device=x.device)[:, None],
+                  torch.arange(H, device=x.device)[None, :], cache.lengths[:, None])  # each (B, H) broadcast
+            cache.k.index_put_(at, k[:, :, 0])  # k[:, :, 0]: (B, H, d)
+            cache.v.index_put_(at, v[:, :, 0])
             y = static_decode_attention(q, cache.k[layer], cache.v[layer], cache.lengths + 1,
                                         self.attention_backend, self.sdpa_backend, window=self.window)
         else:
