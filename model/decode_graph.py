@@ -18,7 +18,13 @@ def decode_graph(model, batch_size: int) -> DecodeGraph:
     """The ``DecodeGraph`` kept on ``model`` for ``batch_size`` sequences, captured (with a new ``KVCache``)
     when there is none for this batch size, or the weights moved, or ``model._decode_static`` was replaced
     (e.g. by its ``torch.compile``d version) since the capture. One is kept per model: capturing another
-    batch size drops the previous graph and cache."""
+    batch size drops the previous graph and cache.
+
+    Raises:
+        ValueError: the model is in training mode (a graph captured in eval mode would replay without
+            dropout), or as ``DecodeGraph``."""
+    if model.training:
+        raise ValueError("cuda_graph decoding needs model.eval() (a graph replays fixed kernels)")
     key = (
         int(batch_size),
         model.transformer.wte.weight.data_ptr(),

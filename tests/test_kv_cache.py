@@ -184,6 +184,11 @@ def test_cuda_graph_decoding_needs_cuda_and_the_cache():
             model.generate(idx, 3, cuda_graph=True, **kwargs)
     with pytest.raises(ValueError, match="needs the model and its KV cache on a CUDA device"):
         DecodeGraph(model, model.make_kv_cache(1))
+    from model.decode_graph import decode_graph
+
+    model.train()  # a graph kept from an eval-mode capture must not replay for a training-mode model
+    with pytest.raises(ValueError, match=r"needs model.eval\(\)"):
+        decode_graph(model, 1)
 
 
 def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
