@@ -1,23 +1,22 @@
 """Flash-decode tile and split sweep: the split kernel's key tile (BLOCK_N), split count, num_warps and
 num_stages, per decode shape, against the automatic choice (``kernels.flash_decode``'s ``_block_n`` and
-``_choose_programs``).
+``_choose_splits``).
 
 Usage (GPU)::
 
     python -m bench.decode_tiles                                   # the default grid (below), bf16
     python -m bench.decode_tiles --dims 128 --batches 1 --contexts 8192,32768 --splits 8,16,33
-    python -m bench.decode_tiles --dims 64,128 --batches 1,16 --contexts 8192,32768 --programs 128,132,264
     TRITON_INTERPRET=1 python -m bench.decode_tiles --dry-run      # CPU plumbing check (outputs/bench/)
 
 Each configuration runs the real launch code, ``kernels.flash_decode._launch_decode`` with its private
 ``_tile_n`` / ``_num_warps`` / ``_num_stages`` overrides and an explicit split count (the count actually
-launched, B x Hkv x splits capped at one per key tile by ``_stream_layout``, is the record's ``programs``;
-``splits_requested`` is the grid's; ``--programs`` sweeps absolute counts instead). Every output is
-checked against ``flash_decode`` itself (the automatic configuration) on the same inputs: status
-``mismatch`` and not timed past ``TOLERANCE`` (max abs difference; 2e-2 in bf16/fp16, 1e-4 in fp32).
-Timing (GPU) as ``bench.decode``'s ``ms``: one CUDA graph of ``GRAPH_CALLS`` (20) back-to-back calls
-cycling through copies of q, k, v spanning twice the L2 (``bench.decode._l2_copies`` / ``_captured``),
-replay time (do_bench median, warm-up 10 ms, rep 40 ms) / 20; on the CPU (dry run) one eager call.
+launched, after ``_split_layout`` rounds each split to whole tiles, is the record's ``splits``;
+``splits_requested`` is the grid's). Every output is checked against ``flash_decode`` itself (the automatic
+configuration) on the same inputs: status ``mismatch`` and not timed past ``TOLERANCE`` (max abs
+difference; 2e-2 in bf16/fp16, 1e-4 in fp32). Timing (GPU) as ``bench.decode``'s ``ms``: one CUDA graph
+of ``GRAPH_CALLS`` (20) back-to-back calls cycling through copies of q, k, v spanning twice the L2
+(``bench.decode._l2_copies`` / ``_captured``), replay time (do_bench median, warm-up 10 ms, rep 40 ms) /
+20; on the CPU (dry run) one eager call.
 
 Default GPU grid: Hkv 8, group 4, one query row, bf16; (d, batch, context) in ``GPU_SHAPES``: d 128 at
 batch 1 and 16 for 8k and 32k, d 64 at batch 1 for 8k, d 64 at batch 64 for 8k and 32k; BLOCK_N 32, 64,
@@ -86,7 +85,7 @@ def configs(args, context: int, batch: int) -> list[tuple[int, int, int, int]]:
     for bn, sp, w, st in itertools.product(
         _ints(args.block_n), _ints(args.splits), _ints(args.warps), _ints(args.stages)
     ):
-        if (not args.absolute and sp > _cdiv(context, bn)) or (args.prune and _pruned(batch, sp)):
+        if sp > _cdiv(context, bn) or (args.prune and _pruned(batch, sp)):
             continue
         out.append((bn, sp, w, st))
     return out
@@ -117,18 +116,14 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
     auto_bn = fd._block_n(d, dtype)
-    pairs = batch * hkv
-    auto_programs = fd._stream_layout(
-        context, pairs, fd._choose_programs(fd._cdiv(context, auto_bn), pairs, d, dtype, device), auto_bn
-    )[2]
+    auto_splits = fd._split_layout(context, fd._choose_splits(context, auto_bn, batch * hkv, device), auto_bn)
     auto_ms = measure(lambda q, k, v: fd.flash_decode(q, k, v))
     records = [
         dict(
             base,
             config="auto",
             block_n=auto_bn,
-            splits=auto_programs / pairs,
-            programs=auto_programs,
+            splits=auto_splits[1],
             warps=None,
             stages=None,
             status="ok",
@@ -142,15 +137,13 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
             config="sweep",
             block_n=bn,
             splits_requested=sp,
-            programs=fd._stream_layout(context, pairs, sp if args.absolute else pairs * sp, bn)[2],
+            splits=fd._split_layout(context, sp, bn)[1],
             warps=w,
             stages=st,
         )
 
-        rec["splits"] = rec["programs"] / pairs
-
-        def fn(q, k, v, bn=bn, p=rec["programs"], w=w, st=st):
-            return fd._launch_decode(q, k, v, None, scale, p, _tile_n=bn, _num_warps=w, _num_stages=st)[0]
+        def fn(q, k, v, bn=bn, sp=sp, w=w, st=st):
+            return fd._launch_decode(q, k, v, None, scale, sp, _tile_n=bn, _num_warps=w, _num_stages=st)[0]
 
         try:
             diff = (fn(q, k, v).float() - ref.float()).abs().max().item()
@@ -174,7 +167,7 @@ def _us(ms: float) -> str:
 
 
 def _label(r: dict) -> str:
-    return f"bn {r['block_n']} p{r['programs']} w{r['warps']} st{r['stages']}"
+    return f"bn {r['block_n']} s{r['splits']} w{r['warps']} st{r['stages']}"
 
 
 def markdown(meta: dict, records: list[dict]) -> str:
@@ -198,7 +191,7 @@ def markdown(meta: dict, records: list[dict]) -> str:
             f"## d {d}, batch {b}, context {ctx} (Hkv {auto['kv_heads']}, group {auto['group']}, "
             f"K/V {auto['kv_bytes'] / 1e6:.1f} MB)",
             "",
-            f"Automatic (block_n {auto['block_n']}, {auto['programs']} programs, Triton's warps/stages): "
+            f"Automatic (block_n {auto['block_n']}, splits {auto['splits']}, Triton's warps/stages): "
             f"{_us(auto['ms'])} us, {auto['gbs']:.0f} GB/s.",
             "",
             "Best: "
@@ -232,7 +225,7 @@ def markdown(meta: dict, records: list[dict]) -> str:
                 elif r["status"] != "ok":
                     cells.append(r["status"].split(":")[0])
                 else:
-                    cells.append(_us(r["ms"]) + f" ({r['programs']})")
+                    cells.append(_us(r["ms"]) + (f" ({r['splits']})" if r["splits"] != c else ""))
             lines.append(f"| {bn} | {w} | {st} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
@@ -258,17 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-heads", type=int, default=None, help="KV heads (GPU default: 8)")
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
     ap.add_argument("--block-n", default=None, help="comma list of key tiles (GPU default: 32,64,128)")
-    ap.add_argument(
-        "--splits",
-        default=None,
-        help="comma list of programs per (sequence, KV head) (GPU default: 1 .. 132)",
-    )
-    ap.add_argument(
-        "--programs",
-        default=None,
-        help="comma list of absolute program counts instead of --splits (e.g. 132,264: one wave at 1 and 2 "
-        "programs per SM of an H200)",
-    )
+    ap.add_argument("--splits", default=None, help="comma list of requested splits (GPU default: 1 .. 132)")
     ap.add_argument("--warps", default=None, help="comma list of num_warps (GPU default: 4,8)")
     ap.add_argument("--stages", default=None, help="comma list of num_stages (GPU default: 2,3)")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
@@ -277,11 +260,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="output directory (bench/results; --dry-run: outputs/bench)")
     ap.add_argument("--tag", default=None)
     args = ap.parse_args(argv)
-    if args.programs is not None and args.splits is not None:
-        ap.error("give --splits or --programs, not both")
-    args.absolute = args.programs is not None
-    if args.absolute:
-        args.splits = args.programs
     # the default split grid is pruned (module docstring); splits given by the user are swept as given
     args.prune = args.splits is None and not args.dry_run
     for key, value in (DRY_RUN_GRID if args.dry_run else GPU_GRID).items():

@@ -4,18 +4,14 @@ Algorithm: Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference
 query rows per sequence, FlashAttention's parallelism over query blocks gives one program per (sequence,
 head), too few to fill a GPU, so the keys are split as well:
 
-1. ``_decode_split_kernel``, grid (P,): the cache's key tiles of every (sequence, KV head) pair, flattened
-   into T = B x Hkv x ceil(Nmax / BLOCK_N) tiles, are cut into P equal runs, one per program (stream-K, as
-   Osama et al., "Stream-K: Work-centric Parallel Decomposition for Dense Matrix-Matrix Multiplication on
-   the GPU", 2023, do for GEMM's K loop), so every program does the same work whatever B x Hkv is and one
-   wave of P = SMs programs keeps every SM busy; a run that crosses pairs gives a partial per pair. Each
-   partial streams its keys through the online softmax for all GROUP * Nq query rows of that KV head's
-   query heads at once (GQA: one read of each K/V tile serves the whole group; rows are r = g * Nq + i for
-   query head hk * GROUP + g and query row i) and writes the normalised partial output and its base-2 LSE;
-   keys past the sequence's length L_b are skipped (a partial without keys writes o = 0, lse = -inf).
-2. ``_decode_combine_kernel``, grid (B * Hq * Nq,): o = sum_s w_s o_s over the pair's partials with
-   w_s = 2^(lse_s - lse), lse = log2 sum_s 2^lse_s; LSE is returned in natural-log units like the forward
-   kernel's.
+1. ``_decode_split_kernel``, grid (num_splits, Hkv, B): program (s, hk, b) streams keys
+   [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, L_b)) of KV head hk of sequence b through the online softmax,
+   for all GROUP * Nq query rows of that KV head's query heads at once (GQA: one read of each K/V tile
+   serves the whole group; rows are r = g * Nq + i for query head hk * GROUP + g and query row i). It
+   writes the normalised partial output and its base-2 LSE; a split past the sequence's length L_b
+   writes o = 0, lse = -inf.
+2. ``_decode_combine_kernel``, grid (B * Hq * Nq,): o = sum_s w_s o_s with w_s = 2^(lse_s - lse),
+   lse = log2 sum_s 2^lse_s; LSE is returned in natural-log units like the forward kernel's.
 
 Causal masking is bottom-right per sequence: query row i of Nq sees keys j <= L_b - Nq + i (the new
 rows' own keys are the last Nq cached ones). Cache lengths come from a device tensor, so the grid
@@ -23,11 +19,10 @@ depends only on the static cache size (CUDA-graph friendly); without one (``HAS_
 L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 ``_triton_kernels`` (scale * log2 e folded into the scale).
 
-Status: the stream-K split is verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1
-(every program count, ragged lengths, GQA, several query rows) and compiles for sm_90 offline (d = 64:
-243 registers, no spill; d = 128: 255, 16 bytes of spill, against 364 for the split design it replaces);
-tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule) passed on the H200 for the split
-design before it and is still to run for this one. Tile size and program count: ``kernels/flash_decode.py``.
+Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
+tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200). Tile size
+and split count are chosen in ``kernels/flash_decode.py`` from an H200 sweep (bench/NOTES.md); speed
+figures are in bench/results/decode_h200.md (to be re-measured).
 """
 
 import triton.language as tl
@@ -58,122 +53,103 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
-    H_Q, H_KV, GROUP, N_Q, HEAD_DIM, N_TILES, TOTAL_TILES, NUM_PROGRAMS, PARTS, N_MAX, scale_log2,
+    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, N_MAX, scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
 ):
-    """Stream-K partial attention: program p takes the key tiles [p T / P, (p + 1) T / P) of the flattened
-    (sequence, KV head, key tile) space (T = B * Hkv * N_TILES tiles of BLOCK_N keys over the static cache
-    size, P = NUM_PROGRAMS), so every program gets the same number of tiles whatever B * Hkv is; a range
-    that crosses a (sequence, KV head) boundary gives one partial per pair it touches. The partial of pair
-    c from program p goes to slot j = p - first(c) of that pair, first(c) = the program holding c's first
-    tile. O_PART (B, Hq, Nq, PARTS, HEAD_DIM) and LSE_PART (B, Hq, Nq, PARTS) are contiguous float32;
-    LSE_PART is in base-2 units. HAS_SEQLENS: L_b is SEQLENS[b]; else SEQLENS is None (never read) and every
-    sequence fills the cache, L_b = N_MAX. Tiles past L_b are skipped (their programs finish early)."""
+    """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
+    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
+    SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX."""
     scale_log2 = tl.cast(scale_log2, tl.float32)
-    p = tl.program_id(0).to(tl.int64)
-    t0 = p * TOTAL_TILES // NUM_PROGRAMS
-    t1 = (p + 1) * TOTAL_TILES // NUM_PROGRAMS
+    split = tl.program_id(0)
+    hk = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    if HAS_SEQLENS:
+        # clamped to the cache: a length the wrapper did not range-check (check_lengths=False) can never
+        # make the loop read past the cache's slots; clamped before the int32 cast, so an int64 length
+        # past 2**31 clamps to N_MAX instead of wrapping to some other length
+        seq_len = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N_MAX).to(tl.int32)
+    else:  # no lengths tensor: no load here, and no fill kernel launched per call by the wrapper
+        seq_len = N_MAX
 
     offs_r = tl.arange(0, BLOCK_M)
     row_ok = offs_r < GROUP * N_Q
     g = offs_r // N_Q
     qi = offs_r % N_Q
+    h = hk * GROUP + g  # int64
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
-    for pair in range(t0 // N_TILES, (t1 - 1) // N_TILES + 1):
-        b = pair // H_KV
-        hk = pair % H_KV
-        if HAS_SEQLENS:
-            # clamped to the cache: a length the wrapper did not range-check (check_lengths=False) can
-            # never make the loop read past the cache's slots; clamped before the int32 cast, so an int64
-            # length past 2**31 clamps to N_MAX instead of wrapping to some other length
-            seq_len = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), N_MAX).to(tl.int32)
-        else:  # no lengths tensor: no load here, and no fill kernel launched per call by the wrapper
-            seq_len = N_MAX
-        h = hk * GROUP + g  # int64
-        q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
-                  + offs_d[None, :] * stride_qd)
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
-        k_base = K + b * stride_kb + hk * stride_kh
-        v_base = V + b * stride_vb + hk * stride_vh
+    q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
 
-        # -- this program's keys of the pair: its tiles, cut at the sequence's length
-        first_tile = pair * N_TILES
-        lo = ((tl.maximum(t0, first_tile) - first_tile) * BLOCK_N).to(tl.int32)
-        hi = tl.minimum(((tl.minimum(t1, first_tile + N_TILES) - first_tile) * BLOCK_N).to(tl.int32), seq_len)
-        last_key = seq_len - N_Q + qi  # bottom-right causal: row qi sees keys <= last_key
+    lo = split * SPLIT_LEN
+    hi = tl.minimum(lo + SPLIT_LEN, seq_len)
+    last_key = seq_len - N_Q + qi  # bottom-right causal: row qi sees keys <= last_key
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            cols = start + offs_n
-            col_ok = cols < hi
-            cols_64 = cols.to(tl.int64)
-            kv_mask = col_ok[:, None] & mask_d[None, :]
-            k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                        other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
-            qk = tl.where(valid, qk, float("-inf"))
-            # -- update m_i and l_i (rows that see no key yet keep m = -inf: shift by 0, not NaN)
-            m_new = tl.maximum(m_i, _row_max(qk))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_shift)
-            p_tile = tl.math.exp2(qk - m_shift[:, None])
-            l_i = l_i * alpha + _row_sum(p_tile)
-            v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                        other=0.0)
-            # -- update the output accumulator
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p_tile.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-            m_i = m_new
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + offs_n
+        col_ok = cols < hi
+        cols_64 = cols.to(tl.int64)
+        kv_mask = col_ok[:, None] & mask_d[None, :]
+        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, _row_max(qk))
+        # rows that see no key yet keep m = -inf: shift by 0 so exp2(-inf - 0) = 0, not NaN
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + _row_sum(p)
+        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
 
-        has_key = l_i > 0.0
-        l_safe = tl.where(has_key, l_i, 1.0)
-        o = acc / l_safe[:, None]
-        lse2 = tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf"))
-        # slot of this partial among the pair's: programs first(c) .. last(c) hold pair c's tiles
-        j = p - ((first_tile + 1) * NUM_PROGRAMS - 1) // TOTAL_TILES
-        row = (b * H_Q + h) * N_Q + qi  # int64 index of (b, h, qi)
-        part = row * PARTS + j
-        tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=row_ok[:, None] & mask_d[None, :])
-        tl.store(LSE_PART + part, lse2, mask=row_ok)
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse2 = tl.where(has_key, m_i + tl.math.log2(l_safe), float("-inf"))
+    row = (b * H_Q + h) * N_Q + qi  # int64 index of (b, h, qi)
+    part = row * NUM_SPLITS + split
+    tl.store(O_PART + part[:, None] * HEAD_DIM + offs_d[None, :], o, mask=row_ok[:, None] & mask_d[None, :])
+    tl.store(LSE_PART + part, lse2, mask=row_ok)
 
 
 def _decode_combine_kernel(
     O_PART, LSE_PART, O, LSE,
     stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, H_KV, GROUP, N_Q, HEAD_DIM, N_TILES, TOTAL_TILES, NUM_PROGRAMS, PARTS,
+    H_Q, N_Q, HEAD_DIM, NUM_SPLITS,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Combine the partials of one (b, h, query row): LSE-weighted sum of the partial outputs. Its pair's
-    partials are slots 0 .. last(c) - first(c) (the programs that held the pair's tiles, as the split
-    kernel numbers them); the other slots of the buffer are never written and never read."""
+    """Combine the splits of one (b, h, query row): LSE-weighted sum of the partial outputs."""
     row = tl.program_id(0).to(tl.int64)
-    b = row // (H_Q * N_Q)
-    h = (row // N_Q) % H_Q
-    qi = row % N_Q
-    pair = b * H_KV + h // GROUP
-    first = ((pair * N_TILES + 1) * NUM_PROGRAMS - 1) // TOTAL_TILES
-    last = ((pair + 1) * N_TILES * NUM_PROGRAMS - 1) // TOTAL_TILES
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s <= last - first
+    s_ok = offs_s < NUM_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    lse2 = tl.load(LSE_PART + row * PARTS + offs_s, mask=s_ok, other=float("-inf"))
+    lse2 = tl.load(LSE_PART + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
     m = _max0(lse2)
     m_shift = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2(lse2 - m_shift)  # 0 for empty partials (lse = -inf)
+    w = tl.math.exp2(lse2 - m_shift)  # 0 for empty splits (lse = -inf)
     total = _sum0(w)
-    o_part = tl.load(O_PART + (row * PARTS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    o_part = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                      mask=s_ok[:, None] & mask_d[None, :], other=0.0)
     total_safe = tl.where(total > 0.0, total, 1.0)
     o = _sum0(o_part * w[:, None]) / total_safe
+    b = row // (H_Q * N_Q)
+    h = (row // N_Q) % H_Q
+    qi = row % N_Q
     tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
              o.to(O.dtype.element_ty), mask=mask_d)
     lse = tl.where(total > 0.0, (m + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))

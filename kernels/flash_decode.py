@@ -8,7 +8,7 @@ fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_
 compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
-H200). GPU tiles (``_gpu_block_n``) and the program count (``_choose_programs``) come from H200 sweeps
+H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from H200 sweeps
 (bench/NOTES.md, "Decode tiles" and "Decode splits"); the speed figures are in
 bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with the split rule of
 "Decode splits", which no full benchmark has run yet).
@@ -41,23 +41,24 @@ def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << (max(1, n) - 1).bit_length())
 
 
-def _choose_programs(n_tiles: int, pairs: int, d: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Programs of the stream-K split kernel: one per SM (one wave; every program gets the same number of
-    key tiles whatever B x Hkv is), at most one per tile. Under the interpreter: 4 programs in all (small
-    CPU tests whose runs still cross pair boundaries).
+def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
+    """Key splits per (sequence, KV head), at most one per key tile and 128 in all.
 
-    Why one per SM: in the H200 sweeps of the split design (bench/NOTES.md, "Decode splits") about one
-    program per SM was the fastest count at batch 1 (16 splits x 8 pairs = 128 programs) and batch 16
-    (1 split x 128 pairs: 125.7 us against 127.2 at 2 and 130.7 at 4, d = 128, 8k), and a 4-warp program
-    per SM read K/V at 98% of the copy ceiling there; what that design could not do is fill the 132nd SM
-    (128 programs) or balance 256 programs over 132 SMs. Two programs per SM fit by registers (243-255
-    per thread offline, sm_90); ``python -m bench.decode_tiles --programs 132,264`` compares them.
-    d and dtype: kept for a per-shape rule once measured.
+    GPU: with fewer (sequence, KV head) pairs (``programs`` = B x Hkv) than SMs, about one program per SM
+    (batch 1, Hkv 8 on the H200's 132 SMs: 17, 16 after ``_launch_decode`` rounds the split length to whole
+    tiles; batch 16: 2); with more, 4 per pair. Measured on the H200 (bf16, Hkv 8, group 4, one query row,
+    K/V cycling through L2-spanning copies; bench/NOTES.md, "Decode splits"): two programs per SM (the
+    previous rule) cost d = 128 batch 1 at 8k 17.6 us against 14.5 us at 16 splits, since a split of two
+    128-key tiles is too short to fill the load pipeline; at batch 64 one split per pair left d = 64 at
+    283 us (8k) and 1127 us (32k) against 249 / 954 us with 4. Under the interpreter: 4 programs in all.
     """
-    total = max(1, n_tiles * pairs)
+    n_blocks = _cdiv(n_max, block_n)
+    programs = max(1, programs)
     if device.type != "cuda":
-        return min(total, 4)
-    return min(total, torch.cuda.get_device_properties(device).multi_processor_count)
+        return max(1, min(n_blocks, 128, _cdiv(4, programs)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = _cdiv(sms, programs) if programs < sms else 4
+    return max(1, min(n_blocks, 128, want))
 
 
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
@@ -148,18 +149,16 @@ def _block_n(d: int, dtype: torch.dtype) -> int:
     return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
 
 
-def _stream_layout(n_max: int, pairs: int, programs: int, block_n: int) -> tuple[int, int, int, int]:
-    """(tiles per pair, tiles in all, programs launched, partial slots per pair) of the stream-K split:
-    at most one program per tile; a pair's tiles meet at most ceil(programs / pairs) + 1 programs."""
-    n_tiles = _cdiv(n_max, block_n)
-    total = n_tiles * pairs
-    programs = max(1, min(programs, total))
-    return n_tiles, total, programs, _cdiv(programs, pairs) + 1
+def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(keys per split, splits) of ``num_splits`` requested splits: a split is a whole number of key
+    tiles, and the count is recomputed from that length so that no split is empty for Nmax."""
+    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
+    return split_len, _cdiv(n_max, split_len)
 
 
 def _check_overrides(tile_n, num_warps, num_stages) -> None:
     """``_launch_decode``'s private overrides: a bad one is a clear ValueError here, not a Triton error
-    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``_stream_layout``)."""
+    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``_split_layout``)."""
 
     def bad(value, low: int, pow2: bool) -> bool:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -181,7 +180,7 @@ def _launch_decode(
     v_cache,
     cache_seqlens,
     scale: float,
-    num_programs: int,
+    num_splits: int,
     traced: bool = False,
     *,
     _tile_n: int | None = None,
@@ -189,8 +188,7 @@ def _launch_decode(
     _num_stages: int | None = None,
 ):
     """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
-    validated (``flash_decode`` does that); the private overrides below are. num_programs: the split
-    kernel's programs (stream-K, capped at one per key tile).
+    validated (``flash_decode`` does that); the private overrides below are.
     cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
     is built, so no fill kernel runs per call).
 
@@ -217,13 +215,13 @@ def _launch_decode(
         for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
         if value is not None
     }
-    n_tiles, total, programs, parts = _stream_layout(n_max, B * Hkv, num_programs, block_n)
-    o_part = torch.empty((B, Hq, Nq, parts, d), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((B, Hq, Nq, parts), dtype=torch.float32, device=q.device)
+    split_len, splits = _split_layout(n_max, num_splits, block_n)
+    o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     with _device_ctx(q):
-        _launcher(kernels["split"], (programs,), traced)(
+        _launcher(kernels["split"], (splits, Hkv, B), traced)(
             q,
             k_cache,
             v_cache,
@@ -234,14 +232,11 @@ def _launch_decode(
             *k_cache.stride(),
             *v_cache.stride(),
             Hq,
-            Hkv,
             group,
             Nq,
             d,
-            n_tiles,
-            total,
-            programs,
-            parts,
+            split_len,
+            splits,
             n_max,
             scale * LOG2E,
             BLOCK_M=block_m,
@@ -258,15 +253,10 @@ def _launch_decode(
             lse,
             *o.stride(),
             Hq,
-            Hkv,
-            group,
             Nq,
             d,
-            n_tiles,
-            total,
-            programs,
-            parts,
-            BLOCK_S=_pow2(parts, low=2),
+            splits,
+            BLOCK_S=_pow2(splits, low=2),
             BLOCK_D=block_d,
         )
     return o, lse
@@ -278,14 +268,14 @@ def _decode_op_body(
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor | None,
     softmax_scale: float,
-    num_programs: int,
+    num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode.
     cache_seqlens None: all sequences fill the cache (as flash_attn's ops take q_doc=None)."""
-    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_programs, traced=True)
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
 
 
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_programs):
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -315,9 +305,7 @@ def flash_decode(
             are never read. Any strides with a unit last stride (e.g. a view of a bigger cache).
         cache_seqlens: (B,) int32/int64 L_b on q's device, Nq <= L_b <= Nmax; None = Nmax for all.
         softmax_scale: None = 1/sqrt(d).
-        num_splits: split-kernel programs per (sequence, KV head), on average: the keys of all pairs are
-            cut into B x Hkv x num_splits equal runs of whole tiles (stream-K: a run may cross pairs);
-            None: one wave that fills the GPU (``_choose_programs``).
+        num_splits: key splits per (sequence, KV head); None chooses from the grid size.
         return_lse: also return the natural-log LSE (B, Hq, Nq) float32.
         check_lengths: in eager mode, read cache_seqlens on the host to range-check them (one device
             synchronisation per call). False skips the read, for a caller that keeps the lengths in range
@@ -354,17 +342,14 @@ def flash_decode(
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    n_tiles = _cdiv(n_max, _block_n(d, q.dtype))
-    # programs of the stream-K split: a wave that fills the GPU, or num_splits per (sequence, KV head)
-    pairs = B * Hkv
-    programs = pairs * num_splits if num_splits else _choose_programs(n_tiles, pairs, d, q.dtype, q.device)
+    splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
         cache_seqlens = cache_seqlens.contiguous()
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     if _plain_eager_call(*tensors):
-        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, programs)
+        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
     else:  # an op: torch.compile / fake tensors see one node (traced into the graph on CUDA)
         op = flash_decode_op if q.is_cuda else flash_decode_cpu_op
-        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, programs)
+        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, splits)
     return (o, lse) if return_lse else o

@@ -176,14 +176,14 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
         launches.clear()
         o, _ = fd._launch_decode(q, k, v, None, 0.25, 3, _tile_n=bn, _num_warps=8, _num_stages=3)
         (grid, kw), (_, combine_kw) = launches
-        _, _, programs, parts = fd._stream_layout(100, 2 * 2, 3, bn)
+        split_len, splits = fd._split_layout(100, 3, bn)
         assert kw["BLOCK_N"] == bn and kw["num_warps"] == 8 and kw["num_stages"] == 3, kw
-        assert grid == (programs,) and programs == 3 and combine_kw["BLOCK_S"] >= parts
+        assert grid == (splits, 2, 2) and combine_kw["BLOCK_S"] >= splits and split_len % bn == 0
         torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=0, msg=f"block_n={bn} seed={seed}")
     launches.clear()
     fd._launch_decode(q, k, v, None, 0.25, 3)  # no override: the interpreter's tile, Triton's options
     assert launches[0][1]["BLOCK_N"] == 16 and "num_warps" not in launches[0][1]
-    assert fd._stream_layout(100, 4, 20, 64) == (2, 8, 8, 3)  # 20 asked, 8 tiles: 8 programs launched
+    assert fd._split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
 
 
 def test_decode_tiles_dry_run(tmp_path):
