@@ -14,33 +14,51 @@ from __future__ import annotations
 import torch
 
 
+def graph_key(model, batch_size: int) -> tuple:
+    """What a kept graph depends on: the batch size, every parameter's and buffer's memory, dtype and device
+    (a moved, cast or replaced weight, ``crop_block_size``), each layer's attention backend, SDPA kernel and
+    window (``set_attention_backend``), the block size, the decode step itself (replaced by its compiled
+    version or not) and inference mode (a cache made under ``torch.inference_mode`` cannot be reset
+    outside it)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    attn = [
+        (m.attention_backend, m.sdpa_backend, m.window)
+        for m in model.modules()
+        if hasattr(m, "attention_backend") and hasattr(m, "sdpa_backend")
+    ]
+    return (
+        int(batch_size),
+        tuple((t.data_ptr(), t.dtype, t.device) for t in tensors),
+        tuple(attn),
+        model.config.block_size,
+        id(model.__dict__.get("_decode_static")),  # the step replaced (compiled) or not
+        torch.is_inference_mode_enabled(),
+    )
+
+
 def decode_graph(model, batch_size: int) -> DecodeGraph:
     """The ``DecodeGraph`` kept on ``model`` for ``batch_size`` sequences, captured (with a new ``KVCache``)
-    when there is none for this batch size, or the weights moved, or ``model._decode_static`` was replaced
-    (e.g. by its ``torch.compile``d version) since the capture. One is kept per model: capturing another
-    batch size drops the previous graph and cache.
+    unless the one kept was captured with the same ``graph_key``. One is kept per model: a new capture
+    drops the previous graph and cache first.
 
     Raises:
         ValueError: the model is in training mode (a graph captured in eval mode would replay without
             dropout), or as ``DecodeGraph``."""
     if model.training:
         raise ValueError("cuda_graph decoding needs model.eval() (a graph replays fixed kernels)")
-    key = (
-        int(batch_size),
-        model.transformer.wte.weight.data_ptr(),
-        model.transformer.wte.weight.dtype,
-        id(model.__dict__.get("_decode_static")),  # the step replaced (compiled) or not
-    )
+    key = graph_key(model, batch_size)
     held = getattr(model, "_decode_graph", None)
     if held is None or held[0] != key:
+        held = None  # no reference left: the old graph and cache are freed before the new capture
         release(model)
-        held = (key, DecodeGraph(model, model.make_kv_cache(int(batch_size))))
-        model._decode_graph = held
+        model._decode_graph = (key, DecodeGraph(model, model.make_kv_cache(int(batch_size))))
+        held = model._decode_graph
     return held[1]
 
 
 def release(model) -> None:
-    """Drop the graph and KV cache ``decode_graph`` keeps on ``model`` (their memory returns to PyTorch)."""
+    """Drop the graph and KV cache ``decode_graph`` keeps on ``model`` (their memory returns to PyTorch):
+    ``from model.decode_graph import release; release(gpt)``."""
     model.__dict__.pop("_decode_graph", None)
 
 
@@ -72,18 +90,22 @@ class DecodeGraph:
         if cache.length >= cache.max_len:
             raise ValueError(f"the KV cache is full (max_len={cache.max_len}); reset it and prefill")
         self.cache = cache
-        self.idx = torch.zeros((cache.batch_size, 1), dtype=torch.long, device=cache.k.device)
-        saved = cache.lengths.clone()
-        side = torch.cuda.Stream(device=cache.k.device)
-        side.wait_stream(torch.cuda.current_stream(cache.k.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(2):
-                model._decode_static(self.idx, cache)
-                cache.lengths.copy_(saved)
-        torch.cuda.current_stream(cache.k.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = model._decode_static(self.idx, cache)  # (B, V) float32, the graph's output buffer
+        dev = cache.k.device
+        # on the cache's device, also when it is not the current one (cuda:1): torch.cuda.graph's default
+        # capture stream belongs to the current device, where nothing of this step would be captured
+        with torch.cuda.device(dev), torch.no_grad():
+            self.idx = torch.zeros((cache.batch_size, 1), dtype=torch.long, device=dev)
+            saved = cache.lengths.clone()
+            side = torch.cuda.Stream(device=dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    model._decode_static(self.idx, cache)
+                    cache.lengths.copy_(saved)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=torch.cuda.Stream(device=dev)):
+                self.logits = model._decode_static(self.idx, cache)  # (B, V) float32, the output buffer
         # capture records kernels without running them: cache.lengths is as it was
 
     def step(self, idx: torch.Tensor) -> torch.Tensor:
@@ -97,6 +119,7 @@ class DecodeGraph:
         if self.cache.length >= self.cache.max_len:
             raise ValueError(f"the KV cache is full (max_len={self.cache.max_len}); reset it and prefill")
         self.idx.copy_(idx)
-        self.graph.replay()
+        with torch.cuda.device(self.idx.device):
+            self.graph.replay()
         self.cache.length += 1
         return self.logits

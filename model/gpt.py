@@ -124,8 +124,7 @@ class CausalSelfAttention(nn.Module):
             return self.resid_dropout(self.c_proj(y.reshape(B, N, C)))
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) strided views
         if static:
-            # slot lengths[b] of every head, written in the whole buffer by index (no shape depends on the
-            # lengths; indexing the base, not a layer view, lets Inductor write in place, not copy the cache)
+            # slot lengths[b], indexed in the base buffer (not a layer view: Inductor then writes in place)
             at = (torch.full_like(cache.lengths, layer)[:, None], torch.arange(B, device=x.device)[:, None],
                   torch.arange(H, device=x.device)[None, :], cache.lengths[:, None])  # each (B, H) broadcast
             cache.k.index_put_(at, k[:, :, 0])  # k[:, :, 0]: (B, H, d)
@@ -539,7 +538,7 @@ class GPT(nn.Module):
             cuda_graph: static decoding replayed as one CUDA graph (``model.decode_graph``; implies
                 static_decode; CUDA only): no per-kernel launch cost, which sets the pace at small batch.
                 Same tokens. The graph and its KV cache stay on the model for the next call of this batch
-                size (``model.decode_graph.release(model)`` frees them).
+                size (``model.decode_graph.release`` frees them).
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).

@@ -191,6 +191,63 @@ def test_cuda_graph_decoding_needs_cuda_and_the_cache():
         decode_graph(model, 1)
 
 
+def test_kept_decode_graph_is_recaptured_when_what_it_replays_changes(monkeypatch):
+    """decode_graph keeps one graph per model and recaptures when anything the graph holds changes: the
+    batch size, the attention backend or SDPA kernel, a replaced or moved weight (crop_block_size swaps
+    wpe), the compiled step, inference mode; it does not recapture for an unchanged model. The old graph
+    and cache are unreferenced before the new capture. (CPU: a stand-in for the capture.)"""
+    import gc
+    import weakref
+
+    from model import decode_graph as dg
+
+    captures, alive = [], []
+
+    class Stand:
+        def __init__(self, model, cache):
+            alive.append([r() is not None for r in refs])  # the previous graph still referenced?
+            captures.append(1)
+            self.cache = cache
+
+    refs = []
+    monkeypatch.setattr(dg, "DecodeGraph", Stand)
+    model = _model("sdpa")
+
+    def get(batch=2):
+        g = dg.decode_graph(model, batch)
+        gc.collect()
+        return g
+
+    refs.append(weakref.ref(get()))  # the test keeps no reference of its own
+    fc = model.transformer.h[1].mlp.c_fc
+    changes = [
+        ("same model", lambda: None, 2, 0),
+        ("batch size", lambda: None, 3, 1),
+        ("back to batch 2", lambda: None, 2, 1),
+        ("backend", lambda: model.set_attention_backend("naive"), 2, 1),
+        ("sdpa kernel", lambda: model.set_attention_backend("sdpa", "math"), 2, 1),
+        (
+            "replaced weight",
+            lambda: setattr(fc, "weight", torch.nn.Parameter(fc.weight.detach().clone())),
+            2,
+            1,
+        ),
+        ("crop_block_size", lambda: model.crop_block_size(8), 2, 1),
+        ("compiled step", lambda: setattr(model, "_decode_static", lambda *a: None), 2, 1),
+        ("nothing new", lambda: None, 2, 0),
+    ]
+    for what, change, batch, want in changes:
+        before = len(captures)
+        change()
+        refs.append(weakref.ref(get(batch)))
+        assert len(captures) - before == want, f"{what}: {len(captures) - before} captures"
+    with torch.inference_mode():
+        before = len(captures)
+        get()
+        assert len(captures) == before + 1, "inference mode"
+    assert not any(any(a) for a in alive), f"an old graph was alive during a capture: {alive}"
+
+
 def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     """attention=flash: the prefill runs flash_attention, each decode step (per layer) flash_decode."""
     _need("flash", monkeypatch)
