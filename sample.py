@@ -179,8 +179,9 @@ def _sample(cfg: DictConfig) -> int:
         "device": str(device),
         "dtype": str(dtype)[6:],
         "use_cache": bool(cfg.use_cache),
-        "compile": bool(cfg.compile),
-        "static_decode": bool(cfg.compile or cfg.static_decode or cuda_graph),
+        # what ran: without the cache no decode step is compiled, static or graphed
+        "compile": bool(cfg.compile and cfg.use_cache),
+        "static_decode": bool(cfg.use_cache and (cfg.compile or cfg.static_decode or cuda_graph)),
         "cuda_graph": cuda_graph,
         **timings,
         **rate,

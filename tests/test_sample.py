@@ -163,7 +163,7 @@ def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
     for extra, env in [
         ([], {}),
         (["attention=sdpa", "attention.sdpa_backend=math"], {}),
-        (["use_cache=false"], {}),
+        (["use_cache=false", "static_decode=true"], {}),
         (["static_decode=true"], {}),
         (["attention=flash"], {"TRITON_INTERPRET": "1"}),
         (["attention=flash", "static_decode=true"], {"TRITON_INTERPRET": "1"}),
@@ -171,7 +171,11 @@ def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
         out = tmp_path / f"{len(texts)}.txt"
         proc = _run(SAMPLE, [*common, *extra, f"out={out}"], tmp_path, **env)
         assert proc.returncode == 0, describe(proc)
-        texts.append(json.loads(out.with_suffix(".json").read_text())["token_ids"])
+        record = json.loads(out.with_suffix(".json").read_text())
+        texts.append(record["token_ids"])
+        # the record says what ran: no static step without the cache, and no CUDA graph on the CPU
+        want = "static_decode=true" in extra and "use_cache=false" not in extra
+        assert record["static_decode"] is want and record["cuda_graph"] is False, (extra, record)
     assert all(t == texts[0] for t in texts), texts
 
 
