@@ -436,9 +436,24 @@ def test_take_batch_uses_a_prefetched_batch_once():
     assert calls == [(4, 0), (5, 0)]
 
 
-def test_device_busy_time_is_the_union_of_device_events():
+def test_gpu_busy_window_with_a_failing_step_reports_nothing(tmp_path):
+    """A step that raises inside the profiling window (its kernels ran, its wall time is never added) drops
+    the window: no busy figure at all rather than an inflated one, and no later window opens."""
+    busy = GpuBusy(skip=0, steps=3, enabled=True, trace_dir=tmp_path)
+    with busy.step(0, 1):
+        pass
+    assert busy.add_wall(0.01)
+    with pytest.raises(RuntimeError, match="boom"), busy.step(1, 2):
+        raise RuntimeError("boom")
+    assert busy.summary() == {} and not busy.active
+    with busy.step(2, 3):
+        pass
+    assert not busy.active and busy.add_wall(0.01) is False
+
+
+def test_device_busy_time_is_the_union_of_device_events(seed):
     """GPU time of a profiled window: device events only, user annotations left out, overlapping kernels
-    counted once (events built by hand with torch's FunctionEvent; random spans from a printed seed)."""
+    counted once (events built by hand with torch's FunctionEvent; random spans from the test's seed)."""
     import random
 
     from torch.autograd import DeviceType
@@ -446,7 +461,6 @@ def test_device_busy_time_is_the_union_of_device_events():
 
     from trainer.gpu_busy import device_busy_us
 
-    seed = random.randrange(2**31)
     rng = random.Random(seed)
 
     def ev(i, start, end, device=DeviceType.CUDA, annotation=False):

@@ -58,7 +58,23 @@ class GpuBusy:
             self._prof.__enter__()
             self._first = step
         self._last = step
-        yield
+        try:
+            yield
+        except BaseException:
+            # a step that raised (non-finite stop, OOM) ran kernels whose wall time is never added: drop the
+            # window rather than report a busy fraction inflated by them
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        self.active = self.enabled = False
+        prof, self._prof = self._prof, None
+        if prof is not None:
+            try:
+                prof.__exit__(None, None, None)
+            except Exception:  # noqa: BLE001 - the step's own error is the one to report
+                pass
+        self._gpu_us, self._done, self._wall_s = None, 0, 0.0
 
     def add_wall(self, dt: float) -> bool:
         """Record the wall time (s) of the step just run; closes the window after the last one. Returns
