@@ -292,9 +292,11 @@ def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
     for backend in args.e2e_backends.split(","):
         for mode in E2E_MODES:
             for b in _ints(args.batches):
+                compiled, graph = mode.startswith("compiled"), mode.endswith("graph")
+                if graph and device.type != "cuda":
+                    continue  # CUDA graphs: nothing to time on the CPU (the dry run)
                 t0 = time.perf_counter()
                 static = mode != "eager"
-                compiled, graph = mode.startswith("compiled"), mode.endswith("graph")
                 rec = dict(
                     backend=backend,
                     mode=mode,
@@ -305,8 +307,6 @@ def e2e_sweep(args, device, dtype, on_record=None) -> list[dict]:
                 )
                 if compiled:
                     rec["compile_backend"] = args.compile_backend
-                if graph and device.type != "cuda":
-                    continue  # CUDA graphs: nothing to time on the CPU (the dry run)
                 model = None
                 try:
                     torch.manual_seed(args.seed)

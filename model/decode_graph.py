@@ -47,13 +47,10 @@ def decode_graph(model, batch_size: int) -> DecodeGraph:
     if model.training:
         raise ValueError("cuda_graph decoding needs model.eval() (a graph replays fixed kernels)")
     key = graph_key(model, batch_size)
-    held = getattr(model, "_decode_graph", None)
-    if held is None or held[0] != key:
-        held = None  # no reference left: the old graph and cache are freed before the new capture
-        release(model)
+    if getattr(model, "_decode_graph", (None,))[0] != key:
+        release(model)  # the old graph and cache are freed before the new capture (peak memory)
         model._decode_graph = (key, DecodeGraph(model, model.make_kv_cache(int(batch_size))))
-        held = model._decode_graph
-    return held[1]
+    return model._decode_graph[1]
 
 
 def release(model) -> None:

@@ -535,10 +535,9 @@ class GPT(nn.Module):
                 vocabulary is padded to a multiple of 64, and padding ids decode to nothing).
             static_decode: decode with ``decode_step`` (static shapes, whole-buffer length mask) instead of
                 the growing cache view; same tokens.
-            cuda_graph: static decoding replayed as one CUDA graph (``model.decode_graph``; implies
-                static_decode; CUDA only): no per-kernel launch cost, which sets the pace at small batch.
-                Same tokens. The graph and its KV cache stay on the model for the next call of this batch
-                size (``model.decode_graph.release`` frees them).
+            cuda_graph: static decoding replayed as one CUDA graph (``model.decode_graph``, kept on the
+                model for later calls; implies static_decode; CUDA only): no per-kernel launch cost, which
+                sets the pace at small batch. Same tokens.
 
         Returns:
             (B, N + max_new_tokens) int64 token ids (prompt included).
@@ -557,13 +556,14 @@ class GPT(nn.Module):
         if cuda_graph and (not use_cache or idx.device.type != "cuda"):
             raise ValueError(f"cuda_graph=True needs use_cache=True and a CUDA device (got use_cache="
                              f"{use_cache}, device {idx.device}); pass cuda_graph=False")
-        graph = None
+        graph = cache = None
         if cuda_graph and max_new_tokens > 0:
             from .decode_graph import decode_graph
 
             graph = decode_graph(self, idx.shape[0])  # kept on the model: captured once per batch size
-        cache = self.make_kv_cache(idx.shape[0]) if use_cache and max_new_tokens > 0 and not graph else None
-        cache = graph.cache if graph else cache
+            cache = graph.cache
+        elif use_cache and max_new_tokens > 0:
+            cache = self.make_kv_cache(idx.shape[0])
 
         def next_logits(step: int) -> torch.Tensor:
             context = idx[:, -bs:]

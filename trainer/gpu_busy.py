@@ -136,14 +136,9 @@ def device_busy_us(events) -> float:
         for e in events
         if e.device_type != DeviceType.CPU and not getattr(e, "is_user_annotation", False)
     )
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in spans:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+    total, covered_to = 0.0, float("-inf")
+    for start, end in spans:  # by start: each span adds only what lies past the covered time
+        if end > covered_to:
+            total += end - max(start, covered_to)
+            covered_to = end
     return float(total)
