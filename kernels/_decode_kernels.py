@@ -26,9 +26,20 @@ figures are in bench/results/decode_h200.md (to be re-measured).
 """
 
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._triton_common import _row_max, _row_max_interp, _row_sum, _row_sum_interp
 from ._triton_common import build as _build
+
+
+def _pdl_wait_and_release():
+    """Programmatic dependent launch (Hopper; CUDA's griddepcontrol): wait until the previous kernel in the
+    stream has finished and its writes are visible, before this program touches memory at all (so no
+    read-after-write or write-after-read hazard with it), then let the next PDL-launched kernel be
+    scheduled: its launch and prologue overlap this kernel, instead of starting after the last program
+    exits. Both are no-ops in a launch without the PDL attribute."""
+    gdc_wait()
+    gdc_launch_dependents()
 
 
 def _max0(x):
@@ -49,17 +60,25 @@ def _sum0_interp(x):
 
 
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, O_PART, LSE_PART,
+    Q, K, V, SEQLENS, O_PART, LSE_PART, KD, VD,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, N_MAX, scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
-    SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX."""
+    SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX.
+    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``).
+    USE_TMA: the K and V tiles come through the host-built 4-D tensor descriptors KD, VD over the caches
+    (B, Hkv, Nmax, d), box (1, 1, BLOCK_N, d), BLOCK_D == HEAD_DIM (Hopper bulk tensor copies; K and V stay
+    the pointers' tensors for nothing else). A descriptor reads cache slots past L_b (up to Nmax) as they
+    are: their scores are masked to -inf, and the V rows of the last, partial tile are zeroed, so that
+    whatever those slots hold (an uninitialised cache: NaN) never meets a zero weight (0 * NaN = NaN)."""
+    if USE_PDL:
+        _pdl_wait_and_release()
     scale_log2 = tl.cast(scale_log2, tl.float32)
     split = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
@@ -99,8 +118,11 @@ def _decode_split_kernel(
         col_ok = cols < hi
         cols_64 = cols.to(tl.int64)
         kv_mask = col_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
+        if USE_TMA:
+            k = KD.load([b.to(tl.int32), hk.to(tl.int32), start, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                        other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
@@ -110,8 +132,13 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
-        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
+        if USE_TMA:
+            v = VD.load([b.to(tl.int32), hk.to(tl.int32), start, 0]).reshape(BLOCK_N, BLOCK_D)
+            if start + BLOCK_N > hi:  # the split's last tile ends inside the block: zero the rows past it
+                v = tl.where(col_ok[:, None], v, 0.0)
+        else:
+            v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                        other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -130,9 +157,11 @@ def _decode_combine_kernel(
     O_PART, LSE_PART, O, LSE,
     stride_ob, stride_oh, stride_om, stride_od,
     H_Q, N_Q, HEAD_DIM, NUM_SPLITS,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Combine the splits of one (b, h, query row): LSE-weighted sum of the partial outputs."""
+    if USE_PDL:
+        _pdl_wait_and_release()
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
@@ -156,7 +185,7 @@ def _decode_combine_kernel(
     tl.store(LSE + row, lse)
 
 
-_HELPERS = (_row_max, _row_sum, _max0, _sum0)
+_HELPERS = (_row_max, _row_sum, _max0, _sum0, _pdl_wait_and_release)
 _INTERPRETER_HELPERS = {
     "_row_max": _row_max_interp,
     "_row_sum": _row_sum_interp,

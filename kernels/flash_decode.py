@@ -174,6 +174,39 @@ def _check_overrides(tile_n, num_warps, num_stages) -> None:
             raise ValueError(f"{name} must be {rule} or None, got {value!r}")
 
 
+def _use_pdl(device: torch.device, traced: bool) -> bool:
+    """Whether the split and combine kernels launch with programmatic dependent launch (PDL): on CUDA devices
+    of compute capability >= 9.0 (Hopper), in eager calls (a CUDA-graph capture of them included), not under
+    the interpreter. Each kernel then waits for its predecessor's completion with ``griddepcontrol.wait``
+    before touching memory, so the result is the same; what changes is that its launch overlaps the
+    predecessor's execution. Kept out of traced (torch.compile) launches: Inductor's generated launch code
+    is not known to pass Triton's ``launch_pdl`` option."""
+    if traced or device.type != "cuda" or interpret_enabled():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _tma_possible(k_cache, v_cache, d: int, traced: bool) -> bool:
+    """Whether the split kernel can read K/V through host-built tensor descriptors: an eager launch (Inductor
+    generates no host descriptor objects), a 16-bit dtype, d a power of two in 16..256 (the
+    box is the whole row), and caches whose base and strides are 16-byte aligned (the bulk tensor copy's
+    rule; the last stride is 1 by then)."""
+    if traced or k_cache.dtype not in (torch.float16, torch.bfloat16) or d & (d - 1) or not 16 <= d <= 256:
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in (k_cache, v_cache)
+    )
+
+
+def _use_tma(device: torch.device) -> bool:
+    """The default for descriptor loads in the split kernel: CUDA devices of compute capability >= 9.0;
+    under the interpreter only when asked for (``_launch_decode(_tma=True)``, the CPU tests)."""
+    if device.type != "cuda" or interpret_enabled():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _launch_decode(
     q,
     k_cache,
@@ -186,6 +219,8 @@ def _launch_decode(
     _tile_n: int | None = None,
     _num_warps: int | None = None,
     _num_stages: int | None = None,
+    _pdl: bool | None = None,
+    _tma: bool | None = None,
 ):
     """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
     validated (``flash_decode`` does that); the private overrides below are.
@@ -194,7 +229,10 @@ def _launch_decode(
 
     ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
     of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
-    keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed)."""
+    keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed). ``_pdl``: launch both
+    kernels with programmatic dependent launch (``_use_pdl``); None: the default rule. ``_tma``: load the
+    K/V tiles through tensor descriptors where the inputs allow it (``_tma_possible``); None: the default
+    rule (``_use_tma``)."""
     from ._decode_kernels import build_decode_kernels
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
@@ -215,6 +253,16 @@ def _launch_decode(
         for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
         if value is not None
     }
+    pdl = _use_pdl(q.device, traced) if _pdl is None else bool(_pdl)
+    if pdl:
+        launch_opts["launch_pdl"] = True
+    tma = _tma_possible(k_cache, v_cache, d, traced) and (_use_tma(q.device) if _tma is None else bool(_tma))
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kd, vd = (TensorDescriptor.from_tensor(t, [1, 1, block_n, d]) for t in (k_cache, v_cache))
+    else:
+        kd = vd = None
     split_len, splits = _split_layout(n_max, num_splits, block_n)
     o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
@@ -228,6 +276,8 @@ def _launch_decode(
             cache_seqlens,
             o_part,
             lse_part,
+            kd,
+            vd,
             *q.stride(),
             *k_cache.stride(),
             *v_cache.stride(),
@@ -244,6 +294,8 @@ def _launch_decode(
             BLOCK_D=block_d,
             DOT_PRECISION=_dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
+            USE_PDL=pdl,
+            USE_TMA=tma,
             **launch_opts,
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
@@ -258,6 +310,8 @@ def _launch_decode(
             splits,
             BLOCK_S=_pow2(splits, low=2),
             BLOCK_D=block_d,
+            USE_PDL=pdl,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return o, lse
 

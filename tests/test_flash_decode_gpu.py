@@ -69,6 +69,37 @@ def test_fa_rule_ragged_gqa_gpu(seed, dtype, d, hq, hkv, nq, n_max):
     assert o.dtype == dtype and err <= 2 * err_pt + 1e-5, f"seed={seed}: err {err} vs torch {err_pt}"
 
 
+@pytest.mark.parametrize("d,hkv,group", [(64, 8, 4), (128, 2, 8), (256, 1, 1)])
+def test_descriptor_and_pdl_paths_equal_pointer_path_gpu(seed, d, hkv, group):
+    """The eager default on Hopper (K/V through tensor descriptors, both kernels launched with PDL) gives
+    bitwise the output and LSE of the pointer-load, plain-launch path, with the slots past each length
+    poisoned with NaN (a descriptor reads whole tiles), and also inside a CUDA graph of 3 calls."""
+    from kernels.flash_decode import _launch_decode, _use_pdl, _use_tma
+
+    if not (_use_tma(torch.device("cuda")) and _use_pdl(torch.device("cuda"), traced=False)):
+        pytest.skip("descriptor loads and PDL are the default from compute capability 9.0")
+    B, n_max = 3, 2000
+    q = torch.randn(B, hkv * group, 2, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, hkv, n_max, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.tensor([n_max, 2, 777], dtype=torch.int32, device="cuda")
+    for b in range(B):
+        k[b, :, int(lengths[b]) :] = float("nan")
+        v[b, :, int(lengths[b]) :] = float("nan")
+    scale = d**-0.5
+    plain = _launch_decode(q, k, v, lengths, scale, 5, _tma=False, _pdl=False)
+    fast = _launch_decode(q, k, v, lengths, scale, 5)
+    assert not plain[0].isnan().any(), f"seed={seed}"
+    assert all(torch.equal(a, b) for a, b in zip(fast, plain, strict=True)), f"seed={seed}"
+    graph = torch.cuda.CUDAGraph()
+    _launch_decode(q, k, v, lengths, scale, 5)  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        outs = [_launch_decode(q, k, v, lengths, scale, 5) for _ in range(3)]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(o[0], plain[0]) and torch.equal(o[1], plain[1]) for o in outs), f"seed={seed}"
+
+
 def test_op_path_opcheck_and_compile_gpu(seed):
     from kernels import flash_decode
     from kernels.flash_decode import flash_decode_op

@@ -1,0 +1,73 @@
+"""The ``read-floor`` provider of ``bench.decode``: a kernel that only reads the K/V cache, once.
+
+Any decode-attention kernel must read every K/V byte of the cache once; this kernel does that and nothing
+else (each program sums a contiguous chunk of k and v in float32 and writes one number), so its time in the
+same harness (a CUDA graph of back-to-back calls cycling through L2-spanning copies) is a floor for the
+attention providers, and its bandwidth is the fraction of the copy ceiling that a read of that size can
+reach at all. At small caches the fixed cost of a launch and of the first HBM round trips is a large part of
+a call; this measures that cost where the attention providers are measured.
+
+Configuration: ``PROGRAMS`` programs of ``NUM_WARPS`` warps, ``BLOCK`` elements of k and of v per loop step
+(16-byte loads). In a scratch sweep on the H200 (session 13, bench/NOTES.md "Decode floor": programs 128 ..
+2048, BLOCK 1024 .. 4096, 4 or 8 warps, with and without PDL) 2048 programs of 8 warps were the fastest at
+every decode shape measured (d 64 / 128, batch 1 / 16, context 8k / 32k), with BLOCK 2048 or 4096 (1024 at
+d = 128, batch 1). On Hopper the launch uses programmatic dependent launch, as ``flash_decode``'s does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PROGRAMS, BLOCK, NUM_WARPS = 2048, 2048, 8
+_KERNEL: dict = {}
+
+
+def _kernel():
+    """The Triton kernel, built at first use (so TRITON_INTERPRET set by the dry run is honoured)."""
+    if "read" not in _KERNEL:
+        import triton
+        import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        @triton.jit
+        def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+            if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
+                gdc_wait()
+                gdc_launch_dependents()
+            pid = tl.program_id(0)
+            lo = pid.to(tl.int64) * chunk
+            acc = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, chunk, BLOCK):
+                offs = lo + start + tl.arange(0, BLOCK)
+                ok = offs < n
+                acc += tl.load(K + offs, mask=ok, other=0.0).to(tl.float32)
+                acc += tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(OUT + pid, tl.sum(acc, 0))
+
+        _KERNEL["read"] = read_kernel
+    return _KERNEL["read"]
+
+
+def read_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Read every element of k and v once; returns the per-program sums (PROGRAMS,) float32 (not attention).
+
+    q is unused (its bytes are negligible). k, v: contiguous, one shape and dtype, on one device.
+    Raises ValueError for non-contiguous or mismatched k / v (a copy to fix that would be timed too).
+    """
+    del q
+    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError("read-floor needs contiguous k and v of one shape and dtype")
+    import os
+
+    def cdiv(a: int, b: int) -> int:
+        return (a + b - 1) // b
+
+    n = k.numel()
+    programs = max(1, min(PROGRAMS, cdiv(n, BLOCK)))
+    chunk = cdiv(cdiv(n, programs), BLOCK) * BLOCK  # elements per program, whole loop steps
+    out = torch.empty(programs, dtype=torch.float32, device=k.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = k.is_cuda and not interpreted and torch.cuda.get_device_capability(k.device)[0] >= 9
+    opts = dict(num_warps=NUM_WARPS, launch_pdl=True) if pdl else dict(num_warps=NUM_WARPS)
+    _kernel()[(programs,)](k, v, out, n, chunk, BLOCK=BLOCK, USE_PDL=pdl, **opts)
+    return out
