@@ -116,7 +116,8 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
     auto_bn = fd._block_n(d, dtype)
-    auto_splits = fd._split_layout(context, fd._choose_splits(context, auto_bn, batch * hkv, device), auto_bn)
+    auto_count = fd._choose_splits(context, auto_bn, batch * hkv, device, d)
+    auto_splits = fd._split_layout(context, auto_count, auto_bn)
     auto_ms = measure(lambda q, k, v: fd.flash_decode(q, k, v))
     records = [
         dict(

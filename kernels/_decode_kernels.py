@@ -21,8 +21,9 @@ L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 
 Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200). Tile size
-and split count are chosen in ``kernels/flash_decode.py`` from an H200 sweep (bench/NOTES.md); speed
-figures are in bench/results/decode_h200.md (to be re-measured).
+and split count are chosen in ``kernels/flash_decode.py`` from H200 sweeps (bench/NOTES.md); speed
+figures are in bench/results/decode_h200_s13.md. On Hopper both kernels launch with programmatic dependent
+launch (``_pdl_wait_and_release``).
 """
 
 import triton.language as tl
@@ -60,23 +61,18 @@ def _sum0_interp(x):
 
 
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, O_PART, LSE_PART, KD, VD,
+    Q, K, V, SEQLENS, O_PART, LSE_PART,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, N_MAX, scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False, USE_TMA: tl.constexpr = False,
+    HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
     SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX.
-    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``).
-    USE_TMA: the K and V tiles come through the host-built 4-D tensor descriptors KD, VD over the caches
-    (B, Hkv, Nmax, d), box (1, 1, BLOCK_N, d), BLOCK_D == HEAD_DIM (Hopper bulk tensor copies; K and V stay
-    the pointers' tensors for nothing else). A descriptor reads cache slots past L_b (up to Nmax) as they
-    are: their scores are masked to -inf, and the V rows of the last, partial tile are zeroed, so that
-    whatever those slots hold (an uninitialised cache: NaN) never meets a zero weight (0 * NaN = NaN)."""
+    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``)."""
     if USE_PDL:
         _pdl_wait_and_release()
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -118,11 +114,8 @@ def _decode_split_kernel(
         col_ok = cols < hi
         cols_64 = cols.to(tl.int64)
         kv_mask = col_ok[:, None] & mask_d[None, :]
-        if USE_TMA:
-            k = KD.load([b.to(tl.int32), hk.to(tl.int32), start, 0]).reshape(BLOCK_N, BLOCK_D)
-        else:
-            k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                        other=0.0)
+        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
+                    other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
@@ -132,13 +125,8 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
-        if USE_TMA:
-            v = VD.load([b.to(tl.int32), hk.to(tl.int32), start, 0]).reshape(BLOCK_N, BLOCK_D)
-            if start + BLOCK_N > hi:  # the split's last tile ends inside the block: zero the rows past it
-                v = tl.where(col_ok[:, None], v, 0.0)
-        else:
-            v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                        other=0.0)
+        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
+                    other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -236,13 +236,11 @@ def compile_decode_kernel(
     arch: int = 90,
     has_seqlens: bool = True,
     pdl: bool = False,
-    tma: bool = False,
 ):
     """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
     sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it (block_n None: its GPU tile;
     has_seqlens False: the split kernel of cache_seqlens=None; pdl: with the programmatic-dependent-launch
-    wait, as ``flash_decode`` launches it on Hopper; tma: K/V through host tensor descriptors, as its eager
-    launches on Hopper);
+    wait, as ``flash_decode`` launches it on Hopper);
     returns the compiled kernel (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError
     when it does not compile."""
     import triton
@@ -262,16 +260,10 @@ def compile_decode_kernel(
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
         HAS_SEQLENS=has_seqlens,
         USE_PDL=pdl,
-        USE_TMA=tma,
     )
     signature, constants = {}, {}
     for name in fn.arg_names:
-        if name in ("KD", "VD"):
-            if tma:
-                signature[name] = f"tensordesc<{_TL_NAME[dtype]}[1, 1, {values['BLOCK_N']}, {block_d}]>"
-            else:
-                signature[name], constants[name] = "constexpr", None
-        elif name in ("Q", "K", "V") or (name == "O" and kernel == "combine"):
+        if name in ("Q", "K", "V") or (name == "O" and kernel == "combine"):
             signature[name] = "*" + _TL_NAME[dtype]
         elif name in ("O_PART", "LSE_PART", "LSE"):
             signature[name] = "*fp32"

@@ -9,9 +9,8 @@ compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, 
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
 tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
 H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from H200 sweeps
-(bench/NOTES.md, "Decode tiles" and "Decode splits"); the speed figures are in
-bench/results/decode_h200.md (``python -m bench.decode``; to be re-measured with the split rule of
-"Decode splits", which no full benchmark has run yet).
+(bench/NOTES.md, "Decode tiles", "Decode splits" and "Decode splits, session 13"); the speed figures are in
+bench/results/decode_h200_s13.md (``python -m bench.decode``).
 """
 
 from __future__ import annotations
@@ -41,24 +40,30 @@ def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << (max(1, n) - 1).bit_length())
 
 
-def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device) -> int:
-    """Key splits per (sequence, KV head), at most one per key tile and 128 in all.
+def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device, d: int = 128) -> int:
+    """Key splits per (sequence, KV head), at most one per 4 key tiles and 128 in all.
 
-    GPU: with fewer (sequence, KV head) pairs (``programs`` = B x Hkv) than SMs, about one program per SM
-    (batch 1, Hkv 8 on the H200's 132 SMs: 17, 16 after ``_launch_decode`` rounds the split length to whole
-    tiles; batch 16: 2); with more, 4 per pair. Measured on the H200 (bf16, Hkv 8, group 4, one query row,
-    K/V cycling through L2-spanning copies; bench/NOTES.md, "Decode splits"): two programs per SM (the
-    previous rule) cost d = 128 batch 1 at 8k 17.6 us against 14.5 us at 16 splits, since a split of two
-    128-key tiles is too short to fill the load pipeline; at batch 64 one split per pair left d = 64 at
-    283 us (8k) and 1127 us (32k) against 249 / 954 us with 4. Under the interpreter: 4 programs in all.
+    GPU, with ``programs`` = B x Hkv (sequence, KV head) pairs and k = 2 programs per SM at d <= 64, 1 above:
+    below the SMs, floor(k x SMs / pairs) splits (batch 1, Hkv 8 on the H200's 132 SMs: 33 at d = 64, 16 at
+    d = 128; batch 16: 2 and 1); from the SMs up, 4 per pair at d <= 64 and 1 above; never a split of fewer
+    than 4 key tiles. From the H200 sweep of session 13 (bench/NOTES.md, "Decode splits, session 13": bf16,
+    Hkv 8, group 4, one query row, K/V cycling through L2-spanning copies, PDL launches), best split counts:
+    d = 64 batch 1: 16 at 8k (4 tiles a split), 33 at 16k and 32k (20.93 us against 21.9 at 16 splits);
+    d = 64 batch 16: 2; d = 128 batch 1: 16; d = 128 batch 16: 1 (121.9 us at 8k against 124.2 at 2);
+    batch 64: 4 at d = 64, 1 at d = 128 (470.2 against 486.8 us at 4). A d = 128 tile moves twice a d = 64
+    one's bytes, so one program per SM already keeps enough in flight. Under the interpreter: 4 programs.
     """
     n_blocks = _cdiv(n_max, block_n)
     programs = max(1, programs)
     if device.type != "cuda":
         return max(1, min(n_blocks, 128, _cdiv(4, programs)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = _cdiv(sms, programs) if programs < sms else 4
-    return max(1, min(n_blocks, 128, want))
+    per_sm = 2 if d <= 64 else 1
+    if programs < sms:
+        want = max(1, per_sm * sms // programs)
+    else:
+        want = 4 if d <= 64 else 1
+    return max(1, min(max(1, n_blocks // 4), 128, want))
 
 
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
@@ -186,27 +191,6 @@ def _use_pdl(device: torch.device, traced: bool) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _tma_possible(k_cache, v_cache, d: int, traced: bool) -> bool:
-    """Whether the split kernel can read K/V through host-built tensor descriptors: an eager launch (Inductor
-    generates no host descriptor objects), a 16-bit dtype, d a power of two in 16..256 (the
-    box is the whole row), and caches whose base and strides are 16-byte aligned (the bulk tensor copy's
-    rule; the last stride is 1 by then)."""
-    if traced or k_cache.dtype not in (torch.float16, torch.bfloat16) or d & (d - 1) or not 16 <= d <= 256:
-        return False
-    return all(
-        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
-        for t in (k_cache, v_cache)
-    )
-
-
-def _use_tma(device: torch.device) -> bool:
-    """The default for descriptor loads in the split kernel: CUDA devices of compute capability >= 9.0;
-    under the interpreter only when asked for (``_launch_decode(_tma=True)``, the CPU tests)."""
-    if device.type != "cuda" or interpret_enabled():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _launch_decode(
     q,
     k_cache,
@@ -220,7 +204,6 @@ def _launch_decode(
     _num_warps: int | None = None,
     _num_stages: int | None = None,
     _pdl: bool | None = None,
-    _tma: bool | None = None,
 ):
     """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
     validated (``flash_decode`` does that); the private overrides below are.
@@ -230,9 +213,7 @@ def _launch_decode(
     ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
     of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
     keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed). ``_pdl``: launch both
-    kernels with programmatic dependent launch (``_use_pdl``); None: the default rule. ``_tma``: load the
-    K/V tiles through tensor descriptors where the inputs allow it (``_tma_possible``); None: the default
-    rule (``_use_tma``)."""
+    kernels with programmatic dependent launch (``_use_pdl``); None: the default rule."""
     from ._decode_kernels import build_decode_kernels
     from ._triton_kernels import mode_problem
     from .flash_attn import FlashAttentionUnavailableError
@@ -256,13 +237,6 @@ def _launch_decode(
     pdl = _use_pdl(q.device, traced) if _pdl is None else bool(_pdl)
     if pdl:
         launch_opts["launch_pdl"] = True
-    tma = _tma_possible(k_cache, v_cache, d, traced) and (_use_tma(q.device) if _tma is None else bool(_tma))
-    if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        kd, vd = (TensorDescriptor.from_tensor(t, [1, 1, block_n, d]) for t in (k_cache, v_cache))
-    else:
-        kd = vd = None
     split_len, splits = _split_layout(n_max, num_splits, block_n)
     o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
@@ -276,8 +250,6 @@ def _launch_decode(
             cache_seqlens,
             o_part,
             lse_part,
-            kd,
-            vd,
             *q.stride(),
             *k_cache.stride(),
             *v_cache.stride(),
@@ -295,7 +267,6 @@ def _launch_decode(
             DOT_PRECISION=_dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
             USE_PDL=pdl,
-            USE_TMA=tma,
             **launch_opts,
         )
         _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
@@ -396,7 +367,7 @@ def flash_decode(
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device)
+    splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device, d)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
         cache_seqlens = cache_seqlens.contiguous()

@@ -70,14 +70,14 @@ def test_fa_rule_ragged_gqa_gpu(seed, dtype, d, hq, hkv, nq, n_max):
 
 
 @pytest.mark.parametrize("d,hkv,group", [(64, 8, 4), (128, 2, 8), (256, 1, 1)])
-def test_descriptor_and_pdl_paths_equal_pointer_path_gpu(seed, d, hkv, group):
-    """The eager default on Hopper (K/V through tensor descriptors, both kernels launched with PDL) gives
-    bitwise the output and LSE of the pointer-load, plain-launch path, with the slots past each length
-    poisoned with NaN (a descriptor reads whole tiles), and also inside a CUDA graph of 3 calls."""
-    from kernels.flash_decode import _launch_decode, _use_pdl, _use_tma
+def test_pdl_launches_equal_plain_launches_gpu(seed, d, hkv, group):
+    """The eager default on Hopper (both kernels launched with programmatic dependent launch) gives bitwise
+    the output and LSE of plain launches, eagerly and inside a CUDA graph of 3 back-to-back calls (where
+    each call's split kernel overlaps the previous call's combine), ragged lengths with NaN past them."""
+    from kernels.flash_decode import _launch_decode, _use_pdl
 
-    if not (_use_tma(torch.device("cuda")) and _use_pdl(torch.device("cuda"), traced=False)):
-        pytest.skip("descriptor loads and PDL are the default from compute capability 9.0")
+    if not _use_pdl(torch.device("cuda"), traced=False):
+        pytest.skip("PDL launches are the default from compute capability 9.0")
     B, n_max = 3, 2000
     q = torch.randn(B, hkv * group, 2, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, hkv, n_max, d, device="cuda", dtype=torch.bfloat16)
@@ -87,7 +87,7 @@ def test_descriptor_and_pdl_paths_equal_pointer_path_gpu(seed, d, hkv, group):
         k[b, :, int(lengths[b]) :] = float("nan")
         v[b, :, int(lengths[b]) :] = float("nan")
     scale = d**-0.5
-    plain = _launch_decode(q, k, v, lengths, scale, 5, _tma=False, _pdl=False)
+    plain = _launch_decode(q, k, v, lengths, scale, 5, _pdl=False)
     fast = _launch_decode(q, k, v, lengths, scale, 5)
     assert not plain[0].isnan().any(), f"seed={seed}"
     assert all(torch.equal(a, b) for a, b in zip(fast, plain, strict=True)), f"seed={seed}"
