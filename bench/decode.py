@@ -1,5 +1,6 @@
 """Decode-step attention benchmark: flash-decoding against naive and every SDPA backend, and end-to-end
-generation tokens/sec. H200 figures: bench/results/decode_h200.md (re-measure after kernel or timing changes).
+generation tokens/sec. H200 figures: bench/results/decode_h200_s13.md (context >= 8k, batch 1 and 16) and
+decode_h200_e2e.md (re-measure after kernel or timing changes).
 
 Usage (GPU)::
 
@@ -73,6 +74,14 @@ from bench._providers import sdpa_backend
 from bench._timing import Timer, free_memory
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def _ints(s: str) -> list[int]:
@@ -457,6 +466,7 @@ def main(argv=None) -> int:
         device=name,
         dtype=str(dtype)[6:],
         torch=torch.__version__,
+        triton=_triton_version(),
         time=datetime.datetime.now().isoformat(),
         argv=sys.argv[1:] if argv is None else list(argv),
         copy_ceiling_gbs=copy_ceiling_gbs(device, timer, args.copy_bytes),
