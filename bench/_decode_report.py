@@ -140,6 +140,11 @@ def rewrite_report(path: Path) -> str:
         raise ValueError(f"cannot read {path}: {e}") from e
     if not isinstance(data, dict) or not {"meta", "kernel", "e2e"} <= data.keys():
         raise ValueError(f"{path} is not a bench.decode results file (no meta, kernel and e2e)")
-    report = markdown(data["meta"], data["kernel"], data["e2e"])
+    try:
+        report = markdown(data["meta"], data["kernel"], data["e2e"])
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(
+            f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
+        ) from e
     _write_text(path.with_suffix(".md"), report)
     return report

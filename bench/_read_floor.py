@@ -36,13 +36,15 @@ def _kernel():
                 gdc_launch_dependents()
             pid = tl.program_id(0)
             lo = pid.to(tl.int64) * chunk
-            acc = tl.zeros([BLOCK], tl.float32)
+            # tl.full / tl.reduce, not tl.zeros / tl.sum: those are compiled-mode functions when triton
+            # was imported before TRITON_INTERPRET=1 was set (kernels/_triton_common.py says why)
+            acc = tl.full([BLOCK], 0.0, tl.float32)
             for start in range(0, chunk, BLOCK):
                 offs = lo + start + tl.arange(0, BLOCK)
                 ok = offs < n
                 acc += tl.load(K + offs, mask=ok, other=0.0).to(tl.float32)
                 acc += tl.load(V + offs, mask=ok, other=0.0).to(tl.float32)
-            tl.store(OUT + pid, tl.sum(acc, 0))
+            tl.store(OUT + pid, tl.reduce(acc, 0, tl.standard._sum_combine))
 
         _KERNEL["read"] = read_kernel
     return _KERNEL["read"]
@@ -52,11 +54,22 @@ def read_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     """Read every element of k and v once; returns the per-program sums (PROGRAMS,) float32 (not attention).
 
     q is unused (its bytes are negligible). k, v: contiguous, one shape and dtype, on one device.
-    Raises ValueError for non-contiguous or mismatched k / v (a copy to fix that would be timed too).
+    Raises ValueError for non-tensors, non-contiguous k / v or k / v of other shapes, dtypes or devices.
     """
     del q
-    if not (k.is_contiguous() and v.is_contiguous()) or k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError("read-floor needs contiguous k and v of one shape and dtype")
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        raise ValueError(f"read-floor needs tensors k and v, got {type(k).__name__} and {type(v).__name__}")
+    for problem, bad in (
+        (
+            "contiguous k and v (a copy to make them so would be timed too)",
+            not (k.is_contiguous() and v.is_contiguous()),
+        ),
+        (f"k and v of one shape, got {tuple(k.shape)} and {tuple(v.shape)}", k.shape != v.shape),
+        (f"k and v of one dtype, got {k.dtype} and {v.dtype}", k.dtype != v.dtype),
+        (f"k and v on one device, got {k.device} and {v.device}", k.device != v.device),
+    ):
+        if bad:
+            raise ValueError(f"read-floor needs {problem}")
     import os
 
     def cdiv(a: int, b: int) -> int:

@@ -44,7 +44,8 @@ everything); a compilation failure is that record's error. ``--compile-backend``
 dry run defaults to dynamo's ``eager`` backend (the tracing and the op plumbing, without Inductor's CPU code
 generation: about 20 s per model on two cores), recorded as ``compile_backend`` and in the markdown.
 
-Outputs in ``--out``: ``decode_<tag>.json`` and ``.md`` (also printed), rewritten atomically after every
+Outputs in ``--out``: ``decode_<tag>.json`` and ``.md`` (also printed; default tag ``h200``, or ``dryrun``
+for the dry run, with ``_e2e`` appended for ``--e2e-only``), rewritten atomically after every
 shape and e2e record with ``meta["complete"]`` False until the end: a run killed part-way keeps what it
 measured. Per-shape seconds go to stderr; ``--report decode_<tag>.json`` rewrites a results file's markdown.
 """
@@ -427,7 +428,7 @@ def main(argv=None) -> int:
         "--report", default=None, metavar="JSON", help="only rewrite the markdown of a results file"
     )
     args = ap.parse_args(argv)
-    if args.report:
+    if args.report is not None:
         try:
             print(rewrite_report(Path(args.report)))
         except ValueError as e:
@@ -448,6 +449,23 @@ def main(argv=None) -> int:
         problem = _grid_problem(getattr(args, key), 1)
         if problem:
             ap.error(f"{flag} {getattr(args, key)!r}: {problem}")
+    for flag, value in (("--kv-heads", args.kv_heads), ("--prompt-len", args.prompt_len)):
+        if value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    if args.new_tokens < 1:
+        ap.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    names = [p.strip() for p in args.providers.split(",")]
+    unknown = [p for p in names if p not in PROVIDERS]
+    if unknown or len(set(names)) != len(names):
+        bad = unknown or "a name given twice"
+        ap.error(f"--providers {args.providers!r}: each once, from {', '.join(PROVIDERS)} (bad: {bad})")
+    args.providers = ",".join(names)
+    if args.e2e or args.e2e_only:
+        backends = [b.strip() for b in args.e2e_backends.split(",")]
+        bad = [b for b in backends if b not in ("naive", "sdpa", "flash")]
+        if bad:
+            ap.error(f"--e2e-backends {args.e2e_backends!r}: each of naive, sdpa, flash (bad: {bad})")
+        args.e2e_backends = ",".join(backends)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         args.copy_bytes = min(args.copy_bytes, 1 << 22)
@@ -476,7 +494,8 @@ def main(argv=None) -> int:
         timer=timer.describe(),
         complete=False,
     )
-    tag = args.tag or ("dryrun" if args.dry_run else "h200")
+    # an --e2e-only run has its own default file: it must not replace the kernel sweep's results
+    tag = args.tag or ("dryrun" if args.dry_run else "h200") + ("_e2e" if args.e2e_only else "")
     results = Results(Path(args.out or ("outputs/bench" if args.dry_run else "bench/results")), tag, meta)
     results.save()
     if not args.e2e_only:

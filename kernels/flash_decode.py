@@ -89,6 +89,8 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
             f"and {tuple(v.shape)}"
         )
     Hkv, n_max = k.shape[1], k.shape[2]
+    if Hkv < 1 or Hq < 1:
+        raise ValueError(f"flash_decode needs at least one query and one KV head, got Hq={Hq}, Hkv={Hkv}")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv}) (GQA/MQA)")
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
@@ -114,6 +116,7 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
             and not torch.compiler.is_compiling()
             and _plain_eager_call(q, cache_seqlens)
             and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+            and B > 0  # an empty batch has no lengths to check (and min() of nothing fails)
         ):
             lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
             if lo < Nq or hi > n_max:
@@ -121,8 +124,9 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
                     f"cache_seqlens must be in [Nq={Nq}, Nmax={n_max}] (each length counts "
                     f"the new rows' own keys), got min {lo}, max {hi}"
                 )
-    if softmax_scale is not None and not (
-        isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool)
+        or not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale))
     ):
         raise ValueError(f"softmax_scale must be a finite float or None, got {softmax_scale!r}")
     if num_splits is not None and (

@@ -139,11 +139,11 @@ def test_compile_failure_is_that_records_error(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "compile", broken_compile)
     argv = TINY + ["--out", str(tmp_path), "--batches", "1", "--e2e-only", "--e2e-backends", "naive"]
     assert decode.main(argv) == 0
-    data = json.loads((tmp_path / "decode_dryrun.json").read_text())
+    data = json.loads((tmp_path / "decode_dryrun_e2e.json").read_text())
     status = {r["mode"]: r["status"] for r in data["e2e"]}
     assert status["eager"] == status["static"] == "ok", status
     assert status["compiled"] == "error: RuntimeError: inductor exploded", status
-    assert "inductor exploded" in (tmp_path / "decode_dryrun.md").read_text()
+    assert "inductor exploded" in (tmp_path / "decode_dryrun_e2e.md").read_text()
 
 
 def _reference64(q, k, v):
@@ -270,6 +270,8 @@ def test_decode_tiles_refuses_a_bad_grid(tmp_path, capsys, flags, match):
         ('{"kernel": [', "cannot read"),
         ("[1, 2]", "not a bench.decode results file"),
         ('{"kernel": []}', "not a bench.decode results file"),
+        ('{"meta": {}, "kernel": [], "e2e": []}', "not as bench.decode writes them"),
+        ('{"meta": {"device": "x"}, "kernel": "abc", "e2e": []}', "not as bench.decode writes them"),
     ],
 )
 def test_report_of_a_missing_or_corrupt_file_is_one_error_line(tmp_path, capsys, content, match):
@@ -288,6 +290,11 @@ def test_report_of_a_missing_or_corrupt_file_is_one_error_line(tmp_path, capsys,
         (["--contexts", "4x"], "--contexts '4x': must be a comma list of integers"),
         (["--batches", "0"], "--batches '0': must be integers >= 1"),
         (["--dims", ""], "--dims '': is an empty list"),
+        (["--providers", "flash-decode,foo"], "(bad: ['foo'])"),
+        (["--providers", "read-floor,read-floor"], "a name given twice"),
+        (["--kv-heads", "0"], "--kv-heads must be >= 1"),
+        (["--e2e-only", "--new-tokens", "0"], "--new-tokens must be >= 1"),
+        (["--e2e-only", "--e2e-backends", "flash,foo"], "each of naive, sdpa, flash"),
     ],
 )
 def test_decode_refuses_a_bad_grid(tmp_path, capsys, flags, match):

@@ -198,6 +198,8 @@ def test_bfloat16_runs_in_float32_under_interpreter(seed):
         (dict(num_splits=0), "num_splits must be an int >= 1"),
         (dict(check_lengths="no"), "check_lengths must be True or False"),
         (dict(check_lengths=None), "check_lengths must be True or False"),
+        (dict(k_cache=torch.randn(1, 0, 10, 16), v_cache=torch.randn(1, 0, 10, 16)), "one KV head"),
+        (dict(softmax_scale=True), "softmax_scale must be a finite float"),
     ],
 )
 def test_errors(kwargs, match):
@@ -207,6 +209,30 @@ def test_errors(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         flash_decode(args.pop("q"), args.pop("k_cache"), args.pop("v_cache"), **args)
+
+
+def test_read_floor_names_what_is_wrong():
+    """bench.decode's read-floor provider: a clear error for inputs it cannot read as one flat stream, and
+    per-program sums that add up to the sum of k and v (it reads every element once)."""
+    from bench._read_floor import read_floor
+
+    k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    assert torch.allclose(read_floor(None, k, v).sum(), (k.sum() + v.sum()).float(), atol=1e-3)
+    for bad_k, bad_v, match in (
+        (k.transpose(2, 3), v.transpose(2, 3), "contiguous"),
+        (k, v[..., :8].contiguous(), "one shape"),
+        (k, v.double(), "one dtype"),
+        (k, "v", "tensors k and v"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            read_floor(None, bad_k, bad_v)
+
+
+def test_empty_batch_with_lengths():
+    """B = 0 gives an empty result with or without a lengths tensor (no range check over nothing)."""
+    q, k = torch.randn(0, 2, 1, 16), torch.randn(0, 2, 10, 16)
+    for lengths in (None, torch.zeros(0, dtype=torch.int32)):
+        assert flash_decode(q, k, k, lengths).shape == (0, 2, 1, 16)
 
 
 def test_needs_interpreter_or_cuda(monkeypatch):
