@@ -70,17 +70,13 @@ def read_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     ):
         if bad:
             raise ValueError(f"read-floor needs {problem}")
-    import os
-
-    def cdiv(a: int, b: int) -> int:
-        return (a + b - 1) // b
+    from kernels.flash_decode import _cdiv, _use_pdl
 
     n = k.numel()
-    programs = max(1, min(PROGRAMS, cdiv(n, BLOCK)))
-    chunk = cdiv(cdiv(n, programs), BLOCK) * BLOCK  # elements per program, whole loop steps
+    programs = max(1, min(PROGRAMS, _cdiv(n, BLOCK)))
+    chunk = _cdiv(_cdiv(n, programs), BLOCK) * BLOCK  # elements per program, whole loop steps
     out = torch.empty(programs, dtype=torch.float32, device=k.device)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    pdl = k.is_cuda and not interpreted and torch.cuda.get_device_capability(k.device)[0] >= 9
+    pdl = _use_pdl(k.device, traced=False)  # the rule flash_decode's eager launches follow
     opts = dict(num_warps=NUM_WARPS, launch_pdl=True) if pdl else dict(num_warps=NUM_WARPS)
     _kernel()[(programs,)](k, v, out, n, chunk, BLOCK=BLOCK, USE_PDL=pdl, **opts)
     return out

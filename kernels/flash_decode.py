@@ -40,7 +40,7 @@ def _pow2(n: int, low: int = 16) -> int:
     return max(low, 1 << (max(1, n) - 1).bit_length())
 
 
-def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device, d: int = 128) -> int:
+def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device, d: int) -> int:
     """Key splits per (sequence, KV head), at most one per 4 key tiles and 128 in all.
 
     GPU, with ``programs`` = B x Hkv (sequence, KV head) pairs and k = 2 programs per SM at d <= 64, 1 above:

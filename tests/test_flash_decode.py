@@ -62,7 +62,7 @@ def test_pdl_rule_and_split_rule(monkeypatch):
 
     cpu = torch.device("cpu")
     assert not _use_pdl(cpu, traced=False) and not _use_pdl(cpu, traced=True)
-    assert _choose_splits(1000, 16, 1, cpu) == 4 and _choose_splits(1000, 16, 8, cpu) == 1
+    assert _choose_splits(1000, 16, 1, cpu, 64) == 4 and _choose_splits(1000, 16, 8, cpu, 64) == 1
     h200 = SimpleNamespace(multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: h200)
     gpu = torch.device("cuda")
