@@ -19,6 +19,7 @@ Files:
 * `_checks.py`         device / interpreter checks, argument and variant validation, `document_ranges`
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
 * `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
+* `_gluon_fwd.py`      the sm_90 causal forward in Gluon (FlashAttention-3's schedule), used at long N
 * `flash_qkvpacked.py` the packed-qkv entry point and its ops (same launchers)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask

@@ -1,30 +1,27 @@
 """FlashAttention-2 in Triton: input validation, kernel launchers, torch.library ops, public API.
 
-Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-Partitioning" (2023): forward section 3.1, backward section 3.2; online softmax from Milakov &
-Gimelshein (2018). The Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in
-`kernels/tiles.py` (`get_tile_config`).
+Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning"
+(2023): forward section 3.1, backward section 3.2; online softmax from Milakov & Gimelshein (2018). The
+Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in `kernels/tiles.py`. On an H200 /
+H100 (sm_90) the causal forward at long N runs the Gluon kernel of `kernels/_gluon_fwd.py` (FlashAttention-3's
+warp-specialised schedule; `_gluon_fwd.route` says when), which writes o and LSE as the Triton one does.
 
 Operators, so torch.compile traces callers without graph breaks:
 * CUDA tensors: `torch.library.triton_op`s
   `flashgpt::flash_attn_fwd(q, k, v, causal: bool, softmax_scale: float) -> (o, lse)` and
   `flashgpt::flash_attn_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse=None) -> (dq, dk, dv)`.
-  Under torch.compile their bodies are traced (`torch.library.wrap_triton`), so the compiled graph
-  holds our Triton kernels and Inductor launches them from its generated code (no Python per call;
-  CUDA graphs can capture them). Tensor descriptors (TMA) are built on the device, not per call on
-  the host.
+  Under torch.compile their bodies are traced (`torch.library.wrap_triton`), so the compiled graph holds
+  our Triton kernels and Inductor launches them from its generated code (no Python per call; CUDA graphs
+  can capture them; the Gluon forward stays one opaque op, `flashgpt::flash_attn_fwd_sm90`). Tensor
+  descriptors (TMA) are built on the device, not per call on the host.
 * CPU tensors (Triton interpreter): opaque custom ops `flashgpt::flash_attn_fwd_cpu` /
-  `flashgpt::flash_attn_bwd_cpu` with fake implementations (tracing a triton op needs kernels that
-  compile for a GPU).
+  `flashgpt::flash_attn_bwd_cpu` with fake implementations (tracing a triton op needs GPU kernels).
 Autograd of each forward op calls its backward op. `flash_attention` calls, in plain eager mode, an
-equivalent torch.autograd.Function over the same launchers (no op dispatch: less host time per
-call), and the ops everywhere else (torch.compile tracing, FakeTensorMode / make_fx, functorch
-transforms such as vmap, tensor subclasses). Validation happens in `flash_attention` (the Python
-wrapper), before the op and any Triton launch; under torch.compile it runs once, while tracing.
-
-Interpreter: kernels run under the Triton interpreter when the environment variable
-TRITON_INTERPRET is truthy *at call time* (read on every call, so importing this package before
-setting it is fine). CPU tensors are only accepted in that mode.
+equivalent torch.autograd.Function over the same launchers (no op dispatch: less host time per call), and
+the ops everywhere else (torch.compile tracing, FakeTensorMode / make_fx, vmap, tensor subclasses).
+Validation happens in `flash_attention`, before the op and any launch (under torch.compile once, while
+tracing). The Triton interpreter runs the kernels when TRITON_INTERPRET is truthy *at call time* (read on
+every call); CPU tensors are only accepted in that mode.
 """
 
 import contextlib
@@ -66,8 +63,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _dot_precision(dtype: torch.dtype):
-    # float32 inputs must not go through tf32 tensor cores (10-bit mantissa) -> "ieee";
-    # fp16/bf16 use Triton's default (tensor cores); the argument is ignored for 16-bit inputs.
+    # float32 must not go through tf32 tensor cores (10-bit mantissa); ignored for 16-bit inputs
     return "ieee" if dtype == torch.float32 else None
 
 
@@ -176,6 +172,10 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    if q.is_cuda:  # sm_90 at long N: the Gluon forward (its module imports triton: CUDA calls only)
+        from . import _gluon_fwd as gluon_fwd  # noqa: I001
+        if gluon_fwd.route(q, k, v, causal, window, q_doc, dropout_p):
+            return (gluon_fwd.forward if traced else gluon_fwd.run)(q, k, v, softmax_scale)
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
@@ -597,3 +597,4 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
 # (not under the interpreter, where importing triton now would make compiled kernels impossible).
 if _HAS_TRITON and not interpret_enabled() and torch.cuda.is_available():
     ensure_scratch_allocator()
+    from . import _gluon_fwd  # noqa: F401 - registers flashgpt::flash_attn_fwd_sm90 before anything is traced
