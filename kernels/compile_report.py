@@ -8,7 +8,7 @@ is used. Useful to reject configs that spill or exceed shared memory before spen
 The compile mimics a real launch: pointers and strides divisible by 16 (true when d % 16 == 0 for
 contiguous/fused layouts), last-dim strides == 1, GROUP == 1 unless --gqa (Triton specializes
 integer arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False;
---even for multiples). `serialized=True` flags ptxas warning C7515: every wgmma of the kernel waits for
+--even for multiples). `serialized=True` flags ptxas warnings C7513-C7515: every wgmma of the kernel waits for
 the previous one (removing it gave +2-12% on the H200 at d = 128; see bench/NOTES.md v5).
 
 Usage:  python -m kernels.compile_report --dtype bf16 fp16 --d 64 128 [--arch 90] [--gqa]
@@ -67,7 +67,7 @@ class CompileInfo:
     spill_load_bytes: int | None
     uses_wgmma: bool
     uses_tma: bool = False
-    wgmma_serialized: bool = False  # ptxas C7515: each wgmma waits for the previous one
+    wgmma_serialized: bool = False  # ptxas C7513-C7515: wgmmas wait for each other
 
     def line(self) -> str:
         c = self.config
@@ -196,11 +196,49 @@ def compile_kernel(
     )
     ptx = compiled.asm["ptx"]
     regs, st, ld, ptxas_log = _ptxas_report(ptx, arch)
-    # wgmma serialised by ptxas: warning C7514 or C7515
     return CompileInfo(
         kernel, _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
-        "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, "C7514" in ptxas_log or "C7515" in ptxas_log,
+        "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, _wgmma_serialized(ptxas_log),
     )  # fmt: skip
+
+
+def _wgmma_serialized(ptxas_log: str) -> bool:
+    """ptxas warnings C7513-C7515: wgmma instructions made to wait for each other (a register operand
+    defined inside the pipeline stage, an accumulator live across it, ...)."""
+    return any(code in ptxas_log for code in ("C7513", "C7514", "C7515"))
+
+
+def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
+    """Compile the sm_90 Gluon forward (kernels/_gluon_fwd.py) without a GPU, as `fwd_launch`
+    launches it; `registers` is the kernel-wide budget (the consumer warpgroups raise theirs to 240 with
+    setmaxnreg). Raises KeyError for a head dim outside `_gluon_fwd.STAGES`, triton.CompilationError
+    when it does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from . import _gluon_fwd as g
+
+    fn, stages = g._fwd_ws_kernel, g.STAGES[head_dim]
+    signature, constants = {}, {}
+    for name in fn.arg_names:
+        if name in ("HEAD_D", "STAGES"):
+            signature[name], constants[name] = "constexpr", head_dim if name == "HEAD_D" else stages
+        elif name in _TENSORS:
+            signature[name] = "*" + _TL_NAME[dtype]
+        else:
+            signature[name] = {"LSE": "*fp32", "qk_scale": "fp32"}.get(name, "i32")
+    compiled = triton.compile(
+        GluonASTSource(fn, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=g.NUM_WARPS, maxnreg=g.MAXNREG),
+    )
+    ptx = compiled.asm["ptx"]
+    regs, st, ld, ptxas_log = _ptxas_report(ptx, 90)
+    cfg = TileConfig(128, 128, g.NUM_WARPS, stages)
+    tma, serial = "cp.async.bulk.tensor" in ptx, _wgmma_serialized(ptxas_log)
+    return CompileInfo("gluon_fwd", _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
+                       "wgmma" in ptx, tma, serial)  # fmt: skip
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | None, str]:
