@@ -20,6 +20,7 @@ Files:
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
 * `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
 * `_gluon_fwd.py`      the sm_90 causal forward in Gluon (FlashAttention-3's schedule), used at long N
+* `_gluon_route.py`    when the forward takes it (plain torch: no triton import)
 * `flash_qkvpacked.py` the packed-qkv entry point and its ops (same launchers)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask

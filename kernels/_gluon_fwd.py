@@ -1,9 +1,10 @@
 """Hopper (sm_90) causal FlashAttention forward in Gluon: a TMA producer warp, two consumer warpgroups.
 
 `flash_attn._launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
-was measured faster: `route` says when (sm_90, causal, Nq == Nk, d 64 / 128, no variants, N from
-MIN_N up). The Triton kernel stays the one of the CPU interpreter (Gluon's warp specialisation and
-asynchronous wgmma have none), other GPUs, other shapes and the variants. The backward is unchanged: o
+was measured faster: `kernels._gluon_route.route` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
+fp16, no variants, TMA-compatible strides, N from MIN_N up). The Triton kernel stays the one of the CPU
+interpreter (Gluon's warp specialisation and asynchronous wgmma have none), other GPUs, other shapes and
+the variants. The backward is unchanged: o
 and LSE are written as `_fwd_kernel` writes them.
 
 Schedule, after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, section 3.1-3.2):
@@ -25,8 +26,6 @@ are built on the device per (batch, head), so views of a packed qkv work); o in 
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -242,7 +241,7 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
 
     q (B, Hq, N, d), k and v (B, Hkv, N, d) with Hq % Hkv == 0, bf16 or fp16 on a CUDA sm_90 device,
     d in STAGES, last stride 1 and the other strides and the base addresses 16-byte aligned (TMA). The
-    caller checks these (`flash_attn._pp_fwd_applies`) and sets Triton's scratch allocator (the device-side
+    caller checks these (`_gluon_route.route`) and sets Triton's scratch allocator (the device-side
     descriptors live there); this only launches.
     """
     B, Hq, N, d = (int(x) for x in q.shape)
@@ -256,49 +255,9 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     )
 
 
-# Shortest N (per head dim) that takes this kernel: the H200 crossover against the Triton forward
-# (bench/NOTES.md v13). Below it the Triton kernel's smaller tiles and several programs per SM win.
-MIN_N = {64: 16384, 128: 4096}
-ENV = "FLASHGPT_GLUON_FWD"  # "auto" (default): MIN_N decides; "1": wherever it can run; "0": never
-
-
-def _mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={mode!r}: expected auto (the default), 1 (wherever it can run) or 0 (never)")
-    return mode
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs a unit last stride and 16-byte aligned other strides and base (torch allocations are
-    512-byte aligned, so the storage offset decides; this also holds for fake tensors)."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and (t.storage_offset() * size) % 16 == 0
-            and all((st * size) % 16 == 0 for st in t.stride()[:-1]))  # fmt: skip
-
-
-def route(q, k, v, causal: bool, window: int, q_doc, dropout_p: float) -> bool:
-    """Whether `flash_attn._launch_fwd` runs this kernel for validated inputs q (B, Hq, Nq, d), k / v
-    (B, Hkv, Nk, d): a CUDA sm_90 device (not the interpreter), causal without the variants, Nq == Nk,
-    d in STAGES, bf16 / fp16, TMA-aligned strides, 32-bit offsets, and N >= MIN_N[d] (any N with
-    FLASHGPT_GLUON_FWD=1). Under torch.compile this is decided while tracing, and a graph from Inductor's
-    cache keeps the choice it was traced with. Raises ValueError for another value of FLASHGPT_GLUON_FWD."""
-    mode = _mode()
-    if mode == "0" or not q.is_cuda or not causal or window or q_doc is not None or dropout_p:
-        return False
-    B, Hq, N = q.shape[:3]
-    d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
-    if (k.shape[2] != N or d not in STAGES or q.dtype not in (torch.bfloat16, torch.float16)
-            or B * Hq > 65535 or max(t.numel() for t in (q, k, v)) >= 2**31):  # fmt: skip
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or not all(_tma_ok(t) for t in (q, k, v)):
-        return False
-    return mode == "1" or N >= MIN_N[d]
-
-
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(o, lse) of the causal forward for inputs that `route` accepts: o like q (its dim order), lse float32
-    (B, Hq, N) natural log. Eager calls launch through this; traced ones go through `forward`."""
+    """(o, lse) of the causal forward for inputs that `_gluon_route.route` accepts: o like q (its dim order),
+    lse float32 (B, Hq, N) natural log. Eager calls launch through this; traced ones go through `forward`."""
     from .flash_attn import _device_ctx, _empty_like_layout, ensure_scratch_allocator
 
     ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch

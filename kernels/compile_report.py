@@ -211,8 +211,13 @@ def _wgmma_serialized(ptxas_log: str) -> bool:
 def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
     """Compile the sm_90 Gluon forward (kernels/_gluon_fwd.py) without a GPU, as `fwd_launch`
     launches it; `registers` is the kernel-wide budget (the consumer warpgroups raise theirs to 240 with
-    setmaxnreg). Raises KeyError for a head dim outside `_gluon_fwd.STAGES`, triton.CompilationError
-    when it does not compile."""
+    setmaxnreg). Raises ValueError for a head dim other than 64 / 128 or a dtype other than bf16 / fp16
+    (what `_gluon_route.route` sends to it), triton.CompilationError when it does not compile."""
+    from ._gluon_route import MIN_N
+
+    if head_dim not in MIN_N or dtype not in (torch.bfloat16, torch.float16):  # before Gluon is imported
+        got = f"d={head_dim}, {dtype}"
+        raise ValueError(f"the Gluon forward takes d in {sorted(MIN_N)} and bf16 / fp16, got {got}")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -4,7 +4,7 @@ Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism 
 (2023): forward section 3.1, backward section 3.2; online softmax from Milakov & Gimelshein (2018). The
 Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in `kernels/tiles.py`. On an H200 /
 H100 (sm_90) the causal forward at long N runs the Gluon kernel of `kernels/_gluon_fwd.py` (FlashAttention-3's
-warp-specialised schedule; `_gluon_fwd.route` says when), which writes o and LSE as the Triton one does.
+warp-specialised schedule; `_gluon_route.route` says when), which writes o and LSE as the Triton one does.
 
 Operators, so torch.compile traces callers without graph breaks:
 * CUDA tensors: `torch.library.triton_op`s
@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from . import _gluon_route
 from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users and tests import them
     _HAS_TRITON,
     MAX_HEAD_DIM,
@@ -172,10 +173,9 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    if q.is_cuda:  # sm_90 at long N: the Gluon forward (its module imports triton: CUDA calls only)
-        from . import _gluon_fwd as gluon_fwd  # noqa: I001
-        if gluon_fwd.route(q, k, v, causal, window, q_doc, dropout_p):
-            return (gluon_fwd.forward if traced else gluon_fwd.run)(q, k, v, softmax_scale)
+    if q.is_cuda and _gluon_route.route(q, k, v, causal, softmax_scale, window, q_doc, dropout_p):
+        g = _gluon_route.gluon_fwd()  # sm_90 at long N: the Gluon forward
+        return (g.forward if traced else g.run)(q, k, v, softmax_scale)
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     interp = interpret_enabled()
@@ -592,9 +592,9 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     return (o, lse) if return_lse else o
 
 
-# A compiled graph loaded from Inductor's cache launches the backward kernels without running
-# `_launch_bwd`, so the scratch allocator is installed when this module is imported on a CUDA machine
-# (not under the interpreter, where importing triton now would make compiled kernels impossible).
+# A compiled graph loaded from Inductor's cache launches the backward kernels without running `_launch_bwd`,
+# so the scratch allocator is installed at import on a CUDA machine (not under the interpreter, where
+# importing triton now would make compiled kernels impossible).
 if _HAS_TRITON and not interpret_enabled() and torch.cuda.is_available():
     ensure_scratch_allocator()
-    from . import _gluon_fwd  # noqa: F401 - registers flashgpt::flash_attn_fwd_sm90 before anything is traced
+    _gluon_route.gluon_fwd()  # registers flashgpt::flash_attn_fwd_sm90 before anything is traced

@@ -111,12 +111,14 @@ def test_fused_qkv_layout_gluon_fwd(seed, launches, dtype):
 
 
 def test_route_gpu(seed, launches, monkeypatch):
-    """auto: N >= MIN_N[d] only; never non-causal, Nq != Nk, d outside 64 / 128, float32, a variant, or
-    FLASHGPT_GLUON_FWD=0; a bad value of the variable is a ValueError naming it."""
-    from kernels import _gluon_fwd, flash_attention
+    """auto: N >= MIN_N[d] only; never non-causal, Nq != Nk, d outside 64 / 128, float32, a variant, a
+    softmax_scale <= 0, an expanded q, or FLASHGPT_GLUON_FWD=0; a bad value of the variable is a ValueError
+    naming it."""
+    from kernels import _gluon_route, flash_attention
+    from kernels.reference import attention_reference
 
     monkeypatch.setenv("FLASHGPT_GLUON_FWD", "auto")
-    for d, n_min in _gluon_fwd.MIN_N.items():
+    for d, n_min in _gluon_route.MIN_N.items():
         for N, expected in ((n_min, 1), (n_min // 2, 0)):
             launches.clear()
             q, k, v, _ = make_inputs(seed, 1, 2, 2, N, N, d, BF16)
@@ -135,6 +137,16 @@ def test_route_gpu(seed, launches, monkeypatch):
     monkeypatch.setenv("FLASHGPT_GLUON_FWD", "0")
     flash_attention(q, k, v, causal=True)
     assert launches == []
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "1")
+    # the kernel masks before it scales (scale > 0 only) and writes o with unit last stride (no expanded q)
+    for scale in (0.0, -0.125):
+        o = flash_attention(q, k, v, causal=True, softmax_scale=scale)
+        ref = attention_reference(q, k, v, causal=True, softmax_scale=scale)[0]
+        assert (o.double() - ref).abs().max().item() < 2e-2, f"seed={seed}: scale {scale}"
+    qe = q[:, :1].expand(1, 2, 1024, 64)
+    o = flash_attention(qe, k, v, causal=True)
+    assert (o.double() - attention_reference(qe, k, v, causal=True)[0]).abs().max().item() < 2e-2
+    assert launches == [], f"seed={seed}: {launches}"
     monkeypatch.setenv("FLASHGPT_GLUON_FWD", "yes")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_FWD"):
         flash_attention(q, k, v, causal=True)
@@ -171,8 +183,8 @@ def test_compiled_graph_calls_the_gluon_op_gpu(seed, mode):
 
 
 def test_gluon_op_opcheck_gpu(seed):
-    from kernels import _gluon_fwd
+    from kernels import _gluon_route
 
     q, k, v, _ = make_inputs(seed, 1, 4, 2, 256, 256, 64, BF16)
-    assert _gluon_fwd.route(q, k, v, True, 0, None, 0.0)
+    assert _gluon_route.route(q, k, v, True, 0.125, 0, None, 0.0)
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd_sm90.default, (q, k, v, 0.125))

@@ -1,0 +1,80 @@
+"""When the causal forward runs the sm_90 Gluon kernel (`kernels/_gluon_fwd.py`) instead of the Triton one.
+
+Plain torch: importing this module imports no triton, so the CPU tests can check the rule. `gluon_fwd()`
+imports the kernel module itself, only for CUDA calls outside the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._checks import interpret_enabled
+
+# Shortest N per head dim that takes the Gluon kernel: the H200 crossover against the Triton forward
+# (bench/NOTES.md v13). Below it the Triton kernel's smaller tiles and several programs per SM win.
+MIN_N = {64: 16384, 128: 4096}
+ENV = "FLASHGPT_GLUON_FWD"  # "auto" (default): MIN_N decides; "1": wherever it can run; "0": never
+_MODULE: list = []  # the imported kernel module, or None when Gluon cannot be imported here
+
+
+def gluon_fwd():
+    """The `_gluon_fwd` module, or None where triton's Gluon does not import (an older triton, or a process
+    whose triton was first imported under TRITON_INTERPRET=1). Imported once; importing it registers the
+    op `flashgpt::flash_attn_fwd_sm90`."""
+    if not _MODULE:
+        try:
+            from . import _gluon_fwd
+        except (ImportError, AssertionError):  # Gluon's import asserts that triton is not in interpreter mode
+            _gluon_fwd = None
+        _MODULE.append(_gluon_fwd)
+    return _MODULE[0]
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV}={mode!r}: expected auto (the default), 1 (wherever it can run) or 0 (never)")
+    return mode
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from t's first to its last element (a strided view spans more than its numel)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """What the kernel's TMA descriptors and 32-bit offsets need of a (B, H, N, d) operand: unit last stride,
+    rows at least d apart, the other strides positive (no expanded dims) and 16-byte aligned, a 16-byte
+    aligned first element, and fewer than 2**31 elements spanned."""
+    size, d = t.element_size(), t.shape[-1]
+    if t.stride(-1) != 1 or t.stride(-2) < d or _span(t) >= 2**31:
+        return False
+    if any(st <= 0 or (st * size) % 16 for n, st in zip(t.shape[:-1], t.stride()[:-1], strict=True) if n > 1):
+        return False
+    try:
+        return t.data_ptr() % 16 == 0
+    except (RuntimeError, NotImplementedError):  # fake / functional tensors while tracing: the offset decides
+        return (t.storage_offset() * size) % 16 == 0  # (torch's allocations are 512-byte aligned)
+
+
+def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropout_p: float) -> bool:
+    """Whether `flash_attn._launch_fwd` runs the Gluon kernel for validated inputs q (B, Hq, Nq, d), k / v
+    (B, Hkv, Nk, d): a CUDA sm_90 device outside the interpreter, causal without window, documents or
+    dropout, a positive softmax_scale, Nq == Nk, d 64 / 128, bf16 / fp16, B * Hq <= 65535, operands that
+    `_tma_ok` accepts, and N >= MIN_N[d] (any N with FLASHGPT_GLUON_FWD=1). Under torch.compile this is
+    decided while tracing, and a graph from Inductor's cache keeps the choice it was traced with. Raises
+    ValueError for another value of FLASHGPT_GLUON_FWD (read on CUDA calls only)."""
+    mode = _mode()
+    if mode == "0" or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
+        return False
+    B, Hq, N = q.shape[:3]
+    d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
+    if k.shape[2] != N or d not in MIN_N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
+        return False
+    if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0) or gluon_fwd() is None:
+        return False
+    return bool(mode == "1" or N >= MIN_N[d])
