@@ -83,6 +83,14 @@ def markdown_report(records: Sequence[dict], meta: dict) -> str:
         f"- {meta.get('tokens')} tokens per batch (B = tokens // N), hidden {meta.get('hidden')} "
         f"(H = hidden // d); timing: {meta.get('timing')}",
         f"- FLOPs: {meta.get('flops')}",
+        *(
+            [
+                f"- flash's forward on sm_90: the Gluon kernel from N = {meta['flash_gluon_min_n']} (per d; "
+                f"FLASHGPT_GLUON_FWD={meta.get('flash_gluon_fwd')}), the Triton kernel otherwise"
+            ]
+            if meta.get("flash_gluon_min_n")
+            else []
+        ),
         "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference "
         "(not timed), — = not measured",
     ]
