@@ -370,6 +370,7 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
     except Exception:
         cudnn = None
     from kernels import interpret_enabled  # the kernels' own test, so the record says what they ran
+    from kernels._gluon_route import MIN_N as GLUON_MIN_N
 
     meta = {
         "benchmark": "causal self-attention, bench.attention",
@@ -385,7 +386,7 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         "triton_interpret": interpret_enabled(),
         # which forward `flash` runs on sm_90 at long N (kernels/_gluon_route.py): this and its MIN_N
         "flash_gluon_fwd": os.environ.get("FLASHGPT_GLUON_FWD", "auto"),
-        "flash_gluon_min_n": {str(d): n for d, n in _gluon_min_n().items()},
+        "flash_gluon_min_n": {str(d): n for d, n in GLUON_MIN_N.items()},
         "flops": "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd",
         "check": "O and dQ/dK/dV vs float32 reference (bench.attention.reference_attention) on "
                  "(batch, head) pairs from check_pairs(B, H); tolerances: O abs, grads relative to "
@@ -393,12 +394,6 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
     }
     meta.update(extra)
     return meta
-
-
-def _gluon_min_n() -> dict:
-    from kernels._gluon_route import MIN_N
-
-    return MIN_N
 
 
 def default_tag(device: torch.device) -> str:

@@ -65,16 +65,16 @@ def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropo
     dropout, a positive softmax_scale, Nq == Nk, d 64 / 128, bf16 / fp16, B * Hq <= 65535, operands that
     `_tma_ok` accepts, and N >= MIN_N[d] (any N with FLASHGPT_GLUON_FWD=1). Under torch.compile this is
     decided while tracing, and a graph from Inductor's cache keeps the choice it was traced with. Raises
-    ValueError for another value of FLASHGPT_GLUON_FWD (read on CUDA calls only)."""
+    ValueError for another value of FLASHGPT_GLUON_FWD (read on every forward launch, on any device)."""
     mode = _mode()
-    if mode == "0" or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
+    if not q.is_cuda or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
         return False
     B, Hq, N = q.shape[:3]
     d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
-    if k.shape[2] != N or d not in MIN_N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
+    if mode == "0" or d not in MIN_N or not (mode == "1" or N >= MIN_N[d]):  # cheap tests first: per call
+        return False
+    if k.shape[2] != N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
         return False
     if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v)):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0) or gluon_fwd() is None:
-        return False
-    return bool(mode == "1" or N >= MIN_N[d])
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and gluon_fwd() is not None

@@ -173,7 +173,7 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
         return o.to(torch.bfloat16), lse
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    if q.is_cuda and _gluon_route.route(q, k, v, causal, softmax_scale, window, q_doc, dropout_p):
+    if _gluon_route.route(q, k, v, causal, softmax_scale, window, q_doc, dropout_p):
         g = _gluon_route.gluon_fwd()  # sm_90 at long N: the Gluon forward
         return (g.forward if traced else g.run)(q, k, v, softmax_scale)
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
