@@ -32,11 +32,12 @@ def gluon_fwd():
     return _MODULE[0]
 
 
-def _mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={mode!r}: expected auto (the default), 1 (wherever it can run) or 0 (never)")
-    return mode
+def mode() -> str:
+    """FLASHGPT_GLUON_FWD: "auto", "0" or "1"; raises ValueError naming the variable for anything else."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV}={value!r}: expected auto (the default), 1 (wherever it runs) or 0 (never)")
+    return value
 
 
 def _span(t: torch.Tensor) -> int:
@@ -66,12 +67,12 @@ def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropo
     `_tma_ok` accepts, and N >= MIN_N[d] (any N with FLASHGPT_GLUON_FWD=1). Under torch.compile this is
     decided while tracing, and a graph from Inductor's cache keeps the choice it was traced with. Raises
     ValueError for another value of FLASHGPT_GLUON_FWD (read on every forward launch, on any device)."""
-    mode = _mode()
+    how = mode()
     if not q.is_cuda or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
         return False
     B, Hq, N = q.shape[:3]
     d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
-    if mode == "0" or d not in MIN_N or not (mode == "1" or N >= MIN_N[d]):  # cheap tests first: per call
+    if how == "0" or d not in MIN_N or not (how == "1" or N >= MIN_N[d]):  # cheap tests first: per call
         return False
     if k.shape[2] != N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
         return False

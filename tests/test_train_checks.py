@@ -524,3 +524,14 @@ def test_resume_hint_names_the_run_with_the_newest_checkpoint(expect_error, tmp_
     os.utime(tmp_path / "runs" / "older", (1_800_000_000, 1_800_000_000))  # a no-op resume of it, later
     err = expect_error(resume=True)
     assert f"(newest run with checkpoints: out_dir={os.path.join('runs', 'newer')})" in err, err
+
+
+def test_bad_gluon_env_is_a_config_error(monkeypatch):
+    """FLASHGPT_GLUON_FWD (read by the flash forward) is checked before the run starts, naming the variable;
+    other backends do not read it."""
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "bogus")
+    with pytest.raises(ConfigError, match="FLASHGPT_GLUON_FWD='bogus'.*unset it"):
+        resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
+    resolve_plan(compose_cfg(["attention=sdpa"]), world_size=1, cuda_available=True)
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "0")
+    resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)

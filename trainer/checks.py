@@ -112,6 +112,17 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
         )
 
 
+def _check_gluon_env() -> None:
+    """FLASHGPT_GLUON_FWD, which the flash forward reads (kernels/_gluon_route.py), checked before the run
+    starts rather than at its first forward."""
+    from kernels._gluon_route import mode
+
+    try:
+        mode()
+    except ValueError as e:
+        raise ConfigError(f"environment variable {e}; unset it for the default") from None
+
+
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     """Validate the config (``trainer.config.validate``) and derive devices, dtype and the batch split.
 
@@ -125,7 +136,8 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
 
     Raises:
         ConfigError: naming the key and a valid value: any check of ``trainer.config.validate``;
-            device=cuda without CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1);
+            device=cuda without CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with
+            a bad FLASHGPT_GLUON_FWD;
             compile_mode=reduce-overhead with several ranks; a batch split that does not divide
             (``BatchConfig.split``); a bad perf.peak_flops; perf.trace without perf.profile_steps.
     """
@@ -143,6 +155,8 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
             "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
         )
+    if cfg.attention.name == "flash":
+        _check_gluon_env()
     if cfg.dtype == "auto":
         autocast_dtype = "bfloat16" if device_type == "cuda" else None
     else:
