@@ -213,26 +213,43 @@ def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Com
     launches it; `registers` is the kernel-wide budget (the consumer warpgroups raise theirs to 240 with
     setmaxnreg). Raises ValueError for a head dim other than 64 / 128 or a dtype other than bf16 / fp16
     (what `_gluon_route.route` sends to it), triton.CompilationError when it does not compile."""
+    return _compile_gluon("fwd", head_dim, dtype)
+
+
+def compile_gluon_bwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
+    """Compile the sm_90 Gluon one-pass backward (kernels/_gluon_bwd.py) as `bwd_launch` launches it;
+    otherwise as `compile_gluon_fwd` (same errors)."""
+    return _compile_gluon("bwd", head_dim, dtype)
+
+
+def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo:
     from ._gluon_route import MIN_N
 
     if head_dim not in MIN_N or dtype not in (torch.bfloat16, torch.float16):  # before Gluon is imported
         got = f"d={head_dim}, {dtype}"
-        raise ValueError(f"the Gluon forward takes d in {sorted(MIN_N)} and bf16 / fp16, got {got}")
+        raise ValueError(f"the Gluon kernels take d in {sorted(MIN_N)} and bf16 / fp16, got {got}")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from . import _gluon_fwd as g
+    if which == "fwd":
+        from . import _gluon_fwd as g
 
-    fn, stages = g._fwd_ws_kernel, g.STAGES[head_dim]
+        fn, cfg = g._fwd_ws_kernel, TileConfig(128, 128, g.NUM_WARPS, g.STAGES[head_dim])
+    else:
+        from . import _gluon_bwd as g
+
+        fn, cfg = g._bwd_ws_kernel, TileConfig(64, 128, g.NUM_WARPS, g.STAGES[head_dim])
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in ("HEAD_D", "STAGES"):
-            signature[name], constants[name] = "constexpr", head_dim if name == "HEAD_D" else stages
+            signature[name], constants[name] = "constexpr", head_dim if name == "HEAD_D" else cfg.num_stages
         elif name in _TENSORS:
             signature[name] = "*" + _TL_NAME[dtype]
+        elif name in _F32_TENSORS or name == "DQ_ACC":
+            signature[name] = "*fp32"
         else:
-            signature[name] = {"LSE": "*fp32", "qk_scale": "fp32"}.get(name, "i32")
+            signature[name] = "fp32" if name in ("qk_scale", "softmax_scale", "scale_log2") else "i32"
     compiled = triton.compile(
         GluonASTSource(fn, signature, constants),
         target=GPUTarget("cuda", 90, 32),
@@ -240,9 +257,8 @@ def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Com
     )
     ptx = compiled.asm["ptx"]
     regs, st, ld, ptxas_log = _ptxas_report(ptx, 90)
-    cfg = TileConfig(128, 128, g.NUM_WARPS, stages)
     tma, serial = "cp.async.bulk.tensor" in ptx, _wgmma_serialized(ptxas_log)
-    return CompileInfo("gluon_fwd", _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
+    return CompileInfo(f"gluon_{which}", _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
                        "wgmma" in ptx, tma, serial)  # fmt: skip
 
 
