@@ -2,8 +2,8 @@
 
 `flash_attn._launch_bwd` runs it instead of the split Triton backward (`_triton_kernels._bwd_dq_kernel`, then
 `_bwd_dkdv_kernel`: 7 matrix products per tile, no atomics) where `_gluon_route.route_bwd` allows: sm_90,
-causal, Nq == Nk a multiple of 128, one query head per KV head, d 64 / 128, bf16 / fp16, no variants, no LSE
-gradient, TMA-compatible strides, and determinism not asked for. The float32 dQ accumulator is summed in the
+causal, Nq == Nk a multiple of 128, one query head per KV head, d 64 / 128, bf16 / fp16, no variants,
+TMA-compatible strides, and determinism not asked for. The float32 dQ accumulator is summed in the
 order the key-block programs reach the L2, so dQ is not bitwise reproducible run to run (dK and dV are: one
 program owns each key block); `torch.use_deterministic_algorithms(True)` or `flash_attention(...,
 deterministic=True)` keeps the split Triton backward.
@@ -90,25 +90,49 @@ def _bwd_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs
 
 
 @gluon.jit
+def _dq_issue(ds_bufs, ds_full, k_half, dq_zero, j):
+    """Issue dQ_j[:, w d/2 ..] = dS_j K[:, w d/2 ..] once both warpgroups' halves of dS_j are in."""
+    mbarrier.wait(ds_full.index(j % 2), (j // 2) & 1)
+    return warpgroup_mma(ds_bufs.index(j % 2), k_half, dq_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_reduce(dq, dq_smem, dq_desc, m, WG: gl.constexpr, HEAD_D: gl.constexpr):
+    """Add this warpgroup's dQ half of query rows m .. m + 63 into the float32 buffer (TMA reduce-add),
+    once the previous one has left dq_smem."""
+    tma.store_wait(0)
+    dq_smem.store(dq)
+    fence_async_shared()
+    _tma_reduce_add(dq_desc, [m, WG * (HEAD_D // 2)], dq_smem)
+
+
+@gluon.jit
 def _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
-              dq_desc, LSE, DELTA, stat_off, dk, dv, s_zero, dq_zero, n0, softmax_scale, scale_log2,
-              WG: gl.constexpr, MASK: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              s_layout: gl.constexpr):
-    """Query block i (rows m = n0 + 64 i ..) against this warpgroup's 64 keys: dV_w, dK_w updated, this
-    warpgroup's half of dQ_i added to the float32 buffer. MASK: a block straddling the diagonal (key c is
-    visible to query r iff c <= r)."""
+              dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale,
+              scale_log2, WG: gl.constexpr, MASK: gl.constexpr, FIRST: gl.constexpr, DEFER: gl.constexpr,
+              HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
+    """Query block i (rows m = n0 + 64 i ..) against this warpgroup's 64 keys: dV_w and dK_w updated, a dQ
+    half added to the float32 buffer (dQ_i, or with DEFER dQ_{i-1}, issued behind S_i and dP_i so that the
+    other warpgroup has a step longer to deliver its half of dS). lse2, delta: LSE_i (base 2) and Delta_i,
+    loaded one step ahead; returns the next block's. MASK: a block straddling the diagonal (key c is
+    visible to query r iff c <= r). FIRST: i == 0."""
     slot = i % STAGES
     m = n0 + i * 64
     q_smem = q_bufs.index(slot)
     do_smem = do_bufs.index(slot)
     rows = m + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    lse2 = gl.load(LSE + stat_off + rows) * 1.4426950408889634
-    delta = gl.load(DELTA + stat_off + rows)
+    nxt = rows + 64  # past N after the last block: masked
+    lse2_n = gl.load(LSE + stat_off + nxt, mask=nxt < N, other=0.0) * 1.4426950408889634
+    delta_n = gl.load(DELTA + stat_off + nxt, mask=nxt < N, other=0.0)
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
     # -- S = Q_i K_w^T and dP = dO_i V_w^T (64 queries x 64 keys), both in flight
     s = warpgroup_mma(q_smem, k_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
     dp = warpgroup_mma(do_smem, v_w.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+    if DEFER and not FIRST:
+        dq = _dq_issue(ds_bufs, ds_full, k_half, dq_zero, i - 1)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s,))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     # -- P = exp2(S scale log2(e) - LSE_i) while dP runs
     p = gl.exp2(s * scale_log2 - lse2[:, None])
     if MASK:
@@ -118,7 +142,10 @@ def _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, re
     p_smem.store(p.to(q_smem.dtype))
     fence_async_shared()
     dv = warpgroup_mma(p_smem.permute((1, 0)), do_smem, dv, is_async=True)
-    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
+    if DEFER and not FIRST:
+        dp = warpgroup_mma_wait(num_outstanding=2, deps=(dp,))
+    else:
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp,))
     # -- dS = P (dP - Delta_i), scaled (S = scale Q K^T), into columns 64 WG .. of the tile's (64 x 128) dS
     ds = (p * (dp - delta[:, None]) * softmax_scale).to(q_smem.dtype)
     b = i % 2
@@ -129,24 +156,29 @@ def _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, re
     mbarrier.arrive(ds_full.index(b), count=1)
     # -- dK_w += dS_w^T Q_i
     dk = warpgroup_mma(ds_w.permute((1, 0)), q_smem, dk, is_async=True)
-    # -- dQ_i[:, w d/2 ..] = dS K[:, w d/2 ..] once both halves of dS are in
-    mbarrier.wait(ds_full.index(b), (i // 2) & 1)
-    dq = warpgroup_mma(ds_bufs.index(b), k_half, dq_zero, use_acc=False, is_async=True)
-    dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-    mbarrier.arrive(empty.index(slot), count=1)
-    mbarrier.arrive(ds_empty.index(b), count=1)
-    # -- dQ_i half into the float32 buffer (TMA reduce-add); the previous one has left dq_smem
-    tma.store_wait(0)
-    dq_smem.store(dq)
-    fence_async_shared()
-    _tma_reduce_add(dq_desc, [m, WG * (HEAD_D // 2)], dq_smem)
-    return dk, dv
+    if DEFER:
+        if FIRST:
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(empty.index(slot), count=1)
+        else:
+            dq, dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dv, dk))
+            mbarrier.arrive(empty.index(slot), count=1)
+            mbarrier.arrive(ds_empty.index((i - 1) % 2), count=1)
+            _dq_reduce(dq, dq_smem, dq_desc, m - 64, WG, HEAD_D)
+    else:
+        dq = _dq_issue(ds_bufs, ds_full, k_half, dq_zero, i)
+        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+        mbarrier.arrive(empty.index(slot), count=1)
+        mbarrier.arrive(ds_empty.index(b), count=1)
+        _dq_reduce(dq, dq_smem, dq_desc, m, WG, HEAD_D)
+    return dk, dv, lse2_n, delta_n
 
 
 @gluon.jit
-def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_full, ds_empty,
-                  dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn, n0, n_q,
-                  softmax_scale, scale_log2, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
+def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_full,
+                  ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn, n0,
+                  n_q, N, softmax_scale, scale_log2, WG: gl.constexpr, HEAD_D: gl.constexpr,
+                  STAGES: gl.constexpr, DEFER: gl.constexpr):
     """Consumer warpgroup WG (4 warps): keys n0 + 64 WG .. + 63; dK, dV in registers, dQ halves reduced."""
     HALF: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -165,33 +197,48 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_
     dv = gl.zeros([64, HEAD_D], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([64, 64], gl.float32, layout=s_layout)
     dq_zero = gl.zeros([64, HALF], gl.float32, layout=dq_layout)
+    rows = n0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    lse2 = gl.load(LSE + stat_off + rows) * 1.4426950408889634
+    delta = gl.load(DELTA + stat_off + rows)
     mbarrier.wait(kv_bar, 0)
     # -- query blocks 0 and 1 straddle the diagonal of the 128 keys: masked, outside the loop
-    for i in gl.static_range(2):
-        dk, dv = _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full,
-                           ds_empty, dq_desc, LSE, DELTA, stat_off, dk, dv, s_zero, dq_zero, n0, softmax_scale,
-                           scale_log2, WG, True, HEAD_D, STAGES, s_layout)
+    dk, dv, lse2, delta = _bwd_step(
+        0, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
+        dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale, scale_log2,
+        WG, True, True, DEFER, HEAD_D, STAGES, s_layout)
+    dk, dv, lse2, delta = _bwd_step(
+        1, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
+        dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale, scale_log2,
+        WG, True, False, DEFER, HEAD_D, STAGES, s_layout)
     for i in range(2, n_q):
-        dk, dv = _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full,
-                           ds_empty, dq_desc, LSE, DELTA, stat_off, dk, dv, s_zero, dq_zero, n0, softmax_scale,
-                           scale_log2, WG, False, HEAD_D, STAGES, s_layout)
+        dk, dv, lse2, delta = _bwd_step(
+            i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
+            dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale,
+            scale_log2, WG, False, False, DEFER, HEAD_D, STAGES, s_layout)
+    if DEFER:  # dQ of the last query block
+        last = n_q - 1
+        dq = _dq_issue(ds_bufs, ds_full, k_half, dq_zero, last)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(ds_empty.index(last % 2), count=1)
+        _dq_reduce(dq, dq_smem, dq_desc, n0 + last * 64, WG, HEAD_D)
     tma.store_wait(0)
 
     # -- dK (already scaled through dS) and dV of the 64 keys
-    rows = n0 + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
+    rows_k = n0 + 64 * WG + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, acc_layout))
     dtype: gl.constexpr = k_smem.dtype
-    gl.store(DK + dk_off + rows[:, None] * stride_dkn + cols[None, :], dk.to(dtype))
-    gl.store(DV + dv_off + rows[:, None] * stride_dvn + cols[None, :], dv.to(dtype))
+    gl.store(DK + dk_off + rows_k[:, None] * stride_dkn + cols[None, :], dk.to(dtype))
+    gl.store(DV + dv_off + rows_k[:, None] * stride_dvn + cols[None, :], dv.to(dtype))
 
 
 @gluon.jit
 def _bwd_ws_kernel(
     Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
     H, N, softmax_scale, scale_log2,
-    HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    HEAD_D: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
 ):
     """One program per (128 keys, batch * head); grid (N / 128, B * H), key block 0 (the most query blocks)
     first. DQ_ACC: (B, H, N, HEAD_D) float32 contiguous, zeroed. Launch with num_warps=4 (the default
@@ -232,12 +279,14 @@ def _bwd_ws_kernel(
     dv_off = b * stride_dvb + h * stride_dvh
     gl.warp_specialize(
         [
-            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_full,
-                             ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn,
-                             stride_dvn, n0, n_q, softmax_scale, scale_log2, 0, HEAD_D, STAGES)),
-            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_full,
-                             ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn,
-                             stride_dvn, n0, n_q, softmax_scale, scale_log2, 1, HEAD_D, STAGES)),
+            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
+                             ds_full, ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off,
+                             stride_dkn, stride_dvn, n0, n_q, N, softmax_scale, scale_log2, 0, HEAD_D, STAGES,
+                             DEFER)),
+            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
+                             ds_full, ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off,
+                             stride_dkn, stride_dvn, n0, n_q, N, softmax_scale, scale_log2, 1, HEAD_D, STAGES,
+                             DEFER)),
             (_bwd_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
                            empty, n0, n_q, STAGES)),
         ],
@@ -247,9 +296,11 @@ def _bwd_ws_kernel(
 
 
 @triton.jit
-def _bwd_prep_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                     H, N, HEAD_D: tl.constexpr, BLOCK: tl.constexpr):
-    """Delta = rowsum(dO * O) (float32 (B, H, N)) of BLOCK rows of one (batch, head); grid (N / BLOCK, B * H)."""
+def _bwd_prep_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+                     H, N, HEAD_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """Delta = rowsum(dO * O) - dLSE (float32 (B, H, N)) of BLOCK rows of one (batch, head); grid
+    (N / BLOCK, B * H). dLSE (B, H, N) float32 contiguous, the gradient of the LSE output: with it
+    dS = P (dP - Delta) still holds (d lse_i / d s_ij = P_ij)."""
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -257,28 +308,36 @@ def _bwd_prep_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_dob, 
     cols = tl.arange(0, HEAD_D)
     o = tl.load(O + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :])
     do = tl.load(DO + b * stride_dob + h * stride_doh + rows[:, None] * stride_don + cols[None, :])
-    tl.store(DELTA + bh * N + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1))
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + bh * N + rows)
+    tl.store(DELTA + bh * N + rows, delta)
 
 
-# head_dim -> Q / dO ring stages. Shared memory: K, V 2 * 128 * d, Q and dO 2 * STAGES * 64 * d (bf16), dS
-# 2 * 128 * 64 (bf16), dQ halves 2 * 64 * d / 2 (float32): d = 64 144 KiB at 4 stages, d = 128 192 KiB at 2
+# head_dim -> Q / dO ring stages. Shared memory: K, V 2 * 128 * d, Q and dO 2 * STAGES * 64 * d (bf16),
+# dS 2 * 64 * 128 and P 2 * 64 * 64 (bf16), dQ halves 2 * 64 * d / 2 (float32): d = 64 160 KiB at 4 stages,
+# d = 128 208 KiB at 2
 STAGES = {64: 4, 128: 2}
+# head_dim -> issue dQ_{i-1} in step i (H200, NOTES v14: +2.5-4.6% at d = 64; at d = 128 its accumulator
+# beside dK, dV, S and dP spills 952 bytes and runs 0.65x)
+DEFER = {64: True, 128: False}
 NUM_WARPS, MAXNREG = 4, 168
 
 
-def bwd_launch(do, q, k, v, o, lse, dq, dk, dv, softmax_scale: float) -> None:
+def bwd_launch(do, q, k, v, o, lse, dq, dk, dv, softmax_scale: float, dlse=None) -> None:
     """Launch the one-pass backward: fills dq, dk, dv (shapes of q, k, v; any strides with unit last stride).
 
     q, k, v, do, o (B, H, N, d) bf16 / fp16 on a CUDA sm_90 device, N % 128 == 0, d in STAGES, TMA-aligned
-    strides; lse (B, H, N) float32 contiguous (natural log). The caller checks these (`_gluon_route.route_bwd`)
-    and sets Triton's scratch allocator; this only launches (3 kernels: Delta, the backward, dQ's cast).
+    strides; lse and dlse (None: no LSE gradient) (B, H, N) float32 contiguous (natural log). The caller
+    checks these (`_gluon_route.route_bwd`) and sets Triton's scratch allocator; this only launches (3
+    kernels: Delta, the backward, dQ's cast).
     """
     B, H, N, d = (int(x) for x in q.shape)
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     dq_acc = torch.zeros((B, H, N, d), dtype=torch.float32, device=q.device)
     _bwd_prep_kernel[(N // 64, B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, N, HEAD_D=d, BLOCK=64, num_warps=4,
+        o, do, dlse, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, N, HEAD_D=d, BLOCK=64, HAS_DLSE=dlse is not None, num_warps=4,
     )
     _bwd_ws_kernel[(N // 128, B * H)](
         q, k, v, do, lse, delta, dq_acc, dk, dv,
@@ -286,35 +345,49 @@ def bwd_launch(do, q, k, v, o, lse, dq, dk, dv, softmax_scale: float) -> None:
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         H, N, softmax_scale, softmax_scale * LOG2E,
-        HEAD_D=d, STAGES=STAGES[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        HEAD_D=d, STAGES=STAGES[d], DEFER=DEFER[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
     dq.copy_(dq_acc)
 
 
-def _run(do, q, k, v, o, lse, softmax_scale, dq, dk, dv) -> None:
+def _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv) -> None:
     from .flash_attn import _device_ctx, ensure_scratch_allocator
 
     ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     with _device_ctx(q):
-        bwd_launch(do, q, k, v, o, lse.contiguous(), dq, dk, dv, softmax_scale)
+        bwd_launch(do, q, k, v, o, lse.contiguous(), dq, dk, dv, softmax_scale, dlse)
 
 
-def run(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+def run(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
         softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), new tensors laid out as q, k, v, for inputs that `_gluon_route.route_bwd` accepts."""
+    """(dq, dk, dv), new tensors laid out as q, k, v, for inputs that `_gluon_route.route_bwd` accepts
+    (dlse: the LSE output's gradient or None; a compiled graph passes zeros for an unused LSE)."""
     from .flash_attn import _empty_like_layout
 
     dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
-    _run(do, q, k, v, o, lse, softmax_scale, dq, dk, dv)
+    _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv)
     return dq, dk, dv
 
 
-def run_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, softmax_scale: float,
-               dqkv: Tensor) -> None:
+def run_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+               softmax_scale: float, dqkv: Tensor) -> None:
     """As `run`, writing into the three slices of dqkv (B, N, 3, H, d) (`kernels.flash_qkvpacked`)."""
     from .flash_attn import _packed_views
 
-    _run(do, q, k, v, o, lse, softmax_scale, *_packed_views(dqkv))
+    _run(do, q, k, v, o, lse, dlse, softmax_scale, *_packed_views(dqkv))
+
+
+def call(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+         softmax_scale: float, traced: bool, dqkv: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """`flash_attn._launch_bwd`'s Gluon path: (dq, dk, dv) as new tensors, or views of dqkv (B, N, 3, H, d)
+    that the kernels filled; through the custom ops below when `traced` (inside a compiled graph)."""
+    from .flash_attn import _packed_views
+
+    if dqkv is None:
+        return (backward if traced else run)(do, q, k, v, o, lse, dlse, softmax_scale)
+    (backward_packed if traced else run_packed)(do, q, k, v, o, lse, dlse, softmax_scale, dqkv)
+    return _packed_views(dqkv)
 
 
 # Opaque custom ops for compiled graphs (Inductor cannot trace a Gluon kernel: NOTES v9)
@@ -324,12 +397,12 @@ backward_packed = torch.library.custom_op("flashgpt::flash_attn_bwd_sm90_packed"
 
 
 @backward.register_fake
-def _backward_fake(do, q, k, v, o, lse, softmax_scale):
+def _backward_fake(do, q, k, v, o, lse, dlse, softmax_scale):
     from .flash_attn import _empty_like_layout
 
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
 
 @backward_packed.register_fake
-def _backward_packed_fake(do, q, k, v, o, lse, softmax_scale, dqkv):
+def _backward_packed_fake(do, q, k, v, o, lse, dlse, softmax_scale, dqkv):
     return None

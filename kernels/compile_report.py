@@ -242,8 +242,9 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
         fn, cfg = g._bwd_ws_kernel, TileConfig(64, 128, g.NUM_WARPS, g.STAGES[head_dim])
     signature, constants = {}, {}
     for name in fn.arg_names:
-        if name in ("HEAD_D", "STAGES"):
-            signature[name], constants[name] = "constexpr", head_dim if name == "HEAD_D" else cfg.num_stages
+        if name in ("HEAD_D", "STAGES", "DEFER"):
+            value = {"HEAD_D": head_dim, "STAGES": cfg.num_stages}.get(name) or g.DEFER[head_dim]
+            signature[name], constants[name] = "constexpr", value
         elif name in _TENSORS:
             signature[name] = "*" + _TL_NAME[dtype]
         elif name in _F32_TENSORS or name == "DQ_ACC":
@@ -258,8 +259,8 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
     ptx = compiled.asm["ptx"]
     regs, st, ld, ptxas_log = _ptxas_report(ptx, 90)
     tma, serial = "cp.async.bulk.tensor" in ptx, _wgmma_serialized(ptxas_log)
-    return CompileInfo(f"gluon_{which}", _TL_NAME[dtype], head_dim, cfg, compiled.metadata.shared, regs, st, ld,
-                       "wgmma" in ptx, tma, serial)  # fmt: skip
+    name, shared, wgmma = f"gluon_{which}", compiled.metadata.shared, "wgmma" in ptx
+    return CompileInfo(name, _TL_NAME[dtype], head_dim, cfg, shared, regs, st, ld, wgmma, tma, serial)
 
 
 def _ptxas_report(ptx: str, arch: int) -> tuple[int | None, int | None, int | None, str]:
