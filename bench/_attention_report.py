@@ -91,6 +91,15 @@ def markdown_report(records: Sequence[dict], meta: dict) -> str:
             if meta.get("flash_gluon_min_n")
             else []
         ),
+        *(
+            [
+                "- flash's backward on sm_90: the one-pass Gluon kernel from N = "
+                f"{meta['flash_gluon_min_n_bwd']} (MHA, N % 128 == 0; "
+                f"FLASHGPT_GLUON_BWD={meta.get('flash_gluon_bwd')}), the split Triton kernels otherwise"
+            ]
+            if meta.get("flash_gluon_min_n_bwd")
+            else []
+        ),
         "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference "
         "(not timed), — = not measured",
     ]

@@ -371,6 +371,7 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         cudnn = None
     from kernels import interpret_enabled  # the kernels' own test, so the record says what they ran
     from kernels._gluon_route import MIN_N as GLUON_MIN_N
+    from kernels._gluon_route import MIN_N_BWD as GLUON_MIN_N_BWD
 
     meta = {
         "benchmark": "causal self-attention, bench.attention",
@@ -387,6 +388,9 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
         # which forward `flash` runs on sm_90 at long N (kernels/_gluon_route.py): this and its MIN_N
         "flash_gluon_fwd": os.environ.get("FLASHGPT_GLUON_FWD", "auto"),
         "flash_gluon_min_n": {str(d): n for d, n in GLUON_MIN_N.items()},
+        # and which backward: the one-pass Gluon kernel from MIN_N_BWD (MHA, N % 128 == 0)
+        "flash_gluon_bwd": os.environ.get("FLASHGPT_GLUON_BWD", "auto"),
+        "flash_gluon_min_n_bwd": {str(d): n for d, n in GLUON_MIN_N_BWD.items()},
         "flops": "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd",
         "check": "O and dQ/dK/dV vs float32 reference (bench.attention.reference_attention) on "
                  "(batch, head) pairs from check_pairs(B, H); tolerances: O abs, grads relative to "

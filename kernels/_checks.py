@@ -236,3 +236,20 @@ def _seed_tensor(dropout_seed, device) -> torch.Tensor:
     elif not isinstance(dropout_seed, torch.Tensor):
         dropout_seed = torch.tensor([dropout_seed], dtype=torch.int64)
     return dropout_seed.reshape(1).to(device)
+
+
+def _prepare_call(
+    q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic=False
+):
+    """Validate a call (raises as `flash_attention` documents) and return (scale, variants): the softmax
+    scale as a float and the op's variant arguments (window or 0, q_doc, k_doc, dropout_p, seed tensor,
+    deterministic)."""
+    _validate(q, k, v, causal, softmax_scale)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
+    p = float(dropout_p)
+    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
+    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed, deterministic)

@@ -1,11 +1,13 @@
-"""When the causal forward runs the sm_90 Gluon kernel (`kernels/_gluon_fwd.py`) instead of the Triton one.
+"""When the causal forward and backward run the sm_90 Gluon kernels (`kernels/_gluon_fwd.py`,
+`kernels/_gluon_bwd.py`) instead of the Triton ones.
 
-Plain torch: importing this module imports no triton, so the CPU tests can check the rule. `gluon_fwd()`
-imports the kernel module itself, only for CUDA calls outside the interpreter.
+Plain torch: importing this module imports no triton, so the CPU tests can check the rules. `gluon_fwd()` and
+`gluon_bwd()` import the kernel modules themselves, only for CUDA calls outside the interpreter.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -15,28 +17,40 @@ from ._checks import interpret_enabled
 # Shortest N per head dim that takes the Gluon kernel: the H200 crossover against the Triton forward
 # (bench/NOTES.md v13). Below it the Triton kernel's smaller tiles and several programs per SM win.
 MIN_N = {64: 16384, 128: 4096}
+# The same for the one-pass backward (bench/NOTES.md v14: below it the split Triton backward wins).
+MIN_N_BWD = {64: 4096, 128: 2048}
 ENV = "FLASHGPT_GLUON_FWD"  # "auto" (default): MIN_N decides; "1": wherever it can run; "0": never
-_MODULE: list = []  # the imported kernel module, or None when Gluon cannot be imported here
+ENV_BWD = "FLASHGPT_GLUON_BWD"  # the same for the backward (MIN_N_BWD)
+_MODULES: dict = {}  # kernel module name -> the module, or None when Gluon cannot be imported here
+
+
+def _import(name: str):
+    if name not in _MODULES:
+        try:
+            _MODULES[name] = importlib.import_module(f".{name}", __package__)
+        except (ImportError, AssertionError):  # Gluon's import asserts that triton is not in interpreter mode
+            _MODULES[name] = None
+    return _MODULES[name]
 
 
 def gluon_fwd():
     """The `_gluon_fwd` module, or None where triton's Gluon does not import (an older triton, or a process
     whose triton was first imported under TRITON_INTERPRET=1). Imported once; importing it registers the
     op `flashgpt::flash_attn_fwd_sm90`."""
-    if not _MODULE:
-        try:
-            from . import _gluon_fwd
-        except (ImportError, AssertionError):  # Gluon's import asserts that triton is not in interpreter mode
-            _gluon_fwd = None
-        _MODULE.append(_gluon_fwd)
-    return _MODULE[0]
+    return _import("_gluon_fwd")
 
 
-def mode() -> str:
-    """FLASHGPT_GLUON_FWD: "auto", "0" or "1"; raises ValueError naming the variable for anything else."""
-    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+def gluon_bwd():
+    """The `_gluon_bwd` module (ops `flashgpt::flash_attn_bwd_sm90[_packed]`), or None as `gluon_fwd`."""
+    return _import("_gluon_bwd")
+
+
+def mode(env: str = ENV) -> str:
+    """FLASHGPT_GLUON_FWD (or `env`, e.g. ENV_BWD): "auto", "0" or "1"; raises ValueError naming the variable
+    for anything else."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
     if value not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected auto (the default), 1 (wherever it runs) or 0 (never)")
+        raise ValueError(f"{env}={value!r}: expected auto (the default), 1 (wherever it runs) or 0 (never)")
     return value
 
 
@@ -79,3 +93,40 @@ def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropo
     if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v)):
         return False
     return torch.cuda.get_device_capability(q.device) == (9, 0) and gluon_fwd() is not None
+
+
+def route_bwd(
+    do,
+    q,
+    k,
+    v,
+    o,
+    causal: bool,
+    softmax_scale: float,
+    dlse,
+    window: int,
+    q_doc,
+    dropout_p: float,
+    deterministic: bool,
+) -> bool:
+    """Whether `flash_attn._launch_bwd` runs the one-pass Gluon backward: what `route` asks of the forward
+    (with MIN_N_BWD and FLASHGPT_GLUON_BWD), and also one query head per KV head, N a multiple of 128, do and
+    o TMA-compatible, and neither `deterministic` nor
+    `torch.are_deterministic_algorithms_enabled()` (its dQ is summed by TMA reduce-add in no fixed order; the
+    split Triton backward is bitwise reproducible). Raises ValueError for a bad FLASHGPT_GLUON_BWD."""
+    how = mode(ENV_BWD)
+    if not q.is_cuda or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
+        return False
+    B, Hq, N = q.shape[:3]
+    d = int(q.shape[3])
+    if how == "0" or d not in MIN_N_BWD or not (how == "1" or N >= MIN_N_BWD[d]) or N % 128:
+        return False
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        return False
+    if k.shape[1] != Hq or k.shape[2] != N or B * Hq > 65535:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v, do, o)):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and gluon_bwd() is not None

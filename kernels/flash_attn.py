@@ -4,7 +4,8 @@ Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism 
 (2023): forward section 3.1, backward section 3.2; online softmax from Milakov & Gimelshein (2018). The
 Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in `kernels/tiles.py`. On an H200 /
 H100 (sm_90) the causal forward at long N runs the Gluon kernel of `kernels/_gluon_fwd.py` (FlashAttention-3's
-warp-specialised schedule; `_gluon_route.route` says when), which writes o and LSE as the Triton one does.
+warp-specialised schedule; `_gluon_route.route` says when), which writes o and LSE as the Triton one does,
+and the backward the one-pass Gluon kernel of `kernels/_gluon_bwd.py` (`_gluon_route.route_bwd`).
 
 Operators, so torch.compile traces callers without graph breaks:
 * CUDA tensors: `torch.library.triton_op`s
@@ -25,7 +26,6 @@ every call); CPU tensors are only accepted in that mode.
 """
 
 import contextlib
-import math
 
 import torch
 
@@ -38,6 +38,7 @@ from ._checks import (  # noqa: F401 - re-exported: flash_attn is where users an
     FlashAttentionUnavailableError,
     _check_variants,
     _device_problem,
+    _prepare_call,
     _seed_tensor,
     _validate,
     check_flash_available,
@@ -258,14 +259,17 @@ def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
 
 def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=None, traced: bool = False,
                 window: int = 0, q_doc=None, k_doc=None, dropout_p: float = 0.0, dropout_seed=None,
-                dqkv=None):
+                dqkv=None, deterministic: bool = False):
     """Backward launch: (dq, dk, dv), new tensors laid out as q, k, v (`_empty_like_layout`); with `dqkv` (a
     (B, N, 3, H, d) tensor, `kernels.flash_qkvpacked`) the kernels write its three slices and the views of
     them are returned. The kernels then get dqkv itself, never the views: a compiled graph may clone an
-    argument a kernel writes, and a clone of a view with gaps would not keep the strides the launch passes."""
+    argument a kernel writes, and a clone of a view with gaps would not keep the strides the launch passes.
+    The one-pass Gluon backward where `_gluon_route.route_bwd` allows (not `deterministic`), else the split
+    Triton kernels."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = _launch_bwd(do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal,
-                            softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed)
+                            softmax_scale, dlse, False, window, q_doc, k_doc, dropout_p, dropout_seed, None,
+                            deterministic)
         if dqkv is not None:
             dqkv.copy_(torch.stack(grads, dim=1).permute(0, 3, 1, 2, 4))  # (B, 3, H, N, d) -> (B, N, 3, H, d)
             return _packed_views(dqkv)
@@ -274,6 +278,9 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
     do = _unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
+    if _gluon_route.route_bwd(do, q, k, v, o, causal, softmax_scale, dlse, window, q_doc, dropout_p,
+                              deterministic):  # sm_90: the one-pass Gluon backward (dQ by TMA reduce-add)
+        return _gluon_route.gluon_bwd().call(do, q, k, v, o, lse, dlse, softmax_scale, traced, dqkv)
     interp = interpret_enabled()
     block_d = block_d_for(d)
     even_d = d == block_d
@@ -351,14 +358,14 @@ def _packed_views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _fwd_fake(q, k, v, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
-              dropout_seed=None):
+              dropout_seed=None, deterministic=False):
     q = _unit_last_stride(q)  # as _launch_fwd sees it
     B, Hq, Nq, d = q.shape
     return _empty_like_layout(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
-              dropout_p=0.0, dropout_seed=None):
+              dropout_p=0.0, dropout_seed=None, deterministic=False):
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # as _launch_bwd sees them
     return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
 
@@ -366,35 +373,26 @@ def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q
 def _fwd_op_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window: int = 0, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
-    dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
     (`flash_attention` validates). Variants: window (0 = none), q_doc / k_doc int32 (2, B, Nq) / (2, B, Nk)
-    document ranges (`document_ranges`), dropout_p with an int64 (1,) seed."""
+    document ranges (`document_ranges`), dropout_p with an int64 (1,) seed; deterministic is for the
+    backward (saved)."""
     return _launch_fwd(q, k, v, causal, softmax_scale, True, window, q_doc, k_doc, dropout_p, dropout_seed)
 
 
 def _bwd_op_body(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    softmax_scale: float,
-    dlse: torch.Tensor | None = None,
-    window: int = 0,
-    q_doc: torch.Tensor | None = None,
-    k_doc: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None,
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    causal: bool, softmax_scale: float, dlse: torch.Tensor | None = None, window: int = 0,
+    q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, dropout_p: float = 0.0,
+    dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), each dense with its input's dim order
     (`_empty_like_layout`). dlse: optional gradient of the lse output (float32 (B, Hq, Nq)). Variants
-    as in the forward op. Deterministic (no atomics)."""
+    as in the forward op; deterministic: the split backward even where the one-pass one would run."""
     return _launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, True, window, q_doc, k_doc,
-                       dropout_p, dropout_seed)
+                       dropout_p, dropout_seed, None, deterministic)
 
 
 # one body, two registrations: traced into the graph on CUDA, opaque (with a fake) for the interpreter
@@ -414,13 +412,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def _save(ctx, q, k, v, o, lse, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
-          dropout_seed=None):
+          dropout_seed=None, deterministic=False):
     """Keep what the backward needs: q, k, v, o, lse and the variants' tensors, and the flags."""
     ctx.save_for_backward(q, k, v, o, lse, q_doc, k_doc, dropout_seed)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.window = window
     ctx.dropout_p = dropout_p
+    ctx.deterministic = deterministic
 
 
 def _grads_from_saved(ctx, do, dlse, backward_fn):
@@ -430,8 +429,9 @@ def _grads_from_saved(ctx, do, dlse, backward_fn):
     if do is None:
         do = torch.zeros_like(o)
     dq, dk, dv = backward_fn(do, q, k, v, o, lse, ctx.causal, ctx.softmax_scale, dlse, window=ctx.window,
-                             q_doc=q_doc, k_doc=k_doc, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                             q_doc=q_doc, k_doc=k_doc, dropout_p=ctx.dropout_p, dropout_seed=dropout_seed,
+                             deterministic=ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 flash_attn_fwd.register_autograd(lambda ctx, do, dlse: _grads_from_saved(ctx, do, dlse, flash_attn_bwd),
@@ -456,10 +456,12 @@ class _FlashAttnEager(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed):
+    def forward(ctx, q, k, v, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
+                deterministic):
         o, lse = _launch_fwd(q, k, v, causal, softmax_scale, False, window, q_doc, k_doc, dropout_p,
                              dropout_seed)
-        _save(ctx, q, k, v, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed)
+        _save(ctx, q, k, v, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
+              deterministic)
         ctx.set_materialize_grads(False)  # an unused lse output gets None, not a tensor of zeros
         return o, lse
 
@@ -512,25 +514,17 @@ def dropout_keep_mask(dropout_seed, B: int, Hq: int, Nq: int, Nk: int, dropout_p
     return _dropout_mask(_seed_tensor(dropout_seed, torch.device(device)), B, Hq, Nq, Nk, dropout_p)
 
 
-def _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed):
-    """Validate a call (raises as `flash_attention` documents) and return (scale, variants): the softmax
-    scale as a float and the op's variant arguments (window or 0, q_doc, k_doc, dropout_p, seed tensor)."""
-    _validate(q, k, v, causal, softmax_scale)
-    docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
-    p = float(dropout_p)
-    seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
-    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed)
-
-
 def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
-                    dropout_p=0.0, dropout_seed=None):
+                    dropout_p=0.0, dropout_seed=None, deterministic=False):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
     Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of
-    Milakov & Gimelshein 2018. Memory is O(N) (no N x N tensor); the backward recomputes P from
-    q, k and the saved LSE and is deterministic (no atomics: bitwise-identical gradients run to run).
+    Milakov & Gimelshein 2018; on sm_90 at long N FlashAttention-3's schedule in Gluon (Shah et al. 2024;
+    kernels/_gluon_fwd.py, _gluon_bwd.py). Memory is O(N) (no N x N tensor); the backward recomputes P from
+    q, k and the saved LSE. Bitwise reproducible run to run (outputs, and gradients from the split Triton
+    backward, which has no atomics) except dq where the one-pass Gluon backward runs (sm_90, causal, MHA,
+    N % 128 == 0 from `_gluon_route.MIN_N_BWD`; its dq is summed by TMA reduce-add in no fixed order, to
+    float32 rounding); `deterministic=True` or torch.use_deterministic_algorithms(True) keeps the split one.
 
     Args:
         q: (B, Hq, Nq, d) query, SDPA layout.
@@ -563,6 +557,7 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         dropout_seed: None (drawn from torch's default generator: reproducible under torch.manual_seed),
             an int in [0, 2**63), or an int64 tensor of one element (no recompilation per seed under
             torch.compile). Same seed, same mask. `dropout_keep_mask` returns the mask (for tests).
+        deterministic: bitwise-reproducible gradients (the split Triton backward) wherever it runs.
     Returns:
         o (B, Hq, Nq, d) in the input dtype, a new dense tensor whose dims lie in memory in q's order
         (contiguous for contiguous q; (B, N, H, d) memory for the trainer's fused-qkv views, so
@@ -575,7 +570,7 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         results, less host overhead).
     Raises (before any kernel launch):
         TypeError: non-tensor input, unsupported dtype, dtype mismatch, non-bool causal,
-            non-numeric softmax_scale, doc_ids not an integer tensor (or pair).
+            non-numeric softmax_scale, doc_ids not an integer tensor (or pair), non-bool deterministic.
         ValueError: wrong rank, batch / head-dim / Nk / Hkv mismatch, Hq not a multiple of Hkv,
             d outside [8, 256], an empty dim (N == 0), tensors on different devices,
             non-finite softmax_scale; window not an int >= 1 or without causal; doc_ids of the wrong
@@ -583,7 +578,8 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
         FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
             TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
     """
-    scale, variants = _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed)
+    scale, variants = _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed,
+                                    deterministic)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if _plain_eager_call(q, k, v):
         o, lse = _FlashAttnEager.apply(q, k, v, causal, scale, *variants)  # same kernels, less host time

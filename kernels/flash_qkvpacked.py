@@ -28,16 +28,17 @@ def _forward(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropou
 
 
 def _backward(do, qkv, o, lse, causal, softmax_scale, dlse, window, q_doc, k_doc, dropout_p, dropout_seed,
-              traced):
+              deterministic, traced):
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)  # (B, N, 3, H, d)
     _launch_bwd(do.transpose(1, 2), *_views(qkv), o.transpose(1, 2), lse, causal, softmax_scale, dlse, traced,
-                window, q_doc, k_doc, dropout_p, dropout_seed, dqkv=dqkv)
+                window, q_doc, k_doc, dropout_p, dropout_seed, dqkv=dqkv, deterministic=deterministic)
     return dqkv
 
 
 def _fwd_body(
     qkv: torch.Tensor, causal: bool, softmax_scale: float, window: int = 0, q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward op: o (B, N, H, d) in qkv's dtype, lse float32 (B, H, N). Variants as `flash_attn_fwd`'s."""
     return _forward(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed, True)
@@ -47,20 +48,22 @@ def _bwd_body(
     do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
     softmax_scale: float, dlse: torch.Tensor | None = None, window: int = 0,
     q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None,
+    dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
 ) -> torch.Tensor:
-    """Backward op: d(qkv), a new contiguous (B, N, 3, H, d) tensor in qkv's dtype. Deterministic."""
+    """Backward op: d(qkv), a new contiguous (B, N, 3, H, d) tensor in qkv's dtype; the backward kernels as
+    `flash_attn_bwd` picks them (deterministic: the split Triton ones)."""
     return _backward(do, qkv, o, lse, causal, softmax_scale, dlse, window, q_doc, k_doc, dropout_p,
-                     dropout_seed, True)
+                     dropout_seed, deterministic, True)
 
 
-def _fwd_fake(qkv, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0, dropout_seed=None):
+def _fwd_fake(qkv, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0, dropout_seed=None,
+              deterministic=False):
     o, lse = _unpacked_fwd_fake(*_views(qkv), causal, softmax_scale)  # the layout _forward gives
     return o.transpose(1, 2), lse
 
 
 def _bwd_fake(do, qkv, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
-              dropout_p=0.0, dropout_seed=None):
+              dropout_p=0.0, dropout_seed=None, deterministic=False):
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
@@ -74,9 +77,11 @@ fwd_op_cpu.register_fake(_fwd_fake)
 bwd_op_cpu.register_fake(_bwd_fake)
 
 
-def _save(ctx, qkv, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed):
+def _save(ctx, qkv, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
+          deterministic=False):
     ctx.save_for_backward(qkv, o, lse, q_doc, k_doc, dropout_seed)
     ctx.causal, ctx.softmax_scale, ctx.window, ctx.dropout_p = causal, softmax_scale, window, dropout_p
+    ctx.deterministic = deterministic
 
 
 def _setup_context(ctx, inputs, output):
@@ -90,8 +95,8 @@ def _grads(ctx, do, dlse, backward_fn):
     if do is None:
         do = torch.zeros_like(o)
     dqkv = backward_fn(do, qkv, o, lse, ctx.causal, ctx.softmax_scale, dlse, ctx.window, q_doc, k_doc,
-                       ctx.dropout_p, dropout_seed)
-    return (dqkv,) + (None,) * 7
+                       ctx.dropout_p, dropout_seed, ctx.deterministic)
+    return (dqkv,) + (None,) * 8
 
 
 fwd_op.register_autograd(lambda ctx, do, dlse: _grads(ctx, do, dlse, bwd_op), setup_context=_setup_context)
@@ -107,9 +112,11 @@ class _QKVPackedEager(torch.autograd.Function):
     """Plain eager mode: the same launchers without the op dispatcher (as `flash_attn._FlashAttnEager`)."""
 
     @staticmethod
-    def forward(ctx, qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed):
+    def forward(ctx, qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
+                deterministic):
         o, lse = _forward(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed, False)
-        _save(ctx, qkv, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed)
+        _save(ctx, qkv, o, lse, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
+              deterministic)
         ctx.set_materialize_grads(False)
         return o, lse
 
@@ -121,7 +128,7 @@ class _QKVPackedEager(torch.autograd.Function):
 
 
 def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_lse=False, window=None,
-                              doc_ids=None, dropout_p=0.0, dropout_seed=None):
+                              doc_ids=None, dropout_p=0.0, dropout_seed=None, deterministic=False):
     """`flash_attention` on the packed output of a fused qkv projection; the backward returns d(qkv) whole.
 
     Equal, bit for bit, to ``flash_attention(q, k, v, ...).transpose(1, 2)`` with q, k, v =
@@ -133,7 +140,8 @@ def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_ls
         qkv: (B, N, 3, H, d), float16 / bfloat16 / float32, CUDA (or CPU with TRITON_INTERPRET=1); e.g. a
             (B, N, 3 * H * d) projection output viewed as ``.view(B, N, 3, H, d)``. Any strides (a non-unit
             stride on the last dim costs a copy). d in [8, 256].
-        causal, softmax_scale, return_lse, window, doc_ids, dropout_p, dropout_seed: as in `flash_attention`
+        causal, softmax_scale, return_lse, window, doc_ids, dropout_p, dropout_seed, deterministic: as in
+            `flash_attention`
             (doc_ids (B, N); the sequence is shared by queries and keys).
     Returns:
         o (B, N, H, d) in qkv's dtype (contiguous for a contiguous qkv), and with return_lse also lse float32
@@ -165,7 +173,7 @@ def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_ls
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale, variants = _prepare_call(*_views(qkv), causal, softmax_scale, window, doc_ids, dropout_p,
-                                    dropout_seed)
+                                    dropout_seed, deterministic)
     if _plain_eager_call(qkv):
         o, lse = _QKVPackedEager.apply(qkv, causal, scale, *variants)
     else:

@@ -43,6 +43,13 @@ def _ieee_fp32_matmul():
     torch.set_float32_matmul_precision(previous)
 
 
+@pytest.fixture
+def split_bwd(monkeypatch):
+    """The split Triton backward even where the one-pass Gluon one would run (sm_90, N >= MIN_N_BWD): for the
+    tests of its bitwise properties (tests/test_gluon_bwd_gpu.py tests the Gluon one)."""
+    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "0")
+
+
 def _flash():
     from kernels import flash_attention
 
@@ -174,8 +181,8 @@ def test_strided_fused_qkv_gpu(seed, dtype):
 
 
 @pytest.mark.parametrize("Hq,Hkv", [(8, 8), (8, 2)])
-def test_backward_deterministic_gpu(seed, Hq, Hkv):
-    """No atomics: bitwise-identical gradients across runs (MHA and GQA)."""
+def test_backward_deterministic_gpu(seed, split_bwd, Hq, Hkv):
+    """The split backward has no atomics: bitwise-identical gradients across runs (MHA and GQA)."""
     q, k, v, do = make_inputs(seed, 2, Hq, Hkv, 4096, 4096, 128, BF16)
     a = flash_with_grads(q, k, v, do, True)
     b = flash_with_grads(q, k, v, do, True)
@@ -255,7 +262,7 @@ def test_torch_compile_fullgraph_gpu(seed):
         ("fused", 8, 8, 2048, 128),
     ],
 )
-def test_tma_backward_bitwise_gpu(seed, layout, Hq, Hkv, N, d):
+def test_tma_backward_bitwise_gpu(seed, split_bwd, layout, Hq, Hkv, N, d):
     """Tensor-descriptor (TMA) loads in the compiled backward: same tiles, so bitwise-identical gradients
     to the pointer loads, for contiguous heads with GQA and for the trainer's fused-qkv layout (N a
     multiple of the blocks: the launcher's condition for TMA)."""
@@ -319,7 +326,7 @@ def _compiled_fwd_bwd(q, k, v, do, mode=None):
 
 
 @pytest.mark.parametrize("Hq,Hkv,N,d", [(12, 12, 1024, 64), (8, 2, 2048, 128), (4, 4, 4096, 64)])
-def test_compiled_graph_holds_the_triton_kernels_gpu(seed, Hq, Hkv, N, d):
+def test_compiled_graph_holds_the_triton_kernels_gpu(seed, split_bwd, Hq, Hkv, N, d):
     """Under torch.compile the generated code launches our Triton kernels itself (triton_op +
     wrap_triton): the forward and backward code define _fwd_kernel / _bwd_dq_kernel / _bwd_dkdv_kernel
     and never call back into the flashgpt Python ops; the results equal eager mode bitwise."""

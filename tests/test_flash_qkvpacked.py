@@ -158,6 +158,7 @@ def test_packed_ops_opcheck(seed):
         ("int", TypeError, "qkv has dtype torch.int64"),
         ((2, 0, 3, 2, 16), ValueError, r"qkv \(2, 0, 3, 2, 16\) has an empty dim"),
         ("lse", TypeError, "return_lse must be a bool"),
+        ("det", TypeError, "deterministic must be a bool"),
     ],
 )
 def test_packed_bad_input(bad, err, match):
@@ -169,6 +170,8 @@ def test_packed_bad_input(bad, err, match):
         x = torch.zeros(1, 8, 3, 2, 16, dtype=torch.int64)
     elif bad == "lse":
         x, kw = torch.randn(1, 8, 3, 2, 16), {"return_lse": "yes"}
+    elif bad == "det":
+        x, kw = torch.randn(1, 8, 3, 2, 16), {"deterministic": 1}
     else:
         x = torch.randn(*bad)
     with pytest.raises(err, match=match):

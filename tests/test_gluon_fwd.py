@@ -1,26 +1,30 @@
-"""CPU tests of the sm_90 Gluon forward (kernels/_gluon_fwd.py): it compiles for sm_90 as launched (no
-spills, asynchronous wgmma, TMA, within a block's shared memory), and `route` keeps it off CPU tensors and
-rejects a bad FLASHGPT_GLUON_FWD. Its numerics are tested on the GPU (tests/test_gluon_fwd_gpu.py): Gluon
-has no interpreter."""
+"""CPU tests of the sm_90 Gluon kernels (kernels/_gluon_fwd.py, _gluon_bwd.py): they compile for sm_90 as
+launched (asynchronous wgmma, TMA, within a block's shared memory, no or few spills), and `route` /
+`route_bwd` keep them off CPU tensors and reject a bad FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD. Their
+numerics are tested on the GPU (tests/test_gluon_fwd_gpu.py, test_gluon_bwd_gpu.py): Gluon has no
+interpreter."""
 
 import pytest
 import torch
 
 _COMPILE_ALL = """
 import dataclasses, json, torch
-from kernels.compile_report import compile_gluon_fwd
+from kernels.compile_report import compile_gluon_bwd, compile_gluon_fwd
 out = []
-for d in (64, 128):
-    for dtype in (torch.bfloat16, torch.float16):
-        info = compile_gluon_fwd(d, dtype)
-        out.append(dict(dataclasses.asdict(info), config=None, line=info.line()))
+for fn in (compile_gluon_fwd, compile_gluon_bwd):
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float16):
+            info = fn(d, dtype)
+            out.append(dict(dataclasses.asdict(info), config=None, line=info.line()))
 print(json.dumps(out))
 """
 
 
-def test_gluon_fwd_compiles_for_sm90():
-    """d 64 / 128 x bf16 / fp16, as fwd_launch launches it. In a fresh process: the Triton interpreter,
-    which other tests run in this one, patches triton's math functions that Gluon's call too."""
+def test_gluon_kernels_compile_for_sm90():
+    """Forward and backward, d 64 / 128 x bf16 / fp16, as fwd_launch / bwd_launch launch them. In a fresh
+    process: the Triton interpreter, which other tests run in this one, patches triton's math functions that
+    Gluon's call too. The backward at d = 128 may spill a few registers (NOTES v14: 36 / 56 bytes, measured
+    at 1.03-1.06x cuDNN), never more than 64 bytes."""
     import json
     import os
     import subprocess
@@ -32,18 +36,21 @@ def test_gluon_fwd_compiles_for_sm90():
                           cwd=Path(__file__).resolve().parents[1], timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     infos = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(infos) == 4
+    assert len(infos) == 8
     for info in infos:
         assert info["shared_bytes"] <= 227 * 1024, info["line"]
-        assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0, info["line"]
+        budget = 64 if info["kernel"] == "gluon_bwd" and info["head_dim"] == 128 else 0
+        assert info["spill_store_bytes"] <= budget and info["spill_load_bytes"] <= budget, info["line"]
         assert info["uses_wgmma"] and info["uses_tma"] and not info["wgmma_serialized"], info["line"]
 
 
 def test_gluon_compile_rejects_what_the_route_never_sends():
-    from kernels.compile_report import compile_gluon_fwd
+    from kernels.compile_report import compile_gluon_bwd, compile_gluon_fwd
 
     with pytest.raises(ValueError, match="d in \\[64, 128\\]"):
         compile_gluon_fwd(96)
+    with pytest.raises(ValueError, match="d in \\[64, 128\\]"):
+        compile_gluon_bwd(80)
     with pytest.raises(ValueError, match="bf16 / fp16"):
         compile_gluon_fwd(64, torch.float32)
 
@@ -65,6 +72,19 @@ def test_route_off_the_gpu_and_bad_mode(monkeypatch):
     monkeypatch.setenv(_gluon_route.ENV, "on")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_FWD='on'"):
         _gluon_route.route(q, q, q, True, 0.125, 0, None, 0.0)
+
+
+def test_route_bwd_off_the_gpu_and_bad_mode(monkeypatch):
+    from kernels import _gluon_route
+
+    q = torch.randn(1, 2, 8192, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv(_gluon_route.ENV_BWD, "1")
+    assert not _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, None, 0, None, 0.0, False)  # CPU: never
+    monkeypatch.setenv(_gluon_route.ENV_BWD, "fast")
+    with pytest.raises(ValueError, match="FLASHGPT_GLUON_BWD='fast'"):
+        _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, None, 0, None, 0.0, False)
+    monkeypatch.setenv(_gluon_route.ENV_BWD, "auto")
+    assert _gluon_route.mode(_gluon_route.ENV_BWD) == "auto" and _gluon_route.mode() == "auto"
 
 
 def test_importing_the_route_imports_no_triton():

@@ -535,3 +535,6 @@ def test_bad_gluon_env_is_a_config_error(monkeypatch):
     resolve_plan(compose_cfg(["attention=sdpa"]), world_size=1, cuda_available=True)
     monkeypatch.setenv("FLASHGPT_GLUON_FWD", "0")
     resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
+    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "on")
+    with pytest.raises(ConfigError, match="FLASHGPT_GLUON_BWD='on'.*unset it"):
+        resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)

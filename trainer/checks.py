@@ -113,12 +113,12 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
 
 
 def _check_gluon_env() -> None:
-    """FLASHGPT_GLUON_FWD, which the flash forward reads (kernels/_gluon_route.py), checked before the run
-    starts rather than at its first forward."""
-    from kernels._gluon_route import mode
+    """FLASHGPT_GLUON_FWD and FLASHGPT_GLUON_BWD, which the flash forward and backward read
+    (kernels/_gluon_route.py), checked before the run starts rather than at its first step."""
+    from kernels._gluon_route import ENV, ENV_BWD, mode
 
     try:
-        mode()
+        mode(ENV), mode(ENV_BWD)
     except ValueError as e:
         raise ConfigError(f"environment variable {e}; unset it for the default") from None
 
@@ -137,7 +137,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     Raises:
         ConfigError: naming the key and a valid value: any check of ``trainer.config.validate``;
             device=cuda without CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with
-            a bad FLASHGPT_GLUON_FWD;
+            a bad FLASHGPT_GLUON_FWD or FLASHGPT_GLUON_BWD;
             compile_mode=reduce-overhead with several ranks; a batch split that does not divide
             (``BatchConfig.split``); a bad perf.peak_flops; perf.trace without perf.profile_steps.
     """
