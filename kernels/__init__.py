@@ -2,7 +2,8 @@
 
 Public API:
 * `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
-  dropout_p=0.0, dropout_seed=None)` -- with issue 16's variants (sliding window, document masks, dropout)
+  dropout_p=0.0, dropout_seed=None, deterministic=False)` -- with issue 16's variants (sliding window,
+  document masks, dropout); deterministic=True keeps the bitwise-reproducible split backward on sm_90
 * `flash_attention_qkvpacked(qkv, ...)` -- the same on a fused projection's qkv (B, N, 3, H, d): the backward
   writes d(qkv) whole, so autograd concatenates nothing (`flash_qkvpacked.py`)
 * `dropout_keep_mask(seed, B, Hq, Nq, Nk, p)` -- the kernels' own dropout keep mask (tests);
@@ -16,11 +17,13 @@ Public API:
 
 Files:
 * `flash_attn.py`      launchers, ops, public API (re-exports the names of `_checks.py`)
-* `_checks.py`         device / interpreter checks, argument and variant validation, `document_ranges`
+* `_checks.py`         device / interpreter checks, argument and variant validation, `document_ranges`,
+                       `_prepare_call`
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
 * `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
 * `_gluon_fwd.py`      the sm_90 causal forward in Gluon (FlashAttention-3's schedule), used at long N
-* `_gluon_route.py`    when the forward takes it (plain torch: no triton import)
+* `_gluon_bwd.py`      the sm_90 causal backward in Gluon: one pass, dQ by TMA reduce-add, used at long N
+* `_gluon_route.py`    when the forward and backward take them (plain torch: no triton import)
 * `flash_qkvpacked.py` the packed-qkv entry point and its ops (same launchers)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels
 * `reference.py`       `attention_reference` / `attention_mask`: the one float64 reference, explicit mask

@@ -458,7 +458,11 @@ class TrainConfig:
         "several ranks (torchrun): ddp (replicated, all-reduce) | fsdp (FSDP2 sharded; DCP checkpoints)",
         PARALLEL_MODES,
     )
-    deterministic: bool = spec(False, "torch.use_deterministic_algorithms (bitwise-reproducible runs)", BOOL)
+    deterministic: bool = spec(
+        False,
+        "torch.use_deterministic_algorithms (bitwise-reproducible runs; flash: the split backward on sm_90)",
+        BOOL,
+    )
     resume: bool = spec(False, "continue the run in out_dir from its newest loadable checkpoint", BOOL)
     nonfinite: str = spec(
         "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")
