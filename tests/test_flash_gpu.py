@@ -43,6 +43,34 @@ def _ieee_fp32_matmul():
     torch.set_float32_matmul_precision(previous)
 
 
+def gluon_sm90_env(monkeypatch, env: str):
+    """Body of the Gluon GPU tests' autouse fixture (``yield from``): skip without an sm_90 GPU, compiled
+    kernels, ``env`` = 1 (the Gluon kernel wherever it can run), no TF32 in the float32 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels are for sm_90 (H100 / H200)")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(env, "1")
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
+
+
+def spy_launches(monkeypatch, module, name: str, shape_of) -> list:
+    """Replace ``module.name`` (a launcher) by a spy that records ``shape_of(*args)`` per call; the list."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args):
+        calls.append(tuple(shape_of(*args)))
+        real(*args)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.fixture
 def split_bwd(monkeypatch):
     """The split Triton backward even where the one-pass Gluon one would run (sm_90, N >= MIN_N_BWD): for the

@@ -13,39 +13,31 @@ import math
 import pytest
 import torch
 
-from tests.test_flash_gpu import BF16, F16, assert_fa_rule, flash_with_grads, make_inputs, naive_chunked
+from tests.test_flash_gpu import (
+    BF16,
+    F16,
+    assert_fa_rule,
+    flash_with_grads,
+    gluon_sm90_env,
+    make_inputs,
+    naive_chunked,
+    spy_launches,
+)
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _sm90(monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon backward is for sm_90 (H100 / H200)")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "1")
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # the float32 reference must not use TF32
-    yield
-    torch.set_float32_matmul_precision(previous)
+    yield from gluon_sm90_env(monkeypatch, "FLASHGPT_GLUON_BWD")
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts the Gluon backward's launches (q's shape per launch)."""
+    """The Gluon backward's launches (q's shape per launch)."""
     from kernels import _gluon_bwd
 
-    calls = []
-    real = _gluon_bwd.bwd_launch
-
-    def spy(do, q, *args):
-        calls.append(tuple(q.shape))
-        real(do, q, *args)
-
-    monkeypatch.setattr(_gluon_bwd, "bwd_launch", spy)
-    return calls
+    return spy_launches(monkeypatch, _gluon_bwd, "bwd_launch", lambda do, q, *args: q.shape)
 
 
 # (dtype, B, H, N, d)

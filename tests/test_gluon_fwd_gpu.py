@@ -18,8 +18,10 @@ from tests.test_flash_gpu import (
     _compiled_fwd_bwd,
     assert_fa_rule,
     flash_with_grads,
+    gluon_sm90_env,
     make_inputs,
     naive_chunked,
+    spy_launches,
 )
 
 pytestmark = pytest.mark.gpu
@@ -27,32 +29,15 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _sm90(monkeypatch):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the Gluon forward is for sm_90 (H100 / H200)")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "1")
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # the float32 reference must not use TF32
-    yield
-    torch.set_float32_matmul_precision(previous)
+    yield from gluon_sm90_env(monkeypatch, "FLASHGPT_GLUON_FWD")
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Counts the Gluon forward's launches."""
+    """The Gluon forward's launches (q's shape per launch)."""
     from kernels import _gluon_fwd
 
-    calls = []
-    real = _gluon_fwd.fwd_launch
-
-    def spy(q, *args):
-        calls.append(q.shape)
-        real(q, *args)
-
-    monkeypatch.setattr(_gluon_fwd, "fwd_launch", spy)
-    return calls
+    return spy_launches(monkeypatch, _gluon_fwd, "fwd_launch", lambda q, *args: q.shape)
 
 
 # (dtype, B, Hq, Hkv, N, d)
