@@ -14,6 +14,7 @@ from kernels.reference import chunked_causal_reference as reference_attention  #
 
 PROVIDERS: tuple[str, ...] = (
     "flash",
+    "flash-det",
     "naive",
     "sdpa-flash",
     "sdpa-cudnn",
@@ -117,19 +118,21 @@ def sdpa_backend(name: str):
 def build_provider(name: str, *, n: int, device: torch.device) -> Callable:
     """Return ``fn(q, k, v) -> o`` (causal, default scale 1/sqrt(d)) for provider `name`.
 
-    flash: kernels.flash_attention; naive: see `naive_impl`; sdpa-<backend>:
+    flash: kernels.flash_attention; flash-det: the same with deterministic=True (the split Triton backward,
+    bitwise reproducible, where flash runs the one-pass Gluon backward on sm_90); naive: see `naive_impl`;
+    sdpa-<backend>:
     F.scaled_dot_product_attention(is_causal=True) under torch.nn.attention.sdpa_kernel([backend]);
     flex: compiled flex_attention with a causal block mask built here, once per shape (length `n`).
     Raises ValueError for an unknown name (valid: PROVIDERS), ImportError/RuntimeError when the
     provider cannot exist here (e.g. kernels/ not importable, flash on CPU without TRITON_INTERPRET=1).
     """
-    if name == "flash":
+    if name in ("flash", "flash-det"):
         import kernels
 
         if hasattr(kernels, "check_flash_available"):
             kernels.check_flash_available(device)
-        flash_attention = kernels.flash_attention
-        return lambda q, k, v: flash_attention(q, k, v, causal=True)
+        flash_attention, det = kernels.flash_attention, name == "flash-det"
+        return lambda q, k, v: flash_attention(q, k, v, causal=True, deterministic=det)
     if name == "naive":
         return naive_impl()[0]
     if name.startswith("sdpa-"):

@@ -1,5 +1,6 @@
-"""Causal-attention kernel benchmark: our Triton FlashAttention against naive attention, PyTorch SDPA
-(pinned to each backend) and FlexAttention.
+"""Causal-attention kernel benchmark: our Triton FlashAttention (``flash``, and ``flash-det`` with
+deterministic=True: the bitwise-reproducible split backward) against naive attention, PyTorch SDPA (pinned to
+each backend) and FlexAttention.
 
 Usage (GPU)::
 
@@ -72,7 +73,7 @@ from bench._timing import Timer, classify_exception  # noqa: F401
 from bench._timing import free_memory as _free
 
 GPU_DEFAULT_PROVIDERS: tuple[str, ...] = (
-    "flash", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex",
+    "flash", "flash-det", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex",
 )
 DRY_RUN_PROVIDERS: tuple[str, ...] = ("flash", "naive", "sdpa-math")
 RECORD_KEYS: tuple[str, ...] = (

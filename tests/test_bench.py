@@ -94,13 +94,14 @@ def test_attention_dry_run_flash(tmp_path):
     kernels = pytest.importorskip("kernels")
     if not hasattr(kernels, "flash_attention"):
         pytest.skip("kernels.flash_attention not written yet")
-    data = _run_bench(tmp_path, "--providers", "flash,naive", "--seqlens", "32", "--cpu-reps", "1")
-    flash = [r for r in data["records"] if r["provider"] == "flash"]
-    assert [r["mode"] for r in flash] == ["fwd", "bwd", "fwdbwd"]
-    for r in flash:
-        assert r["status"] == "ok", r  # checked against the float32 reference inside the benchmark
-        assert r["max_abs_err"] < 1e-3
-        _check_flops(r)
+    data = _run_bench(tmp_path, "--providers", "flash,flash-det,naive", "--seqlens", "32", "--cpu-reps", "1")
+    for name in ("flash", "flash-det"):  # flash-det: deterministic=True (the split backward everywhere)
+        flash = [r for r in data["records"] if r["provider"] == name]
+        assert [r["mode"] for r in flash] == ["fwd", "bwd", "fwdbwd"]
+        for r in flash:
+            assert r["status"] == "ok", r  # checked against the float32 reference inside the benchmark
+            assert r["max_abs_err"] < 1e-3
+            _check_flops(r)
 
 
 def test_attention_merge_records_invocations(tmp_path):
