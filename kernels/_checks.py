@@ -149,7 +149,7 @@ def _validate(q, k, v, causal, softmax_scale) -> None:
             f"B={B} and Hq={Hq} must each be <= {_MAX_GRID_YZ} (CUDA grid limit); split the batch"
         )
     if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+        raise TypeError(f"causal must be a bool, got {_type_name(causal)}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
@@ -238,6 +238,13 @@ def _seed_tensor(dropout_seed, device) -> torch.Tensor:
     return dropout_seed.reshape(1).to(device)
 
 
+def _type_name(x) -> str:
+    """A value's type for an error message, module-qualified outside builtins (numpy's bool_ is also
+    named "bool")."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _prepare_call(
     q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic=False
 ):
@@ -246,7 +253,7 @@ def _prepare_call(
     deterministic)."""
     _validate(q, k, v, causal, softmax_scale)
     if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+        raise TypeError(f"deterministic must be a bool, got {_type_name(deterministic)}")
     docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)

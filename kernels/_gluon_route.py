@@ -48,9 +48,10 @@ def gluon_bwd():
 def mode(env: str = ENV) -> str:
     """FLASHGPT_GLUON_FWD (or `env`, e.g. ENV_BWD): "auto", "0" or "1"; raises ValueError naming the variable
     for anything else."""
-    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    raw = os.environ.get(env, "auto")
+    value = raw.strip().lower() or "auto"
     if value not in ("auto", "0", "1"):
-        raise ValueError(f"{env}={value!r}: expected auto (the default), 1 (wherever it runs) or 0 (never)")
+        raise ValueError(f"{env}={raw!r}: expected auto (the default), 1 (wherever it runs) or 0 (never)")
     return value
 
 

@@ -16,6 +16,7 @@ and opaque custom ops `..._cpu` with fake implementations for the Triton interpr
 
 import torch
 
+from ._checks import _type_name
 from .flash_attn import SUPPORTED_DTYPES, _launch_bwd, _launch_fwd, _plain_eager_call, _prepare_call
 from .flash_attn import _fwd_fake as _unpacked_fwd_fake
 from .flash_attn import _packed_views as _views
@@ -169,7 +170,7 @@ def flash_attention_qkvpacked(qkv, *, causal=True, softmax_scale=None, return_ls
         raise ValueError(f"qkv {tuple(qkv.shape)} has an empty dim (B, N and H must be >= 1); skip the call "
                          "for empty batches or sequences")
     if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        raise TypeError(f"return_lse must be a bool, got {_type_name(return_lse)}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale, variants = _prepare_call(*_views(qkv), causal, softmax_scale, window, doc_ids, dropout_p,
