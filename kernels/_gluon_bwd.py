@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _barriers
+from ._gluon_fwd import _barriers, _head_descriptor
 
 LOG2E = 1.4426950408889634
 
@@ -66,7 +66,8 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 def _desc(base, N, stride_n, HEAD_D: gl.constexpr, BOX_M: gl.constexpr, BOX_D: gl.constexpr,
           layout: gl.constexpr):
     """A TMA descriptor over one (batch, head)'s (N, HEAD_D) rows of ``base`` (row stride ``stride_n``, last
-    stride 1), BOX_M x BOX_D boxes in shared-memory ``layout``. Built on the device (Triton's scratch)."""
+    stride 1), BOX_M x BOX_D boxes in shared-memory ``layout``: `_gluon_fwd._head_descriptor` with a box
+    narrower than a row or a layout of one's own. Built on the device (Triton's scratch)."""
     return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BOX_M, BOX_D], layout)
 
 
@@ -253,20 +254,19 @@ def _bwd_ws_kernel(
 
     # K is sliced by columns for dQ = dS K: its swizzle must not span the halves (HALF * 2 bytes wide)
     k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=HEAD_D, element_bitwidth=16, rank=2)
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], dtype)
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 64], dtype)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], dtype)
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HALF], gl.float32)
     k_desc = _desc(K + b * stride_kb + h * stride_kh, N, stride_kn, HEAD_D, 64, HEAD_D, k_layout)
-    v_desc = _desc(V + b * stride_vb + h * stride_vh, N, stride_vn, HEAD_D, 64, HEAD_D, row_layout)
-    q_desc = _desc(Q + b * stride_qb + h * stride_qh, N, stride_qn, HEAD_D, 64, HEAD_D, row_layout)
-    do_desc = _desc(DO + b * stride_dob + h * stride_doh, N, stride_don, HEAD_D, 64, HEAD_D, row_layout)
+    v_desc = _head_descriptor(V + b * stride_vb + h * stride_vh, N, stride_vn, 64, HEAD_D)
+    q_desc = _head_descriptor(Q + b * stride_qb + h * stride_qh, N, stride_qn, 64, HEAD_D)
+    do_desc = _head_descriptor(DO + b * stride_dob + h * stride_doh, N, stride_don, 64, HEAD_D)
     dq_desc = _desc(DQ_ACC + bh * N * HEAD_D, N, HEAD_D, HEAD_D, 64, HALF, dq_layout)
 
     k_smem = gl.allocate_shared_memory(dtype, [128, HEAD_D], k_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [128, HEAD_D], row_layout)
-    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_D], row_layout)
-    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_D], row_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [128, HEAD_D], v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_D], q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, 64, HEAD_D], do_desc.layout)
     p_bufs = gl.allocate_shared_memory(dtype, [2, 64, 64], p_layout)  # one per warpgroup
     ds_bufs = gl.allocate_shared_memory(dtype, [2, 64, 128], ds_layout)  # double-buffered, shared
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, 64, HALF], dq_layout)

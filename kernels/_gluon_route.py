@@ -75,6 +75,39 @@ def _tma_ok(t: torch.Tensor) -> bool:
         return (t.storage_offset() * size) % 16 == 0  # (torch's allocations are 512-byte aligned)
 
 
+def _eligible(
+    env: str,
+    min_n: dict,
+    extra: bool,
+    q,
+    k,
+    operands,
+    causal: bool,
+    softmax_scale: float,
+    window: int,
+    q_doc,
+    dropout_p: float,
+    module,
+) -> bool:
+    """The rule both Gluon kernels share: `extra` (the caller's own conditions), a CUDA sm_90 device outside
+    the interpreter, causal without window, documents or dropout, a positive softmax_scale, Nq == Nk, d in
+    min_n, bf16 / fp16, B * Hq <= 65535, `operands` that `_tma_ok` accepts, N >= min_n[d] (any N with
+    `env`=1, never with `env`=0), and the kernel `module()` importable. Cheap tests first: it runs per call.
+    Raises ValueError for a bad value of `env`, whatever the inputs."""
+    how = mode(env)
+    if not extra or not q.is_cuda or not causal or window or q_doc is not None or dropout_p:
+        return False
+    B, Hq, N = q.shape[:3]
+    d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
+    if not softmax_scale > 0 or how == "0" or d not in min_n or not (how == "1" or N >= min_n[d]):
+        return False
+    if k.shape[2] != N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
+        return False
+    if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in operands):
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0) and module() is not None
+
+
 def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropout_p: float) -> bool:
     """Whether `flash_attn._launch_fwd` runs the Gluon kernel for validated inputs q (B, Hq, Nq, d), k / v
     (B, Hkv, Nk, d): a CUDA sm_90 device outside the interpreter, causal without window, documents or
@@ -82,18 +115,9 @@ def route(q, k, v, causal: bool, softmax_scale: float, window: int, q_doc, dropo
     `_tma_ok` accepts, and N >= MIN_N[d] (any N with FLASHGPT_GLUON_FWD=1). Under torch.compile this is
     decided while tracing, and a graph from Inductor's cache keeps the choice it was traced with. Raises
     ValueError for another value of FLASHGPT_GLUON_FWD (read on every forward launch, on any device)."""
-    how = mode()
-    if not q.is_cuda or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
-        return False
-    B, Hq, N = q.shape[:3]
-    d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
-    if how == "0" or d not in MIN_N or not (how == "1" or N >= MIN_N[d]):  # cheap tests first: per call
-        return False
-    if k.shape[2] != N or q.dtype not in (torch.bfloat16, torch.float16) or B * Hq > 65535:
-        return False
-    if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v)):
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and gluon_fwd() is not None
+    return _eligible(
+        ENV, MIN_N, True, q, k, (q, k, v), causal, softmax_scale, window, q_doc, dropout_p, gluon_fwd
+    )
 
 
 def route_bwd(
@@ -104,7 +128,6 @@ def route_bwd(
     o,
     causal: bool,
     softmax_scale: float,
-    dlse,
     window: int,
     q_doc,
     dropout_p: float,
@@ -112,22 +135,22 @@ def route_bwd(
 ) -> bool:
     """Whether `flash_attn._launch_bwd` runs the one-pass Gluon backward: what `route` asks of the forward
     (with MIN_N_BWD and FLASHGPT_GLUON_BWD), and also one query head per KV head, N a multiple of 128, do and
-    o TMA-compatible, and neither `deterministic` nor
-    `torch.are_deterministic_algorithms_enabled()` (its dQ is summed by TMA reduce-add in no fixed order; the
-    split Triton backward is bitwise reproducible). Raises ValueError for a bad FLASHGPT_GLUON_BWD."""
-    how = mode(ENV_BWD)
-    if not q.is_cuda or not causal or window or q_doc is not None or dropout_p or not softmax_scale > 0:
-        return False
-    B, Hq, N = q.shape[:3]
-    d = int(q.shape[3])
-    if how == "0" or d not in MIN_N_BWD or not (how == "1" or N >= MIN_N_BWD[d]) or N % 128:
-        return False
-    if deterministic or torch.are_deterministic_algorithms_enabled():
-        return False
-    if k.shape[1] != Hq or k.shape[2] != N or B * Hq > 65535:
-        return False
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if interpret_enabled() or not torch.cuda.is_available() or not all(_tma_ok(t) for t in (q, k, v, do, o)):
-        return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0) and gluon_bwd() is not None
+    o TMA-compatible, and neither `deterministic` nor `torch.are_deterministic_algorithms_enabled()` (its dQ
+    is summed by TMA reduce-add in no fixed order; the split Triton backward is bitwise reproducible).
+    Raises ValueError for a bad FLASHGPT_GLUON_BWD."""
+    own = k.shape[1] == q.shape[1] and q.shape[2] % 128 == 0 and not deterministic
+    own = own and not torch.are_deterministic_algorithms_enabled()
+    return _eligible(
+        ENV_BWD,
+        MIN_N_BWD,
+        own,
+        q,
+        k,
+        (q, k, v, do, o),
+        causal,
+        softmax_scale,
+        window,
+        q_doc,
+        dropout_p,
+        gluon_bwd,
+    )

@@ -240,11 +240,13 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
         from . import _gluon_bwd as g
 
         fn, cfg = g._bwd_ws_kernel, TileConfig(64, 128, g.NUM_WARPS, g.STAGES[head_dim])
+    knobs = {"HEAD_D": head_dim, "STAGES": cfg.num_stages}
+    if hasattr(g, "DEFER"):
+        knobs["DEFER"] = g.DEFER[head_dim]
     signature, constants = {}, {}
     for name in fn.arg_names:
-        if name in ("HEAD_D", "STAGES", "DEFER"):
-            value = {"HEAD_D": head_dim, "STAGES": cfg.num_stages}.get(name) or g.DEFER[head_dim]
-            signature[name], constants[name] = "constexpr", value
+        if name in knobs:
+            signature[name], constants[name] = "constexpr", knobs[name]
         elif name in _TENSORS:
             signature[name] = "*" + _TL_NAME[dtype]
         elif name in _F32_TENSORS or name == "DQ_ACC":

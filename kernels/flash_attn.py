@@ -278,7 +278,7 @@ def _launch_bwd(do, q, k, v, o, lse, causal: bool, softmax_scale: float, dlse=No
     q, k, v, o = (_unit_last_stride(t) for t in (q, k, v, o))
     do = _unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
-    if _gluon_route.route_bwd(do, q, k, v, o, causal, softmax_scale, dlse, window, q_doc, dropout_p,
+    if _gluon_route.route_bwd(do, q, k, v, o, causal, softmax_scale, window, q_doc, dropout_p,
                               deterministic):  # sm_90: the one-pass Gluon backward (dQ by TMA reduce-add)
         return _gluon_route.gluon_bwd().call(do, q, k, v, o, lse, dlse, softmax_scale, traced, dqkv)
     interp = interpret_enabled()

@@ -79,10 +79,10 @@ def test_route_bwd_off_the_gpu_and_bad_mode(monkeypatch):
 
     q = torch.randn(1, 2, 8192, 64, dtype=torch.bfloat16)
     monkeypatch.setenv(_gluon_route.ENV_BWD, "1")
-    assert not _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, None, 0, None, 0.0, False)  # CPU: never
+    assert not _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False)  # CPU: never
     monkeypatch.setenv(_gluon_route.ENV_BWD, "fast")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_BWD='fast'"):
-        _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, None, 0, None, 0.0, False)
+        _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False)
     monkeypatch.setenv(_gluon_route.ENV_BWD, "auto")
     assert _gluon_route.mode(_gluon_route.ENV_BWD) == "auto" and _gluon_route.mode() == "auto"
 
