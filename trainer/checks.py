@@ -118,7 +118,8 @@ def _check_gluon_env() -> None:
     from kernels._gluon_route import ENV, ENV_BWD, mode
 
     try:
-        mode(ENV), mode(ENV_BWD)
+        for env in (ENV, ENV_BWD):
+            mode(env)
     except ValueError as e:
         raise ConfigError(f"environment variable {e}; unset it for the default") from None
 
