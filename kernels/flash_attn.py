@@ -593,4 +593,6 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
 # importing triton now would make compiled kernels impossible).
 if _HAS_TRITON and not interpret_enabled() and torch.cuda.is_available():
     ensure_scratch_allocator()
-    _gluon_route.gluon_fwd()  # registers flashgpt::flash_attn_fwd_sm90 before anything is traced
+    # the Gluon ops must exist before a graph that calls them is traced or loaded from Inductor's cache
+    _gluon_route.gluon_fwd()
+    _gluon_route.gluon_bwd()
