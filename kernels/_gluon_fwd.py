@@ -1,28 +1,33 @@
-"""Hopper (sm_90) causal FlashAttention forward in Gluon: a TMA producer warp, two consumer warpgroups.
+"""Hopper (sm_90) causal FlashAttention forward in Gluon: persistent, a TMA producer warp, two consumers.
 
 `flash_attn._launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
 was measured faster: `kernels._gluon_route.route` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
 fp16, no variants, TMA-compatible strides, N from MIN_N up). The Triton kernel stays the one of the CPU
 interpreter (Gluon's warp specialisation and asynchronous wgmma have none), other GPUs, other shapes and
-the variants. The backward is unchanged: o
-and LSE are written as `_fwd_kernel` writes them.
+the variants. o and LSE are written as `_fwd_kernel` writes them, so either backward can follow.
 
 Schedule, after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, section 3.1-3.2):
 - warp specialisation: one producer warp (24 registers) issues the TMA loads of the two Q halves and of a
   ring of K and V tiles; two consumer warpgroups of 4 warps (240 registers each) own 64 query rows each
-  of the program's 128 and share every K / V tile;
+  of the tile's 128 and share every K / V tile;
 - intra-warpgroup overlap (section 3.2): step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together,
   waits for S_j only, runs the softmax of S_j under P_{j-1} V_{j-1}, then waits for it and rescales O.
   Nothing stays in flight across the loop's back edge, and P goes to the tensor cores from registers;
-- causal: query blocks in reverse order (the longest rows start first); BLOCK_N = 128 = the program's
-  rows, so only the diagonal key block is masked, and it is visited first (keys walk down to block 0,
-  as in FlashAttention-3), which leaves the loop without a mask or a branch.
-Measured and not kept (bench/NOTES.md v13): FlashAttention-3's ping-pong of the two warpgroups (an
-mbarrier pair ordering their matrix products) gave nothing here.
+- causal: BLOCK_N = 128 = the tile's rows, so only the diagonal key block is masked, and it is visited
+  first (keys walk down to block 0, as in FlashAttention-3), which leaves the loop without a mask or a
+  branch;
+- persistent, dynamic schedule (FlashAttention-3's tile scheduler for causal masks): one program per SM;
+  the producer claims tiles from a counter in the order a plain grid would start them (head by head,
+  the longest query block first) and hands each tile id to the consumers through shared memory; the K / V
+  ring and the Q sets carry over from tile to tile, so the next tile's loads run under this tile's last
+  steps and epilogue instead of after the program's exit.
+Measured and not kept (bench/NOTES.md v13, v15): FlashAttention-3's ping-pong of the two warpgroups (an
+mbarrier pair ordering their matrix products) gave nothing here; a static round-robin of the tiles over
+the persistent programs lost 4-8% at N >= 8k to the dynamic schedule.
 
-Layouts: q (B, Hq, N, d), k and v (B, Hkv, N, d) with any strides whose last is 1 (the TMA descriptors
-are built on the device per (batch, head), so views of a packed qkv work); o in q's layout; LSE
-(B, Hq, N) float32 in natural-log units.
+Layouts: q (B, Hq, N, d), k and v (B, Hkv, N, d) with any strides whose last is 1 (4D TMA descriptors
+over (batch, head, position, d), so views of a packed qkv work); o in q's layout; LSE (B, Hq, N) float32
+in natural-log units.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 @gluon.jit
 def _head_descriptor(base, N, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexpr):
     """A TMA descriptor over one (batch, head)'s rows of ``base`` ((N, d), row stride ``stride_n``, last
-    stride 1): BLOCK x d tiles, zero-filled past row N. Built on the device (Triton's scratch allocator)."""
+    stride 1): BLOCK x d tiles, zero-filled past row N. Built on the device (Triton's scratch allocator);
+    the backward's (one program per (key block, batch, head))."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], base.dtype.element_ty)
     return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BLOCK, HEAD_D], layout)
 
@@ -59,26 +65,79 @@ def _barriers(COUNT: gl.constexpr, ARRIVALS: gl.constexpr):
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty,
-            m0, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """Producer (1 warp): the two Q halves once, then the j-th key block's K and V (the diagonal block
-    first, then down to block 0) into ring slot j % STAGES as both consumers free it."""
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bars.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [m0 + w * 64, 0], q_bars.index(w), q_bufs.index(w))
-    for j in range(n_blocks):
-        slot = j % STAGES
-        phase = (j // STAGES) & 1
-        # -- K_j: its slot is free once both warpgroups waited for S_{j - STAGES} (barriers start with
-        #    phase 1 complete, so the first pass does not wait)
-        mbarrier.wait(k_empty.index(slot), phase ^ 1)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        n0 = (n_blocks - 1 - j) * BLOCK_N  # the diagonal block first (see _consumer)
-        tma.async_copy_global_to_shared(k_desc, [n0, 0], k_ready.index(slot), k_bufs.index(slot))
-        # -- V_j: free once both waited for P_{j - STAGES} V_{j - STAGES}
-        mbarrier.wait(v_empty.index(slot), phase ^ 1)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [n0, 0], v_ready.index(slot), v_bufs.index(slot))
+def _tile(t, n_mb, H_Q):
+    """Tile t: (query block, batch, head). Tiles are numbered head by head, the longest query block of each
+    head first: the order in which a plain grid's programs would start, so the programs running at once
+    share one or two heads' K / V in the L2."""
+    bh = t // n_mb
+    return n_mb - 1 - t % n_mb, bh // H_Q, bh % H_Q
+
+
+@gluon.jit
+def _put_tile(tile_smem, tile_ready, tile_empty, n, t):
+    """Producer: hand tile id t (its n-th) to both consumer warpgroups through a 2-slot ring."""
+    slot = n % 2
+    mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1)
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, layout=gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _get_tile(tile_smem, tile_ready, tile_empty, n):
+    """Consumer warpgroup: the n-th tile id the producer handed over."""
+    slot = n % 2
+    mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
+    t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    mbarrier.arrive(tile_empty.index(slot), count=1)
+    return t
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready,
+            v_empty, tile_smem, tile_ready, tile_empty, counter, pid, G, T, n_mb, H_Q, GROUP,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+    """Producer (1 warp): takes tiles (the first is pid, then the next unclaimed one from `counter`, so
+    programs that finish early take more: a dynamic schedule in the plain grid's order) and hands each to
+    the consumers; per tile, K of the diagonal key block, the two Q halves into Q set n % Q_BUFS once
+    its warpgroup is done with that set, then V and the next K blocks, down to block 0, into the ring
+    (slot g % STAGES for the program's g-th key block) as both consumers free it."""
+    g = 0
+    n = 0
+    t = pid
+    while t < T:
+        _put_tile(tile_smem, tile_ready, tile_empty, n, t)
+        t_next = G + gl.atomic_add(counter, 1)  # claimed now: its latency hides under this tile's loads
+        mb, b, h = _tile(t, n_mb, H_Q)
+        hk = h // GROUP
+        n_blocks = mb + 1
+        for j in range(n_blocks):
+            slot = g % STAGES
+            phase = (g // STAGES) & 1
+            n0 = (n_blocks - 1 - j) * BLOCK_N  # the diagonal block first (see _consumer)
+            # -- K_j: its slot is free once both warpgroups waited for the S that read it (barriers start
+            #    with phase 1 complete, so the first pass does not wait)
+            mbarrier.wait(k_empty.index(slot), phase ^ 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot),
+                                            k_bufs.index(slot).reshape([1, 1, BLOCK_N, k_bufs.shape[2]]))
+            if j == 0:
+                # -- Q: warpgroup w's half of set n % Q_BUFS is free once w waited for its last S of
+                #    tile n - Q_BUFS
+                for w in gl.static_range(2):
+                    qi = (n % Q_BUFS) * 2 + w
+                    mbarrier.wait(q_empty.index(qi), ((n // Q_BUFS) & 1) ^ 1)
+                    mbarrier.expect(q_bars.index(qi), q_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(q_desc, [b, h, mb * 128 + w * 64, 0], q_bars.index(qi),
+                                                    q_bufs.index(qi).reshape([1, 1, 64, q_bufs.shape[2]]))
+            # -- V_j: free once both waited for the P V that read it
+            mbarrier.wait(v_empty.index(slot), phase ^ 1)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot),
+                                            v_bufs.index(slot).reshape([1, 1, BLOCK_N, v_bufs.shape[2]]))
+            g += 1
+        n += 1
+        t = t_next
+    _put_tile(tile_smem, tile_ready, tile_empty, n, t)  # t >= T: the consumers stop
 
 
 @gluon.jit
@@ -104,8 +163,8 @@ def _softmax_step(s, m_i, l_i, qk_scale, r0, n0, MASK: gl.constexpr, BLOCK_N: gl
 def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p, m_i, l_i, j, r0,
              qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
              s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Step j >= 1 (a full key block): S_j and P_{j-1} V_{j-1} issued together, the softmax of S_j under the
-    latter."""
+    """Step j >= 1 of a tile (a full key block; j counts the program's key blocks, its ring position): S_j
+    and P_{j-1} V_{j-1} issued together, the softmax of S_j under the latter."""
     slot = j % STAGES
     prev = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -125,119 +184,170 @@ def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p,
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty,
-              O, LSE, o_off, stride_on, lse_off, m0, n_blocks, N, qk_scale,
-              WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr):
-    """Consumer warpgroup WG (4 warps): query rows m0 + 64 WG .. + 63; S = Q K^T, online softmax, O += P V."""
+def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tile_smem,
+              tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb, H_Q, N, qk_scale,
+              WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr):
+    """Consumer warpgroup WG (4 warps): per tile, query rows 128 mb + 64 WG .. + 63; S = Q K^T, online
+    softmax, O += P V."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     dtype: gl.constexpr = q_bufs.dtype
-    q_smem = q_bufs.index(WG)
-    r0 = m0 + WG * 64
-
-    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-    last = n_blocks - 1
+    g = 0  # key blocks this program has consumed (the ring's position)
+    n = 0  # tiles
+    t = _get_tile(tile_smem, tile_ready, tile_empty, 0)
+    while t < T:
+        mb, b, h = _tile(t, n_mb, H_Q)
+        qi = (n % Q_BUFS) * 2 + WG
+        q_smem = q_bufs.index(qi)
+        r0 = mb * 128 + WG * 64
+        n_blocks = mb + 1
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
 
-    # -- step 0: the diagonal key block (the last one), masked; FlashAttention-3 also walks the keys from
-    #    the diagonal down, so that no later step needs a mask or a branch
-    mbarrier.wait(q_bars.index(WG), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, last * BLOCK_N, True, BLOCK_N, s_layout,
-                                       p_layout, dtype)
+        # -- step 0: the diagonal key block (the last one), masked; FlashAttention-3 also walks the keys
+        #    from the diagonal down, so that no later step needs a mask or a branch
+        slot = g % STAGES
+        mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
+        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, mb * BLOCK_N, True, BLOCK_N,
+                                           s_layout, p_layout, dtype)
 
-    # -- steps 1 .. last: key blocks last - 1 down to 0, all full
-    for j in range(1, n_blocks):
-        acc, p, m_i, l_i = _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p,
-                                    m_i, l_i, j, r0, qk_scale, s_zero, BLOCK_N, STAGES,
-                                    s_layout, o_layout, p_layout)
+        # -- steps 1 .. mb: key blocks mb - 1 down to 0, all full
+        for j in range(1, n_blocks):
+            acc, p, m_i, l_i = _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc,
+                                        p, m_i, l_i, g + j, r0, qk_scale, s_zero, BLOCK_N, STAGES,
+                                        s_layout, o_layout, p_layout)
+        # every Q K^T of this tile has been waited for: the producer may load the next tile's Q
+        mbarrier.arrive(q_empty.index(qi), count=1)
 
-    # -- O += P V of the last step (key block 0)
-    slot = last % STAGES
-    mbarrier.wait(v_ready.index(slot), (last // STAGES) & 1)
-    acc = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(slot), count=1)
+        # -- O += P V of the last step (key block 0)
+        slot = (g + mb) % STAGES
+        mbarrier.wait(v_ready.index(slot), ((g + mb) // STAGES) & 1)
+        acc = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        g += n_blocks
 
-    # -- epilogue: O = acc / l, LSE = (m + log2 l) ln 2 (m is in scaled base-2 units); rows past N are
-    #    not stored
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = (acc / l_o[:, None]).to(dtype)
-    rows_o = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-    gl.store(O + o_off + rows_o[:, None] * stride_on + cols_o[None, :], out, mask=rows_o[:, None] < N)
-    rows_s = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(LSE + lse_off + rows_s, lse, mask=rows_s < N)
+        # -- epilogue: O = acc / l, LSE = (m + log2 l) ln 2 (m is in scaled base-2 units); rows past N are
+        #    not stored. The producer is already loading the next tile meanwhile.
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = (acc / l_o[:, None]).to(dtype)
+        rows_o = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = O + b * stride_ob + h * stride_oh + rows_o[:, None] * stride_on + cols_o[None, :]
+        gl.store(o_ptrs, out, mask=rows_o[:, None] < N)
+        rows_s = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        gl.store(LSE + (b * H_Q + h) * N + rows_s, lse, mask=rows_s < N)
+        n += 1
+        t = _get_tile(tile_smem, tile_ready, tile_empty, n)
+
+
+@gluon.jit
+def _head_major_descriptor(base, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr,
+                           HEAD_D: gl.constexpr):
+    """A 4D TMA descriptor over ``base`` ((B, H, N, d), last stride 1): 1 x 1 x BLOCK x d tiles, zero-filled
+    past row N of each head. Built on the device (Triton's scratch allocator), once per program."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_D], base.dtype.element_ty)
+    return tma.make_tensor_descriptor(base, [B, H, N, HEAD_D], [stride_b, stride_h, stride_n, 1],
+                                      [1, 1, BLOCK, HEAD_D], layout)
 
 
 @gluon.jit
 def _fwd_ws_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, COUNTER,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    H_Q, GROUP, N, qk_scale,
-    HEAD_D: gl.constexpr, STAGES: gl.constexpr,
+    B, H_Q, H_KV, N, qk_scale,
+    HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
 ):
-    """Causal forward, one program per (128 query rows, batch * head), heaviest query blocks first.
-    qk_scale = softmax_scale * log2(e) (exp2 with the scale folded in). Launch with num_warps=4 (the
-    default partition is consumer warpgroup 0) and maxnreg=168 (12 warps: 240 + 240 + 24 registers)."""
+    """Causal forward, persistent: G programs (one per SM) take tiles (128 query rows of one (batch, head),
+    `_tile`) until none is left; the ring of K / V carries over from tile to tile, so the producer loads
+    the next tile under this one's last steps and epilogue. COUNTER: one int32, zero at launch (the
+    tiles claimed after the first G). qk_scale = softmax_scale * log2(e) (exp2 with the scale folded
+    in). Launch with num_warps=4 (the default partition is consumer warpgroup 0) and maxnreg=168
+    (12 warps: 240 + 240 + 24 registers)."""
     BLOCK_N: gl.constexpr = 128
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    bh = gl.program_id(1)
-    b = bh // H_Q
-    h = bh % H_Q
-    hk = h // GROUP
-    m0 = pid_m * 128
-    n_blocks = gl.cdiv(gl.minimum(m0 + 128, N), BLOCK_N)
+    pid = gl.program_id(0)
+    G = gl.num_programs(0)
+    n_mb = gl.cdiv(N, 128)
+    T = B * H_Q * n_mb
     dtype: gl.constexpr = Q.dtype.element_ty
 
-    # -- one 2D TMA descriptor per (batch, head): rows = positions, columns = d; zero past row N
-    q_desc = _head_descriptor(Q + b * stride_qb + h * stride_qh, N, stride_qn, 64, HEAD_D)
-    k_desc = _head_descriptor(K + b * stride_kb + hk * stride_kh, N, stride_kn, BLOCK_N, HEAD_D)
-    v_desc = _head_descriptor(V + b * stride_vb + hk * stride_vh, N, stride_vn, BLOCK_N, HEAD_D)
+    # -- 4D TMA descriptors (batch, head, position, d), zero past row N
+    q_desc = _head_major_descriptor(Q, B, H_Q, N, stride_qb, stride_qh, stride_qn, 64, HEAD_D)
+    k_desc = _head_major_descriptor(K, B, H_KV, N, stride_kb, stride_kh, stride_kn, BLOCK_N, HEAD_D)
+    v_desc = _head_major_descriptor(V, B, H_KV, N, stride_vb, stride_vh, stride_vn, BLOCK_N, HEAD_D)
 
-    q_bufs = gl.allocate_shared_memory(dtype, [2, 64, HEAD_D], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bars = _barriers(2, 1)
+    layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], dtype)
+    layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
+    q_bufs = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_D], layout_q)
+    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout_kv)
+    v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout_kv)
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_bars, q_empty = _barriers(2 * Q_BUFS, 1), _barriers(2 * Q_BUFS, 1)
     k_ready, v_ready = _barriers(STAGES, 1), _barriers(STAGES, 1)
     k_empty, v_empty = _barriers(STAGES, 2), _barriers(STAGES, 2)  # both warpgroups release a slot
+    tile_ready, tile_empty = _barriers(2, 1), _barriers(2, 2)
 
-    o_off = b * stride_ob + h * stride_oh
-    lse_off = bh * N
+    GROUP = H_Q // H_KV
     gl.warp_specialize(
         [
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, O, LSE, o_off,
-                         stride_on, lse_off, m0, n_blocks, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready, v_empty, O, LSE, o_off,
-                         stride_on, lse_off, m0, n_blocks, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES)),
-            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, k_ready, k_empty, v_ready,
-                       v_empty, m0, n_blocks, BLOCK_N, STAGES)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                         tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb,
+                         H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                         tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb,
+                         H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
+            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
+                       v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
+                       GROUP, BLOCK_N, STAGES, Q_BUFS)),
         ],
         [4, 1],
         [240, 24],
     )
 
 
-# head_dim -> K/V ring stages; shared memory = 2 * 64 * d (Q) + 2 * STAGES * 128 * d (K, V) bf16:
-# d = 64: 208 KiB at 6 stages; d = 128: 160 KiB at 2 (H200 A/B, NOTES v13: 6 over 4 stages +1.6-2.9% at
-# d = 64; 3 stages at d = 128, 224 KiB, level)
+# head_dim -> K/V ring stages and Q sets (a second set lets the producer load the next tile's Q before this
+# tile's last Q K^T); shared memory = Q_BUFS * 2 * 64 * d (Q) + 2 * STAGES * 128 * d (K, V) bf16:
+# d = 64: 224 KiB at 6 stages, 2 sets; d = 128: 160 KiB at 2 stages, 1 set (H200 A/B, NOTES v13: 6 over 4
+# stages +1.6-2.9% at d = 64, 3 stages at d = 128 level; v15: 2 Q sets +1-4% at d = 64 from 2k, level or
+# -1-2% at d = 128)
 STAGES = {64: 6, 128: 2}
+Q_BUFS = {64: 2, 128: 1}
 NUM_WARPS, MAXNREG = 4, 168
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (cached: the persistent grid's size)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _tma_strides(t: Tensor) -> list[int]:
+    """t's strides of (B, H, N) for a TMA descriptor: a dim of size 1 is never stepped, so its stride
+    (which may be anything in a view) is replaced by a legal one (a multiple of 16 bytes)."""
+    legal = 16 // t.element_size()
+    return [st if n > 1 else legal for n, st in zip(t.shape[:3], t.stride()[:3], strict=True)]
 
 
 def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     """Launch the causal forward: fills o (q's shape; any strides) and lse (B, Hq, N) float32
-    contiguous, natural log.
+    contiguous, natural log. One persistent program per SM (or per tile, if fewer).
 
     q (B, Hq, N, d), k and v (B, Hkv, N, d) with Hq % Hkv == 0, bf16 or fp16 on a CUDA sm_90 device,
     d in STAGES, last stride 1 and the other strides and the base addresses 16-byte aligned (TMA). The
@@ -245,13 +355,13 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     descriptors live there); this only launches.
     """
     B, Hq, N, d = (int(x) for x in q.shape)
-    grid = (triton.cdiv(N, 128), B * Hq)
+    grid = (min(_sm_count(q.device), triton.cdiv(N, 128) * B * Hq),)
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_ws_kernel[grid](
-        q, k, v, o, lse,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        Hq, Hq // int(k.shape[1]), N, softmax_scale * 1.4426950408889634,
-        HEAD_D=d, STAGES=STAGES[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        q, k, v, o, lse, counter,
+        *_tma_strides(q), *_tma_strides(k), *_tma_strides(v), o.stride(0), o.stride(1), o.stride(2),
+        B, Hq, int(k.shape[1]), N, softmax_scale * 1.4426950408889634,
+        HEAD_D=d, STAGES=STAGES[d], Q_BUFS=Q_BUFS[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
     )
 
 

@@ -241,7 +241,9 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
 
         fn, cfg = g._bwd_ws_kernel, TileConfig(64, 128, g.NUM_WARPS, g.STAGES[head_dim])
     knobs = {"HEAD_D": head_dim, "STAGES": cfg.num_stages}
-    if hasattr(g, "DEFER"):
+    if which == "fwd":
+        knobs["Q_BUFS"] = g.Q_BUFS[head_dim]
+    else:
         knobs["DEFER"] = g.DEFER[head_dim]
     signature, constants = {}, {}
     for name in fn.arg_names:
@@ -251,6 +253,8 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
             signature[name] = "*" + _TL_NAME[dtype]
         elif name in _F32_TENSORS or name == "DQ_ACC":
             signature[name] = "*fp32"
+        elif name == "COUNTER":
+            signature[name] = "*i32"
         else:
             signature[name] = "fp32" if name in ("qk_scale", "softmax_scale", "scale_log2") else "i32"
     compiled = triton.compile(

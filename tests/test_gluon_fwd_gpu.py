@@ -50,6 +50,7 @@ CASES = [
     (BF16, 3, 4, 2, 777, 128),
     (F16, 2, 2, 2, 100, 64),  # one block, shorter than it
     (BF16, 1, 2, 2, 16384, 128),
+    (BF16, 64, 3, 3, 384, 64),  # 576 short tiles over the persistent programs: the claimed-tile path
 ]
 
 
