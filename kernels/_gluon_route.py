@@ -15,8 +15,8 @@ import torch
 from ._checks import interpret_enabled
 
 # Shortest N per head dim that takes the Gluon kernel: the H200 crossover against the Triton forward
-# (bench/NOTES.md v13). Below it the Triton kernel's smaller tiles and several programs per SM win.
-MIN_N = {64: 16384, 128: 4096}
+# (bench/NOTES.md v13, v15: since the forward is persistent, d = 128 from 1k, d = 64 from 2k).
+MIN_N = {64: 2048, 128: 1024}
 # The same for the one-pass backward (bench/NOTES.md v14: below it the split Triton backward wins).
 MIN_N_BWD = {64: 4096, 128: 2048}
 ENV = "FLASHGPT_GLUON_FWD"  # "auto" (default): MIN_N decides; "1": wherever it can run; "0": never
