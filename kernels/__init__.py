@@ -21,8 +21,8 @@ Files:
                        `_prepare_call`
 * `_triton_kernels.py` the Triton kernels (forward; dQ with Delta; dK/dV) and `build_kernels`
 * `_triton_common.py`  their shared helpers (tile loads, block ranges, variant masks, Philox dropout)
-* `_gluon_fwd.py`      the sm_90 causal forward in Gluon (FlashAttention-3's schedule), used at long N
-* `_gluon_bwd.py`      the sm_90 causal backward in Gluon: one pass, dQ by TMA reduce-add, used at long N
+* `_gluon_fwd.py`      the sm_90 causal forward in Gluon (FlashAttention-3's schedule, persistent), N >= 1k/2k
+* `_gluon_bwd.py`      the sm_90 causal backward in Gluon: one pass, dQ by TMA reduce-add, from N = 2k / 4k
 * `_gluon_route.py`    when the forward and backward take them (plain torch: no triton import)
 * `flash_qkvpacked.py` the packed-qkv entry point and its ops (same launchers)
 * `flash_decode.py` / `_decode_kernels.py`  flash-decoding wrapper / its split and combine kernels

@@ -23,7 +23,7 @@ Schedule, after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, section 3.
   steps and epilogue instead of after the program's exit.
 Measured and not kept (bench/NOTES.md v13, v15): FlashAttention-3's ping-pong of the two warpgroups (an
 mbarrier pair ordering their matrix products) gave nothing here; a static round-robin of the tiles over
-the persistent programs lost 4-8% at N >= 8k to the dynamic schedule.
+the persistent programs ran 7-13% below the dynamic schedule at N = 4k-8k (0-4% at 16k).
 
 Layouts: q (B, Hq, N, d), k and v (B, Hkv, N, d) with any strides whose last is 1 (4D TMA descriptors
 over (batch, head, position, d), so views of a packed qkv work); o in q's layout; LSE (B, Hq, N) float32

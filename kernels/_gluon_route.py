@@ -91,7 +91,8 @@ def _eligible(
 ) -> bool:
     """The rule both Gluon kernels share: `extra` (the caller's own conditions), a CUDA sm_90 device outside
     the interpreter, causal without window, documents or dropout, a positive softmax_scale, Nq == Nk, d in
-    min_n, bf16 / fp16, B * Hq <= 65535, `operands` that `_tma_ok` accepts, N >= min_n[d] (any N with
+    min_n, bf16 / fp16, B * Hq <= 65535 (the backward's grid dimension; the persistent forward has no such
+    limit but was not tested above it), `operands` that `_tma_ok` accepts, N >= min_n[d] (any N with
     `env`=1, never with `env`=0), and the kernel `module()` importable. Cheap tests first: it runs per call.
     Raises ValueError for a bad value of `env`, whatever the inputs."""
     how = mode(env)

@@ -3,9 +3,10 @@
 Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning"
 (2023): forward section 3.1, backward section 3.2; online softmax from Milakov & Gimelshein (2018). The
 Triton kernels live in `kernels/_triton_kernels.py`, the tile sizes in `kernels/tiles.py`. On an H200 /
-H100 (sm_90) the causal forward at long N runs the Gluon kernel of `kernels/_gluon_fwd.py` (FlashAttention-3's
-warp-specialised schedule; `_gluon_route.route` says when), which writes o and LSE as the Triton one does,
-and the backward the one-pass Gluon kernel of `kernels/_gluon_bwd.py` (`_gluon_route.route_bwd`).
+H100 (sm_90) the causal forward from `_gluon_route.MIN_N` runs the Gluon kernel of `kernels/_gluon_fwd.py`
+(FlashAttention-3's warp-specialised schedule, persistent; `_gluon_route.route` says when), which writes o and
+LSE as the Triton one does, and the backward the one-pass Gluon kernel of `kernels/_gluon_bwd.py`
+(`_gluon_route.route_bwd`).
 
 Operators, so torch.compile traces callers without graph breaks:
 * CUDA tensors: `torch.library.triton_op`s
@@ -175,7 +176,7 @@ def _launch_fwd(q, k, v, causal: bool, softmax_scale: float, traced: bool = Fals
     B, Hq, Nq, d, Hkv, Nk = _static_sizes(q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     if _gluon_route.route(q, k, v, causal, softmax_scale, window, q_doc, dropout_p):
-        g = _gluon_route.gluon_fwd()  # sm_90 at long N: the Gluon forward
+        g = _gluon_route.gluon_fwd()  # sm_90 from MIN_N: the Gluon forward
         return (g.forward if traced else g.run)(q, k, v, softmax_scale)
     o = _empty_like_layout(q)  # (B, Hq, Nq, d) laid out as q is
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
@@ -519,7 +520,7 @@ def flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=Fals
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
     Algorithm: Dao 2023 (FlashAttention-2) section 3.1 forward / 3.2 backward, online softmax of
-    Milakov & Gimelshein 2018; on sm_90 at long N FlashAttention-3's schedule in Gluon (Shah et al. 2024;
+    Milakov & Gimelshein 2018; on sm_90 from N = 1k-4k FlashAttention-3's schedule in Gluon (Shah et al. 2024;
     kernels/_gluon_fwd.py, _gluon_bwd.py). Memory is O(N) (no N x N tensor); the backward recomputes P from
     q, k and the saved LSE. Bitwise reproducible run to run (outputs, and gradients from the split Triton
     backward, which has no atomics) except dq where the one-pass Gluon backward runs (sm_90, causal, MHA,
