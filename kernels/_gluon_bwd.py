@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._gluon_fwd import _barriers, _head_descriptor
+from ._gluon_fwd import _barriers
 
 LOG2E = 1.4426950408889634
 
@@ -63,10 +63,19 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def _head_descriptor(base, N, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexpr):
+    """A TMA descriptor over one (batch, head)'s rows of ``base`` ((N, d), row stride ``stride_n``, last
+    stride 1): BLOCK x d tiles, zero-filled past row N. Built on the device (Triton's scratch allocator),
+    once per program."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], base.dtype.element_ty)
+    return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BLOCK, HEAD_D], layout)
+
+
+@gluon.jit
 def _desc(base, N, stride_n, HEAD_D: gl.constexpr, BOX_M: gl.constexpr, BOX_D: gl.constexpr,
           layout: gl.constexpr):
     """A TMA descriptor over one (batch, head)'s (N, HEAD_D) rows of ``base`` (row stride ``stride_n``, last
-    stride 1), BOX_M x BOX_D boxes in shared-memory ``layout``: `_gluon_fwd._head_descriptor` with a box
+    stride 1), BOX_M x BOX_D boxes in shared-memory ``layout``: `_head_descriptor` with a box
     narrower than a row or a layout of one's own. Built on the device (Triton's scratch)."""
     return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BOX_M, BOX_D], layout)
 

@@ -46,15 +46,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 
 @gluon.jit
-def _head_descriptor(base, N, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexpr):
-    """A TMA descriptor over one (batch, head)'s rows of ``base`` ((N, d), row stride ``stride_n``, last
-    stride 1): BLOCK x d tiles, zero-filled past row N. Built on the device (Triton's scratch allocator);
-    the backward's (one program per (key block, batch, head))."""
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_D], base.dtype.element_ty)
-    return tma.make_tensor_descriptor(base, [N, HEAD_D], [stride_n, 1], [BLOCK, HEAD_D], layout)
-
-
-@gluon.jit
 def _barriers(COUNT: gl.constexpr, ARRIVALS: gl.constexpr):
     """COUNT mbarriers in shared memory, each completing a phase after ARRIVALS arrivals (or one TMA
     transaction count)."""
