@@ -318,17 +318,6 @@ Q_BUFS = {64: 2, 128: 1}
 NUM_WARPS, MAXNREG = 4, 168
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of `device` (cached: the persistent grid's size)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
-_SM_COUNT: dict[int, int] = {}
-
-
 def _tma_strides(t: Tensor) -> list[int]:
     """t's strides of (B, H, N) for a TMA descriptor: a dim of size 1 is never stepped, so its stride
     (which may be anything in a view) is replaced by a legal one (a multiple of 16 bytes)."""
@@ -346,7 +335,8 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     descriptors live there); this only launches.
     """
     B, Hq, N, d = (int(x) for x in q.shape)
-    grid = (min(_sm_count(q.device), triton.cdiv(N, 128) * B * Hq),)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count  # torch caches the properties
+    grid = (min(sms, triton.cdiv(N, 128) * B * Hq),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_ws_kernel[grid](
         q, k, v, o, lse, counter,
