@@ -78,6 +78,13 @@ def split_bwd(monkeypatch):
     monkeypatch.setenv("FLASHGPT_GLUON_BWD", "0")
 
 
+@pytest.fixture
+def triton_only(split_bwd, monkeypatch):
+    """The Triton forward and split backward at every N, also where the Gluon kernels would run (sm_90,
+    N >= MIN_N / MIN_N_BWD; tests/test_gluon_*_gpu.py test those)."""
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "0")
+
+
 def _flash():
     from kernels import flash_attention
 
@@ -336,11 +343,25 @@ def test_tma_neighbour_non_finite_does_not_leak_gpu(seed, which, N):
 
 
 def _compiled_fwd_bwd(q, k, v, do, mode=None):
-    """flash_attention forward + backward through torch.compile (Inductor); returns (o, dq, dk, dv)."""
+    """flash_attention forward + backward through torch.compile (Inductor); returns (o, dq, dk, dv).
+
+    Inductor's FX-graph and AOTAutograd caches are off: they key on the traced graph, which is the same
+    whichever kernel FLASHGPT_GLUON_FWD / _BWD route to, so a cached graph could hold the other kernels."""
+    import torch._functorch.config
+    import torch._inductor.config
+
     flash = _flash()
     torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: flash(q, k, v, causal=True), fullgraph=True, mode=mode)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        return _run_compiled(f, qs, ks, vs, do, mode)
+
+
+def _run_compiled(f, qs, ks, vs, do, mode):
     out = None
     for _ in range(3):  # CUDA graphs record on a later call: check a replay, not only the warm-up
         for t in (qs, ks, vs):
@@ -354,7 +375,7 @@ def _compiled_fwd_bwd(q, k, v, do, mode=None):
 
 
 @pytest.mark.parametrize("Hq,Hkv,N,d", [(12, 12, 1024, 64), (8, 2, 2048, 128), (4, 4, 4096, 64)])
-def test_compiled_graph_holds_the_triton_kernels_gpu(seed, split_bwd, Hq, Hkv, N, d):
+def test_compiled_graph_holds_the_triton_kernels_gpu(seed, triton_only, Hq, Hkv, N, d):
     """Under torch.compile the generated code launches our Triton kernels itself (triton_op +
     wrap_triton): the forward and backward code define _fwd_kernel / _bwd_dq_kernel / _bwd_dkdv_kernel
     and never call back into the flashgpt Python ops; the results equal eager mode bitwise."""

@@ -154,7 +154,6 @@ def test_compiled_graph_calls_the_gluon_op_gpu(seed, mode):
     equals eager bitwise."""
     from torch._inductor.utils import run_and_get_code
 
-    # a shape no other compiled test uses: Inductor's caches key on shapes, not on FLASHGPT_GLUON_FWD
     q, k, v, do = make_inputs(seed, 2, 8, 2, 1536, 1536, 128, BF16)
     if mode is None:
         out, codes = run_and_get_code(_compiled_fwd_bwd, q, k, v, do)
