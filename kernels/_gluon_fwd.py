@@ -1,4 +1,4 @@
-"""Hopper (sm_90) causal FlashAttention forward in Gluon: persistent, a TMA producer warp, two consumers.
+"""Hopper (sm_90) causal FlashAttention forward in Gluon: persistent, a TMA producer warp, NC consumers.
 
 `flash_attn._launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
 was measured faster: `kernels._gluon_route.route` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
@@ -7,15 +7,20 @@ interpreter (Gluon's warp specialisation and asynchronous wgmma have none), othe
 the variants. o and LSE are written as `_fwd_kernel` writes them, so either backward can follow.
 
 Schedule, after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, section 3.1-3.2):
-- warp specialisation: one producer warp (24 registers) issues the TMA loads of the two Q halves and of a
-  ring of K and V tiles; two consumer warpgroups of 4 warps (240 registers each) own 64 query rows each
-  of the tile's 128 and share every K / V tile;
+- warp specialisation: one producer warp (24 registers) issues the TMA loads of the tile's Q parts and of
+  a ring of K and V tiles; NC consumer warpgroups of 4 warps own 64 query rows each of the tile's 64 NC
+  and share every K / V tile. NC = `CONSUMERS[d]`: 2 at d = 128 (240 registers each), 3 at d = 64 (160
+  each; FlashAttention-3's 192 x 128 causal tiles at d = 64, its hopper/tile_size.h): with three
+  warpgroups the softmax of one runs under the matrix products of two, which is what a d = 64 step, short
+  on tensor-core work, needs. In a 192-row tile a warpgroup's diagonal 128-key block may lie below the
+  tile's last (the producer loads up to the last row's diagonal): it releases the blocks above its own
+  unread, and skips rows past N;
 - intra-warpgroup overlap (section 3.2): step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together,
   waits for S_j only, runs the softmax of S_j under P_{j-1} V_{j-1}, then waits for it and rescales O.
   Nothing stays in flight across the loop's back edge, and P goes to the tensor cores from registers;
-- causal: BLOCK_N = 128 = the tile's rows, so only the diagonal key block is masked, and it is visited
-  first (keys walk down to block 0, as in FlashAttention-3), which leaves the loop without a mask or a
-  branch;
+- causal: BLOCK_N = 128, a multiple of a warpgroup's 64 rows, so only a warpgroup's diagonal key block is
+  masked, and it is visited first (keys walk down to block 0, as in FlashAttention-3), which leaves the
+  loop without a mask or a branch;
 - persistent, dynamic schedule (FlashAttention-3's tile scheduler for causal masks): one program per SM;
   the producer claims tiles from a counter in the order a plain grid would start them (head by head,
   the longest query block first) and hands each tile id to the consumers through shared memory; the K / V
@@ -84,14 +89,24 @@ def _get_tile(tile_smem, tile_ready, tile_empty, n):
 
 
 @gluon.jit
+def _load_q(q_desc, q_bufs, q_bars, qi, b, h, row):
+    """Producer: TMA-load the 64 query rows row .. row + 63 of (b, h) into Q part qi."""
+    mbarrier.expect(q_bars.index(qi), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_bars.index(qi),
+                                    q_bufs.index(qi).reshape([1, 1, 64, q_bufs.shape[2]]))
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready,
-            v_empty, tile_smem, tile_ready, tile_empty, counter, pid, G, T, n_mb, H_Q, GROUP,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+            v_empty, tile_smem, tile_ready, tile_empty, counter, pid, G, T, n_mb, H_Q, GROUP, N,
+            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr):
     """Producer (1 warp): takes tiles (the first is pid, then the next unclaimed one from `counter`, so
     programs that finish early take more: a dynamic schedule in the plain grid's order) and hands each to
-    the consumers; per tile, K of the diagonal key block, the two Q halves into Q set n % Q_BUFS once
-    its warpgroup is done with that set, then V and the next K blocks, down to block 0, into the ring
-    (slot g % STAGES for the program's g-th key block) as both consumers free it."""
+    the consumers; per tile, K of the last key block it needs, the NC 64-row Q parts into Q set
+    n % Q_BUFS once their warpgroups are done with that set, then V and the next K blocks, down to block 0,
+    into the ring (slot g % STAGES for the program's g-th key block) as all consumers free it."""
+    TM: gl.constexpr = 64 * NC
+    n_kb = gl.cdiv(N, BLOCK_N)
     g = 0
     n = 0
     t = pid
@@ -100,27 +115,33 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_r
         t_next = G + gl.atomic_add(counter, 1)  # claimed now: its latency hides under this tile's loads
         mb, b, h = _tile(t, n_mb, H_Q)
         hk = h // GROUP
-        n_blocks = mb + 1
+        if NC == 2:
+            n_blocks = mb + 1  # 128-row tiles: the tile's diagonal block
+        else:
+            n_blocks = gl.minimum(gl.cdiv((mb + 1) * TM, BLOCK_N), n_kb)  # up to the last row's diagonal
         for j in range(n_blocks):
             slot = g % STAGES
             phase = (g // STAGES) & 1
             n0 = (n_blocks - 1 - j) * BLOCK_N  # the diagonal block first (see _consumer)
-            # -- K_j: its slot is free once both warpgroups waited for the S that read it (barriers start
+            # -- K_j: its slot is free once all consumers waited for the S that read it (barriers start
             #    with phase 1 complete, so the first pass does not wait)
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot),
                                             k_bufs.index(slot).reshape([1, 1, BLOCK_N, k_bufs.shape[2]]))
             if j == 0:
-                # -- Q: warpgroup w's half of set n % Q_BUFS is free once w waited for its last S of
-                #    tile n - Q_BUFS
-                for w in gl.static_range(2):
-                    qi = (n % Q_BUFS) * 2 + w
+                # -- Q: warpgroup w's part of set n % Q_BUFS is free once w waited for its last S of
+                #    tile n - Q_BUFS; a part past row N is not loaded, only signalled
+                for w in gl.static_range(NC):
+                    qi = (n % Q_BUFS) * NC + w
                     mbarrier.wait(q_empty.index(qi), ((n // Q_BUFS) & 1) ^ 1)
-                    mbarrier.expect(q_bars.index(qi), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [b, h, mb * 128 + w * 64, 0], q_bars.index(qi),
-                                                    q_bufs.index(qi).reshape([1, 1, 64, q_bufs.shape[2]]))
-            # -- V_j: free once both waited for the P V that read it
+                    if NC == 2:  # 128-row tiles: the second part may lie past N (TMA zero-fills it)
+                        _load_q(q_desc, q_bufs, q_bars, qi, b, h, mb * TM + w * 64)
+                    elif mb * TM + w * 64 < N:
+                        _load_q(q_desc, q_bufs, q_bars, qi, b, h, mb * TM + w * 64)
+                    else:
+                        mbarrier.arrive(q_bars.index(qi), count=1)
+            # -- V_j: free once all consumers waited for the P V that read it
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot),
@@ -178,69 +199,108 @@ def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p,
 def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tile_smem,
               tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb, H_Q, N, qk_scale,
               WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr):
-    """Consumer warpgroup WG (4 warps): per tile, query rows 128 mb + 64 WG .. + 63; S = Q K^T, online
-    softmax, O += P V."""
+              Q_BUFS: gl.constexpr, NC: gl.constexpr):
+    """Consumer warpgroup WG (4 warps) of NC: per tile, query rows 64 (NC mb + WG) .. + 63; S = Q K^T,
+    online softmax, O += P V over key blocks r0 // 128 (its diagonal) down to 0. The tile's blocks above
+    its diagonal (loaded for the tile's later rows when NC = 3) it releases unread; rows past N it skips."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    dtype: gl.constexpr = q_bufs.dtype
-    s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    TM: gl.constexpr = 64 * NC
+    n_kb = gl.cdiv(N, BLOCK_N)
     g = 0  # key blocks this program has consumed (the ring's position)
     n = 0  # tiles
     t = _get_tile(tile_smem, tile_ready, tile_empty, 0)
     while t < T:
         mb, b, h = _tile(t, n_mb, H_Q)
-        qi = (n % Q_BUFS) * 2 + WG
+        qi = (n % Q_BUFS) * NC + WG
         q_smem = q_bufs.index(qi)
-        r0 = mb * 128 + WG * 64
-        n_blocks = mb + 1
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
-
-        # -- step 0: the diagonal key block (the last one), masked; FlashAttention-3 also walks the keys
-        #    from the diagonal down, so that no later step needs a mask or a branch
-        slot = g % STAGES
-        mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
-        mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
-        s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, mb * BLOCK_N, True, BLOCK_N,
-                                           s_layout, p_layout, dtype)
-
-        # -- steps 1 .. mb: key blocks mb - 1 down to 0, all full
-        for j in range(1, n_blocks):
-            acc, p, m_i, l_i = _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc,
-                                        p, m_i, l_i, g + j, r0, qk_scale, s_zero, BLOCK_N, STAGES,
-                                        s_layout, o_layout, p_layout)
-        # every Q K^T of this tile has been waited for: the producer may load the next tile's Q
-        mbarrier.arrive(q_empty.index(qi), count=1)
-
-        # -- O += P V of the last step (key block 0)
-        slot = (g + mb) % STAGES
-        mbarrier.wait(v_ready.index(slot), ((g + mb) // STAGES) & 1)
-        acc = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(slot), count=1)
-        g += n_blocks
-
-        # -- epilogue: O = acc / l, LSE = (m + log2 l) ln 2 (m is in scaled base-2 units); rows past N are
-        #    not stored. The producer is already loading the next tile meanwhile.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = (acc / l_o[:, None]).to(dtype)
-        rows_o = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-        cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = O + b * stride_ob + h * stride_oh + rows_o[:, None] * stride_on + cols_o[None, :]
-        gl.store(o_ptrs, out, mask=rows_o[:, None] < N)
-        rows_s = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-        gl.store(LSE + (b * H_Q + h) * N + rows_s, lse, mask=rows_s < N)
+        r0 = mb * TM + WG * 64
+        if NC == 2:
+            # 128-row tiles: both warpgroups read every block the producer loads, and row r0 < N
+            mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
+            g = _consume_rows(q_smem, k_bufs, v_bufs, q_empty.index(qi), k_ready, k_empty, v_ready, v_empty,
+                              O, LSE, stride_ob, stride_oh, stride_on, b, h, H_Q, N, r0, mb + 1, g,
+                              qk_scale, BLOCK_N, HEAD_D, STAGES, s_layout, o_layout, p_layout)
+        else:
+            n_tile = gl.minimum(gl.cdiv((mb + 1) * TM, BLOCK_N), n_kb)  # the blocks the producer loads
+            n_blocks = 0
+            if r0 < N:
+                n_blocks = r0 // BLOCK_N + 1  # 64 rows never straddle two 128-key blocks
+            # -- blocks above this warpgroup's diagonal: release them unread, in the ring's order
+            for j in range(n_tile - n_blocks):
+                slot = (g + j) % STAGES
+                mbarrier.wait(k_ready.index(slot), ((g + j) // STAGES) & 1)
+                mbarrier.arrive(k_empty.index(slot), count=1)
+                mbarrier.wait(v_ready.index(slot), ((g + j) // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(slot), count=1)
+            g += n_tile - n_blocks
+            mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
+            if n_blocks > 0:
+                g = _consume_rows(q_smem, k_bufs, v_bufs, q_empty.index(qi), k_ready, k_empty, v_ready,
+                                  v_empty, O, LSE, stride_ob, stride_oh, stride_on, b, h, H_Q, N, r0,
+                                  n_blocks, g, qk_scale, BLOCK_N, HEAD_D, STAGES, s_layout, o_layout,
+                                  p_layout)
+            else:
+                mbarrier.arrive(q_empty.index(qi), count=1)
         n += 1
         t = _get_tile(tile_smem, tile_ready, tile_empty, n)
+
+
+@gluon.jit
+def _consume_rows(q_smem, k_bufs, v_bufs, q_free, k_ready, k_empty, v_ready, v_empty, O, LSE, stride_ob,
+                  stride_oh, stride_on, b, h, H_Q, N, r0, n_blocks, g, qk_scale, BLOCK_N: gl.constexpr,
+                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                  p_layout: gl.constexpr):
+    """One warpgroup's 64 query rows r0 .. r0 + 63 of one (batch, head) over key blocks n_blocks - 1 (the
+    diagonal) down to 0, ring positions g .. g + n_blocks - 1 (Q resident in q_smem, released through
+    q_free after the last Q K^T); stores O and LSE. Returns the ring position after."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, HEAD_D], gl.float32, layout=o_layout)
+
+    # -- step 0: the diagonal key block (the last one), masked; FlashAttention-3 also walks the keys
+    #    from the diagonal down, so that no later step needs a mask or a branch
+    slot = g % STAGES
+    mbarrier.wait(k_ready.index(slot), (g // STAGES) & 1)
+    s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(slot), count=1)
+    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, (n_blocks - 1) * BLOCK_N, True, BLOCK_N,
+                                       s_layout, p_layout, dtype)
+
+    # -- steps 1 .. mb: key blocks mb - 1 down to 0, all full
+    for j in range(1, n_blocks):
+        acc, p, m_i, l_i = _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc,
+                                    p, m_i, l_i, g + j, r0, qk_scale, s_zero, BLOCK_N, STAGES,
+                                    s_layout, o_layout, p_layout)
+    # every Q K^T of this tile has been waited for: the producer may load the next tile's Q
+    mbarrier.arrive(q_free, count=1)
+
+    # -- O += P V of the last step (key block 0)
+    slot = (g + n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(slot), ((g + n_blocks - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_bufs.index(slot), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(slot), count=1)
+    g += n_blocks
+
+    # -- epilogue: O = acc / l, LSE = (m + log2 l) ln 2 (m is in scaled base-2 units); rows past N are
+    #    not stored. The producer is already loading the next tile meanwhile.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = (acc / l_o[:, None]).to(dtype)
+    rows_o = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    cols_o = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = O + b * stride_ob + h * stride_oh + rows_o[:, None] * stride_on + cols_o[None, :]
+    gl.store(o_ptrs, out, mask=rows_o[:, None] < N)
+    rows_s = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(LSE + (b * H_Q + h) * N + rows_s, lse, mask=rows_s < N)
+    return g
 
 
 @gluon.jit
@@ -259,18 +319,19 @@ def _fwd_ws_kernel(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
     B, H_Q, H_KV, N, qk_scale,
-    HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+    HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
+    REGS: gl.constexpr,
 ):
-    """Causal forward, persistent: G programs (one per SM) take tiles (128 query rows of one (batch, head),
-    `_tile`) until none is left; the ring of K / V carries over from tile to tile, so the producer loads
-    the next tile under this one's last steps and epilogue. COUNTER: one int32, zero at launch (the
+    """Causal forward, persistent: G programs (one per SM) take tiles (64 NC query rows of one (batch,
+    head), `_tile`) until none is left; the ring of K / V carries over from tile to tile, so the producer
+    loads the next tile under this one's last steps and epilogue. COUNTER: one int32, zero at launch (the
     tiles claimed after the first G). qk_scale = softmax_scale * log2(e) (exp2 with the scale folded
-    in). Launch with num_warps=4 (the default partition is consumer warpgroup 0) and maxnreg=168
-    (12 warps: 240 + 240 + 24 registers)."""
+    in). NC consumer warpgroups (2 or 3) with REGS registers each. Launch with num_warps=4 (the default
+    partition is consumer warpgroup 0) and maxnreg=MAXNREG[NC]."""
     BLOCK_N: gl.constexpr = 128
     pid = gl.program_id(0)
     G = gl.num_programs(0)
-    n_mb = gl.cdiv(N, 128)
+    n_mb = gl.cdiv(N, 64 * NC)
     T = B * H_Q * n_mb
     dtype: gl.constexpr = Q.dtype.element_ty
 
@@ -281,41 +342,67 @@ def _fwd_ws_kernel(
 
     layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, HEAD_D], dtype)
     layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_D], dtype)
-    q_bufs = gl.allocate_shared_memory(dtype, [2 * Q_BUFS, 64, HEAD_D], layout_q)
+    q_bufs = gl.allocate_shared_memory(dtype, [NC * Q_BUFS, 64, HEAD_D], layout_q)
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout_kv)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_D], layout_kv)
     tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    q_bars, q_empty = _barriers(2 * Q_BUFS, 1), _barriers(2 * Q_BUFS, 1)
+    q_bars, q_empty = _barriers(NC * Q_BUFS, 1), _barriers(NC * Q_BUFS, 1)
     k_ready, v_ready = _barriers(STAGES, 1), _barriers(STAGES, 1)
-    k_empty, v_empty = _barriers(STAGES, 2), _barriers(STAGES, 2)  # both warpgroups release a slot
-    tile_ready, tile_empty = _barriers(2, 1), _barriers(2, 2)
+    k_empty, v_empty = _barriers(STAGES, NC), _barriers(STAGES, NC)  # every consumer releases a slot
+    tile_ready, tile_empty = _barriers(2, 1), _barriers(2, NC)
 
     GROUP = H_Q // H_KV
-    gl.warp_specialize(
-        [
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                         tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb,
-                         H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
-            (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                         tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb,
-                         H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS)),
-            (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
-                       v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
-                       GROUP, BLOCK_N, STAGES, Q_BUFS)),
-        ],
-        [4, 1],
-        [240, 24],
-    )
+    # the default partition is consumer 0; then the other consumers and the producer warp (the partition
+    # list is a literal, so one call per consumer count)
+    if NC == 3:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
+                             n_mb, H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
+                             n_mb, H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
+                             n_mb, H_Q, N, qk_scale, 2, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
+                           GROUP, N, BLOCK_N, STAGES, Q_BUFS, NC)),
+            ],
+            [4, 4, 1],
+            [REGS, REGS, 24],
+        )
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
+                             n_mb, H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
+                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
+                             n_mb, H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
+                           v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
+                           GROUP, N, BLOCK_N, STAGES, Q_BUFS, NC)),
+            ],
+            [4, 1],
+            [REGS, 24],
+        )
 
-
-# head_dim -> K/V ring stages and Q sets (a second set lets the producer load the next tile's Q before this
-# tile's last Q K^T); shared memory = Q_BUFS * 2 * 64 * d (Q) + 2 * STAGES * 128 * d (K, V) bf16:
-# d = 64: 224 KiB at 6 stages, 2 sets; d = 128: 160 KiB at 2 stages, 1 set (H200 A/B, NOTES v13: 6 over 4
-# stages +1.6-2.9% at d = 64, 3 stages at d = 128 level; v15: 2 Q sets +1-4% at d = 64 from 2k, level or
-# -1-2% at d = 128)
+# head_dim -> K/V ring stages, Q sets (a second set lets the producer load the next tile's Q before this
+# tile's last Q K^T) and consumer warpgroups; shared memory = Q_BUFS * NC * 64 * d (Q) + 2 * STAGES * 128 * d
+# (K, V) bf16: d = 64: 216 KiB at 6 stages, 1 set, 3 consumers; d = 128: 160 KiB at 2 stages, 1 set, 2
+# consumers (H200 A/B, NOTES v13: 6 over 4 stages +1.6-2.9% at d = 64, 3 stages at d = 128 level; v15: 2 Q
+# sets +1-4% at d = 64 with 2 consumers, level or -1-2% at d = 128; v17: 3 consumers +6-12% at d = 64 from
+# 2k, where a third Q part leaves room for 6 stages and 1 set only; at d = 128 3 x 64 rows x 128 registers
+# of O cannot fit next to S and P)
 STAGES = {64: 6, 128: 2}
-Q_BUFS = {64: 2, 128: 1}
-NUM_WARPS, MAXNREG = 4, 168
+Q_BUFS = {64: 1, 128: 1}
+CONSUMERS = {64: 3, 128: 2}
+# consumer warpgroups -> kernel-wide registers per thread (the launch's maxnreg) and each consumer's (raised
+# with setmaxnreg; the producer warp's group gets 24): 12 warps 240 + 240 + 24, 16 warps 160 x 3 + 24
+NUM_WARPS, MAXNREG, REGS = 4, {2: 168, 3: 128}, {2: 240, 3: 160}
 
 
 def _tma_strides(t: Tensor) -> list[int]:
@@ -336,13 +423,15 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     """
     B, Hq, N, d = (int(x) for x in q.shape)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count  # torch caches the properties
-    grid = (min(sms, triton.cdiv(N, 128) * B * Hq),)
+    nc = CONSUMERS[d]
+    grid = (min(sms, triton.cdiv(N, 64 * nc) * B * Hq),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_ws_kernel[grid](
         q, k, v, o, lse, counter,
         *_tma_strides(q), *_tma_strides(k), *_tma_strides(v), o.stride(0), o.stride(1), o.stride(2),
         B, Hq, int(k.shape[1]), N, softmax_scale * 1.4426950408889634,
-        HEAD_D=d, STAGES=STAGES[d], Q_BUFS=Q_BUFS[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        HEAD_D=d, STAGES=STAGES[d], Q_BUFS=Q_BUFS[d], NC=nc, REGS=REGS[nc], num_warps=NUM_WARPS,
+        maxnreg=MAXNREG[nc],
     )
 
 

@@ -235,14 +235,18 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
     if which == "fwd":
         from . import _gluon_fwd as g
 
-        fn, cfg = g._fwd_ws_kernel, TileConfig(128, 128, g.NUM_WARPS, g.STAGES[head_dim])
+        rows = 64 * g.CONSUMERS[head_dim]  # one 64-row part per consumer warpgroup
+        fn, cfg = g._fwd_ws_kernel, TileConfig(rows, 128, g.NUM_WARPS, g.STAGES[head_dim])
     else:
         from . import _gluon_bwd as g
 
         fn, cfg = g._bwd_ws_kernel, TileConfig(64, 128, g.NUM_WARPS, g.STAGES[head_dim])
     knobs = {"HEAD_D": head_dim, "STAGES": cfg.num_stages}
+    maxnreg = g.MAXNREG
     if which == "fwd":
-        knobs["Q_BUFS"] = g.Q_BUFS[head_dim]
+        nc = g.CONSUMERS[head_dim]
+        knobs.update(Q_BUFS=g.Q_BUFS[head_dim], NC=nc, REGS=g.REGS[nc])
+        maxnreg = g.MAXNREG[nc]
     else:
         knobs["DEFER"] = g.DEFER[head_dim]
     signature, constants = {}, {}
@@ -260,7 +264,7 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
     compiled = triton.compile(
         GluonASTSource(fn, signature, constants),
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=g.NUM_WARPS, maxnreg=g.MAXNREG),
+        options=dict(num_warps=g.NUM_WARPS, maxnreg=maxnreg),
     )
     ptx = compiled.asm["ptx"]
     regs, st, ld, ptxas_log = _ptxas_report(ptx, 90)

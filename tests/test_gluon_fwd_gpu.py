@@ -51,6 +51,10 @@ CASES = [
     (F16, 2, 2, 2, 100, 64),  # one block, shorter than it
     (BF16, 1, 2, 2, 16384, 128),
     (BF16, 64, 3, 3, 384, 64),  # 576 short tiles over the persistent programs: the claimed-tile path
+    # d = 64 runs 192-row tiles (three 64-row warpgroups): the last tile's later parts past N
+    (BF16, 2, 4, 2, 200, 64),  # parts 1, 2 of the second tile past N
+    (F16, 3, 2, 2, 320, 64),  # part 2 past N, part 1 ending at N
+    (BF16, 2, 6, 3, 1088, 64),  # N % 192 = 128: the last tile's diagonal blocks 8 and 9
 ]
 
 
