@@ -352,8 +352,9 @@ def _fwd_ws_kernel(
     tile_ready, tile_empty = _barriers(2, 1), _barriers(2, NC)
 
     GROUP = H_Q // H_KV
-    # the default partition is consumer 0; then the other consumers and the producer warp (the partition
-    # list is a literal, so one call per consumer count)
+    # the default partition is consumer 0; then the other consumers and the producer warp. One call per
+    # consumer count: the partition list must be a literal, and argument tuples built beforehand lose the
+    # constexpr-ness of BLOCK_N, HEAD_D, ... (triton 3.6)
     if NC == 3:
         gl.warp_specialize(
             [
