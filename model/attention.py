@@ -168,18 +168,22 @@ def attention(
             does not support (see ``Backend``); each message names the config key to change.
         RuntimeError: a pinned sdpa_backend cannot run these inputs; the flash kernels are unavailable.
     """
-    if qkv is not None:
+    if qkv is None:
+        _check_tensors(q, k, v)
+        q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    else:
         if q is not None or k is not None or v is not None or lengths is not None:
             raise ValueError("attention takes either q, k, v or qkv=, not both (and no lengths with qkv)")
         if not isinstance(qkv, torch.Tensor):
             raise TypeError(f"attention expects qkv as a torch.Tensor, got {type(qkv).__name__}")
         if qkv.dim() != 5 or qkv.shape[2] != 3:
             raise ValueError(f"attention expects qkv of shape (B, N, 3, H, d); got {tuple(qkv.shape)}")
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) strided views, no copy
-    b = _resolve(q, k, v, backend, sdpa_backend, window, doc_ids, dropout_p, lengths)
-    kw = (
-        {} if window is None and doc_ids is None and not dropout_p else {"window": window, "doc_ids": doc_ids}
-    )
+        B, N, _, H, d = qkv.shape
+        q_shape = k_shape = (B, H, N, d)
+    b = _resolve(backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths)
+    kw = {}
+    if window is not None or doc_ids is not None or dropout_p:  # else the plain call, for any backend
+        kw = {"window": window, "doc_ids": doc_ids}
     if lengths is not None:
         return b.decode(q, k, v, lengths, sdpa_backend, **kw)
     if kw:
@@ -187,9 +191,9 @@ def attention(
     if qkv is None:
         return b.full(q, k, v, sdpa_backend, **kw)
     if b.packed is None:
-        return b.full(q, k, v, sdpa_backend, **kw).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) strided views, no copy
+        return b.full(q, k, v, sdpa_backend, **kw).transpose(1, 2)  # (B, N, H, d)
     o = b.packed(qkv, sdpa_backend, **kw)
-    B, N, _, H, d = qkv.shape
     if tuple(o.shape) != (B, N, H, d):  # (B, H, N, d), the unpacked layout, would be read scrambled
         raise RuntimeError(
             f"attention backend {backend!r}: its qkvpacked function returned shape {tuple(o.shape)}, "
@@ -198,11 +202,7 @@ def attention(
     return o
 
 
-def _resolve(q, k, v, backend, sdpa_backend, window, doc_ids, dropout_p, lengths) -> Backend:
-    """The ``Backend`` for this call, after checking everything ``attention`` documents (the one place)."""
-    check_attention_backend(backend)
-    check_sdpa_backend(sdpa_backend)
-    b = BACKENDS[backend]
+def _check_tensors(q, k, v) -> None:
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise TypeError(
             f"attention expects q, k, v (or qkv=) as tensors, got {[type(t).__name__ for t in (q, k, v)]}"
@@ -212,16 +212,23 @@ def _resolve(q, k, v, backend, sdpa_backend, window, doc_ids, dropout_p, lengths
             f"attention expects q (B, H, Nq, d) and k, v (B, H, Nk, d); got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    (nb, nh, nq, d), nk = q.shape, k.shape[2]
-    if (k.shape[0], k.shape[1], k.shape[3]) != (nb, nh, d) or nq > nk:
-        raise ValueError(
-            f"attention needs k, v of shape (B, H, Nk >= Nq, d) for q {tuple(q.shape)}; got k "
-            f"{tuple(k.shape)}"
-        )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(
             "attention expects q, k, v with one dtype and device; got "
             f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}"
+        )
+
+
+def _resolve(backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths) -> Backend:
+    """The ``Backend`` for a call of these shapes and variants: every check of ``attention`` on what it
+    asks for, in one place, each error naming the config key to change."""
+    check_attention_backend(backend)
+    check_sdpa_backend(sdpa_backend)
+    b = BACKENDS[backend]
+    (nb, nh, nq, d), nk = q_shape, k_shape[2]
+    if (k_shape[0], k_shape[1], k_shape[3]) != (nb, nh, d) or nq > nk:
+        raise ValueError(
+            f"attention needs k, v of shape (B, H, Nk >= Nq, d) for q {q_shape}; got k {k_shape}"
         )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(
@@ -255,7 +262,7 @@ def _resolve(q, k, v, backend, sdpa_backend, window, doc_ids, dropout_p, lengths
             )
         if nq != 1 or not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (nb,):
             raise ValueError(
-                f"lengths needs one query row and a (B,) = ({nb},) tensor; got q {tuple(q.shape)}, "
+                f"lengths needs one query row and a (B,) = ({nb},) tensor; got q {q_shape}, "
                 f"lengths {getattr(lengths, 'shape', lengths)}"
             )
     elif nq < nk and not b.kv_cache:

@@ -154,7 +154,7 @@ class GPT(nn.Module):
             x = block(x, cache, doc_ids)
         x = self.transformer.ln_f(x)
         if cache is not None:
-            x = x[:, [-1]]  # generating: only the next token's logits are needed
+            x = x[:, -1:]  # generating: only the next token's logits are needed
         logits = self.lm_head(x)  # (B, T, vocab_size)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # a float32 loss and softmax
