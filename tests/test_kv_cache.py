@@ -333,20 +333,25 @@ def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("backend", ["sdpa", "flash"])
-def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend, batch):
+@pytest.mark.parametrize(
+    "backend,batch,docs",
+    [("sdpa", 1, False), ("sdpa", 2, False), ("flash", 1, False), ("flash", 2, False), ("sdpa", 2, True)],
+)
+def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend, batch, docs):
     """The static decode step compiles once for every position (no recompile: shapes, strides and Python
     state do not change between steps), without graph breaks (flash: the flash_decode op), and gives the
     uncached tokens. Batch 1 too: there the (1, 1) view of the growing token buffer counts as contiguous
-    with the buffer's row stride, which changes every step."""
+    with the buffer's row stride, which changes every step. With document masks the step derives the
+    document ids from the cached tokens inside the same graph."""
     _need(backend, monkeypatch)
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = _model(backend)
-    prompt = torch.randint(0, 61, (batch, 3))
+    model = _doc_model(backend) if docs else _model(backend)
+    prompt = torch.randint(8 if docs else 0, 61, (batch, 6 if docs else 3))
+    if docs:
+        prompt = _with_separators(prompt, [(0, 2)])
     ref = model.generate(prompt, 10, temperature=0, use_cache=False)
     model._decode_static = torch.compile(model._decode_static)
     with torch._dynamo.config.patch(error_on_recompile=True):
