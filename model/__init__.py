@@ -1,7 +1,7 @@
-"""GPT-2 model with swappable attention backends (naive / PyTorch SDPA / our Triton flash kernel).
+"""GPT-2 with swappable attention backends (naive / PyTorch SDPA / our Triton flash kernels).
 
-Re-exports ``GPT``, ``GPTConfig``, ``PRESETS`` (from ``model.gpt``) and ``attention``,
-``ATTENTION_BACKENDS``, ``SDPA_BACKENDS`` (from ``model.attention``).
+To change the model open ``model/gpt.py``; the attention backends: ``model/attention.py``; generation and
+the KV cache: ``model/generate.py``; the config and size presets: ``model/config.py``.
 """
 
 from .attention import (

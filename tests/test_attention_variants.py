@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.reference import attention_reference
-from model.attention import attention, cached_attention, static_decode_attention
+from model.attention import attention
 
 BACKENDS = ("naive", "sdpa", "flash")
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -24,16 +24,19 @@ def _qkv(seed, B=2, H=2, N=48, d=16):
     return [torch.randn(B, H, N, d, generator=g) for _ in range(3)], g
 
 
+def _docs(g, B=2, N=48):
+    """Random non-decreasing document ids (B, N), a new document with probability 0.1 per token."""
+    starts = torch.rand(B, N, generator=g) < 0.1
+    starts[:, 0] = True
+    return (starts.cumsum(-1) - 1).to(torch.int32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("window,docs", [(7, False), (None, True), (12, True)])
 def test_backends_match_reference(seed, monkeypatch, backend, window, docs):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     (q, k, v), g = _qkv(seed)
-    doc_ids = None
-    if docs:
-        starts = torch.rand(2, 48, generator=g) < 0.1
-        starts[:, 0] = True
-        doc_ids = (starts.cumsum(-1) - 1).to(torch.int32)
+    doc_ids = _docs(g) if docs else None
     o = attention(q, k, v, backend, window=window, doc_ids=doc_ids)
     ref, _ = attention_reference(q, k, v, window=window, doc_ids=doc_ids)
     err = (o.double() - ref).abs().max().item()
@@ -57,19 +60,33 @@ def test_dropout_naive_sdpa(seed, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cached_and_static_decode_with_window(seed, monkeypatch, backend):
-    """A KV-cache step with a window equals the last rows of full windowed attention, every backend."""
+@pytest.mark.parametrize("window,docs", [(9, False), (None, True), (9, True)])
+def test_cached_and_static_decode_variants(seed, monkeypatch, backend, window, docs):
+    """KV-cache steps with a window and/or documents equal the matching rows of full attention, every
+    backend: the last 3 rows against the prefix, and one row per sequence against a whole cache buffer
+    with per-sequence lengths (the static decode step; keys past lengths[b] must not count)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    (q, k, v), _ = _qkv(seed, B=2, H=2, N=40)
-    full, _ = attention_reference(q, k, v, window=9)
-    o = cached_attention(q[:, :, -3:], k, v, backend, window=9)
+    (q, k, v), g = _qkv(seed, B=2, H=2, N=40)
+    doc = _docs(g, 2, 40) if docs else None
+    full, _ = attention_reference(q, k, v, window=window, doc_ids=doc)
+    o = attention(
+        q[:, :, -3:], k, v, backend, window=window, doc_ids=None if doc is None else (doc[:, -3:], doc)
+    )
     assert (o.double() - full[:, :, -3:]).abs().max() < 1e-5, f"seed={seed} {backend} cached"
     lengths = torch.tensor([40, 25])
-    o = static_decode_attention(q[:, :, -1:].clone(), k, v, lengths, backend, window=9)
-    ref25, _ = attention_reference(q[1:, :, 24:25], k[1:, :, :25], v[1:, :, :25], window=9)
+    rows = (lengths - 1)[:, None]  # each sequence's newest position
+    q_new = torch.stack([q[0, :, 39:40], q[1, :, 24:25]])  # (B, H, 1, d)
+    pair = None if doc is None else (doc.gather(1, rows), doc)
+    o = attention(q_new, k, v, backend, window=window, doc_ids=pair, lengths=lengths)
+    ref25, _ = attention_reference(
+        q[1:, :, 24:25],
+        k[1:, :, :25],
+        v[1:, :, :25],
+        window=window,
+        doc_ids=None if doc is None else (doc[1:, 24:25], doc[1:, :25]),
+    )
     assert (o[0].double() - full[0, :, -1:]).abs().max() < 1e-5, f"seed={seed} {backend} static"
-    o1 = static_decode_attention(q[:, :, 24:25].clone(), k, v, lengths, backend, window=9)[1:]
-    assert (o1.double() - ref25).abs().max() < 1e-5, f"seed={seed} {backend} static, shorter"
+    assert (o[1:].double() - ref25).abs().max() < 1e-5, f"seed={seed} {backend} static, shorter"
 
 
 def test_attention_variant_errors():

@@ -149,11 +149,11 @@ def test_cached_generation_equals_uncached_flash_gpu(seed, static_decode):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("backend", ["flash", "sdpa", "naive"])
 def test_cuda_graph_decode_gives_the_same_tokens_gpu(seed, monkeypatch, backend, compiled):
-    """generate(cuda_graph=True) (model.decode_graph: the static step replayed as one CUDA graph) gives the
+    """generate(cuda_graph=True) (model.generate: the static step replayed as one CUDA graph) gives the
     static path's greedy tokens, bf16, batch 3; the prompt of the second call fills the block so the cache
     resets and prefills again under the same graph (the window slides); the graph is captured once."""
     from model import GPT, GPTConfig
-    from model import decode_graph as dg
+    from model import generate as dg
 
     cfg = GPTConfig(block_size=48, vocab_size=97, n_layer=2, n_head=4, n_embd=64, attention=backend)
     model = GPT(cfg).cuda().to(torch.bfloat16).eval()

@@ -1,13 +1,12 @@
-"""CPU tests of `flash_attention_qkvpacked` (kernels/flash_qkvpacked.py) and of
-`model.attention.attention_qkvpacked`, under the Triton interpreter (the import order of
-tests/test_flash_kernel.py: TRITON_INTERPRET before triton).
+"""CPU tests of `flash_attention_qkvpacked` (kernels/flash_qkvpacked.py), under the Triton interpreter (the
+import order of tests/test_flash_kernel.py: TRITON_INTERPRET before triton). The model's packed call,
+`model.attention.attention(qkv=...)`, is tested in tests/test_model.py.
 
 The packed entry point runs the launchers of `flash_attention` on views of qkv and writes the gradients into
 one d(qkv) buffer, so outputs and gradients must equal the separate path bit for bit; they are also checked
 against the float64 reference. Fresh seeded inputs per test (the seed is printed on failure).
 """
 
-import importlib
 import os
 
 import torch
@@ -22,8 +21,6 @@ import triton  # noqa: E402, F401
 from kernels import flash_attention, flash_attention_qkvpacked  # noqa: E402
 from kernels import flash_qkvpacked as fp  # noqa: E402
 from kernels.reference import attention_reference  # noqa: E402
-
-A = importlib.import_module("model.attention")  # the module (`model.attention` is also a function name)
 
 if _PREVIOUS_INTERPRET is None:
     os.environ.pop("TRITON_INTERPRET", None)
@@ -176,65 +173,3 @@ def test_packed_bad_input(bad, err, match):
         x = torch.randn(*bad)
     with pytest.raises(err, match=match):
         flash_attention_qkvpacked(x, **kw)
-
-
-@pytest.mark.parametrize("backend", ["naive", "sdpa", "flash"])
-def test_attention_qkvpacked_every_backend(seed, backend):
-    """model.attention.attention_qkvpacked: every backend gives attention() on the views, as (B, N, H, d)."""
-    qkv, _ = _packed(seed, 2, 24, 2, 16, torch.float32)
-    got = A.attention_qkvpacked(qkv, backend)
-    want = A.attention(*_views(qkv), "naive").transpose(1, 2)
-    assert got.shape == (2, 24, 2, 16)
-    assert (got - want).abs().max().item() < 1e-5, f"seed={seed} {backend}"
-    with pytest.raises(ValueError, match=r"expects qkv of shape \(B, N, 3, H, d\)"):
-        A.attention_qkvpacked(qkv[:, :, :2], backend)
-    with pytest.raises(TypeError, match="expects qkv as a torch.Tensor, got list"):
-        A.attention_qkvpacked([1, 2], backend)
-
-
-def test_registry_qkvpacked_keyword(seed):
-    """A backend registered with qkvpacked= gets qkv whole; re-registered without it, the three views."""
-    calls = []
-
-    def plain(q, k, v, sdpa_backend):
-        calls.append("views")
-        return A.attention(q, k, v, "naive")
-
-    def packed(qkv, sdpa_backend, **variants):
-        calls.append("packed")
-        return A.attention(*_views(qkv), "naive").transpose(1, 2)
-
-    qkv, _ = _packed(seed, 1, 8, 2, 16, torch.float32)
-    try:
-        A.register_attention_backend("test_packed", plain, qkvpacked=packed)
-        A.attention_qkvpacked(qkv, "test_packed")
-        A.register_attention_backend("test_packed", plain, overwrite=True)
-        A.attention_qkvpacked(qkv, "test_packed")
-        with pytest.raises(ValueError, match="without variants=True"):
-            A.register_attention_backend("test_packed", plain, overwrite=True, qkvpacked=packed)
-            A.attention_qkvpacked(qkv, "test_packed", window=4)
-    finally:
-        A._REGISTRY.pop("test_packed", None)
-        A._QKVPACKED.pop("test_packed", None)
-    assert calls == ["packed", "views"]
-
-
-def test_registry_refuses_what_cannot_run(seed):
-    """A non-callable fn / qkvpacked is refused at registration; a packed function that returns the
-    unpacked (B, H, N, d) layout is refused at the call instead of being read scrambled."""
-    for kw in ({"fn": None}, {"fn": A.attention, "qkvpacked": "not a function"}):
-        with pytest.raises(TypeError, match="must be callable"):
-            A.register_attention_backend("test_bad", **kw)
-    assert "test_bad" not in A.available_attention_backends()
-    qkv, _ = _packed(seed, 2, 8, 2, 16, torch.float32)
-
-    def wrong_layout(qkv, sdpa_backend, **variants):
-        return A.attention(*_views(qkv), "naive")  # (B, H, N, d)
-
-    try:
-        A.register_attention_backend("test_layout", lambda q, k, v, s: q, qkvpacked=wrong_layout)
-        with pytest.raises(RuntimeError, match=r"returned shape \(2, 2, 8, 16\), expected \(B, N, H, d\)"):
-            A.attention_qkvpacked(qkv, "test_layout")
-    finally:
-        A._REGISTRY.pop("test_layout", None)
-        A._QKVPACKED.pop("test_layout", None)

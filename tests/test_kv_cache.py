@@ -7,7 +7,7 @@ import torch
 
 from kernels.reference import attention_reference
 from model import GPT, GPTConfig
-from model.attention import cached_attention, register_attention_backend
+from model.attention import attention, register_attention_backend
 from model.sampling import sample_next
 
 BACKENDS = [("naive", "auto"), ("sdpa", "auto"), ("sdpa", "math"), ("flash", "auto")]
@@ -33,7 +33,7 @@ def test_cached_attention_matches_float64_reference(seed, monkeypatch, backend, 
     cache = torch.randn(2, 2, 3, 48, 16, dtype=torch.float64).float()
     k, v = cache[0, :, :, :nk], cache[1, :, :, :nk]
     q = torch.randn(2, 3, nq, 16)
-    out = cached_attention(q, k, v, backend, sdpa_backend)
+    out = attention(q, k, v, backend, sdpa_backend)
     ref = reference_bottom_right(q, k, v)
     assert out.shape == (2, 3, nq, 16) and out.dtype == torch.float32
     err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
@@ -43,10 +43,12 @@ def test_cached_attention_matches_float64_reference(seed, monkeypatch, backend, 
 def test_cached_attention_rejects_bad_shapes_and_backends():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 3, 8)
     with pytest.raises(ValueError, match="Nk >= Nq"):
-        cached_attention(q, k, k, "naive")
+        attention(q, k, k, "naive")
     register_attention_backend("test_no_cache", lambda q, k, v, s: q, overwrite=True)
     with pytest.raises(ValueError, match="kv_cache=True"):
-        cached_attention(q[:, :, :1], k, k, "test_no_cache")
+        attention(q[:, :, :1], k, k, "test_no_cache")
+    with pytest.raises(ValueError, match="no static decode step"):
+        attention(q[:, :, :1], k, k, "test_no_cache", lengths=torch.tensor([3]))
 
 
 def _model(backend: str, block_size: int = 16) -> GPT:
@@ -117,6 +119,67 @@ def test_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend)
     assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
 
 
+SEP = (7, 7)  # a two-token document separator, as the char tokenizer writes "\n\n"
+
+
+def _doc_model(backend: str, sdpa_backend: str = "auto", block_size: int = 16) -> GPT:
+    model = _model(backend, block_size)
+    model.config = GPTConfig(**{**vars(model.config), "document_mask": True, "doc_separator_ids": SEP})
+    model.set_attention_backend(backend, sdpa_backend)
+    return model
+
+
+def _with_separators(idx: torch.Tensor, starts) -> torch.Tensor:
+    idx = idx.clone()
+    for row, start in starts:
+        idx[row, start : start + len(SEP)] = torch.tensor(SEP)
+    return idx
+
+
+@pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
+def test_document_mask_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backend):
+    """Document masks with a KV cache (issue 36): separators in the prompt, across the prefill/decode
+    boundary and in the decoded part; every step's logits (growing cache and static steps) equal the
+    training forward's, which applies the document mask."""
+    _need(backend, monkeypatch)
+    model = _doc_model(backend, sdpa_backend)
+    idx = torch.randint(8, 61, (3, 16))  # ids >= 8: no separator but the ones placed here
+    idx = _with_separators(idx, [(0, 1), (1, 4), (2, 9), (0, 11), (1, 13)])  # (1, 4): ends at the 6th token
+    full, _ = model(idx)
+    with model.use_attention_backend("naive"):
+        model.config.document_mask = False  # the mask matters for these tokens (else the test shows nothing)
+        unmasked, _ = model(idx)
+        model.config.document_mask = True
+    assert (unmasked[:, 4:] - full[:, 4:]).abs().max() > 1e-3, f"seed={seed}"
+    cache = model.make_kv_cache(3)
+    for step in ("growing", "static"):
+        cache.reset()
+        got = [model.forward_cached(idx[:, :5], cache)]
+        decode = model.decode_step if step == "static" else model.forward_cached
+        got += [decode(idx[:, t : t + 1], cache) for t in range(5, 16)]
+        torch.testing.assert_close(
+            torch.stack(got, 1),
+            full[:, 4:],
+            rtol=1e-5,
+            atol=1e-5,
+            msg=lambda m, step=step: f"seed={seed} {step}: {m}",
+        )
+
+
+@pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
+def test_document_mask_greedy_cached_equals_uncached(seed, monkeypatch, backend, sdpa_backend):
+    """attention.document_mask=true with a separator inside the prompt: greedy tokens with the KV cache
+    (growing and static) equal the uncached ones, also after the window slides (6 + 14 > 16)."""
+    _need(backend, monkeypatch)
+    model = _doc_model(backend, sdpa_backend)
+    prompt = _with_separators(torch.randint(8, 61, (2, 6)), [(0, 2), (1, 3)])
+    plain = model.generate(prompt, 14, temperature=0, use_cache=False)
+    cached = model.generate(prompt, 14, temperature=0)
+    static = model.generate(prompt, 14, temperature=0, static_decode=True)
+    assert torch.equal(cached, plain), f"seed={seed} {backend}/{sdpa_backend}\n{cached}\n{plain}"
+    assert torch.equal(static, plain), f"seed={seed} {backend}/{sdpa_backend} static\n{static}\n{plain}"
+
+
 def test_sampling_with_cache_is_reproducible(seed):
     model = _model("sdpa")
     prompt = torch.randint(0, 61, (4, 3))
@@ -175,7 +238,7 @@ def test_sampling_argument_errors(kwargs, match):
 def test_cuda_graph_decoding_needs_cuda_and_the_cache():
     """generate(cuda_graph=True) off CUDA or without the KV cache is a clear error before any work, and
     DecodeGraph refuses a CPU cache (its GPU behaviour: tests/test_flash_decode_gpu.py)."""
-    from model.decode_graph import DecodeGraph
+    from model.generate import DecodeGraph
 
     model = _model("naive")
     idx = torch.zeros(1, 2, dtype=torch.long)
@@ -184,7 +247,7 @@ def test_cuda_graph_decoding_needs_cuda_and_the_cache():
             model.generate(idx, 3, cuda_graph=True, **kwargs)
     with pytest.raises(ValueError, match="needs the model and its KV cache on a CUDA device"):
         DecodeGraph(model, model.make_kv_cache(1))
-    from model.decode_graph import decode_graph
+    from model.generate import decode_graph
 
     model.train()  # a graph kept from an eval-mode capture must not replay for a training-mode model
     with pytest.raises(ValueError, match=r"needs model.eval\(\)"):
@@ -199,7 +262,7 @@ def test_kept_decode_graph_is_recaptured_when_what_it_replays_changes(monkeypatc
     import gc
     import weakref
 
-    from model import decode_graph as dg
+    from model import generate as dg
 
     captures, alive = [], []
 
@@ -270,20 +333,25 @@ def test_flash_decode_steps_use_flash_decoding(seed, monkeypatch):
     assert calls == {"decode": 3 * 2, "attention": 2}, f"seed={seed}: {calls}"
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("backend", ["sdpa", "flash"])
-def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend, batch):
+@pytest.mark.parametrize(
+    "backend,batch,docs",
+    [("sdpa", 1, False), ("sdpa", 2, False), ("flash", 1, False), ("flash", 2, False), ("sdpa", 2, True)],
+)
+def test_compiled_static_decode_step_is_one_graph(seed, monkeypatch, backend, batch, docs):
     """The static decode step compiles once for every position (no recompile: shapes, strides and Python
     state do not change between steps), without graph breaks (flash: the flash_decode op), and gives the
     uncached tokens. Batch 1 too: there the (1, 1) view of the growing token buffer counts as contiguous
-    with the buffer's row stride, which changes every step."""
+    with the buffer's row stride, which changes every step. With document masks the step derives the
+    document ids from the cached tokens inside the same graph."""
     _need(backend, monkeypatch)
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    model = _model(backend)
-    prompt = torch.randint(0, 61, (batch, 3))
+    model = _doc_model(backend) if docs else _model(backend)
+    prompt = torch.randint(8 if docs else 0, 61, (batch, 6 if docs else 3))
+    if docs:
+        prompt = _with_separators(prompt, [(0, 2)])
     ref = model.generate(prompt, 10, temperature=0, use_cache=False)
     model._decode_static = torch.compile(model._decode_static)
     with torch._dynamo.config.patch(error_on_recompile=True):

@@ -14,6 +14,7 @@ import torch
 from kernels.reference import attention_reference
 from model import ATTENTION_BACKENDS, GPT, PRESETS, SDPA_BACKENDS, GPTConfig, attention
 from model.attention import (
+    BACKENDS,
     available_attention_backends,
     register_attention_backend,
     sdpa_backend_that_ran,
@@ -147,6 +148,80 @@ def test_register_attention_backend(seed):
     torch.testing.assert_close(attention(q, k, v, name), 2 * reference_attention(q, k, v))
     assert calls == [q.shape]
     assert GPTConfig.from_preset("tiny", attention=name).attention == name
+
+
+def _packed_qkv(seed: int, B: int, N: int, H: int, d: int) -> torch.Tensor:
+    return torch.randn(B, N, 3, H, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _views(qkv: torch.Tensor):
+    return tuple(t.transpose(1, 2) for t in qkv.unbind(2))  # (B, H, N, d) each
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa", "flash"])
+def test_attention_on_packed_qkv_every_backend(seed, monkeypatch, backend):
+    """attention(qkv=...), the model's training call: every backend gives attention() on the three views,
+    as (B, N, H, d) (flash through its packed kernel entry, under the Triton interpreter)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qkv = _packed_qkv(seed, 2, 24, 2, 16)
+    got = attention(qkv=qkv, backend=backend)
+    want = reference_attention(*_views(qkv)).transpose(1, 2)
+    assert got.shape == (2, 24, 2, 16)
+    assert rel_err(got, want) < 1e-5, f"seed={seed} {backend}: {rel_err(got, want)}"
+    with pytest.raises(ValueError, match=r"expects qkv of shape \(B, N, 3, H, d\)"):
+        attention(qkv=qkv[:, :, :2], backend=backend)
+    with pytest.raises(TypeError, match="expects qkv as a torch.Tensor, got list"):
+        attention(qkv=[1, 2], backend=backend)
+    with pytest.raises(ValueError, match="either q, k, v or qkv="):
+        attention(*_views(qkv), backend, qkv=qkv)
+
+
+def test_backend_record_packed_and_variants(seed):
+    """A backend registered with qkvpacked= gets qkv whole, re-registered without it the three views; one
+    registered without variants=True refuses a window, naming the config keys."""
+    calls = []
+
+    def plain(q, k, v, sdpa_backend):
+        calls.append("views")
+        return attention(q, k, v, "naive")
+
+    def packed(qkv, sdpa_backend, **variants):
+        calls.append("packed")
+        return attention(*_views(qkv), "naive").transpose(1, 2)
+
+    qkv = _packed_qkv(seed, 1, 8, 2, 16)
+    try:
+        record = register_attention_backend("test_packed", plain, qkvpacked=packed)
+        assert BACKENDS["test_packed"] is record and record.packed is packed and not record.variants
+        attention(qkv=qkv, backend="test_packed")
+        register_attention_backend("test_packed", plain, overwrite=True)
+        attention(qkv=qkv, backend="test_packed")
+        register_attention_backend("test_packed", plain, overwrite=True, qkvpacked=packed)
+        with pytest.raises(ValueError, match="without variants=True.*attention.window"):
+            attention(qkv=qkv, backend="test_packed", window=4)
+    finally:
+        BACKENDS.pop("test_packed", None)
+    assert calls == ["packed", "views"]
+
+
+def test_backend_registration_refuses_what_cannot_run(seed):
+    """A non-callable fn / qkvpacked / decode is refused at registration; a packed function that returns the
+    unpacked (B, H, N, d) layout is refused at the call instead of being read scrambled."""
+    for kw in ({"fn": None}, {"fn": attention, "qkvpacked": "no"}, {"fn": attention, "decode": 1}):
+        with pytest.raises(TypeError, match="must be callable"):
+            register_attention_backend("test_bad", **kw)
+    assert "test_bad" not in available_attention_backends()
+    qkv = _packed_qkv(seed, 2, 8, 2, 16)
+
+    def wrong_layout(qkv, sdpa_backend, **variants):
+        return attention(*_views(qkv), "naive")  # (B, H, N, d)
+
+    try:
+        register_attention_backend("test_layout", lambda q, k, v, s: q, qkvpacked=wrong_layout)
+        with pytest.raises(RuntimeError, match=r"returned shape \(2, 2, 8, 16\), expected \(B, N, H, d\)"):
+            attention(qkv=qkv, backend="test_layout")
+    finally:
+        BACKENDS.pop("test_layout", None)
 
 
 # ------------------------------------------------------------------------------------ GPT
