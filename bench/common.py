@@ -141,8 +141,7 @@ class Timer:
         slow = f"; calls of >= {self.slow_ms} ms: median of {self.slow_reps} event-timed calls"
         return (
             f"triton.testing.do_bench(return_mode='median', warmup={self.warmup_ms} ms, rep={self.rep_ms} "
-            "ms, "
-            f"grads set to None between reps){slow if self.slow_ms is not None else ''}"
+            f"ms, grads set to None between reps){slow if self.slow_ms is not None else ''}"
         )
 
     def _times(self, fn: Callable, n: int, grad_to_none, cuda: bool) -> list[float]:
@@ -420,8 +419,8 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
     if not path.is_file():
         if required:
             raise RunDirError(
-                f"{path} not found: pass a run directory written by train.py "
-                f"(it holds metrics.jsonl) or the metrics.jsonl file itself"
+                f"{path} not found: pass a run directory written by train.py (it holds metrics.jsonl) or "
+                "the metrics.jsonl file itself"
             )
         return []
     rows = []
@@ -646,26 +645,24 @@ def attention_markdown(records: Sequence[dict], meta: dict) -> str:
         f"- flash's forward on sm_90: the Gluon kernel from N = {meta.get('flash_gluon_min_n')} (per d; "
         f"FLASHGPT_GLUON_FWD={meta.get('flash_gluon_fwd')}), the Triton kernel otherwise",
         "- flash's backward on sm_90: the one-pass Gluon kernel from N = "
-        f"{meta.get('flash_gluon_min_n_bwd')} "
-        f"(MHA, N % 128 == 0; FLASHGPT_GLUON_BWD={meta.get('flash_gluon_bwd')}), the split Triton kernels "
-        "otherwise",
+        f"{meta.get('flash_gluon_min_n_bwd')} (MHA, N % 128 == 0; "
+        f"FLASHGPT_GLUON_BWD={meta.get('flash_gluon_bwd')}), the split Triton kernels otherwise",
     ]
     lines = [
         f"# Causal attention benchmark — {meta.get('gpu') or meta.get('device')} ({meta.get('dtype')})",
         "",
         f"- date {meta.get('date')}, torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA "
         f"{meta.get('cuda')}",
-        f"- {meta.get('tokens')} tokens per batch (B = tokens // N), hidden {meta.get('hidden')} "
-        f"(H = hidden // d); timing: {meta.get('timing')}",
+        f"- {meta.get('tokens')} tokens per batch (B = tokens // N), hidden {meta.get('hidden')} (H = "
+        f"hidden // d); timing: {meta.get('timing')}",
         f"- FLOPs: {meta.get('flops')}",
         *(gluon if meta.get("flash_gluon_min_n") else []),
-        "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference "
-        "(not timed), — = not measured",
+        "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference (not "
+        "timed), — = not measured",
         *(
             f"- merged (`--merge`): N = {i.get('seqlens')}, d = {i.get('headdims')}, providers "
-            f"{i.get('providers')}, "
-            f"modes {i.get('modes') or list(MODES)} measured {i.get('date')} (torch {i.get('torch')}, "
-            f"triton {i.get('triton')})"
+            f"{i.get('providers')}, modes {i.get('modes') or list(MODES)} measured {i.get('date')} (torch "
+            f"{i.get('torch')}, triton {i.get('triton')})"
             for i in inv
         ),
         *(
@@ -895,16 +892,13 @@ def decode_markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     eager_only = meta.get("eager_only_ms") if meta.get("graphs") else None
     lines += [
         f"Copy ceiling: {ceiling:.0f} GB/s. Cells: ms / GB/s of K/V read (fraction of the ceiling). Where "
-        "the "
-        f"JSON's `timing` says cuda_graph, ms = replay time of one CUDA graph of {calls} back-to-back calls "
-        "/ "
-        f"{calls} (kernel time, graph launch shared; the calls cycle through copies of the inputs spanning "
-        "twice "
-        "the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms of eager calls"
+        f"the JSON's `timing` says cuda_graph, ms = replay time of one CUDA graph of {calls} back-to-back "
+        f"calls / {calls} (kernel time, graph launch shared; the calls cycle through copies of the inputs "
+        "spanning twice the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms "
+        "of eager calls"
         + (
             f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
-            "since "
-            "launch overhead is then a few percent at most and the cache far bigger than the L2)."
+            "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
             if eager_only is not None
             else "."
         ),
@@ -929,11 +923,9 @@ def decode_markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         lines += [
             "",
             "End to end: mode eager = the growing cache view, static = `static_decode=True` (decode_step, "
-            "eager), "
-            "compiled = static with `torch.compile(model._decode_static)` (sample.py `compile=true`), graph "
-            "/ "
-            "compiled-graph = the static / compiled step replayed as one CUDA graph (sample.py "
-            "`cuda_graph=true`).",
+            "eager), compiled = static with `torch.compile(model._decode_static)` (sample.py "
+            "`compile=true`), graph / compiled-graph = the static / compiled step replayed as one CUDA "
+            "graph (sample.py `cuda_graph=true`).",
             "",
         ]
         rows = []

@@ -1,29 +1,23 @@
 """Loss-curve comparison of training runs against the first one (e.g. flash vs naive loss parity).
 
-    python -m bench.compare RUN_DIR RUN_DIR [RUN_DIR ...] [--tolerance X] [--val-tolerance Y]
-                            [--window 20] [--max-step N] [--out PNG] [--json OUT]
+    python -m bench.compare RUN_DIR RUN_DIR [...] [--tolerance X] [--val-tolerance Y] [--window 20]
+                            [--max-step N] [--out PNG] [--json OUT]
 
-Each RUN_DIR is a run directory written by train.py (or its metrics.jsonl). For every run after the first
-(the reference), on the steps where both logged ``train/loss``:
+For every run after the first (the reference), on the steps where both logged ``train/loss``: max and mean
+|loss_run - loss_ref|; ``window_max_abs_diff``, the largest difference of the means of consecutive windows of
+``--window`` points (a trailing partial window dropped), which averages out batch noise and is what
+``--tolerance`` bounds; ``final_val_abs_diff`` at the last common ``val/loss`` step after step 0 (the
+untrained model, equal for one seed whatever the backend), bounded by ``--val-tolerance``.
 
-* ``max_abs_diff`` / ``mean_abs_diff``: max and mean of |loss_run - loss_ref| per step;
-* ``window_max_abs_diff``: the aligned points cut into consecutive windows of ``--window`` points (a
-  trailing partial window dropped; fewer points than one window make one window), each averaged per run,
-  and the largest |mean_run - mean_ref|: batch-to-batch noise averages out; ``--tolerance`` applies to it;
-* ``final_val_abs_diff``: |val_run - val_ref| at the last common ``val/loss`` step after step 0 (step 0 is
-  the untrained model, where two runs of one seed agree whatever their backends); ``--val-tolerance``.
-
-The configs are compared key by key first (all but the keys that do not change the curves: the backend,
-out_dir, W&B, checkpoints...): a warning names every other key that differs (seq_len, max_steps, the LR
-schedule, seed, model, data...), and the JSON holds them as ``config_differences``. A run that ended early
+Config keys that differ from the reference's (all but those that do not change a curve: backend, out_dir,
+W&B, checkpoints...) are named in a warning and in the JSON's ``config_differences``. A run that ended early
 (diverged, oom, interrupted) is compared over its logged steps and named in the check column; an unfinished
-run (its summary says "running": still training, or killed before it could record an ending) is never
-"ok": "not checked", with or without tolerances. The check column: ok, FAIL, not checked, or "—" when no
-tolerance was given.
+run (summary "running": still training or killed) is never "ok" but "not checked". The check column: ok,
+FAIL, not checked, or "—" without tolerances.
 
 Exit status: 0 all within tolerance (or none given), 1 a tolerance exceeded or not checkable (no aligned
-steps, a non-finite loss, an unfinished run), 2 bad input (a missing run or metrics.jsonl, no train/loss,
-fewer than two runs).
+steps, a non-finite loss, an unfinished run), 2 bad input (missing run or metrics.jsonl, no train/loss, fewer
+than two runs).
 """
 
 from __future__ import annotations
@@ -45,10 +39,9 @@ from bench import common
 # is recorded, bookkeeping, file paths (the same corpus elsewhere: its name and tokenizer are compared),
 # the folder the run started in and the group options (whose keys are compared themselves).
 CONFIG_KEYS_IGNORED = (
-    "attention.name attention.backend attention.sdpa_backend out_dir run_name wandb logger checkpoint resume "
-    "hydra "
-    "parity perf debug oom_exit_code log_interval nonfinite device data.source data.dir derived.cwd "
-    "derived.group_choices"
+    "attention.name attention.backend attention.sdpa_backend out_dir run_name wandb logger checkpoint "
+    "resume hydra parity perf debug oom_exit_code log_interval nonfinite device data.source data.dir "
+    "derived.cwd derived.group_choices"
 ).split()
 
 

@@ -6,28 +6,23 @@ generation tokens/sec.
     python -m bench.decode --e2e --batches 1,16              # GPT-2 124M generation tokens/sec
     python -m bench.decode --dry-run                         # CPU plumbing check (outputs/bench/)
 
-Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d), Hkv = --kv-heads,
-Hq = group x Hkv. Providers: flash-decode (kernels.flash_decode), naive (float32 scores, k/v repeated for
-GQA), sdpa-<auto|flash|cudnn|efficient|math> (pinned, enable_gqa), and read-floor: no attention, a kernel
-that reads the K/V bytes once (`common.read_floor`), the floor of any provider's time here. Each attention
-provider is checked against a float32 reference on sequence 0 (``mismatch``, not timed, when off by more
-than 2x the SDPA-math error + 1e-3), then timed: ``ms_eager`` calls it from Python; ``ms`` is the replay of
-one CUDA graph of GRAPH_CALLS (20) back-to-back calls / 20 (--no-graphs to skip): kernel time, as a serving
-loop or compile(mode="reduce-overhead") runs a step's layers. The calls cycle through copies of q, k, v
-spanning twice the L2, so a small cache is read from HBM. Calls of >= EAGER_ONLY_MS eagerly are timed
-eagerly only (``timing: "eager"``): launch overhead is then a few percent at most. Bandwidth = K/V bytes /
-ms, against the copy ceiling measured here (a 2 GiB ``copy_``: bytes read + written / time).
+Kernel sweep: one decode step, q (B, Hq, 1, d) against a full cache k/v (B, Hkv, L, d), Hq = group x Hkv.
+Providers: flash-decode, naive, sdpa-<auto|flash|cudnn|efficient|math> (pinned, enable_gqa), and read-floor
+(no attention: a kernel that reads the K/V bytes once, the floor of any provider's time here). Each is
+checked against a float32 reference on sequence 0 (``mismatch``, not timed, past 2x the SDPA-math error +
+1e-3), then timed: ``ms_eager`` from Python, ``ms`` the replay of one CUDA graph of 20 back-to-back calls / 20
+(kernel time, as a serving loop runs a step's layers; the calls cycle through copies of q, k, v spanning twice
+the L2, so K/V come from HBM). Calls of >= EAGER_ONLY_MS are timed eagerly only (``timing: "eager"``).
+GB/s = K/V bytes / ms, against the copy ceiling measured here.
 
-End to end (--e2e, --e2e-only): random GPT-2 124M, a --prompt-len prompt, --new-tokens greedy tokens per
-backend, mode and batch; prefill and decode tokens/sec from ``GPT.generate(timings=...)`` after a 4-token
-warm-up. Modes: eager (growing cache view), static (``static_decode=True``), compiled (static with
-``model._decode_static = torch.compile(...)``, sample.py ``compile=true``; ``recompiles`` counts graphs
-compiled in the timed run), graph / compiled-graph (replayed as one CUDA graph, ``cuda_graph=True``; CUDA
-only). --compile-backend: inductor; the dry run uses dynamo's eager backend (no Inductor code generation).
+End to end (--e2e, --e2e-only): random GPT-2 124M, prefill and decode tokens/sec of ``GPT.generate`` per
+backend, mode and batch after a 4-token warm-up. Modes: eager (growing cache view), static
+(``static_decode=True``), compiled (static with ``torch.compile(model._decode_static)``; ``recompiles`` counts
+graphs compiled in the timed run), graph / compiled-graph (one CUDA graph per step; CUDA only). The dry run
+compiles with dynamo's eager backend (no Inductor code generation).
 
-Writes decode_<tag>.json and .md to --out (tag h200, dryrun for --dry-run, ``_e2e`` appended for
---e2e-only), atomically after every shape and e2e record (``meta["complete"]`` False until the end);
-``--report decode_<tag>.json`` rewrites a results file's markdown.
+Writes decode_<tag>.json and .md to --out (tag h200, dryrun, ``_e2e`` appended for --e2e-only) after every
+shape and e2e record (``complete`` False until the end); ``--report JSON`` rewrites a file's markdown.
 """
 
 from __future__ import annotations

@@ -2,29 +2,18 @@
 
     python -m bench.report SWEEP_DIR [--out DIR] [--wandb] [--warmup-frac 0.1]
 
-Reads every run directory under SWEEP_DIR (any folder holding summary.json, metrics.jsonl or
-.hydra/config.yaml), prints the report and writes into --out (default SWEEP_DIR):
+Reads every run directory under SWEEP_DIR, prints the report and writes into --out (default SWEEP_DIR)
+``report.md`` (all runs, the failed ones with their error, then pivot tables of tokens/sec, MFU %, peak GiB
+and final train loss: rows seq_len, a column per backend), ``report.json`` (one object per run) and
+``report_sweep.png`` (the same against seq_len, failed runs marked at the top). A folder that cannot be
+written (a colleague's runs, a read-only mount) costs only the files: a note says which were not written
+where, exit status 0.
 
-* ``report.md``: all runs, the failed runs with their error (summary.json ``error``), then pivot tables
-  (rows seq_len, one column per attention backend) of tokens/sec, MFU %, peak GiB and final train loss; an
-  OOM run shows "OOM", another failed run its status; runs sharing a cell carry their folder names;
-* ``report.json``: the same, one object per run;
-* ``report_sweep.png``: tokens/sec, peak memory and MFU vs seq_len, one line per backend, failed runs
-  marked by an 'x' at the top of each panel.
-
-A folder that cannot be written (a colleague's runs, a read-only mount) changes nothing but that: the report
-is printed, a note says what was not written where (pass --out to write it elsewhere), exit status 0.
-
-The figures are each run's summary.json (the trainer's medians over its timed steps, ``mem/peak_gib``,
-``final/*``), so the report agrees with it. Only a run whose summary lacks one (killed before writing it)
-falls back to metrics.jsonl: the median after dropping the first ``--warmup-frac`` (10 %, at least one point
-of two or more) of the logged values, the largest logged peak, the last loss; marked † in the tables and
-named in the run's ``sources`` in report.json.
-
-``--wandb`` logs the table (wandb.Table) and figure (wandb.Image) to a new run of job_type "report" in the
-sweep's group (config wandb.group, else the folder's name) and project (wandb.project, else "flashgpt"),
-in the trainer's ``wandb.mode=auto`` (WANDB_MODE when set, else online when logged in, else offline; an
-online run that cannot start is retried offline, and an offline run prints its ``wandb sync`` command).
+Figures are each run's summary.json (the trainer's medians), so the report agrees with it; a run whose
+summary lacks one falls back to metrics.jsonl (the median after the first ``--warmup-frac`` of the logged
+values, the largest peak, the last loss), marked † and named in ``sources``. ``--wandb`` logs the table and
+figure to a new run of job_type "report" in the sweep's group and project, in the trainer's
+``wandb.mode=auto`` (an online run that cannot start is retried offline, with its ``wandb sync`` command).
 """
 
 from __future__ import annotations
@@ -169,33 +158,19 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
         f"# Sweep report: {sweep_dir}",
         "",
         f"{len(runs)} runs; generated {now}. Every figure is the run's summary.json: tokens/sec and MFU are "
-        "the "
-        "trainer's medians over its timed steps (after `perf.exclude_first_steps`), peak GiB the largest "
-        "memory "
-        "allocated by tensors (torch.cuda.max_memory_allocated, GiB = 2^30 bytes), final losses those of the "
-        "last "
-        "step. † marks a value read from metrics.jsonl instead because the summary lacks it (tokens/sec, "
-        "MFU: "
-        f"median of the logged steps after the first {warmup_frac:.0%}).",
+        "the trainer's medians over its timed steps (after `perf.exclude_first_steps`), peak GiB the "
+        "largest memory allocated by tensors (torch.cuda.max_memory_allocated, GiB = 2^30 bytes), final "
+        "losses those of the last step. † marks a value read from metrics.jsonl instead because the "
+        f"summary lacks it (tokens/sec, MFU: median of the logged steps after the first {warmup_frac:.0%}).",
         "",
         "## All runs",
         "",
     ]
     fmts = [*METRICS, ("final_val_loss", "", "{:.4f}")]
-    rows = [
-        [
-            r["run"],
-            r["backend"],
-            seq(r),
-            status(r),
-            *(_fmt(r, k, f) for k, _, f in fmts),
-            r["steps"] if r["steps"] is not None else "—",
-        ]
-        for r in runs
-    ]
-    lines += common.md_table(
-        ["run", "backend", "seq_len", "status", *(t for _, t, _ in METRICS), "final val loss", "steps"], rows
-    )
+    end = lambda r: [*(_fmt(r, k, f) for k, _, f in fmts), r["steps"] if r["steps"] is not None else "—"]
+    rows = [[r["run"], r["backend"], seq(r), status(r), *end(r)] for r in runs]
+    head = ["run", "backend", "seq_len", "status", *(t for _, t, _ in METRICS), "final val loss", "steps"]
+    lines += common.md_table(head, rows)
     if failed := [r for r in runs if r["status"] != "ok"]:
         rows = [
             [r["run"], r["backend"], seq(r), r["status"], (r["error"] or "—").replace("|", "\\|")]

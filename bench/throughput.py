@@ -1,27 +1,21 @@
 """Training throughput of the attention backends across context lengths, and where the GPU waits.
 
-Runs the user's training command, `python train.py attention=A seq_len=N` (the defaults: GPT-2 124M, bf16,
-torch.compile, the token-based batch), for every backend and seq_len, each in a fresh process, with only
-the run length and the bookkeeping changed (no evaluation or checkpoints, W&B off). Per cell: the median
-tokens/sec over the timed steps, MFU, peak memory, step time and the GPU-busy fraction of a step (kernel
-time over step wall time, torch.profiler over --profile-steps steps after the warm-up). A run out of memory
-is recorded as `oom` and the sweep goes on. Without a CUDA GPU it refuses (exit 2) unless given --allow-cpu
-(the default cells train GPT-2 124M at 65,536 tokens a step: days on a CPU).
+Runs `python train.py attention=A seq_len=N` (GPT-2 124M, bf16, torch.compile, the token-based batch) per
+backend and seq_len, each in a fresh process, with only the run length and the bookkeeping changed (no
+evaluation or checkpoints, W&B off), and records per cell the median tokens/sec over the timed steps, MFU,
+peak memory, step time and GPU busy (kernel time over step wall time, torch.profiler over --profile-steps
+steps); out of memory is `oom` and the sweep goes on. Without CUDA it refuses (exit 2) unless --allow-cpu.
+Writes OUT.json (after every cell), OUT.md and OUT.png; the run directories go to --runs-dir.
 
     python -m bench.throughput --out bench/results/throughput_h200 -- data.source=/path/to/tinyshakespeare.txt
-    python -m bench.throughput --backends sdpa,flash --seq-lens 1024 -- compile_mode=reduce-overhead
     python -m bench.throughput --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 \\
         --profile-steps 0 -- experiment=cpu_tiny      # a CPU try-out of the tool (no GPU figures)
 
-Writes OUT.json (GPU, versions, date, command, one record per cell; after every cell), OUT.md (table) and
-OUT.png (tokens/sec and GPU busy against seq_len); the run directories go to --runs-dir.
-
-`--gaps TRACE...` explains a cell's GPU-busy figure instead: it reads the traces of
-`python train.py perf.profile_steps=K perf.trace=true` (`<run>/trace_step<a>-<b>.json.gz`) and prints the
-device events' span and busy time; the idle gaps longer than --min-gap-us, summed by the host context of the
-launch that ended each (outermost and innermost CPU op around the launch call, through the profiler's
-correlation ids; "? > ?" when the launch has no correlated runtime call); how much of it the host caused
-(the launch was issued only after the device had gone idle); device time per kernel; the largest gaps.
+`--gaps TRACE...` explains the GPU-busy figure: from the traces of `train.py perf.profile_steps=K
+perf.trace=true`, the device events' span and busy time, the idle gaps over --min-gap-us summed by the host
+context of the launch that ended each (outer and inner CPU op around the launch, through the profiler's
+correlation ids; "? > ?" without one), the part the host caused (launched after the device went idle), device
+time per kernel and the largest gaps.
 
     python -m bench.throughput --gaps runs/<run>/trace_step3-5.json.gz --top 10
 """
@@ -103,14 +97,8 @@ def markdown(meta: dict, cells: list[dict]) -> str:
     ratio = {"flash", "sdpa"} <= set(backends)
     rows = []
     for n in sorted({c["seq_len"] for c in cells}):
-        split = next(
-            (
-                f"{c['micro_batch_size']} × {c['grad_accum']}"
-                for b in backends
-                if (c := by.get((b, n))) and "micro_batch_size" in c
-            ),
-            "",
-        )
+        cs = [c for b in backends if (c := by.get((b, n))) and "micro_batch_size" in c]
+        split = f"{cs[0]['micro_batch_size']} × {cs[0]['grad_accum']}" if cs else ""
         f, s = by.get(("flash", n)), by.get(("sdpa", n))
         ok = f and s and f["status"] == s["status"] == "ok"
         rows.append([n, split, *(fmt_cell(by.get((b, n))) for b in backends)])
@@ -119,11 +107,9 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         f"# Training throughput: {meta['gpu']}, {meta['date']}",
         "",
         f"torch {meta['torch']}, triton {meta['triton']}. Command per cell: `{meta['command']}` "
-        f"({meta['steps']} "
-        f"steps, median tokens/sec over the steps after the first {meta['warmup']}, {meta['profile_steps']} "
-        "profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = kernel time / step wall "
-        "time; "
-        "GPU figures only on a GPU).",
+        f"({meta['steps']} steps, median tokens/sec over the steps after the first {meta['warmup']}, "
+        f"{meta['profile_steps']} profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = "
+        "kernel time / step wall time; GPU figures only on a GPU).",
         "",
         *common.md_table(
             ["seq_len", "micro-batch × accum", *backends, *(["flash / sdpa"] if ratio else [])], rows
@@ -278,12 +264,10 @@ def main(argv=None) -> int:
 
     if not a.allow_cpu and not torch.cuda.is_available():
         print(
-            "error: bench.throughput measures training on a CUDA GPU and none is visible; its default cells "
-            "train "
-            "GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu with tiny "
-            "cells, e.g. "
-            "--allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 --profile-steps 0 -- "
-            "experiment=cpu_tiny",
+            "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
+            "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
+            "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
+            "--profile-steps 0 -- experiment=cpu_tiny",
             file=sys.stderr,
         )
         return 2

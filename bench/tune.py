@@ -1,43 +1,31 @@
-"""Tile search and interleaved A/B timing of our FlashAttention kernels' tile plans, and the flash-decode
-tile and split search (run on the GPU; `bench/NOTES.md` records what each search chose).
+"""Tile searches of our kernels (run on the GPU; `bench/NOTES.md` records what each search chose).
 
-Attention (search and A/B) times causal attention through the public API only: `kernels.flash_attention`
-(forward, and forward+backward; backward = the difference) with tiles forced by
-`kernels.override_tile_config`. Shapes as in `bench.attention` (B = --tokens // N, H = --hidden // d), bf16
-inputs seeded by (N, d). FLOPs: forward 2*B*H*N^2*d (causal), backward 2.5x.
-
-Search (default): per (d, N), every candidate tile of one kernel, the others at their defaults; `fwd` timed
-by the forward, `bwd_dkdv` / `bwd_dq` by the whole backward (separate launches: the search is separable).
-Prints the default, the best and the top 3 per (kernel, d, N); appends one JSON line per candidate to --out.
-`--kernels bwd` searches (dK/dV tile, dQ tile) pairs jointly; with `--tma`, pairs with and without
-tensor-descriptor (TMA) loads per kernel:
+Attention, through the public API only: `kernels.flash_attention` (forward; backward = forward+backward minus
+forward) with tiles forced by `kernels.override_tile_config`; shapes as in `bench.attention`, bf16 inputs
+seeded by (N, d). Search (default): per (d, N), every candidate tile of one kernel, the others at their
+defaults (`fwd` timed by the forward, `bwd_dkdv` / `bwd_dq` by the backward); prints the default, the best and
+the top 3 and appends one JSON line per candidate to --out. `--kernels bwd` searches (dK/dV, dQ) tile pairs
+jointly, with `--tma` pairs with and without tensor-descriptor (TMA) loads. Interleaved A/B (`--plans`): every
+plan in turn for --rounds rounds, so clock and thermal drift hit all alike (NOTES v5); per (N, plan) the
+median forward and backward TFLOP/s and their range. A plan: 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG',
+several joined by '+', or 'provider:NAME' (a `bench.attention` provider as a yardstick); CFG is
+BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only).
 
     python -m bench.tune --seqlens 1024,4096,16384 --headdims 64,128 --out /tmp/tune.jsonl
-    python -m bench.tune --kernels bwd_dkdv --headdims 128 --configs 64x64x4x2t,64x128x8x2
     python -m bench.tune --kernels bwd --tma --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
-
-Interleaved A/B (`--plans`): every plan in turn for --rounds rounds (A B C A B C ...), so clock and thermal
-drift hit every plan alike (NOTES v5); prints per (N, plan) the median forward and backward TFLOP/s and their
-range. A plan is 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG' or several joined by '+', or 'provider:NAME' (a
-provider of `bench.attention`, e.g. provider:flex) as a yardstick in the same rounds. CFG is
-BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only):
-
     python -m bench.tune --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3 provider:flex
 
-Decode (`--decode`): the flash-decode split kernel's key tile (BLOCK_N), split count, warps and stages per
-decode shape against the automatic choice. Each configuration runs the real launch code,
-`kernels.flash_decode._launch_decode` with its private tile overrides and an explicit split count (the
-count launched after `_split_layout` rounds splits to whole tiles is ``splits``); each output is checked
-against `flash_decode` (``mismatch`` past 2e-2 in bf16/fp16, 1e-4 in fp32) and timed as `bench.decode`'s
-``ms`` (a CUDA graph of 20 calls through L2-spanning copies / 20). Default grid (Hkv 8, group 4, bf16):
-(d, batch, context) in DECODE_SHAPES, BLOCK_N 32,64,128 x splits 1..132 x warps 4,8 x stages 2,3, less
-splits beyond the key tiles and (default splits only) splits < 8 at batch 1 or > 33 at batch >= 16 (far from
-the best on the H200); about 2 minutes. --dims / --batches / --contexts: their product instead. Writes
-decode_tiles_<tag>.json and .md to --out (bench/results) after every shape:
+Decode (`--decode`): the flash-decode split kernel's key tile (BLOCK_N) x splits x warps x stages per shape
+against the automatic choice, through `kernels.flash_decode._launch_decode`'s private tile overrides (the
+splits launched after `_split_layout` rounds them to whole tiles are ``splits``); each output checked against
+`flash_decode` (``mismatch`` past DECODE_TOLERANCE), timed as `bench.decode`'s ``ms``. Default: the shapes of
+DECODE_SHAPES, less splits beyond the key tiles and (default splits only) < 8 at batch 1 or > 33 at batch
+>= 16 (far from the best on the H200), about 2 minutes; --dims / --batches / --contexts: their product.
+Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shape:
 
     python -m bench.tune --decode --dims 128 --batches 1 --contexts 8192,32768 --splits 8,16,33
 
-`--dry-run` runs any mode on the CPU under TRITON_INTERPRET=1, tiny float32 shapes (plumbing only).
+`--dry-run`: any mode on the CPU under TRITON_INTERPRET=1, tiny float32 shapes (plumbing only).
 """
 
 from __future__ import annotations
@@ -234,7 +222,7 @@ def search(a, out) -> None:
         shape = Shape(a, n, d)
         fwd_default, _, err = time_plan(shape, a.timer, {}, bwd=False)
         if err:
-            print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped", flush=True)
+            print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped")
             continue
         for kernel in a.kernels:
             default = lambda k, d=d, n=n: get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
@@ -254,38 +242,24 @@ def search(a, out) -> None:
                 else:
                     _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
                 tag = "default" if i == 0 else "candidate"
-                rec = _record(
-                    a,
-                    shape,
-                    kernel=kernel,
-                    plan=tag,
-                    **fields(plan),
-                    ms=ms,
-                    err=err,
-                    tflops=_tflops(flops, ms),
-                )
+                rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err)
+                rec["tflops"] = _tflops(flops, ms)
                 out.write(json.dumps(rec) + "\n")
                 out.flush()
                 if ms is not None:
                     rows.append((ms, i, plan))
                 if a.configs is not None or kernel == "bwd":
                     result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
-                    print(
-                        f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}",
-                        flush=True,
-                    )
+                    print(f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}")
             if not rows:
-                print(f"{kernel:8s} {shape.describe()}: no candidate ran", flush=True)
+                print(f"{kernel:8s} {shape.describe()}: no candidate ran")
                 continue
             tf = lambda ms, flops=flops: f"{ms:.3f} ms ({_tflops(flops, ms):.0f} TF/s)"
             base = next((f"default {tf(r[0])}" for r in rows if r[1] == 0), "default did not run")
             rows.sort(key=lambda r: r[0])
             top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
             best = f"best {json.dumps(fields(rows[0][2]))} {tf(rows[0][0])}"
-            print(
-                f"{kernel:8s} {shape.describe()}: {base} | {best} | top3 {top3} [{time.time() - t0:.0f} s]",
-                flush=True,
-            )
+            print(f"{kernel:8s} {shape.describe()}: {base} | {best} | top3 {top3} [{time.time() - t0:.0f} s]")
         del shape
         common.free_memory(a.device)
 
@@ -313,7 +287,7 @@ def ab(a, out) -> None:
         for text, (fwd_tf, bwd_tf, errs) in res.items():
             line = f"d={d} N={n:6d} {text:40s} "
             if errs or not fwd_tf:
-                print(line + f"did not run: {', '.join(sorted(errs))}", flush=True)
+                print(line + f"did not run: {', '.join(sorted(errs))}")
                 continue
             stat = lambda xs: f"{statistics.median(xs):6.1f} TF/s ({min(xs):.0f}-{max(xs):.0f})"
             line += f"fwd {stat(fwd_tf)}"
@@ -321,14 +295,10 @@ def ab(a, out) -> None:
                 line += f"  bwd {stat(bwd_tf)}"
             elif not a.no_bwd:  # forward+backward timed no slower than the forward alone: noise, no figure
                 line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
-            print(line, flush=True)
+            print(line)
             if out is not None:
-                out.write(
-                    json.dumps(
-                        _record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
-                    )
-                )
-                out.write("\n")
+                rec = _record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
+                out.write(json.dumps(rec) + "\n")
                 out.flush()
         del shape
         common.free_memory(a.device)
@@ -379,7 +349,7 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile or run is a result
             rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
         records.append(rec)
-        print(json.dumps(rec), flush=True)
+        print(json.dumps(rec))
     return records
 
 
@@ -404,8 +374,8 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
         ok = sorted((r for r in sweep if r["status"] == "ok"), key=lambda r: r["ms"])
         best = "; ".join(f"{label(r)}: {us(r['ms'])} us, {r['gbs']:.0f} GB/s" for r in ok[:4]) or "none"
         lines += [
-            f"## d {d}, batch {b}, context {ctx} (Hkv {auto['kv_heads']}, group {auto['group']}, "
-            f"K/V {auto['kv_bytes'] / 1e6:.1f} MB)",
+            f"## d {d}, batch {b}, context {ctx} (Hkv {auto['kv_heads']}, group {auto['group']}, K/V "
+            f"{auto['kv_bytes'] / 1e6:.1f} MB)",
             "",
             f"Automatic (block_n {auto['block_n']}, splits {auto['splits']}, Triton's warps/stages): "
             f"{us(auto['ms'])} us, {auto['gbs']:.0f} GB/s.",
@@ -538,6 +508,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     p = build_parser()
     a = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, also into a pipe or a log
     a.argv, a.kernels = argv, [k.strip() for k in a.kernels.split(",") if k.strip()]
     if a.kernels != ["bwd"] and (not a.kernels or any(k not in SEARCH_KERNELS for k in a.kernels)):
         p.error(f"--kernels {','.join(a.kernels)!r}: choose from {','.join(SEARCH_KERNELS)}, or bwd alone")
@@ -556,10 +527,9 @@ def main(argv=None) -> int:
         a.device, a.dtype, a.gpu = torch.device("cpu"), torch.float32, None
     elif not torch.cuda.is_available():
         print(
-            "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU (torch.cuda.is_available() "
-            "is "
-            "False). On a CPU, `python -m bench.tune --dry-run ...` checks the plumbing and "
-            "`python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
+            "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
+            "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` checks "
+            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
             file=sys.stderr,
         )
         return 2

@@ -111,9 +111,8 @@ def markdown(records: list[dict], meta: dict) -> str:
         f"# Attention variants: {meta['device']}",
         "",
         f"B * N = {meta['tokens']} tokens, H = {meta['heads']}, d = {meta['head_dim']}, {meta['dtype']}; "
-        "documents: "
-        f"random lengths, mean {meta['doc_mean']}; median ms (triton.testing.do_bench); TF/s over the "
-        "visible pairs only.",
+        f"documents: random lengths, mean {meta['doc_mean']}; median ms (triton.testing.do_bench); TF/s "
+        "over the visible pairs only.",
         "",
     ]
     if meta.get("dry_run"):

@@ -262,8 +262,8 @@ def make_run(
     (d / ".hydra").mkdir(parents=True)
     att = f"  name: {backend}\n" + (f"  sdpa_backend: {sdpa_backend}\n" if sdpa_backend else "")
     (d / ".hydra" / "config.yaml").write_text(
-        f"attention:\n{att}seq_len: {seq_len}\nrun_name: ${{now:%H}}_{backend}\n"
-        "wandb:\n  project: flashgpt-test\n  group: sweep-test\n"
+        f"attention:\n{att}seq_len: {seq_len}\nrun_name: ${{now:%H}}_{backend}\nwandb:\n  project: "
+        "flashgpt-test\n  group: sweep-test\n"
     )
     train, val, tps = train or {}, val or {}, tps or []
     steps = sorted(set(train) | set(val))
