@@ -170,7 +170,7 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
     end = lambda r: [*(_fmt(r, k, f) for k, _, f in fmts), r["steps"] if r["steps"] is not None else "—"]
     rows = [[r["run"], r["backend"], seq(r), status(r), *end(r)] for r in runs]
     head = ["run", "backend", "seq_len", "status", *(t for _, t, _ in METRICS), "final val loss", "steps"]
-    lines += common.md_table(head, rows)
+    lines += common.md_table(head, rows, "---")
     if failed := [r for r in runs if r["status"] != "ok"]:
         rows = [
             [r["run"], r["backend"], seq(r), r["status"], (r["error"] or "—").replace("|", "\\|")]
@@ -180,7 +180,7 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
             "",
             "## Failed runs",
             "",
-            *common.md_table(["run", "backend", "seq_len", "status", "error"], rows),
+            *common.md_table(["run", "backend", "seq_len", "status", "error"], rows, "---"),
         ]
     backends, seqs = backends_of(runs), sorted({r["seq_len"] for r in runs if r["seq_len"] is not None})
     cell = lambda r, key, fmt: status(r) if r["status"] != "ok" else _fmt(r, key, fmt)
