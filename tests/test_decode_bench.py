@@ -14,19 +14,7 @@ import torch
 pytest.importorskip("triton")
 from bench import common, decode, tune  # noqa: E402
 
-TINY = [
-    "--dry-run",
-    "--dims",
-    "16",
-    "--groups",
-    "4",
-    "--kv-heads",
-    "2",
-    "--prompt-len",
-    "4",
-    "--new-tokens",
-    "3",
-]
+TINY = "--dry-run --dims 16 --groups 4 --kv-heads 2 --prompt-len 4 --new-tokens 3".split()
 
 
 @pytest.fixture(autouse=True)
@@ -49,12 +37,7 @@ def test_interrupted_run_leaves_valid_incomplete_json(tmp_path, monkeypatch):
     argv = TINY + [
         "--out",
         str(tmp_path),
-        "--contexts",
-        "40,100",
-        "--batches",
-        "1",
-        "--providers",
-        "flash-decode,naive",
+        *"--contexts 40,100 --batches 1 --providers flash-decode,naive".split(),
     ]
     with pytest.raises(KeyboardInterrupt):
         decode.main(argv)
@@ -225,12 +208,7 @@ def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
     argv = TINY + [
         "--out",
         str(tmp_path),
-        "--contexts",
-        "40",
-        "--batches",
-        "1",
-        "--providers",
-        "flash-decode,naive",
+        *"--contexts 40 --batches 1 --providers flash-decode,naive".split(),
     ]
     assert decode.main(argv) == 1
     monkeypatch.setattr(decode, "provider_fn", real)
