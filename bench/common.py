@@ -78,13 +78,10 @@ def environment(device: torch.device) -> dict:
     """Versions and device facts of a results file (no hostname)."""
     import triton
 
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return dict(
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        gpu=gpu,
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
+        date=date, gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda
     )
 
 
@@ -246,15 +243,9 @@ def sdpa_backend(name: str):
     """`torch.nn.attention.SDPBackend` of a name in SDPA_BACKENDS."""
     from torch.nn.attention import SDPBackend
 
-    table = dict(
-        flash=SDPBackend.FLASH_ATTENTION,
-        cudnn=SDPBackend.CUDNN_ATTENTION,
-        efficient=SDPBackend.EFFICIENT_ATTENTION,
-        math=SDPBackend.MATH,
-    )
-    if name not in table:
+    if name not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {name!r}; valid: {', '.join(SDPA_BACKENDS)}")
-    return table[name]
+    return getattr(SDPBackend, "MATH" if name == "math" else f"{name.upper()}_ATTENTION")
 
 
 def naive_impl() -> tuple[Callable, str]:

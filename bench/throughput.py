@@ -37,15 +37,9 @@ from bench import common
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("naive", "sdpa", "flash")
-SUMMARY_KEYS = dict(tokens_per_sec="perf/tokens_per_sec", mfu="perf/mfu", step_ms="perf/step_ms")
-SUMMARY_KEYS |= dict(
-    peak_gib="mem/peak_gib", gpu_busy="perf/gpu_busy", gpu_ms_per_step="perf/gpu_ms_per_step"
-)
-SUMMARY_KEYS |= dict(
-    timed_steps="perf/timed_steps", micro_batch_size="micro_batch_size", grad_accum="grad_accum"
-)
-SUMMARY_KEYS |= dict(final_train_loss="final/train_loss", backend_ran="attention/backend_ran")
-SUMMARY_KEYS |= dict(compile_mode="compile_mode")
+# summary.json keys of a cell's record, named by their last part (final/train_loss: final_train_loss)
+SUMMARY_KEYS = """perf/tokens_per_sec perf/mfu perf/step_ms mem/peak_gib perf/gpu_busy perf/gpu_ms_per_step
+perf/timed_steps micro_batch_size grad_accum final/train_loss attention/backend_ran compile_mode""".split()
 
 
 def cell_command(backend: str, seq_len: int, a, out_dir: Path) -> list[str]:
@@ -75,7 +69,7 @@ def read_cell(
             status="error", error=error_excerpt(log_tail) or f"exit {returncode}, no summary.json"
         )
     rec["status"] = s.get("status", "unknown")
-    rec |= {name: s[key] for name, key in SUMMARY_KEYS.items() if s.get(key) is not None}
+    rec |= {k.replace("final/", "final_").split("/")[-1]: s[k] for k in SUMMARY_KEYS if s.get(k) is not None}
     if rec["status"] != "ok":
         rec["error"] = str(s.get("error") or error_excerpt(log_tail))[:600]
     return rec
