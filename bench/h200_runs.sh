@@ -1,31 +1,33 @@
 #!/usr/bin/env bash
-# The H200 training runs whose results are committed under bench/results/ and quoted in the README.
-# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: smoke | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation |
-#        multigpu)
+# The H200 runs whose results are committed under bench/results/ (index: bench/results/README.md).
+# Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: kernels | throughput | compare | parity | compare_seed |
+#        compare_dropout | sweep | preempt | window_ablation | multigpu)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu) ;;
-*) echo "unknown phase $PHASE (smoke|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
 
 case "$PHASE" in
-smoke)  # 20 steps per backend, eager, to catch GPU-only faults quickly
-  for a in sdpa flash naive; do
-    python train.py experiment=gpt2_shakespeare attention=$a seq_len=1024 max_steps=20 compile=false \
-      batch.tokens_per_step=16384 eval.interval=0 eval.batches=2 checkpoint.at_end=false \
-      "${common[@]}" out_dir="$OUT/smoke_$a" || echo "SMOKE FAILED: $a"
-  done
-  python train.py experiment=gpt2_shakespeare attention=flash seq_len=1024 max_steps=20 compile=true \
-    batch.tokens_per_step=16384 eval.interval=0 eval.batches=2 checkpoint.at_end=false \
-    "${common[@]}" out_dir="$OUT/smoke_flash_compile" || echo "SMOKE FAILED: flash compile" ;;
-throughput)  # the default command per backend and seq_len (bench.throughput): tokens/sec, MFU, memory, GPU busy
-  python -m bench.throughput --out "$OUT/throughput" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC" ;;
+kernels)  # the kernel benchmarks: attention, decode step and generation, attention variants (bench/results/*_h200*)
+  python -m bench.attention --seqlens 1024,2048,4096,8192,16384 --headdims 64,128 \
+    --providers flash,flash-det,sdpa-cudnn,sdpa-flash,sdpa-efficient,flex --out "$OUT" --tag h200_s19
+  python -m bench.decode --contexts 8192,16384,32768,65536,131072 --batches 1,16 --dims 64,128 --groups 1,4,8 \
+    --providers flash-decode,read-floor,sdpa-auto,sdpa-flash,sdpa-cudnn,sdpa-efficient --out "$OUT" --tag h200_s13
+  python -m bench.decode --e2e-only --batches 1,16 --e2e-backends flash,sdpa --out "$OUT" --tag h200_e2e
+  python -m bench.variants --modes fwd+bwd --out "$OUT"
+  python -m bench.variants --modes fwd --out "$OUT" --tag h200_fwd ;;
+throughput)  # the default command, flash and sdpa at seq_len 4096 and 8192 (bench.throughput): tokens/sec, MFU,
+  # memory, GPU busy
+  for n in 8192 4096; do
+    python -m bench.throughput --backends flash,sdpa --seq-lens $n --steps 25 --warmup 8 \
+      --out "$OUT/throughput_h200_s19$([ $n = 4096 ] && echo _4096)" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC"
+  done ;;
 compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss logged every step
   for a in flash sdpa naive; do
     python train.py experiment=gpt2_shakespeare attention=$a seq_len=1024 max_steps=500 compile=false \

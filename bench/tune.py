@@ -1,104 +1,95 @@
-"""Tile search and interleaved A/B timing of our FlashAttention kernels' tile plans (run on the GPU).
+"""Tile searches of our kernels (run on the GPU; `bench/NOTES.md` records what each search chose).
 
-Both modes time causal attention through the public API only: `kernels.flash_attention` (forward, and
-forward+backward through its autograd; backward = forward+backward minus forward, as `bench.attention`
-times a provider) with the tiles forced by `kernels.override_tile_config`. Shapes as in `bench.attention`:
-B = max(1, --tokens // N), H = --hidden // d, q, k, v, dO standard normal in bf16 from a generator seeded
-by (N, d), so every invocation sees the same data per shape. FLOPs: forward 2·B·H·N²·d (causal), backward
-2.5× that (Dao 2023, FlashAttention-2, §4.1). `bench/NOTES.md` records what each search chose.
-
-Search (default): for each (d, N), every candidate tile of one kernel, the other kernels at their
-defaults; `fwd` candidates are timed by the forward, `bwd_dkdv` / `bwd_dq` candidates by the whole backward
-(the two backward kernels are separate launches, so the search is separable). Prints the default, the best
-and the top 3 per (kernel, d, N) and appends one JSON line per candidate to --out:
+Attention, through the public API only: `kernels.flash_attention` (forward; backward = forward+backward minus
+forward) with tiles forced by `kernels.override_tile_config`; shapes as in `bench.attention`, bf16 inputs
+seeded by (N, d). Search (default): per (d, N), every candidate tile of one kernel, the others at their
+defaults (`fwd` timed by the forward, `bwd_dkdv` / `bwd_dq` by the backward); prints the default, the best and
+the top 3 and appends one JSON line per candidate to --out. `--kernels bwd` searches (dK/dV, dQ) tile pairs
+jointly, with `--tma` pairs with and without tensor-descriptor (TMA) loads. Interleaved A/B (`--plans`): every
+plan in turn for --rounds rounds, so clock and thermal drift hit all alike (NOTES v5); per (N, plan) the
+median forward and backward TFLOP/s and their range. A plan: 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG',
+several joined by '+', or 'provider:NAME' (a `bench.attention` provider as a yardstick); CFG is
+BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only).
 
     python -m bench.tune --seqlens 1024,4096,16384 --headdims 64,128 --out /tmp/tune.jsonl
-    python -m bench.tune --kernels bwd_dkdv --headdims 128 --configs 64x64x4x2t,64x128x8x2
-
-`--kernels bwd` searches (dK/dV tile, dQ tile) pairs jointly; with `--tma`, pairs whose tiles choose
-tensor-descriptor (TMA) loads per kernel (`TileConfig.tma`), the same tiles with and without TMA:
-
     python -m bench.tune --kernels bwd --tma --seqlens 1024,4096,16384 --out /tmp/tune_bwd.jsonl
-
-Interleaved A/B (`--plans`): every plan in turn for --rounds rounds (A B C A B C ...), so clock and thermal
-drift hit every plan alike, which separate runs do not (NOTES v5); prints per (N, plan) the median forward
-and backward TFLOP/s over the rounds and their range. A plan is 'default', 'fwd=CFG', 'dkdv=CFG', 'dq=CFG'
-or several joined by '+', or 'provider:NAME' to time another provider of `bench.attention` (e.g.
-provider:flex, provider:sdpa-cudnn) as a yardstick in the same rounds:
-
     python -m bench.tune --d 64 --seqlens 4096,16384 --plans default fwd=128x64x8x3 provider:flex
 
-CFG is BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only), e.g. 128x64x8x3 or 64x64x4x2t.
-`--dry-run` runs either mode on the CPU under TRITON_INTERPRET=1 with tiny float32 shapes (plumbing only:
-the timings mean nothing).
+Decode (`--decode`): the flash-decode split kernel's key tile (BLOCK_N) x splits x warps x stages per shape
+against the automatic choice, through `kernels.flash_decode._launch_decode`'s private tile overrides (the
+splits launched after `_split_layout` rounds them to whole tiles are ``splits``); each output checked against
+`flash_decode` (``mismatch`` past DECODE_TOLERANCE), timed as `bench.decode`'s ``ms``. Default: the shapes of
+DECODE_SHAPES, less splits beyond the key tiles and (default splits only) < 8 at batch 1 or > 33 at batch
+>= 16 (far from the best on the H200), about 2 minutes; --dims / --batches / --contexts: their product.
+Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shape:
+
+    python -m bench.tune --decode --dims 128 --batches 1 --contexts 8192,32768 --splits 8,16,33
+
+`--dry-run`: any mode on the CPU under TRITON_INTERPRET=1, tiny float32 shapes (plumbing only).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
+from bench import common
+
 PLAN_KEYS = {"fwd": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
 SEARCH_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
-
-
-# --------------------------------------------------------------------------------------------- syntax
+DECODE_SHAPES = ((128, 1, 8192), (128, 1, 32768), (128, 16, 8192), (128, 16, 32768), (64, 1, 8192))
+DECODE_SHAPES += ((64, 64, 8192), (64, 64, 32768))
+DRY_DECODE_SHAPES = ((16, 1, 40), (16, 2, 100))
+DECODE_GRID = dict(block_n=[32, 64, 128], splits=[1, 2, 4, 8, 16, 33, 66, 132], warps=[4, 8], stages=[2, 3])
+DRY_DECODE_GRID = dict(block_n=[16, 32], splits=[1, 2, 4], warps=[4], stages=[2])
+DECODE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 def cfg_fields(cfg) -> list:
-    """JSON-friendly [BLOCK_M, BLOCK_N, warps, stages, tma] of a `kernels.TileConfig`, plus its `no_tma`
-    alternative as a nested list when it has one."""
+    """[BLOCK_M, BLOCK_N, warps, stages, tma] of a TileConfig, plus its `no_tma` alternative nested."""
     out = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma]
-    if cfg.no_tma is not None:
-        out.append(cfg_fields(cfg.no_tma))
-    return out
+    return out + [cfg_fields(cfg.no_tma)] if cfg.no_tma is not None else out
 
 
 def _bad_input(message: str) -> NoReturn:
-    """Print ``message`` to stderr and exit 2 (bad input, as the module's exit statuses say)."""
     print(message, file=sys.stderr)
     raise SystemExit(2)
 
 
 def parse_configs(text: str) -> list:
-    """'BMxBNxWARPSxSTAGES[t]' comma-separated ('t': TMA loads) -> [TileConfig, ...],
-    e.g. '128x64x8x3,64x128x4x2t'. Exits 2 naming the item and the format when one is malformed."""
+    """'BMxBNxWARPSxSTAGES[t],...' -> [TileConfig, ...]; exits 2 naming a malformed item."""
     from kernels import TileConfig
 
     cfgs = []
-    for item in text.split(","):
-        item = item.strip()
-        tma = item.endswith("t")
-        parts = (item[:-1] if tma else item).split("x")
+    for item in (x.strip() for x in text.split(",")):
+        parts = item.removesuffix("t").split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
             _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
-        cfgs.append(TileConfig(*map(int, parts), tma=tma))
+        cfgs.append(TileConfig(*map(int, parts), tma=item.endswith("t")))
     return cfgs
 
 
 def parse_plan(text: str) -> dict:
-    """A/B plan text -> overrides for `kernels.override_tile_config`: 'default' -> {},
-    'fwd=128x64x8x3+dq=128x64x8x3t' -> {'fwd': TileConfig, 'bwd_dq': TileConfig},
-    'provider:flex' -> {'provider': 'flex'}. Exits 2 naming the bad part and the valid forms."""
+    """A/B plan -> overrides of `override_tile_config`: 'default' -> {}, 'fwd=CFG+dq=CFG' ->
+    {'fwd': TileConfig, 'bwd_dq': TileConfig}, 'provider:flex' -> {'provider': 'flex'}; exits 2 otherwise."""
     if text == "default":
         return {}
     if text.startswith("provider:"):
         name = text.partition(":")[2]
         if not name or "+" in name or "=" in name:
             _bad_input(
-                f"error: plan {text!r}: provider:NAME takes one provider of bench.attention "
-                "(e.g. provider:flex) and no tile overrides"
+                f"error: plan {text!r}: provider:NAME takes one provider of bench.attention and no tiles"
             )
         return {"provider": name}
     plan = {}
@@ -106,83 +97,63 @@ def parse_plan(text: str) -> dict:
         key, _, cfg = part.partition("=")
         if key not in PLAN_KEYS or not cfg:
             _bad_input(
-                f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG "
-                "(joined by '+') or provider:NAME"
+                f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG (joined by '+') or "
+                "provider:NAME"
             )
         plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
     return plan
 
 
-# ------------------------------------------------------------------------------------------ candidates
-
-
-def candidates(kernel: str, d: int, explicit: list | None = None) -> Iterator:
-    """Tile candidates of one kernel for head dim d: `explicit` when given, else a grid over
-    (BLOCK_M, BLOCK_N, warps, stages), without tiles of more than 128×128 at d >= 128."""
+def candidates(kernel: str, d: int, explicit: list | None = None):
+    """Tile candidates of one kernel: `explicit`, else a grid without tiles over 128x128 at d >= 128."""
     from kernels import TileConfig
 
     if explicit is not None:
-        yield from explicit
-        return
-    if kernel == "fwd":
-        space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-    elif kernel == "bwd_dkdv":
-        space = itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3))
-    else:  # bwd_dq
-        space = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))
-    for bm, bn, w, s in space:
-        if d >= 128 and bm * bn > 128 * 128:
-            continue
-        yield TileConfig(bm, bn, w, s)
+        return list(explicit)
+    space = {
+        "fwd": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)),
+        "bwd_dkdv": ((32, 64, 128), (64, 128), (4, 8), (2, 3)),
+        "bwd_dq": ((64, 128), (32, 64, 128), (4, 8), (2, 3)),
+    }[kernel]
+    return [TileConfig(*c) for c in itertools.product(*space) if d < 128 or c[0] * c[1] <= 128 * 128]
 
 
-def bwd_plans(d: int, n: int, tma: bool) -> Iterator[tuple]:
-    """(dK/dV tile, dQ tile) pairs of the joint backward search. Pointer loads around the optimum of
-    NOTES v1 (`tma` False), or the TMA pairs of NOTES v4: the same tiles with and without TMA per kernel."""
+def bwd_plans(d: int, n: int, tma: bool) -> list[tuple]:
+    """(dK/dV tile, dQ tile) pairs of the joint backward search: pointer loads around NOTES v1's optimum,
+    or (`tma`) the TMA pairs of NOTES v4, the same tiles with and without TMA per kernel."""
     from kernels import TileConfig as T
 
+    if not tma and d >= 128:
+        plans = [(T(64, 128, 8, s), T(*dq, 8, s)) for s in (2, 3) for dq in ((128, 32), (128, 64), (64, 64))]
+        plans += [(T(64, 64, 8, 3), T(*dq, 8, 3)) for dq in ((128, 32), (64, 64))]
+        return plans + [(T(32, 128, 8, 3), T(128, 32, 8, 3))]
     if not tma:
-        if d >= 128:
-            for s in (2, 3):
-                for dq in ((128, 32), (128, 64), (64, 64)):
-                    yield T(64, 128, 8, s), T(*dq, 8, s)
-            for dq in ((128, 32), (64, 64)):
-                yield T(64, 64, 8, 3), T(*dq, 8, 3)
-            yield T(32, 128, 8, 3), T(128, 32, 8, 3)
-        else:
-            for dkdv in ((64, 128), (64, 64), (32, 128), (128, 64)):
-                for dq in ((128, 64), (64, 64), (128, 32)):
-                    yield T(*dkdv, 8, 3), T(*dq, 8, 3)
-            for dkdv in ((64, 64), (32, 64), (32, 128)):
-                for dq in ((64, 64), (64, 32)):
-                    yield T(*dkdv, 4, 3), T(*dq, 4, 3)
-            yield T(64, 128, 8, 2), T(128, 64, 8, 2)
-        return
+        kv = ((64, 128), (64, 64), (32, 128), (128, 64))
+        plans = [(T(*a, 8, 3), T(*q, 8, 3)) for a in kv for q in ((128, 64), (64, 64), (128, 32))]
+        plans += [
+            (T(*a, 4, 3), T(*q, 4, 3)) for a in ((64, 64), (32, 64), (32, 128)) for q in ((64, 64), (64, 32))
+        ]
+        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 2))]
     if d >= 128:
         k1 = T(64, 128, 8, 3)
-        for dq in (
+        dqs = (
             T(128, 64, 8, 3, tma=True),
             T(128, 64, 8, 3),
             T(128, 32, 8, 3, tma=True),
             T(64, 64, 4, 3, tma=True),
-        ):
-            yield k1, dq
-        yield replace(k1, tma=True), T(128, 64, 8, 3, tma=True)
-        yield T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True)
-        return
+        )
+        plans = [(k1, dq) for dq in dqs] + [(replace(k1, tma=True), T(128, 64, 8, 3, tma=True))]
+        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True))]
     if n <= 1024:
         k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
     else:
         k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
-    for k1, tma1, dq, tma2 in itertools.product(k1s, (False, True), dqs, (False, True)):
-        yield replace(k1, tma=tma1), replace(dq, tma=tma2)
-
-
-# -------------------------------------------------------------------------------------------- timing
+    pairs = itertools.product(k1s, (False, True), dqs, (False, True))
+    return [(replace(k1, tma=t1), replace(dq, tma=t2)) for k1, t1, dq, t2 in pairs]
 
 
 class Shape:
-    """Inputs of one benchmark shape: q, k, v (leaves with requires_grad) and dO, (B, H, N, d)."""
+    """Inputs of one shape: q, k, v (leaves with requires_grad) and dO, (B, H, N, d)."""
 
     def __init__(self, a, n: int, d: int):
         from bench.attention import shape_for
@@ -200,34 +171,20 @@ class Shape:
         return f"d={self.d} N={self.n} (B={self.b}, H={self.h})"
 
 
-def time_plan(
-    shape: Shape,
-    timer,
-    tiles: dict,
-    *,
-    fn: Callable | None = None,
-    bwd: bool = True,
-    fwd_ms: float | None = None,
-) -> tuple[float | None, float | None, str | None]:
-    """(forward ms, backward ms, error) of `fn` (default `kernels.flash_attention(causal=True)`) on `shape`
-    under `override_tile_config(**tiles)`; backward = forward+backward minus forward, None with `bwd` False.
-    `fwd_ms` given: the forward is not timed again. A plan that cannot launch (tiles beyond the shared
-    memory or registers) gives (None, None, exception type name) instead of raising."""
+def time_plan(shape: Shape, timer, tiles: dict, *, fn=None, bwd=True, fwd_ms=None):
+    """(forward ms, backward ms, error) of `fn` (default flash_attention, causal) under
+    `override_tile_config(**tiles)`; backward None without `bwd`; `fwd_ms` given: the forward is not timed
+    again. A plan that cannot launch (shared memory, registers) gives (None, None, exception type name)."""
     from kernels import flash_attention, override_tile_config
 
     leaves, do = shape.leaves, shape.do
     call = fn or (lambda q, k, v: flash_attention(q, k, v, causal=True))
-
-    def fwd():
-        return call(*leaves)
-
-    def fwdbwd():
-        fwd().backward(do)
-
+    fwd = lambda: call(*leaves)
+    fwdbwd = lambda: fwd().backward(do)
     with override_tile_config(**tiles):
         try:
             (fwdbwd if bwd else fwd)()
-            if shape.do.is_cuda:
+            if do.is_cuda:
                 torch.cuda.synchronize()
         except Exception as exc:  # out of shared memory / registers: skip the plan
             return None, None, type(exc).__name__
@@ -243,251 +200,318 @@ def _tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / ms / 1e9
 
 
-def _fmt_tf(x: float | None) -> str:
-    return "—" if x is None else f"{x:.0f}"
-
-
 def _record(a, shape: Shape, **fields) -> dict:
+    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return dict(
-        d=shape.d,
-        N=shape.n,
-        B=shape.b,
-        H=shape.h,
-        **fields,
-        gpu=a.gpu,
-        torch=torch.__version__,
-        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__, date=date
     )
 
 
-def _progress(items: Sequence, desc: str):
-    """tqdm over `items` on stderr (elapsed time and ETA of a long search), plain iteration without tqdm."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
+def _progress(items, desc: str):
+    """tqdm on stderr (elapsed time and ETA of a long search) when it is a terminal."""
+    from tqdm import tqdm
+
     return tqdm(items, desc=desc, leave=False, file=sys.stderr, disable=not sys.stderr.isatty())
 
 
-# --------------------------------------------------------------------------------------------- modes
-
-
 def search(a, out) -> None:
-    """Tile search of the module docstring: separable per kernel, or joint backward (`--kernels bwd`)."""
+    """Tile search: separable per kernel, or joint backward (`--kernels bwd`)."""
     from kernels import get_tile_config
 
-    for d in a.headdims:
-        for n in a.seqlens:
-            shape = Shape(a, n, d)
-            fwd_default, _, err = time_plan(shape, a.timer, {}, bwd=False)
-            if err:
-                print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped", flush=True)
-                continue
-            for kernel in a.kernels:
-                if kernel == "bwd":
-                    defaults = tuple(
-                        get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
-                        for k in ("bwd_dkdv", "bwd_dq")
-                    )
-                    plans = [defaults, *bwd_plans(d, n, a.tma)]
-                    to_tiles = lambda p: {"bwd_dkdv": p[0], "bwd_dq": p[1]}
-                    fields = lambda p: {"dkdv": cfg_fields(p[0]), "dq": cfg_fields(p[1])}
+    for d, n in itertools.product(a.headdims, a.seqlens):
+        shape = Shape(a, n, d)
+        fwd_default, _, err = time_plan(shape, a.timer, {}, bwd=False)
+        if err:
+            print(f"{shape.describe()}: the default tiles do not run ({err}); shape skipped")
+            continue
+        for kernel in a.kernels:
+            default = lambda k, d=d, n=n: get_tile_config(k, d, a.dtype, True, n, n, interpret=a.dry_run)
+            if kernel == "bwd":
+                plans = [(default("bwd_dkdv"), default("bwd_dq")), *bwd_plans(d, n, a.tma)]
+                to_tiles = lambda p: {"bwd_dkdv": p[0], "bwd_dq": p[1]}
+                fields = lambda p: {"dkdv": cfg_fields(p[0]), "dq": cfg_fields(p[1])}
+            else:
+                plans = [default(kernel), *candidates(kernel, d, a.configs)]
+                to_tiles = lambda p, kernel=kernel: {kernel: p}
+                fields = lambda p: {"cfg": cfg_fields(p)}
+            flops = shape.fwd_flops * (1.0 if kernel == "fwd" else 2.5)
+            rows, t0 = [], time.time()
+            for i, plan in enumerate(_progress(plans, f"{kernel} d={d} N={n}")):
+                if kernel == "fwd":
+                    ms, _, err = time_plan(shape, a.timer, to_tiles(plan), bwd=False)
                 else:
-                    default = get_tile_config(kernel, d, a.dtype, True, n, n, interpret=a.dry_run)
-                    plans = [default, *candidates(kernel, d, a.configs)]
-                    to_tiles = lambda p, kernel=kernel: {kernel: p}
-                    fields = lambda p: {"cfg": cfg_fields(p)}
-                flops = shape.fwd_flops * (1.0 if kernel == "fwd" else 2.5)
-                rows, t0 = [], time.time()
-                for i, plan in enumerate(_progress(plans, f"{kernel} d={d} N={n}")):
-                    if kernel == "fwd":
-                        ms, _, err = time_plan(shape, a.timer, to_tiles(plan), bwd=False)
-                    else:
-                        _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
-                    tag = "default" if i == 0 else "candidate"
-                    rec = _record(
-                        a,
-                        shape,
-                        kernel=kernel,
-                        plan=tag,
-                        **fields(plan),
-                        ms=ms,
-                        err=err,
-                        tflops=_tflops(flops, ms),
-                    )
-                    out.write(json.dumps(rec) + "\n")
-                    out.flush()
-                    if ms is not None:
-                        rows.append((ms, i, plan))
-                    if a.configs is not None or kernel == "bwd":
-                        result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
-                        what = json.dumps(fields(plan))
-                        print(f"  {kernel:8s} {shape.describe()} {tag:9s} {what}: {result}", flush=True)
-                if not rows:
-                    print(f"{kernel:8s} {shape.describe()}: no candidate ran", flush=True)
-                    continue
-                base = next((r for r in rows if r[1] == 0), None)
-                rows.sort(key=lambda r: r[0])
-                top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
-                base_txt = (
-                    f"default {base[0]:.3f} ms ({_fmt_tf(_tflops(flops, base[0]))} TF/s)"
-                    if base
-                    else "default did not run"
-                )
-                print(
-                    f"{kernel:8s} {shape.describe()}: {base_txt} | best {json.dumps(fields(rows[0][2]))} "
-                    f"{rows[0][0]:.3f} ms ({_fmt_tf(_tflops(flops, rows[0][0]))} TF/s) | top3 {top3} "
-                    f"[{time.time() - t0:.0f} s]",
-                    flush=True,
-                )
-            del shape
-            _empty_cache(a)
+                    _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
+                tag = "default" if i == 0 else "candidate"
+                rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err)
+                rec["tflops"] = _tflops(flops, ms)
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+                if ms is not None:
+                    rows.append((ms, i, plan))
+                if a.configs is not None or kernel == "bwd":
+                    result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
+                    print(f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}")
+            if not rows:
+                print(f"{kernel:8s} {shape.describe()}: no candidate ran")
+                continue
+            tf = lambda ms, flops=flops: f"{ms:.3f} ms ({_tflops(flops, ms):.0f} TF/s)"
+            base = next((f"default {tf(r[0])}" for r in rows if r[1] == 0), "default did not run")
+            rows.sort(key=lambda r: r[0])
+            top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
+            best = f"best {json.dumps(fields(rows[0][2]))} {tf(rows[0][0])}"
+            print(f"{kernel:8s} {shape.describe()}: {base} | {best} | top3 {top3} [{time.time() - t0:.0f} s]")
+        del shape
+        common.free_memory(a.device)
 
 
 def ab(a, out) -> None:
-    """Interleaved A/B of the module docstring: every plan in turn for a.rounds rounds per (d, N)."""
-    from bench._providers import build_provider
-
+    """Interleaved A/B: every plan in turn for a.rounds rounds per (d, N)."""
     plans = [(text, parse_plan(text)) for text in a.plans]
-    for d in a.headdims:
-        for n in a.seqlens:
-            shape = Shape(a, n, d)
-            impl = {
-                text: build_provider(p["provider"], n=n, device=a.device) if "provider" in p else None
-                for text, p in plans
-            }
-            res: dict[str, tuple[list, list, set]] = {text: ([], [], set()) for text, _ in plans}
-            for _ in _progress(range(a.rounds), f"rounds d={d} N={n}"):
-                for text, plan in plans:
-                    tiles = {} if "provider" in plan else plan
-                    f_ms, b_ms, err = time_plan(shape, a.timer, tiles, fn=impl[text], bwd=not a.no_bwd)
-                    fwd_tf, bwd_tf, errs = res[text]
-                    if err:
-                        errs.add(err)
-                        continue
-                    fwd_tf.append(_tflops(shape.fwd_flops, f_ms))
-                    if b_ms is not None:
-                        bwd_tf.append(_tflops(2.5 * shape.fwd_flops, b_ms))
-            for text, (fwd_tf, bwd_tf, errs) in res.items():
-                line = f"d={d} N={n:6d} {text:40s} "
-                if errs or not fwd_tf:
-                    print(line + f"did not run: {', '.join(sorted(errs))}", flush=True)
+    for d, n in itertools.product(a.headdims, a.seqlens):
+        shape = Shape(a, n, d)
+        impl = {
+            t: common.build_provider(p["provider"], n=n, device=a.device) for t, p in plans if "provider" in p
+        }
+        res = {text: ([], [], set()) for text, _ in plans}
+        for _ in _progress(range(a.rounds), f"rounds d={d} N={n}"):
+            for text, plan in plans:
+                tiles = {} if "provider" in plan else plan
+                f_ms, b_ms, err = time_plan(shape, a.timer, tiles, fn=impl.get(text), bwd=not a.no_bwd)
+                fwd_tf, bwd_tf, errs = res[text]
+                if err:
+                    errs.add(err)
                     continue
-                bwd_tf = [x for x in bwd_tf if x is not None]
-                line += f"fwd {statistics.median(fwd_tf):6.1f} TF/s ({min(fwd_tf):.0f}-{max(fwd_tf):.0f})"
-                if bwd_tf:
-                    line += (
-                        f"  bwd {statistics.median(bwd_tf):6.1f} TF/s ({min(bwd_tf):.0f}-{max(bwd_tf):.0f})"
-                    )
-                elif not a.no_bwd:  # forward+backward timed no slower than forward alone: noise, no figure
-                    line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
-                print(line, flush=True)
-                if out is not None:
-                    out.write(
-                        json.dumps(
-                            _record(
-                                a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf
-                            )
-                        )
-                        + "\n"
-                    )
-                    out.flush()
-            del shape
-            _empty_cache(a)
+                fwd_tf.append(_tflops(shape.fwd_flops, f_ms))
+                if (b := _tflops(2.5 * shape.fwd_flops, b_ms)) is not None:
+                    bwd_tf.append(b)
+        for text, (fwd_tf, bwd_tf, errs) in res.items():
+            line = f"d={d} N={n:6d} {text:40s} "
+            if errs or not fwd_tf:
+                print(line + f"did not run: {', '.join(sorted(errs))}")
+                continue
+            stat = lambda xs: f"{statistics.median(xs):6.1f} TF/s ({min(xs):.0f}-{max(xs):.0f})"
+            line += f"fwd {stat(fwd_tf)}"
+            if bwd_tf:
+                line += f"  bwd {stat(bwd_tf)}"
+            elif not a.no_bwd:  # forward+backward timed no slower than the forward alone: noise, no figure
+                line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
+            print(line)
+            if out is not None:
+                rec = _record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+        del shape
+        common.free_memory(a.device)
 
 
-def _empty_cache(a) -> None:
-    if a.device.type == "cuda":
-        torch.cuda.empty_cache()
+# ------------------------------------------------------------------------------- decode tile search
 
 
-# ----------------------------------------------------------------------------------------------- CLI
+def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
+    """The automatic configuration's record, then one per (block_n, splits, warps, stages) of the grid."""
+    fd = importlib.import_module("kernels.flash_decode")  # the module (kernels exports its function)
+
+    hkv, group, dtype, device = a.kv_heads, a.group, a.dtype, a.device
+    gen = torch.Generator(device=device).manual_seed(a.seed)
+    q = torch.randn(batch, hkv * group, 1, d, device=device, dtype=dtype, generator=gen)
+    k, v = (torch.randn(batch, hkv, context, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    kv_bytes = 2 * k.numel() * k.element_size()
+    copies = common.l2_copies(q, k, v, kv_bytes) if device.type == "cuda" else None
+    measure = lambda fn: common.graph_ms(fn, copies, a.timer) if copies else a.timer(lambda: fn(q, k, v))
+    base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
+    ref = fd.flash_decode(q, k, v)
+    bn = fd._block_n(d, dtype)
+    splits = fd._split_layout(context, fd._choose_splits(context, bn, batch * hkv, device, d), bn)[1]
+    ms = measure(lambda q, k, v: fd.flash_decode(q, k, v))
+    auto = dict(config="auto", block_n=bn, splits=splits, warps=None, stages=None, status="ok", ms=ms)
+    records = [dict(base, **auto, gbs=kv_bytes / (ms * 1e-3) / 1e9)]
+    for bn, sp, w, st in itertools.product(a.block_n, a.splits, a.warps, a.stages):
+        if sp > -(-context // bn) or (a.prune and ((batch == 1 and sp < 8) or (batch >= 16 and sp > 33))):
+            continue
+        rec = dict(
+            base, config="sweep", block_n=bn, splits_requested=sp, splits=fd._split_layout(context, sp, bn)[1]
+        )
+        rec |= dict(warps=w, stages=st)
+
+        def fn(q, k, v, bn=bn, sp=sp, w=w, st=st):
+            scale = 1.0 / d**0.5
+            return fd._launch_decode(q, k, v, None, scale, sp, _tile_n=bn, _num_warps=w, _num_stages=st)[0]
+
+        try:
+            rec["max_abs_diff"] = diff = (fn(q, k, v).float() - ref.float()).abs().max().item()
+            if not diff <= DECODE_TOLERANCE[dtype]:  # NaN fails too
+                rec["status"] = f"mismatch: {diff:.3g} > {DECODE_TOLERANCE[dtype]:g}"
+            else:
+                ms = measure(fn)
+                rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
+        except torch.OutOfMemoryError:
+            rec["status"] = "oom"
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile or run is a result
+            rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+        records.append(rec)
+        print(json.dumps(rec))
+    return records
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals or min(vals) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return vals
+def decode_markdown(meta: dict, records: list[dict]) -> str:
+    """Per shape: the automatic configuration's time, the best 4, and time by splits per (block_n, warps,
+    stages), with the splits launched in brackets where rounding to whole tiles changed the count."""
+    us = lambda ms: f"{ms * 1e3:.1f}"
+    label = lambda r: f"bn {r['block_n']} s{r['splits']} w{r['warps']} st{r['stages']}"
+    lines = [f"# Decode tile sweep ({meta['device']}, {meta['dtype']})", ""]
+    if not meta.get("complete", True):
+        lines += [f"**Incomplete**: the run stopped (or is still running) after {len(records)} records.", ""]
+    lines += [
+        f"Times in us per call ({meta['timing']}); GB/s of K/V read. Every configuration is checked against "
+        f"flash_decode (max abs difference <= {meta['tolerance']:g}).",
+        "",
+    ]
+    for d, b, ctx in sorted(
+        {(r["d"], r["batch"], r["context"]) for r in records}, key=lambda s: (-s[0], *s[1:])
+    ):
+        rs = [r for r in records if (r["d"], r["batch"], r["context"]) == (d, b, ctx)]
+        auto, sweep = next(r for r in rs if r["config"] == "auto"), [r for r in rs if r["config"] == "sweep"]
+        ok = sorted((r for r in sweep if r["status"] == "ok"), key=lambda r: r["ms"])
+        best = "; ".join(f"{label(r)}: {us(r['ms'])} us, {r['gbs']:.0f} GB/s" for r in ok[:4]) or "none"
+        lines += [
+            f"## d {d}, batch {b}, context {ctx} (Hkv {auto['kv_heads']}, group {auto['group']}, K/V "
+            f"{auto['kv_bytes'] / 1e6:.1f} MB)",
+            "",
+            f"Automatic (block_n {auto['block_n']}, splits {auto['splits']}, Triton's warps/stages): "
+            f"{us(auto['ms'])} us, {auto['gbs']:.0f} GB/s.",
+            "",
+            f"Best: {best}",
+            "",
+        ]
+        if bad := [r for r in sweep if r["status"] != "ok"]:
+            lines += [
+                f"Not timed: {len(bad)} ({'; '.join(label(r) + ' ' + r['status'] for r in bad[:4])})",
+                "",
+            ]
+        cols = sorted({r["splits_requested"] for r in sweep})
+        cell = lambda r, c: (
+            "-"
+            if r is None
+            else r["status"].split(":")[0]
+            if r["status"] != "ok"
+            else us(r["ms"]) + (f" ({r['splits']})" if r["splits"] != c else "")
+        )
+        rows = []
+        for key in sorted({(r["block_n"], r["warps"], r["stages"]) for r in sweep}):
+            row = {r["splits_requested"]: r for r in sweep if (r["block_n"], r["warps"], r["stages"]) == key}
+            rows.append([*key, *(cell(row.get(c), c) for c in cols)])
+        if sweep:
+            lines += [
+                *common.md_table(["block_n", "warps", "stages", *(f"s={c}" for c in cols)], rows, "---"),
+                "",
+            ]
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def decode_search(a) -> int:
+    """The decode tile search over DECODE_SHAPES (or the product of --dims, --batches, --contexts)."""
+    first = (DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)[0]
+    if a.dims is None and a.batches is None and a.contexts is None:
+        shapes = list(DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)
+    else:
+        shapes = list(
+            itertools.product(a.dims or [first[0]], a.batches or [first[1]], a.contexts or [first[2]])
+        )
+    a.prune = a.splits is None and not a.dry_run  # splits given by the user are swept as given
+    for key, value in (DRY_DECODE_GRID if a.dry_run else DECODE_GRID).items():
+        setattr(a, key, getattr(a, key) or value)
+    a.kv_heads = a.kv_heads or (2 if a.dry_run else 8)
+    if a.dry_run:
+        a.timer, timing = (
+            common.Timer(a.device, cpu_reps=1),
+            "CPU dry run: median of 1 eager call after a warm-up",
+        )
+    else:
+        a.timer = common.Timer(a.device, warmup_ms=10, rep_ms=40)
+        timing = f"CUDA graph of {common.GRAPH_CALLS} calls cycling through L2-spanning K/V copies, "
+        timing += f"{a.timer.describe()} / {common.GRAPH_CALLS}"
+    env = common.environment(a.device)
+    grid = dict(block_n=a.block_n, splits=a.splits, warps=a.warps, stages=a.stages, pruned=a.prune)
+    meta = dict(device=env["gpu"] or "cpu", dtype=str(a.dtype)[6:], torch=env["torch"], triton=env["triton"])
+    meta |= dict(
+        time=env["date"], argv=a.argv, shapes=[list(s) for s in shapes], kv_heads=a.kv_heads, group=a.group
+    )
+    meta |= dict(grid=grid, tolerance=DECODE_TOLERANCE[a.dtype], timing=timing)
+    tag = a.tag or ("dryrun" if a.dry_run else "h200")
+    out = Path(a.out or ("outputs/bench" if a.dry_run else "bench/results"))
+    results = common.Results(out / f"decode_tiles_{tag}.json", meta, decode_markdown, records=[])
+    results.save()
+    for d, b, ctx in shapes:
+        t0 = time.perf_counter()
+        results.add("records", decode_shape(a, d, b, ctx))
+        common.free_memory(a.device)
+        print(
+            f"[bench.tune --decode] d={d} batch={b} context={ctx}: {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
+    print(results.save(complete=True))
+    bad = [r for r in results.lists["records"] if r.get("status") != "ok"]
+    if a.dry_run and bad:  # the plumbing check: every configuration must run and match
+        print(
+            f"error: dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI of both modes; its --help is the module docstring (plan syntax, example commands)."""
+    ints = common.ints()
     p = argparse.ArgumentParser(
         prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--seqlens",
-        type=_ints,
-        default=None,
-        help="comma list of N (default: search 1024,4096,16384; --plans 4096,16384; dry run 32)",
+        "--seqlens", type=ints, help="N (default search 1024,4096,16384; --plans 4096,16384; dry run 32)"
+    )
+    p.add_argument("--headdims", "--d", dest="headdims", type=ints, help="d (default 64,128; dry run 16)")
+    p.add_argument(
+        "--kernels", default="fwd,bwd_dkdv,bwd_dq", help="search: from fwd,bwd_dkdv,bwd_dq, or bwd"
     )
     p.add_argument(
-        "--headdims",
-        "--d",
-        dest="headdims",
-        type=_ints,
-        default=None,
-        help="comma list of d (default 64,128; dry run 16)",
+        "--configs", type=parse_configs, help="search: explicit candidates BMxBNxWARPSxSTAGES[t],..."
     )
-    p.add_argument(
-        "--kernels",
-        default="fwd,bwd_dkdv,bwd_dq",
-        help="search: comma list from fwd,bwd_dkdv,bwd_dq, or bwd for the joint backward search",
-    )
-    p.add_argument(
-        "--configs",
-        type=parse_configs,
-        default=None,
-        help="search: explicit candidates for every kernel and d instead of the grid: "
-        "BMxBNxWARPSxSTAGES[t],... ('t': TMA loads, bwd_dkdv / bwd_dq only)",
-    )
-    p.add_argument(
-        "--tma",
-        action="store_true",
-        help="with --kernels bwd: search backward pairs with tensor-descriptor (TMA) loads",
-    )
-    p.add_argument(
-        "--plans",
-        nargs="+",
-        default=None,
-        help="interleaved A/B of these plans instead of a search (syntax in the description)",
-    )
-    p.add_argument("--rounds", type=int, default=3, help="A/B rounds (default 3)")
+    p.add_argument("--tma", action="store_true", help="with --kernels bwd: pairs with TMA loads")
+    p.add_argument("--plans", nargs="+", help="interleaved A/B of these plans instead of a search")
+    p.add_argument("--rounds", type=common.positive, default=3, help="A/B rounds (default 3)")
     p.add_argument("--no-bwd", action="store_true", help="A/B: forward only")
-    p.add_argument("--tokens", type=int, default=None, help="B*N per shape (default 16384; dry run 64)")
-    p.add_argument("--hidden", type=int, default=None, help="H*d (default 2048; dry run 32)")
+    p.add_argument("--tokens", type=int, help="B*N per shape (default 16384; dry run 64)")
+    p.add_argument("--hidden", type=int, help="H*d (default 2048; dry run 32)")
+    p.add_argument("--decode", action="store_true", help="the flash-decode tile and split search")
+    p.add_argument("--dims", type=ints, help="decode: d (with --batches/--contexts: their product)")
+    p.add_argument("--batches", type=ints, help="decode: batch sizes")
+    p.add_argument("--contexts", type=ints, help="decode: context lengths")
+    p.add_argument("--kv-heads", type=common.positive, help="decode: KV heads (default 8)")
+    p.add_argument("--group", type=common.positive, default=4, help="decode: query heads per KV head")
+    p.add_argument("--block-n", type=common.ints(16, pow2=True), help="decode: key tiles (default 32,64,128)")
+    p.add_argument("--splits", type=ints, help="decode: requested splits (default 1 .. 132)")
+    p.add_argument("--warps", type=common.ints(1, pow2=True), help="decode: num_warps (default 4,8)")
+    p.add_argument("--stages", type=ints, help="decode: num_stages (default 2,3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", help="decode: file tag (default h200; dry run dryrun)")
     p.add_argument(
-        "--out",
-        default=None,
-        help="JSON lines appended here (default: search outputs/tune.jsonl, --dry-run "
-        "outputs/bench/tune_dryrun.jsonl; A/B: none, console only)",
+        "--out", help="search: JSON lines appended (outputs/tune.jsonl); A/B: none; decode: a folder"
     )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="tiny CPU run under TRITON_INTERPRET=1 (float32) to check the plumbing",
-    )
+    p.add_argument("--dry-run", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (float32)")
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the search, or the A/B with --plans; returns the exit status (0, or 2 for bad input or no GPU,
-    with a message naming the fix and nothing written)."""
+def main(argv=None) -> int:
+    """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
+    message naming the fix and nothing written."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too): triton.jit reads it
+    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     p = build_parser()
     a = p.parse_args(argv)
-    kernels = [k.strip() for k in a.kernels.split(",") if k.strip()]
-    if kernels != ["bwd"] and (not kernels or any(k not in SEARCH_KERNELS for k in kernels)):
-        p.error(f"--kernels {a.kernels!r}: choose from {','.join(SEARCH_KERNELS)}, or bwd alone")
-    if a.rounds < 1:
-        p.error("--rounds must be >= 1")
-    a.kernels = kernels
+    sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, also into a pipe or a log
+    a.argv, a.kernels = argv, [k.strip() for k in a.kernels.split(",") if k.strip()]
+    if a.kernels != ["bwd"] and (not a.kernels or any(k not in SEARCH_KERNELS for k in a.kernels)):
+        p.error(f"--kernels {','.join(a.kernels)!r}: choose from {','.join(SEARCH_KERNELS)}, or bwd alone")
     from kernels import override_tile_config
 
     checks = [(text, parse_plan(text)) for text in a.plans or ()]
@@ -504,20 +528,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not torch.cuda.is_available():
         print(
             "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
-            "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` "
-            "checks the plumbing and "
-            "`python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
+            "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` checks "
+            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
             file=sys.stderr,
         )
         return 2
     else:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
+    if a.decode:
+        return decode_search(a)
     small = a.dry_run
     a.seqlens = a.seqlens or ([32] if small else [4096, 16384] if a.plans else [1024, 4096, 16384])
     a.headdims = a.headdims or ([16] if small else [64, 128])
-    a.tokens = a.tokens or (64 if small else 16384)
-    a.hidden = a.hidden or (32 if small else 2048)
-    from bench._timing import Timer
+    a.tokens, a.hidden = a.tokens or (64 if small else 16384), a.hidden or (32 if small else 2048)
     from bench.attention import shape_for
 
     for d in a.headdims:
@@ -526,10 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    a.timer = Timer(a.device, cpu_reps=1) if small else Timer(a.device)
+    a.timer = common.Timer(a.device, cpu_reps=1) if small else common.Timer(a.device)
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
-    default_out = "outputs/bench/tune_dryrun.jsonl" if a.dry_run else "outputs/tune.jsonl"
-    out_path = a.out or (None if a.plans else default_out)
+    out_path = a.out or (
+        None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
+    )
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     out = open(out_path, "a") if out_path else None

@@ -1,5 +1,6 @@
-"""bench.decode's incremental results and timing rule, its compiled e2e mode, and bench.decode_tiles's dry
-run with kernels.flash_decode._launch_decode's private tile overrides (Triton interpreter on the CPU)."""
+"""bench.decode's incremental results and timing rule, its compiled e2e mode, and the decode tile search
+(`bench.tune --decode`) with kernels.flash_decode._launch_decode's private tile overrides (Triton
+interpreter on the CPU)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from bench import decode  # noqa: E402
+from bench import common, decode, tune  # noqa: E402
 
-TINY = [
-    "--dry-run",
-    "--dims",
-    "16",
-    "--groups",
-    "4",
-    "--kv-heads",
-    "2",
-    "--prompt-len",
-    "4",
-    "--new-tokens",
-    "3",
-]
+TINY = "--dry-run --dims 16 --groups 4 --kv-heads 2 --prompt-len 4 --new-tokens 3".split()
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +37,7 @@ def test_interrupted_run_leaves_valid_incomplete_json(tmp_path, monkeypatch):
     argv = TINY + [
         "--out",
         str(tmp_path),
-        "--contexts",
-        "40,100",
-        "--batches",
-        "1",
-        "--providers",
-        "flash-decode,naive",
+        *"--contexts 40,100 --batches 1 --providers flash-decode,naive".split(),
     ]
     with pytest.raises(KeyboardInterrupt):
         decode.main(argv)
@@ -75,12 +59,12 @@ def test_interrupted_run_leaves_valid_incomplete_json(tmp_path, monkeypatch):
 
 def test_results_saved_after_every_shape_and_complete_at_the_end(tmp_path):
     meta = dict(device="cpu", dtype="float32", copy_ceiling_gbs=1.0, graph_calls=20)
-    results = decode.Results(tmp_path, "t", meta)
+    results = common.Results(tmp_path / "decode_t.json", meta, common.decode_markdown, kernel=[], e2e=[])
     rec = dict(d=16, group=1, batch=1, context=40, provider="naive", status="ok", ms=1.0, gbs=1.0)
-    results.add_kernel([rec])
+    results.add("kernel", [rec])
     first = json.loads((tmp_path / "decode_t.json").read_text())
     assert first["meta"]["complete"] is False and first["kernel"] == [rec]
-    results.add_e2e(dict(backend="naive", mode="eager", static_decode=False, batch=1, status="oom"))
+    results.add("e2e", [dict(backend="naive", mode="eager", static_decode=False, batch=1, status="oom")])
     assert len(json.loads((tmp_path / "decode_t.json").read_text())["e2e"]) == 1
     md = results.save(complete=True)
     assert json.loads((tmp_path / "decode_t.json").read_text())["meta"]["complete"] is True
@@ -186,15 +170,13 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
     assert fd._split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
 
 
-def test_decode_tiles_dry_run(tmp_path):
-    from bench import decode_tiles
-
-    assert decode_tiles.main(["--dry-run", "--out", str(tmp_path)]) == 0
+def test_decode_tile_search_dry_run(tmp_path):
+    assert tune.main(["--decode", "--dry-run", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "decode_tiles_dryrun.json").read_text())
     meta, records = data["meta"], data["records"]
     assert meta["complete"] is True and meta["triton"] and meta["torch"] and meta["device"]
     shapes = {tuple(s) for s in meta["shapes"]}
-    assert shapes == set(decode_tiles.DRY_RUN_SHAPES)
+    assert shapes == set(tune.DRY_DECODE_SHAPES)
     for d, b, ctx in shapes:
         rs = [r for r in records if (r["d"], r["batch"], r["context"]) == (d, b, ctx)]
         assert sum(r["config"] == "auto" for r in rs) == 1
@@ -226,12 +208,7 @@ def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
     argv = TINY + [
         "--out",
         str(tmp_path),
-        "--contexts",
-        "40",
-        "--batches",
-        "1",
-        "--providers",
-        "flash-decode,naive",
+        *"--contexts 40 --batches 1 --providers flash-decode,naive".split(),
     ]
     assert decode.main(argv) == 1
     monkeypatch.setattr(decode, "provider_fn", real)
@@ -241,24 +218,22 @@ def test_dry_run_fails_when_the_flash_provider_fails(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--splits", "0"], "--splits '0': must be integers >= 1"),
-        (["--block-n", "7"], "--block-n '7': must be powers of two >= 16"),
-        (["--block-n", "0"], "--block-n '0': must be powers of two >= 16"),
-        (["--splits", ""], "--splits '': is an empty list"),
-        (["--block-n", ","], "--block-n ',': is an empty list"),
-        (["--warps", "3"], "--warps '3': must be powers of two >= 1"),
-        (["--contexts", "0"], "--contexts '0': must be integers >= 1"),
-        (["--dims", "x"], "--dims 'x': must be a comma list of integers"),
-        (["--group", "0"], "--group must be >= 1"),
+        (["--splits", "0"], "--splits: '0': must be integers >= 1"),
+        (["--block-n", "7"], "--block-n: '7': must be powers of two >= 16"),
+        (["--block-n", "0"], "--block-n: '0': must be powers of two >= 16"),
+        (["--splits", ""], "--splits: '': is an empty list"),
+        (["--block-n", ","], "--block-n: ',': is an empty list"),
+        (["--warps", "3"], "--warps: '3': must be powers of two >= 1"),
+        (["--contexts", "0"], "--contexts: '0': must be integers >= 1"),
+        (["--dims", "x"], "--dims: 'x': must be a comma list of integers"),
+        (["--group", "0"], "--group: '0': must be integers >= 1"),
     ],
 )
-def test_decode_tiles_refuses_a_bad_grid(tmp_path, capsys, flags, match):
+def test_decode_tile_search_refuses_a_bad_grid(tmp_path, capsys, flags, match):
     """A bad grid is a usage error (exit 2) before anything runs or is written: an empty list once swept
     nothing and exited 0, --splits 0 died in a ZeroDivisionError, --block-n 7 in Triton errors."""
-    from bench import decode_tiles
-
     with pytest.raises(SystemExit) as exc:
-        decode_tiles.main(["--dry-run", "--out", str(tmp_path), *flags])
+        tune.main(["--decode", "--dry-run", "--out", str(tmp_path), *flags])
     assert exc.value.code == 2 and match in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
@@ -287,14 +262,14 @@ def test_report_of_a_missing_or_corrupt_file_is_one_error_line(tmp_path, capsys,
 @pytest.mark.parametrize(
     "flags,match",
     [
-        (["--contexts", "4x"], "--contexts '4x': must be a comma list of integers"),
-        (["--batches", "0"], "--batches '0': must be integers >= 1"),
-        (["--dims", ""], "--dims '': is an empty list"),
+        (["--contexts", "4x"], "--contexts: '4x': must be a comma list of integers"),
+        (["--batches", "0"], "--batches: '0': must be integers >= 1"),
+        (["--dims", ""], "--dims: '': is an empty list"),
         (["--providers", "flash-decode,foo"], "(bad: ['foo'])"),
         (["--providers", "read-floor,read-floor"], "a name given twice"),
-        (["--kv-heads", "0"], "--kv-heads must be >= 1"),
-        (["--e2e-only", "--new-tokens", "0"], "--new-tokens must be >= 1"),
-        (["--e2e-only", "--e2e-backends", "flash,foo"], "each of naive, sdpa, flash"),
+        (["--kv-heads", "0"], "--kv-heads: '0': must be integers >= 1"),
+        (["--e2e-only", "--new-tokens", "0"], "--new-tokens: '0': must be integers >= 1"),
+        (["--e2e-only", "--e2e-backends", "flash,foo"], "from naive, sdpa, flash"),
     ],
 )
 def test_decode_refuses_a_bad_grid(tmp_path, capsys, flags, match):

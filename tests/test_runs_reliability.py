@@ -373,7 +373,8 @@ def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
 def test_tools_read_the_live_branch_of_older_files(tmp_path):
     """metrics.jsonl written before replays were set apart (steps 1..10, then a resume from 8 to 12):
     bench.compare and bench.report see steps 9 and 10 of the replay, not of the abandoned branch."""
-    from bench import _rundir, compare
+    from bench import common as _rundir
+    from bench import compare
 
     run = tmp_path / "old"
     run.mkdir()
