@@ -106,6 +106,7 @@ class Trainer(Setup, Endings):
         )
         self.resume_intro: list[str] = []  # resume: where its config came from (said at start-up)
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
+        self.metrics_lost: dict | None = None  # set by a resume that finds metrics.jsonl gone
         self.fsdp = False  # parallel=fsdp with several ranks (set by _build_model)
         self._dcp = plan.parallel == "fsdp"  # checkpoints are DCP directories (also at world size 1)
 
@@ -533,6 +534,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         except rundir.RunFinished as e:  # nothing was written: say so and leave the run as it is
             trainer.log.close(exit_code=0)
             if dist.is_main:
+                rundir.restore_run_files(out_dir)  # Hydra's .hydra/ rewrite and log lines go back too
                 print(str(e), flush=True)
             return Outcome("finished", EXIT_OK)
         except BaseException:
