@@ -16,9 +16,9 @@ signal: exited at once, nothing saved), ``nonfinite`` (exit 1; nothing saved), `
 (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error`` (config error: exit 2; unexpected
 exception: traceback, exit 1). Under ``-m`` (multirun) only ``interrupted`` and unexpected exceptions stop
 the sweep; a sweep whose every job failed exits non-zero (train.py). ``resume=true`` on a run that already
-reached max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint
-behind the last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``,
-trainer/rundir.py).
+reached max_steps returns Outcome ``finished`` (exit 0) and writes nothing, unless its final checkpoint is
+corrupt or deleted (then the lost steps are replayed to rebuild it); a resume from a checkpoint behind the
+last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``, trainer/rundir.py).
 """
 
 from __future__ import annotations
