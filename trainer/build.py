@@ -504,7 +504,9 @@ class Setup:
         if old_max is not None and int(old_max) != max_steps:
             self.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
         last = self.log.last_logged_step() if self.dist.is_main else None
-        if last is None and k > 0 and self.dist.is_main:
+        # gone: deleted, or emptied although a step up to k must have been logged (log_interval)
+        gone = not self.metrics_existed or k >= int(cfg.log_interval)
+        if self.dist.is_main and last is None and k > 0 and gone:
             self._metrics_lost(k, summary)
             return
         if last is None or last <= k:

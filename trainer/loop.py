@@ -83,6 +83,8 @@ class Trainer(Setup, Endings):
         self.out_dir = Path(out_dir)
         self.multirun = multirun
         self.overrides = overrides
+        # before RunLogger opens (creates) it: a resume tells a deleted metrics.jsonl from a kept one
+        self.metrics_existed = (self.out_dir / "metrics.jsonl").is_file()
         self.log = RunLogger(self.out_dir, enabled=dist.is_main)
         self.say = self._say if dist.is_main else (lambda *a, **k: None)
         self.step = 0
