@@ -156,13 +156,16 @@ def test_concurrent_prepares_prepare_once(tmp_path, shakespeare_path):
 
 @pytest.mark.slow
 def test_concurrent_train_launches_share_one_prepare(tmp_path, shakespeare_path):
-    """Three ``train.py`` launches started together on a fresh data.dir all train (exit 0, status ok)."""
+    """Three ``train.py`` launches started together on a fresh data.dir: one prepares it, all train (exit
+    0, status ok). The corpus is Tiny Shakespeare 8 times over, so that its preparation (seconds) outlasts
+    the spread of the three start-ups and the launches meet at the data directory."""
     from helpers_train import tiny_overrides, train_command
 
-    data = tmp_path / "fresh_data"
+    data, corpus = tmp_path / "fresh_data", tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare_path.read_text(encoding="utf-8") * 8, encoding="utf-8")
     procs = []
     for seed in (1, 2, 3):
-        args = tiny_overrides(data, shakespeare_path, tmp_path / f"run{seed}", seed=seed, max_steps=2)
+        args = tiny_overrides(data, corpus, tmp_path / f"run{seed}", seed=seed, max_steps=2)
         cmd, env = train_command(args)
         procs.append(
             subprocess.Popen(
