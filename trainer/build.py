@@ -184,9 +184,6 @@ class Setup:
                 raise ConfigError(self._no_checkpoint_message())
             if state is None:
                 state = ckpt.load_checkpoint(path, map_location="cpu")
-            changed = ckpt.tokenizer_difference(state["tokenizer"], meta)
-            if changed:  # the same ids would mean other tokens: the run would go on re-mapped data
-                raise ConfigError(self._tokenizer_change_message(state, Path(path), changed))
             notes = check_resume_compatible(
                 {
                     "model_args": state["model_args"],
@@ -200,7 +197,10 @@ class Setup:
                     "vocab_size": int(meta["vocab_size"]),
                     "attention": self._attention_id(),
                 },
-            )
+            )  # another tokenizer name or vocab size: refused there, with the model shape that follows
+            changed = ckpt.tokenizer_difference(state["tokenizer"], meta)
+            if changed:  # same name and size, but the ids would mean other tokens (re-mapped data)
+                raise ConfigError(self._tokenizer_change_message(state, Path(path), changed))
             self.resume_path, self.resume_notes = Path(path), notes
             self._resume_checks(state)
         return state
