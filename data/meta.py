@@ -10,6 +10,7 @@ A prepared directory holds (format_version 1):
        "train_tokens": int, "val_tokens": int, "val_fraction": float,
        "source": path or URL, "source_sha256": hex str, "dtype": "uint16",
        "itos": [sorted characters]   # only for tokenizer "char": id i <-> itos[i]
+       "encoding": "gpt2", "vocab_sha256": hex str   # only for "gpt2": the BPE's name and vocabulary
       }
 """
 

@@ -19,6 +19,7 @@ output goes to ``data/shakespeare`` (gpt2) or ``data/shakespeare_char`` (char) n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import http.client
 import json
@@ -230,8 +231,10 @@ def prepare(
     Returns:
         The meta dict written to ``meta.json``: format_version (1), tokenizer, vocab_size, train_tokens,
         val_tokens, val_fraction, source (absolute path or URL), source_sha256 (of the file's bytes),
-        dtype ("uint16"), for char itos, and with doc_separator: doc_separator, doc_separator_ids (the
-        token ids that end a document) and train_docs / val_docs (documents starting in each split).
+        dtype ("uint16"), for char itos, for gpt2 encoding (tiktoken's name) and vocab_sha256
+        (``data.tokenizer.vocab_sha256`` of its tokens), and with doc_separator: doc_separator,
+        doc_separator_ids (the token ids that end a document) and train_docs / val_docs (documents
+        starting in each split).
 
     Files are written through temporary files and ``os.replace``; a previous ``meta.json`` is removed
     first and the new one written last, so an interrupted run never leaves a directory that looks
@@ -246,13 +249,72 @@ def prepare(
     """
     _check_args(tokenizer, val_fraction)
     out = Path(out_dir).expanduser()
-    created = _missing_dirs(out)
-    out.mkdir(parents=True, exist_ok=True)
+    created: list[Path] = []
+    with _locked(out, created):
+        try:
+            return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
+        except BaseException:
+            _take_back(created)  # a refused or failed prepare leaves no empty data directory of its own
+            raise
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the directories this call created (deepest first): one that another
+    process created at the same moment is not counted, so only its creator takes it back."""
+    made = []
+    for p in reversed(_missing_dirs(path)):
+        try:
+            p.mkdir()
+        except FileExistsError:
+            continue
+        made.append(p)
+    if not path.is_dir():
+        path.mkdir(parents=True, exist_ok=True)  # raises what mkdir raises (a file in the way ...)
+    return made[::-1]
+
+
+@contextlib.contextmanager
+def _locked(out: Path, created: list[Path]):
+    """Create ``out`` and hold an exclusive ``flock`` on the directory itself while the block runs, so
+    that launches which start together (a job array, a sweep launcher) prepare a data directory once:
+    the first prepares, the others wait here and then find it up to date. The kernel drops the lock when
+    its process dies, so a killed prepare never blocks the next one. A directory that was removed and
+    created again while we waited (a failed prepare takes back what it created) is locked afresh.
+    Where the filesystem has no ``flock`` (some network mounts) the block runs unlocked. The directories
+    this process created are appended to ``created`` (deepest first), for ``_take_back``."""
     try:
-        return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
-    except BaseException:
-        _take_back(created)  # a refused or failed prepare leaves no empty data directory of its own
-        raise
+        import fcntl
+    except ImportError:  # pragma: no cover - no flock on this platform
+        created[:] = _make_dirs(out)
+        yield
+        return
+    while True:
+        created[:] = _make_dirs(out)  # what this process made (again, after a retry)
+        try:
+            fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:  # taken back by a failed prepare meanwhile
+            continue
+        try:
+            locked = True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("waiting for another process that is preparing %s", out)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:  # e.g. ENOLCK on a network mount: go on without the lock
+                logger.warning("cannot lock %s (%s); preparing it without a lock", out, e.strerror)
+                locked = False
+            if locked:
+                try:
+                    same = os.path.samestat(os.stat(out), os.fstat(fd))
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    continue  # the finally closes fd (dropping the lock on the old directory)
+            yield
+            return
+        finally:
+            os.close(fd)
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -347,6 +409,9 @@ def _prepare_into(
     }
     if tokenizer == "char":
         meta["itos"] = tok.itos
+    else:  # what the ids mean: the BPE's name and vocabulary (a resume compares them, trainer/build.py)
+        meta["encoding"] = tok.encoding
+        meta["vocab_sha256"] = tok.vocab_sha256()
     if sep_ids is not None:
         from data.docs import separator_ends
 
@@ -418,6 +483,8 @@ def ensure_prepared(
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
     doc_separator: str | None = None,
+    *,
+    keep_other: bool = False,
 ) -> dict:
     """Return ``out_dir``'s meta dict, running ``prepare`` first only if it is missing or stale.
 
@@ -425,19 +492,37 @@ def ensure_prepared(
     val_fraction, or a source whose SHA-256 differs); the reason is logged (INFO) before re-preparing.
     When up to date nothing is re-tokenized or rewritten (file mtimes are unchanged).
 
-    Not safe against several processes preparing the same directory at once with *different* arguments:
-    in distributed training call it on one rank, then barrier.
+    The check and the prepare run under an exclusive lock on the directory (``_locked``): of several
+    processes that start at once on a directory not prepared yet, one prepares and the others wait for
+    it, then return its meta. With ``keep_other=True`` (the trainer) a directory that another process
+    has meanwhile prepared with other arguments (``conflict_reason``) is an error, not re-prepared: runs
+    read it. In distributed training call it on one rank, then barrier.
 
     Raises:
-        Same as ``prepare``.
+        Same as ``prepare``; ValueError naming what the directory holds (``keep_other``).
     """
     _check_args(tokenizer, val_fraction)
-    reason = stale_reason(source, out_dir, tokenizer, val_fraction, doc_separator)
-    if reason is None:
-        logger.info("data in %s is up to date", out_dir)
-        return load_meta(out_dir)
-    logger.info("preparing data in %s: %s", out_dir, reason)
-    return prepare(source, out_dir, tokenizer, val_fraction, doc_separator)
+    out = Path(out_dir).expanduser()
+    created: list[Path] = []
+    with _locked(out, created):
+        try:  # taken back under the lock: a waiter never starts on files about to be removed
+            reason = stale_reason(source, out, tokenizer, val_fraction, doc_separator)
+            if reason is None:
+                logger.info("data in %s is up to date", out_dir)
+                return load_meta(out)
+            held = (
+                conflict_reason(source, out, tokenizer, val_fraction, doc_separator) if keep_other else None
+            )
+            if held:
+                raise ValueError(
+                    f"{out_dir} now holds {held} (prepared by another process meanwhile); runs read it, so "
+                    "it is not prepared again: use a data.dir of its own"
+                )
+            logger.info("preparing data in %s: %s", out_dir, reason)
+            return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
+        except BaseException:
+            _take_back(created)
+            raise
 
 
 def conflict_reason(

@@ -57,6 +57,12 @@ class GPT2Tokenizer:
     def __init__(self) -> None:
         self._enc = _gpt2_encoding()
         self.vocab_size: int = self._enc.n_vocab
+        self.encoding: str = self._enc.name  # tiktoken's name of the BPE ("gpt2")
+
+    def vocab_sha256(self) -> str:
+        """SHA-256 of the BPE vocabulary: every token id's bytes, in id order (what the ids mean). Two
+        encodings that share a name and size but not their tokens differ here."""
+        return vocab_sha256(self._enc.decode_single_token_bytes(i) for i in range(self.vocab_size))
 
     def encode(self, text: str) -> list[int]:
         """str -> list of token ids in [0, 50257)."""
@@ -156,6 +162,17 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+def vocab_sha256(tokens: Iterable[bytes | str]) -> str:
+    """SHA-256 identifying a vocabulary: each token's bytes (str as UTF-8), length-prefixed, in id order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in tokens:
+        b = t.encode("utf-8", "surrogatepass") if isinstance(t, str) else bytes(t)
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
 
 
 def make_tokenizer(name: str, *, text: str | None = None, itos: Sequence[str] | None = None):

@@ -59,6 +59,15 @@ def char_dir(tmp_path_factory, shakespeare_path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------ prepare
+def _vocab_sha256(enc) -> str:
+    """SHA-256 of every token's bytes (4-byte little-endian length, then the bytes), in id order."""
+    h = hashlib.sha256()
+    for i in range(enc.n_vocab):
+        b = enc.decode_single_token_bytes(i)
+        h.update(len(b).to_bytes(4, "little") + b)
+    return h.hexdigest()
+
+
 def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
     raw = shakespeare_path.read_bytes()
     text = raw.decode("utf-8")
@@ -78,6 +87,9 @@ def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
         "source": str(shakespeare_path.resolve()),
         "source_sha256": hashlib.sha256(raw).hexdigest(),
         "dtype": "uint16",
+        # what the ids mean (a resume compares it): the encoding's name, and its tokens' bytes in id order
+        "encoding": "gpt2",
+        "vocab_sha256": _vocab_sha256(tiktoken.get_encoding("gpt2")),
     }
     assert (gpt2_dir / "train.bin").stat().st_size == 2 * len(train)
     # independent reference: tiktoken directly

@@ -125,6 +125,7 @@ class Setup:
                     cfg.data.tokenizer,
                     float(cfg.data.val_fraction),
                     cfg.data.doc_separator,
+                    keep_other=True,  # data another launch prepared meanwhile is not replaced
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -196,7 +197,10 @@ class Setup:
                     "vocab_size": int(meta["vocab_size"]),
                     "attention": self._attention_id(),
                 },
-            )
+            )  # another tokenizer name or vocab size: refused there, with the model shape that follows
+            changed = ckpt.tokenizer_difference(state["tokenizer"], meta)
+            if changed:  # same name and size, but the ids would mean other tokens (re-mapped data)
+                raise ConfigError(self._tokenizer_change_message(state, Path(path), changed))
             self.resume_path, self.resume_notes = Path(path), notes
             self._resume_checks(state)
         return state
@@ -345,7 +349,7 @@ class Setup:
             tags=list(cfg.wandb.tags),
             config=resolved,
             run_id=wandb_id,
-            fork_at=self.replay["from_step"] - 1 if self.replay and self.replay["wandb_steps"] else None,
+            fork_at=self._wandb_fork_step(),
         )
         self.log.set_summary(
             {
@@ -394,6 +398,12 @@ class Setup:
             for note in self.resume_notes:
                 self.say(note)
             replay = self._replay_record()
+            lost = self.metrics_lost
+            if lost:
+                parent = self.log.wandb_parent
+                lost = {**lost, "wandb_parent": parent} if parent else lost
+                self.log.set_summary({"metrics_lost": lost})
+                replay = {**replay, "metrics_lost": lost}
             self.log.log(
                 self.step,
                 {"event": "resume", "from": str(self.resume_path), "notes": self.resume_notes, **replay},
@@ -436,6 +446,29 @@ class Setup:
             f"of the run to continue>{hint}, or resume=false to start a new run"
         )
 
+    def _tokenizer_change_message(self, state: dict, path: Path, changed: str) -> str:
+        """resume=true onto data whose tokenizer differs from the checkpoint's: which data keys of the run
+        changed (data.source, data.dir, ...), what differs, and the fix."""
+        saved = (state.get("config") or {}).get("data") or {}
+        keys = []
+        for key in ("source", "dir", "tokenizer", "doc_separator"):
+            old, new = saved.get(key), getattr(self.cfg.data, key)
+            if key in saved and str(old) != str(new):
+                keys.append(f"data.{key}={new} (the run's: {old})")
+        where = (
+            ", ".join(keys)
+            if keys
+            else f"data.dir={self.cfg.data.dir}, whose data was prepared again since (its meta.json)"
+        )
+        back = " ".join(f"data.{k}={saved[k]}" for k in ("source", "dir") if saved.get(k) is not None)
+        return (
+            f"resume=true refused: the data this command prepared ({where}) has another tokenizer than "
+            f"the checkpoint {path} was trained with: {changed}. Its token ids would mean other tokens, so "
+            f"the run would go on training on re-mapped data; nothing was changed in {self.out_dir}. Resume "
+            f"without those data.* overrides (the run's own data: {back or 'its saved data.*'}), or train "
+            "on the new data in a new run (resume=false, another out_dir)"
+        )
+
     def _resume_checks(self, state: dict) -> None:
         """resume=true, once a checkpoint loads: refuse a run that already reached max_steps (RunFinished:
         nothing changes, a summary left "running" by a process killed in its ending included). Else a
@@ -445,11 +478,22 @@ class Setup:
         checkpoint, which this resume replays."""
         cfg, k, max_steps = self.cfg, int(state["step"]), int(self.cfg.max_steps)
         summary = rundir.read_summary(self.out_dir) if self.dist.is_main else {}
-        done = k
+        done, lost = k, None
         if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):
             done = max(k, summary["steps"])  # finished even when its final checkpoint does not load
-        done = self._broadcast(done)
-        if done >= max_steps:  # refused (e.g. killed in its ending, past the last checkpoint): no rewrite
+            lost = self._lost_checkpoint(k, summary) if done > k else None
+        done, lost = self._broadcast((done, lost))
+        old_max = (state.get("config") or {}).get("max_steps")
+        if done > max_steps:  # a resume never takes steps back
+            raise ConfigError(rundir.below_done_message(self.out_dir, done, max_steps, old_max))
+        if done == max_steps and lost is not None:
+            # finished, but its final weights are gone: replay from step k to rebuild them (same schedule)
+            self.resume_notes.append(
+                f"the run finished at step {done}, but its final checkpoint {lost}: rebuilding it by "
+                f"replaying steps {k + 1}-{done} from the step-{k} checkpoint with the run's own schedule "
+                f"(max_steps={max_steps}); on a deterministic path the rebuilt weights equal the lost ones"
+            )
+        elif done >= max_steps:  # refused (e.g. killed in its ending, past the last checkpoint): no rewrite
             cmd = " ".join(w for w in self.resume_command().split() if not w.startswith("max_steps="))
             raise rundir.RunFinished(rundir.finished_message(self.out_dir, done, max_steps, cmd))
         if self.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
@@ -457,10 +501,14 @@ class Setup:
             if killed:
                 self.say(killed)
                 summary = rundir.read_summary(self.out_dir)  # the replay reason reads "killed"
-        old_max = (state.get("config") or {}).get("max_steps")
         if old_max is not None and int(old_max) != max_steps:
             self.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
         last = self.log.last_logged_step() if self.dist.is_main else None
+        # gone: deleted, or emptied although a step up to k must have been logged (log_interval)
+        gone = not self.metrics_existed or k >= int(cfg.log_interval)
+        if self.dist.is_main and last is None and k > 0 and gone:
+            self._metrics_lost(k, summary)
+            return
         if last is None or last <= k:
             return
         why = self._replay_reason(k, last, summary)
@@ -473,6 +521,41 @@ class Setup:
                 "abandoned_metrics": moved["path"].name,
                 "wandb_steps": moved["wandb_steps"],
             }
+
+    def _lost_checkpoint(self, k: int, summary: dict) -> str | None:
+        """How a finished run's checkpoint newer than the loadable step ``k`` was lost ("step_N.pt does not
+        load", "step_N.pt is missing (deleted)"), or None when none newer was ever written (e.g.
+        ``checkpoint.at_end=false``: nothing was lost, the run stays finished)."""
+        newer = [p for s, p in ckpt.list_checkpoints(self.out_dir) if s > k]
+        if newer:
+            return f"{newer[0].name} does not load"
+        lc = str(summary.get("last_checkpoint") or "")
+        lc_step = ckpt.checkpoint_step(lc) if lc else None
+        if lc_step is not None and lc_step > k:
+            return f"{Path(lc).name} is missing (deleted)"
+        return None
+
+    def _metrics_lost(self, k: int, summary: dict) -> None:
+        """resume=true from step ``k`` of a run whose metrics.jsonl is gone or empty: say so (the curve up
+        to step k is not in the run directory any more, the new file starts at step k + 1), and fork the
+        W&B run at step k (``self.metrics_lost``): its history may run past k, and W&B would drop the
+        steps logged below its current one, mixing two branches in one curve."""
+        ran = summary.get("steps") if isinstance(summary.get("steps"), int) else None
+        self.metrics_lost = {"checkpoint_step": k, "summary_steps": ran}
+        past = f" (summary.json says the run reached step {ran})" if ran is not None else ""
+        self.say(
+            f"warning: {self.out_dir / 'metrics.jsonl'} is missing or empty (deleted?), but the run has a "
+            f"checkpoint of step {k}{past}: the logged curve of steps 1-{k} is not in this run directory any "
+            f"more and metrics.jsonl starts again at step {k + 1}. W&B (when on) continues in a new run "
+            f"forked from the old one at step {k}, so its history is never mixed with steps past {k}"
+        )
+
+    def _wandb_fork_step(self) -> int | None:
+        """The step at which the W&B run is forked: before the replayed steps, or at the checkpoint when
+        metrics.jsonl was lost; None to continue the same W&B run."""
+        if self.replay and self.replay["wandb_steps"]:
+            return self.replay["from_step"] - 1
+        return self.metrics_lost["checkpoint_step"] if self.metrics_lost else None
 
     def _replay_reason(self, k: int, last: int, summary: dict) -> str:
         """Why the newest loadable checkpoint (step k) is behind the last logged step."""

@@ -314,11 +314,57 @@ def load_newest(
 
 def tokenizer_record(meta: dict) -> dict:
     """``state["tokenizer"]`` for a data directory's ``meta`` (``data.meta.load_meta``):
-    ``{"name", "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer."""
+    ``{"name", "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer, and
+    for the BPE its ``"encoding"`` and ``"vocab_sha256"`` when the meta.json has them (data prepared
+    before they were recorded has not)."""
     record = {"name": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
     if meta["tokenizer"] == "char":
         record["itos"] = list(meta["itos"])
+    for key in ("encoding", "vocab_sha256"):
+        if isinstance(meta.get(key), str):
+            record[key] = meta[key]
     return record
+
+
+def _chars(cs) -> str:
+    shown = ", ".join(repr(c) for c in cs[:8])
+    return shown + (f" ... ({len(cs)} in all)" if len(cs) > 8 else "")
+
+
+def tokenizer_difference(record: dict, meta: dict) -> str | None:
+    """What differs between the tokenizer a checkpoint was trained with (``state["tokenizer"]``) and the
+    one of a prepared data directory (its ``meta``), as text, or None when the ids mean the same tokens.
+
+    Compared is what defines the ids: the tokenizer's name and vocab size; for the char tokenizer its
+    character list (the same size with other characters, or the same characters in another order, maps
+    the ids to other characters); for the BPE the encoding's name and its vocabulary's SHA-256 (each
+    compared only when both sides recorded it)."""
+    name, new_name = record.get("name"), meta.get("tokenizer")
+    if name != new_name:
+        sizes = f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}"
+        return f"tokenizer {name!r} -> {new_name!r} ({sizes})"
+    diffs = []
+    if record.get("vocab_size") != meta.get("vocab_size"):
+        diffs.append(f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}")
+    old, new = record.get("itos"), meta.get("itos")
+    if name == "char" and old is not None and new is not None and list(old) != list(new):
+        gone = [c for c in old if c not in set(new)]
+        added = [c for c in new if c not in set(old)]
+        if not gone and not added:
+            diffs.append(f"the same {len(old)} characters in another order (each id means another character)")
+        else:
+            text = f"character list of {len(old)} -> {len(new)} characters"
+            if gone:
+                text += f"; not in the new data: {_chars(gone)}"
+            if added:
+                text += f"; new: {_chars(added)}"
+            diffs.append(text)
+    for key, what in (("encoding", "BPE encoding"), ("vocab_sha256", "BPE vocabulary (sha256)")):
+        a, b = record.get(key), meta.get(key)
+        if a is not None and b is not None and a != b:
+            a, b = (a[:12] + "...", b[:12] + "...") if key == "vocab_sha256" else (repr(a), repr(b))
+            diffs.append(f"{what} {a} -> {b}")
+    return "; ".join(diffs) or None
 
 
 def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = None):

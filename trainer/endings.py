@@ -157,6 +157,12 @@ class Endings:
                 launcher = f"torchrun --nnodes={nodes} --nproc_per_node={local} <rendezvous> train.py"
         return " ".join([*env, launcher, *keep, "resume=true", f"out_dir={self.out_dir}"])
 
+    def restart_command(self) -> str:
+        """``resume_command`` for a run that has no checkpoint: the same launch into a new run directory
+        (out_dir left out: a new runs/<time>_..._<token>), since resume=true would be refused."""
+        words = self.resume_command().split()
+        return " ".join(w for w in words if w != "resume=true" and not w.startswith("out_dir="))
+
     def _end_interrupted(self, s: int, signum: int) -> Outcome:
         import signal
 
@@ -238,8 +244,14 @@ class Endings:
             f"non-finite {'loss' if not math.isfinite(e.loss) else 'gradient norm'} at step {e.step} "
             f"(loss={e.loss}, grad_norm={e.grad_norm}); run stopped, nothing saved after it. "
             f"Last good checkpoint: {last}. Config: {config_file}. "
-            "Fix: lower optim.lr or optim.grad_clip and resume from that checkpoint "
-            f"(`{self.resume_command()}` plus the new optim values), or use nonfinite=skip"
+            + (
+                "Fix: lower optim.lr or optim.grad_clip and resume from that checkpoint "
+                f"(`{self.resume_command()}` plus the new optim values), or use nonfinite=skip"
+                if self.last_ckpt
+                else "Fix: lower optim.lr or optim.grad_clip and start the run again, in a new run directory "
+                f"(there is no checkpoint to resume from): `{self.restart_command()}` plus the new optim "
+                "values, or use nonfinite=skip"
+            )
         )
         print(f"error: {msg}", file=sys.stderr, flush=True)
         self._finish("nonfinite", {"error": msg, "nonfinite/step": e.step}, exit_code=EXIT_NONFINITE)

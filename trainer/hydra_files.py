@@ -48,6 +48,22 @@ def snapshot_sweep(sweep_dir) -> None:
                 _LOCKS[lock] = lock.read_bytes()
 
 
+def snapshot_run(run_dir) -> None:
+    """The same copy for one existing run directory of a single run (``OutDirCheck.on_run_start``, before
+    Hydra rewrites its ``.hydra/`` and appends to its log): a resume refused by a config error, or one
+    that finds the run finished, puts them back (``restore_job``) and so leaves the run as it was."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    for path in root.glob(".hydra/*.yaml"):
+        _FILES[path] = path.read_bytes()
+    log, lock = root / LOG_NAME, root / LOCK_NAME
+    if log.is_file():
+        _LOG_SIZES[log] = log.stat().st_size
+    if lock.is_file():
+        _LOCKS[lock] = lock.read_bytes()
+
+
 def restore_job(run_dir) -> bool:
     """Put back the ``.hydra/*.yaml`` files, the log length and the lock file's text that ``run_dir`` had
     when the sweep started, removing ``.hydra`` files Hydra added since; True when ``run_dir`` was in the

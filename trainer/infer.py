@@ -56,7 +56,34 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
         if not found:
             fix = "it ended before its first checkpoint (checkpoint.interval): train anew or pass ckpt=PATH"
         raise InferError(f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); {fix}")
+    lost = lost_newer_checkpoint(run_dir, int(state["step"]))
+    if lost:
+        warn(
+            f"warning: run={run}: {lost}; using {path.name} (step {state['step']}) instead, which is NOT "
+            f"the model the run ended with. Rebuild the lost weights with: python train.py resume=true "
+            f"out_dir={run_dir} (it replays the steps after {state['step']} with the run's own schedule)"
+        )
     return path, state, run_dir
+
+
+def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
+    """What says that ``run_dir`` had weights newer than the checkpoint of ``step`` that loads: a newer
+    checkpoint that does not load, or the summary's ``last_checkpoint`` of a higher step that is gone;
+    as text ("its final weights (step 8) are gone: step_00000008.pt is missing (deleted)"), else None."""
+    from trainer.rundir import read_summary
+
+    summary = read_summary(run_dir)
+    newer = [p for s, p in ckpt.list_checkpoints(run_dir) if s > step]
+    last = str(summary.get("last_checkpoint") or "")
+    last_step = ckpt.checkpoint_step(last) if last else None
+    if newer:
+        how, at = f"{newer[0].name} does not load", ckpt.checkpoint_step(newer[0])
+    elif last_step is not None and last_step > step:
+        how, at = f"{Path(last).name} is missing (deleted)", last_step
+    else:
+        return None
+    final = summary.get("status") == "ok" and summary.get("steps") == at
+    return f"its {'final' if final else 'newest'} weights (step {at}) are gone: {how}"
 
 
 def run_data_dir(state: dict, run_dir: Path) -> str | None:

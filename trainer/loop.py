@@ -16,9 +16,9 @@ signal: exited at once, nothing saved), ``nonfinite`` (exit 1; nothing saved), `
 (CUDA out of memory: exit ``oom_exit_code``, default 0), ``error`` (config error: exit 2; unexpected
 exception: traceback, exit 1). Under ``-m`` (multirun) only ``interrupted`` and unexpected exceptions stop
 the sweep; a sweep whose every job failed exits non-zero (train.py). ``resume=true`` on a run that already
-reached max_steps returns Outcome ``finished`` (exit 0) and writes nothing; a resume from a checkpoint
-behind the last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``,
-trainer/rundir.py).
+reached max_steps returns Outcome ``finished`` (exit 0) and writes nothing, unless its final checkpoint is
+corrupt or deleted (then the lost steps are replayed to rebuild it); a resume from a checkpoint behind the
+last logged step sets the abandoned steps apart first (``RunLogger.set_apart_after``, trainer/rundir.py).
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ class Trainer(Setup, Endings):
         self.out_dir = Path(out_dir)
         self.multirun = multirun
         self.overrides = overrides
+        # before RunLogger opens (creates) it: a resume tells a deleted metrics.jsonl from a kept one
+        self.metrics_existed = (self.out_dir / "metrics.jsonl").is_file()
         self.log = RunLogger(self.out_dir, enabled=dist.is_main)
         self.say = self._say if dist.is_main else (lambda *a, **k: None)
         self.step = 0
@@ -106,6 +108,7 @@ class Trainer(Setup, Endings):
         )
         self.resume_intro: list[str] = []  # resume: where its config came from (said at start-up)
         self.replay: dict | None = None  # set by a resume that replays logged steps (_resume_checks)
+        self.metrics_lost: dict | None = None  # set by a resume that finds metrics.jsonl gone
         self.fsdp = False  # parallel=fsdp with several ranks (set by _build_model)
         self._dcp = plan.parallel == "fsdp"  # checkpoints are DCP directories (also at world size 1)
 
@@ -533,6 +536,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         except rundir.RunFinished as e:  # nothing was written: say so and leave the run as it is
             trainer.log.close(exit_code=0)
             if dist.is_main:
+                rundir.restore_run_files(out_dir)  # Hydra's .hydra/ rewrite and log lines go back too
                 print(str(e), flush=True)
             return Outcome("finished", EXIT_OK)
         except BaseException:

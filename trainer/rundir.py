@@ -14,7 +14,9 @@
 * ``out_dir_problem`` / ``check_out_dir`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be
   created or written, and a new run in a directory that already holds one, are config errors (exit 2).
 * ``note_run_dir_before`` / ``discard_refused_run``: a single run refused by a config error after Hydra
-  created its directory takes back what it created there (a user's existing folder keeps what it held).
+  created its directory takes back what it created there (a user's existing folder keeps what it held);
+  in a directory that existed (a refused resume) ``restore_run_files`` puts back Hydra's ``.hydra/``
+  files, ``train.log``'s length and the lock's holder line.
 * ``true_status`` / ``mark_killed_on_resume``: a summary left "running" by a process that died without
   its ending is reported as killed / unfinished (no live process holds the lock), and rewritten on resume.
 """
@@ -233,6 +235,18 @@ def finished_message(out_dir: Path, steps: int, max_steps: int, resume_cmd: str)
     )
 
 
+def below_done_message(out_dir: Path, done: int, max_steps: int, run_max: int | None) -> str:
+    """The config error for resume=true with a max_steps below the steps the run already trained."""
+    own = f"its own max_steps={run_max}" if run_max is not None else "its own max_steps"
+    state = " (it is finished)" if run_max is not None and done >= int(run_max) else ""
+    return (
+        f"max_steps={max_steps} is below the {done} steps the run in out_dir={out_dir} has already "
+        f"trained, so resume=true has nothing to do (a resume never takes steps back); nothing was "
+        f"changed. Leave max_steps out to keep {own}{state}, or raise it to train further (e.g. "
+        f"max_steps={max(2 * done, done + 1)}); for a {max_steps}-step run start a new one (resume=false)"
+    )
+
+
 def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
     """The resume note for a changed max_steps: what it does to the learning-rate schedule."""
     if optim.decay_steps:
@@ -305,6 +319,9 @@ class OutDirCheck(_HydraCallback):
         note_run_dir_before(path)  # so that a run refused later takes back what it created
         if not Path(path).is_dir():
             return
+        from trainer.hydra_files import snapshot_run
+
+        snapshot_run(_key(path))  # a refused resume puts back Hydra's files and the log's length
         problem = held_by_live_process(Path(path))
         if problem is None:
             try:
@@ -416,6 +433,8 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
     p = Path(key)
     if not p.is_dir():
         return True
+    if before is not None:  # it held something (a run refused on resume): Hydra's rewrites go back
+        restore_run_files(p)
     new = set(os.listdir(p)) - set(before or ())
     metrics = p / "metrics.jsonl"
     if not new <= allowed or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
@@ -436,6 +455,20 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
                 break
     del _BEFORE[key]
     return True
+
+
+def restore_run_files(out_dir) -> bool:
+    """Put back what this command changed in an existing run directory before it ran nothing: Hydra's
+    ``.hydra/*.yaml``, the length of ``train.log`` (Hydra's and the trainer's lines of this command) and
+    the lock file's holder line, as ``OutDirCheck`` noted them (``hydra_files.snapshot_run``). For a resume
+    refused by a config error or one that finds the run finished: the run stays as it was. False when
+    nothing was noted (no Hydra, a -m job: ``hydra_files.restore_job`` covers those)."""
+    from trainer.hydra_files import restore_job
+
+    try:
+        return restore_job(_key(out_dir))
+    except OSError:
+        return False
 
 
 def check_out_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
