@@ -146,6 +146,11 @@ def main_reporting_config_errors() -> int:
     from trainer.metrics import disk_full_in
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    empty = empty_dir_override(sys.argv[1:])
+    if empty:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {empty}", file=sys.stderr, flush=True)
+        return 2
     try:
         main()
     except Exception as e:
@@ -168,6 +173,21 @@ def main_reporting_config_errors() -> int:
 
         restore_multirun_yaml()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
+
+
+def empty_dir_override(args: list[str]) -> str | None:
+    """Why an override that names the run's folder is empty (``out_dir=``, e.g. an unset shell variable
+    in a job script), else None: Hydra would take it as the current directory and write the run there."""
+    for arg in args:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key in ("out_dir", "hydra.run.dir", "hydra.sweep.dir") and value.strip(" '\"") == "":
+            example = "multirun/sweep1" if key == "hydra.sweep.dir" else "runs/run1"
+            return (
+                f"{key}={value} is empty (an unset shell variable?): the run would be written into the "
+                f"current directory {os.getcwd()}. Pass a folder, e.g. {key}={example}, or leave {key} "
+                "out for a new folder under runs/ (multirun/ with -m)"
+            )
+    return None
 
 
 def _run_dir_known() -> str | None:

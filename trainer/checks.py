@@ -443,10 +443,19 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         size = 0
     if size < 2:
         return
-    n_val = size - split_point(size, float(cfg.data.val_fraction)) + 1
+    fraction = float(cfg.data.val_fraction)
+    n_val = size - split_point(size, fraction) + 1
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
+        default = C.DataConfig.__dataclass_fields__["val_fraction"].default
+        if fraction < default and cfg.seq_len < size - split_point(size, default):
+            # the split is the cause: a seq_len this corpus holds fits with the usual validation share
+            raise ConfigError(
+                f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
+                f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} "
+                f"(or {seq_len_too_long(cfg, what, largest, world_size, about=True).split('; use ', 1)[1]})"
+            )
         raise ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=True))
 
 
