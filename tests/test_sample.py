@@ -403,3 +403,32 @@ def test_samples_and_evals_of_the_same_second_get_their_own_files(tmp_path):
     (tmp_path / "samples" / "x-2.json").write_text("{}")  # only the sibling of -2 exists
     (tmp_path / "samples" / "x.txt").write_text("")
     assert claim_new_file(tmp_path / "samples", "x", ".txt", siblings=(".json",)).name == "x-3.txt"
+
+
+def test_eval_caps_batches_and_batch_size_to_the_split(trained, tmp_path):
+    """batch_size=100000 or batches=100000 on a ~111k-token split: cut to what covers the split once (a
+    note says so, the result records it), instead of building gigabytes of batches or running for
+    minutes; the run's own defaults are not cut."""
+    import resource
+
+    run, data = trained
+    val_tokens = json.loads((data / "meta.json").read_text())["val_tokens"]
+    for args, note, check in (
+        (["batch_size=100000"], "using batch_size=", lambda r: r["batch_size"] * 64 <= val_tokens),
+        (
+            ["batches=100000"],
+            "using batches=",
+            lambda r: r["batches"] * r["batch_size"] * 64 < 2 * val_tokens,
+        ),
+    ):
+        proc = _run(EVAL, [f"run={run}", *args], tmp_path)
+        assert proc.returncode == 0, describe(proc)
+        assert f"note: {args[0]} " in proc.stderr and note in proc.stderr, describe(proc)
+        (new,) = sorted((run / "evals").glob("*.json"), key=lambda p: p.stat().st_mtime)[-1:]
+        result = json.loads(new.read_text())
+        assert check(result) and result["capped"], result
+        assert math.isfinite(result["loss"])
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mib < 4096, peak_mib
+    proc = _run(EVAL, [f"run={run}", "write=false"], tmp_path)  # the run's own batches: no note
+    assert proc.returncode == 0 and "note:" not in proc.stderr, describe(proc)
