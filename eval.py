@@ -11,8 +11,10 @@ run's own ``val/loss``, so the number printed for its last checkpoint matches it
 (``derived.cwd`` of its config.resolved.yaml, as for ``resume=true``); a ``data.dir=`` given to eval.py is
 relative to the current directory. The run's training records (metrics.jsonl, summary.json, checkpoints,
 config.resolved.yaml) are never written; the result goes to the console and to
-``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``write=false``: console only). A ``batch_size`` or
-``batches`` asking for more tokens than the split holds is cut to what covers it once (a note says so).
+``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``out=PATH``: there; ``write=false``: console
+only); where that cannot be written (a read-only run directory) a note says so and the exit status stays
+0. A ``batch_size`` or ``batches`` asking for more tokens than the split holds is cut to what covers it
+once (a note says so).
 
 Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, a config error such as a
 misspelt key, ``+typo=1`` or a wrong type: ``config error: ...`` like train.py), nothing written.
@@ -21,16 +23,25 @@ Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from trainer.infer import InferError
-from trainer.infer_config import ConfigError, EvalConfig, check_config, in_job, main_reporting_config_errors
+from trainer.infer_config import (
+    ConfigError,
+    EvalConfig,
+    check_config,
+    in_job,
+    main_reporting_config_errors,
+    not_written,
+)
 
 
 def eval_main(cfg: DictConfig) -> int:
@@ -171,8 +182,21 @@ def _eval(cfg: DictConfig) -> int:
     )
     if cfg.write:
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
-        out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
-        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        out = None
+        try:
+            if cfg.out:
+                out = Path(str(cfg.out)).expanduser()
+                out.parent.mkdir(parents=True, exist_ok=True)
+            else:
+                out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
+            out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:  # a read-only run directory (a colleague's runs), a full disk
+            if out is not None and not cfg.out:
+                with contextlib.suppress(OSError):
+                    out.unlink()  # the empty file claim_new_file made
+            where = out if out is not None else (Path(str(cfg.out)) if cfg.out else run_dir / "evals")
+            print(not_written("the result file", where, e, "out=PATH.json"), file=sys.stderr)
+            return 0
         print(f"written to {out}")
     return 0
 

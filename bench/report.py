@@ -373,13 +373,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _rundir.RunDirError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
     md = markdown(runs, sweep, args.warmup_frac)
-    (out / "report.md").write_text(md)
-    (out / "report.json").write_text(
-        json.dumps({"sweep_dir": str(sweep), "warmup_frac": args.warmup_frac, "runs": runs}, indent=1) + "\n"
-    )
-    png = plot(runs, out / "report_sweep.png", title=f"sweep {sweep.resolve().name}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text(md)
+        (out / "report.json").write_text(
+            json.dumps({"sweep_dir": str(sweep), "warmup_frac": args.warmup_frac, "runs": runs}, indent=1)
+            + "\n"
+        )
+        png = plot(runs, out / "report_sweep.png", title=f"sweep {sweep.resolve().name}")
+    except OSError as exc:  # a read-only sweep (a colleague's runs, a read-only mount): print it anyway
+        print(md)
+        print(
+            f"note: report not written: {out} ({exc.strerror or type(exc).__name__}); the report is printed "
+            "above. Pass --out DIR to write it elsewhere",
+            file=sys.stderr,
+        )
+        return 0
     print(md)
     print(f"wrote {out / 'report.md'}, {out / 'report.json'}, {png}")
     if args.wandb:
