@@ -6,7 +6,7 @@ Benchmarks (GPU; ``--dry-run`` checks the plumbing on a CPU where it applies):
     decode      KV-cache decode step (flash-decoding vs SDPA) and end-to-end generation tokens/sec
     decode_tiles  flash-decode split kernel's BLOCK_N x splits x warps x stages, against the automatic choice
     tune        tile search for our kernels, and interleaved A/B timing of tile plans (``--plans``)
-    variants    sliding window and document masks against full causal and FlexAttention (issue 16)
+    variants    sliding window and document masks against full causal and FlexAttention
 
 Run analysis (any machine; reads run directories written by ``train.py``):
     compare     loss curves of runs against the first one: differences, tolerances, PNG

@@ -1,4 +1,4 @@
-"""Benchmark of the attention variants (issue 16): sliding window and document masks, our flash kernels
+"""Benchmark of the attention variants: sliding window and document masks, our flash kernels
 against full causal and against FlexAttention with the same masks.
 
 For each mask (causal; window w = 256, 1024, 4096; documents of random lengths), N (8k .. 64k) and mode

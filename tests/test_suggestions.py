@@ -147,3 +147,47 @@ def test_empty_out_dir_is_refused_naming_it(tiny, tmp_path):
     )
     assert ok.returncode == 0, describe(ok)
     assert (cwd / fix.split("=", 1)[1] / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("separator", ["'@'", "'£'", "'\\n@'"])
+def test_doc_separator_outside_the_vocabulary_names_the_key(data_args, separator):
+    """A char-level separator the corpus cannot encode: the error names data.doc_separator (not only
+    the vocabulary), before any data is prepared, and the separator it suggests passes as typed."""
+    err = _first_error([*data_args, f"data.doc_separator={separator}"])
+    assert err.startswith(f"data.doc_separator={separator}"), err
+    assert "65 characters" in err, err
+    fix = err.split("use e.g. ", 1)[1].split(", or ", 1)[0].split()
+    assert fix[0] == "data.doc_separator='\\n\\n'", err
+    _config_check([*data_args, *fix])
+
+
+def test_user_facing_text_has_no_issue_numbers():
+    """Messages, headings and printed help name what they are about, not the tracker's issue numbers:
+    README headings, ``python -m bench``'s listing, bench.variants' --help text (its module docstring),
+    and every string literal outside docstrings in the code."""
+    import ast
+
+    pattern = re.compile(r"\bissue \d+\b")
+    headings = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("#")]
+    assert [h for h in headings if pattern.search(h)] == []
+    listing = subprocess.run([sys.executable, "-m", "bench"], cwd=str(REPO), capture_output=True, text=True)
+    assert listing.returncode == 0 and not pattern.search(listing.stdout), listing.stdout
+    assert not pattern.search(ast.get_docstring(ast.parse((REPO / "bench" / "variants.py").read_text())))
+    found = []
+    for path in sorted(REPO.glob("**/*.py")):
+        if ".venv" in path.parts or "tests" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                if pattern.search(node.value):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value[:80]!r}")
+    assert found == [], found
