@@ -246,9 +246,12 @@ class Endings:
         print(f"error: {msg}", file=sys.stderr, flush=True)
         status = "disk_full" if e.disk_full else "save_failed"
         extra = {"error": msg, "resume_hint": hint, "failed_checkpoint_step": e.step}
-        self._finish(
-            status, extra, exit_code=EXIT_SAVE_FAILED
-        )  # says so where summary.json cannot be written
+        try:
+            self._finish(status, extra, exit_code=EXIT_SAVE_FAILED)  # a full disk: it says so itself
+        except OSError as err:  # another write failure (an I/O error on that disk)
+            print(f"error: could not record status {status} in summary.json ({err})", file=sys.stderr)
+            with contextlib.suppress(Exception):
+                self.log.close(exit_code=EXIT_SAVE_FAILED)
         return Outcome(status, EXIT_SAVE_FAILED)
 
     def _end_disk_full(self, e: BaseException) -> Outcome:

@@ -118,7 +118,7 @@ class Trainer(Setup, Endings):
         try:
             append_line(self.out_dir / "train.log", msg)
         except DiskFullError:
-            if not self._ending:  # the run ends as disk_full; an ending already says what happened
+            if not getattr(self, "_ending", False):  # the run ends as disk_full; an ending says why
                 raise
         except OSError:
             pass
