@@ -11,7 +11,10 @@ run's own ``val/loss``, so the number printed for its last checkpoint matches it
 (``derived.cwd`` of its config.resolved.yaml, as for ``resume=true``); a ``data.dir=`` given to eval.py is
 relative to the current directory. The run's training records (metrics.jsonl, summary.json, checkpoints,
 config.resolved.yaml) are never written; the result goes to the console and to
-``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``write=false``: console only).
+``<run>/evals/<time>_<ckpt>_<split>_<backend>.json`` (``out=PATH``: there; ``write=false``: console
+only); where that cannot be written (a read-only run directory) a note says so and the exit status stays
+0. A ``batch_size`` or ``batches`` asking for more tokens than the split holds is cut to what covers it
+once (a note says so).
 
 Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, a config error such as a
 misspelt key, ``+typo=1`` or a wrong type: ``config error: ...`` like train.py), nothing written.
@@ -20,16 +23,25 @@ Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
 from trainer.infer import InferError
-from trainer.infer_config import ConfigError, EvalConfig, check_config, in_job, main_reporting_config_errors
+from trainer.infer_config import (
+    ConfigError,
+    EvalConfig,
+    check_config,
+    in_job,
+    main_reporting_config_errors,
+    not_written,
+)
 
 
 def eval_main(cfg: DictConfig) -> int:
@@ -51,6 +63,35 @@ def _pick(value, run_value, key: str, low: int = 1) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise InferError(f"{key} must be an int >= {low}, got {v!r}")
     return v
+
+
+def _cap_to_split(
+    tokens: int, split: str, seq_len: int, batch_size: int, batches: int, run_bs, run_batches
+) -> tuple[int, int, list[str]]:
+    """(batch_size, batches, notes): a request larger than the split is cut to what covers it once.
+
+    The windows are drawn at random, so more tokens than the split holds only repeat it, at the cost of
+    memory (every batch is built up front; one batch's logits grow with batch_size) and time. The run's
+    own batch size and batch count (``run_bs``, ``run_batches``; None where this command changed the
+    batch shape) are never cut: with the defaults the loss stays the run's val/loss.
+    """
+    notes = []
+    most_bs = max(1, tokens // seq_len)  # one batch of the whole split
+    if batch_size > max(most_bs, int(run_bs or 1)):
+        notes.append(
+            f"batch_size={batch_size} x seq_len={seq_len} is more than the {split} split's {tokens:,} "
+            f"tokens: using batch_size={most_bs} (the whole split in one batch)"
+        )
+        batch_size = most_bs
+    most = max(1, -(-tokens // (batch_size * seq_len)))  # batches that cover the split about once
+    if batches > max(most, int(run_batches or 1)):
+        notes.append(
+            f"batches={batches} x batch_size={batch_size} x seq_len={seq_len} = "
+            f"{batches * batch_size * seq_len:,} tokens is more than the {split} split's {tokens:,} (random "
+            f"windows would only repeat it): using batches={most}, about the whole split once"
+        )
+        batches = most
+    return batch_size, batches, notes
 
 
 def _eval(cfg: DictConfig) -> int:
@@ -97,6 +138,14 @@ def _eval(cfg: DictConfig) -> int:
             f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
             f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir"
         )
+    # the run's own values are kept (its val/loss batches) unless this command changed the batch shape
+    own_bs = run_bs if cfg.seq_len is None else None
+    own_batches = run_eval.get("batches", 20) if cfg.seq_len is None and cfg.batch_size is None else None
+    batch_size, batches, capped = _cap_to_split(
+        ds.num_tokens, split, seq_len, batch_size, batches, own_bs, own_batches
+    )
+    for note in capped:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     model = build_model(state, cfg.attention.name, cfg.attention.sdpa_backend, device, dtype)
 
     total, n = 0.0, 0
@@ -124,6 +173,8 @@ def _eval(cfg: DictConfig) -> int:
         "dtype": str(dtype)[6:],
         "seconds": seconds,
     }
+    if capped:
+        result["capped"] = capped
     print(
         f"{path} (step {result['step']}) | {split} loss {loss:.4f} | "
         f"perplexity {result['perplexity']:.3f} | {batches} x {batch_size} x {seq_len} tokens | "
@@ -131,8 +182,21 @@ def _eval(cfg: DictConfig) -> int:
     )
     if cfg.write:
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
-        out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
-        out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        out = None
+        try:
+            if cfg.out:
+                out = Path(str(cfg.out)).expanduser()
+                out.parent.mkdir(parents=True, exist_ok=True)
+            else:
+                out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
+            out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        except OSError as e:  # a read-only run directory (a colleague's runs), a full disk
+            if out is not None and not cfg.out:
+                with contextlib.suppress(OSError):
+                    out.unlink()  # the empty file claim_new_file made
+            where = out if out is not None else (Path(str(cfg.out)) if cfg.out else run_dir / "evals")
+            print(not_written("the result file", where, e, "out=PATH.json"), file=sys.stderr)
+            return 0
         print(f"written to {out}")
     return 0
 

@@ -9,7 +9,8 @@ Model and tokenizer come from the checkpoint alone (model_args, weights, tokeniz
 vocabulary; older checkpoints fall back to the data directory's meta.json). The prompt is prefilled into a
 KV cache with the chosen backend, then one token per sample per step is decoded (``GPT.generate``). Samples
 are printed and written to ``<run>/samples/<time>_<ckpt>.txt`` with a ``.json`` of the settings, token ids
-and prefill / decode tokens per second.
+and prefill / decode tokens per second (``out=PATH.txt``: there). Where they cannot be written (a
+read-only run directory) a note says so and the exit status stays 0.
 
 Exit status: 0 ok; 2 for a user error (no run or checkpoint, a prompt the tokenizer cannot encode,
 temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing written; also for a config error
@@ -19,6 +20,7 @@ Keys: ``trainer/infer_config.py`` ``SampleConfig``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -28,7 +30,14 @@ import hydra
 from omegaconf import DictConfig
 
 from trainer.infer import InferError
-from trainer.infer_config import ConfigError, SampleConfig, check_config, in_job, main_reporting_config_errors
+from trainer.infer_config import (
+    ConfigError,
+    SampleConfig,
+    check_config,
+    in_job,
+    main_reporting_config_errors,
+    not_written,
+)
 
 
 def sample_main(cfg: DictConfig) -> int:
@@ -152,18 +161,6 @@ def _sample(cfg: DictConfig) -> int:
         f"decode {timings['decode_tokens']} tokens at {rate['decode_tokens_per_sec']:.1f} tok/s"
     )
 
-    stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}"
-    if cfg.out:
-        txt = Path(cfg.out)
-        txt.parent.mkdir(parents=True, exist_ok=True)
-    else:  # a new name even for two runs in the same second (never another run's samples)
-        txt = claim_new_file(run_dir / "samples", stem, ".txt", siblings=(".json",))
-    txt.write_text(
-        "".join(
-            f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)
-        ),
-        encoding="utf-8",
-    )
     record = {
         "checkpoint": str(path),
         "step": int(state["step"]),
@@ -188,7 +185,29 @@ def _sample(cfg: DictConfig) -> int:
         "samples": samples,
         "token_ids": new,
     }
-    txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}"
+    txt = None
+    try:
+        if cfg.out:
+            txt = Path(cfg.out)
+            txt.parent.mkdir(parents=True, exist_ok=True)
+        else:  # a new name even for two runs in the same second (never another run's samples)
+            txt = claim_new_file(run_dir / "samples", stem, ".txt", siblings=(".json",))
+        txt.write_text(
+            "".join(
+                f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)
+            ),
+            encoding="utf-8",
+        )
+        txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    except OSError as e:  # a read-only run directory (a colleague's runs), a full disk
+        if txt is not None and not cfg.out:
+            for p in (txt, txt.with_suffix(".json")):
+                with contextlib.suppress(OSError):
+                    p.unlink()  # what claim_new_file made
+        where = txt if txt is not None else (Path(cfg.out) if cfg.out else run_dir / "samples")
+        print(not_written("samples", where, e, "out=PATH.txt"), file=sys.stderr)
+        return 0
     print(f"samples written to {txt}")
     return 0
 

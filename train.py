@@ -10,10 +10,10 @@
 
 Run directory (``out_dir``, = Hydra's run dir): ``config.resolved.yaml``, ``.hydra/``, ``metrics.jsonl``,
 ``summary.json``, ``train.log``, ``ckpt/``, ``wandb/``.
-Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss or a checkpoint that
-could not be written (full disk), 2 config error (under torchrun: one ``config error`` line from rank 0,
-every rank exits 2; torchrun then prints its own failure summary), 128 + signal after SIGTERM/SIGINT
-(checkpoint saved).
+Exit status: 0 ok (also after a CUDA OOM, see ``oom_exit_code``), 1 non-finite loss, a checkpoint that
+could not be written or a full disk at any write (status disk_full), 2 config error (under torchrun: one
+``config error`` line from rank 0, every rank exits 2; torchrun then prints its own failure summary),
+128 + signal after SIGTERM/SIGINT (checkpoint saved).
 A ``-m`` sweep goes on past failed jobs and exits 0, unless every job failed: then it exits with their
 common status (else 1). The training loop is in ``trainer/loop.py``.
 """
@@ -143,11 +143,21 @@ def main_reporting_config_errors() -> int:
     Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
     is not a config error, or that a running job raised, is re-raised (a bug: full traceback)."""
     from trainer.config_errors import config_error_from
+    from trainer.metrics import disk_full_in
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    empty = empty_dir_override(sys.argv[1:])
+    if empty:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"config error: {empty}", file=sys.stderr, flush=True)
+        return 2
     try:
         main()
     except Exception as e:
+        if disk_full_in(e) is not None:  # Hydra's own files, the lock: before the run could record itself
+            from trainer.endings import report_disk_full
+
+            return report_disk_full(e, _run_dir_known()).exit_code
         err = None if _IN_JOB[0] else config_error_from(e)
         if err is None:
             raise
@@ -163,6 +173,35 @@ def main_reporting_config_errors() -> int:
 
         restore_multirun_yaml()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
+
+
+def empty_dir_override(args: list[str]) -> str | None:
+    """Why an override that names the run's folder is empty (``out_dir=``, e.g. an unset shell variable
+    in a job script), else None: Hydra would take it as the current directory and write the run there."""
+    for arg in args:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key in ("out_dir", "hydra.run.dir", "hydra.sweep.dir") and value.strip(" '\"") == "":
+            example = "multirun/sweep1" if key == "hydra.sweep.dir" else "runs/run1"
+            return (
+                f"{key}={value} is empty (an unset shell variable?): the run would be written into the "
+                f"current directory {os.getcwd()}. Pass a folder, e.g. {key}={example}, or leave {key} "
+                "out for a new folder under runs/ (multirun/ with -m)"
+            )
+    return None
+
+
+def _run_dir_known() -> str | None:
+    """The run directory of this command where it is known: Hydra's, else the one named on the command
+    line (None when neither is)."""
+    try:
+        return str(HydraConfig.get().runtime.output_dir)
+    except Exception:  # noqa: BLE001 - Hydra has not set it up, or has cleared it after the failure
+        pass
+    for key in ("hydra.run.dir=", "out_dir="):
+        given = [a[len(key) :] for a in sys.argv[1:] if a.startswith(key)]
+        if given and given[-1]:
+            return given[-1]
+    return None
 
 
 def exit_status() -> int:

@@ -10,7 +10,14 @@ keys. Faults (all optional):
 - ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it);
 - ``sigkill_at_finish``: SIGKILL this process as it starts its ending (after the last step and its final
   checkpoint, before the final summary is written): a run killed during its ending;
-- ``sigkill_at_step``: SIGKILL this process as update k ends (a run killed mid-training).
+- ``sigkill_at_step``: SIGKILL this process as update k ends (a run killed mid-training);
+- ``fill_disk_before_summary``: fill the run directory's disk (a file ``FILLER`` beside the run directory,
+  written until the disk is full) just before the k-th summary.json write (1: the "running" summary of
+  the start-up, 2: the next one);
+- ``fill_disk_before_metrics_at_step``: fill the disk just before the metrics.jsonl line of step k, and
+  make that line longer than a page (a field ``fault/padding``), so it cannot fit into the room left in
+  the file's last page: the write is cut short, as when the disk fills mid-line;
+- ``fill_disk_before_log_at_step``: the same for train.log: the step line of step k, padded with spaces.
 """
 
 from __future__ import annotations
@@ -25,6 +32,19 @@ import time
 from pathlib import Path
 
 TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+FILLER = ".fault_disk_filler"
+PAD = 6000  # longer than a tmpfs page (4 KiB): never fits into the room left in a file's last page
+
+
+def fill_disk(beside: Path) -> None:
+    """Write ``FILLER`` beside ``beside`` until its disk is full."""
+    with open(Path(beside).parent / FILLER, "ab", buffering=0) as f:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError:
+                pass
 
 
 def install(faults: dict) -> None:
@@ -32,7 +52,9 @@ def install(faults: dict) -> None:
     import torch
 
     from trainer.loop import Trainer
+    from trainer.metrics import RunLogger
 
+    install_disk_faults(faults, Trainer, RunLogger)
     step_fn, stop_fn, eval_fn = Trainer._train_step, Trainer._stop_requested, Trainer.evaluate
     finish_fn = Trainer._finish
     nan_at, oom_at = faults.get("nan_at_step"), faults.get("raise_oom_at_step")
@@ -66,6 +88,35 @@ def install(faults: dict) -> None:
 
     Trainer._train_step, Trainer._stop_requested, Trainer.evaluate = train_step, stop_requested, evaluate
     Trainer._finish = finish
+
+
+def install_disk_faults(faults: dict, Trainer, RunLogger) -> None:
+    """The ``fill_disk_*`` faults (see the module docstring)."""
+    summary_at = faults.get("fill_disk_before_summary")
+    metrics_at = faults.get("fill_disk_before_metrics_at_step")
+    log_at = faults.get("fill_disk_before_log_at_step")
+    summary_fn, log_fn, say_fn = RunLogger.set_summary, RunLogger.log, Trainer._say
+    calls = [0]
+
+    def set_summary(self, values):
+        calls[0] += 1
+        if summary_at is not None and calls[0] == int(summary_at):
+            fill_disk(self.out_dir)
+        return summary_fn(self, values)
+
+    def log(self, step, metrics, **kw):
+        if metrics_at is not None and step == int(metrics_at) and "train/loss" in metrics:
+            fill_disk(self.out_dir)
+            metrics = {**metrics, "fault/padding": "x" * PAD}
+        return log_fn(self, step, metrics, **kw)
+
+    def say(self, msg):
+        if log_at is not None and msg.startswith(f"step {int(log_at):>6}/") and "| loss" in msg:
+            fill_disk(self.out_dir)
+            msg = msg + " " * PAD
+        return say_fn(self, msg)
+
+    RunLogger.set_summary, RunLogger.log, Trainer._say = set_summary, log, say
 
 
 if __name__ == "__main__":

@@ -403,3 +403,89 @@ def test_samples_and_evals_of_the_same_second_get_their_own_files(tmp_path):
     (tmp_path / "samples" / "x-2.json").write_text("{}")  # only the sibling of -2 exists
     (tmp_path / "samples" / "x.txt").write_text("")
     assert claim_new_file(tmp_path / "samples", "x", ".txt", siblings=(".json",)).name == "x-3.txt"
+
+
+def test_eval_caps_batches_and_batch_size_to_the_split(trained, tmp_path):
+    """batch_size=100000 or batches=100000 on a ~111k-token split: cut to what covers the split once (a
+    note says so, the result records it), instead of building gigabytes of batches or running for
+    minutes; the run's own defaults are not cut."""
+    import resource
+
+    run, data = trained
+    val_tokens = json.loads((data / "meta.json").read_text())["val_tokens"]
+    for args, note, check in (
+        (["batch_size=100000"], "using batch_size=", lambda r: r["batch_size"] * 64 <= val_tokens),
+        (
+            ["batches=100000"],
+            "using batches=",
+            lambda r: r["batches"] * r["batch_size"] * 64 < 2 * val_tokens,
+        ),
+    ):
+        proc = _run(EVAL, [f"run={run}", *args], tmp_path)
+        assert proc.returncode == 0, describe(proc)
+        assert f"note: {args[0]} " in proc.stderr and note in proc.stderr, describe(proc)
+        (new,) = sorted((run / "evals").glob("*.json"), key=lambda p: p.stat().st_mtime)[-1:]
+        result = json.loads(new.read_text())
+        assert check(result) and result["capped"], result
+        assert math.isfinite(result["loss"])
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert peak_mib < 4096, peak_mib
+    proc = _run(EVAL, [f"run={run}", "write=false"], tmp_path)  # the run's own batches: no note
+    assert proc.returncode == 0 and "note:" not in proc.stderr, describe(proc)
+
+
+@pytest.fixture
+def read_only_run(trained, tmp_path):
+    """The trained run seen through a read-only bind mount (a colleague's runs, a read-only share): as
+    root, permission bits do not stop writes, a read-only mount does. Skips where mounting is refused."""
+    run, data = trained
+    view = tmp_path / "ro_run"
+    view.mkdir()
+    r = subprocess.run(["mount", "--bind", str(run), str(view)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
+        with pytest.raises(OSError):
+            (view / "probe").write_text("x")
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=False)
+
+
+def test_read_only_run_prints_results_and_exits_0(read_only_run, tmp_path):
+    """sample.py, eval.py and bench.report on a read-only run: the result is printed, a note says what
+    could not be written where and which option writes it elsewhere, exit 0, no traceback; with that
+    option the files are written there."""
+    run = read_only_run
+    work = tmp_path / "work"
+    work.mkdir()
+    before = _tree(run)
+    cases = [
+        (SAMPLE, ["max_new_tokens=4", "num_samples=1"], "---------- sample 1/1", "samples", "out="),
+        (EVAL, ["batches=1"], "val loss", "evals", "out="),
+    ]
+    for script, args, printed, folder, option in cases:
+        proc = _run(script, [f"run={run}", *args], work)
+        assert proc.returncode == 0, describe(proc)
+        assert printed in proc.stdout and "Traceback" not in proc.stderr, describe(proc)
+        assert f"not written: {run / folder} (Read-only file system)" in proc.stderr, describe(proc)
+        assert f"Pass {option}" in proc.stderr
+    elsewhere = tmp_path / "mine"
+    proc = _run(SAMPLE, [f"run={run}", "max_new_tokens=4", "num_samples=1", f"out={elsewhere}/s.txt"], work)
+    assert proc.returncode == 0 and (elsewhere / "s.txt").is_file() and (elsewhere / "s.json").is_file()
+    proc = _run(EVAL, [f"run={run}", "batches=1", f"out={elsewhere}/e.json"], work)
+    assert proc.returncode == 0 and json.loads((elsewhere / "e.json").read_text())["batches"] == 1
+
+    report = [sys.executable, "-m", "bench.report", str(run)]
+    printed = subprocess.run(report, cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, describe(printed)
+    assert f"report not written: {run} (Read-only file system)" in printed.stderr, describe(printed)
+    assert "--out DIR" in printed.stderr and "Traceback" not in printed.stderr
+    proc = subprocess.run([*report, "--out", str(elsewhere)], cwd=str(REPO), capture_output=True, text=True)
+    assert proc.returncode == 0 and (elsewhere / "report.md").is_file(), describe(proc)
+    tables = [line for line in (elsewhere / "report.md").read_text().splitlines() if line.startswith("|")]
+    assert tables and all(line in printed.stdout for line in tables)  # the same report, printed
+    assert _tree(run) == before and list(work.iterdir()) == []

@@ -248,7 +248,51 @@ def check_data_source(cfg) -> None:
     d = Path(str(cfg.data.dir)).expanduser()
     if d.exists() and not d.is_dir():
         raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
+    _check_separator_in_vocabulary(cfg)  # first: a data.dir of its own would not fix it
     _check_data_dir_matches(cfg, d)
+
+
+def _check_separator_in_vocabulary(cfg) -> None:
+    """A char-level corpus can only separate documents with its own characters (its vocabulary is the
+    set of characters of the text): name data.doc_separator and a separator it can encode, before the
+    data is prepared. Nothing to check for the GPT-2 BPE (a separator is its end-of-text token) or a
+    corpus not read yet (a download)."""
+    from data.docs import parse_separator
+
+    sep = parse_separator(cfg.data.doc_separator)
+    if not sep or cfg.data.tokenizer != "char":
+        return
+    meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
+    if meta and isinstance(meta.get("itos"), list):
+        vocab, where = set(meta["itos"]), f"data.dir={cfg.data.dir}"
+    else:
+        src = effective_data_source(cfg)
+        if not src or str(src).startswith(("http://", "https://")):
+            return
+        try:
+            vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError):
+            return  # the data preparation reports an unreadable corpus
+        where = f"data.source={src}"
+    missing = [c for c in dict.fromkeys(sep) if c not in vocab]
+    if not missing:
+        return
+    shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing)
+    works = next(
+        (w for w in ("\\n\\n", "\\n") if parse_separator(w) and set(parse_separator(w)) <= vocab), None
+    )
+    works = works or sorted(vocab)[0]
+    example = f"data.doc_separator='{works}'"
+    if meta and meta.get("doc_separator") != parse_separator(
+        works
+    ):  # prepared without it: a folder of its own
+        given = Path(str(cfg.data.dir))
+        example += f" data.dir={given.parent / ((given.name or 'data') + '_docs')}"
+    raise ConfigError(
+        f"data.doc_separator='{cfg.data.doc_separator}' holds {shown}, which the character vocabulary "
+        f"of {where} ({len(vocab)} characters) does not: a char-level separator must be made of the "
+        f"corpus's own characters; use e.g. {example}, or data.doc_separator=null (no documents)"
+    )
 
 
 def _prepared_meta(data_dir: Path) -> dict | None:
@@ -443,10 +487,19 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         size = 0
     if size < 2:
         return
-    n_val = size - split_point(size, float(cfg.data.val_fraction)) + 1
+    fraction = float(cfg.data.val_fraction)
+    n_val = size - split_point(size, fraction) + 1
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
+        default = C.DataConfig.__dataclass_fields__["val_fraction"].default
+        if fraction < default and cfg.seq_len < size - split_point(size, default):
+            # the split is the cause: a seq_len this corpus holds fits with the usual validation share
+            raise ConfigError(
+                f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
+                f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} "
+                f"(or {seq_len_too_long(cfg, what, largest, world_size, about=True).split('; use ', 1)[1]})"
+            )
         raise ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=True))
 
 

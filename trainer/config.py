@@ -29,6 +29,7 @@ from trainer.fields import (
     FINITE,
     NONNEG,
     NONNEG_INT,
+    OPEN_UNIT,
     POS_INT,
     UNIT,
     ConfigError,
@@ -177,7 +178,9 @@ class DataConfig:
     source: str | None = spec(None, "null = download Tiny Shakespeare; or a path/URL of a UTF-8 text file")
     dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
-    val_fraction: float = spec(0.1, "share of the corpus held out for validation, in (0, 1)", UNIT, 0.1)
+    val_fraction: float = spec(
+        0.1, "share of the corpus (its end) held out for validation, in (0, 1)", OPEN_UNIT, 0.1
+    )
     doc_separator: str | None = spec(
         None,
         "null | the string between documents, e.g. '\\n\\n' (escapes "
@@ -260,8 +263,8 @@ class BatchConfig:
             if b.micro_tokens > seq_len and b.micro_tokens % seq_len:
                 raise ConfigError(
                     f"batch.micro_tokens={b.micro_tokens} must be a multiple of seq_len={seq_len}, or at "
-                    f"most seq_len (one sequence per micro-batch); use batch.micro_tokens="
-                    f"{(b.micro_tokens // seq_len) * seq_len}"
+                    f"most seq_len (one sequence per micro-batch); use "
+                    f"{_whole_micro_tokens(cfg, world_size)}"
                 )
             budget = min(b.micro_tokens, max(1, tokens_per_step // world_size))
             micro_batch_size = max(1, budget // seq_len)
@@ -311,6 +314,39 @@ class BatchConfig:
                 f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
             )
         return micro_batch_size, tokens_per_step // per_micro, notes
+
+
+def _splits(cfg, world_size: int, **batch) -> bool:
+    """Whether ``BatchConfig.split`` accepts cfg's batch keys with ``batch`` changed."""
+    from types import SimpleNamespace
+
+    b = cfg.batch
+    keys = ("tokens_per_step", "micro_tokens", "micro_batch_size")
+    changed = SimpleNamespace(**{k: batch.get(k, getattr(b, k)) for k in keys})
+    try:
+        BatchConfig.split(SimpleNamespace(batch=changed, seq_len=cfg.seq_len), world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _whole_micro_tokens(cfg, world_size: int) -> str:
+    """The fix for a batch.micro_tokens that is not a multiple of seq_len, as overrides that pass the
+    batch checks as typed: the largest multiple below it, with a tokens_per_step near the current one
+    when the current one does not split into it."""
+    b, seq_len = cfg.batch, cfg.seq_len
+    micro = max(seq_len, (b.micro_tokens // seq_len) * seq_len)
+    fix = f"batch.micro_tokens={micro}"
+    if _splits(cfg, world_size, micro_tokens=micro):
+        return fix
+    near = [
+        t
+        for t in _multiples_around(b.tokens_per_step, seq_len * world_size)
+        if _splits(cfg, world_size, micro_tokens=micro, tokens_per_step=t)
+    ]
+    return (
+        f"{fix} batch.tokens_per_step={near[0]}" if near else f"{fix} and a batch.tokens_per_step it divides"
+    )
 
 
 def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
+import logging
 import math
 import os
 import shutil
@@ -19,6 +20,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.checks import ConfigError
+from trainer.metrics import DiskFullError, disk_full_in
 
 EXIT_OK = 0
 EXIT_NONFINITE = 1
@@ -116,7 +118,12 @@ class Endings:
         return out
 
     def _finish(self, status: str, extra: dict, exit_code: int) -> None:
-        """Write the final summary (summary.json + W&B), a last metrics.jsonl line, close W&B."""
+        """Write the final summary (summary.json + W&B), a last metrics.jsonl line, close W&B.
+
+        On a full disk: status "ok" raises ``DiskFullError`` at once (the run then ends as disk_full,
+        ``_end_disk_full``); any other ending frees the run's reserve (``RunLogger.release_reserve``),
+        writes its records once more and, where they still do not fit, says so."""
+        self._ending = True
         try:
             figures = self._final_figures()
         except Exception:  # noqa: BLE001 - never let reporting hide the real ending
@@ -128,13 +135,27 @@ class Endings:
             **figures,
             **extra,
         }
-        self.log.set_summary(summary)
-        self.log.log(
-            self.step,
-            {"status": status, **{k: v for k, v in extra.items() if k != "resume_hint"}},
-            wandb_too=False,
-        )
-        self.log.close(exit_code=exit_code)
+        last = {"status": status, **{k: v for k, v in extra.items() if k != "resume_hint"}}
+        failed = None
+        for _ in range(2):  # the second time with the reserve's room
+            try:
+                self.log.set_summary(summary)
+                self.log.log(self.step, last, wandb_too=False)
+                failed = None
+                break
+            except DiskFullError as e:
+                failed = e
+                _quiet_logging_errors()
+                if status == "ok":
+                    raise
+                self.log.release_reserve()
+        try:
+            self.log.close(exit_code=exit_code)
+        except Exception as e:  # noqa: BLE001 - W&B's files may not fit either; the ending is recorded
+            if disk_full_in(e) is None and not isinstance(e, DiskFullError):
+                raise
+        if failed is not None:
+            print(f"error: could not record status {status} in summary.json ({failed})", file=sys.stderr)
 
     def resume_command(self) -> str:
         """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) when it is set.
@@ -192,7 +213,9 @@ class Endings:
             figures = {}
         extra = {"status": "interrupted", "signal": name, "exited_at_once": True, "resume_hint": hint}
         # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
-        write_json_atomic(self.out_dir / "summary.json", {**self.log.summary, **figures, **extra})
+        self.log.release_reserve()  # the process exits at once: nothing else removes it
+        with contextlib.suppress(DiskFullError):
+            write_json_atomic(self.out_dir / "summary.json", {**self.log.summary, **figures, **extra})
         with contextlib.suppress(Exception):
             self.log.log(
                 self.step, {"status": "interrupted", "signal": name, "exited_at_once": True}, wandb_too=False
@@ -230,12 +253,39 @@ class Endings:
         status = "disk_full" if e.disk_full else "save_failed"
         extra = {"error": msg, "resume_hint": hint, "failed_checkpoint_step": e.step}
         try:
-            self._finish(status, extra, exit_code=EXIT_SAVE_FAILED)
-        except OSError as err:  # the disk may still be too full for summary.json
+            self._finish(status, extra, exit_code=EXIT_SAVE_FAILED)  # a full disk: it says so itself
+        except OSError as err:  # another write failure (an I/O error on that disk)
             print(f"error: could not record status {status} in summary.json ({err})", file=sys.stderr)
             with contextlib.suppress(Exception):
                 self.log.close(exit_code=EXIT_SAVE_FAILED)
         return Outcome(status, EXIT_SAVE_FAILED)
+
+    def _end_disk_full(self, e: BaseException) -> Outcome:
+        """The disk filled while the run wrote something other than a checkpoint (metrics.jsonl,
+        summary.json, train.log, config.resolved.yaml, W&B's files): stop with status disk_full (exit 1),
+        like a checkpoint that did not fit; every file keeps its whole lines and the resume command is
+        printed."""
+        self._ending = True
+        _quiet_logging_errors()
+        where = _mount_hint(self.out_dir)  # before the reserve is freed: what the user's disk holds
+        self.log.release_reserve()  # room for the ending's records
+        cause = disk_full_in(e)
+        what = str(e) if isinstance(e, DiskFullError) else f"disk full: {_first_line(cause or e)}"
+        last_ckpt = getattr(self, "last_ckpt", None)
+        if last_ckpt:
+            kept = f"the last checkpoint {last_ckpt} (step {self.last_ckpt_step}) is intact"
+            hint: str | None = self.resume_command()
+            then = f"resume with:\n  {hint}"
+        else:
+            kept, hint = "no checkpoint was saved yet", None
+            then = "start the run again (there is no checkpoint to resume from yet)"
+        msg = (
+            f"{what}. Run stopped after step {self.step}; {kept}; metrics.jsonl keeps every line written "
+            f"whole. To go on: free space on {where}, then {then}"
+        )
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        self._finish("disk_full", {"error": msg, "resume_hint": hint}, exit_code=EXIT_SAVE_FAILED)
+        return Outcome("disk_full", EXIT_SAVE_FAILED)
 
     def _end_nonfinite(self, e: NonFiniteError) -> Outcome:
         config_file = self.out_dir / ".hydra" / "config.yaml"
@@ -300,6 +350,44 @@ class Endings:
         why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
         text = f"disk full: checkpoint {target} needs about {need / MIB:.1f} MiB{room}{why}."
         return text, s, True, need, free
+
+
+def _quiet_logging_errors() -> None:
+    """On a full disk every logging handler writing a file (Hydra's train.log, W&B's debug logs) fails;
+    logging would print a traceback for each record (and W&B's console capture logs those again). The
+    run's own message says what happened."""
+    logging.raiseExceptions = False
+
+
+def _mount_hint(path: Path) -> str:
+    """``path``'s disk, as ``<path> (N MiB free)`` where the free space can be read."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return str(path)
+    return f"the disk of {path} ({free / MIB:.1f} MiB free)"
+
+
+def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Outcome:
+    """A full disk before the run could record anything (Hydra's files, the lock, the first records):
+    one clear line, nothing trained, exit 1."""
+    _quiet_logging_errors()
+    cause = disk_full_in(e)
+    what = str(e) if isinstance(e, DiskFullError) else f"disk full: {_first_line(cause or e)}"
+    if isinstance(e, DiskFullError):
+        pass
+    elif cause is not None and getattr(cause, "filename", None):
+        what = f"disk full: could not write {cause.filename} ({cause.strerror})"
+    elif cause is not None and out_dir is not None:
+        what = f"disk full: could not write the run directory {out_dir} ({cause.strerror})"
+    where = _mount_hint(Path(out_dir)) if out_dir is not None else "that disk"
+    print(
+        f"error: {what}. Nothing was trained. Free space on {where} (or set out_dir= on another "
+        "disk), then run the command again",
+        file=sys.stderr,
+        flush=True,
+    )
+    return Outcome("disk_full", EXIT_SAVE_FAILED)
 
 
 def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False) -> Outcome:

@@ -17,6 +17,7 @@ class ConfigError(Exception):
 
 # ------------------------------------------------------------------------------------------ field specs
 POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
+OPEN_UNIT = "(0,1)"  # strictly between 0 and 1 (a share that must leave something on both sides)
 
 _WHAT = {
     POS_INT: "must be a positive integer",
@@ -24,6 +25,7 @@ _WHAT = {
     FINITE: "is not a finite number",
     NONNEG: "must be >= 0",
     UNIT: "must be in [0, 1)",
+    OPEN_UNIT: "must be in (0, 1), strictly",
 }
 
 
@@ -33,7 +35,8 @@ def spec(default, doc: str, check=None, example=None):
     Args:
         default: the default value (a list is copied per instance).
         doc: one line: what the key does, its unit, what null means.
-        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | BOOL, or a tuple of the valid values, or None.
+        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | OPEN_UNIT | BOOL, or a tuple of the valid
+            values, or None.
         example: a valid value for error messages (default: ``default``).
     """
     kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
@@ -74,7 +77,11 @@ def problem_with(key: str, value, check, example, nullable: bool = False) -> str
         x = math.nan
     if not math.isfinite(x):
         return f"{key}={value!r} is not a finite number, e.g. {key}={fmt(example)}"
-    if (check == NONNEG and x < 0) or (check == UNIT and not 0.0 <= x < 1.0):
+    if (
+        (check == NONNEG and x < 0)
+        or (check == UNIT and not 0.0 <= x < 1.0)
+        or (check == OPEN_UNIT and not 0.0 < x < 1.0)
+    ):
         return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={fmt(example)}"
     return None
 

@@ -113,6 +113,19 @@ class EvalConfig:
     dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
     device: str = spec("auto", "auto | cpu | cuda")
     write: bool = spec(True, "false: print only (no <run>/evals/ file)", BOOL)
+    out: str | None = spec(
+        None, "result file (.json); null = <run>/evals/<time>_<ckpt>_<split>_<backend>.json"
+    )
+
+
+def not_written(what: str, where, e: OSError, option: str) -> str:
+    """The note for a result that is printed but cannot be written (a read-only run directory, a
+    colleague's runs, a full disk): where, why, and the option that writes it elsewhere."""
+    why = e.strerror or type(e).__name__
+    return (
+        f"note: {what} not written: {where} ({why}); the result is printed above. Pass {option} to "
+        "write it elsewhere"
+    )
 
 
 def check_config(cfg, schema: type) -> None:

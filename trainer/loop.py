@@ -60,9 +60,10 @@ from trainer.endings import (
     _nbytes,
     _oom_types,
     report_config_error,
+    report_disk_full,
 )
 from trainer.gpu_busy import GpuBusy
-from trainer.metrics import RunLogger
+from trainer.metrics import DiskFullError, RunLogger, append_line, disk_full_in
 from trainer.progress import Clock
 from trainer.rundir import check_out_dir, out_dir_problem
 from trainer.schedule import lr_at
@@ -85,6 +86,7 @@ class Trainer(Setup, Endings):
         self.overrides = overrides
         # before RunLogger opens (creates) it: a resume tells a deleted metrics.jsonl from a kept one
         self.metrics_existed = (self.out_dir / "metrics.jsonl").is_file()
+        self._ending = False  # True once an ending runs (a full disk is then reported, not raised)
         self.log = RunLogger(self.out_dir, enabled=dist.is_main)
         self.say = self._say if dist.is_main else (lambda *a, **k: None)
         self.step = 0
@@ -117,8 +119,10 @@ class Trainer(Setup, Endings):
         so a run started under nohup keeps its history."""
         print(msg, flush=True)
         try:
-            with open(self.out_dir / "train.log", "a") as f:
-                f.write(msg + "\n")
+            append_line(self.out_dir / "train.log", msg)
+        except DiskFullError:
+            if not getattr(self, "_ending", False):  # the run ends as disk_full; an ending says why
+                raise
         except OSError:
             pass
 
@@ -361,7 +365,11 @@ class Trainer(Setup, Endings):
             return self._end_nonfinite(e)
         except CheckpointSaveError as e:
             return self._end_save_failed(e)
+        except DiskFullError as e:  # metrics.jsonl, train.log, summary.json: the run cannot record itself
+            return self._end_disk_full(e)
         except BaseException as e:
+            if disk_full_in(e) is not None:  # a write by a library (W&B, torch): the same ending
+                return self._end_disk_full(e)
             self._finish("error", {"error": _first_line(e)}, exit_code=1)
             raise
         finally:
@@ -526,7 +534,10 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         if dist.enabled:
             out_dir = Path(broadcast_obj(str(out_dir)))
             cfg.out_dir = str(out_dir)
-        trainer = Trainer(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
+        try:
+            trainer = Trainer(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
+        except DiskFullError as e:  # not even metrics.jsonl fits
+            return report_disk_full(e, out_dir)
         trainer.resume_intro = intro
         try:
             trainer.setup()
@@ -539,7 +550,9 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
                 rundir.restore_run_files(out_dir)  # Hydra's .hydra/ rewrite and log lines go back too
                 print(str(e), flush=True)
             return Outcome("finished", EXIT_OK)
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, DiskFullError) or disk_full_in(e) is not None:  # its first records
+                return trainer._end_disk_full(e)
             trainer.log.close(exit_code=1)
             raise
         return trainer.run()

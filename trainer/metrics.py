@@ -17,6 +17,8 @@ run's current one. ``live_branch`` reads older files, where the replayed steps f
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import netrc
@@ -25,6 +27,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 WANDB_ID_FILE = "wandb_run_id.txt"
+# Room kept aside in the run directory while a run is live: when the disk fills, deleting it lets the run
+# still record its ending (summary.json, the last metrics.jsonl line). Removed when the run ends.
+RESERVE_NAME = ".flashgpt.reserve"
+RESERVE_BYTES = 256 << 10
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 WANDB_FILE_WAIT_S = 5.0  # the most RunLogger.close() waits for wandb-core to write the run's .wandb file out
 
 
@@ -98,11 +105,66 @@ def live_branch(rows: list[dict]) -> list[dict]:
     return out
 
 
+def disk_full_in(e: BaseException | None) -> OSError | None:
+    """The full-disk (or over-quota) OSError behind ``e``: itself or one in its cause/context chain."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class DiskFullError(Exception):
+    """``path`` could not be written: its disk is full (or over quota). What was there before is intact:
+    an append was cut back to its last whole line, a temp file was removed."""
+
+    def __init__(self, path: str | os.PathLike, cause: OSError | None = None) -> None:
+        why = cause.strerror if cause is not None and cause.strerror else "No space left on device"
+        super().__init__(f"disk full: could not write {path} ({why})")
+        self.path = Path(path)
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write ``obj`` as pretty JSON through a temp file + ``os.replace``."""
+    """Write ``obj`` as pretty JSON through a temp file + ``os.replace``; on a failed write the temp file
+    is removed and ``path`` is as it was (a full disk raises ``DiskFullError``)."""
+    text = json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n"
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if e.errno in DISK_FULL_ERRNOS:
+            raise DiskFullError(path, e) from e
+        raise
+
+
+def append_whole(fd: int, data: bytes, path: Path) -> None:
+    """Append ``data`` to the open file ``fd`` (opened for appending) as a whole or not at all: a write
+    the disk cuts short is truncated back, so no torn line stays (a full disk raises ``DiskFullError``)."""
+    start = os.fstat(fd).st_size
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)
+        if e.errno in DISK_FULL_ERRNOS:
+            raise DiskFullError(path, e) from e
+        raise
+
+
+def append_line(path: Path, text: str) -> None:
+    """Append ``text`` plus a newline to ``path`` whole or not at all (``append_whole``)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        append_whole(fd, (text + "\n").encode(), path)
+    finally:
+        os.close(fd)
 
 
 def read_metric_lines(out_dir: Path) -> list[tuple[dict | None, str]]:
@@ -144,11 +206,45 @@ class RunLogger:
         self.wandb_run = None
         self.wandb_mode = "disabled"
         self.wandb_parent: dict | None = None
-        self._jsonl = None
+        self._jsonl: int | None = None  # metrics.jsonl's file descriptor (O_APPEND)
         self.summary: dict = {}
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            self._open_jsonl()
+            self._keep_reserve()
+
+    def _open_jsonl(self) -> None:
+        path = self.out_dir / "metrics.jsonl"
+        try:
+            self._jsonl = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            if e.errno in DISK_FULL_ERRNOS:
+                raise DiskFullError(path, e) from e
+            raise
+
+    def _keep_reserve(self) -> None:
+        """Set ``RESERVE_BYTES`` aside in the run directory (``RESERVE_NAME``): written out, not sparse, so
+        deleting it frees that room for the ending's records on a full disk (``release_reserve``)."""
+        path = self.out_dir / RESERVE_NAME
+        try:
+            with open(path, "wb") as f:
+                f.write(b"\0" * RESERVE_BYTES)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            if e.errno in DISK_FULL_ERRNOS:
+                raise DiskFullError(path, e) from e
+            raise
+
+    def release_reserve(self) -> bool:
+        """Delete the reserve (``_keep_reserve``); True when there was one."""
+        try:
+            (self.out_dir / RESERVE_NAME).unlink()
+            return True
+        except OSError:
+            return False
 
     # ---------------------------------------------------------------------------------------- W&B
     def saved_wandb_id(self) -> str | None:
@@ -245,7 +341,7 @@ class RunLogger:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
+        append_whole(self._jsonl, (json.dumps(row) + "\n").encode(), self.out_dir / "metrics.jsonl")
         if wandb_too and self.wandb_run is not None:
             self.wandb_run.log({k: _jsonable(v) for k, v in metrics.items()}, step=int(step))
 
@@ -282,13 +378,22 @@ class RunLogger:
             n += 1
             dest = self.out_dir / f"{base}.{n}.jsonl"
         if self._jsonl is not None:
-            self._jsonl.close()
+            os.close(self._jsonl)
+            self._jsonl = None
         tmp = self.out_dir / f".metrics.tmp{os.getpid()}"
-        tmp.write_text(payload)
-        os.replace(tmp, dest)
-        tmp.write_text("".join(raw + "\n" for raw in kept))
-        os.replace(tmp, self.out_dir / "metrics.jsonl")
-        self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        try:
+            tmp.write_text(payload)
+            os.replace(tmp, dest)
+            tmp.write_text("".join(raw + "\n" for raw in kept))
+            os.replace(tmp, self.out_dir / "metrics.jsonl")
+        except OSError as e:  # metrics.jsonl is whole either way (only os.replace changes it)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if e.errno in DISK_FULL_ERRNOS:
+                raise DiskFullError(tmp, e) from e
+            raise
+        finally:
+            self._open_jsonl()
         wandb_steps = sum(1 for r, _ in gone if r is not None and not ({"event", "status"} & r.keys()))
         return {"path": dest, "first": step + 1, "last": last, "lines": len(gone), "wandb_steps": wandb_steps}
 
@@ -334,10 +439,11 @@ class RunLogger:
         if not self.enabled:
             return
         if self._jsonl is not None:
-            self._jsonl.flush()
-            os.fsync(self._jsonl.fileno())
-            self._jsonl.close()
+            with contextlib.suppress(OSError):  # every line was written whole already
+                os.fsync(self._jsonl)
+            os.close(self._jsonl)
             self._jsonl = None
+        self.release_reserve()
         if self.wandb_run is not None:
             sync_dir = self.wandb_sync_dir()
             run_file = getattr(getattr(self.wandb_run, "settings", None), "sync_file", None)
