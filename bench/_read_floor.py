@@ -70,7 +70,8 @@ def read_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     ):
         if bad:
             raise ValueError(f"read-floor needs {problem}")
-    from kernels.flash_decode import _cdiv, _use_pdl
+    from kernels.plan import _cdiv
+    from kernels.plan import use_pdl as _use_pdl
 
     n = k.numel()
     programs = max(1, min(PROGRAMS, _cdiv(n, BLOCK)))

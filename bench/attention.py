@@ -371,8 +371,8 @@ def collect_metadata(device: torch.device, dtype: torch.dtype, **extra) -> dict:
     except Exception:
         cudnn = None
     from kernels import interpret_enabled  # the kernels' own test, so the record says what they ran
-    from kernels._gluon_route import MIN_N as GLUON_MIN_N
-    from kernels._gluon_route import MIN_N_BWD as GLUON_MIN_N_BWD
+    from kernels.plan import MIN_N as GLUON_MIN_N
+    from kernels.plan import MIN_N_BWD as GLUON_MIN_N_BWD
 
     meta = {
         "benchmark": "causal self-attention, bench.attention",

@@ -79,7 +79,7 @@ def _pruned(batch: int, splits: int) -> bool:
 
 def configs(args, context: int, batch: int) -> list[tuple[int, int, int, int]]:
     """(block_n, requested splits, warps, stages) of one shape's sweep."""
-    from kernels.flash_decode import _cdiv
+    from kernels.plan import _cdiv
 
     out = []
     for bn, sp, w, st in itertools.product(

@@ -837,7 +837,7 @@ def test_tune_records_of_default_tiles_are_json():
     """bench.tune writes every tile config it times into JSON lines, including defaults that carry a
     `no_tma` alternative (the d = 128 dK/dV tile); a nested TileConfig must not break the record."""
     from bench.tune import cfg_fields, parse_configs
-    from kernels.tiles import KERNEL_NAMES, TileConfig, get_tile_config
+    from kernels.plan import KERNEL_NAMES, TileConfig, get_tile_config
 
     for kernel in KERNEL_NAMES:
         for d in (64, 128):
@@ -858,7 +858,7 @@ def test_tune_records_of_default_tiles_are_json():
 def test_tune_plan_syntax():
     """Plan syntax of the interleaved A/B mode (`bench.tune --plans`)."""
     from bench.tune import parse_plan
-    from kernels.tiles import TileConfig
+    from kernels.plan import TileConfig
 
     assert parse_plan("default") == {}
     assert parse_plan("provider:flex") == {"provider": "flex"}

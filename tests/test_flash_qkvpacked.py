@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import triton  # noqa: E402, F401
 
 from kernels import flash_attention, flash_attention_qkvpacked  # noqa: E402
-from kernels import flash_qkvpacked as fp  # noqa: E402
+from kernels import flash_attn as fp  # noqa: E402
 from kernels.reference import attention_reference  # noqa: E402
 
 A = importlib.import_module("model.attention")  # the module (`model.attention` is also a function name)
@@ -143,9 +143,9 @@ def test_packed_ops_opcheck(seed):
     """torch.library.opcheck of the interpreter ops: schema, fake implementation, autograd registration."""
     qkv, do = _packed(seed, 1, 16, 2, 16, torch.float32)
     x = qkv.clone().requires_grad_()
-    torch.library.opcheck(fp.fwd_op_cpu, (x, True, 0.25))
-    o, lse = fp.fwd_op_cpu(qkv, True, 0.25)
-    torch.library.opcheck(fp.bwd_op_cpu, (do, qkv, o, lse, True, 0.25))
+    torch.library.opcheck(fp.PACKED.fwd_cpu, (x, True, 0.25))
+    o, lse = fp.PACKED.fwd_cpu(qkv, True, 0.25)
+    torch.library.opcheck(fp.PACKED.bwd_cpu, (do, qkv, o, lse, True, 0.25))
 
 
 @pytest.mark.parametrize(

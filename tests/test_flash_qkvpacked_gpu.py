@@ -110,9 +110,9 @@ def test_compiled_packed_graph_has_no_concat_gpu(seed):
 
 def test_packed_triton_ops_opcheck_gpu(seed):
     """torch.library.opcheck of the packed CUDA triton ops."""
-    from kernels import flash_qkvpacked as fp
+    from kernels import flash_attn as fp
 
     qkv, do = _inputs(seed, 1, 256, 4, 64, BF16)
-    torch.library.opcheck(fp.fwd_op, (qkv.clone().requires_grad_(), True, 0.125))
-    o, lse = fp.fwd_op(qkv, True, 0.125)
-    torch.library.opcheck(fp.bwd_op, (do, qkv, o, lse, True, 0.125))
+    torch.library.opcheck(fp.PACKED.fwd, (qkv.clone().requires_grad_(), True, 0.125))
+    o, lse = fp.PACKED.fwd(qkv, True, 0.125)
+    torch.library.opcheck(fp.PACKED.bwd, (do, qkv, o, lse, True, 0.125))
