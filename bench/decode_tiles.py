@@ -1,6 +1,6 @@
 """Flash-decode tile and split sweep: the split kernel's key tile (BLOCK_N), split count, num_warps and
-num_stages, per decode shape, against the automatic choice (``kernels.flash_decode``'s ``_block_n`` and
-``_choose_splits``).
+num_stages, per decode shape, against the automatic choice (``kernels.plan``'s ``decode_block_n`` and
+``decode_num_splits``).
 
 Usage (GPU)::
 
@@ -94,6 +94,8 @@ def configs(args, context: int, batch: int) -> list[tuple[int, int, int, int]]:
 def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) -> list[dict]:
     """The automatic configuration's record, then one per configuration of ``configs``."""
     fd = importlib.import_module("kernels.flash_decode")  # the module (kernels exports its function)
+    from kernels import interpret_enabled
+    from kernels import plan as kplan
 
     hkv, group = args.kv_heads, args.group
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -115,9 +117,9 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
 
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
-    auto_bn = fd._block_n(d, dtype)
-    auto_count = fd._choose_splits(context, auto_bn, batch * hkv, device, d)
-    auto_splits = fd._split_layout(context, auto_count, auto_bn)
+    auto_bn = kplan.decode_block_n(d, dtype, interpret_enabled())
+    auto_count = kplan.decode_num_splits(q, k)
+    auto_splits = kplan.split_layout(context, auto_count, auto_bn)
     auto_ms = measure(lambda q, k, v: fd.flash_decode(q, k, v))
     records = [
         dict(
@@ -138,7 +140,7 @@ def sweep_shape(args, device, timer, dtype, d: int, batch: int, context: int) ->
             config="sweep",
             block_n=bn,
             splits_requested=sp,
-            splits=fd._split_layout(context, sp, bn)[1],
+            splits=kplan.split_layout(context, sp, bn)[1],
             warps=w,
             stages=st,
         )

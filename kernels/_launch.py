@@ -34,8 +34,9 @@ def dot_precision(dtype: torch.dtype):
 
 
 def kernel_module(interpret: bool, name: str = "_triton_kernels"):
-    """The module of Triton kernels `name` (`_triton_kernels` or `_decode_kernels`), imported at the first
-    launch: its `@triton.jit` kernels are compiled, or interpreted when TRITON_INTERPRET was set then.
+    """The module of Triton kernels `name` (`_triton_kernels`, `_triton_common`, `_decode_kernels`),
+    imported at the first launch: its `@triton.jit` kernels are compiled, or interpreted when
+    TRITON_INTERPRET was set then.
 
     Raises FlashAttentionUnavailableError when this call needs the other mode than the one the process is in:
     compiled kernels after triton was imported with TRITON_INTERPRET=1 (Triton's standard library is then
@@ -226,7 +227,7 @@ def dropout_mask(
     """The kernels' own dropout keep mask, bool (B, Hq, Nq, Nk) on the seed's device (a test helper: the
     attention kernels never store it, they regenerate it). dropout_seed: int64 (1,) tensor."""
     out = torch.empty((B, Hq, Nq, Nk), dtype=torch.int8, device=dropout_seed.device)
-    kern = kernel_module(interpret_enabled())._dropout_mask_kernel
+    kern = kernel_module(interpret_enabled(), "_triton_common")._dropout_mask_kernel
     with device_ctx(out):
         kern[(_cdiv(Nq, 16), Hq, B)](dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
     return out.bool()

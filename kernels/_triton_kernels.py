@@ -537,7 +537,7 @@ def _bwd_dkdv_kernel(
     (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
     batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
     Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
-    Packed d(qkv) (`kernels.flash_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
+    Packed d(qkv) (`flash_attention_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
     elements past DK's start (the slices of one buffer, passed as one tensor: a compiled graph may clone a
     written argument, and two views of one buffer would be cloned apart).
     """
