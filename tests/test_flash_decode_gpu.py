@@ -75,7 +75,8 @@ def test_pdl_launches_equal_plain_launches_gpu(seed, d, hkv, group):
     """The eager default on Hopper (both kernels launched with programmatic dependent launch) gives bitwise
     the output and LSE of plain launches, eagerly and inside a CUDA graph of 3 back-to-back calls (where
     each call's split kernel overlaps the previous call's combine), ragged lengths with NaN past them."""
-    from kernels.flash_decode import _launch_decode, _use_pdl
+    from kernels.flash_decode import _launch_decode
+    from kernels.plan import use_pdl as _use_pdl
 
     if not _use_pdl(torch.device("cuda"), traced=False):
         pytest.skip("PDL launches are the default from compute capability 9.0")

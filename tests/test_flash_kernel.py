@@ -701,7 +701,7 @@ def test_public_api_exports():
 
 
 def _qkv_layout(seed, layout, B, Hq, Hkv, Nq, Nk, d, dtype):
-    """q, k, v, dO in one of the layouts `_tma_operand` addresses: "bhnd" (contiguous heads) or "fused"
+    """q, k, v, dO in one of the layouts `plan.tma_operand` addresses: "bhnd" (contiguous heads) or "fused"
     ((B, N, H, d) memory of a fused qkv projection viewed as (B, H, N, d), Nq == Nk)."""
     q, k, v, do = make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype)
     if layout == "fused":
@@ -718,7 +718,7 @@ def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq
     """The tensor-descriptor (TMA) loads of the backward move the same tiles as the pointer loads, so
     the gradients are bitwise identical; rows past the sequence end (another head's data through the
     descriptor) must not leak in. GQA (Hq=4, Hkv=2), Nq != Nk, both layouts the trainer and the
-    benchmark use; and the TMA path must really be taken (spy on `_tma_operand`)."""
+    benchmark use; and the TMA path must really be taken (spy on `plan.tma_operand`)."""
     q, k, v, do = _qkv_layout(seed, layout, 2, 4, 2, Nq, Nk, 32, F16)
     taken = []
     real = kplan.tma_operand
