@@ -82,3 +82,34 @@ def test_describe_one_line(monkeypatch):
     monkeypatch.setenv(plan.ENV_BWD, "maybe")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_BWD='maybe'"):
         plan.describe(64, 1024, torch.bfloat16, "cpu")
+
+
+def test_kernels_import_graph_has_no_cycle():
+    """kernels/ modules import each other without a circle (module- and function-level imports, and the
+    modules the plan and the launchers load by name)."""
+    import ast
+
+    graph = {}
+    for path in (REPO / "kernels").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        graph[path.stem] = deps
+    graph["plan"] |= {"_gluon_fwd", "_gluon_bwd"}  # importlib.import_module in plan._import
+    graph["_launch"] |= {"_triton_kernels", "_triton_common", "_decode_kernels"}  # _launch.kernel_module
+    done, path = set(), []
+
+    def visit(m):
+        assert m not in path, f"import circle: {' -> '.join(path[path.index(m) :] + [m])}"
+        if m in done or m not in graph:
+            return
+        path.append(m)
+        for d in sorted(graph[m]):
+            visit(d)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert {"plan", "_launch", "flash_attn", "_runtime"} <= done
