@@ -225,9 +225,9 @@ def run_benchmark(
 
 def gluon_routes() -> dict:
     """Which forward and backward `flash` runs on sm_90 at long N: the Gluon kernels' shortest N per d and
-    their environment switches (kernels/_gluon_route.py); {} where that module is not there."""
+    their environment switches (kernels/plan.py); {} where that module is not there."""
     try:
-        from kernels._gluon_route import MIN_N, MIN_N_BWD
+        from kernels.plan import MIN_N, MIN_N_BWD
     except ImportError:
         return {}
     return dict(

@@ -17,8 +17,9 @@ BMxBNxWARPSxSTAGES with an optional 't' (TMA loads; dK/dV and dQ only).
 
 Decode (`--decode`): the flash-decode split kernel's key tile (BLOCK_N) x splits x warps x stages per shape
 against the automatic choice, through `kernels.flash_decode._launch_decode`'s private tile overrides (the
-splits launched after `_split_layout` rounds them to whole tiles are ``splits``); each output checked against
-`flash_decode` (``mismatch`` past DECODE_TOLERANCE), timed as `bench.decode`'s ``ms``. Default: the shapes of
+splits launched after `kernels.plan.split_layout` rounds them to whole tiles are ``splits``); each output
+checked against `flash_decode` (``mismatch`` past DECODE_TOLERANCE), timed as `bench.decode`'s ``ms``.
+Default: the shapes of
 DECODE_SHAPES, less splits beyond the key tiles and (default splits only) < 8 at batch 1 or > 33 at batch
 >= 16 (far from the best on the H200), about 2 minutes; --dims / --batches / --contexts: their product.
 Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shape:
@@ -309,6 +310,9 @@ def ab(a, out) -> None:
 
 def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
     """The automatic configuration's record, then one per (block_n, splits, warps, stages) of the grid."""
+    from kernels import interpret_enabled
+    from kernels import plan as kplan
+
     fd = importlib.import_module("kernels.flash_decode")  # the module (kernels exports its function)
 
     hkv, group, dtype, device = a.kv_heads, a.group, a.dtype, a.device
@@ -320,8 +324,8 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
     measure = lambda fn: common.graph_ms(fn, copies, a.timer) if copies else a.timer(lambda: fn(q, k, v))
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
-    bn = fd._block_n(d, dtype)
-    splits = fd._split_layout(context, fd._choose_splits(context, bn, batch * hkv, device, d), bn)[1]
+    bn = kplan.decode_block_n(d, dtype, interpret_enabled())
+    splits = kplan.split_layout(context, kplan.decode_num_splits(q, k), bn)[1]
     ms = measure(lambda q, k, v: fd.flash_decode(q, k, v))
     auto = dict(config="auto", block_n=bn, splits=splits, warps=None, stages=None, status="ok", ms=ms)
     records = [dict(base, **auto, gbs=kv_bytes / (ms * 1e-3) / 1e9)]
@@ -329,7 +333,11 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
         if sp > -(-context // bn) or (a.prune and ((batch == 1 and sp < 8) or (batch >= 16 and sp > 33))):
             continue
         rec = dict(
-            base, config="sweep", block_n=bn, splits_requested=sp, splits=fd._split_layout(context, sp, bn)[1]
+            base,
+            config="sweep",
+            block_n=bn,
+            splits_requested=sp,
+            splits=kplan.split_layout(context, sp, bn)[1],
         )
         rec |= dict(warps=w, stages=st)
 

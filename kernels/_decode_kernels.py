@@ -20,19 +20,21 @@ L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 ``_triton_kernels`` (scale * log2 e folded into the scale).
 
 Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
-tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200). Tile size
+the cuda params of tests/test_flash_decode.py (bf16/fp16 FlashAttention accuracy rule; passed on the H200).
+Tile size
 and split count are chosen in ``kernels/flash_decode.py`` from H200 sweeps (bench/NOTES.md); speed
 figures are in bench/results/decode_h200_s13.md. On Hopper both kernels launch with programmatic dependent
 launch (``_pdl_wait_and_release``).
 """
 
+import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import _row_max, _row_max_interp, _row_sum, _row_sum_interp
-from ._triton_common import build as _build
+from ._triton_common import _row_max, _row_sum
 
 
+@triton.jit
 def _pdl_wait_and_release():
     """Programmatic dependent launch (Hopper; CUDA's griddepcontrol): wait until the previous kernel in the
     stream has finished and its writes are visible, before this program touches memory at all (so no
@@ -43,31 +45,52 @@ def _pdl_wait_and_release():
     gdc_launch_dependents()
 
 
+@triton.jit
 def _max0(x):
-    return tl.max(x, 0)
-
-
-def _sum0(x):
-    return tl.sum(x, 0)
-
-
-# Interpreter versions: see _triton_common (tl.max / tl.sum may be compiled-mode JIT functions).
-def _max0_interp(x):
+    """max over axis 0 (tl.reduce: see `_triton_common._row_max`)."""
     return tl.reduce(x, 0, tl.standard._elementwise_max)
 
 
-def _sum0_interp(x):
+@triton.jit
+def _sum0(x):
+    """sum over axis 0 (tl.reduce: see `_triton_common._row_max`)."""
     return tl.reduce(x, 0, tl.standard._sum_combine)
 
 
+@triton.jit
 def _decode_split_kernel(
-    Q, K, V, SEQLENS, O_PART, LSE_PART,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    H_Q, GROUP, N_Q, HEAD_DIM, SPLIT_LEN, NUM_SPLITS, N_MAX, scale_log2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, USE_PDL: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    SEQLENS,
+    O_PART,
+    LSE_PART,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    H_Q,
+    GROUP,
+    N_Q,
+    HEAD_DIM,
+    SPLIT_LEN,
+    NUM_SPLITS,
+    N_MAX,
+    scale_log2,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
@@ -96,8 +119,9 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_ptrs = (Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm
-              + offs_d[None, :] * stride_qd)
+    q_ptrs = (
+        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -114,8 +138,9 @@ def _decode_split_kernel(
         col_ok = cols < hi
         cols_64 = cols.to(tl.int64)
         kv_mask = col_ok[:, None] & mask_d[None, :]
-        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask,
-                    other=0.0)
+        k = tl.load(
+            k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
+        )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
@@ -125,8 +150,9 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
-        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask,
-                    other=0.0)
+        v = tl.load(
+            v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
+        )
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -141,11 +167,23 @@ def _decode_split_kernel(
     tl.store(LSE_PART + part, lse2, mask=row_ok)
 
 
+@triton.jit
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, N_Q, HEAD_DIM, NUM_SPLITS,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False,
+    O_PART,
+    LSE_PART,
+    O,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    H_Q,
+    N_Q,
+    HEAD_DIM,
+    NUM_SPLITS,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Combine the splits of one (b, h, query row): LSE-weighted sum of the partial outputs."""
     if USE_PDL:
@@ -160,32 +198,20 @@ def _decode_combine_kernel(
     m_shift = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse2 - m_shift)  # 0 for empty splits (lse = -inf)
     total = _sum0(w)
-    o_part = tl.load(O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     mask=s_ok[:, None] & mask_d[None, :], other=0.0)
+    o_part = tl.load(
+        O_PART + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & mask_d[None, :],
+        other=0.0,
+    )
     total_safe = tl.where(total > 0.0, total, 1.0)
     o = _sum0(o_part * w[:, None]) / total_safe
     b = row // (H_Q * N_Q)
     h = (row // N_Q) % H_Q
     qi = row % N_Q
-    tl.store(O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
-             o.to(O.dtype.element_ty), mask=mask_d)
+    tl.store(
+        O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
+        o.to(O.dtype.element_ty),
+        mask=mask_d,
+    )
     lse = tl.where(total > 0.0, (m + tl.math.log2(total_safe)) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row, lse)
-
-
-_HELPERS = (_row_max, _row_sum, _max0, _sum0, _pdl_wait_and_release)
-_INTERPRETER_HELPERS = {
-    "_row_max": _row_max_interp,
-    "_row_sum": _row_sum_interp,
-    "_max0": _max0_interp,
-    "_sum0": _sum0_interp,
-}
-_KERNELS = {"split": _decode_split_kernel, "combine": _decode_combine_kernel}
-_BUILT: dict = {}
-
-
-def build_decode_kernels(interpret: bool) -> dict:
-    """{"split", "combine"} -> launchable kernel, built once per mode (as ``build_kernels``)."""
-    if interpret not in _BUILT:
-        _BUILT[interpret] = _build(globals(), _HELPERS, _INTERPRETER_HELPERS, _KERNELS, interpret)
-    return _BUILT[interpret]

@@ -1,7 +1,7 @@
 """Hopper (sm_90) causal FlashAttention backward in Gluon: one pass over the key blocks, dQ by TMA reduce-add.
 
-`flash_attn._launch_bwd` runs it instead of the split Triton backward (`_triton_kernels._bwd_dq_kernel`, then
-`_bwd_dkdv_kernel`: 7 matrix products per tile, no atomics) where `_gluon_route.route_bwd` allows: sm_90,
+`_launch.launch_bwd` runs it instead of the split Triton backward (`_triton_kernels._bwd_dq_kernel`, then
+`_bwd_dkdv_kernel`: 7 matrix products per tile, no atomics) where `plan.plan_bwd` allows: sm_90,
 causal, Nq == Nk a multiple of 128, one query head per KV head, d 64 / 128, bf16 / fp16, no variants,
 TMA-compatible strides, and determinism not asked for. The float32 dQ accumulator is summed in the
 order the key-block programs reach the L2, so dQ is not bitwise reproducible run to run (dK and dV are: one
@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_fwd import _barriers
+from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator, packed_views
 
 LOG2E = 1.4426950408889634
 
@@ -58,8 +59,9 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     """cp.reduce.async.bulk.tensor .add of the shared tile `src` into `tensor_desc` at `coord` (triton 3.6's
     Gluon builds this op, `ttng.async_tma_reduce`, but has no wrapper for it; `tma.store_wait` waits)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                              src.handle)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
 
 
 @gluon.jit
@@ -72,8 +74,9 @@ def _head_descriptor(base, N, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexp
 
 
 @gluon.jit
-def _desc(base, N, stride_n, HEAD_D: gl.constexpr, BOX_M: gl.constexpr, BOX_D: gl.constexpr,
-          layout: gl.constexpr):
+def _desc(
+    base, N, stride_n, HEAD_D: gl.constexpr, BOX_M: gl.constexpr, BOX_D: gl.constexpr, layout: gl.constexpr
+):
     """A TMA descriptor over one (batch, head)'s (N, HEAD_D) rows of ``base`` (row stride ``stride_n``, last
     stride 1), BOX_M x BOX_D boxes in shared-memory ``layout``: `_head_descriptor` with a box
     narrower than a row or a layout of one's own. Built on the device (Triton's scratch)."""
@@ -81,8 +84,22 @@ def _desc(base, N, stride_n, HEAD_D: gl.constexpr, BOX_M: gl.constexpr, BOX_D: g
 
 
 @gluon.jit
-def _bwd_loader(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty,
-                n0, n_q, STAGES: gl.constexpr):
+def _bwd_loader(
+    k_desc,
+    v_desc,
+    q_desc,
+    do_desc,
+    k_smem,
+    v_smem,
+    q_bufs,
+    do_bufs,
+    kv_bar,
+    ready,
+    empty,
+    n0,
+    n_q,
+    STAGES: gl.constexpr,
+):
     """Producer (1 warp): K and V of the 128 keys once (two 64-row boxes each), then Q_i and dO_i of query
     block i (rows n0 + 64 i ..) into ring slot i % STAGES as both consumers free it."""
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -117,10 +134,42 @@ def _dq_reduce(dq, dq_smem, dq_desc, m, WG: gl.constexpr, HEAD_D: gl.constexpr):
 
 
 @gluon.jit
-def _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
-              dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale,
-              scale_log2, WG: gl.constexpr, MASK: gl.constexpr, FIRST: gl.constexpr, DEFER: gl.constexpr,
-              HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr):
+def _bwd_step(
+    i,
+    k_w,
+    v_w,
+    k_half,
+    q_bufs,
+    do_bufs,
+    p_smem,
+    ds_bufs,
+    dq_smem,
+    ready,
+    empty,
+    ds_full,
+    ds_empty,
+    dq_desc,
+    LSE,
+    DELTA,
+    stat_off,
+    N,
+    lse2,
+    delta,
+    dk,
+    dv,
+    s_zero,
+    dq_zero,
+    n0,
+    softmax_scale,
+    scale_log2,
+    WG: gl.constexpr,
+    MASK: gl.constexpr,
+    FIRST: gl.constexpr,
+    DEFER: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    s_layout: gl.constexpr,
+):
     """Query block i (rows m = n0 + 64 i ..) against this warpgroup's 64 keys: dV_w and dK_w updated, a dQ
     half added to the float32 buffer (dQ_i, or with DEFER dQ_{i-1}, issued behind S_i and dP_i so that the
     other warpgroup has a step longer to deliver its half of dS). lse2, delta: LSE_i (base 2) and Delta_i,
@@ -185,18 +234,50 @@ def _bwd_step(i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, re
 
 
 @gluon.jit
-def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty, ds_full,
-                  ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn, n0,
-                  n_q, N, softmax_scale, scale_log2, WG: gl.constexpr, HEAD_D: gl.constexpr,
-                  STAGES: gl.constexpr, DEFER: gl.constexpr):
+def _bwd_consumer(
+    k_smem,
+    v_smem,
+    q_bufs,
+    do_bufs,
+    p_bufs,
+    ds_bufs,
+    dq_bufs,
+    kv_bar,
+    ready,
+    empty,
+    ds_full,
+    ds_empty,
+    dq_desc,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stat_off,
+    dk_off,
+    dv_off,
+    stride_dkn,
+    stride_dvn,
+    n0,
+    n_q,
+    N,
+    softmax_scale,
+    scale_log2,
+    WG: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    DEFER: gl.constexpr,
+):
     """Consumer warpgroup WG (4 warps): keys n0 + 64 WG .. + 63; dK, dV in registers, dQ halves reduced."""
     HALF: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+    )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
     k_w = k_smem.slice(64 * WG, 64)
     v_w = v_smem.slice(64 * WG, 64)
     k_half = k_smem.slice(WG * HALF, HALF, dim=1)
@@ -213,18 +294,114 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_
     mbarrier.wait(kv_bar, 0)
     # -- query blocks 0 and 1 straddle the diagonal of the 128 keys: masked, outside the loop
     dk, dv, lse2, delta = _bwd_step(
-        0, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
-        dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale, scale_log2,
-        WG, True, True, DEFER, HEAD_D, STAGES, s_layout)
+        0,
+        k_w,
+        v_w,
+        k_half,
+        q_bufs,
+        do_bufs,
+        p_smem,
+        ds_bufs,
+        dq_smem,
+        ready,
+        empty,
+        ds_full,
+        ds_empty,
+        dq_desc,
+        LSE,
+        DELTA,
+        stat_off,
+        N,
+        lse2,
+        delta,
+        dk,
+        dv,
+        s_zero,
+        dq_zero,
+        n0,
+        softmax_scale,
+        scale_log2,
+        WG,
+        True,
+        True,
+        DEFER,
+        HEAD_D,
+        STAGES,
+        s_layout,
+    )
     dk, dv, lse2, delta = _bwd_step(
-        1, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
-        dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale, scale_log2,
-        WG, True, False, DEFER, HEAD_D, STAGES, s_layout)
+        1,
+        k_w,
+        v_w,
+        k_half,
+        q_bufs,
+        do_bufs,
+        p_smem,
+        ds_bufs,
+        dq_smem,
+        ready,
+        empty,
+        ds_full,
+        ds_empty,
+        dq_desc,
+        LSE,
+        DELTA,
+        stat_off,
+        N,
+        lse2,
+        delta,
+        dk,
+        dv,
+        s_zero,
+        dq_zero,
+        n0,
+        softmax_scale,
+        scale_log2,
+        WG,
+        True,
+        False,
+        DEFER,
+        HEAD_D,
+        STAGES,
+        s_layout,
+    )
     for i in range(2, n_q):
         dk, dv, lse2, delta = _bwd_step(
-            i, k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem, ready, empty, ds_full, ds_empty,
-            dq_desc, LSE, DELTA, stat_off, N, lse2, delta, dk, dv, s_zero, dq_zero, n0, softmax_scale,
-            scale_log2, WG, False, False, DEFER, HEAD_D, STAGES, s_layout)
+            i,
+            k_w,
+            v_w,
+            k_half,
+            q_bufs,
+            do_bufs,
+            p_smem,
+            ds_bufs,
+            dq_smem,
+            ready,
+            empty,
+            ds_full,
+            ds_empty,
+            dq_desc,
+            LSE,
+            DELTA,
+            stat_off,
+            N,
+            lse2,
+            delta,
+            dk,
+            dv,
+            s_zero,
+            dq_zero,
+            n0,
+            softmax_scale,
+            scale_log2,
+            WG,
+            False,
+            False,
+            DEFER,
+            HEAD_D,
+            STAGES,
+            s_layout,
+        )
     if DEFER:  # dQ of the last query block
         last = n_q - 1
         dq = _dq_issue(ds_bufs, ds_full, k_half, dq_zero, last)
@@ -243,12 +420,40 @@ def _bwd_consumer(k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_
 
 @gluon.jit
 def _bwd_ws_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ_ACC, DK, DV,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    H, N, softmax_scale, scale_log2,
-    HEAD_D: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ_ACC,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    H,
+    N,
+    softmax_scale,
+    scale_log2,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    DEFER: gl.constexpr,
 ):
     """One program per (128 keys, batch * head); grid (N / 128, B * H), key block 0 (the most query blocks)
     first. DQ_ACC: (B, H, N, HEAD_D) float32 contiguous, zeroed. Launch with num_warps=4 (the default
@@ -288,16 +493,97 @@ def _bwd_ws_kernel(
     dv_off = b * stride_dvb + h * stride_dvh
     gl.warp_specialize(
         [
-            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                             ds_full, ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off,
-                             stride_dkn, stride_dvn, n0, n_q, N, softmax_scale, scale_log2, 0, HEAD_D, STAGES,
-                             DEFER)),
-            (_bwd_consumer, (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, ready, empty,
-                             ds_full, ds_empty, dq_desc, LSE, DELTA, DK, DV, stat_off, dk_off, dv_off,
-                             stride_dkn, stride_dvn, n0, n_q, N, softmax_scale, scale_log2, 1, HEAD_D, STAGES,
-                             DEFER)),
-            (_bwd_loader, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready,
-                           empty, n0, n_q, STAGES)),
+            (
+                _bwd_consumer,
+                (
+                    k_smem,
+                    v_smem,
+                    q_bufs,
+                    do_bufs,
+                    p_bufs,
+                    ds_bufs,
+                    dq_bufs,
+                    kv_bar,
+                    ready,
+                    empty,
+                    ds_full,
+                    ds_empty,
+                    dq_desc,
+                    LSE,
+                    DELTA,
+                    DK,
+                    DV,
+                    stat_off,
+                    dk_off,
+                    dv_off,
+                    stride_dkn,
+                    stride_dvn,
+                    n0,
+                    n_q,
+                    N,
+                    softmax_scale,
+                    scale_log2,
+                    0,
+                    HEAD_D,
+                    STAGES,
+                    DEFER,
+                ),
+            ),
+            (
+                _bwd_consumer,
+                (
+                    k_smem,
+                    v_smem,
+                    q_bufs,
+                    do_bufs,
+                    p_bufs,
+                    ds_bufs,
+                    dq_bufs,
+                    kv_bar,
+                    ready,
+                    empty,
+                    ds_full,
+                    ds_empty,
+                    dq_desc,
+                    LSE,
+                    DELTA,
+                    DK,
+                    DV,
+                    stat_off,
+                    dk_off,
+                    dv_off,
+                    stride_dkn,
+                    stride_dvn,
+                    n0,
+                    n_q,
+                    N,
+                    softmax_scale,
+                    scale_log2,
+                    1,
+                    HEAD_D,
+                    STAGES,
+                    DEFER,
+                ),
+            ),
+            (
+                _bwd_loader,
+                (
+                    k_desc,
+                    v_desc,
+                    q_desc,
+                    do_desc,
+                    k_smem,
+                    v_smem,
+                    q_bufs,
+                    do_bufs,
+                    kv_bar,
+                    ready,
+                    empty,
+                    n0,
+                    n_q,
+                    STAGES,
+                ),
+            ),
         ],
         [4, 1],
         [240, 24],
@@ -305,8 +591,23 @@ def _bwd_ws_kernel(
 
 
 @triton.jit
-def _bwd_prep_kernel(O, DO, DLSE, DELTA, stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-                     H, N, HEAD_D: tl.constexpr, BLOCK: tl.constexpr, HAS_DLSE: tl.constexpr):
+def _bwd_prep_kernel(
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    H,
+    N,
+    HEAD_D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
     """Delta = rowsum(dO * O) - dLSE (float32 (B, H, N)) of BLOCK rows of one (batch, head); grid
     (N / BLOCK, B * H). dLSE (B, H, N) float32 contiguous, the gradient of the LSE output: with it
     dS = P (dP - Delta) still holds (d lse_i / d s_ij = P_ij)."""
@@ -338,78 +639,144 @@ def bwd_launch(do, q, k, v, o, lse, dq, dk, dv, softmax_scale: float, dlse=None)
 
     q, k, v, do, o (B, H, N, d) bf16 / fp16 on a CUDA sm_90 device, N % 128 == 0, d in STAGES, TMA-aligned
     strides; lse and dlse (None: no LSE gradient) (B, H, N) float32 contiguous (natural log). The caller
-    checks these (`_gluon_route.route_bwd`) and sets Triton's scratch allocator; this only launches (3
+    checks these (`plan.plan_bwd`) and sets Triton's scratch allocator; this only launches (3
     kernels: Delta, the backward, dQ's cast).
     """
     B, H, N, d = (int(x) for x in q.shape)
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     dq_acc = torch.zeros((B, H, N, d), dtype=torch.float32, device=q.device)
     _bwd_prep_kernel[(N // 64, B * H)](
-        o, do, dlse, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, N, HEAD_D=d, BLOCK=64, HAS_DLSE=dlse is not None, num_warps=4,
+        o,
+        do,
+        dlse,
+        delta,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        H,
+        N,
+        HEAD_D=d,
+        BLOCK=64,
+        HAS_DLSE=dlse is not None,
+        num_warps=4,
     )
     _bwd_ws_kernel[(N // 128, B * H)](
-        q, k, v, do, lse, delta, dq_acc, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        H, N, softmax_scale, softmax_scale * LOG2E,
-        HEAD_D=d, STAGES=STAGES[d], DEFER=DEFER[d], num_warps=NUM_WARPS, maxnreg=MAXNREG,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq_acc,
+        dk,
+        dv,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        do.stride(0),
+        do.stride(1),
+        do.stride(2),
+        dk.stride(0),
+        dk.stride(1),
+        dk.stride(2),
+        dv.stride(0),
+        dv.stride(1),
+        dv.stride(2),
+        H,
+        N,
+        softmax_scale,
+        softmax_scale * LOG2E,
+        HEAD_D=d,
+        STAGES=STAGES[d],
+        DEFER=DEFER[d],
+        num_warps=NUM_WARPS,
+        maxnreg=MAXNREG,
     )
     dq.copy_(dq_acc)
 
 
 def _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv) -> None:
-    from .flash_attn import _device_ctx, ensure_scratch_allocator
 
     ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    with _device_ctx(q):
+    with device_ctx(q):
         bwd_launch(do, q, k, v, o, lse.contiguous(), dq, dk, dv, softmax_scale, dlse)
 
 
-def run(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
-        softmax_scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), new tensors laid out as q, k, v, for inputs that `_gluon_route.route_bwd` accepts
+def run(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    softmax_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv), new tensors laid out as q, k, v, for inputs that `plan.plan_bwd` accepts
     (dlse: the LSE output's gradient or None; a compiled graph passes zeros for an unused LSE)."""
-    from .flash_attn import _empty_like_layout
 
-    dq, dk, dv = _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv)
     return dq, dk, dv
 
 
-def run_packed(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
-               softmax_scale: float, dqkv: Tensor) -> None:
-    """As `run`, writing into the three slices of dqkv (B, N, 3, H, d) (`kernels.flash_qkvpacked`)."""
-    from .flash_attn import _packed_views
+def run_packed(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    softmax_scale: float,
+    dqkv: Tensor,
+) -> None:
+    """As `run`, writing into the three slices of dqkv (B, N, 3, H, d) (the packed entry point)."""
+    _run(do, q, k, v, o, lse, dlse, softmax_scale, *packed_views(dqkv))
 
-    _run(do, q, k, v, o, lse, dlse, softmax_scale, *_packed_views(dqkv))
 
-
-def call(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
-         softmax_scale: float, traced: bool, dqkv: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """`flash_attn._launch_bwd`'s Gluon path: (dq, dk, dv) as new tensors, or views of dqkv (B, N, 3, H, d)
+def call(
+    do: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    dlse: Tensor | None,
+    softmax_scale: float,
+    traced: bool,
+    dqkv: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_launch.launch_bwd`'s Gluon path: (dq, dk, dv) as new tensors, or views of dqkv (B, N, 3, H, d)
     that the kernels filled; through the custom ops below when `traced` (inside a compiled graph)."""
-    from .flash_attn import _packed_views
 
     if dqkv is None:
         return (backward if traced else run)(do, q, k, v, o, lse, dlse, softmax_scale)
     (backward_packed if traced else run_packed)(do, q, k, v, o, lse, dlse, softmax_scale, dqkv)
-    return _packed_views(dqkv)
+    return packed_views(dqkv)
 
 
 # Opaque custom ops for compiled graphs (Inductor cannot trace a Gluon kernel: NOTES v9)
 backward = torch.library.custom_op("flashgpt::flash_attn_bwd_sm90", run, mutates_args=())
-backward_packed = torch.library.custom_op("flashgpt::flash_attn_bwd_sm90_packed", run_packed,
-                                          mutates_args=("dqkv",))
+backward_packed = torch.library.custom_op(
+    "flashgpt::flash_attn_bwd_sm90_packed", run_packed, mutates_args=("dqkv",)
+)
 
 
 @backward.register_fake
 def _backward_fake(do, q, k, v, o, lse, dlse, softmax_scale):
-    from .flash_attn import _empty_like_layout
 
-    return _empty_like_layout(q), _empty_like_layout(k), _empty_like_layout(v)
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 
 @backward_packed.register_fake

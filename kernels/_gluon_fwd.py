@@ -1,7 +1,7 @@
 """Hopper (sm_90) causal FlashAttention forward in Gluon: persistent, a TMA producer warp, NC consumers.
 
-`flash_attn._launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
-was measured faster: `kernels._gluon_route.route` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
+`_launch.launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
+was measured faster: `kernels.plan.plan_fwd` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
 fp16, no variants, TMA-compatible strides, N from MIN_N up). The Triton kernel stays the one of the CPU
 interpreter (Gluon's warp specialisation and asynchronous wgmma have none), other GPUs, other shapes and
 the variants. o and LSE are written as `_fwd_kernel` writes them, so either backward can follow.
@@ -49,6 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator
+
 
 @gluon.jit
 def _barriers(COUNT: gl.constexpr, ARRIVALS: gl.constexpr):
@@ -92,14 +94,41 @@ def _get_tile(tile_smem, tile_ready, tile_empty, n):
 def _load_q(q_desc, q_bufs, q_bars, qi, b, h, row):
     """Producer: TMA-load the 64 query rows row .. row + 63 of (b, h) into Q part qi."""
     mbarrier.expect(q_bars.index(qi), q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], q_bars.index(qi),
-                                    q_bufs.index(qi).reshape([1, 1, 64, q_bufs.shape[2]]))
+    tma.async_copy_global_to_shared(
+        q_desc, [b, h, row, 0], q_bars.index(qi), q_bufs.index(qi).reshape([1, 1, 64, q_bufs.shape[2]])
+    )
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready,
-            v_empty, tile_smem, tile_ready, tile_empty, counter, pid, G, T, n_mb, H_Q, GROUP, N,
-            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr):
+def _loader(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_bufs,
+    k_bufs,
+    v_bufs,
+    q_bars,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    tile_smem,
+    tile_ready,
+    tile_empty,
+    counter,
+    pid,
+    G,
+    T,
+    n_mb,
+    H_Q,
+    GROUP,
+    N,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_BUFS: gl.constexpr,
+    NC: gl.constexpr,
+):
     """Producer (1 warp): takes tiles (the first is pid, then the next unclaimed one from `counter`, so
     programs that finish early take more: a dynamic schedule in the plain grid's order) and hands each to
     the consumers; per tile, K of the last key block it needs, the NC 64-row Q parts into Q set
@@ -127,8 +156,12 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_r
             #    with phase 1 complete, so the first pass does not wait)
             mbarrier.wait(k_empty.index(slot), phase ^ 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, hk, n0, 0], k_ready.index(slot),
-                                            k_bufs.index(slot).reshape([1, 1, BLOCK_N, k_bufs.shape[2]]))
+            tma.async_copy_global_to_shared(
+                k_desc,
+                [b, hk, n0, 0],
+                k_ready.index(slot),
+                k_bufs.index(slot).reshape([1, 1, BLOCK_N, k_bufs.shape[2]]),
+            )
             if j == 0:
                 # -- Q: warpgroup w's part of set n % Q_BUFS is free once w waited for its last S of
                 #    tile n - Q_BUFS; a part past row N is not loaded, only signalled
@@ -144,8 +177,12 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_r
             # -- V_j: free once all consumers waited for the P V that read it
             mbarrier.wait(v_empty.index(slot), phase ^ 1)
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, hk, n0, 0], v_ready.index(slot),
-                                            v_bufs.index(slot).reshape([1, 1, BLOCK_N, v_bufs.shape[2]]))
+            tma.async_copy_global_to_shared(
+                v_desc,
+                [b, hk, n0, 0],
+                v_ready.index(slot),
+                v_bufs.index(slot).reshape([1, 1, BLOCK_N, v_bufs.shape[2]]),
+            )
             g += 1
         n += 1
         t = t_next
@@ -153,8 +190,19 @@ def _loader(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_r
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale, r0, n0, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
-                  s_layout: gl.constexpr, p_layout: gl.constexpr, DTYPE: gl.constexpr):
+def _softmax_step(
+    s,
+    m_i,
+    l_i,
+    qk_scale,
+    r0,
+    n0,
+    MASK: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    s_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+    DTYPE: gl.constexpr,
+):
     """One online-softmax step (FlashAttention-2 Alg. 1, base 2) on the raw scores S_j (64 x BLOCK_N
     float32): P_j (bf16 / fp16, as the register A operand of the next P V), the rescale alpha of O, the new
     row max m and row sum l (both in scaled base-2 units). MASK: the diagonal block, where key c is visible
@@ -172,9 +220,28 @@ def _softmax_step(s, m_i, l_i, qk_scale, r0, n0, MASK: gl.constexpr, BLOCK_N: gl
 
 
 @gluon.jit
-def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p, m_i, l_i, j, r0,
-             qk_scale, s_zero, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _kv_step(
+    q_smem,
+    k_bufs,
+    v_bufs,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    acc,
+    p,
+    m_i,
+    l_i,
+    j,
+    r0,
+    qk_scale,
+    s_zero,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+):
     """Step j >= 1 of a tile (a full key block; j counts the program's key blocks, its ring position): S_j
     and P_{j-1} V_{j-1} issued together, the softmax of S_j under the latter."""
     slot = j % STAGES
@@ -186,8 +253,9 @@ def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p,
     # S_j (the older group) done; P_{j-1} V_{j-1} still running
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, 0, False, BLOCK_N, s_layout, p_layout,
-                                       q_smem.dtype)
+    p, alpha, m_i, l_i = _softmax_step(
+        s, m_i, l_i, qk_scale, r0, 0, False, BLOCK_N, s_layout, p_layout, q_smem.dtype
+    )
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(prev), count=1)
     # -- O = diag(alpha) O: rescale to the new row max before P_j V_j is added
@@ -196,17 +264,45 @@ def _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc, p,
 
 
 @gluon.jit
-def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tile_smem,
-              tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb, H_Q, N, qk_scale,
-              WG: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr,
-              Q_BUFS: gl.constexpr, NC: gl.constexpr):
+def _consumer(
+    q_bufs,
+    k_bufs,
+    v_bufs,
+    q_bars,
+    q_empty,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    tile_smem,
+    tile_ready,
+    tile_empty,
+    O,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    T,
+    n_mb,
+    H_Q,
+    N,
+    qk_scale,
+    WG: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_BUFS: gl.constexpr,
+    NC: gl.constexpr,
+):
     """Consumer warpgroup WG (4 warps) of NC: per tile, query rows 64 (NC mb + WG) .. + 63; S = Q K^T,
     online softmax, O += P V over key blocks r0 // 128 (its diagonal) down to 0. The tile's blocks above
     its diagonal (loaded for the tile's later rows when NC = 3) it releases unread; rows past N it skips."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_D, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     TM: gl.constexpr = 64 * NC
     n_kb = gl.cdiv(N, BLOCK_N)
@@ -221,9 +317,35 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready
         if NC == 2:
             # 128-row tiles: both warpgroups read every block the producer loads, and row r0 < N
             mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
-            g = _consume_rows(q_smem, k_bufs, v_bufs, q_empty.index(qi), k_ready, k_empty, v_ready, v_empty,
-                              O, LSE, stride_ob, stride_oh, stride_on, b, h, H_Q, N, r0, mb + 1, g,
-                              qk_scale, BLOCK_N, HEAD_D, STAGES, s_layout, o_layout, p_layout)
+            g = _consume_rows(
+                q_smem,
+                k_bufs,
+                v_bufs,
+                q_empty.index(qi),
+                k_ready,
+                k_empty,
+                v_ready,
+                v_empty,
+                O,
+                LSE,
+                stride_ob,
+                stride_oh,
+                stride_on,
+                b,
+                h,
+                H_Q,
+                N,
+                r0,
+                mb + 1,
+                g,
+                qk_scale,
+                BLOCK_N,
+                HEAD_D,
+                STAGES,
+                s_layout,
+                o_layout,
+                p_layout,
+            )
         else:
             n_tile = gl.minimum(gl.cdiv((mb + 1) * TM, BLOCK_N), n_kb)  # the blocks the producer loads
             n_blocks = 0
@@ -239,10 +361,35 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready
             g += n_tile - n_blocks
             mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
             if n_blocks > 0:
-                g = _consume_rows(q_smem, k_bufs, v_bufs, q_empty.index(qi), k_ready, k_empty, v_ready,
-                                  v_empty, O, LSE, stride_ob, stride_oh, stride_on, b, h, H_Q, N, r0,
-                                  n_blocks, g, qk_scale, BLOCK_N, HEAD_D, STAGES, s_layout, o_layout,
-                                  p_layout)
+                g = _consume_rows(
+                    q_smem,
+                    k_bufs,
+                    v_bufs,
+                    q_empty.index(qi),
+                    k_ready,
+                    k_empty,
+                    v_ready,
+                    v_empty,
+                    O,
+                    LSE,
+                    stride_ob,
+                    stride_oh,
+                    stride_on,
+                    b,
+                    h,
+                    H_Q,
+                    N,
+                    r0,
+                    n_blocks,
+                    g,
+                    qk_scale,
+                    BLOCK_N,
+                    HEAD_D,
+                    STAGES,
+                    s_layout,
+                    o_layout,
+                    p_layout,
+                )
             else:
                 mbarrier.arrive(q_empty.index(qi), count=1)
         n += 1
@@ -250,10 +397,35 @@ def _consumer(q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready
 
 
 @gluon.jit
-def _consume_rows(q_smem, k_bufs, v_bufs, q_free, k_ready, k_empty, v_ready, v_empty, O, LSE, stride_ob,
-                  stride_oh, stride_on, b, h, H_Q, N, r0, n_blocks, g, qk_scale, BLOCK_N: gl.constexpr,
-                  HEAD_D: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                  p_layout: gl.constexpr):
+def _consume_rows(
+    q_smem,
+    k_bufs,
+    v_bufs,
+    q_free,
+    k_ready,
+    k_empty,
+    v_ready,
+    v_empty,
+    O,
+    LSE,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    b,
+    h,
+    H_Q,
+    N,
+    r0,
+    n_blocks,
+    g,
+    qk_scale,
+    BLOCK_N: gl.constexpr,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+):
     """One warpgroup's 64 query rows r0 .. r0 + 63 of one (batch, head) over key blocks n_blocks - 1 (the
     diagonal) down to 0, ring positions g .. g + n_blocks - 1 (Q resident in q_smem, released through
     q_free after the last Q K^T); stores O and LSE. Returns the ring position after."""
@@ -270,14 +442,34 @@ def _consume_rows(q_smem, k_bufs, v_bufs, q_free, k_ready, k_empty, v_ready, v_e
     s = warpgroup_mma(q_smem, k_bufs.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     mbarrier.arrive(k_empty.index(slot), count=1)
-    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, r0, (n_blocks - 1) * BLOCK_N, True, BLOCK_N,
-                                       s_layout, p_layout, dtype)
+    p, alpha, m_i, l_i = _softmax_step(
+        s, m_i, l_i, qk_scale, r0, (n_blocks - 1) * BLOCK_N, True, BLOCK_N, s_layout, p_layout, dtype
+    )
 
     # -- steps 1 .. mb: key blocks mb - 1 down to 0, all full
     for j in range(1, n_blocks):
-        acc, p, m_i, l_i = _kv_step(q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, acc,
-                                    p, m_i, l_i, g + j, r0, qk_scale, s_zero, BLOCK_N, STAGES,
-                                    s_layout, o_layout, p_layout)
+        acc, p, m_i, l_i = _kv_step(
+            q_smem,
+            k_bufs,
+            v_bufs,
+            k_ready,
+            k_empty,
+            v_ready,
+            v_empty,
+            acc,
+            p,
+            m_i,
+            l_i,
+            g + j,
+            r0,
+            qk_scale,
+            s_zero,
+            BLOCK_N,
+            STAGES,
+            s_layout,
+            o_layout,
+            p_layout,
+        )
     # every Q K^T of this tile has been waited for: the producer may load the next tile's Q
     mbarrier.arrive(q_free, count=1)
 
@@ -304,22 +496,46 @@ def _consume_rows(q_smem, k_bufs, v_bufs, q_free, k_ready, k_empty, v_ready, v_e
 
 
 @gluon.jit
-def _head_major_descriptor(base, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr,
-                           HEAD_D: gl.constexpr):
+def _head_major_descriptor(
+    base, B, H, N, stride_b, stride_h, stride_n, BLOCK: gl.constexpr, HEAD_D: gl.constexpr
+):
     """A 4D TMA descriptor over ``base`` ((B, H, N, d), last stride 1): 1 x 1 x BLOCK x d tiles, zero-filled
     past row N of each head. Built on the device (Triton's scratch allocator), once per program."""
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, HEAD_D], base.dtype.element_ty)
-    return tma.make_tensor_descriptor(base, [B, H, N, HEAD_D], [stride_b, stride_h, stride_n, 1],
-                                      [1, 1, BLOCK, HEAD_D], layout)
+    return tma.make_tensor_descriptor(
+        base, [B, H, N, HEAD_D], [stride_b, stride_h, stride_n, 1], [1, 1, BLOCK, HEAD_D], layout
+    )
 
 
 @gluon.jit
 def _fwd_ws_kernel(
-    Q, K, V, O, LSE, COUNTER,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_on,
-    B, H_Q, H_KV, N, qk_scale,
-    HEAD_D: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    COUNTER,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    B,
+    H_Q,
+    H_KV,
+    N,
+    qk_scale,
+    HEAD_D: gl.constexpr,
+    STAGES: gl.constexpr,
+    Q_BUFS: gl.constexpr,
+    NC: gl.constexpr,
     REGS: gl.constexpr,
 ):
     """Causal forward, persistent: G programs (one per SM) take tiles (64 NC query rows of one (batch,
@@ -358,18 +574,137 @@ def _fwd_ws_kernel(
     if NC == 3:
         gl.warp_specialize(
             [
-                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
-                             n_mb, H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
-                             n_mb, H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
-                             n_mb, H_Q, N, qk_scale, 2, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
-                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
-                           GROUP, N, BLOCK_N, STAGES, Q_BUFS, NC)),
+                (
+                    _consumer,
+                    (
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        O,
+                        LSE,
+                        stride_ob,
+                        stride_oh,
+                        stride_on,
+                        T,
+                        n_mb,
+                        H_Q,
+                        N,
+                        qk_scale,
+                        0,
+                        BLOCK_N,
+                        HEAD_D,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        O,
+                        LSE,
+                        stride_ob,
+                        stride_oh,
+                        stride_on,
+                        T,
+                        n_mb,
+                        H_Q,
+                        N,
+                        qk_scale,
+                        1,
+                        BLOCK_N,
+                        HEAD_D,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        O,
+                        LSE,
+                        stride_ob,
+                        stride_oh,
+                        stride_on,
+                        T,
+                        n_mb,
+                        H_Q,
+                        N,
+                        qk_scale,
+                        2,
+                        BLOCK_N,
+                        HEAD_D,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        COUNTER,
+                        pid,
+                        G,
+                        T,
+                        n_mb,
+                        H_Q,
+                        GROUP,
+                        N,
+                        BLOCK_N,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
             ],
             [4, 4, 1],
             [REGS, REGS, 24],
@@ -377,19 +712,109 @@ def _fwd_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
-                             n_mb, H_Q, N, qk_scale, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
-                (_consumer, (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty,
-                             tile_smem, tile_ready, tile_empty, O, LSE, stride_ob, stride_oh, stride_on, T,
-                             n_mb, H_Q, N, qk_scale, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
-                (_loader, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty,
-                           v_ready, v_empty, tile_smem, tile_ready, tile_empty, COUNTER, pid, G, T, n_mb, H_Q,
-                           GROUP, N, BLOCK_N, STAGES, Q_BUFS, NC)),
+                (
+                    _consumer,
+                    (
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        O,
+                        LSE,
+                        stride_ob,
+                        stride_oh,
+                        stride_on,
+                        T,
+                        n_mb,
+                        H_Q,
+                        N,
+                        qk_scale,
+                        0,
+                        BLOCK_N,
+                        HEAD_D,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        O,
+                        LSE,
+                        stride_ob,
+                        stride_oh,
+                        stride_on,
+                        T,
+                        n_mb,
+                        H_Q,
+                        N,
+                        qk_scale,
+                        1,
+                        BLOCK_N,
+                        HEAD_D,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
+                (
+                    _loader,
+                    (
+                        q_desc,
+                        k_desc,
+                        v_desc,
+                        q_bufs,
+                        k_bufs,
+                        v_bufs,
+                        q_bars,
+                        q_empty,
+                        k_ready,
+                        k_empty,
+                        v_ready,
+                        v_empty,
+                        tile_smem,
+                        tile_ready,
+                        tile_empty,
+                        COUNTER,
+                        pid,
+                        G,
+                        T,
+                        n_mb,
+                        H_Q,
+                        GROUP,
+                        N,
+                        BLOCK_N,
+                        STAGES,
+                        Q_BUFS,
+                        NC,
+                    ),
+                ),
             ],
             [4, 1],
             [REGS, 24],
         )
+
 
 # head_dim -> K/V ring stages, Q sets (a second set lets the producer load the next tile's Q before this
 # tile's last Q K^T) and consumer warpgroups; shared memory = Q_BUFS * NC * 64 * d (Q) + 2 * STAGES * 128 * d
@@ -419,7 +844,7 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
 
     q (B, Hq, N, d), k and v (B, Hkv, N, d) with Hq % Hkv == 0, bf16 or fp16 on a CUDA sm_90 device,
     d in STAGES, last stride 1 and the other strides and the base addresses 16-byte aligned (TMA). The
-    caller checks these (`_gluon_route.route`) and sets Triton's scratch allocator (the device-side
+    caller checks these (`plan.plan_fwd`) and sets Triton's scratch allocator (the device-side
     descriptors live there); this only launches.
     """
     B, Hq, N, d = (int(x) for x in q.shape)
@@ -428,23 +853,41 @@ def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
     grid = (min(sms, triton.cdiv(N, 64 * nc) * B * Hq),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_ws_kernel[grid](
-        q, k, v, o, lse, counter,
-        *_tma_strides(q), *_tma_strides(k), *_tma_strides(v), o.stride(0), o.stride(1), o.stride(2),
-        B, Hq, int(k.shape[1]), N, softmax_scale * 1.4426950408889634,
-        HEAD_D=d, STAGES=STAGES[d], Q_BUFS=Q_BUFS[d], NC=nc, REGS=REGS[nc], num_warps=NUM_WARPS,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        counter,
+        *_tma_strides(q),
+        *_tma_strides(k),
+        *_tma_strides(v),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        B,
+        Hq,
+        int(k.shape[1]),
+        N,
+        softmax_scale * 1.4426950408889634,
+        HEAD_D=d,
+        STAGES=STAGES[d],
+        Q_BUFS=Q_BUFS[d],
+        NC=nc,
+        REGS=REGS[nc],
+        num_warps=NUM_WARPS,
         maxnreg=MAXNREG[nc],
     )
 
 
 def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(o, lse) of the causal forward for inputs that `_gluon_route.route` accepts: o like q (its dim order),
+    """(o, lse) of the causal forward for inputs that `plan.plan_fwd` accepts: o like q (its dim order),
     lse float32 (B, Hq, N) natural log. Eager calls launch through this; traced ones go through `forward`."""
-    from .flash_attn import _device_ctx, _empty_like_layout, ensure_scratch_allocator
 
     ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
-    o = _empty_like_layout(q)
+    o = empty_like_layout(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    with _device_ctx(q):
+    with device_ctx(q):
         fwd_launch(q, k, v, o, lse, softmax_scale)
     return o, lse
 
@@ -456,6 +899,5 @@ forward = torch.library.custom_op("flashgpt::flash_attn_fwd_sm90", run, mutates_
 
 @forward.register_fake
 def _forward_fake(q, k, v, softmax_scale):
-    from .flash_attn import _empty_like_layout
 
-    return _empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)

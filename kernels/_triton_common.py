@@ -1,10 +1,8 @@
 """Triton helpers shared by the FlashAttention kernels of `_triton_kernels.py`, and the dropout test kernel.
 
-Plain Python functions like the kernels: `_triton_kernels.build_kernels` clones them into one namespace with
-the kernels and turns them into JIT (GPU) or interpreter functions (see that module's docstring).
+`@triton.jit` functions like the kernels: compiled, or interpreted when TRITON_INTERPRET was set at this
+module's import (see `_triton_kernels`).
 """
-
-import types
 
 import triton
 import triton.language as tl
@@ -14,29 +12,22 @@ import triton.language as tl
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
 def _row_max(x):
-    """max over axis 1 (compiled version)."""
-    return tl.max(x, 1)
-
-
-def _row_sum(x):
-    """sum over axis 1 (compiled version)."""
-    return tl.sum(x, 1)
-
-
-# Interpreter versions. tl.max / tl.sum / tl.zeros are @triton.jit functions of Triton's standard
-# library, built when *triton* is imported: if that happened before TRITON_INTERPRET=1 was set they
-# are compiled-mode JITFunctions and cannot be called from interpreted code. The builtin tl.reduce with
-# Triton's own combine functions works in both cases (the interpreter maps them to numpy), and the
-# kernels use tl.full instead of tl.zeros. So the interpreter works whatever the import order.
-def _row_max_interp(x):
+    """max over axis 1. tl.reduce with Triton's combine function rather than tl.max: tl.max is a JIT function
+    of Triton's standard library, built in the mode of triton's own import, so an interpreted kernel of a
+    process that imported triton before TRITON_INTERPRET=1 could not call it; tl.reduce is a builtin that
+    both modes run (the same reduction as tl.max of a float32 tile)."""
     return tl.reduce(x, 1, tl.standard._elementwise_max)
 
 
-def _row_sum_interp(x):
+@triton.jit
+def _row_sum(x):
+    """sum over axis 1 (tl.reduce, as `_row_max`: the same reduction as tl.sum of a float32 tile)."""
     return tl.reduce(x, 1, tl.standard._sum_combine)
 
 
+@triton.jit
 def _load_tile(ptrs, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a 2-D tile, masking rows and/or (padded head-dim) columns only when needed."""
     if CHECK_ROWS:
@@ -52,6 +43,7 @@ def _load_tile(ptrs, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: t
     return x
 
 
+@triton.jit
 def _store_tile(ptrs, x, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Store a 2-D tile with the same masking rules as `_load_tile`."""
     if CHECK_ROWS:
@@ -66,6 +58,7 @@ def _store_tile(ptrs, x, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COL
             tl.store(ptrs, x)
 
 
+@triton.jit
 def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key range of the query block starting at row m0: returns (full_end, hi).
 
@@ -86,8 +79,20 @@ def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     return full_end, hi
 
 
-def _key_block_range(m0, N_Q, N_K, window, DOC_LO, DOC_HI, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                     HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit
+def _key_block_range(
+    m0,
+    N_Q,
+    N_K,
+    window,
+    DOC_LO,
+    DOC_HI,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Key range of the query block starting at row m0 with the variants: (lo, full_lo, full_end, hi).
 
     Key blocks starting in [lo, hi) are visited; those in [full_lo, full_end) need no mask, the others
@@ -114,8 +119,21 @@ def _key_block_range(m0, N_Q, N_K, window, DOC_LO, DOC_HI, CAUSAL: tl.constexpr,
     return lo, full_lo, full_end, hi
 
 
-def _query_block_range(n0, start_m, full_start, N_Q, N_K, window, DOC_LO, DOC_HI, HAS_WINDOW: tl.constexpr,
-                       HAS_DOC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+@triton.jit
+def _query_block_range(
+    n0,
+    start_m,
+    full_start,
+    N_Q,
+    N_K,
+    window,
+    DOC_LO,
+    DOC_HI,
+    HAS_WINDOW: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Query range of the key block starting at n0 (dK/dV): (start_m, full_start, full_end, hi).
 
     start_m / full_start: the causal bounds of `_bwd_dkdv_kernel`. Query blocks starting in [start_m, hi)
@@ -137,6 +155,7 @@ def _query_block_range(n0, start_m, full_start, N_Q, N_K, window, DOC_LO, DOC_HI
     return start_m, full_start, full_end, hi
 
 
+@triton.jit
 def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.constexpr):
     """Does the block at `start` need the mask: start < full_lo (LO_EDGE) or start >= full_end (HI_EDGE).
 
@@ -150,9 +169,20 @@ def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.con
     return start >= full_end
 
 
-def _score_keep(rows, cols, doc_lo, doc_hi, N_Q, N_K, window,
-                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOC: tl.constexpr,
-                CHECK_COLS: tl.constexpr = True):
+@triton.jit
+def _score_keep(
+    rows,
+    cols,
+    doc_lo,
+    doc_hi,
+    N_Q,
+    N_K,
+    window,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    CHECK_COLS: tl.constexpr = True,
+):
     """Boolean keep tile of the scores: key `cols` in range, causal, inside the window and the document.
 
     rows / cols: query / key indices as broadcastable tiles ((M, 1) and (1, N), or transposed for dK/dV);
@@ -174,8 +204,10 @@ def _score_keep(rows, cols, doc_lo, doc_hi, N_Q, N_K, window,
     return keep
 
 
-def _variant_args(DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p,
-                  HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+@triton.jit
+def _variant_args(
+    DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p, HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr
+):
     """Per-program inputs of the variants: the document ranges of rows offs_rows of batch element b
     (DOC int32 (2, B, N_ROWS): lo, then hi; (BLOCK, 1) tiles and base pointers), the Philox key, and
     dropout_p as fp32."""
@@ -198,12 +230,14 @@ def _variant_args(DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p,
     return doc_lo, doc_hi, lo_ptr, hi_ptr, seed_lo, seed_hi, dropout_p
 
 
+@triton.jit
 def _philox_seed(SEED):
     """The 64-bit dropout seed (int64 tensor of one element) as the two 32-bit Philox key words."""
     seed = tl.load(SEED)
     return (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
 
 
+@triton.jit
 def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
     """Dropout keep tile: True with probability 1 - dropout_p, a pure function of (seed, b*Hq + h, i, j).
 
@@ -235,12 +269,12 @@ def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
     return u >= dropout_p
 
 
-
 # ---------------------------------------------------------------------------------------------
 # test helper: the dropout keep mask itself
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
 def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Test helper: write the attention kernels' dropout keep mask, int8 (B, Hq, Nq, Nk) contiguous, 1 = kept.
 
@@ -257,59 +291,8 @@ def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.conste
     for start_n in range(0, N_K, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         keep = _dropout_keep(seed_lo, seed_hi, rows[:, None], cols[None, :], b * H_Q + h, dropout_p)
-        tl.store(base + rows[:, None].to(tl.int64) * N_K + cols[None, :], keep.to(tl.int8),
-                 mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K))
-
-
-# ---------------------------------------------------------------------------------------------
-# building: the interpreter check and the clone used by `_triton_kernels.build_kernels`
-# ---------------------------------------------------------------------------------------------
-
-
-def mode_problem(interpret: bool):
-    """Why kernels of this mode cannot be built in this process (str), or None.
-
-    Compiled (GPU) kernels need Triton's standard library (tl.sum, tl.max) as JIT functions; if
-    triton was imported while TRITON_INTERPRET=1 was set they are interpreter functions instead and
-    no GPU kernel can be compiled in this process. (The other direction is handled, see above.)
-    """
-    if not interpret and not isinstance(tl.sum, triton.JITFunction):
-        return ("triton was imported while TRITON_INTERPRET=1 was set, so this process can only run the "
-                "Triton interpreter; compiled GPU kernels need TRITON_INTERPRET unset before anything "
-                "imports triton (run GPU jobs/tests in a process without it)")
-    return None
-
-
-def _clone(fn, namespace: dict):
-    """Copy of `fn` whose global names resolve in `namespace` (same code, source and annotations)."""
-    new = types.FunctionType(fn.__code__, namespace, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__annotations__ = dict(fn.__annotations__)
-    new.__qualname__ = fn.__qualname__
-    new.__doc__ = fn.__doc__
-    new.__module__ = fn.__module__
-    return new
-
-
-def build(module_globals: dict, helpers, interpreter_helpers: dict, kernels: dict, interpret: bool) -> dict:
-    """Clone `helpers` and `kernels` into one namespace (a copy of `module_globals`) and wrap them.
-
-    interpret=False: `triton.JITFunction`s (compiled for the GPU; helpers are JIT functions too).
-    interpret=True : `triton.runtime.interpreter.InterpretedFunction`s for the kernels, with
-    `interpreter_helpers` (name -> function) standing in for the helpers of that name; the helpers stay
-    plain Python functions, which then run with the already patched `triton.language` (much faster than
-    re-patching on every nested call). Returns {name: launchable kernel} for the names of `kernels`.
-    """
-    namespace = dict(module_globals)
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        wrap_kernel, wrap_helper = InterpretedFunction, (lambda f: f)
-    else:
-        wrap_kernel = wrap_helper = triton.JITFunction
-    for fn in helpers:
-        impl = interpreter_helpers.get(fn.__name__, fn) if interpret else fn
-        namespace[fn.__name__] = wrap_helper(_clone(impl, namespace))
-    built = {}
-    for name, fn in kernels.items():
-        built[name] = namespace[fn.__name__] = wrap_kernel(_clone(fn, namespace))
-    return built
+        tl.store(
+            base + rows[:, None].to(tl.int64) * N_K + cols[None, :],
+            keep.to(tl.int8),
+            mask=(rows[:, None] < N_Q) & (cols[None, :] < N_K),
+        )

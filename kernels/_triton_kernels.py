@@ -22,49 +22,75 @@ Conventions shared by every kernel
 * Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
   built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
 
-The functions below are plain Python functions; `build_kernels(interpret)` turns them into Triton
-JIT functions (GPU) or interpreter functions (TRITON_INTERPRET=1, CPU) at first use. Building at
-call time (not import time) means the interpreter choice follows the TRITON_INTERPRET environment
-variable when the kernel is launched, even if this module was imported before it was set.
+Interpreter or compiler: `@triton.jit` decides when this module is imported, from TRITON_INTERPRET then.
+The launchers (`kernels/_launch.py`) import it at the first launch, not at package import, so a process that
+sets TRITON_INTERPRET=1 before its first flash call runs the interpreter whatever it imported before; the
+helpers avoid Triton's standard-library JIT functions (`_triton_common._row_max`), which are built when
+triton itself is imported.
 """
 
+import triton
 import triton.language as tl
 
-# shared helpers (tile loads/stores, block ranges, variant masks, Philox dropout) and the dropout test
-# kernel; `build_kernels` clones them into one namespace with the kernels below
-from ._triton_common import (  # noqa: F401 - mode_problem, _clone: re-exported
-    _clone,
+# shared helpers (tile loads/stores, block ranges, variant masks, Philox dropout) and the dropout test kernel
+from ._triton_common import (
     _dropout_keep,
-    _dropout_mask_kernel,
     _edge_block,
-    _key_block_bounds,
     _key_block_range,
     _load_tile,
     _philox_seed,
     _query_block_range,
     _row_max,
-    _row_max_interp,
     _row_sum,
-    _row_sum_interp,
     _score_keep,
     _store_tile,
     _variant_args,
-    mode_problem,
 )
-from ._triton_common import build as _build
 
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
 def _fwd_inner(
-    acc, m_i, l_i, q, k_base, v_base, lo, hi, mask_from,
-    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    mask_lo=0, doc_lo=None, doc_hi=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    mask_from,
+    offs_m,
+    offs_n,
+    offs_d,
+    mask_d,
+    N_Q,
+    N_K,
+    scale_log2,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    mask_lo=0,
+    doc_lo=None,
+    doc_hi=None,
+    window=0,
+    seed_lo=None,
+    seed_hi=None,
+    bh=None,
+    dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
@@ -86,8 +112,18 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
-                valid = _score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
-                                    CAUSAL, HAS_WINDOW, HAS_DOC)
+                valid = _score_keep(
+                    offs_m[:, None],
+                    cols[None, :],
+                    doc_lo,
+                    doc_hi,
+                    N_Q,
+                    N_K,
+                    window,
+                    CAUSAL,
+                    HAS_WINDOW,
+                    HAS_DOC,
+                )
                 qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(qk))
         if MASKED:
@@ -100,8 +136,11 @@ def _fwd_inner(
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
         if HAS_DROPOUT:
-            p = tl.where(_dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
-                         p * (1.0 / (1.0 - dropout_p)), 0.0)
+            p = tl.where(
+                _dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
+                p * (1.0 / (1.0 - dropout_p)),
+                0.0,
+            )
         v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
         v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
@@ -110,17 +149,50 @@ def _fwd_inner(
     return acc, m_i, l_i
 
 
+@triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, scale_log2,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    Q_DOC=None, SEED=None, window=0, dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    H_Q,
+    GROUP,
+    N_Q,
+    N_K,
+    HEAD_DIM,
+    scale_log2,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    Q_DOC=None,
+    SEED=None,
+    window=0,
+    dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -143,8 +215,14 @@ def _fwd_kernel(
     mask_d = offs_d < HEAD_DIM
 
     m0_64 = tl.cast(m0, tl.int64)
-    q_ptrs = (Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
-              + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    q_ptrs = (
+        Q
+        + b * stride_qb
+        + h * stride_qh
+        + m0_64 * stride_qm
+        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
     q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
 
     k_base = K + b * stride_kb + hk * stride_kh
@@ -155,24 +233,64 @@ def _fwd_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     doc_lo, doc_hi, doc_lo_ptr, doc_hi_ptr, seed_lo, seed_hi, dropout_p = _variant_args(
-        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT)
-    lo, full_lo, full_end, hi = _key_block_range(m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL,
-                                                 HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
+        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT
+    )
+    lo, full_lo, full_end, hi = _key_block_range(
+        m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N
+    )
     # key blocks [full_lo, full_end) without mask arithmetic; the diagonal / window / document / sequence-end
     # blocks masked
     acc, m_i, l_i = _fwd_inner(
-        acc, m_i, l_i, q, k_base, v_base, lo, hi, full_end,
-        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
-        full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
-        HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
+        acc,
+        m_i,
+        l_i,
+        q,
+        k_base,
+        v_base,
+        lo,
+        hi,
+        full_end,
+        offs_m,
+        offs_n,
+        offs_d,
+        mask_d,
+        N_Q,
+        N_K,
+        scale_log2,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC,
+        CAUSAL,
+        BLOCK_N,
+        EVEN_N,
+        EVEN_D,
+        DOT_PRECISION,
+        full_lo,
+        doc_lo,
+        doc_hi,
+        window,
+        seed_lo,
+        seed_hi,
+        b * H_Q + h,
+        dropout_p,
+        HAS_WINDOW,
+        HAS_DOC,
+        HAS_DROPOUT,
     )
 
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     o = acc / l_safe[:, None]
-    o_ptrs = (O + b * stride_ob + h * stride_oh + m0_64 * stride_om
-              + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :] * stride_od)
+    o_ptrs = (
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + m0_64 * stride_om
+        + tl.arange(0, BLOCK_M)[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
     _store_tile(o_ptrs, o.to(O.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
     # natural-log LSE: (m + log2 l) * ln 2 ; -inf for rows that see no key
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -188,6 +306,7 @@ def _fwd_kernel(
 # ---------------------------------------------------------------------------------------------
 
 
+@triton.jit
 def _load_row_stats(LSE, DELTA, row_ptr, mask_rows):
     """LSE converted to base 2 (+inf for rows that see no key or are padding, so P = 0) and Delta."""
     lse = tl.load(LSE + row_ptr, mask=mask_rows, other=float("inf"))
@@ -196,15 +315,54 @@ def _load_row_stats(LSE, DELTA, row_ptr, mask_rows):
     return lse2, delta
 
 
+@triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, lo, hi, mask_to,
-    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
-    stride_qm, stride_qd, stride_dom, stride_dod,
-    QD, DOD, q_row, q_col, do_row, do_col,
-    MASKED: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_M: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    mask_from=0, Q_DOC_LO=None, Q_DOC_HI=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
-    CAUSAL: tl.constexpr = True, HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False,
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    stat_base,
+    LSE,
+    DELTA,
+    lo,
+    hi,
+    mask_to,
+    offs_m,
+    offs_n,
+    offs_d,
+    mask_d,
+    N_Q,
+    N_K,
+    scale_log2,
+    stride_qm,
+    stride_qd,
+    stride_dom,
+    stride_dod,
+    QD,
+    DOD,
+    q_row,
+    q_col,
+    do_row,
+    do_col,
+    MASKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    mask_from=0,
+    Q_DOC_LO=None,
+    Q_DOC_HI=None,
+    window=0,
+    seed_lo=None,
+    seed_hi=None,
+    bh=None,
+    dropout_p=0.0,
+    CAUSAL: tl.constexpr = True,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
@@ -230,10 +388,20 @@ def _bwd_dkdv_inner(
             do = DOD.load([do_row + start_m, do_col])
         else:
             start_64 = tl.cast(start_m, tl.int64)
-            q = _load_tile(q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm
-                           + offs_d[None, :] * stride_qd, mask_r, mask_d, not EVEN_M, not EVEN_D)
-            do = _load_tile(do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom
-                            + offs_d[None, :] * stride_dod, mask_r, mask_d, not EVEN_M, not EVEN_D)
+            q = _load_tile(
+                q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask_r,
+                mask_d,
+                not EVEN_M,
+                not EVEN_D,
+            )
+            do = _load_tile(
+                do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                mask_r,
+                mask_d,
+                not EVEN_M,
+                not EVEN_D,
+            )
         lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
         # transposed scores: (BLOCK_N keys, BLOCK_M queries)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
@@ -246,8 +414,23 @@ def _bwd_dkdv_inner(
                 else:
                     doc_lo = 0
                     doc_hi = 0
-                p_t = tl.where(_score_keep(rows[None, :], offs_n[:, None], doc_lo, doc_hi, N_Q, N_K, window,
-                                           CAUSAL, HAS_WINDOW, HAS_DOC, False), p_t, 0.0)
+                p_t = tl.where(
+                    _score_keep(
+                        rows[None, :],
+                        offs_n[:, None],
+                        doc_lo,
+                        doc_hi,
+                        N_Q,
+                        N_K,
+                        window,
+                        CAUSAL,
+                        HAS_WINDOW,
+                        HAS_DOC,
+                        False,
+                    ),
+                    p_t,
+                    0.0,
+                )
         if HAS_DROPOUT:
             keep_t = _dropout_keep(seed_lo, seed_hi, rows[None, :], offs_n[:, None], bh, dropout_p)
             pd_t = tl.where(keep_t, p_t * (1.0 / (1.0 - dropout_p)), 0.0)
@@ -262,6 +445,7 @@ def _bwd_dkdv_inner(
     return dk, dv
 
 
+@triton.jit
 def _tma_descriptor(base, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """2-D tensor descriptor (Hopper TMA) over `rows` x `cols` elements from `base`, built on the device.
 
@@ -269,26 +453,81 @@ def _tma_descriptor(base, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOC
     can be captured by torch.compile (`wrap_triton`) and CUDA graphs; it needs the global-scratch
     allocator that `kernels.flash_attn` installs (128 bytes per descriptor and program).
     """
-    return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[row_stride, 1],
-                                     block_shape=[BLOCK_ROWS, BLOCK_D])
+    return tl.make_tensor_descriptor(
+        base, shape=[rows, cols], strides=[row_stride, 1], block_shape=[BLOCK_ROWS, BLOCK_D]
+    )
 
 
+@triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    q_rows, q_cols, row_qb, row_qh, col_qh, do_rows, do_cols, row_dob, row_doh, col_doh,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    H_Q,
+    GROUP,
+    N_Q,
+    N_K,
+    HEAD_DIM,
+    softmax_scale,
+    scale_log2,
+    q_rows,
+    q_cols,
+    row_qb,
+    row_qh,
+    col_qh,
+    do_rows,
+    do_cols,
+    row_dob,
+    row_doh,
+    col_doh,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    Q_DOC=None, K_DOC=None, SEED=None, window=0, dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
-    dk_offset=0, dv_offset=0,
+    Q_DOC=None,
+    K_DOC=None,
+    SEED=None,
+    window=0,
+    dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
+    dk_offset=0,
+    dv_offset=0,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
@@ -298,7 +537,7 @@ def _bwd_dkdv_kernel(
     (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
     batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
     Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
-    Packed d(qkv) (`kernels.flash_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
+    Packed d(qkv) (`flash_attention_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
     elements past DK's start (the slices of one buffer, passed as one tensor: a compiled graph may clone a
     written argument, and two views of one buffer would be cloned apart).
     """
@@ -320,10 +559,30 @@ def _bwd_dkdv_kernel(
 
     # -- load K_j, V_j of this block once; dK_j, dV_j accumulate in float32 registers
     tile_n = tl.arange(0, BLOCK_N)[:, None]
-    k = _load_tile(K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn
-                   + tile_n * stride_kn + offs_d[None, :] * stride_kd, mask_n, mask_d, not EVEN_N, not EVEN_D)
-    v = _load_tile(V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn
-                   + tile_n * stride_vn + offs_d[None, :] * stride_vd, mask_n, mask_d, not EVEN_N, not EVEN_D)
+    k = _load_tile(
+        K
+        + b * stride_kb
+        + hk * stride_kh
+        + n0_64 * stride_kn
+        + tile_n * stride_kn
+        + offs_d[None, :] * stride_kd,
+        mask_n,
+        mask_d,
+        not EVEN_N,
+        not EVEN_D,
+    )
+    v = _load_tile(
+        V
+        + b * stride_vb
+        + hk * stride_vh
+        + n0_64 * stride_vn
+        + tile_n * stride_vn
+        + offs_d[None, :] * stride_vd,
+        mask_n,
+        mask_d,
+        not EVEN_N,
+        not EVEN_D,
+    )
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
 
@@ -355,7 +614,8 @@ def _bwd_dkdv_kernel(
         seed_lo = 0
         seed_hi = 0
     start_m, full_start, full_end, hi = _query_block_range(
-        n0, start_m, full_start, N_Q, N_K, window, k_doc_lo, k_doc_hi, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
+        n0, start_m, full_start, N_Q, N_K, window, k_doc_lo, k_doc_hi, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N
+    )
 
     if USE_TMA:
         QD = _tma_descriptor(Q, q_rows, q_cols, stride_qm, BLOCK_M, BLOCK_D)
@@ -376,33 +636,132 @@ def _bwd_dkdv_kernel(
         # -- for each query block i that sees key block j: dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i;
         # blocks [start_m, full_start) straddle the diagonal (masked), the later ones see all of j
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE, DELTA, start_m, hi, full_start,
-            offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2,
-            stride_qm, stride_qd, stride_dom, stride_dod,
-            QD, DOD, q_row, q_col, do_row, do_col,
-            CAUSAL or HAS_WINDOW or HAS_DOC, BLOCK_M, EVEN_M, EVEN_D, DOT_PRECISION, USE_TMA,
-            full_end, q_doc_lo, q_doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
-            CAUSAL, HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
+            dk,
+            dv,
+            k,
+            v,
+            q_base,
+            do_base,
+            stat_base,
+            LSE,
+            DELTA,
+            start_m,
+            hi,
+            full_start,
+            offs_m,
+            offs_n,
+            offs_d,
+            mask_d,
+            N_Q,
+            N_K,
+            scale_log2,
+            stride_qm,
+            stride_qd,
+            stride_dom,
+            stride_dod,
+            QD,
+            DOD,
+            q_row,
+            q_col,
+            do_row,
+            do_col,
+            CAUSAL or HAS_WINDOW or HAS_DOC,
+            BLOCK_M,
+            EVEN_M,
+            EVEN_D,
+            DOT_PRECISION,
+            USE_TMA,
+            full_end,
+            q_doc_lo,
+            q_doc_hi,
+            window,
+            seed_lo,
+            seed_hi,
+            b * H_Q + h,
+            dropout_p,
+            CAUSAL,
+            HAS_WINDOW,
+            HAS_DOC,
+            HAS_DROPOUT,
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
     dk = dk * softmax_scale
-    _store_tile(DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn
-                + tile_n * stride_dkn + offs_d[None, :] * stride_dkd,
-                dk.to(DK.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
-    _store_tile(DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn
-                + tile_n * stride_dvn + offs_d[None, :] * stride_dvd,
-                dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
+    _store_tile(
+        DK
+        + b * stride_dkb
+        + hk * stride_dkh
+        + n0_64 * stride_dkn
+        + tile_n * stride_dkn
+        + offs_d[None, :] * stride_dkd,
+        dk.to(DK.dtype.element_ty),
+        mask_n,
+        mask_d,
+        not EVEN_N,
+        not EVEN_D,
+    )
+    _store_tile(
+        DV
+        + b * stride_dvb
+        + hk * stride_dvh
+        + n0_64 * stride_dvn
+        + tile_n * stride_dvn
+        + offs_d[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask_n,
+        mask_d,
+        not EVEN_N,
+        not EVEN_D,
+    )
 
 
+@triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse2, delta, k_base, v_base, lo, hi, mask_from,
-    offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-    KD, VD, k_row, k_col, v_row, v_col,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    mask_lo=0, doc_lo=None, doc_hi=None, window=0, seed_lo=None, seed_hi=None, bh=None, dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    lo,
+    hi,
+    mask_from,
+    offs_m,
+    offs_n,
+    offs_d,
+    mask_d,
+    N_Q,
+    N_K,
+    scale_log2,
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    KD,
+    VD,
+    k_row,
+    k_col,
+    v_row,
+    v_col,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    mask_lo=0,
+    doc_lo=None,
+    doc_hi=None,
+    window=0,
+    seed_lo=None,
+    seed_hi=None,
+    bh=None,
+    dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
@@ -422,43 +781,112 @@ def _bwd_dq_inner(
             v = VD.load([v_row + start_n, v_col])
         else:
             start_64 = tl.cast(start_n, tl.int64)
-            k_ptrs = (k_base + start_64 * stride_kn
-                      + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd))
+            k_ptrs = (
+                k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+            )
             k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
-            v_ptrs = (v_base + start_64 * stride_vn
-                      + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd))
+            v_ptrs = (
+                v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+            )
             v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
-                valid = _score_keep(offs_m[:, None], cols[None, :], doc_lo, doc_hi, N_Q, N_K, window,
-                                    CAUSAL, HAS_WINDOW, HAS_DOC)
+                valid = _score_keep(
+                    offs_m[:, None],
+                    cols[None, :],
+                    doc_lo,
+                    doc_hi,
+                    N_Q,
+                    N_K,
+                    window,
+                    CAUSAL,
+                    HAS_WINDOW,
+                    HAS_DOC,
+                )
                 p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if HAS_DROPOUT:
-            dp = tl.where(_dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
-                          dp * (1.0 / (1.0 - dropout_p)), 0.0)
+            dp = tl.where(
+                _dropout_keep(seed_lo, seed_hi, offs_m[:, None], cols[None, :], bh, dropout_p),
+                dp * (1.0 / (1.0 - dropout_p)),
+                0.0,
+            )
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
 
+@triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    H_Q, GROUP, N_Q, N_K, HEAD_DIM, softmax_scale, scale_log2,
-    k_rows, k_cols, row_kb, row_kh, col_kh, v_rows, v_cols, row_vb, row_vh, col_vh,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, HAS_DLSE: tl.constexpr,
-    Q_DOC=None, SEED=None, window=0, dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False, HAS_DOC: tl.constexpr = False, HAS_DROPOUT: tl.constexpr = False,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    O,
+    DLSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    H_Q,
+    GROUP,
+    N_Q,
+    N_K,
+    HEAD_DIM,
+    softmax_scale,
+    scale_log2,
+    k_rows,
+    k_cols,
+    row_kb,
+    row_kh,
+    col_kh,
+    v_rows,
+    v_cols,
+    row_vb,
+    row_vh,
+    col_vh,
+    CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    Q_DOC=None,
+    SEED=None,
+    window=0,
+    dropout_p=0.0,
+    HAS_WINDOW: tl.constexpr = False,
+    HAS_DOC: tl.constexpr = False,
+    HAS_DROPOUT: tl.constexpr = False,
 ):
     """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -488,15 +916,42 @@ def _bwd_dq_kernel(
     mask_d = offs_d < HEAD_DIM
 
     # -- load Q_i, dO_i, O_i; Delta_i = rowsum(dO_i * O_i); LSE_i in base 2
-    q = _load_tile(Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
-                   + tile_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                   mask_m, mask_d, not EVEN_M, not EVEN_D)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom
-                    + tile_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                    mask_m, mask_d, not EVEN_M, not EVEN_D)
-    o = _load_tile(O + b * stride_ob + h * stride_oh + m0_64 * stride_om
-                   + tile_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                   mask_m, mask_d, not EVEN_M, not EVEN_D)
+    q = _load_tile(
+        Q
+        + b * stride_qb
+        + h * stride_qh
+        + m0_64 * stride_qm
+        + tile_m[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd,
+        mask_m,
+        mask_d,
+        not EVEN_M,
+        not EVEN_D,
+    )
+    do = _load_tile(
+        DO
+        + b * stride_dob
+        + h * stride_doh
+        + m0_64 * stride_dom
+        + tile_m[:, None] * stride_dom
+        + offs_d[None, :] * stride_dod,
+        mask_m,
+        mask_d,
+        not EVEN_M,
+        not EVEN_D,
+    )
+    o = _load_tile(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + m0_64 * stride_om
+        + tile_m[:, None] * stride_om
+        + offs_d[None, :] * stride_od,
+        mask_m,
+        mask_d,
+        not EVEN_M,
+        not EVEN_D,
+    )
     row_ptr = (b * H_Q + h) * N_Q + offs_m
     delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
     if HAS_DLSE:
@@ -523,47 +978,70 @@ def _bwd_dq_kernel(
     v_col = (hk * col_vh).to(tl.int32)
     # -- for each visible key block j: dQ_i += dS_ij K_j; blocks [0, full_end) unmasked, then masked
     doc_lo, doc_hi, doc_lo_ptr, doc_hi_ptr, seed_lo, seed_hi, dropout_p = _variant_args(
-        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT)
-    lo, full_lo, full_end, hi = _key_block_range(m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL,
-                                                 HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N)
+        Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT
+    )
+    lo, full_lo, full_end, hi = _key_block_range(
+        m0, N_Q, N_K, window, doc_lo_ptr, doc_hi_ptr, CAUSAL, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N
+    )
     dq = _bwd_dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, lo, hi, full_end,
-        offs_m, offs_n, offs_d, mask_d, N_Q, N_K, scale_log2, stride_kn, stride_kd, stride_vn, stride_vd,
-        KD, VD, k_row, k_col, v_row, v_col,
-        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC, CAUSAL, BLOCK_N, EVEN_N, EVEN_D, DOT_PRECISION,
-        USE_TMA, full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p,
-        HAS_WINDOW, HAS_DOC, HAS_DROPOUT,
+        dq,
+        q,
+        do,
+        lse2,
+        delta,
+        k_base,
+        v_base,
+        lo,
+        hi,
+        full_end,
+        offs_m,
+        offs_n,
+        offs_d,
+        mask_d,
+        N_Q,
+        N_K,
+        scale_log2,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        KD,
+        VD,
+        k_row,
+        k_col,
+        v_row,
+        v_col,
+        CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC,
+        CAUSAL,
+        BLOCK_N,
+        EVEN_N,
+        EVEN_D,
+        DOT_PRECISION,
+        USE_TMA,
+        full_lo,
+        doc_lo,
+        doc_hi,
+        window,
+        seed_lo,
+        seed_hi,
+        b * H_Q + h,
+        dropout_p,
+        HAS_WINDOW,
+        HAS_DOC,
+        HAS_DROPOUT,
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
-    _store_tile(DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm
-                + tile_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-                dq.to(DQ.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
-
-
-# ---------------------------------------------------------------------------------------------
-# building JIT / interpreter versions on demand
-# ---------------------------------------------------------------------------------------------
-
-_HELPERS = (_row_max, _row_sum, _load_tile, _store_tile, _key_block_bounds, _fwd_inner, _load_row_stats,
-            _tma_descriptor, _bwd_dkdv_inner, _bwd_dq_inner, _key_block_range, _query_block_range,
-            _edge_block, _score_keep, _philox_seed, _dropout_keep, _variant_args)
-_KERNELS = {
-    "fwd": _fwd_kernel,
-    "bwd_dkdv": _bwd_dkdv_kernel,
-    "bwd_dq": _bwd_dq_kernel,
-    "dropout_mask": _dropout_mask_kernel,
-}
-_INTERPRETER_HELPERS = {"_row_max": _row_max_interp, "_row_sum": _row_sum_interp}
-_BUILT: dict = {}
-
-
-def build_kernels(interpret: bool) -> dict:
-    """Return {"fwd", "bwd_dkdv", "bwd_dq", "dropout_mask"} -> launchable kernel, built once per mode.
-
-    interpret=False: `triton.JITFunction`s (GPU); interpret=True: interpreter functions (TRITON_INTERPRET=1,
-    CPU). See `_triton_common.build`.
-    """
-    if interpret not in _BUILT:
-        _BUILT[interpret] = _build(globals(), _HELPERS, _INTERPRETER_HELPERS, _KERNELS, interpret)
-    return _BUILT[interpret]
+    _store_tile(
+        DQ
+        + b * stride_dqb
+        + h * stride_dqh
+        + m0_64 * stride_dqm
+        + tile_m[:, None] * stride_dqm
+        + offs_d[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask_m,
+        mask_d,
+        not EVEN_M,
+        not EVEN_D,
+    )

@@ -1,7 +1,7 @@
 """Offline compile report of the flash kernels for an NVIDIA target -- no GPU needed.
 
 Triton ships ptxas, so the full pipeline (Triton IR -> PTX -> cubin) runs on any machine. For each
-(kernel, dtype, head dim) and its tile config from `kernels.tiles.get_tile_config` (or explicit
+(kernel, dtype, head dim) and its tile config from `kernels.plan.get_tile_config` (or explicit
 blocks), this prints shared memory, registers per thread, spill bytes and whether Hopper wgmma
 is used. Useful to reject configs that spill or exceed shared memory before spending GPU time.
 
@@ -23,14 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .tiles import KERNEL_NAMES, TileConfig, block_d_for, get_tile_config
+from .plan import KERNEL_NAMES, MIN_N, TileConfig, block_d_for, get_tile_config
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "dk_offset", "dv_offset")  # offsets: 0 unless packed
-# the device-side tensor descriptors' extents and coordinate maps (kernels/flash_attn._tma_operand)
+# the device-side tensor descriptors' extents and coordinate maps (kernels/plan.tma_operand)
 _DESC_INTS = (
     "q_rows",
     "q_cols",
@@ -117,7 +117,7 @@ def compile_kernel(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ._triton_kernels import build_kernels
+    from ._launch import kernel_module
 
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
@@ -138,7 +138,7 @@ def compile_kernel(
         )
     if not tma and cfg.no_tma is not None:
         cfg = cfg.no_tma
-    fn = build_kernels(False)[kernel]
+    fn = getattr(kernel_module(False), f"_{kernel}_kernel")
     names = fn.arg_names
     block_d = block_d_for(head_dim)
     aligned = head_dim % 16 == 0
@@ -212,7 +212,7 @@ def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Com
     """Compile the sm_90 Gluon forward (kernels/_gluon_fwd.py) without a GPU, as `fwd_launch`
     launches it; `registers` is the kernel-wide budget (the consumer warpgroups raise theirs to 240 with
     setmaxnreg). Raises ValueError for a head dim other than 64 / 128 or a dtype other than bf16 / fp16
-    (what `_gluon_route.route` sends to it), triton.CompilationError when it does not compile."""
+    (what `plan.plan_fwd` sends to it), triton.CompilationError when it does not compile."""
     return _compile_gluon("fwd", head_dim, dtype)
 
 
@@ -223,8 +223,6 @@ def compile_gluon_bwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> Com
 
 
 def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo:
-    from ._gluon_route import MIN_N
-
     if head_dim not in MIN_N or dtype not in (torch.bfloat16, torch.float16):  # before Gluon is imported
         got = f"d={head_dim}, {dtype}"
         raise ValueError(f"the Gluon kernels take d in {sorted(MIN_N)} and bf16 / fp16, got {got}")
@@ -317,14 +315,14 @@ def compile_decode_kernel(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ._decode_kernels import build_decode_kernels
-    from .flash_decode import _gpu_block_n, _pow2
+    from ._launch import kernel_module
+    from .plan import _pow2, decode_block_n
 
-    fn = build_decode_kernels(False)[kernel]
+    fn = getattr(kernel_module(False, "_decode_kernels"), f"_decode_{kernel}_kernel")
     block_d = _pow2(head_dim)
     values = dict(
         BLOCK_M=_pow2(group * n_q),
-        BLOCK_N=_gpu_block_n(head_dim, dtype) if block_n is None else block_n,
+        BLOCK_N=decode_block_n(head_dim, dtype) if block_n is None else block_n,
         BLOCK_D=block_d,
         BLOCK_S=8,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,

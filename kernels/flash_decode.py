@@ -7,10 +7,10 @@ Inference only (no autograd). In plain eager mode the kernels launch directly; u
 fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_op``, traced into the
 compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
 Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
-tests/test_flash_decode_gpu.py (bf16/fp16 FlashAttention accuracy rule, the triton_op path: passed on the
-H200). GPU tiles (``_gpu_block_n``) and split count (``_choose_splits``) come from H200 sweeps
-(bench/NOTES.md, "Decode tiles", "Decode splits" and "Decode splits, session 13"); the speed figures are in
-bench/results/decode_h200_s13.md (``python -m bench.decode``).
+tests/test_flash_decode.py's cuda params (bf16/fp16 FlashAttention accuracy rule, the triton_op path:
+passed on the H200). GPU tiles (``plan.decode_block_n``) and split count (``plan.decode_splits``) come
+from H200 sweeps (bench/NOTES.md, "Decode tiles", "Decode splits" and "Decode splits, session 13"); the
+speed figures are in bench/results/decode_h200_s13.md (``python -m bench.decode``).
 """
 
 from __future__ import annotations
@@ -19,51 +19,11 @@ import math
 
 import torch
 
-from .flash_attn import (
-    LOG2E,
-    MAX_HEAD_DIM,
-    MIN_HEAD_DIM,
-    SUPPORTED_DTYPES,
-    _cdiv,
-    _device_ctx,
-    _dot_precision,
-    _launcher,
-    _plain_eager_call,
-    check_flash_available,
-    interpret_enabled,
-)
-
-MAX_DECODE_ROWS = 16  # query rows per sequence: all GROUP * Nq rows of a KV head share one tile
-
-
-def _pow2(n: int, low: int = 16) -> int:
-    return max(low, 1 << (max(1, n) - 1).bit_length())
-
-
-def _choose_splits(n_max: int, block_n: int, programs: int, device: torch.device, d: int) -> int:
-    """Key splits per (sequence, KV head), at most one per 4 key tiles and 128 in all.
-
-    GPU, with ``programs`` = B x Hkv (sequence, KV head) pairs and k = 2 programs per SM at d <= 64, 1 above:
-    below the SMs, floor(k x SMs / pairs) splits (batch 1, Hkv 8 on the H200's 132 SMs: 33 at d = 64, 16 at
-    d = 128; batch 16: 2 and 1); from the SMs up, 4 per pair at d <= 64 and 1 above; never a split of fewer
-    than 4 key tiles. From the H200 sweep of session 13 (bench/NOTES.md, "Decode splits, session 13": bf16,
-    Hkv 8, group 4, one query row, K/V cycling through L2-spanning copies, PDL launches), best split counts:
-    d = 64 batch 1: 16 at 8k (4 tiles a split), 33 at 16k and 32k (20.93 us against 21.9 at 16 splits);
-    d = 64 batch 16: 2; d = 128 batch 1: 16; d = 128 batch 16: 1 (121.9 us at 8k against 124.2 at 2);
-    batch 64: 4 at d = 64, 1 at d = 128 (470.2 against 486.8 us at 4). A d = 128 tile moves twice a d = 64
-    one's bytes, so one program per SM already keeps enough in flight. Under the interpreter: 4 programs.
-    """
-    n_blocks = _cdiv(n_max, block_n)
-    programs = max(1, programs)
-    if device.type != "cuda":
-        return max(1, min(n_blocks, 128, _cdiv(4, programs)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = 2 if d <= 64 else 1
-    if programs < sms:
-        want = max(1, per_sm * sms // programs)
-    else:
-        want = 4 if d <= 64 else 1
-    return max(1, min(max(1, n_blocks // 4), 128, want))
+from . import plan as kplan
+from ._launch import LOG2E, dot_precision, kernel_module, launcher
+from ._runtime import check_flash_available, device_ctx, interpret_enabled
+from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call
+from .plan import MAX_DECODE_ROWS
 
 
 def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: bool = True) -> None:
@@ -135,39 +95,9 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
 
 
-def _gpu_block_n(d: int, dtype: torch.dtype) -> int:
-    """Keys per tile of the split kernel on the GPU.
-
-    128 for d <= 128 in bf16/fp16: the H200 tile sweep (bench/NOTES.md, "Decode tiles"; bf16, Hkv 8,
-    group 8, one query row; do_bench_cudagraph) found BLOCK_N = 128 best or within noise of the best in
-    every cell: batch 1, d 64: 9.5 -> 7.8 us at L 8k, 24.5 -> 21.8 us at 32k, 71 -> 66 us at 128k;
-    d 128, L 8k: 13.4 -> 11.1 us
-    (against the 64-key default before; part of the batch-1 gain was the per-call lengths fill that
-    cache_seqlens=None no longer launches); within +-2% at batch 16, already at the copy ceiling. Shared
-    memory is no limit there: 128 keys x d 128 in bf16 compiled and ran with num_stages 2 and 3 (about
-    40 KiB at group 8, 64 KiB at 128 query rows per tile, kernels.compile_report). float32 keeps 64 (not
-    swept; 128 x 128 float32 tiles need about 272 KiB at Triton's default 3 stages, over the 227 KiB an
-    H100/H200 block may use), d > 128 keeps 32 (not swept).
-    """
-    if d > 128:
-        return 32
-    return 64 if dtype == torch.float32 else 128
-
-
-def _block_n(d: int, dtype: torch.dtype) -> int:
-    return 16 if interpret_enabled() else _gpu_block_n(d, dtype)  # interpreter: small, quick CPU tests
-
-
-def _split_layout(n_max: int, num_splits: int, block_n: int) -> tuple[int, int]:
-    """(keys per split, splits) of ``num_splits`` requested splits: a split is a whole number of key
-    tiles, and the count is recomputed from that length so that no split is empty for Nmax."""
-    split_len = _cdiv(_cdiv(n_max, num_splits), block_n) * block_n
-    return split_len, _cdiv(n_max, split_len)
-
-
 def _check_overrides(tile_n, num_warps, num_stages) -> None:
     """``_launch_decode``'s private overrides: a bad one is a clear ValueError here, not a Triton error
-    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``_split_layout``)."""
+    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``plan.split_layout``)."""
 
     def bad(value, low: int, pow2: bool) -> bool:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -181,18 +111,6 @@ def _check_overrides(tile_n, num_warps, num_stages) -> None:
     ):
         if value is not None and bad(value, low, pow2):
             raise ValueError(f"{name} must be {rule} or None, got {value!r}")
-
-
-def _use_pdl(device: torch.device, traced: bool) -> bool:
-    """Whether the split and combine kernels launch with programmatic dependent launch (PDL): on CUDA devices
-    of compute capability >= 9.0 (Hopper), in eager calls (a CUDA-graph capture of them included), not under
-    the interpreter. Each kernel then waits for its predecessor's completion with ``griddepcontrol.wait``
-    before touching memory, so the result is the same; what changes is that its launch overlaps the
-    predecessor's execution. Kept out of traced (torch.compile) launches: Inductor's generated launch code
-    is not known to pass Triton's ``launch_pdl`` option."""
-    if traced or device.type != "cuda" or interpret_enabled():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _launch_decode(
@@ -216,38 +134,27 @@ def _launch_decode(
 
     ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
     of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
-    keeps the automatic tile (``_block_n``) and Triton's defaults (no option passed). ``_pdl``: launch both
-    kernels with programmatic dependent launch (``_use_pdl``); None: the default rule."""
-    from ._decode_kernels import build_decode_kernels
-    from ._triton_kernels import mode_problem
-    from .flash_attn import FlashAttentionUnavailableError
-
+    keeps the automatic tile (``plan.decode_block_n``) and Triton's defaults (no option passed).
+    ``_pdl``: launch both kernels with programmatic dependent launch (``plan.use_pdl``);
+    None: the default rule."""
     _check_overrides(_tile_n, _num_warps, _num_stages)
-    interp = interpret_enabled()
-    problem = mode_problem(interp)
-    if problem is not None:
-        raise FlashAttentionUnavailableError(problem)
-    kernels = build_decode_kernels(interp)
+    kernels = kernel_module(interpret_enabled(), "_decode_kernels")
+    p = kplan.plan_decode(q, k_cache, num_splits, traced, _tile_n, _num_warps, _num_stages, _pdl)
+    (tile,) = p.tiles
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
-    group = Hq // Hkv
-    block_d, block_m = _pow2(d), _pow2(group * Nq)
-    block_n = _block_n(d, q.dtype) if _tile_n is None else _tile_n
-    launch_opts = {
-        name: value
-        for name, value in (("num_warps", _num_warps), ("num_stages", _num_stages))
-        if value is not None
-    }
-    pdl = _use_pdl(q.device, traced) if _pdl is None else bool(_pdl)
+    splits, pdl = p.splits, p.pdl
+    launch_opts = {"num_warps": tile.num_warps} if tile.num_warps else {}
+    if tile.num_stages:
+        launch_opts["num_stages"] = tile.num_stages
     if pdl:
         launch_opts["launch_pdl"] = True
-    split_len, splits = _split_layout(n_max, num_splits, block_n)
     o_part = torch.empty((B, Hq, Nq, splits, d), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, Hq, Nq, splits), dtype=torch.float32, device=q.device)
     o = torch.empty((B, Hq, Nq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
-    with _device_ctx(q):
-        _launcher(kernels["split"], (splits, Hkv, B), traced)(
+    with device_ctx(q):
+        launcher(kernels._decode_split_kernel, (splits, Hkv, B), traced)(
             q,
             k_cache,
             v_cache,
@@ -258,22 +165,22 @@ def _launch_decode(
             *k_cache.stride(),
             *v_cache.stride(),
             Hq,
-            group,
+            Hq // Hkv,
             Nq,
             d,
-            split_len,
+            p.split_len,
             splits,
             n_max,
             scale * LOG2E,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            DOT_PRECISION=_dot_precision(q.dtype),
+            BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n,
+            BLOCK_D=p.block_d,
+            DOT_PRECISION=dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
             USE_PDL=pdl,
             **launch_opts,
         )
-        _launcher(kernels["combine"], (B * Hq * Nq,), traced)(
+        launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
             o_part,
             lse_part,
             o,
@@ -283,8 +190,8 @@ def _launch_decode(
             Nq,
             d,
             splits,
-            BLOCK_S=_pow2(splits, low=2),
-            BLOCK_D=block_d,
+            BLOCK_S=kplan._pow2(splits, low=2),
+            BLOCK_D=p.block_d,
             USE_PDL=pdl,
             **({"launch_pdl": True} if pdl else {}),
         )
@@ -368,10 +275,8 @@ def flash_decode(
             check_lengths=False,  # checked above
         )
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
-    B, Hq, Nq, d = (int(x) for x in q.shape)
-    Hkv, n_max = int(k_cache.shape[1]), int(k_cache.shape[2])
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    splits = num_splits or _choose_splits(n_max, _block_n(d, q.dtype), B * Hkv, q.device, d)
+    scale = 1.0 / math.sqrt(int(q.shape[3])) if softmax_scale is None else float(softmax_scale)
+    splits = num_splits or kplan.decode_num_splits(q, k_cache)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
         cache_seqlens = cache_seqlens.contiguous()

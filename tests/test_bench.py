@@ -792,7 +792,7 @@ def test_throughput_gaps_attribute_idle_time_to_the_launching_host_op(tmp_path, 
 def test_tune_records_of_default_tiles_are_json():
     """bench.tune writes every tile config it times into JSON lines, including defaults that carry a `no_tma`
     alternative (the d = 128 dK/dV tile); a nested TileConfig must not break the record."""
-    from kernels.tiles import KERNEL_NAMES, TileConfig, get_tile_config
+    from kernels.plan import KERNEL_NAMES, TileConfig, get_tile_config
 
     for kernel, d, dtype in np.ndindex(len(KERNEL_NAMES), 2, 3):
         dt = (torch.float16, torch.bfloat16, torch.float32)[dtype]
@@ -810,7 +810,7 @@ def test_tune_records_of_default_tiles_are_json():
 
 def test_tune_plan_syntax():
     """Plan syntax of the interleaved A/B mode (`bench.tune --plans`)."""
-    from kernels.tiles import TileConfig
+    from kernels.plan import TileConfig
 
     assert tune.parse_plan("default") == {} and tune.parse_plan("provider:flex") == {"provider": "flex"}
     want = {"bwd_dkdv": TileConfig(64, 64, 4, 2, tma=True), "bwd_dq": TileConfig(128, 64, 8, 3)}
@@ -836,8 +836,8 @@ def test_bench_uses_only_public_kernel_names_but_the_decode_tile_search():
                 private |= {(path.name, a.name, None) for a in node.names if a.name.startswith("kernels.")}
     assert private == {
         ("common.py", "kernels.reference", "chunked_causal_reference"),
-        ("attention.py", "kernels._gluon_route", "MIN_N"),
-        ("attention.py", "kernels._gluon_route", "MIN_N_BWD"),
+        ("attention.py", "kernels.plan", "MIN_N"),
+        ("attention.py", "kernels.plan", "MIN_N_BWD"),
     }, private
     tree = ast.parse((REPO / "bench" / "tune.py").read_text())
     used = {
@@ -845,7 +845,7 @@ def test_bench_uses_only_public_kernel_names_but_the_decode_tile_search():
         for n in ast.walk(tree)
         if isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.endswith("__")
     }
-    assert used == {"_launch_decode", "_block_n", "_choose_splits", "_split_layout"}, used
+    assert used == {"_launch_decode"}, used
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 from bench import common, decode, tune  # noqa: E402
+from kernels import plan as kplan  # noqa: E402
 
 TINY = "--dry-run --dims 16 --groups 4 --kv-heads 2 --prompt-len 4 --new-tokens 3".split()
 
@@ -142,7 +143,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
     every tile gives the float64 result to fp32 tolerance."""
     fd = importlib.import_module("kernels.flash_decode")  # the module: the package exports the function
     launches = []
-    real_launcher = fd._launcher
+    real_launcher = fd.launcher
 
     def spy(kernel, grid, traced):
         run = real_launcher(kernel, grid, traced)
@@ -153,21 +154,21 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
 
         return call
 
-    monkeypatch.setattr(fd, "_launcher", spy)
+    monkeypatch.setattr(fd, "launcher", spy)
     q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 100, 16), torch.randn(2, 2, 100, 16)
     ref = _reference64(q, k, v)
     for bn in (16, 32, 64):
         launches.clear()
         o, _ = fd._launch_decode(q, k, v, None, 0.25, 3, _tile_n=bn, _num_warps=8, _num_stages=3)
         (grid, kw), (_, combine_kw) = launches
-        split_len, splits = fd._split_layout(100, 3, bn)
+        split_len, splits = kplan.split_layout(100, 3, bn)
         assert kw["BLOCK_N"] == bn and kw["num_warps"] == 8 and kw["num_stages"] == 3, kw
         assert grid == (splits, 2, 2) and combine_kw["BLOCK_S"] >= splits and split_len % bn == 0
         torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=0, msg=f"block_n={bn} seed={seed}")
     launches.clear()
     fd._launch_decode(q, k, v, None, 0.25, 3)  # no override: the interpreter's tile, Triton's options
     assert launches[0][1]["BLOCK_N"] == 16 and "num_warps" not in launches[0][1]
-    assert fd._split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
+    assert kplan.split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
 
 
 def test_decode_tile_search_dry_run(tmp_path):

@@ -27,11 +27,12 @@ def _compiled_triton(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from kernels import _triton_kernels
+    from kernels import _launch
 
-    problem = _triton_kernels.mode_problem(False)
-    if problem is not None:
-        pytest.skip(problem)
+    try:
+        _launch.kernel_module(False)
+    except _launch.FlashAttentionUnavailableError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(autouse=True)
@@ -301,8 +302,8 @@ def test_tma_backward_bitwise_gpu(seed, split_bwd, layout, Hq, Hkv, N, d):
     """Tensor-descriptor (TMA) loads in the compiled backward: same tiles, so bitwise-identical gradients
     to the pointer loads, for contiguous heads with GQA and for the trainer's fused-qkv layout (N a
     multiple of the blocks: the launcher's condition for TMA)."""
-    from kernels import flash_attn as fa
-    from kernels.tiles import override_tile_config
+    from kernels import override_tile_config
+    from kernels.plan import tma_operand
 
     B = 2
     q, k, v, do = make_inputs(seed, B, Hq, Hkv, N, N, d, BF16)
@@ -310,7 +311,7 @@ def test_tma_backward_bitwise_gpu(seed, split_bwd, layout, Hq, Hkv, N, d):
         qkv = torch.cat([t.transpose(1, 2).reshape(B, N, -1) for t in (q, k, v)], dim=2)
         q, k, v = (x.view(B, N, -1, d).transpose(1, 2) for x in qkv.split([Hq * d, Hkv * d, Hkv * d], 2))
     for t in (q, k, v):
-        assert fa._tma_operand(t, d) is not None
+        assert tma_operand(t, d) is not None
     with override_tile_config(tma=True):
         tma = flash_with_grads(q, k, v, do, True)
     with override_tile_config(tma=False):
@@ -325,7 +326,7 @@ def test_tma_neighbour_non_finite_does_not_leak_gpu(seed, which, N):
     """Default tiles (TMA where chosen): a NaN/inf in head 1 must not reach head 0 (with N not a multiple of
     the blocks a descriptor would read head 1's rows past N; the launcher then uses pointer loads); head 0
     equals the pointer-load result bitwise."""
-    from kernels.tiles import override_tile_config
+    from kernels import override_tile_config
 
     q, k, v, do = make_inputs(seed, 2, 4, 4, N, N, 64, BF16)
     t = dict(q=q, k=k, v=v, do=do)[which]

@@ -37,12 +37,14 @@ import kernels  # noqa: E402
 from kernels import (  # noqa: E402
     FlashAttentionUnavailableError,
     TileConfig,
+    _launch,  # noqa: E402
     check_flash_available,
     flash_attention,
     get_tile_config,
     override_tile_config,
 )
 from kernels import flash_attn as fa  # noqa: E402
+from kernels import plan as kplan  # noqa: E402
 from kernels.reference import attention_reference  # noqa: E402
 
 if _PREVIOUS_INTERPRET is None:
@@ -196,14 +198,15 @@ def test_strided_fused_qkv_no_copy(seed, monkeypatch, dtype, Hq, Hkv):
         )
 
     copies = []
-    real = fa._unit_last_stride
+    real = _launch.unit_last_stride
 
     def spy(t):
         out = real(t)
         copies.append(out is not t)
         return out
 
-    monkeypatch.setattr(fa, "_unit_last_stride", spy)
+    monkeypatch.setattr(_launch, "unit_last_stride", spy)
+    monkeypatch.setattr(fa, "unit_last_stride", spy)
     xf = x.detach().clone().requires_grad_()
     q, k, v = split(xf)
     assert not q.is_contiguous() and not k.is_contiguous()
@@ -397,7 +400,7 @@ ERROR_CASES = [
 @pytest.mark.parametrize("name,make,kwargs,exc,match", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
 def test_errors(monkeypatch, name, make, kwargs, exc, match):
     launched = []
-    monkeypatch.setattr(fa, "_kernels", lambda interp: launched.append(interp))
+    monkeypatch.setattr(_launch, "kernel_module", lambda *a: launched.append(a))
     with pytest.raises(exc, match=match):
         flash_attention(*make(), **kwargs)
     assert not launched, "a kernel was launched before validation failed"
@@ -453,10 +456,10 @@ def test_compiled_mode_after_interpreter_import_is_a_clear_error():
     code = (
         "import os, triton, triton.language\n"
         "del os.environ['TRITON_INTERPRET']\n"
-        "from kernels import flash_attn as fa\n"
+        "from kernels import _launch\n"
         "try:\n"
-        "    fa._kernels(False)\n"
-        "except fa.FlashAttentionUnavailableError as err:\n"
+        "    _launch.kernel_module(False)\n"
+        "except _launch.FlashAttentionUnavailableError as err:\n"
         "    assert 'TRITON_INTERPRET' in str(err), err\n"
         "    print('ok')\n"
     )
@@ -698,7 +701,7 @@ def test_public_api_exports():
 
 
 def _qkv_layout(seed, layout, B, Hq, Hkv, Nq, Nk, d, dtype):
-    """q, k, v, dO in one of the layouts `_tma_operand` addresses: "bhnd" (contiguous heads) or "fused"
+    """q, k, v, dO in one of the layouts `plan.tma_operand` addresses: "bhnd" (contiguous heads) or "fused"
     ((B, N, H, d) memory of a fused qkv projection viewed as (B, H, N, d), Nq == Nk)."""
     q, k, v, do = make_inputs(seed, B, Hq, Hkv, Nq, Nk, d, dtype)
     if layout == "fused":
@@ -715,11 +718,11 @@ def test_tma_backward_equals_pointer_loads_bitwise(seed, monkeypatch, layout, Nq
     """The tensor-descriptor (TMA) loads of the backward move the same tiles as the pointer loads, so
     the gradients are bitwise identical; rows past the sequence end (another head's data through the
     descriptor) must not leak in. GQA (Hq=4, Hkv=2), Nq != Nk, both layouts the trainer and the
-    benchmark use; and the TMA path must really be taken (spy on `_tma_operand`)."""
+    benchmark use; and the TMA path must really be taken (spy on `plan.tma_operand`)."""
     q, k, v, do = _qkv_layout(seed, layout, 2, 4, 2, Nq, Nk, 32, F16)
     taken = []
-    real = fa._tma_operand
-    monkeypatch.setattr(fa, "_tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = kplan.tma_operand
+    monkeypatch.setattr(kplan, "tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
     with override_tile_config(tma=True):
         tma = run_flash(q, k, v, do, causal)
     assert len(taken) == 4 and all(t is not None for t in taken), "TMA path not taken"
@@ -749,21 +752,21 @@ def test_tma_operand_refuses_what_it_cannot_address():
     """Layouts and dtypes a 2-D descriptor cannot address fall back to pointer loads (None), and the
     row/column map of the two supported layouts addresses the right elements."""
     t = torch.randn(2, 3, 40, 32, dtype=F16)
-    rows, cols, rb, rh, ch = fa._tma_operand(t, 32)
+    rows, cols, rb, rh, ch = kplan.tma_operand(t, 32)
     assert (rows, cols, rb, rh, ch) == (2 * 3 * 40, 32, 3 * 40, 40, 0)
     fused = torch.randn(2, 40, 3 * 3 * 32, dtype=F16)[..., : 3 * 32].view(2, 40, 3, 32).transpose(1, 2)
-    rows, cols, rb, rh, ch = fa._tma_operand(fused, 32)
+    rows, cols, rb, rh, ch = kplan.tma_operand(fused, 32)
     assert (rows, cols, rb, rh, ch) == (2 * 40, 3 * 32, 40, 0, 32)
     for x in (t, fused):  # element (b, h, n, :) sits at descriptor row b*rb + h*rh + n, column h*ch
-        rows, cols, rb, rh, ch = fa._tma_operand(x, 32)
+        rows, cols, rb, rh, ch = kplan.tma_operand(x, 32)
         flat = x.as_strided((rows, cols), (x.stride(2), 1))  # what the kernel's descriptor spans
         for b, h, n in ((1, 2, 7), (0, 1, 39), (1, 0, 0)):
             assert torch.equal(flat[b * rb + h * rh + n, h * ch : h * ch + 32], x[b, h, n])
-    assert fa._tma_operand(t.float(), 32) is None  # not a 16-bit dtype
-    assert fa._tma_operand(t[..., :24], 32) is None  # d != BLOCK_D (padded head dim)
-    assert fa._tma_operand(t.transpose(0, 1), 32) is None  # heads outermost: no 2-D map
+    assert kplan.tma_operand(t.float(), 32) is None  # not a 16-bit dtype
+    assert kplan.tma_operand(t[..., :24], 32) is None  # d != BLOCK_D (padded head dim)
+    assert kplan.tma_operand(t.transpose(0, 1), 32) is None  # heads outermost: no 2-D map
     odd = torch.randn(2 * 3 * 40 * 32 + 1, dtype=F16)[1:].view(2, 3, 40, 32)
-    assert fa._tma_operand(odd, 32) is None  # first element not 16-byte aligned
+    assert kplan.tma_operand(odd, 32) is None  # first element not 16-byte aligned
 
 
 def test_tma_default_and_override(seed, monkeypatch):
@@ -771,8 +774,8 @@ def test_tma_default_and_override(seed, monkeypatch):
     on or off (and validates its argument)."""
     q, k, v, do = make_inputs(seed, 1, 2, 2, 48, 48, 32, F16)
     taken = []
-    real = fa._tma_operand
-    monkeypatch.setattr(fa, "_tma_operand", lambda t, bd: taken.append(t.shape[2]) or real(t, bd))
+    real = kplan.tma_operand
+    monkeypatch.setattr(kplan, "tma_operand", lambda t, bd: taken.append(t.shape[2]) or real(t, bd))
     with override_tile_config(
         bwd_dkdv=TileConfig(16, 32, 4, 1, tma=False), bwd_dq=TileConfig(32, 16, 4, 1, tma=True)
     ):
@@ -797,20 +800,15 @@ def test_no_tma_alternative_tile(seed, monkeypatch, N):
     backward); the results match the float64 reference either way."""
     q, k, v, do = make_inputs(seed, 1, 2, 2, N, N, 32, F16)
     launched = []
-    real = fa._kernels
+    real = kplan.plan_bwd
 
-    class _Spy:
-        def __init__(self, name, kern):
-            self.name, self.kern = name, kern
+    def spy(*args):  # the tiles the backward launches: its plan's (dQ, then dK/dV)
+        p = real(*args)
+        for name, c in zip(("bwd_dq", "bwd_dkdv"), p.tiles, strict=True):
+            launched.append((name, c.block_m, c.block_n))
+        return p
 
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append((self.name, kw["BLOCK_M"], kw["BLOCK_N"]))
-                return self.kern[grid](*args, **kw)
-
-            return launch
-
-    monkeypatch.setattr(fa, "_kernels", lambda interp: {n: _Spy(n, kk) for n, kk in real(interp).items()})
+    monkeypatch.setattr(kplan, "plan_bwd", spy)
     ref = run_reference(q, k, v, do, True, 32**-0.5)
     tile = TileConfig(16, 32, 4, 1, tma=True, no_tma=TileConfig(32, 16, 4, 1))
     dq_tile = TileConfig(32, 16, 4, 1, tma=True, no_tma=TileConfig(16, 16, 4, 1))
@@ -849,8 +847,8 @@ def test_tma_rows_past_the_end_do_not_leak_non_finite_values(seed, monkeypatch, 
             poisoned[1] = float("nan")
     keep = (slice(None), 0) if layout == "bhnd" else (0,)
     taken = []
-    real = fa._tma_operand
-    monkeypatch.setattr(fa, "_tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
+    real = kplan.tma_operand
+    monkeypatch.setattr(kplan, "tma_operand", lambda *a: taken.append(real(*a)) or taken[-1])
     results = {}
     for tma in (True, False):
         with override_tile_config(tma=tma):

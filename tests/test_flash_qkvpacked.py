@@ -1,25 +1,29 @@
-"""CPU tests of `flash_attention_qkvpacked` (kernels/flash_qkvpacked.py), under the Triton interpreter (the
-import order of tests/test_flash_kernel.py: TRITON_INTERPRET before triton). The model's packed call,
+"""`flash_attention_qkvpacked` (kernels/flash_attn.py): one grid over {interpreter, cuda} (small shapes under
+the Triton interpreter on the CPU, the training shapes on the GPU). The model's packed call,
 `model.attention.attention(qkv=...)`, is tested in tests/test_model.py.
 
 The packed entry point runs the launchers of `flash_attention` on views of qkv and writes the gradients into
-one d(qkv) buffer, so outputs and gradients must equal the separate path bit for bit; they are also checked
-against the float64 reference. Fresh seeded inputs per test (the seed is printed on failure).
+one d(qkv) buffer, so outputs and gradients must equal the separate path bit for bit. Accuracy: against the
+float64 reference under the interpreter; on the GPU the FlashAttention rule, err <= 2 * err_pt + 1e-5 against
+a float32 reference (err_pt: PyTorch attention in the input dtype). Fresh seeded inputs per test (the seed
+is printed on failure).
 """
 
 import os
+import re
 
 import torch
 
 _PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / kernels (see test_flash_kernel.py)
+    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / kernels (see tests/kernel_modes.py)
 
 import pytest  # noqa: E402
 import triton  # noqa: E402, F401
+from kernel_modes import DEVICES, enter  # noqa: E402
 
 from kernels import flash_attention, flash_attention_qkvpacked  # noqa: E402
-from kernels import flash_qkvpacked as fp  # noqa: E402
+from kernels import flash_attn as fa  # noqa: E402
 from kernels.reference import attention_reference  # noqa: E402
 
 if _PREVIOUS_INTERPRET is None:
@@ -28,22 +32,24 @@ else:
     os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # max|ours - ref| / max(max|ref|, 1)
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}  # interpreter: max|ours - ref| / max(max|ref|, 1)
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
 
-@pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.fixture
+def interpreter(monkeypatch):
+    """The tests below the grid: interpreter only."""
+    enter("interpreter", monkeypatch)
 
 
 def _views(qkv):
     return tuple(t.transpose(1, 2) for t in qkv.unbind(2))
 
 
-def _packed(seed, B, N, H, d, dtype):
-    g = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(B, N, 3, H, d, generator=g).to(dtype)
-    do = torch.randn(B, N, H, d, generator=g).to(dtype)
+def _packed(seed, B, N, H, d, dtype, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    qkv = torch.randn(B, N, 3, H, d, generator=g, device=device, dtype=dtype)
+    do = torch.randn(B, N, H, d, generator=g, device=device, dtype=dtype)
     return qkv, do
 
 
@@ -61,31 +67,116 @@ def _run_separate(qkv, do, **kw):
     return o.transpose(1, 2).detach(), lse, x.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("causal,N", [(True, 48), (False, 37), (True, 33)])
-def test_packed_equals_separate_bitwise(seed, dtype, causal, N):
-    """o, lse and d(qkv) equal flash_attention on the three views bit for bit; d(qkv) is contiguous."""
-    qkv, do = _packed(seed, 2, N, 3, 16, dtype)
+def _check_accuracy(seed, device, qkv, do, o, lse, dqkv, causal, what):
+    """Interpreter: float64 reference within TOL. CUDA: the FlashAttention rule on o and the three slices."""
+    if device == "interpreter":
+        x = qkv.double().requires_grad_()
+        ref_o, ref_lse = attention_reference(*_views(x), causal=causal)
+        ref_o.transpose(1, 2).backward(do.double())
+        tol = TOL[qkv.dtype]
+        for name, a, r in (("o", o, ref_o.transpose(1, 2)), ("lse", lse, ref_lse), ("dqkv", dqkv, x.grad)):
+            err = ((a.double() - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
+            assert err <= tol, f"seed={seed} {what}: {name} relative error {err:.3g} > {tol}"
+        return
+    from test_flash_gpu import assert_fa_rule, naive_chunked
+
+    q, k, v = _views(qkv)
+    dob = do.transpose(1, 2)
+    scale = q.shape[-1] ** -0.5
+    ref = naive_chunked(q.float(), k.float(), v.float(), dob.float(), causal, scale, torch.float32)
+    low = naive_chunked(q, k, v, dob, causal, scale, qkv.dtype)
+    dq, dk, dv = _views(dqkv)
+    assert_fa_rule(seed, (o.transpose(1, 2), dq, dk, dv), low, ref, what)
+
+
+# (device, dtype, B, N, H, d, causal): small shapes under the interpreter; on the GPU the training shape,
+# d = 128, ragged N (pointer loads) and an odd d
+CASES = [
+    *(pytest.param("interpreter", dt, 2, n, 3, 16, c) for dt in (F32, F16)
+      for c, n in ((True, 48), (False, 37), (True, 33))),
+    *(pytest.param("interpreter", dt, 2, 40, 2, 32, True) for dt in (F32, F16)),
+    *(pytest.param("cuda", *case, True, marks=pytest.mark.gpu) for case in (
+        (BF16, 4, 1024, 12, 64), (F16, 2, 2048, 4, 128), (BF16, 3, 1000, 4, 64), (BF16, 1, 777, 2, 80))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device,dtype,B,N,H,d,causal", CASES)
+def test_packed_equals_separate_and_is_accurate(seed, monkeypatch, device, dtype, B, N, H, d, causal):
+    """o, lse and d(qkv) equal flash_attention on the three views bit for bit (TMA and pointer-load tiles
+    alike; the split backward: the one-pass Gluon one's dq has no fixed summation order,
+    tests/test_gluon_bwd_gpu.py); o and d(qkv) are contiguous; and they pass the accuracy check."""
+    dev = enter(device, monkeypatch)
+    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "0")
+    qkv, do = _packed(seed, B, N, H, d, dtype, dev)
     packed = _run_packed(qkv, do, causal=causal)
     separate = _run_separate(qkv, do, causal=causal)
     for name, a, b in zip(("o", "lse", "dqkv"), packed, separate, strict=True):
         assert torch.equal(a, b), f"seed={seed}: packed {name} differs from the separate path"
     assert packed[0].is_contiguous() and packed[2].is_contiguous()
-    assert packed[0].shape == (2, N, 3, 16) and packed[2].shape == qkv.shape
+    assert packed[0].shape == (B, N, H, d) and packed[2].shape == qkv.shape
+    _check_accuracy(seed, device, qkv, do, *packed, causal, f"packed {device} {dtype} N={N} d={d}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_packed_matches_float64_reference(seed, dtype):
-    """Against the float64 reference on the upcast views: output, lse and the three gradient slices."""
-    qkv, do = _packed(seed, 2, 40, 2, 32, dtype)
-    o, lse, dqkv = _run_packed(qkv, do)
-    x = qkv.double().requires_grad_()
-    ref_o, ref_lse = attention_reference(*_views(x), causal=True)
-    ref_o.transpose(1, 2).backward(do.double())
-    tol = TOL[dtype]
-    for name, a, r in (("o", o, ref_o.transpose(1, 2)), ("lse", lse, ref_lse), ("dqkv", dqkv, x.grad)):
-        err = ((a.double() - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
-        assert err <= tol, f"seed={seed} {dtype}: {name} relative error {err:.3g} > {tol}"
+def _kernel_names(code: str) -> list[str]:
+    return re.findall(r"def (triton_\w+|_\w+_kernel)\(", code)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_compiled_equals_eager(seed, monkeypatch, device):
+    """torch.compile(fullgraph=True) traces the packed op without graph breaks and gives eager's bits. On the
+    CPU the op is opaque (fake implementation); on CUDA the generated code launches our kernels and holds no
+    cat / stack / scatter kernel, where the separate path concatenates dq, dk, dv (checked, so the test can
+    fail)."""
+    dev = enter(device, monkeypatch)
+    shape, dtype = ((1, 32, 2, 16), F32) if device == "interpreter" else ((4, 1024, 12, 64), BF16)
+    qkv, do = _packed(seed, *shape, dtype, dev)
+
+    def run(fn):
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: (fn(x).float() * do.float()).sum(), fullgraph=True)
+        x = qkv.detach().clone().requires_grad_()
+        f(x).backward()
+        return x.grad
+
+    eager = _run_packed(qkv, do)
+    if device == "interpreter":
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: flash_attention_qkvpacked(x), fullgraph=True)
+        x = qkv.clone().requires_grad_()
+        o = f(x)
+        o.backward(do)
+        assert torch.equal(o.detach(), eager[0]) and torch.equal(x.grad, eager[2]), f"seed={seed}"
+        return
+    from torch._inductor.utils import run_and_get_code
+
+    grad, codes = run_and_get_code(run, flash_attention_qkvpacked)
+    names = _kernel_names("\n".join(codes))
+    for kernel in ("_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"):
+        assert kernel in names, f"{kernel} not in the generated code: {names}"
+    copies = [n for n in names if re.search("cat|stack|scatter", n)]
+    assert not copies, f"packed graph copies d(qkv): {copies}"
+    _, codes = run_and_get_code(run, lambda x: flash_attention(*_views(x)).transpose(1, 2))
+    assert [n for n in _kernel_names("\n".join(codes)) if re.search("cat|stack", n)], "separate: no concat?"
+    assert torch.equal(grad, eager[2]), f"seed={seed}: compiled d(qkv) differs from eager"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_ops_opcheck(seed, monkeypatch, device):
+    """torch.library.opcheck of the packed ops (the interpreter's custom ops, CUDA's triton ops): schema,
+    fake implementation, autograd registration."""
+    dev = enter(device, monkeypatch)
+    shape, dtype = ((1, 16, 2, 16), F32) if device == "interpreter" else ((1, 256, 4, 64), BF16)
+    qkv, do = _packed(seed, *shape, dtype, dev)
+    fwd, bwd = (
+        (fa.PACKED.fwd_cpu, fa.PACKED.bwd_cpu) if device == "interpreter" else (fa.PACKED.fwd, fa.PACKED.bwd)
+    )
+    scale = shape[-1] ** -0.5
+    torch.library.opcheck(fwd, (qkv.clone().requires_grad_(), True, scale))
+    o, lse = fwd(qkv, True, scale)
+    torch.library.opcheck(bwd, (do, qkv, o, lse, True, scale))
+
+
+# ---------------------------------------------------------- interpreter only: variants, layouts, errors
 
 
 @pytest.mark.parametrize(
@@ -97,7 +188,7 @@ def test_packed_matches_float64_reference(seed, dtype):
     ],
     ids=["window", "documents", "dropout"],
 )
-def test_packed_variants_equal_separate(seed, variant):
+def test_packed_variants_equal_separate(seed, interpreter, variant):
     """Sliding window, document mask and dropout (same seed): the packed path equals the separate one."""
     qkv, do = _packed(seed, 2, 40, 2, 16, torch.float32)
     kw = dict(variant)
@@ -109,7 +200,7 @@ def test_packed_variants_equal_separate(seed, variant):
         assert torch.equal(a, b), f"seed={seed} {variant}: packed {name} differs from the separate path"
 
 
-def test_packed_strided_inputs(seed):
+def test_packed_strided_inputs(seed, interpreter):
     """A qkv view with padding between rows (any strides) and one with a non-unit last stride (copied)."""
     qkv, do = _packed(seed, 2, 24, 2, 16, torch.float32)
     wide = torch.zeros(2, 24, 3, 2, 20)
@@ -121,28 +212,6 @@ def test_packed_strided_inputs(seed):
         got = _run_packed(x, do)
         for what, a, b in zip(("o", "lse", "dqkv"), got, want, strict=True):
             assert torch.equal(a, b), f"seed={seed} {name}: {what} differs"
-
-
-def test_packed_compiled_equals_eager(seed):
-    """torch.compile(fullgraph=True) traces the opaque CPU op (fake implementation) without graph breaks and
-    gives eager's bits."""
-    qkv, do = _packed(seed, 1, 32, 2, 16, torch.float32)
-    torch._dynamo.reset()
-    f = torch.compile(lambda x: flash_attention_qkvpacked(x), fullgraph=True)
-    x = qkv.clone().requires_grad_()
-    o = f(x)
-    o.backward(do)
-    eager = _run_packed(qkv, do)
-    assert torch.equal(o.detach(), eager[0]) and torch.equal(x.grad, eager[2]), f"seed={seed}"
-
-
-def test_packed_ops_opcheck(seed):
-    """torch.library.opcheck of the interpreter ops: schema, fake implementation, autograd registration."""
-    qkv, do = _packed(seed, 1, 16, 2, 16, torch.float32)
-    x = qkv.clone().requires_grad_()
-    torch.library.opcheck(fp.fwd_op_cpu, (x, True, 0.25))
-    o, lse = fp.fwd_op_cpu(qkv, True, 0.25)
-    torch.library.opcheck(fp.bwd_op_cpu, (do, qkv, o, lse, True, 0.25))
 
 
 @pytest.mark.parametrize(
@@ -158,7 +227,7 @@ def test_packed_ops_opcheck(seed):
         ("det", TypeError, "deterministic must be a bool"),
     ],
 )
-def test_packed_bad_input(bad, err, match):
+def test_packed_bad_input(interpreter, bad, err, match):
     """Bad input raises a clear error naming qkv before any launch."""
     kw = {}
     if bad == "list":

@@ -377,11 +377,12 @@ def _gpu_ready(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    from kernels import _triton_kernels
+    from kernels import _launch
 
-    problem = _triton_kernels.mode_problem(False)
-    if problem is not None:
-        pytest.skip(problem)
+    try:
+        _launch.kernel_module(False)
+    except _launch.FlashAttentionUnavailableError as e:
+        pytest.skip(str(e))
     torch.set_float32_matmul_precision("highest")
 
 

@@ -119,7 +119,8 @@ def test_route_bwd_gpu(seed, launches, monkeypatch):
     """auto: N >= MIN_N_BWD[d] only; never GQA, N not a multiple of 128, deterministic=True,
     torch.use_deterministic_algorithms(True) or FLASHGPT_GLUON_BWD=0; a bad value is a ValueError naming
     it."""
-    from kernels import _gluon_route, flash_attention
+    from kernels import flash_attention
+    from kernels import plan as _gluon_route
 
     monkeypatch.setenv("FLASHGPT_GLUON_BWD", "auto")
     for d, n_min in _gluon_route.MIN_N_BWD.items():
@@ -233,12 +234,13 @@ def test_compiled_packed_graph_calls_the_packed_op_gpu(seed):
 
 
 def test_gluon_bwd_ops_opcheck_gpu(seed):
-    from kernels import _gluon_bwd, _gluon_route
+    from kernels import _gluon_bwd
     from kernels import flash_attn as fa
+    from kernels import plan as _gluon_route
 
     q, k, v, do = make_inputs(seed, 1, 2, 2, 256, 256, 64, BF16)
-    o, lse = fa._launch_fwd(q, k, v, True, 0.125)
-    assert _gluon_route.route_bwd(do, q, k, v, o, True, 0.125, 0, None, 0.0, False)
+    o, lse = fa.launch_fwd(q, k, v, True, 0.125)
+    assert _gluon_route.plan_bwd(do, q, k, v, o, True, 0.125, 0, None, 0.0, False).backend == "gluon"
     # dq's summation order varies: opcheck compares outputs, so only the schema / fake / dispatch checks
     tests = ("test_schema", "test_faketensor", "test_autograd_registration")
     torch.library.opcheck(_gluon_bwd.backward, (do, q, k, v, o, lse, None, 0.125), test_utils=tests)

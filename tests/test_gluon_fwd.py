@@ -64,25 +64,27 @@ def test_serialization_warnings_are_recognised():
 
 
 def test_route_off_the_gpu_and_bad_mode(monkeypatch):
-    from kernels import _gluon_route
+    from kernels import plan as _gluon_route
 
     q = torch.randn(1, 2, 8192, 128, dtype=torch.bfloat16)
     monkeypatch.setenv(_gluon_route.ENV, "1")
-    assert not _gluon_route.route(q, q, q, True, 0.125, 0, None, 0.0)  # CPU tensors: never
+    # CPU tensors: never
+    assert _gluon_route.plan_fwd(q, q, q, True, 0.125, 0, None, 0.0).backend == "triton"
     monkeypatch.setenv(_gluon_route.ENV, "on")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_FWD='on'"):
-        _gluon_route.route(q, q, q, True, 0.125, 0, None, 0.0)
+        _gluon_route.plan_fwd(q, q, q, True, 0.125, 0, None, 0.0)
 
 
 def test_route_bwd_off_the_gpu_and_bad_mode(monkeypatch):
-    from kernels import _gluon_route
+    from kernels import plan as _gluon_route
 
     q = torch.randn(1, 2, 8192, 64, dtype=torch.bfloat16)
     monkeypatch.setenv(_gluon_route.ENV_BWD, "1")
-    assert not _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False)  # CPU: never
+    # CPU: never
+    assert _gluon_route.plan_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False).backend == "triton"
     monkeypatch.setenv(_gluon_route.ENV_BWD, "fast")
     with pytest.raises(ValueError, match="FLASHGPT_GLUON_BWD='fast'"):
-        _gluon_route.route_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False)
+        _gluon_route.plan_bwd(q, q, q, q, q, True, 0.125, 0, None, 0.0, False)
     monkeypatch.setenv(_gluon_route.ENV_BWD, "auto")
     assert _gluon_route.mode(_gluon_route.ENV_BWD) == "auto" and _gluon_route.mode() == "auto"
 
@@ -92,13 +94,14 @@ def test_importing_the_route_imports_no_triton():
     import subprocess
     import sys
 
-    code = "import sys, kernels._gluon_route; print('triton.experimental.gluon' in sys.modules)"
+    code = "import sys, kernels.plan; print('triton.experimental.gluon' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_tma_operand_rule():
-    from kernels._gluon_route import _span, _tma_ok
+    from kernels.plan import _span
+    from kernels.plan import gluon_operand_ok as _tma_ok
 
     x = torch.randn(2, 4, 64, 3 * 64, dtype=torch.bfloat16)
     assert _tma_ok(x[..., :64]) and _tma_ok(x[..., 64:128])  # offsets of 128 bytes

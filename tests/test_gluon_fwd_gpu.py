@@ -104,7 +104,8 @@ def test_route_gpu(seed, launches, monkeypatch):
     """auto: N >= MIN_N[d] only; never non-causal, Nq != Nk, d outside 64 / 128, float32, a variant, a
     softmax_scale <= 0, an expanded q, or FLASHGPT_GLUON_FWD=0; a bad value of the variable is a ValueError
     naming it."""
-    from kernels import _gluon_route, flash_attention
+    from kernels import flash_attention
+    from kernels import plan as _gluon_route
     from kernels.reference import attention_reference
 
     monkeypatch.setenv("FLASHGPT_GLUON_FWD", "auto")
@@ -172,8 +173,8 @@ def test_compiled_graph_calls_the_gluon_op_gpu(seed, mode):
 
 
 def test_gluon_op_opcheck_gpu(seed):
-    from kernels import _gluon_route
+    from kernels import plan as _gluon_route
 
     q, k, v, _ = make_inputs(seed, 1, 4, 2, 256, 256, 64, BF16)
-    assert _gluon_route.route(q, k, v, True, 0.125, 0, None, 0.0)
+    assert _gluon_route.plan_fwd(q, k, v, True, 0.125, 0, None, 0.0).backend == "gluon"
     torch.library.opcheck(torch.ops.flashgpt.flash_attn_fwd_sm90.default, (q, k, v, 0.125))

@@ -321,6 +321,7 @@ class Setup:
             torch.cuda.get_device_name(self.device) if plan.device_type == "cuda" else None
         )
         self.backend_ran = self._backend_that_ran()
+        self.kernel_plan = self._kernel_plan()  # attention=flash: which kernels run (kernels/plan.py)
 
     def _start_logging(self, state: dict | None) -> None:
         """config.resolved.yaml, W&B, the running summary and the start-up lines."""
@@ -356,6 +357,7 @@ class Setup:
                 "status": "running",
                 "attention": cfg.attention.name,
                 "attention/backend_ran": self.backend_ran,
+                **({"attention/kernels": self.kernel_plan} if self.kernel_plan else {}),
                 "seq_len": int(cfg.seq_len),
                 "steps": self.step,
                 "max_steps": int(cfg.max_steps),
@@ -378,6 +380,8 @@ class Setup:
             f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
             f"out_dir={self.out_dir}"
         )
+        if self.kernel_plan:
+            self.say(f"attention/kernels: {self.kernel_plan}")
         for note in plan.notes:
             self.say(note)
         if self.device.type == "cpu" and d.is_main and d_["n_params"] >= progress.CPU_WARN_PARAMS:
@@ -411,6 +415,20 @@ class Setup:
             )
             if self.resume_notes:
                 self.log.update_config({"resume_notes": self.resume_notes})
+
+    def _kernel_plan(self) -> str | None:
+        """attention=flash: one line naming the forward, backward and decode kernels of this run's shapes
+        (``kernels.describe_plan``); None for the other backends."""
+        if self.cfg.attention.name != "flash":
+            return None
+        from kernels import describe_plan
+
+        g = self.gpt_config
+        dtype = torch.bfloat16 if self.plan.autocast_dtype == "bfloat16" else torch.float32
+        return describe_plan(
+            g.n_embd // g.n_head, int(self.cfg.seq_len), dtype, self.device, bool(self.cfg.deterministic),
+            window=g.window, documents=g.document_mask, dropout_p=g.attn_dropout,
+        )  # fmt: skip
 
     def _attention_id(self) -> list[str]:
         return [self.cfg.attention.name, self.cfg.attention.sdpa_backend]

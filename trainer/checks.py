@@ -114,8 +114,8 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
 
 def _check_gluon_env() -> None:
     """FLASHGPT_GLUON_FWD and FLASHGPT_GLUON_BWD, which the flash forward and backward read
-    (kernels/_gluon_route.py), checked before the run starts rather than at its first step."""
-    from kernels._gluon_route import ENV, ENV_BWD, mode
+    (kernels/plan.py), checked before the run starts rather than at its first step."""
+    from kernels.plan import ENV, ENV_BWD, mode
 
     try:
         for env in (ENV, ENV_BWD):
