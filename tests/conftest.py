@@ -1,6 +1,16 @@
-"""Shared pytest set-up: the `gpu` marker skips without CUDA; tiktoken reads its offline cache; tests that
-need files from the network (Tiny Shakespeare, tiktoken's GPT-2 BPE) skip with the reason without them."""
+"""Shared pytest set-up, the one place for fixtures that several test files use.
 
+- A missing hard dependency or project package is an error at start-up, never a skipped test.
+- Markers (pyproject.toml): ``gpu`` skips without CUDA; ``slow`` is the second command's set
+  (``pytest -q -n 2 -m slow``): real train.py processes that the default set leaves out.
+- tiktoken reads its offline cache; W&B runs offline. Tests that need files from the network (Tiny
+  Shakespeare, tiktoken's GPT-2 BPE) skip with the reason without them.
+- ``seed``: the seed of a test's random inputs. ``char_data``, ``tiny``: the char-level Tiny Shakespeare and
+  the tiny run's overrides. ``reference_run``: the uninterrupted 16-step tiny run, trained once per session
+  (shared by the xdist workers) for the tests that compare with it or copy it.
+"""
+
+import importlib.util
 import os
 from pathlib import Path
 
@@ -9,6 +19,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
+# pyproject.toml's dependencies (import names) and the project's packages: found at start-up or the session
+# stops, so no test can skip for want of one. find_spec imports nothing (triton must stay unimported until
+# the kernel tests have chosen the interpreter).
+HARD_DEPENDENCIES = ("torch", "triton", "numpy", "hydra", "wandb", "tiktoken", "matplotlib", "tqdm")
+PROJECT_PACKAGES = ("kernels", "model", "data", "trainer", "bench")
+
 # tiktoken's GPT-2 files: use the checkout's sibling shared/ cache unless the user set one.
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken-cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken-cache")
@@ -16,14 +32,19 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
+def pytest_configure(config):
+    missing = [m for m in HARD_DEPENDENCIES + PROJECT_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise pytest.UsageError(
+            f'missing: {", ".join(missing)}; install the project with `pip install -e ".[dev]"` '
+            f"and run pytest from the repository root"
+        )
 
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing is a hard error elsewhere
-        has_cuda = False
-    if has_cuda:
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -54,6 +75,9 @@ def seed(request) -> int:
     return s
 
 
+# ------------------------------------------------------------------------------------------ data
+
+
 @pytest.fixture(scope="session")
 def shakespeare_path() -> Path:
     """Local Tiny Shakespeare (../shared/data/tinyshakespeare.txt or $TINYSHAKESPEARE)."""
@@ -81,19 +105,69 @@ def gpt2_bpe():
 
 
 @pytest.fixture(scope="session")
-def char_data(tmp_path_factory, shakespeare_path) -> Path:
-    """Tiny Shakespeare prepared with the char tokenizer, once per test session."""
-    from helpers_train import prepare_char_data
+def session_dir(tmp_path_factory) -> Path:
+    """A folder shared by every process of this pytest session: the xdist workers' common parent of their
+    own temp dirs (the session's temp dir without xdist). Write there only under ``helpers_train.once``."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
-    return prepare_char_data(tmp_path_factory.getbasetemp(), shakespeare_path)
+
+@pytest.fixture(scope="session")
+def char_data(session_dir, shakespeare_path) -> Path:
+    """Tiny Shakespeare prepared with the char tokenizer, once per test session."""
+    from helpers_train import once, prepare_char_data
+
+    with once(session_dir / "shakespeare_char"):  # every worker: ensure_prepared checks, under the lock
+        return prepare_char_data(session_dir, shakespeare_path)
+
+
+# ------------------------------------------------------------------------------------------ runs
 
 
 @pytest.fixture(scope="session")
 def tiny(char_data, shakespeare_path):
-    """Factory: `helpers_train.tiny_overrides` bound to the shared char data: (out_dir, **extra) -> args."""
+    """Factory: `helpers_train.tiny_overrides` bound to the shared char data: (out_dir, **extra) -> args.
+    ``out_dir=None`` leaves ``out_dir`` out (Hydra's timestamped default, or a sweep's own dirs)."""
     from helpers_train import tiny_overrides
 
-    def make(out_dir: Path, **extra) -> list[str]:
-        return tiny_overrides(char_data, shakespeare_path, out_dir, **extra)
+    def make(out_dir: Path | None, **extra) -> list[str]:
+        args = tiny_overrides(char_data, shakespeare_path, out_dir or Path("unused"), **extra)
+        return [a for a in args if out_dir is not None or not a.startswith("out_dir=")]
 
     return make
+
+
+def _train_once(out: Path, args: list[str], exit_code: int, status: str) -> Path:
+    """``python train.py ARGS`` into ``out`` by the first worker that asks; every worker checks that it
+    exited ``exit_code`` and left ``status`` in summary.json."""
+    from helpers_train import describe, once, run_train, summary
+
+    with once(out) as first:
+        if first:
+            proc = run_train(args)
+            assert proc.returncode == exit_code, describe(proc)
+    got = summary(out).get("status") if (out / "summary.json").is_file() else None
+    if got != status:
+        pytest.fail(f"the shared run {out} has status {got}, not {status}: see its train.log")
+    return out
+
+
+@pytest.fixture(scope="session")
+def reference_run(session_dir, tiny) -> Path:
+    """The uninterrupted 16-step tiny run (naive attention, offline W&B): a real ``python train.py``
+    process, trained once per session and shared by the workers. Read it, or copy it
+    (``helpers_train.copy_run``) to resume or change it; never write into it."""
+    out = session_dir / "reference_run"
+    return _train_once(out, tiny(out, wandb__mode="offline", wandb__project="flashgpt-tests"), 0, "ok")
+
+
+@pytest.fixture(scope="session")
+def killed_run(session_dir, tiny) -> Path:
+    """A 16-step tiny run (checkpoints every 4, offline W&B) SIGKILLed as update ``KILLED_AFTER + 1`` ends,
+    before its log line: no ending ran, summary.json says "running" forever. Trained once per session and
+    shared by the workers; copy it (``helpers_train.copy_run``) to read it with tools or resume it."""
+    from helpers_train import KILLED_AFTER
+
+    out = session_dir / "killed_run"
+    args = tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__sigkill_at_step=KILLED_AFTER + 1)
+    return _train_once(out, args, -9, "running")

@@ -1,8 +1,8 @@
 """``python tests/faulty_train.py ARGS``: train.py with test faults injected by monkeypatching the trainer.
 
 The faults come from the environment variable ``FLASHGPT_TEST_FAULTS`` (JSON), which only the tests set
-(``helpers_train.train_command`` turns ``fault.NAME=VALUE`` arguments into it); the product has no fault
-keys. Faults (all optional):
+(``helpers_train.train_command`` turns ``fault.NAME=VALUE`` arguments into it; ``helpers_train.run_inprocess``
+installs them in the test's own process); the product has no fault keys. Faults (all optional):
 
 - ``nan_at_step``: update k reports a NaN loss and grad norm (the nonfinite=stop/skip paths);
 - ``raise_oom_at_step``: update k raises ``torch.cuda.OutOfMemoryError`` (the OOM ending, on a CPU too);
@@ -47,8 +47,10 @@ def fill_disk(beside: Path) -> None:
                 pass
 
 
-def install(faults: dict) -> None:
-    """Patch ``trainer.loop.Trainer`` with the faults (see the module docstring)."""
+def install(faults: dict, setattr=setattr) -> None:
+    """Patch ``trainer.loop.Trainer`` with the faults (see the module docstring). In a test's own process
+    pass ``monkeypatch.setattr`` (the patches end with the test); the SIGKILL faults need a process of
+    their own (``helpers_train.run_train``)."""
     import torch
 
     from trainer.loop import Trainer
@@ -86,8 +88,9 @@ def install(faults: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return finish_fn(self, status, extra, exit_code)
 
-    Trainer._train_step, Trainer._stop_requested, Trainer.evaluate = train_step, stop_requested, evaluate
-    Trainer._finish = finish
+    patches = {"_train_step": train_step, "_stop_requested": stop_requested, "evaluate": evaluate}
+    for name, fn in {**patches, "_finish": finish}.items():
+        setattr(Trainer, name, fn)
 
 
 def install_disk_faults(faults: dict, Trainer, RunLogger) -> None:

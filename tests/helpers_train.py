@@ -1,4 +1,5 @@
-"""Helpers for the train.py tests: run train.py in a subprocess, read its run directory.
+"""Helpers for the train.py tests: the tiny run's overrides, train.py in a subprocess or in this process, its
+run directory read back or copied, and work done once per test session (``once``).
 
 The tiny runs use the character-level Tiny Shakespeare (vocab 65): on a CPU the GPT-2 BPE's 50304-way
 output layer costs ~20x more per step than the rest of the tiny model.
@@ -6,8 +7,11 @@ output layer costs ~20x more per step than the rest of the tiny model.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 TRAIN = REPO / "train.py"
 FAULTY_TRAIN = REPO / "tests" / "faulty_train.py"
+
+#: conftest's shared ``killed_run`` is SIGKILLed once it has logged this step (it checkpoints every 4 steps).
+KILLED_AFTER = 5
 
 
 def prepare_char_data(base: Path, source: Path) -> Path:
@@ -88,16 +95,21 @@ def offline_train_env() -> dict:
     return train_env(http_proxy=dead, https_proxy=dead, HTTP_PROXY=dead, HTTPS_PROXY=dead)
 
 
+def split_faults(args: list[str]) -> tuple[dict[str, float], list[str]]:
+    """``({NAME: VALUE}, the other args)`` of ``fault.NAME=VALUE`` arguments (see ``train_command``)."""
+    faults = {
+        a.split("=", 1)[0][len("fault.") :]: float(a.split("=", 1)[1]) for a in args if a.startswith("fault.")
+    }
+    return faults, [a for a in args if not a.startswith("fault.")]
+
+
 def train_command(args: list[str], launcher: list[str] | None = None, env: dict | None = None):
     """(argv, env) of ``python train.py ARGS`` (or ``launcher + [train.py] + ARGS``).
 
     ``fault.NAME=VALUE`` arguments are test faults, not config keys: they are taken out of ARGS, passed as
     JSON in ``FLASHGPT_TEST_FAULTS`` and the script becomes tests/faulty_train.py, which monkeypatches
     the trainer (nan_at_step, raise_oom_at_step, step_sleep_s, eval_sleep_s) and runs train.py."""
-    faults = {
-        a.split("=", 1)[0][len("fault.") :]: float(a.split("=", 1)[1]) for a in args if a.startswith("fault.")
-    }
-    rest = [a for a in args if not a.startswith("fault.")]
+    faults, rest = split_faults(args)
     env = dict(env or train_env())
     if faults:
         env["FLASHGPT_TEST_FAULTS"] = json.dumps(faults)
@@ -136,6 +148,28 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def copy_run(src: Path, dst: Path) -> Path:
+    """A copy of run directory ``src`` at ``dst`` (lock file included: nobody holds its flock) that a test may
+    resume or change; returns ``dst``."""
+    shutil.copytree(src, dst)
+    return Path(dst)
+
+
+@contextlib.contextmanager
+def once(path: Path):
+    """Work on ``path`` that the processes of a test session (pytest-xdist workers) do once between them:
+    holds an exclusive lock on ``path.lock`` and yields True to the first caller only (it makes ``path``),
+    False to later callers (they find ``path`` made, or left as a failed first attempt left it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = path.with_name(path.name + ".started")
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        first = not started.exists()
+        started.touch()
+        yield first
+
+
 def compose_cfg(overrides: list[str], *, return_hydra_config: bool = False):
     """The config train.py would get for ``overrides`` (Hydra compose API, in-process)."""
     from hydra import compose, initialize_config_dir
@@ -146,12 +180,22 @@ def compose_cfg(overrides: list[str], *, return_hydra_config: bool = False):
         return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
 
 
-def run_inprocess(overrides: list[str], out_dir: Path):
-    """``trainer.loop.run`` on the composed config, in this process (for checks that stop before training
-    or for short runs); returns its Outcome. A composition error (wrong type, unknown key) is reported as
-    train.py reports it: ``config error: ...`` on stderr, Outcome("error", 2)."""
+def run_inprocess(overrides: list[str], out_dir: Path, monkeypatch=None):
+    """``trainer.loop.run`` on the composed config, in this process (for checks of a run's records and
+    messages where no process behaviour is tested: signals, exit codes, locks, Hydra's run directory);
+    returns its Outcome. A composition error (wrong type, unknown key) is reported as train.py reports it:
+    ``config error: ...`` on stderr, Outcome("error", 2). ``fault.NAME=VALUE`` overrides are installed
+    with pytest's ``monkeypatch`` (tests/faulty_train.py; not the SIGKILL faults)."""
     from trainer.config_errors import config_error_from
     from trainer.loop import EXIT_CONFIG, Outcome, run
+
+    faults, overrides = split_faults(overrides)
+    if faults:
+        import faulty_train
+
+        if monkeypatch is None or any(name.startswith("sigkill") for name in faults):
+            raise ValueError(f"faults {sorted(faults)} in this process need monkeypatch and no SIGKILL")
+        faulty_train.install(faults, monkeypatch.setattr)
 
     try:
         cfg = compose_cfg(overrides)

@@ -358,6 +358,7 @@ def test_failed_download_takes_back_the_data_dirs_it_created(tmp_path, monkeypat
     assert os.listdir(foreign[0]) == ["notes.txt"]  # someone else's file: the directory stays
 
 
+@pytest.mark.slow  # real train.py processes
 def test_train_without_network_leaves_no_empty_data_dir(tmp_path):
     """train.py with the default (downloaded) corpus and no network: config error, and the data.dir it
     would have prepared is not left behind empty."""

@@ -1,14 +1,14 @@
-"""Several ranks on the CPU (issue 19): parallel=fsdp (FSDP2 over gloo) and DDP against one process,
-DCP checkpoints resumed at another world size, SIGTERM and config errors under torchrun.
+"""Several ranks on the CPU (issue 19): parallel=fsdp (FSDP2 over gloo) and DDP against one process, DCP
+checkpoints resumed at another world size, SIGTERM and config errors under torchrun.
 
-Every multi-rank test launches real ``torchrun --standalone --nproc_per_node=2`` processes (gloo) on the
-tiny char-level model. References are independent runs: the single-process run (no process group, no
-FSDP, no DDP) with the same global batch and seed. Dropout is 0 where runs of different world sizes are
-compared (each rank has its own dropout stream). Tolerance: the runs differ only in the order of float32
-sums (all-reduce / reduce-scatter of gradients, accumulation over micro-batches); measured differences are
-about 1e-7 on losses near 4, so ``TOL = 1e-4`` (absolute, on losses and grad norms) leaves a margin of
-~1000x while a wrong shard, a missed gradient sync or a wrongly scaled accumulation moves the loss by 1e-3
-or more within two steps.
+Every multi-rank test launches real ``torchrun --standalone --nproc_per_node=2`` processes (gloo) on the tiny
+char-level model and is marked ``slow``; the checks without a process group run in the default set. References
+are independent runs: the single-process run (no process group, no FSDP, no DDP) with the same global batch
+and seed. Dropout is 0 where runs of different world sizes are compared (each rank has its own dropout
+stream). Tolerance: the runs differ only in the order of float32 sums (all-reduce / reduce-scatter of
+gradients, accumulation over micro-batches); measured differences are about 1e-7 on losses near 4, so
+``TOL = 1e-4`` (absolute, on losses and grad norms) leaves a margin of ~1000x while a wrong shard, a missed
+gradient sync or a wrongly scaled accumulation moves the loss by 1e-3 or more within two steps.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from helpers_train import (
 from trainer import checkpoint as ckpt
 from trainer.checks import ConfigError, resolve_plan
 from trainer.dist import global_micro_index
-
-pytestmark = pytest.mark.slow
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 TOL = 1e-4
@@ -183,6 +181,7 @@ def test_incomplete_dcp_directory_is_skipped(tmp_path):
 # ------------------------------------------------------------------------------ torchrun, 2 ranks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_match_one_process(tiny, tmp_path, reference, parallel):
     """Two gloo ranks (2 micro-batches each: gradient accumulation with the sync on the last one only)
@@ -204,6 +203,7 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, parallel):
         assert names == ["step_00000003.pt", "step_00000006.pt"], names
 
 
+@pytest.mark.slow
 def test_fsdp_with_compiled_blocks_matches_one_process(tiny, tmp_path, reference):
     """compile=true under fsdp compiles each block before sharding it (Inductor on the CPU); the first two
     steps give the eager single-process losses within TOL."""
@@ -239,6 +239,7 @@ def fsdp_first_half(tiny, tmp_path_factory) -> Path:
     return first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world", "parallel"), [(1, "fsdp"), (2, "fsdp"), (2, "ddp")])
 def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
     tiny, tmp_path, reference, fsdp_first_half, world, parallel
@@ -283,6 +284,7 @@ def _env() -> dict:
     return train_env()
 
 
+@pytest.mark.slow
 def test_single_file_checkpoint_resumes_into_fsdp(tiny, tmp_path, reference):
     """A one-process (ddp default) run's single-file checkpoint continues as a 2-rank fsdp run: weights
     loaded before sharding, optimizer state by parameter name; steps 4-6 match the uninterrupted run."""
@@ -297,6 +299,7 @@ def test_single_file_checkpoint_resumes_into_fsdp(tiny, tmp_path, reference):
     assert ckpt.is_dcp(ckpt.ckpt_path(out, 6, dcp=True))
 
 
+@pytest.mark.slow
 def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_path):
     """SIGTERM to torchrun: it forwards SIGTERM to both ranks, which agree to stop after the current
     step, write one DCP checkpoint together and exit on their own (torchrun never has to SIGKILL them);
@@ -332,6 +335,7 @@ def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_
     assert stdout.count("SIGTERM: stopped after step") == 1  # rank 0 only
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["batch.tokens_per_step=1000", "sq_len=64"])
 def test_config_error_under_torchrun(tiny, tmp_path, bad):
     """A trainer check (tokens_per_step) and a composition error (unknown key): one ``config error`` line
@@ -345,6 +349,7 @@ def test_config_error_under_torchrun(tiny, tmp_path, bad):
         assert 'File "' + str(REPO / ours) not in proc.stderr, describe(proc)  # (torchrun's own is there)
 
 
+@pytest.mark.slow
 def test_busy_run_dir_under_torchrun_stops_every_rank(tiny, tmp_path):
     """A check only rank 0 makes (its run directory's lock, held here by another process): rank 1 hears
     rank 0's verdict instead of waiting for it in init_process_group; one config error line, both ranks

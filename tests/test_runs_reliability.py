@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -23,11 +22,11 @@ from pathlib import Path
 import pytest
 from helpers_train import (
     REPO,
+    copy_run,
     describe,
     read_jsonl,
     run_train,
     summary,
-    tiny_overrides,
     train_command,
     train_losses,
 )
@@ -38,24 +37,6 @@ from trainer.wandb_read import find_wandb_files, read_offline_run, read_wandb_fi
 pytestmark = pytest.mark.slow
 
 TOKEN_DIR = re.compile(r"^\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d_naive_n32_[a-z0-9]{6}$")
-
-
-@pytest.fixture(scope="module")
-def tiny(char_data, shakespeare_path):
-    def make(out_dir: Path | None, **extra) -> list[str]:
-        args = tiny_overrides(char_data, shakespeare_path, out_dir or Path("unused"), **extra)
-        return [a for a in args if out_dir is not None or not a.startswith("out_dir=")]
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, tiny) -> Path:
-    """Uninterrupted 16-step naive run (offline W&B)."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    proc = run_train(tiny(out, wandb__mode="offline"))
-    assert proc.returncode == 0, describe(proc)
-    return out
 
 
 def _popen(args: list[str], cwd: Path, launcher: list[str] | None = None) -> subprocess.Popen:
@@ -278,36 +259,27 @@ def test_new_run_never_reuses_a_run_that_trained_then_failed(tiny, tmp_path):
 # ------------------------------------------------------------------------------------------ 3. replays
 
 
-def _kill_after_step(args: list[str], out: Path, step: int) -> None:
-    proc = _popen(args, REPO)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if (out / "metrics.jsonl").is_file() and any(
-                r.get("step", 0) >= step and "train/loss" in r for r in read_jsonl(out)
-            ):
-                break
-            time.sleep(0.02)
-        assert proc.poll() is None, "the run ended before it was killed"
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        _finish([proc])
+@pytest.fixture(scope="module")
+def stopped_after_10(tmp_path_factory, tiny) -> Path:
+    """A 16-step run (checkpoints every 4, offline W&B) that ends cleanly after logging step 10 (a simulated
+    OOM at step 11): trained once; the replay tests resume copies of it."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    proc = run_train(tiny(out, fault__raise_oom_at_step=11, checkpoint__interval=4, wandb__mode="offline"))
+    assert proc.returncode == 0 and summary(out)["status"] == "oom", describe(proc)
+    return out
 
 
 @pytest.mark.parametrize("how", ["between", "corrupt", "deleted", "killed"])
-def test_resume_behind_the_last_logged_step(reference_run, tiny, tmp_path, how):
-    """Checkpoints every 4 steps; the run stops after logging step 10 (or a few steps after 4 when killed).
-    The resume replays from the newest loadable checkpoint; only the live branch is read back."""
+def test_resume_behind_the_last_logged_step(request, reference_run, tiny, tmp_path, how):
+    """Checkpoints every 4 steps; the run stopped after logging step 10 (a copy of ``stopped_after_10``), or
+    was SIGKILLed after step 5 (a copy of conftest's ``killed_run``). The resume replays from the newest
+    loadable checkpoint; only the live branch is read back."""
     from bench import compare, report
 
-    out = tmp_path / "run"
     base = dict(checkpoint__interval=4, wandb__mode="offline")
-    if how == "killed":
-        _kill_after_step(tiny(out, fault__step_sleep_s=0.3, **base), out, 5)
-        assert summary(out)["status"] == "running"
-    else:
-        proc = run_train(tiny(out, fault__raise_oom_at_step=11, **base))  # ends cleanly after step 10
-        assert proc.returncode == 0 and summary(out)["status"] == "oom", describe(proc)
+    source = request.getfixturevalue("killed_run" if how == "killed" else "stopped_after_10")
+    out = copy_run(source, tmp_path / "run")
+    assert summary(out)["status"] == ("running" if how == "killed" else "oom")
     first_rows = read_jsonl(out)
     first_losses = train_losses(out)
     last = max(first_losses)

@@ -440,6 +440,7 @@ def test_unknown_key_suggests_only_a_close_match(key, hint):
         assert f"did you mean {hint}? " in msg, msg
 
 
+@pytest.mark.slow  # real train.py processes
 def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
     from helpers_train import run_train
 
@@ -453,6 +454,7 @@ def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
     assert proc.returncode == 2 and "quote a value" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # real train.py processes
 def test_a_sweep_refused_before_its_first_job_leaves_no_folder(tmp_path):
     """`-m` with a bad sweep value: config error, exit 2, and no multirun/<time>_<token>/ holding only
     Hydra's multirun.yaml (config errors write nothing); a folder the user made keeps what it held."""

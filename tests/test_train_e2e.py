@@ -1,8 +1,8 @@
 """End-to-end CPU tests of train.py through Hydra (subprocess runs of the tiny model on Tiny Shakespeare).
 
 Each run is a real ``python train.py ...`` process; W&B runs offline where a test reads it back with
-``trainer.wandb_read.read_offline_run`` (no mocking). The uninterrupted reference run is shared
-(module fixture) by the backend-agreement, resume and signal tests.
+``trainer.wandb_read.read_offline_run`` (no mocking). The uninterrupted reference run (conftest's
+``reference_run``, trained once per session) is shared by the backend-agreement, resume and signal tests.
 """
 
 from __future__ import annotations
@@ -32,15 +32,6 @@ from helpers_train import (
 from trainer.wandb_read import read_offline_run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, tiny) -> Path:
-    """Uninterrupted 16-step naive run with offline W&B."""
-    out = tmp_path_factory.mktemp("ref") / "run"
-    proc = run_train(tiny(out, wandb__mode="offline", wandb__project="flashgpt-tests"))
-    assert proc.returncode == 0, describe(proc)
-    return out
 
 
 def test_reference_run_learns_and_logs(reference_run):
@@ -223,11 +214,16 @@ def _source(tiny) -> str:
     return args["data.source"]
 
 
-def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path):
+# In-process (``run_inprocess`` with the faults monkeypatched): the run's records and messages; the exit
+# status is the Outcome's, which train.py passes to sys.exit (tested with real processes elsewhere).
+
+
+def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, fault__nan_at_step=6, checkpoint__interval=2, checkpoint__keep=5))
-    assert proc.returncode == 1, describe(proc)
-    err = proc.stderr
+    args = tiny(out, fault__nan_at_step=6, checkpoint__interval=2, checkpoint__keep=5)
+    outcome = run_inprocess(args, out, monkeypatch)
+    err = capsys.readouterr().err
+    assert (outcome.status, outcome.exit_code) == ("nonfinite", 1), err
     assert "non-finite loss at step 6" in err
     assert "step_00000004.pt" in err and ".hydra/config.yaml" in err and "nonfinite=skip" in err
     ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
@@ -239,10 +235,11 @@ def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path):
     assert read_jsonl(out)[-1]["status"] == "nonfinite"
 
 
-def test_nan_skip_counts_skipped_steps(tiny, tmp_path):
+def test_nan_skip_counts_skipped_steps(tiny, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, fault__nan_at_step=3, nonfinite="skip", max_steps=6, wandb__mode="offline"))
-    assert proc.returncode == 0, describe(proc)
+    args = tiny(out, fault__nan_at_step=3, nonfinite="skip", max_steps=6, wandb__mode="offline")
+    outcome = run_inprocess(args, out, monkeypatch)
+    assert (outcome.status, outcome.exit_code) == ("ok", 0), capsys.readouterr().err
     s = summary(out)
     assert s["status"] == "ok" and s["train/skipped_steps"] == 1 and s["steps"] == 6
     losses = train_losses(out)
@@ -253,11 +250,12 @@ def test_nan_skip_counts_skipped_steps(tiny, tmp_path):
     assert run["summary"]["train/skipped_steps"] == 1
 
 
-def test_simulated_oom_ends_cleanly(tiny, tmp_path):
+def test_simulated_oom_ends_cleanly(tiny, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
-    proc = run_train(tiny(out, fault__raise_oom_at_step=3, wandb__mode="offline"))
-    assert proc.returncode == 0, describe(proc)  # oom_exit_code=0 by default
-    assert "out of memory at step 3" in proc.stderr and "Traceback" not in proc.stderr
+    outcome = run_inprocess(tiny(out, fault__raise_oom_at_step=3, wandb__mode="offline"), out, monkeypatch)
+    err = capsys.readouterr().err
+    assert (outcome.status, outcome.exit_code) == ("oom", 0), err  # oom_exit_code=0 by default
+    assert "out of memory at step 3" in err and "Traceback" not in err
     s = summary(out)
     assert s["status"] == "oom" and s["seq_len"] == 64 and s["attention"] == "naive" and s["oom/step"] == 3
     assert "mem/peak_gib" in s and s["steps"] == 2

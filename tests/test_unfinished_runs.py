@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers_train import (
+    KILLED_AFTER,
     REPO,
     describe,
     offline_train_env,
@@ -30,28 +31,6 @@ from helpers_train import (
 from trainer.wandb_read import read_offline_run
 
 pytestmark = pytest.mark.slow
-
-KILL_AFTER = 5  # the killed run is killed once it has logged this step (checkpoints every 4)
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny) -> Path:
-    out = tmp_path_factory.mktemp("finished") / "run"
-    proc = run_train(tiny(out, max_steps=8, checkpoint__interval=4, wandb__mode="offline"))
-    assert proc.returncode == 0, describe(proc)
-    return out
-
-
-@pytest.fixture(scope="module")
-def killed_run(tmp_path_factory, tiny) -> Path:
-    """A 16-step run SIGKILLed after it logged step KILL_AFTER: no ending, summary.json says "running"."""
-    out = tmp_path_factory.mktemp("killed") / "run"
-    proc = run_train(
-        tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__sigkill_at_step=KILL_AFTER + 1)
-    )
-    assert proc.returncode == -9, describe(proc)  # killed as update KILL_AFTER + 1 ended, before its log
-    assert summary(out)["status"] == "running"
-    return out
 
 
 def _copy(run: Path, tmp_path: Path) -> Path:
@@ -108,7 +87,7 @@ def test_readers_report_a_killed_run_as_unfinished(killed_run, tmp_path):
 
     run = _copy(killed_run, tmp_path)
     last = max(train_losses(run))
-    assert last >= KILL_AFTER
+    assert last >= KILLED_AFTER
     row = report.summarize_run(run, tmp_path)
     assert row["status"] == "killed" and row["steps"] >= last, row
     assert f"killed / unfinished (last step {last})" in row["error"]
@@ -128,13 +107,13 @@ def test_readers_report_a_killed_run_as_unfinished(killed_run, tmp_path):
 # ------------------------------------------------------------------------------------------ 3. compare
 
 
-def test_compare_does_not_pass_an_unfinished_run(finished_run, killed_run, tmp_path, capsys):
+def test_compare_does_not_pass_an_unfinished_run(reference_run, killed_run, tmp_path, capsys):
     from bench import compare
 
     run = _copy(killed_run, tmp_path)
     last = max(train_losses(run))
     for tolerances in ([], ["--tolerance", "10"]):
-        code = compare.main([str(finished_run), str(run), "--out", str(tmp_path / "c.png"), *tolerances])
+        code = compare.main([str(reference_run), str(run), "--out", str(tmp_path / "c.png"), *tolerances])
         text = capsys.readouterr().out
         assert code == 1, text
         table_row = [line for line in text.splitlines() if line.startswith("1 ")][0]
@@ -143,15 +122,15 @@ def test_compare_does_not_pass_an_unfinished_run(finished_run, killed_run, tmp_p
         assert f"killed / unfinished (last step {last})" in text
         assert "the run is unfinished, so its comparison is not meaningful" in text
     # two finished runs still pass
-    code = compare.main([str(finished_run), str(finished_run), "--out", str(tmp_path / "d.png")])
+    code = compare.main([str(reference_run), str(reference_run), "--out", str(tmp_path / "d.png")])
     assert code == 0 and "not checked" not in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------- 2. resume a killed run
 
 
-def test_resume_rewrites_a_killed_runs_status(killed_run, tiny):
-    """Last in this file: it finishes the shared killed run (the tests above read copies of it)."""
+def test_resume_rewrites_a_killed_runs_status(killed_run, tiny, tmp_path):
+    killed_run = _copy(killed_run, tmp_path)
     last = max(train_losses(killed_run))
     resumed = run_train(tiny(killed_run, resume=True, checkpoint__interval=4, wandb__mode="offline"))
     assert resumed.returncode == 0, describe(resumed)
