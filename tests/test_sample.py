@@ -482,7 +482,9 @@ def test_read_only_run_prints_results_and_exits_0(read_only_run, tmp_path):
     report = [sys.executable, "-m", "bench.report", str(run)]
     printed = subprocess.run(report, cwd=str(REPO), capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, describe(printed)
-    assert f"report not written: {run} (Read-only file system)" in printed.stderr, describe(printed)
+    assert f"could not write report.md, report.json, report_sweep.png in {run} (Read-only file system)" in (
+        printed.stderr
+    ), describe(printed)
     assert "--out DIR" in printed.stderr and "Traceback" not in printed.stderr
     proc = subprocess.run([*report, "--out", str(elsewhere)], cwd=str(REPO), capture_output=True, text=True)
     assert proc.returncode == 0 and (elsewhere / "report.md").is_file(), describe(proc)
