@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import _row_max, _row_sum
+from ._triton_common import _row_max, _row_sum, _softcap
 
 
 @triton.jit
@@ -91,14 +91,19 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
     SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX.
-    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``)."""
+    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``). SOFTCAP: scores
+    c * tanh(s / c) as in the attention kernels (scale_log2 = scale / c, softcap = c * log2(e))."""
     if USE_PDL:
         _pdl_wait_and_release()
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     split = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -142,6 +147,8 @@ def _decode_split_kernel(
             k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
         )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, _ = _softcap(qk, softcap)
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(qk))

@@ -11,6 +11,8 @@ Conventions shared by every kernel
 * GQA/MQA: query head h reads key/value head h // GROUP with GROUP = Hq // Hkv (no k/v copies).
 * Scores are kept in base-2 units: s2 = (q . k) * softmax_scale * log2(e), so exp(x) becomes
   exp2(x2). LSE is stored in natural-log units: lse = ln(sum_j exp(softmax_scale * q_i . k_j)).
+* Soft-capping (SOFTCAP, constexpr): the launcher passes scale_log2 = scale / c and softcap = c * log2(e),
+  so the scores become c * tanh(s / c) in base 2 before the mask; dS takes the factor 1 - tanh^2.
 * Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq).
   A query row that sees no key (possible when Nq > Nk) gets o = 0, lse = -inf and zero gradients.
 * Causal key blocks wholly above the diagonal are skipped through the loop bounds; the remaining
@@ -43,6 +45,7 @@ from ._triton_common import (
     _row_max,
     _row_sum,
     _score_keep,
+    _softcap,
     _store_tile,
     _variant_args,
 )
@@ -91,6 +94,8 @@ def _fwd_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
@@ -110,6 +115,8 @@ def _fwd_inner(
         k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
         k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, _ = _softcap(qk, softcap)
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
                 valid = _score_keep(
@@ -193,6 +200,8 @@ def _fwd_kernel(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -200,6 +209,8 @@ def _fwd_kernel(
     key range [lo, hi)), dropout (HAS_DROPOUT: SEED int64 (1,), dropout_p in (0, 1)).
     """
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:
         # later query blocks see more keys: schedule them first (less tail imbalance)
@@ -278,6 +289,8 @@ def _fwd_kernel(
         HAS_WINDOW,
         HAS_DOC,
         HAS_DROPOUT,
+        softcap,
+        SOFTCAP,
     )
 
     has_key = l_i > 0.0
@@ -364,6 +377,8 @@ def _bwd_dkdv_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
@@ -405,6 +420,8 @@ def _bwd_dkdv_inner(
         lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
         # transposed scores: (BLOCK_N keys, BLOCK_M queries)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk_t, tanh_t = _softcap(qk_t, softcap)
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         if MASKED:
             if _edge_block(start_m, mask_to, mask_from, True, HAS_WINDOW or HAS_DOC):
@@ -441,6 +458,8 @@ def _bwd_dkdv_inner(
         if HAS_DROPOUT:
             dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)  # d c tanh(s / c) / ds
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -528,6 +547,8 @@ def _bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr = False,
     dk_offset=0,
     dv_offset=0,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
@@ -543,6 +564,8 @@ def _bwd_dkdv_kernel(
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     if DV is None:
         DV = DK + dv_offset
     DK = DK + dk_offset
@@ -683,6 +706,8 @@ def _bwd_dkdv_kernel(
             HAS_WINDOW,
             HAS_DOC,
             HAS_DROPOUT,
+            softcap,
+            SOFTCAP,
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
@@ -762,6 +787,8 @@ def _bwd_dq_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
@@ -790,6 +817,8 @@ def _bwd_dq_inner(
             )
             v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, tanh = _softcap(qk, softcap)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
@@ -814,6 +843,8 @@ def _bwd_dq_inner(
                 0.0,
             )
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -887,6 +918,8 @@ def _bwd_dq_kernel(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -900,6 +933,8 @@ def _bwd_dq_kernel(
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -1029,6 +1064,8 @@ def _bwd_dq_kernel(
         HAS_WINDOW,
         HAS_DOC,
         HAS_DROPOUT,
+        softcap,
+        SOFTCAP,
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
