@@ -93,11 +93,14 @@ def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap:
     )
 
 
+def _strides(*tensors) -> list:
+    """The (B, H, N) strides of each tensor: the kernels take no head-dim stride, it is 1 for every operand
+    (`unit_last_stride` for the inputs; the outputs are made dense with a unit last stride)."""
+    return [s for t in tensors for s in t.stride()[:3]]
+
+
 def _options(cfg) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-
-
-_NO_TMA = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def launch_fwd(
@@ -138,7 +141,7 @@ def launch_fwd(
     with device_ctx(q):
         launcher(kern, (_cdiv(Nq, cfg.block_m), Hq, B), traced)(
             q, k, v, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            *_strides(q, k, v, o),
             Hq, Hq // Hkv, Nq, Nk, d, _scale_log2(softmax_scale, softcap),
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == p.block_d,
@@ -214,20 +217,20 @@ def launch_bwd(
         # store it for the dK/dV kernel (no separate preprocess launch)
         launcher(kern._bwd_dq_kernel, (_cdiv(Nq, c_dq.block_m), Hq, B), traced)(
             q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: HAS_DLSE=False, never read
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
-            *scale_args, *(tma_dq or _NO_TMA),
+            *_strides(q, k, v, do, dq, o),
+            *scale_args, TMA_K=(tma_dq or (0, 0))[0], TMA_V=(tma_dq or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dq.block_m, BLOCK_N=c_dq.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dq.block_m == 0, EVEN_N=Nk % c_dq.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, USE_TMA=tma_dq is not None, HAS_DLSE=dlse is not None,
+            DOT_PRECISION=prec, HAS_DLSE=dlse is not None,
             **_options(c_dq), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
         launcher(kern._bwd_dkdv_kernel, (_cdiv(Nk, c_dkdv.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk_arg, dv_arg,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            *scale_args, *(tma_dkdv or _NO_TMA),
+            *_strides(q, k, v, do, dk, dv),
+            *scale_args, TMA_Q=(tma_dkdv or (0, 0))[0], TMA_DO=(tma_dkdv or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dkdv.block_m, BLOCK_N=c_dkdv.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dkdv.block_m == 0, EVEN_N=Nk % c_dkdv.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, USE_TMA=tma_dkdv is not None, **_options(c_dkdv),
+            DOT_PRECISION=prec, **_options(c_dkdv),
             **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap), K_DOC=k_doc,
             dk_offset=dk_off, dv_offset=dv_off,
         )  # fmt: skip

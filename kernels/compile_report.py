@@ -30,29 +30,6 @@ _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "dk_offset", "dv_offset")  # offsets: 0 unless packed
-# the device-side tensor descriptors' extents and coordinate maps (kernels/plan.tma_operand)
-_DESC_INTS = (
-    "q_rows",
-    "q_cols",
-    "row_qb",
-    "row_qh",
-    "col_qh",
-    "do_rows",
-    "do_cols",
-    "row_dob",
-    "row_doh",
-    "col_doh",
-    "k_rows",
-    "k_cols",
-    "row_kb",
-    "row_kh",
-    "col_kh",
-    "v_rows",
-    "v_cols",
-    "row_vb",
-    "row_vh",
-    "col_vh",
-)
 
 
 @dataclass
@@ -154,7 +131,10 @@ def compile_kernel(
         EVEN_D=head_dim == block_d,
         HAS_DLSE=False,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-        USE_TMA=tma,
+        TMA_Q=int(tma),  # layout 1: heads contiguous (kernels.plan.tma_operand)
+        TMA_DO=int(tma),
+        TMA_K=int(tma),
+        TMA_V=int(tma),
         HAS_WINDOW="window" in variants,
         HAS_DOC="doc" in variants,
         HAS_DROPOUT="dropout" in variants,
@@ -176,13 +156,9 @@ def compile_kernel(
             signature[name] = "fp64" if inductor else "fp32"
         elif name == "softcap":  # None when off, as the launchers pass it
             signature[name], constants[name] = "constexpr", None
-        elif name in _DESC_INTS:
-            signature[name] = "i32"
         elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
             divisible.append(i)
-        elif name.startswith("stride_") and name.endswith("d"):
-            signature[name], constants[name] = "constexpr", 1
         elif name == "GROUP" and not gqa:
             signature[name], constants[name] = "constexpr", 1
         elif name.startswith("stride_") or name in _INTS:
@@ -346,8 +322,6 @@ def compile_decode_kernel(
             signature[name] = "*i32"
         elif name == "SEQLENS":  # None, as flash_decode passes it without lengths
             signature[name], constants[name] = "constexpr", None
-        elif name.startswith("stride_") and name.endswith("d"):
-            signature[name], constants[name] = "constexpr", 1
         elif name == "scale_log2" or (name == "softcap" and softcap):
             signature[name] = "fp32"
         elif name == "softcap":

@@ -20,7 +20,7 @@ import math
 import torch
 
 from . import plan as kplan
-from ._launch import LOG2E, _scale_log2, dot_precision, kernel_module, launcher
+from ._launch import LOG2E, _scale_log2, _strides, dot_precision, kernel_module, launcher
 from ._runtime import check_flash_available, device_ctx, interpret_enabled
 from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call, check_softcap
 from .plan import MAX_DECODE_ROWS
@@ -162,9 +162,7 @@ def _launch_decode(
             cache_seqlens,
             o_part,
             lse_part,
-            *q.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
+            *_strides(q, k_cache, v_cache),
             Hq,
             Hq // Hkv,
             Nq,
@@ -188,7 +186,7 @@ def _launch_decode(
             lse_part,
             o,
             lse,
-            *o.stride(),
+            *_strides(o),
             Hq,
             Nq,
             d,

@@ -82,8 +82,8 @@ class Plan:
 
     op: "fwd" | "bwd" | "decode". backend: "gluon" (sm_90 FlashAttention-3-style kernel) or "triton".
     block_d: padded head dim of the Triton kernels. tiles: the Triton launches in order: fwd (fwd,),
-    bwd (bwd_dq, bwd_dkdv), decode (split,). tma: per tile, the descriptor arguments of the two streamed
-    operands (`tma_operand` of k, v for dQ; of q, dO for dK/dV), or None for pointer loads.
+    bwd (bwd_dq, bwd_dkdv), decode (split,). tma: per tile, the TMA layout codes of the two streamed
+    operands (`_tma_pair` of k, v for dQ; of q, dO for dK/dV), or None for pointer loads.
     splits / split_len / pdl: decode only (key splits, keys per split, programmatic dependent launch).
     """
 
@@ -391,9 +391,10 @@ def tma_operand(t: torch.Tensor, block_d: int):
 
 
 def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
-    """Descriptor arguments of x then y when both can be streamed through tensor descriptors, else None."""
+    """The kernels' TMA layout codes of x and y (1: heads contiguous, 2: fused-qkv rows; see `tma_operand`)
+    when both can be streamed through tensor descriptors, else None."""
     tx, ty = tma_operand(x, block_d), tma_operand(y, block_d)
-    return None if tx is None or ty is None else (*tx, *ty)
+    return None if tx is None or ty is None else (1 if tx[3] else 2, 1 if ty[3] else 2)
 
 
 def _sizes(q, k) -> tuple[int, ...]:
