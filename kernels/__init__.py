@@ -3,14 +3,15 @@ FlashAttention-3-style Gluon kernels on sm_90, and flash-decoding.
 
 Public API:
 * `flash_attention(q, k, v, *, causal=True, softmax_scale=None, return_lse=False, window=None, doc_ids=None,
-  dropout_p=0.0, dropout_seed=None, deterministic=False)` -- with issue 16's variants (sliding window,
-  document masks, dropout); deterministic=True keeps the bitwise-reproducible split backward on sm_90
+  dropout_p=0.0, dropout_seed=None, deterministic=False, softcap=None)` -- with the variants (sliding
+  window, document masks, dropout, logit soft-capping c * tanh(s / c)); deterministic=True keeps the
+  bitwise-reproducible split backward on sm_90
 * `flash_attention_qkvpacked(qkv, ...)` -- the same on a fused projection's qkv (B, N, 3, H, d): the backward
   writes d(qkv) whole, so autograd concatenates nothing
 * `dropout_keep_mask(seed, B, Hq, Nq, Nk, p)` -- the kernels' own dropout keep mask (tests);
   `document_ranges(doc_q, doc_k)` -- the per-row document ranges the kernels read
 * `flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
-  return_lse=False)` -- split-K flash-decoding of 1..16 query rows against a KV cache (inference)
+  return_lse=False, softcap=None)` -- split-K flash-decoding of 1..16 query rows against a KV cache
 * `check_flash_available(device)` -> None, or raises FlashAttentionUnavailableError (a RuntimeError)
 * `describe_plan(head_dim, seq_len, dtype, device, deterministic, ...)` -- one line: what a run launches
 * ops `torch.ops.flashgpt.flash_attn_fwd` / `flash_attn_bwd` (and `flash_attn_qkvpacked_*`; triton ops, CUDA)

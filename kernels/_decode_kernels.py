@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import _row_max, _row_sum
+from ._triton_common import _row_max, _row_sum, _softcap
 
 
 @triton.jit
@@ -68,15 +68,12 @@ def _decode_split_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     H_Q,
     GROUP,
     N_Q,
@@ -91,14 +88,19 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_SEQLENS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
     (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
     SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX.
-    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``)."""
+    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``). SOFTCAP: scores
+    c * tanh(s / c) as in the attention kernels (scale_log2 = scale / c, softcap = c * log2(e))."""
     if USE_PDL:
         _pdl_wait_and_release()
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     split = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -119,9 +121,7 @@ def _decode_split_kernel(
     mask_d = offs_d < HEAD_DIM
     offs_n = tl.arange(0, BLOCK_N)
 
-    q_ptrs = (
-        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    )
+    q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -138,10 +138,10 @@ def _decode_split_kernel(
         col_ok = cols < hi
         cols_64 = cols.to(tl.int64)
         kv_mask = col_ok[:, None] & mask_d[None, :]
-        k = tl.load(
-            k_base + cols_64[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
-        )
+        k = tl.load(k_base + cols_64[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, _ = _softcap(qk, softcap)
         valid = col_ok[None, :] & (cols[None, :] <= last_key[:, None])
         qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, _row_max(qk))
@@ -150,9 +150,7 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
-        v = tl.load(
-            v_base + cols_64[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0
-        )
+        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -176,7 +174,6 @@ def _decode_combine_kernel(
     stride_ob,
     stride_oh,
     stride_om,
-    stride_od,
     H_Q,
     N_Q,
     HEAD_DIM,
@@ -209,7 +206,7 @@ def _decode_combine_kernel(
     h = (row // N_Q) % H_Q
     qi = row % N_Q
     tl.store(
-        O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d * stride_od,
+        O + b * stride_ob + h * stride_oh + qi * stride_om + offs_d,
         o.to(O.dtype.element_ty),
         mask=mask_d,
     )

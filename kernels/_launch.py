@@ -71,9 +71,18 @@ def launcher(kernel, grid, traced: bool):
     return kernel[grid]
 
 
-def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
-    """Kernel keyword arguments of the variants (issue 16); all off gives the plain causal kernels."""
+def _scale_log2(softmax_scale: float, softcap: float) -> float:
+    """The kernels' score multiplier: scale * log2(e) (base-2 scores), or scale / c with soft-capping, whose
+    kernels then take c * tanh(.) in base 2 (`_triton_common._softcap`)."""
+    return softmax_scale / softcap if softcap else softmax_scale * LOG2E
+
+
+def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap: float) -> dict:
+    """Kernel keyword arguments of the variants (issue 16, soft-capping); all off gives the plain causal
+    kernels (softcap None: a constexpr, so the plain kernels compile exactly as without it)."""
     return dict(
+        softcap=softcap * LOG2E if softcap else None,
+        SOFTCAP=bool(softcap),
         Q_DOC=q_doc,
         SEED=dropout_seed,
         window=int(window),
@@ -84,11 +93,14 @@ def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed) -> dict:
     )
 
 
+def _strides(*tensors) -> list:
+    """The (B, H, N) strides of each tensor: the kernels take no head-dim stride, it is 1 for every operand
+    (`unit_last_stride` for the inputs; the outputs are made dense with a unit last stride)."""
+    return [s for t in tensors for s in t.stride()[:3]]
+
+
 def _options(cfg) -> dict:
     return {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-
-
-_NO_TMA = (0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def launch_fwd(
@@ -103,19 +115,20 @@ def launch_fwd(
     k_doc=None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    softcap: float = 0.0,
 ):
     """Forward: (o, lse). Variants (validated by `flash_attention`): window w >= 1 (0: none), q_doc int32
     (2, B, Nq) document key ranges of the query rows (k_doc: unused here), dropout_p with its int64 (1,)
-    seed."""
+    seed, softcap c > 0 (0: none)."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
         # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
         o, lse = launch_fwd(
             q.float(), k.float(), v.float(), causal, softmax_scale, False, window, q_doc, k_doc, dropout_p,
-            dropout_seed,
+            dropout_seed, softcap,
         )  # fmt: skip
         return o.to(torch.bfloat16), lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
-    p = kplan.plan_fwd(q, k, v, causal, softmax_scale, window, q_doc, dropout_p)
+    p = kplan.plan_fwd(q, k, v, causal, softmax_scale, window, q_doc, dropout_p, softcap)
     if p.backend == "gluon":  # sm_90 from plan.MIN_N: the Gluon forward
         g = kplan.gluon_fwd()
         return (g.forward if traced else g.run)(q, k, v, softmax_scale)
@@ -128,12 +141,12 @@ def launch_fwd(
     with device_ctx(q):
         launcher(kern, (_cdiv(Nq, cfg.block_m), Hq, B), traced)(
             q, k, v, o, lse,
-            *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale * LOG2E,
+            *_strides(q, k, v, o),
+            Hq, Hq // Hkv, Nq, Nk, d, _scale_log2(softmax_scale, softcap),
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == p.block_d,
             DOT_PRECISION=dot_precision(q.dtype), **_options(cfg),
-            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
     return o, lse
 
@@ -156,6 +169,7 @@ def launch_bwd(
     dropout_seed=None,
     dqkv=None,
     deterministic: bool = False,
+    softcap: float = 0.0,
 ):
     """Backward: (dq, dk, dv), new tensors laid out as q, k, v (`empty_like_layout`); with `dqkv` (a
     (B, N, 3, H, d) tensor, the packed entry point) the kernels write its three slices and the views of
@@ -164,7 +178,7 @@ def launch_bwd(
     if q.dtype == torch.bfloat16 and interpret_enabled():
         grads = launch_bwd(
             do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale, dlse, False,
-            window, q_doc, k_doc, dropout_p, dropout_seed, None, deterministic,
+            window, q_doc, k_doc, dropout_p, dropout_seed, None, deterministic, softcap,
         )  # fmt: skip
         if dqkv is not None:
             dqkv.copy_(torch.stack(grads, dim=1).permute(0, 3, 1, 2, 4))  # (B, 3, H, N, d) -> (B, N, 3, H, d)
@@ -173,7 +187,9 @@ def launch_bwd(
     q, k, v, o = (unit_last_stride(t) for t in (q, k, v, o))
     do = unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
-    p = kplan.plan_bwd(do, q, k, v, o, causal, softmax_scale, window, q_doc, dropout_p, deterministic)
+    p = kplan.plan_bwd(
+        do, q, k, v, o, causal, softmax_scale, window, q_doc, dropout_p, deterministic, softcap
+    )
     if p.backend == "gluon":  # sm_90: the one-pass Gluon backward (dQ by TMA reduce-add)
         return kplan.gluon_bwd().call(do, q, k, v, o, lse, dlse, softmax_scale, traced, dqkv)
     B, Hq, Nq, d = (int(x) for x in q.shape)
@@ -193,7 +209,7 @@ def launch_bwd(
     else:  # the slices of dqkv: q's starts at its first element, k's and v's one and two steps of dim 2 on
         dq, dk, dv = packed_views(dqkv)  # for the strides
         dq_arg, dk_arg, dv_arg, dk_off, dv_off = dqkv, dqkv, None, dqkv.stride(2), 2 * dqkv.stride(2)
-    scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, softmax_scale * LOG2E)
+    scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, _scale_log2(softmax_scale, softcap))
     if (tma_dq is not None or tma_dkdv is not None) and q.is_cuda:
         ensure_scratch_allocator()
     with device_ctx(q):
@@ -201,21 +217,21 @@ def launch_bwd(
         # store it for the dK/dV kernel (no separate preprocess launch)
         launcher(kern._bwd_dq_kernel, (_cdiv(Nq, c_dq.block_m), Hq, B), traced)(
             q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: HAS_DLSE=False, never read
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), *o.stride(),
-            *scale_args, *(tma_dq or _NO_TMA),
+            *_strides(q, k, v, do, dq, o),
+            *scale_args, TMA_K=(tma_dq or (0, 0))[0], TMA_V=(tma_dq or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dq.block_m, BLOCK_N=c_dq.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dq.block_m == 0, EVEN_N=Nk % c_dq.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, USE_TMA=tma_dq is not None, HAS_DLSE=dlse is not None,
-            **_options(c_dq), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed),
+            DOT_PRECISION=prec, HAS_DLSE=dlse is not None,
+            **_options(c_dq), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
         launcher(kern._bwd_dkdv_kernel, (_cdiv(Nk, c_dkdv.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk_arg, dv_arg,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            *scale_args, *(tma_dkdv or _NO_TMA),
+            *_strides(q, k, v, do, dk, dv),
+            *scale_args, TMA_Q=(tma_dkdv or (0, 0))[0], TMA_DO=(tma_dkdv or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dkdv.block_m, BLOCK_N=c_dkdv.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dkdv.block_m == 0, EVEN_N=Nk % c_dkdv.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, USE_TMA=tma_dkdv is not None, **_options(c_dkdv),
-            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed), K_DOC=k_doc,
+            DOT_PRECISION=prec, **_options(c_dkdv),
+            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap), K_DOC=k_doc,
             dk_offset=dk_off, dv_offset=dv_off,
         )  # fmt: skip
     return dq, dk, dv

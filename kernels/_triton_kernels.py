@@ -11,6 +11,8 @@ Conventions shared by every kernel
 * GQA/MQA: query head h reads key/value head h // GROUP with GROUP = Hq // Hkv (no k/v copies).
 * Scores are kept in base-2 units: s2 = (q . k) * softmax_scale * log2(e), so exp(x) becomes
   exp2(x2). LSE is stored in natural-log units: lse = ln(sum_j exp(softmax_scale * q_i . k_j)).
+* Soft-capping (SOFTCAP, constexpr): the launcher passes scale_log2 = scale / c and softcap = c * log2(e),
+  so the scores become c * tanh(s / c) in base 2 before the mask; dS takes the factor 1 - tanh^2.
 * Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq).
   A query row that sees no key (possible when Nq > Nk) gets o = 0, lse = -inf and zero gradients.
 * Causal key blocks wholly above the diagonal are skipped through the loop bounds; the remaining
@@ -43,6 +45,7 @@ from ._triton_common import (
     _row_max,
     _row_sum,
     _score_keep,
+    _softcap,
     _store_tile,
     _variant_args,
 )
@@ -71,9 +74,7 @@ def _fwd_inner(
     N_K,
     scale_log2,
     stride_kn,
-    stride_kd,
     stride_vn,
-    stride_vd,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -91,6 +92,8 @@ def _fwd_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
@@ -107,9 +110,11 @@ def _fwd_inner(
         cols = start_n + offs_n
         col_ok = cols < N_K
         start_64 = tl.cast(start_n, tl.int64)
-        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
         k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, _ = _softcap(qk, softcap)
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
                 valid = _score_keep(
@@ -141,7 +146,7 @@ def _fwd_inner(
                 p * (1.0 / (1.0 - dropout_p)),
                 0.0,
             )
-        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
         v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -159,19 +164,15 @@ def _fwd_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     stride_ob,
     stride_oh,
     stride_om,
-    stride_od,
     H_Q,
     GROUP,
     N_Q,
@@ -193,6 +194,8 @@ def _fwd_kernel(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -200,6 +203,8 @@ def _fwd_kernel(
     key range [lo, hi)), dropout (HAS_DROPOUT: SEED int64 (1,), dropout_p in (0, 1)).
     """
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:
         # later query blocks see more keys: schedule them first (less tail imbalance)
@@ -221,7 +226,7 @@ def _fwd_kernel(
         + h * stride_qh
         + m0_64 * stride_qm
         + tl.arange(0, BLOCK_M)[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd
+        + offs_d[None, :]
     )
     q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
 
@@ -258,9 +263,7 @@ def _fwd_kernel(
         N_K,
         scale_log2,
         stride_kn,
-        stride_kd,
         stride_vn,
-        stride_vd,
         CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC,
         CAUSAL,
         BLOCK_N,
@@ -278,6 +281,8 @@ def _fwd_kernel(
         HAS_WINDOW,
         HAS_DOC,
         HAS_DROPOUT,
+        softcap,
+        SOFTCAP,
     )
 
     has_key = l_i > 0.0
@@ -289,7 +294,7 @@ def _fwd_kernel(
         + h * stride_oh
         + m0_64 * stride_om
         + tl.arange(0, BLOCK_M)[:, None] * stride_om
-        + offs_d[None, :] * stride_od
+        + offs_d[None, :]
     )
     _store_tile(o_ptrs, o.to(O.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
     # natural-log LSE: (m + log2 l) * ln 2 ; -inf for rows that see no key
@@ -337,9 +342,7 @@ def _bwd_dkdv_inner(
     N_K,
     scale_log2,
     stride_qm,
-    stride_qd,
     stride_dom,
-    stride_dod,
     QD,
     DOD,
     q_row,
@@ -364,6 +367,8 @@ def _bwd_dkdv_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
@@ -389,14 +394,14 @@ def _bwd_dkdv_inner(
         else:
             start_64 = tl.cast(start_m, tl.int64)
             q = _load_tile(
-                q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
                 mask_r,
                 mask_d,
                 not EVEN_M,
                 not EVEN_D,
             )
             do = _load_tile(
-                do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :],
                 mask_r,
                 mask_d,
                 not EVEN_M,
@@ -405,6 +410,8 @@ def _bwd_dkdv_inner(
         lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
         # transposed scores: (BLOCK_N keys, BLOCK_M queries)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk_t, tanh_t = _softcap(qk_t, softcap)
         p_t = tl.math.exp2(qk_t - lse2[None, :])
         if MASKED:
             if _edge_block(start_m, mask_to, mask_from, True, HAS_WINDOW or HAS_DOC):
@@ -441,8 +448,36 @@ def _bwd_dkdv_inner(
         if HAS_DROPOUT:
             dp_t = tl.where(keep_t, dp_t * (1.0 / (1.0 - dropout_p)), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - tanh_t * tanh_t)  # d c tanh(s / c) / ds
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
+
+
+@triton.jit
+def _tma_operand(
+    base, stride_h, stride_n, H, N, LAYOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """A (B, H, N, d) operand as one 2-D tensor descriptor (Hopper TMA): (descriptor, row_b, row_h, col_h);
+    row n of head h in batch b is descriptor row b * row_b + h * row_h + n, column h * col_h.
+
+    LAYOUT (`kernels.plan.tma_operand`): 1, heads contiguous (rows b*H*N + h*N + n, d columns); 2, the
+    (B, N, H, d) memory of a fused qkv projection (rows b*N + n, the heads side by side in a row). d ==
+    BLOCK_D (the plan's condition). Derived here from the strides, so the launch passes no extents.
+    """
+    if LAYOUT == 1:
+        rows = tl.num_programs(2) * H * N
+        cols = BLOCK_D
+        row_b = H * N
+        row_h = N
+        col_h = 0
+    else:
+        rows = tl.num_programs(2) * N
+        cols = (H - 1) * stride_h + BLOCK_D
+        row_b = N
+        row_h = 0
+        col_h = stride_h
+    return _tma_descriptor(base, rows, cols, stride_n, BLOCK_ROWS, BLOCK_D), row_b, row_h, col_h
 
 
 @triton.jit
@@ -471,27 +506,21 @@ def _bwd_dkdv_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     stride_dob,
     stride_doh,
     stride_dom,
-    stride_dod,
     stride_dkb,
     stride_dkh,
     stride_dkn,
-    stride_dkd,
     stride_dvb,
     stride_dvh,
     stride_dvn,
-    stride_dvd,
     H_Q,
     GROUP,
     N_Q,
@@ -499,16 +528,6 @@ def _bwd_dkdv_kernel(
     HEAD_DIM,
     softmax_scale,
     scale_log2,
-    q_rows,
-    q_cols,
-    row_qb,
-    row_qh,
-    col_qh,
-    do_rows,
-    do_cols,
-    row_dob,
-    row_doh,
-    col_doh,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -517,7 +536,8 @@ def _bwd_dkdv_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    TMA_Q: tl.constexpr,
+    TMA_DO: tl.constexpr,
     Q_DOC=None,
     K_DOC=None,
     SEED=None,
@@ -528,14 +548,15 @@ def _bwd_dkdv_kernel(
     HAS_DROPOUT: tl.constexpr = False,
     dk_offset=0,
     dv_offset=0,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
 
     Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
     over the query blocks that can see this key block; P is recomputed from q, k and LSE.
-    USE_TMA: q / dO tiles come through 2-D tensor descriptors built here over q_rows x q_cols
-    (do_rows x do_cols) elements with row stride stride_qm (stride_dom); query row n of head h in
-    batch b is descriptor row b * row_qb + h * row_qh + n, column h * col_qh (same for dO).
+    TMA_Q / TMA_DO: 0, pointer loads of q / dO; 1 or 2, tensor descriptors built here (`_tma_operand`'s
+    layouts; both 0 or both not).
     Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
     Packed d(qkv) (`flash_attention_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
     elements past DK's start (the slices of one buffer, passed as one tensor: a compiled graph may clone a
@@ -543,6 +564,8 @@ def _bwd_dkdv_kernel(
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     if DV is None:
         DV = DK + dv_offset
     DK = DK + dk_offset
@@ -560,24 +583,14 @@ def _bwd_dkdv_kernel(
     # -- load K_j, V_j of this block once; dK_j, dV_j accumulate in float32 registers
     tile_n = tl.arange(0, BLOCK_N)[:, None]
     k = _load_tile(
-        K
-        + b * stride_kb
-        + hk * stride_kh
-        + n0_64 * stride_kn
-        + tile_n * stride_kn
-        + offs_d[None, :] * stride_kd,
+        K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn + tile_n * stride_kn + offs_d[None, :],
         mask_n,
         mask_d,
         not EVEN_N,
         not EVEN_D,
     )
     v = _load_tile(
-        V
-        + b * stride_vb
-        + hk * stride_vh
-        + n0_64 * stride_vn
-        + tile_n * stride_vn
-        + offs_d[None, :] * stride_vd,
+        V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn + tile_n * stride_vn + offs_d[None, :],
         mask_n,
         mask_d,
         not EVEN_N,
@@ -617,12 +630,15 @@ def _bwd_dkdv_kernel(
         n0, start_m, full_start, N_Q, N_K, window, k_doc_lo, k_doc_hi, HAS_WINDOW, HAS_DOC, BLOCK_M, BLOCK_N
     )
 
-    if USE_TMA:
-        QD = _tma_descriptor(Q, q_rows, q_cols, stride_qm, BLOCK_M, BLOCK_D)
-        DOD = _tma_descriptor(DO, do_rows, do_cols, stride_dom, BLOCK_M, BLOCK_D)
+    if TMA_Q:
+        QD, row_qb, row_qh, col_qh = _tma_operand(Q, stride_qh, stride_qm, H_Q, N_Q, TMA_Q, BLOCK_M, BLOCK_D)
+        DOD, row_dob, row_doh, col_doh = _tma_operand(
+            DO, stride_doh, stride_dom, H_Q, N_Q, TMA_DO, BLOCK_M, BLOCK_D
+        )
     else:
         QD = None
         DOD = None
+        row_qb, row_qh, col_qh, row_dob, row_doh, col_doh = 0, 0, 0, 0, 0, 0
     for g in range(GROUP):
         h = hk * GROUP + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -656,9 +672,7 @@ def _bwd_dkdv_kernel(
             N_K,
             scale_log2,
             stride_qm,
-            stride_qd,
             stride_dom,
-            stride_dod,
             QD,
             DOD,
             q_row,
@@ -670,7 +684,7 @@ def _bwd_dkdv_kernel(
             EVEN_M,
             EVEN_D,
             DOT_PRECISION,
-            USE_TMA,
+            TMA_Q > 0,
             full_end,
             q_doc_lo,
             q_doc_hi,
@@ -683,17 +697,14 @@ def _bwd_dkdv_kernel(
             HAS_WINDOW,
             HAS_DOC,
             HAS_DROPOUT,
+            softcap,
+            SOFTCAP,
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
     dk = dk * softmax_scale
     _store_tile(
-        DK
-        + b * stride_dkb
-        + hk * stride_dkh
-        + n0_64 * stride_dkn
-        + tile_n * stride_dkn
-        + offs_d[None, :] * stride_dkd,
+        DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn + tile_n * stride_dkn + offs_d[None, :],
         dk.to(DK.dtype.element_ty),
         mask_n,
         mask_d,
@@ -701,12 +712,7 @@ def _bwd_dkdv_kernel(
         not EVEN_D,
     )
     _store_tile(
-        DV
-        + b * stride_dvb
-        + hk * stride_dvh
-        + n0_64 * stride_dvn
-        + tile_n * stride_dvn
-        + offs_d[None, :] * stride_dvd,
+        DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn + tile_n * stride_dvn + offs_d[None, :],
         dv.to(DV.dtype.element_ty),
         mask_n,
         mask_d,
@@ -735,9 +741,7 @@ def _bwd_dq_inner(
     N_K,
     scale_log2,
     stride_kn,
-    stride_kd,
     stride_vn,
-    stride_vd,
     KD,
     VD,
     k_row,
@@ -762,6 +766,8 @@ def _bwd_dq_inner(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
@@ -781,15 +787,13 @@ def _bwd_dq_inner(
             v = VD.load([v_row + start_n, v_col])
         else:
             start_64 = tl.cast(start_n, tl.int64)
-            k_ptrs = (
-                k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-            )
+            k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
             k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
-            v_ptrs = (
-                v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-            )
+            v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
             v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            qk, tanh = _softcap(qk, softcap)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             if _edge_block(start_n, mask_lo, mask_from, HAS_WINDOW or HAS_DOC, True):
@@ -814,6 +818,8 @@ def _bwd_dq_inner(
                 0.0,
             )
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
     return dq
 
@@ -832,27 +838,21 @@ def _bwd_dq_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     stride_dob,
     stride_doh,
     stride_dom,
-    stride_dod,
     stride_dqb,
     stride_dqh,
     stride_dqm,
-    stride_dqd,
     stride_ob,
     stride_oh,
     stride_om,
-    stride_od,
     H_Q,
     GROUP,
     N_Q,
@@ -860,16 +860,6 @@ def _bwd_dq_kernel(
     HEAD_DIM,
     softmax_scale,
     scale_log2,
-    k_rows,
-    k_cols,
-    row_kb,
-    row_kh,
-    col_kh,
-    v_rows,
-    v_cols,
-    row_vb,
-    row_vh,
-    col_vh,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -878,7 +868,8 @@ def _bwd_dq_kernel(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr,
+    TMA_K: tl.constexpr,
+    TMA_V: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     Q_DOC=None,
     SEED=None,
@@ -887,6 +878,8 @@ def _bwd_dq_kernel(
     HAS_WINDOW: tl.constexpr = False,
     HAS_DOC: tl.constexpr = False,
     HAS_DROPOUT: tl.constexpr = False,
+    softcap=None,
+    SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
 
@@ -894,12 +887,13 @@ def _bwd_dq_kernel(
     it loops over the visible key blocks like the forward. It also computes Delta = rowsum(dO * O)
     (- dLSE when HAS_DLSE) and stores it for `_bwd_dkdv_kernel`, which is launched after it (one
     launch and one pass over O and dO fewer than a separate preprocess kernel).
-    USE_TMA: k / v tiles come through 2-D tensor descriptors built here (k_rows x k_cols elements,
-    row stride stride_kn; key row n of kv head hk in batch b at descriptor row b * row_kb + hk * row_kh
-    + n, column hk * col_kh; same for v).
+    TMA_K / TMA_V: 0, pointer loads of k / v; 1 or 2, tensor descriptors built here (`_tma_operand`'s
+    layouts; both 0 or both not).
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
+    if SOFTCAP:
+        softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m  # heaviest query blocks first
@@ -917,12 +911,7 @@ def _bwd_dq_kernel(
 
     # -- load Q_i, dO_i, O_i; Delta_i = rowsum(dO_i * O_i); LSE_i in base 2
     q = _load_tile(
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + m0_64 * stride_qm
-        + tile_m[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd,
+        Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm + tile_m[:, None] * stride_qm + offs_d[None, :],
         mask_m,
         mask_d,
         not EVEN_M,
@@ -934,19 +923,14 @@ def _bwd_dq_kernel(
         + h * stride_doh
         + m0_64 * stride_dom
         + tile_m[:, None] * stride_dom
-        + offs_d[None, :] * stride_dod,
+        + offs_d[None, :],
         mask_m,
         mask_d,
         not EVEN_M,
         not EVEN_D,
     )
     o = _load_tile(
-        O
-        + b * stride_ob
-        + h * stride_oh
-        + m0_64 * stride_om
-        + tile_m[:, None] * stride_om
-        + offs_d[None, :] * stride_od,
+        O + b * stride_ob + h * stride_oh + m0_64 * stride_om + tile_m[:, None] * stride_om + offs_d[None, :],
         mask_m,
         mask_d,
         not EVEN_M,
@@ -965,12 +949,14 @@ def _bwd_dq_kernel(
     v_base = V + b * stride_vb + hk * stride_vh
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    if USE_TMA:
-        KD = _tma_descriptor(K, k_rows, k_cols, stride_kn, BLOCK_N, BLOCK_D)
-        VD = _tma_descriptor(V, v_rows, v_cols, stride_vn, BLOCK_N, BLOCK_D)
+    if TMA_K:
+        H_KV = H_Q // GROUP
+        KD, row_kb, row_kh, col_kh = _tma_operand(K, stride_kh, stride_kn, H_KV, N_K, TMA_K, BLOCK_N, BLOCK_D)
+        VD, row_vb, row_vh, col_vh = _tma_operand(V, stride_vh, stride_vn, H_KV, N_K, TMA_V, BLOCK_N, BLOCK_D)
     else:
         KD = None
         VD = None
+        row_kb, row_kh, col_kh, row_vb, row_vh, col_vh = 0, 0, 0, 0, 0, 0
     # descriptor coordinates (int32; only used when USE_TMA)
     k_row = (b * row_kb + hk * row_kh).to(tl.int32)
     k_col = (hk * col_kh).to(tl.int32)
@@ -1002,9 +988,7 @@ def _bwd_dq_kernel(
         N_K,
         scale_log2,
         stride_kn,
-        stride_kd,
         stride_vn,
-        stride_vd,
         KD,
         VD,
         k_row,
@@ -1017,7 +1001,7 @@ def _bwd_dq_kernel(
         EVEN_N,
         EVEN_D,
         DOT_PRECISION,
-        USE_TMA,
+        TMA_K > 0,
         full_lo,
         doc_lo,
         doc_hi,
@@ -1029,6 +1013,8 @@ def _bwd_dq_kernel(
         HAS_WINDOW,
         HAS_DOC,
         HAS_DROPOUT,
+        softcap,
+        SOFTCAP,
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
@@ -1038,7 +1024,7 @@ def _bwd_dq_kernel(
         + h * stride_dqh
         + m0_64 * stride_dqm
         + tile_m[:, None] * stride_dqm
-        + offs_d[None, :] * stride_dqd,
+        + offs_d[None, :],
         dq.to(DQ.dtype.element_ty),
         mask_m,
         mask_d,

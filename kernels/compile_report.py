@@ -30,29 +30,6 @@ _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
 _INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "dk_offset", "dv_offset")  # offsets: 0 unless packed
-# the device-side tensor descriptors' extents and coordinate maps (kernels/plan.tma_operand)
-_DESC_INTS = (
-    "q_rows",
-    "q_cols",
-    "row_qb",
-    "row_qh",
-    "col_qh",
-    "do_rows",
-    "do_cols",
-    "row_dob",
-    "row_doh",
-    "col_doh",
-    "k_rows",
-    "k_cols",
-    "row_kb",
-    "row_kh",
-    "col_kh",
-    "v_rows",
-    "v_cols",
-    "row_vb",
-    "row_vh",
-    "col_vh",
-)
 
 
 @dataclass
@@ -108,8 +85,8 @@ def compile_kernel(
     inductor: compile as torch.compile's Inductor compiles a user kernel (the triton ops' launches):
         Python float arguments typed fp64, and debug=True (int32 overflow checks as device asserts,
         from `torch._inductor.config.assert_indirect_indexing`).
-    variants: any of "window", "doc", "dropout" (issue 16): compile with the sliding window, the document
-        ranges (int32 pointers) and / or attention dropout (int64 seed pointer) switched on.
+    variants: any of "window", "doc", "dropout", "softcap": compile with the sliding window, the document
+        ranges (int32 pointers), attention dropout (int64 seed pointer) and / or soft-capping switched on.
     Raises: ValueError for an unknown kernel or variant; triton.CompilationError when the kernel does
         not compile.
     """
@@ -121,8 +98,10 @@ def compile_kernel(
 
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
-    if set(variants) - {"window", "doc", "dropout"}:
-        raise ValueError(f"unknown variants {variants!r}; expected a subset of ('window', 'doc', 'dropout')")
+    if set(variants) - {"window", "doc", "dropout", "softcap"}:
+        raise ValueError(
+            f"unknown variants {variants!r}; expected a subset of ('window', 'doc', 'dropout', 'softcap')"
+        )
     big = 1 << 20
     cfg = config or get_tile_config(kernel, head_dim, dtype, causal, big, big)
     tma_possible = (
@@ -152,10 +131,14 @@ def compile_kernel(
         EVEN_D=head_dim == block_d,
         HAS_DLSE=False,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-        USE_TMA=tma,
+        TMA_Q=int(tma),  # layout 1: heads contiguous (kernels.plan.tma_operand)
+        TMA_DO=int(tma),
+        TMA_K=int(tma),
+        TMA_V=int(tma),
         HAS_WINDOW="window" in variants,
         HAS_DOC="doc" in variants,
         HAS_DROPOUT="dropout" in variants,
+        SOFTCAP="softcap" in variants,
     )
     variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
@@ -169,15 +152,13 @@ def compile_kernel(
                 signature[name], constants[name] = "constexpr", None
         elif name == "window":
             signature[name] = "i32"
-        elif name == "dropout_p":
+        elif name == "dropout_p" or (name == "softcap" and "softcap" in variants):
             signature[name] = "fp64" if inductor else "fp32"
-        elif name in _DESC_INTS:
-            signature[name] = "i32"
+        elif name == "softcap":  # None when off, as the launchers pass it
+            signature[name], constants[name] = "constexpr", None
         elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
             divisible.append(i)
-        elif name.startswith("stride_") and name.endswith("d"):
-            signature[name], constants[name] = "constexpr", 1
         elif name == "GROUP" and not gqa:
             signature[name], constants[name] = "constexpr", 1
         elif name.startswith("stride_") or name in _INTS:
@@ -304,6 +285,7 @@ def compile_decode_kernel(
     arch: int = 90,
     has_seqlens: bool = True,
     pdl: bool = False,
+    softcap: bool = False,
 ):
     """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for
     sm_`arch` without a GPU, as ``kernels.flash_decode`` would launch it (block_n None: its GPU tile;
@@ -328,6 +310,7 @@ def compile_decode_kernel(
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
         HAS_SEQLENS=has_seqlens,
         USE_PDL=pdl,
+        SOFTCAP=softcap,
     )
     signature, constants = {}, {}
     for name in fn.arg_names:
@@ -339,10 +322,10 @@ def compile_decode_kernel(
             signature[name] = "*i32"
         elif name == "SEQLENS":  # None, as flash_decode passes it without lengths
             signature[name], constants[name] = "constexpr", None
-        elif name.startswith("stride_") and name.endswith("d"):
-            signature[name], constants[name] = "constexpr", 1
-        elif name == "scale_log2":
+        elif name == "scale_log2" or (name == "softcap" and softcap):
             signature[name] = "fp32"
+        elif name == "softcap":
+            signature[name], constants[name] = "constexpr", None
         elif name in values:
             signature[name], constants[name] = "constexpr", values[name]
         else:

@@ -134,6 +134,19 @@ def _validate(q, k, v, causal, softmax_scale) -> None:
             raise ValueError(f"softmax_scale must be finite, got {softmax_scale}; None means 1/sqrt(d)")
 
 
+def check_softcap(softcap) -> float:
+    """softcap as the ops take it: 0.0 for None, else the cap c (scores become c * tanh(s / c)).
+    Raises ValueError unless it is None or a finite number > 0 (bools refused)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        raise ValueError(
+            f"softcap must be None (no capping) or a finite float > 0, e.g. softcap=50.0 (Gemma 2's "
+            f"attention cap), got {softcap!r}"
+        )
+    return float(softcap)
+
+
 def _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed):
     """Validate the variant arguments of `flash_attention` (see its docstring for the errors)."""
     if window is not None:
@@ -223,20 +236,31 @@ def _type_name(x) -> str:
 
 
 def _prepare_call(
-    q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic=False
+    q,
+    k,
+    v,
+    causal,
+    softmax_scale,
+    window,
+    doc_ids,
+    dropout_p,
+    dropout_seed,
+    deterministic=False,
+    softcap=None,
 ):
     """Validate a call (raises as `flash_attention` documents) and return (scale, variants): the softmax
     scale as a float and the op's variant arguments (window or 0, q_doc, k_doc, dropout_p, seed tensor,
-    deterministic)."""
+    deterministic, softcap or 0)."""
     _validate(q, k, v, causal, softmax_scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {_type_name(deterministic)}")
+    cap = check_softcap(softcap)
     docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
     p = float(dropout_p)
     seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
-    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed, deterministic)
+    return scale, (0 if window is None else int(window), q_doc, k_doc, p, seed, deterministic, cap)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,7 +292,7 @@ class _Ops:
     `fwd_body(*inputs, causal, softmax_scale, *variants)` -> (o, lse) and `bwd_body(do, *inputs, o, lse,
     causal, softmax_scale, dlse, *variants)` -> the inputs' gradients (a tuple, or one tensor) are the
     annotated op bodies (traced launches); `fwd_eager` / `bwd_eager` the same with untraced launches.
-    variants: (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic).
+    variants: (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap).
     """
 
     def __init__(self, name, n_inputs, fwd_body, bwd_body, fwd_eager, bwd_eager, fwd_fake, bwd_fake):
@@ -310,10 +334,10 @@ class _Ops:
     def _save(self, ctx, inputs, output):
         """Keep what the backward needs: the inputs, o, lse and the variants' tensors, and the flags."""
         n = self.n_inputs
-        causal, scale, window, q_doc, k_doc, dropout_p, dropout_seed, deterministic = inputs[n:]
+        causal, scale, window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap = inputs[n:]
         ctx.save_for_backward(*inputs[:n], *output, q_doc, k_doc, dropout_seed)
         ctx.causal, ctx.softmax_scale, ctx.window = causal, scale, window
-        ctx.dropout_p, ctx.deterministic = dropout_p, deterministic
+        ctx.dropout_p, ctx.deterministic, ctx.softcap = dropout_p, deterministic, softcap
 
     def _setup_context(self, ctx, inputs, output):
         self._save(ctx, inputs, output)
@@ -325,9 +349,9 @@ class _Ops:
         if do is None:
             do = torch.zeros_like(o)
         grads = backward_fn(do, *inputs, o, lse, ctx.causal, ctx.softmax_scale, dlse, ctx.window, q_doc,
-                            k_doc, ctx.dropout_p, dropout_seed, ctx.deterministic)  # fmt: skip
+                            k_doc, ctx.dropout_p, dropout_seed, ctx.deterministic, ctx.softcap)  # fmt: skip
         grads = grads if isinstance(grads, tuple) else (grads,)
-        return (*grads,) + (None,) * 8
+        return (*grads,) + (None,) * 9
 
     def __call__(self, *args):
         """(o, lse) of validated arguments (*inputs, causal, softmax_scale, *variants)."""
@@ -340,47 +364,49 @@ def _fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
     window: int = 0, q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
     dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Forward op: o (B, Hq, Nq, d) in q's dtype, lse float32 (B, Hq, Nq) natural log. No validation
     (`flash_attention` validates). Variants: window (0 = none), q_doc / k_doc int32 (2, B, Nq) / (2, B, Nk)
-    document ranges (`document_ranges`), dropout_p with an int64 (1,) seed; deterministic is for the
-    backward (saved)."""
-    return launch_fwd(q, k, v, causal, softmax_scale, True, window, q_doc, k_doc, dropout_p, dropout_seed)
+    document ranges (`document_ranges`), dropout_p with an int64 (1,) seed, softcap (0 = none);
+    deterministic is for the backward (saved)."""
+    return launch_fwd(q, k, v, causal, softmax_scale, True, window, q_doc, k_doc, dropout_p, dropout_seed,
+                      softcap)  # fmt: skip
 
 
 def _bwd_body(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     causal: bool, softmax_scale: float, dlse: torch.Tensor | None = None, window: int = 0,
     q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
+    dropout_seed: torch.Tensor | None = None, deterministic: bool = False, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Backward op: (dq, dk, dv) shaped/typed like (q, k, v), each dense with its input's dim order
     (`empty_like_layout`). dlse: optional gradient of the lse output (float32 (B, Hq, Nq)). Variants
     as in the forward op; deterministic: the split backward even where the one-pass one would run."""
     return launch_bwd(do, q, k, v, o, lse, causal, softmax_scale, dlse, True, window, q_doc, k_doc, dropout_p,
-                      dropout_seed, None, deterministic)  # fmt: skip
+                      dropout_seed, None, deterministic, softcap)  # fmt: skip
 
 
-def _fwd_eager(q, k, v, causal, scale, window, q_doc, k_doc, dropout_p, dropout_seed, deterministic):
-    return launch_fwd(q, k, v, causal, scale, False, window, q_doc, k_doc, dropout_p, dropout_seed)
+def _fwd_eager(q, k, v, causal, scale, window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap):
+    return launch_fwd(q, k, v, causal, scale, False, window, q_doc, k_doc, dropout_p, dropout_seed, softcap)
 
 
 def _bwd_eager(
-    do, q, k, v, o, lse, causal, scale, dlse, window, q_doc, k_doc, dropout_p, seed, deterministic
+    do, q, k, v, o, lse, causal, scale, dlse, window, q_doc, k_doc, dropout_p, seed, deterministic, softcap
 ):
     return launch_bwd(do, q, k, v, o, lse, causal, scale, dlse, False, window, q_doc, k_doc, dropout_p, seed,
-                      None, deterministic)  # fmt: skip
+                      None, deterministic, softcap)  # fmt: skip
 
 
 def _fwd_fake(q, k, v, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
-              dropout_seed=None, deterministic=False):  # fmt: skip
+              dropout_seed=None, deterministic=False, softcap=0.0):  # fmt: skip
     q = unit_last_stride(q)  # as launch_fwd sees it
     B, Hq, Nq, d = q.shape
     return empty_like_layout(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
 
 def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
-              dropout_p=0.0, dropout_seed=None, deterministic=False):  # fmt: skip
+              dropout_p=0.0, dropout_seed=None, deterministic=False, softcap=0.0):  # fmt: skip
     q, k, v = (unit_last_stride(t) for t in (q, k, v))  # as launch_bwd sees them
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
@@ -393,50 +419,50 @@ def _bwd_fake(do, q, k, v, o, lse, causal, softmax_scale, dlse=None, window=0, q
 
 
 def _packed_fwd(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed, deterministic,
-                traced):  # fmt: skip
+                softcap, traced):  # fmt: skip
     o, lse = launch_fwd(*packed_views(qkv), causal, softmax_scale, traced, window, q_doc, k_doc, dropout_p,
-                        dropout_seed)  # fmt: skip
+                        dropout_seed, softcap)  # fmt: skip
     return o.transpose(1, 2), lse  # o (B, N, H, d): laid out as q, so contiguous for a contiguous qkv
 
 
 def _packed_bwd(do, qkv, o, lse, causal, softmax_scale, dlse, window, q_doc, k_doc, dropout_p, dropout_seed,
-                deterministic, traced):  # fmt: skip
+                deterministic, softcap, traced):  # fmt: skip
     dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)  # (B, N, 3, H, d)
     do, o = do.transpose(1, 2), o.transpose(1, 2)
     launch_bwd(do, *packed_views(qkv), o, lse, causal, softmax_scale, dlse, traced, window, q_doc, k_doc,
-               dropout_p, dropout_seed, dqkv=dqkv, deterministic=deterministic)  # fmt: skip
+               dropout_p, dropout_seed, dqkv=dqkv, deterministic=deterministic, softcap=softcap)  # fmt: skip
     return dqkv
 
 
 def _packed_fwd_body(
     qkv: torch.Tensor, causal: bool, softmax_scale: float, window: int = 0, q_doc: torch.Tensor | None = None,
     k_doc: torch.Tensor | None = None, dropout_p: float = 0.0, dropout_seed: torch.Tensor | None = None,
-    deterministic: bool = False,
+    deterministic: bool = False, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Packed forward op: o (B, N, H, d) in qkv's dtype, lse float32 (B, H, N). Variants as `_fwd_body`'s."""
     return _packed_fwd(qkv, causal, softmax_scale, window, q_doc, k_doc, dropout_p, dropout_seed,
-                       deterministic, True)  # fmt: skip
+                       deterministic, softcap, True)  # fmt: skip
 
 
 def _packed_bwd_body(
     do: torch.Tensor, qkv: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, causal: bool,
     softmax_scale: float, dlse: torch.Tensor | None = None, window: int = 0,
     q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None, dropout_p: float = 0.0,
-    dropout_seed: torch.Tensor | None = None, deterministic: bool = False,
+    dropout_seed: torch.Tensor | None = None, deterministic: bool = False, softcap: float = 0.0,
 ) -> torch.Tensor:  # fmt: skip
     """Packed backward op: d(qkv), a new contiguous (B, N, 3, H, d) tensor in qkv's dtype."""
     return _packed_bwd(do, qkv, o, lse, causal, softmax_scale, dlse, window, q_doc, k_doc, dropout_p,
-                       dropout_seed, deterministic, True)  # fmt: skip
+                       dropout_seed, deterministic, softcap, True)  # fmt: skip
 
 
 def _packed_fwd_fake(qkv, causal, softmax_scale, window=0, q_doc=None, k_doc=None, dropout_p=0.0,
-                     dropout_seed=None, deterministic=False):  # fmt: skip
+                     dropout_seed=None, deterministic=False, softcap=0.0):  # fmt: skip
     o, lse = _fwd_fake(*packed_views(qkv), causal, softmax_scale)  # the layout _packed_fwd gives
     return o.transpose(1, 2), lse
 
 
 def _packed_bwd_fake(do, qkv, o, lse, causal, softmax_scale, dlse=None, window=0, q_doc=None, k_doc=None,
-                     dropout_p=0.0, dropout_seed=None, deterministic=False):  # fmt: skip
+                     dropout_p=0.0, dropout_seed=None, deterministic=False, softcap=0.0):  # fmt: skip
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
@@ -483,6 +509,7 @@ def flash_attention(
     dropout_p=0.0,
     dropout_seed=None,
     deterministic=False,
+    softcap=None,
 ):
     """Exact attention softmax(q k^T * scale [+ causal mask]) v with FlashAttention-2 (Triton).
 
@@ -526,6 +553,10 @@ def flash_attention(
             an int in [0, 2**63), or an int64 tensor of one element (no recompilation per seed under
             torch.compile). Same seed, same mask. `dropout_keep_mask` returns the mask (for tests).
         deterministic: bitwise-reproducible gradients (the split Triton backward) wherever it runs.
+        softcap: None, or c > 0: logit soft-capping (Gemma 2, Grok; FlashAttention-2's `softcap`), the
+            scores s = scale * q_i . k_j become c * tanh(s / c) before the mask and the softmax, in the
+            forward and the backward (dS times 1 - tanh^2); the LSE is that of the capped scores. Runs the
+            Triton kernels (the sm_90 Gluon ones take no soft-capping; `describe_plan` says so).
     Returns:
         o (B, Hq, Nq, d) in the input dtype, a new dense tensor whose dims lie in memory in q's order
         (contiguous for contiguous q; (B, N, H, d) memory for the trainer's fused-qkv views, so
@@ -542,12 +573,13 @@ def flash_attention(
         ValueError: wrong rank, batch / head-dim / Nk / Hkv mismatch, Hq not a multiple of Hkv,
             d outside [8, 256], an empty dim (N == 0), tensors on different devices,
             non-finite softmax_scale; window not an int >= 1 or without causal; doc_ids of the wrong
-            shape, batch, device or not non-decreasing; dropout_p outside [0, 1); a bad dropout_seed.
+            shape, batch, device or not non-decreasing; dropout_p outside [0, 1); a bad dropout_seed;
+            softcap not None or a finite number > 0.
         FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
             TRITON_INTERPRET=1, CUDA unavailable, or triton missing.
     """
     scale, variants = _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed,
-                                    deterministic)  # fmt: skip
+                                    deterministic, softcap)  # fmt: skip
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     o, lse = PLAIN(q, k, v, causal, scale, *variants)
     return (o, lse) if return_lse else o
@@ -564,6 +596,7 @@ def flash_attention_qkvpacked(
     dropout_p=0.0,
     dropout_seed=None,
     deterministic=False,
+    softcap=None,
 ):
     """`flash_attention` on the packed output of a fused qkv projection; the backward returns d(qkv) whole.
 
@@ -576,8 +609,8 @@ def flash_attention_qkvpacked(
         qkv: (B, N, 3, H, d), float16 / bfloat16 / float32, CUDA (or CPU with TRITON_INTERPRET=1); e.g. a
             (B, N, 3 * H * d) projection output viewed as ``.view(B, N, 3, H, d)``. Any strides (a non-unit
             stride on the last dim costs a copy). d in [8, 256].
-        causal, softmax_scale, return_lse, window, doc_ids, dropout_p, dropout_seed, deterministic: as in
-            `flash_attention`
+        causal, softmax_scale, return_lse, window, doc_ids, dropout_p, dropout_seed, deterministic, softcap:
+            as in `flash_attention`
             (doc_ids (B, N); the sequence is shared by queries and keys).
     Returns:
         o (B, N, H, d) in qkv's dtype (contiguous for a contiguous qkv), and with return_lse also lse float32
@@ -613,7 +646,15 @@ def flash_attention_qkvpacked(
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     scale, variants = _prepare_call(
-        *packed_views(qkv), causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic
+        *packed_views(qkv),
+        causal,
+        softmax_scale,
+        window,
+        doc_ids,
+        dropout_p,
+        dropout_seed,
+        deterministic,
+        softcap,
     )
     o, lse = PACKED(qkv, causal, scale, *variants)
     return (o, lse) if return_lse else o

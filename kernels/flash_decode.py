@@ -1,7 +1,7 @@
 """Flash-decoding: attention of 1..16 new query rows per sequence to a KV cache, split over the keys.
 
 ``flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
-return_lse=False)``; the algorithm and kernels are in ``kernels/_decode_kernels.py``.
+return_lse=False, softcap=None)``; the algorithm and kernels are in ``kernels/_decode_kernels.py``.
 
 Inference only (no autograd). In plain eager mode the kernels launch directly; under torch.compile,
 fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_op``, traced into the
@@ -20,9 +20,9 @@ import math
 import torch
 
 from . import plan as kplan
-from ._launch import LOG2E, dot_precision, kernel_module, launcher
+from ._launch import LOG2E, _scale_log2, _strides, dot_precision, kernel_module, launcher
 from ._runtime import check_flash_available, device_ctx, interpret_enabled
-from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call
+from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call, check_softcap
 from .plan import MAX_DECODE_ROWS
 
 
@@ -121,6 +121,7 @@ def _launch_decode(
     scale: float,
     num_splits: int,
     traced: bool = False,
+    softcap: float = 0.0,
     *,
     _tile_n: int | None = None,
     _num_warps: int | None = None,
@@ -161,9 +162,7 @@ def _launch_decode(
             cache_seqlens,
             o_part,
             lse_part,
-            *q.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
+            *_strides(q, k_cache, v_cache),
             Hq,
             Hq // Hkv,
             Nq,
@@ -171,13 +170,15 @@ def _launch_decode(
             p.split_len,
             splits,
             n_max,
-            scale * LOG2E,
+            _scale_log2(scale, softcap),
             BLOCK_M=tile.block_m,
             BLOCK_N=tile.block_n,
             BLOCK_D=p.block_d,
             DOT_PRECISION=dot_precision(q.dtype),
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
             USE_PDL=pdl,
+            softcap=softcap * LOG2E if softcap else None,
+            SOFTCAP=bool(softcap),
             **launch_opts,
         )
         launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
@@ -185,7 +186,7 @@ def _launch_decode(
             lse_part,
             o,
             lse,
-            *o.stride(),
+            *_strides(o),
             Hq,
             Nq,
             d,
@@ -205,13 +206,15 @@ def _decode_op_body(
     cache_seqlens: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode.
-    cache_seqlens None: all sequences fill the cache (as flash_attn's ops take q_doc=None)."""
-    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, traced=True)
+    cache_seqlens None: all sequences fill the cache (as flash_attn's ops take q_doc=None); softcap 0:
+    none."""
+    return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, True, softcap)
 
 
-def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits):
+def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, softcap=0.0):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -231,6 +234,7 @@ def flash_decode(
     num_splits=None,
     return_lse=False,
     check_lengths=True,
+    softcap=None,
 ):
     """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
 
@@ -248,6 +252,7 @@ def flash_decode(
             itself (the model's KV cache: 12 layers would otherwise synchronise 12 times per token); the
             kernel clamps each length to [0, Nmax] either way, so no slot outside the cache is read, but an
             out-of-range length then gives that clamped length's result instead of an error.
+        softcap: None, or c > 0: scores c * tanh(s / c) before the mask and softmax (as `flash_attention`).
 
     q, k_cache, v_cache share one dtype among float16, bfloat16, float32 (bfloat16 runs in float32 under
     the interpreter) and one device. Row i of sequence b attends to keys j <= L_b - Nq + i.
@@ -258,10 +263,12 @@ def flash_decode(
     Raises:
         ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, with
             check_lengths, not under CUDA-graph capture, torch.compile or fake tensors), Nq outside
-            1..16, head dim outside 8..256, bad softmax_scale / num_splits, check_lengths not a bool.
+            1..16, head dim outside 8..256, bad softmax_scale / num_splits, check_lengths not a bool, softcap
+            not None or a finite number > 0.
         FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, check_lengths)
+    cap = check_softcap(softcap)
     check_flash_available(q.device)
     if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
         out = flash_decode(
@@ -273,6 +280,7 @@ def flash_decode(
             num_splits=num_splits,
             return_lse=return_lse,
             check_lengths=False,  # checked above
+            softcap=softcap,
         )
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     scale = 1.0 / math.sqrt(int(q.shape[3])) if softmax_scale is None else float(softmax_scale)
@@ -282,8 +290,8 @@ def flash_decode(
         cache_seqlens = cache_seqlens.contiguous()
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     if _plain_eager_call(*tensors):
-        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits)
+        o, lse = _launch_decode(q, k_cache, v_cache, cache_seqlens, scale, splits, False, cap)
     else:  # an op: torch.compile / fake tensors see one node (traced into the graph on CUDA)
         op = flash_decode_op if q.is_cuda else flash_decode_cpu_op
-        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, splits)
+        o, lse = op(q, k_cache, v_cache, cache_seqlens, scale, splits, cap)
     return (o, lse) if return_lse else o

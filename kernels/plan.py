@@ -82,8 +82,8 @@ class Plan:
 
     op: "fwd" | "bwd" | "decode". backend: "gluon" (sm_90 FlashAttention-3-style kernel) or "triton".
     block_d: padded head dim of the Triton kernels. tiles: the Triton launches in order: fwd (fwd,),
-    bwd (bwd_dq, bwd_dkdv), decode (split,). tma: per tile, the descriptor arguments of the two streamed
-    operands (`tma_operand` of k, v for dQ; of q, dO for dK/dV), or None for pointer loads.
+    bwd (bwd_dq, bwd_dkdv), decode (split,). tma: per tile, the TMA layout codes of the two streamed
+    operands (`_tma_pair` of k, v for dQ; of q, dO for dK/dV), or None for pointer loads.
     splits / split_len / pdl: decode only (key splits, keys per split, programmatic dependent launch).
     """
 
@@ -273,10 +273,10 @@ def use_gluon(
     op: str, how: str, d: int, n_q: int, n_k: int, dtype: torch.dtype, plain_causal: bool, mha: bool
 ) -> bool:
     """The rule of the Gluon kernels on an sm_90 device, given that their operands suit TMA: `op` "fwd" or
-    "bwd", `how` the mode of its environment variable, `plain_causal` causal without window, documents or
-    dropout and a positive softmax_scale. Nq == Nk, d 64 / 128, bf16 / fp16, N >= MIN_N[d] (MIN_N_BWD for
-    the backward; any N with how == "1", never with "0"). The backward also needs one query head per KV head
-    (`mha`) and N a multiple of 128 (the caller excludes deterministic runs)."""
+    "bwd", `how` the mode of its environment variable, `plain_causal` causal without window, documents,
+    dropout or soft-capping and a positive softmax_scale. Nq == Nk, d 64 / 128, bf16 / fp16, N >= MIN_N[d]
+    (MIN_N_BWD for the backward; any N with how == "1", never with "0"). The backward also needs one query
+    head per KV head (`mha`) and N a multiple of 128 (the caller excludes deterministic runs)."""
     min_n = MIN_N if op == "fwd" else MIN_N_BWD
     if how == "0" or not plain_causal or d not in min_n or n_q != n_k:
         return False
@@ -329,7 +329,9 @@ def gluon_operand_ok(t: torch.Tensor) -> bool:
         return (t.storage_offset() * size) % 16 == 0  # (torch's allocations are 512-byte aligned)
 
 
-def _gluon_call(op, env, q, k, operands, causal, softmax_scale, window, q_doc, dropout_p, mha) -> bool:
+def _gluon_call(
+    op, env, q, k, operands, causal, softmax_scale, window, q_doc, dropout_p, softcap, mha
+) -> bool:
     """Whether this call runs the Gluon kernel of `op`: `use_gluon` on a CUDA sm_90 device outside the
     interpreter, B * Hq <= 65535 (the backward's grid dimension; the persistent forward has no such limit but
     was not tested above it), `operands` that `gluon_operand_ok` accepts and the kernel module importable.
@@ -339,7 +341,8 @@ def _gluon_call(op, env, q, k, operands, causal, softmax_scale, window, q_doc, d
         return False
     B, Hq, N = q.shape[:3]
     d = int(q.shape[3])  # static (a SymInt under dynamic shapes is not hashable)
-    plain = causal and not window and q_doc is None and not dropout_p and softmax_scale > 0
+    # the Gluon kernels take no variant: window, documents, dropout and soft-capping run the Triton ones
+    plain = causal and not window and q_doc is None and not dropout_p and not softcap and softmax_scale > 0
     if not use_gluon(op, how, d, N, k.shape[2], q.dtype, plain, mha) or B * Hq > 65535:
         return False
     if interpret_enabled() or not torch.cuda.is_available() or not all(gluon_operand_ok(t) for t in operands):
@@ -388,9 +391,10 @@ def tma_operand(t: torch.Tensor, block_d: int):
 
 
 def _tma_pair(x: torch.Tensor, y: torch.Tensor, block_d: int):
-    """Descriptor arguments of x then y when both can be streamed through tensor descriptors, else None."""
+    """The kernels' TMA layout codes of x and y (1: heads contiguous, 2: fused-qkv rows; see `tma_operand`)
+    when both can be streamed through tensor descriptors, else None."""
     tx, ty = tma_operand(x, block_d), tma_operand(y, block_d)
-    return None if tx is None or ty is None else (*tx, *ty)
+    return None if tx is None or ty is None else (1 if tx[3] else 2, 1 if ty[3] else 2)
 
 
 def _sizes(q, k) -> tuple[int, ...]:
@@ -400,12 +404,16 @@ def _sizes(q, k) -> tuple[int, ...]:
     return B, Hq, Nq, d, int(k.shape[1]), int(k.shape[2])
 
 
-def plan_fwd(q, k, v, causal: bool, softmax_scale: float, window: int = 0, q_doc=None, dropout_p=0.0) -> Plan:
+def plan_fwd(
+    q, k, v, causal: bool, softmax_scale: float, window: int = 0, q_doc=None, dropout_p=0.0, softcap=0.0
+) -> Plan:
     """The forward of validated q (B, Hq, Nq, d), k / v (B, Hkv, Nk, d) with unit last strides: the Gluon
     kernel where `_gluon_call` allows (under torch.compile decided while tracing; a graph from Inductor's
     cache keeps the choice it was traced with), else the Triton kernel with `get_tile_config`'s tile.
     Raises ValueError for a bad FLASHGPT_GLUON_FWD (read on every call, on any device)."""
-    if _gluon_call("fwd", ENV, q, k, (q, k, v), causal, softmax_scale, window, q_doc, dropout_p, True):
+    if _gluon_call(
+        "fwd", ENV, q, k, (q, k, v), causal, softmax_scale, window, q_doc, dropout_p, softcap, True
+    ):
         return Plan("fwd", "gluon")
     _, _, Nq, d, _, Nk = _sizes(q, k)
     cfg = get_tile_config("fwd", d, q.dtype, causal, Nq, Nk, interpret=interpret_enabled())
@@ -424,6 +432,7 @@ def plan_bwd(
     q_doc=None,
     dropout_p=0.0,
     deterministic=False,
+    softcap=0.0,
 ) -> Plan:
     """The backward: the one-pass Gluon kernel where `_gluon_call` allows and neither `deterministic` nor
     `torch.are_deterministic_algorithms_enabled()` (its dQ is summed by TMA reduce-add in no fixed order;
@@ -434,7 +443,7 @@ def plan_bwd(
     B, Hq, Nq, d, Hkv, Nk = _sizes(q, k)
     mha = Hkv == Hq and not deterministic and not torch.are_deterministic_algorithms_enabled()
     if _gluon_call(
-        "bwd", ENV_BWD, q, k, (q, k, v, do, o), causal, softmax_scale, window, q_doc, dropout_p, mha
+        "bwd", ENV_BWD, q, k, (q, k, v, do, o), causal, softmax_scale, window, q_doc, dropout_p, softcap, mha
     ):
         return Plan("bwd", "gluon")
     interp = interpret_enabled()
@@ -598,11 +607,13 @@ def describe(
     window=None,
     documents: bool = False,
     dropout_p: float = 0.0,
+    softcap=None,
 ) -> str:
     """One line saying which kernels a run of attention=flash launches: forward, backward and decode, for a
     causal self-attention of head dim `head_dim` over `seq_len` tokens in `dtype` on `device` (a CUDA
     device's capability decides the Gluon kernels; CPU: the interpreter), with the variants given (window,
-    documents, dropout: the Triton kernels). Assumes the trainer's layouts (16-byte aligned, TMA-friendly).
+    documents, dropout, softcap: the Triton kernels, said in the line). Assumes the trainer's layouts
+    (16-byte aligned, TMA-friendly).
     Raises ValueError for a bad FLASHGPT_GLUON_FWD / _BWD."""
     mode(ENV), mode(ENV_BWD)  # a bad value is an error here too, not only at the first call
     device = torch.device(device)
@@ -616,13 +627,14 @@ def describe(
         )
     )
     interp = device.type != "cuda"
-    variants = bool(window) or documents or bool(dropout_p)
+    variants = bool(window) or documents or bool(dropout_p) or bool(softcap)
     fwd = _describe_pass("fwd", head_dim, seq_len, dtype, sm90, interp, variants, deterministic)
     bwd = _describe_pass("bwd", head_dim, seq_len, dtype, sm90, interp, variants, deterministic)
     dec = decode_block_n(head_dim, dtype, interp)
     where = "interpreter" if interp else ("sm_90" if sm90 else "cuda")
+    cap = f" softcap={softcap:g} (Triton: the Gluon kernels take none)" if softcap else ""
     return (
-        f"d={head_dim} N={seq_len} {_dtype_name(dtype)} {where}: fwd {fwd} | bwd {bwd} | "
+        f"d={head_dim} N={seq_len} {_dtype_name(dtype)} {where}{cap}: fwd {fwd} | bwd {bwd} | "
         f"decode split-K {_pow2(head_dim)}x{dec}"
     )
 
@@ -667,8 +679,9 @@ def table() -> str:
                 os.environ[e] = value
     notes = (
         "Tiles: BLOCK_M x BLOCK_N, warps, stages (`kernels.plan.tile_size`); tma: the backward streams its "
-        "inner loop through tensor descriptors. Window, document masks and dropout always run the Triton "
-        "kernels; so does every GPU other than sm_90, and the CPU (Triton interpreter, small tiles). "
+        "inner loop through tensor descriptors. Window, document masks, dropout and soft-capping (`softcap`) "
+        "always run the Triton kernels; so does every GPU other than sm_90, and the CPU (Triton interpreter, "
+        "small tiles). "
         "The Gluon backward needs N % 128 == 0, the TMA loads N a multiple of the block. Decoding "
         "(`flash_decode`, "
         f"1..{MAX_DECODE_ROWS} query rows): Triton split-K with 128-key tiles (bf16/fp16, d <= 128), "

@@ -3,7 +3,7 @@
 `attention_reference(q, k, v, ...)` materialises the (Nq, Nk) scores: for tests and small shapes only.
 It computes, per batch element b and query head h (GQA: kv head h // (Hq // Hkv)),
 
-    s_ij   = scale * q_i . k_j                          (keep_ij False -> -inf)
+    s_ij   = scale * q_i . k_j                          (softcap c: c * tanh(s_ij / c); keep_ij False -> -inf)
     lse_i  = log sum_j exp(s_ij)                        (natural log; -inf for a row that keeps no key)
     p_ij   = exp(s_ij - lse_i)
     o_i    = sum_j p_ij * z_ij / (1 - p_drop) * v_j     (z: optional dropout keep mask; z = 1 without dropout)
@@ -128,6 +128,7 @@ def attention_reference(
     softmax_scale: float | None = None,
     mask: torch.Tensor | None = None,
     dtype: torch.dtype | None = torch.float64,
+    softcap: float | None = None,
 ):
     """Attention with an explicit boolean mask and softmax, differentiable (autograd), for tests.
 
@@ -141,6 +142,7 @@ def attention_reference(
         mask: an explicit keep mask broadcastable to (B, Hq, Nq, Nk), ANDed with the one above.
         dtype: compute dtype (default float64, the tests' reference); None computes in q's dtype (the
             "same low precision" reference of the FlashAttention test rule).
+        softcap: None, or c > 0: logit soft-capping, scores c * tanh(s / c) before the mask.
     Returns:
         (o (B, Hq, Nq, d), lse (B, Hq, Nq)) in the compute dtype; fully masked rows: o = 0, lse = -inf.
     Raises:
@@ -165,6 +167,8 @@ def attention_reference(
         keep = keep & mask.to(q.device)
     keep = keep.expand(q.shape[0], q.shape[1], n_q, n_k)
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     row_any = keep.any(-1, keepdim=True)
     s = s.masked_fill(~keep, float("-inf")).masked_fill(~row_any, 0.0)  # all-masked rows: finite, then zeroed
     lse = torch.logsumexp(s, dim=-1, keepdim=True)

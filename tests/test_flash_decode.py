@@ -39,9 +39,10 @@ def _mode(request, monkeypatch):
     enter(device, monkeypatch)
 
 
-def reference(q, k, v, lengths, scale=None):
+def reference(q, k, v, lengths, scale=None, softcap=None):
     """float64 attention per sequence b over keys [0, L_b), row i seeing keys j <= L_b - Nq + i; GQA by
-    repeating each KV head for its query heads. Returns (o, natural-log lse)."""
+    repeating each KV head for its query heads; softcap c: scores c * tanh(s / c). Returns (o, natural-log
+    lse)."""
     B, Hq, Nq, d = q.shape
     group = Hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -52,6 +53,8 @@ def reference(q, k, v, lengths, scale=None):
         kk = k[b, :, :n].double().repeat_interleave(group, 0)
         vv = v[b, :, :n].double().repeat_interleave(group, 0)
         s = q[b].double() @ kk.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         allowed = torch.arange(n)[None, :] <= torch.arange(Nq)[:, None] + (n - Nq)
         s = s.masked_fill(~allowed, -math.inf)
         lse[b] = torch.logsumexp(s, -1)
@@ -59,8 +62,12 @@ def reference(q, k, v, lengths, scale=None):
     return o, lse
 
 
-def _refs(q, k, v, lengths):
+def _refs(q, k, v, lengths, softcap=None):
     """(ref64, torch_lowprec) outputs (B, Hq, Nq, d) float64 for rows i seeing keys j <= L_b - Nq + i."""
+
+    def cap(s):
+        return s if softcap is None else softcap * torch.tanh(s / softcap)
+
     B, Hq, Nq, d = q.shape
     group = Hq // k.shape[1]
     ref = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
@@ -72,9 +79,9 @@ def _refs(q, k, v, lengths):
         cols, rows = torch.arange(n, device=q.device), torch.arange(Nq, device=q.device)
         allowed = cols[None, :] <= rows[:, None] + n - Nq
         s64 = (q[b].double() @ kk.double().transpose(-1, -2)) / math.sqrt(d)
-        ref[b] = torch.softmax(s64.masked_fill(~allowed, -math.inf), -1) @ vv.double()
+        ref[b] = torch.softmax(cap(s64).masked_fill(~allowed, -math.inf), -1) @ vv.double()
         s32 = (q[b].float() @ kk.float().transpose(-1, -2)) / math.sqrt(d)
-        p = torch.softmax(s32.masked_fill(~allowed, -math.inf), -1).to(q.dtype)
+        p = torch.softmax(cap(s32).masked_fill(~allowed, -math.inf), -1).to(q.dtype)
         low[b] = (p.float() @ vv.float()).to(q.dtype).double()
     return ref, low
 
@@ -112,6 +119,40 @@ def test_matches_reference_ragged_gqa(seed, device, dtype, d, hq, hkv, nq, n_max
     err = (o.double() - ref).abs().max().item()
     err_pt = (low - ref).abs().max().item()
     assert err <= 2 * err_pt + 1e-5, f"seed={seed}: err {err} vs torch {err_pt}"
+
+
+# (device, dtype, d, hq, hkv, nq, n_max, softcap, q_gain): the cap alone, with GQA and several rows, and on
+# scores of a hundred times the cap (q_gain: every tanh saturated, fp16 included: no NaN, no inf)
+SOFTCAP = [
+    *(pytest.param("interpreter", dt, 16, hq, hkv, nq, 45, c, gain)
+      for dt in (torch.float32, torch.float16)
+      for hq, hkv, nq, c, gain in ((2, 2, 1, 2.0, 2.0), (8, 2, 3, 0.5, 1.0), (4, 1, 2, 1.0, 40.0))),
+    *(pytest.param("cuda", dt, d, hq, hkv, 4, 4096, c, gain, marks=pytest.mark.gpu)
+      for dt in (torch.bfloat16, torch.float16) for d, hq, hkv in ((64, 12, 12), (128, 32, 8))
+      for c, gain in ((2.0, 1.0), (5.0, 40.0))),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device,dtype,d,hq,hkv,nq,n_max,softcap,gain", SOFTCAP)
+def test_softcap_matches_reference(seed, device, dtype, d, hq, hkv, nq, n_max, softcap, gain):
+    """flash_decode(..., softcap=c) against the float64 reference with c * tanh(s / c) scores: float32
+    tightly, 16-bit dtypes by the FlashAttention rule; ragged lengths, GQA / MQA."""
+    dev = torch.device("cpu" if device == "interpreter" else "cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = (torch.randn(3, hq, nq, d, device=dev, generator=g) * gain).to(dtype)
+    k, v = (torch.randn(3, hkv, n_max, d, device=dev, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([n_max, nq, n_max // 3 + 7], dtype=torch.int32, device=dev)
+    o, lse = flash_decode(q, k, v, lengths, softcap=softcap, return_lse=True)
+    assert torch.isfinite(o).all() and torch.isfinite(lse).all(), f"seed={seed}: non-finite output"
+    ref, low = _refs(q, k, v, lengths, softcap)
+    err = (o.double() - ref).abs().max().item()
+    if dtype == torch.float32:
+        ref_o, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), lengths.cpu(), softcap=softcap)
+        lerr = (lse.cpu().double() - ref_lse).abs().max().item()
+        assert err < 2e-5 and lerr < 2e-5, f"seed={seed}: o err {err}, lse err {lerr}"
+    else:
+        bound = 2 * (low - ref).abs().max().item() + 1e-5
+        assert err <= bound, f"seed={seed}: err {err} > {bound}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -307,6 +348,8 @@ def test_bfloat16_runs_in_float32_under_interpreter(seed):
         (dict(check_lengths=None), "check_lengths must be True or False"),
         (dict(k_cache=torch.randn(1, 0, 10, 16), v_cache=torch.randn(1, 0, 10, 16)), "one KV head"),
         (dict(softmax_scale=True), "softmax_scale must be a finite float"),
+        (dict(softcap=0.0), r"softcap must be None .* e\.g\. softcap=50\.0"),
+        (dict(softcap=float("nan")), "softcap must be None"),
     ],
 )
 def test_errors(kwargs, match):
@@ -362,7 +405,7 @@ cases = [(torch.bfloat16, 128, 8, 1), (torch.bfloat16, 128, 8, 16), (torch.float
 for dtype, d, group, n_q in cases:
     for has_seqlens in (True, False):
         split = compile_decode_kernel('split', dtype, d, group=group, n_q=n_q, num_stages=3,
-                                      has_seqlens=has_seqlens, pdl=True)
+                                      has_seqlens=has_seqlens, pdl=True, softcap=not has_seqlens)
         combine = compile_decode_kernel('combine', dtype, d, group=group, n_q=n_q, num_stages=3, pdl=True)
         where = (dtype, d, group, n_q, has_seqlens)
         assert split.metadata.shared <= 227 * 1024 and combine.asm['ptx'], (where, split.metadata.shared)

@@ -185,11 +185,13 @@ def test_packed_ops_opcheck(seed, monkeypatch, device):
         {"window": 7},
         {"doc_ids": "docs"},
         {"dropout_p": 0.3, "dropout_seed": 1234},
+        {"softcap": 1.5, "window": 11},
     ],
-    ids=["window", "documents", "dropout"],
+    ids=["window", "documents", "dropout", "softcap"],
 )
 def test_packed_variants_equal_separate(seed, interpreter, variant):
-    """Sliding window, document mask and dropout (same seed): the packed path equals the separate one."""
+    """Sliding window, document mask, dropout (same seed) and soft-capping: the packed path equals the
+    separate one."""
     qkv, do = _packed(seed, 2, 40, 2, 16, torch.float32)
     kw = dict(variant)
     if kw.get("doc_ids") == "docs":

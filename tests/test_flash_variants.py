@@ -1,9 +1,10 @@
-"""Attention variants of our Triton FlashAttention-2 (issue 16) under the Triton interpreter (CPU).
+"""Attention variants of our Triton FlashAttention-2 (issue 16, soft-capping from issue 38) under the Triton
+interpreter (CPU).
 
-Sliding window, document masking and attention dropout, alone and together, with GQA and Nq != Nk, checked
-against `kernels.reference.attention_reference` (float64, explicit boolean mask; dropout through the
-kernels' own keep mask from `dropout_keep_mask`). Block skipping is checked by poisoning blocks that no
-row of a tile may see with NaN: a kernel that visited them would return NaN. Inputs are fresh seeded
+Sliding window, document masking, attention dropout and logit soft-capping, alone and together, with GQA and
+Nq != Nk, checked against `kernels.reference.attention_reference` (float64, explicit boolean mask; dropout
+through the kernels' own keep mask from `dropout_keep_mask`). Block skipping is checked by poisoning blocks
+that no row of a tile may see with NaN: a kernel that visited them would return NaN. Inputs are fresh seeded
 torch.randn (the seed is in every message); document lengths are random too.
 
 Shapes stay small (N <= 96, d <= 32, B * H <= 4): the interpreter is slow.
@@ -109,11 +110,25 @@ CASES = [
     (1, 4, 1, 45, 70, 16, True, None, None, 0.5),  # dropout, MQA, Nq < Nk
     (1, 2, 2, 80, 80, 32, True, 19, 16.0, 0.2),  # everything
 ]
+# soft-capping c * tanh(s / c) (the last field), alone and with the other variants; `check` of the
+# gradients covers the 1 - tanh^2 factor of dS (the inputs are scaled up so the cap bites: see `inputs`)
+SOFTCAP_CASES = [
+    (1, 2, 2, 64, 64, 16, True, None, None, 0.0, 2.0),  # causal, several blocks
+    (1, 4, 1, 45, 70, 16, False, None, None, 0.0, 5.0),  # MQA, Nq < Nk, bidirectional
+    (2, 4, 2, 70, 70, 32, True, 17, None, 0.0, 1.0),  # GQA and window
+    (1, 2, 2, 90, 40, 16, True, None, None, 0.0, 3.0),  # Nq > Nk: rows without keys
+    (1, 2, 2, 96, 96, 16, True, 10, 30.0, 0.0, 4.0),  # window and documents
+    (1, 4, 2, 80, 80, 32, True, 19, 16.0, 0.2, 2.5),  # everything
+]
 
 
-@pytest.mark.parametrize("B,Hq,Hkv,Nq,Nk,d,causal,window,docs,p", CASES)
-def test_variant_matches_reference(seed, B, Hq, Hkv, Nq, Nk, d, causal, window, docs, p):
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,Nq,Nk,d,causal,window,docs,p,softcap", [(*c, None) for c in CASES] + SOFTCAP_CASES
+)
+def test_variant_matches_reference(seed, B, Hq, Hkv, Nq, Nk, d, causal, window, docs, p, softcap):
     g, q, k, v, do = inputs(seed, B, Hq, Hkv, Nq, Nk, d)
+    if softcap is not None:  # scores of a few times the cap, so the tanh saturates on some of them
+        q, k = q * 2.0, k * 2.0
     if docs is None:
         doc_ids = None
     elif docs == "pair":
@@ -122,12 +137,45 @@ def test_variant_matches_reference(seed, B, Hq, Hkv, Nq, Nk, d, causal, window, 
         doc_ids = (doc_q.to(torch.int32), doc_k)
     else:
         doc_ids = random_doc_ids(g, B, Nk, docs)
-    kw = dict(causal=causal, window=window, doc_ids=doc_ids)
+    kw = dict(causal=causal, window=window, doc_ids=doc_ids, softcap=softcap)
     dropout_seed = int(torch.randint(0, 2**62, (1,), generator=g)) if p > 0 else None
     ours = run_flash(q, k, v, do, dropout_p=p, dropout_seed=dropout_seed, **kw)
     keep = dropout_keep_mask(dropout_seed, B, Hq, Nq, Nk, p) if p > 0 else None
     ref = run_reference(q, k, v, do, dropout_keep=keep, dropout_p=p, **kw)
-    check(seed, ours, ref, f"case={(B, Hq, Hkv, Nq, Nk, d, causal, window, docs, p)}")
+    check(seed, ours, ref, f"case={(B, Hq, Hkv, Nq, Nk, d, causal, window, docs, p, softcap)}")
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_softcap_saturated_scores_stay_finite(seed, dtype):
+    """Scores in the hundreds with a cap of 5: almost every tanh is +-1, its derivative 0. No NaN or inf in
+    o, lse or any gradient (fp16 included), and the values agree with float64: float32 tightly, float16 by
+    the FlashAttention rule against the reference computed in float16 (the rule's "same precision" one:
+    dS rounded to fp16 before its dots is what the kernels do too). GQA with a window."""
+    g, q, k, v, do = inputs(seed, 1, 4, 2, 64, 64, 16, dtype)
+    q, k = q * 6.0, k * 6.0  # |s| up to ~ 36 * 16 / 4
+    kw = dict(window=40, softcap=5.0)
+    ours = run_flash(q, k, v, do, **kw)
+    for name, t in zip(("o", "lse", "dq", "dk", "dv"), ours, strict=True):
+        assert torch.isfinite(t).all(), f"seed={seed} {dtype}: non-finite {name}"
+    ref = run_reference(q, k, v, do, **kw)
+    low = run_reference(q, k, v, do, dtype=F16, **kw) if dtype == F16 else None
+    check(seed, ours, ref, f"saturated softcap {dtype}", low=low)
+
+
+def test_softcap_none_is_bitwise_plain(seed):
+    """softcap=None runs the kernels without the capping code: bitwise the call without the argument."""
+    _, q, k, v, do = inputs(seed, 1, 2, 2, 40, 40, 16)
+    plain = run_flash(q, k, v, do, window=9)
+    none = run_flash(q, k, v, do, window=9, softcap=None)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), plain, none, strict=True):
+        assert torch.equal(a, b), f"seed={seed}: {name}"
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan"), True, "30"])
+def test_softcap_errors_name_the_argument(bad):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match=r"softcap must be None .* e\.g\. softcap=50\.0"):
+        flash_attention(q, q, q, softcap=bad)
 
 
 def test_float16_window_and_documents(seed):
@@ -302,6 +350,10 @@ def test_ops_opcheck_with_variants(seed):
     torch.library.opcheck(
         torch.ops.flashgpt.flash_attn_fwd_cpu.default, (q, k, v, True, 0.25, 9, q_doc, k_doc, 0.2, s)
     )
+    torch.library.opcheck(  # soft-capping: the last argument
+        torch.ops.flashgpt.flash_attn_fwd_cpu.default,
+        (q, k, v, True, 0.25, 0, None, None, 0.0, None, False, 2.0),
+    )
     o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(q, k, v, True, 0.25, 9, q_doc, k_doc, 0.2, s)
     torch.library.opcheck(
         torch.ops.flashgpt.flash_attn_bwd_cpu.default,
@@ -349,7 +401,7 @@ def test_variant_kernels_compile_for_sm90():
         "for even in (False, True):\n"
         "    for kernel in ('fwd', 'bwd_dkdv', 'bwd_dq'):\n"
         "        info = compile_kernel(kernel, torch.bfloat16, 64, even=even,\n"
-        "                              variants=('window', 'doc', 'dropout'))\n"
+        "                              variants=('window', 'doc', 'dropout', 'softcap'))\n"
         "        assert info.shared_bytes <= 227 * 1024 and info.uses_wgmma, info.line()\n"
         "        print(info.line())\n"
         "info = compile_kernel('bwd_dkdv', torch.bfloat16, 128, even=True)\n"
@@ -389,7 +441,7 @@ def _gpu_ready(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("variant", ["window", "docs", "dropout", "all"])
+@pytest.mark.parametrize("variant", ["window", "docs", "dropout", "softcap", "all"])
 def test_gpu_flash_attention_rule(seed, monkeypatch, dtype, d, variant):
     """FlashAttention rule on the GPU: err(ours - ref32) <= 2 * err(ref_same_dtype - ref32) + 1e-5 for o and
     every gradient; ref32 / ref_same_dtype: the reference attention in float32 / the input dtype."""
@@ -402,6 +454,8 @@ def test_gpu_flash_attention_rule(seed, monkeypatch, dtype, d, variant):
         kw["window"] = 129
     if variant in ("docs", "all"):
         kw["doc_ids"] = random_doc_ids(g, B, N, 150.0).cuda()
+    if variant in ("softcap", "all"):
+        kw["softcap"] = 2.0  # randn inputs: s ~ N(0, 1), so the cap bites on the tails
     p = 0.2 if variant in ("dropout", "all") else 0.0
     ours = run_flash(q, k, v, do, dropout_p=p, dropout_seed=seed, **kw)
     keep = dropout_keep_mask(seed, B, H, N, N, p, device="cuda") if p else None

@@ -84,6 +84,21 @@ def test_describe_one_line(monkeypatch):
         plan.describe(64, 1024, torch.bfloat16, "cpu")
 
 
+def test_softcap_runs_the_triton_kernels_and_the_plan_says_so(monkeypatch):
+    """The Gluon kernels take no soft-capping: on an sm_90 (faked here: the rule is plain torch) a softcap
+    run describes the Triton kernels where the plain run gets Gluon, and names the cap and why."""
+    monkeypatch.delenv(plan.ENV, raising=False)
+    monkeypatch.delenv(plan.ENV_BWD, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    plain = plan.describe(64, 8192, torch.bfloat16, "cuda")
+    capped = plan.describe(64, 8192, torch.bfloat16, "cuda", softcap=30.0)
+    assert "fwd Gluon FA3" in plain and "bwd Gluon FA3" in plain, plain
+    assert "Gluon FA3" not in capped and "bwd Triton FA2 split" in capped, capped
+    assert "softcap=30 (Triton: the Gluon kernels take none)" in capped and "fwd Triton FA2" in capped
+    assert "soft-capping (`softcap`) always run the Triton kernels" in plan.table()
+
+
 def test_kernels_import_graph_has_no_cycle():
     """kernels/ modules import each other without a circle (module- and function-level imports, and the
     modules the plan and the launchers load by name)."""
