@@ -422,10 +422,10 @@ def test_tiny_runs_backends_agree_and_checkpoint_samples(tmp_path, char_data, sh
 
     from helpers_train import REPO, describe, read_jsonl, run_train, tiny_overrides, train_env, train_losses
 
-    if key == "softcap" and not KERNEL_SOFTCAP:
-        pytest.skip("kernels.flash_attention has no softcap argument yet (kern's change)")
     losses = {}
     for backend in BACKENDS:
+        if key == "softcap" and backend == "flash" and not KERNEL_SOFTCAP:
+            continue  # kernels.flash_attention has no softcap argument yet (kern's change)
         extra = {
             "attention": backend,
             "max_steps": 3,
