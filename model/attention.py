@@ -12,7 +12,13 @@ newest rows of a KV cache; and the variants
 * ``doc_ids``: only keys of the query's own document ((B, Nk) ids, or a pair (doc_q (B, Nq), doc_k (B, Nk)));
 * ``lengths`` (B,): one query row per sequence against a whole preallocated cache buffer, keys j <
   lengths[b] only (FlashAttention's cache_seqlens; static shapes, so one CUDA graph serves every position);
-* ``dropout_p``: dropout on the attention weights (training; each backend draws its own mask).
+* ``dropout_p``: dropout on the attention weights (training; each backend draws its own mask);
+* ``softcap=c``: the scores s = q . k / sqrt(d) become c * tanh(s / c) before the mask and softmax (Gemma 2's
+  logit soft-capping): naive and flash; sdpa refuses it (``check_softcap``, docs/ablations.md).
+
+k and v may have fewer heads than q (grouped-query attention): Hq a multiple of Hkv, query head h reads kv
+head h // (Hq // Hkv). naive and flash read the shared heads without copies, sdpa passes ``enable_gqa``,
+and a backend registered without ``gqa=True`` gets k and v repeated to Hq heads.
 
 A backend is a ``Backend`` record (``BACKENDS``): ``full`` attention, optionally the same on a fused
 projection's packed qkv, optionally the static decode step, and the flags saying what it supports. The
@@ -40,6 +46,7 @@ __all__ = [
     "available_attention_backends",
     "check_attention_backend",
     "check_sdpa_backend",
+    "check_softcap",
     "register_attention_backend",
     "sdpa_backend_that_ran",
 ]
@@ -66,6 +73,9 @@ class Backend:
             whole cache buffers k, v (B, H, T, d), keys [0, lengths[b]) visible; None: no static decoding.
         kv_cache: ``full`` accepts Nq < Nk (bottom-right mask): generation with a KV cache.
         variants: the functions take the keywords ``window``, ``doc_ids`` and ``dropout_p``.
+        gqa: the functions take k, v with fewer heads than q (Hkv dividing Hq); else ``attention`` repeats
+            them to Hq heads first.
+        softcap: the functions take the keyword ``softcap`` (c * tanh(s / c) on the scores).
     """
 
     name: str
@@ -74,6 +84,8 @@ class Backend:
     decode: Callable[..., torch.Tensor] | None = None
     kv_cache: bool = False
     variants: bool = False
+    gqa: bool = False
+    softcap: bool = False
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -88,8 +100,11 @@ def register_attention_backend(
     variants: bool = False,
     qkvpacked: Callable[..., torch.Tensor] | None = None,
     decode: Callable[..., torch.Tensor] | None = None,
+    gqa: bool = False,
+    softcap: bool = False,
 ) -> Backend:
-    """Add backend ``name`` (``Backend(name, fn, qkvpacked, decode, kv_cache, variants)``) and return it.
+    """Add backend ``name`` (``Backend(name, fn, qkvpacked, decode, kv_cache, variants, gqa, softcap)``) and
+    return it.
 
     ``fn`` must compute causal attention with scale 1/sqrt(d) and no dropout unless asked, so that every
     backend is the same function (the loss-parity checks rely on it).
@@ -110,7 +125,7 @@ def register_attention_backend(
             f"attention backend {name!r} is already registered; pass overwrite=True to replace it "
             "or register under another name"
         )
-    BACKENDS[name] = Backend(name, fn, qkvpacked, decode, kv_cache, variants)
+    BACKENDS[name] = Backend(name, fn, qkvpacked, decode, kv_cache, variants, gqa, softcap)
     return BACKENDS[name]
 
 
@@ -137,6 +152,29 @@ def check_sdpa_backend(name: str) -> None:
         )
 
 
+def check_softcap(backend: str, softcap) -> None:
+    """Raise ValueError unless ``softcap`` is None or a finite number > 0 that ``backend`` can run.
+
+    sdpa cannot: PyTorch's scaled_dot_product_attention has no soft-cap, and FlexAttention's ``score_mod``,
+    which could add one, has no backward on the CPU in PyTorch 2.13, no dropout and compiles per shape; so
+    the error points at flash (the same function, fused) or naive instead (docs/ablations.md)."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
+        raise ValueError(f"attention.softcap must be null or a finite number > 0, e.g. 30.0, got {softcap!r}")
+    if backend in BACKENDS and not BACKENDS[backend].softcap:
+        why = (
+            "PyTorch's scaled_dot_product_attention has no soft-cap (FlexAttention's score_mod has no CPU "
+            "backward)"
+            if backend == "sdpa"
+            else "it was registered without softcap=True"
+        )
+        raise ValueError(
+            f"attention.softcap={softcap} cannot run with attention={backend}: {why}; use attention=flash or "
+            "attention=naive, or attention.softcap=null"
+        )
+
+
 def attention(
     q: torch.Tensor | None = None,
     k: torch.Tensor | None = None,
@@ -149,19 +187,22 @@ def attention(
     doc_ids=None,
     dropout_p: float = 0.0,
     lengths: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal scaled dot-product attention (scale 1/sqrt(d)) on ``backend``, with its variants.
 
     Args:
-        q, k, v: (B, H, Nq, d) and (B, H, Nk, d), Nq <= Nk, one dtype and device, any strides.
+        q, k, v: (B, Hq, Nq, d) and (B, Hkv, Nk, d), Nq <= Nk, Hkv dividing Hq, one dtype and device, any
+            strides.
         backend: one of ``available_attention_backends()``; sdpa_backend: one of ``SDPA_BACKENDS``.
         qkv: instead of q, k, v: a fused projection's output (B, N, 3, H, d); the result is then (B, N, H, d).
         window, doc_ids, dropout_p, lengths: the variants of the module docstring (window None or an int
             >= 1; dropout_p in [0, 1), training only, Nq == Nk; lengths (B,) int64 on q's device with Nq == 1,
-            1 <= lengths[b] <= Nk, not checked on the device: the KV cache keeps it so).
+            1 <= lengths[b] <= Nk, not checked on the device: the KV cache keeps it so); softcap None or
+            c > 0.
 
     Returns:
-        o: (B, H, Nq, d) in v.dtype, or (B, N, H, d) for ``qkv``.
+        o: (B, Hq, Nq, d) in v.dtype, or (B, N, H, d) for ``qkv``.
 
     Raises:
         ValueError: unknown backend / sdpa_backend, bad shapes or variant values, or something the backend
@@ -180,10 +221,14 @@ def attention(
             raise ValueError(f"attention expects qkv of shape (B, N, 3, H, d); got {tuple(qkv.shape)}")
         B, N, _, H, d = qkv.shape
         q_shape = k_shape = (B, H, N, d)
-    b = _resolve(backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths)
+    b = _resolve(backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths, softcap)
+    if q_shape[1] != k_shape[1] and not b.gqa:  # grouped kv heads to a backend that wants Hq of them
+        k, v = (t.repeat_interleave(q_shape[1] // k_shape[1], dim=1) for t in (k, v))
     kw = {}
     if window is not None or doc_ids is not None or dropout_p:  # else the plain call, for any backend
         kw = {"window": window, "doc_ids": doc_ids}
+    if softcap is not None:
+        kw["softcap"] = float(softcap)
     if lengths is not None:
         return b.decode(q, k, v, lengths, sdpa_backend, **kw)
     if kw:
@@ -209,7 +254,7 @@ def _check_tensors(q, k, v) -> None:
         )
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(
-            f"attention expects q (B, H, Nq, d) and k, v (B, H, Nk, d); got q {tuple(q.shape)}, "
+            f"attention expects q (B, Hq, Nq, d) and k, v (B, Hkv, Nk, d); got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
@@ -219,16 +264,20 @@ def _check_tensors(q, k, v) -> None:
         )
 
 
-def _resolve(backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths) -> Backend:
+def _resolve(
+    backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths, softcap
+) -> Backend:
     """The ``Backend`` for a call of these shapes and variants: every check of ``attention`` on what it
     asks for, in one place, each error naming the config key to change."""
     check_attention_backend(backend)
     check_sdpa_backend(sdpa_backend)
+    check_softcap(backend, softcap)
     b = BACKENDS[backend]
-    (nb, nh, nq, d), nk = q_shape, k_shape[2]
-    if (k_shape[0], k_shape[1], k_shape[3]) != (nb, nh, d) or nq > nk:
+    (nb, nh, nq, d), (nkv, nk) = q_shape, k_shape[1:3]
+    if (k_shape[0], k_shape[3]) != (nb, d) or nh % nkv or nq > nk:
         raise ValueError(
-            f"attention needs k, v of shape (B, H, Nk >= Nq, d) for q {q_shape}; got k {k_shape}"
+            f"attention needs k, v of shape (B, Hkv dividing Hq, Nk >= Nq, d) for q {q_shape}; "
+            f"got k {k_shape}"
         )
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(
@@ -284,16 +333,24 @@ def _mask(n_q: int, n_k: int, window, doc_ids, device) -> torch.Tensor:
     return attention_mask(n_q, n_k, causal=True, window=window, doc_ids=doc_ids, device=device)
 
 
-def _softmax_attention(q, k, v, keep, dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), masked to ``keep``) v, scores and softmax in >= float32 (float64 stays)."""
+def _softmax_attention(q, k, v, keep, dropout_p: float = 0.0, softcap=None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) [soft-capped], masked to ``keep``) v, scores and softmax in >= float32
+    (float64 stays). k, v may have fewer heads than q (GQA): the group's query heads share one kv head
+    through a broadcast matmul, with no copy of k and v."""
+    (B, Hq, Nq, d), Hkv = q.shape, k.shape[1]
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.matmul(q.to(compute_dtype), k.to(compute_dtype).transpose(-2, -1))  # (B, H, Nq, Nk)
+    qg = q.to(compute_dtype).reshape(B, Hkv, Hq // Hkv * Nq, d)  # a group's query rows side by side
+    scores = torch.matmul(qg, k.to(compute_dtype).transpose(-2, -1)).view(B, Hq, Nq, -1)  # (B, Hq, Nq, Nk)
     # in place is safe: matmul's backward needs its inputs, masked_fill_'s only the mask
-    scores.mul_(1.0 / math.sqrt(q.shape[-1])).masked_fill_(~keep, float("-inf"))
+    scores.mul_(1.0 / math.sqrt(d))
+    if softcap is not None:  # tanh's backward needs its output, so not in place
+        scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p, training=True)  # kept weights scaled by 1 / (1 - p)
-    return torch.matmul(probs.to(v.dtype), v)
+    o = torch.matmul(probs.to(v.dtype).view(B, Hkv, Hq // Hkv * Nq, -1), v)  # (B, Hkv, G * Nq, d)
+    return o.view(B, Hq, Nq, d)
 
 
 def _decode_mask(lengths, n_k: int, window=None, doc_ids=None) -> torch.Tensor:
@@ -307,14 +364,14 @@ def _decode_mask(lengths, n_k: int, window=None, doc_ids=None) -> torch.Tensor:
     return keep[:, None, None, :]
 
 
-def _naive(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0):
+def _naive(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
     """Materialised attention: one (B, H, Nq, Nk) float32 score buffer, masked in place."""
     keep = _mask(q.shape[-2], k.shape[-2], window, doc_ids, q.device)
-    return _softmax_attention(q, k, v, keep, dropout_p)
+    return _softmax_attention(q, k, v, keep, dropout_p, softcap)
 
 
-def _naive_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None):
-    return _softmax_attention(q, k, v, _decode_mask(lengths, k.shape[-2], window, doc_ids))
+def _naive_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None, softcap=None):
+    return _softmax_attention(q, k, v, _decode_mask(lengths, k.shape[-2], window, doc_ids), softcap=softcap)
 
 
 # ---------------------------------------------------------------------------------------- sdpa
@@ -330,14 +387,15 @@ _SDPA_HINTS = {
 
 def _sdpa_call(q, k, v, window=None, doc_ids=None, dropout_p=0.0, keep=None):
     nq, nk = q.shape[-2], k.shape[-2]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # only then: older kernels lack it
     if keep is None and (window is not None or doc_ids is not None or (nq != nk and nq > 1)):
         # explicit mask (True = attend): SDPA's is_causal aligns top-left when Nq != Nk, a cache needs
         # bottom-right
         keep = _mask(nq, nk, window, doc_ids, q.device)
     if keep is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, **gqa)
     # no mask tensor: Nq == Nk is plain causal, one decode row sees the whole prefix
-    return F.scaled_dot_product_attention(q, k, v, is_causal=nq == nk, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=nq == nk, dropout_p=dropout_p, **gqa)
 
 
 def _sdpa_pinned(sdpa_backend, q, *args, **kw):
@@ -422,31 +480,49 @@ def _kernels():
     return kernels
 
 
-def _flash(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0):
+def _cap(softcap) -> dict:
+    """The kernels' ``softcap`` keyword, only when set (the plain call stays what it was)."""
+    return {} if softcap is None else {"softcap": softcap}
+
+
+def _flash(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
     kernels = _kernels()
     plain = window is None and doc_ids is None and not dropout_p
     nq, nk = q.shape[-2], k.shape[-2]
     grad = q.requires_grad or k.requires_grad or v.requires_grad
     if plain and nq < nk and nq <= kernels.MAX_DECODE_ROWS and not grad:
-        return kernels.flash_decode(q, k, v)  # KV-cache decode step: the keys split over programs
-    return kernels.flash_attention(q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p)
-
-
-def _flash_packed(qkv, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0):
-    return _kernels().flash_attention_qkvpacked(
-        qkv, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p
+        # KV-cache decode step: the keys split over programs
+        return kernels.flash_decode(q, k, v, **_cap(softcap))
+    return kernels.flash_attention(
+        q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, **_cap(softcap)
     )
 
 
-def _flash_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None):
+def _flash_packed(qkv, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
+    return _kernels().flash_attention_qkvpacked(
+        qkv, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, **_cap(softcap)
+    )
+
+
+def _flash_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None, softcap=None):
     if window is None and doc_ids is None:
         # the KV cache keeps 1 <= lengths <= T: no host read of the lengths (a device sync per layer/token)
-        return _kernels().flash_decode(q, k, v, lengths, check_lengths=False)
-    return _naive_decode(q, k, v, lengths, sdpa_backend, window=window, doc_ids=doc_ids)  # no masks there
+        return _kernels().flash_decode(q, k, v, lengths, check_lengths=False, **_cap(softcap))
+    # no masks in flash_decode
+    return _naive_decode(q, k, v, lengths, sdpa_backend, window=window, doc_ids=doc_ids, softcap=softcap)
 
 
-register_attention_backend("naive", _naive, kv_cache=True, variants=True, decode=_naive_decode)
-register_attention_backend("sdpa", _sdpa, kv_cache=True, variants=True, decode=_sdpa_decode)
 register_attention_backend(
-    "flash", _flash, kv_cache=True, variants=True, qkvpacked=_flash_packed, decode=_flash_decode
+    "naive", _naive, kv_cache=True, variants=True, decode=_naive_decode, gqa=True, softcap=True
+)
+register_attention_backend("sdpa", _sdpa, kv_cache=True, variants=True, decode=_sdpa_decode, gqa=True)
+register_attention_backend(
+    "flash",
+    _flash,
+    kv_cache=True,
+    variants=True,
+    qkvpacked=_flash_packed,
+    decode=_flash_decode,
+    gqa=True,
+    softcap=True,
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .attention import check_attention_backend, check_sdpa_backend
+from .attention import check_attention_backend, check_sdpa_backend, check_softcap
 
 #: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs,
 #: "mini" for the CPU quickstart, experiment=cpu_tiny: about 0.8M parameters, readable char-level text in
@@ -41,12 +41,24 @@ class GPTConfig:
         attn_dropout: dropout probability on the attention weights in training, in [0, 1).
         doc_separator_ids: token ids that end a document (``meta["doc_separator_ids"]``), used to derive
             document ids from the tokens when ``document_mask`` is on and ``forward`` gets none.
+        n_kv_head: key/value heads, None = n_head; fewer is grouped-query attention (Ainslie et al. 2023;
+            1 = multi-query, Shazeer 2019): query head h reads kv head h // (n_head // n_kv_head), the KV
+            cache holds n_kv_head heads. Must divide n_head.
+        pos_emb: "learned" (GPT-2's position embedding wpe) or "rope" (rotary q and k, model/rope.py; no wpe).
+        rope_theta: RoPE's base, > 0 (10000 as in RoFormer; Llama 3 uses 500000 for long contexts).
+        qk_norm: RMSNorm of each head's q and k (learned scale per head_dim) before the scores, as in
+            OLMo 2 and Gemma 3: bounded logits, so larger learning rates stay stable.
+        softcap: None, or c > 0: attention scores become c * tanh(s / c) before the mask and softmax
+            (Gemma 2). Runs on naive and flash; sdpa refuses it (PyTorch's SDPA has no soft-cap;
+            docs/ablations.md).
 
     Raises:
         ValueError: a non-positive size, dropout / attn_dropout outside [0, 1), n_embd not divisible by
             n_head, unknown attention / sdpa_backend, head_dim outside the flash kernel's range
             (``kernels.flash_attn.MIN_HEAD_DIM..MAX_HEAD_DIM``) with attention="flash", window not None
-            or an int >= 1, doc_separator_ids not None or a non-empty list of ints.
+            or an int >= 1, doc_separator_ids not None or a non-empty list of ints, n_kv_head not dividing
+            n_head, an unknown pos_emb, rope with an odd head_dim, rope_theta <= 0, softcap not None or
+            > 0, softcap with attention="sdpa".
     """
 
     block_size: int = 1024
@@ -62,6 +74,11 @@ class GPTConfig:
     document_mask: bool = False
     attn_dropout: float = 0.0
     doc_separator_ids: tuple[int, ...] | None = None
+    n_kv_head: int | None = None
+    pos_emb: str = "learned"
+    rope_theta: float = 10000.0
+    qk_norm: bool = False
+    softcap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
@@ -96,8 +113,10 @@ class GPTConfig:
                 f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; choose n_embd a multiple "
                 f"of n_head (e.g. n_embd={suggestion}) or an n_head that divides n_embd"
             )
+        self._check_ablations()
         check_attention_backend(self.attention)
         check_sdpa_backend(self.sdpa_backend)
+        check_softcap(self.attention, self.softcap)
         if self.attention == "flash":
             from kernels.flash_attn import MAX_HEAD_DIM as hi
             from kernels.flash_attn import MIN_HEAD_DIM as lo
@@ -109,10 +128,40 @@ class GPTConfig:
                     "attention=sdpa"
                 )
 
+    def _check_ablations(self) -> None:
+        """n_kv_head, pos_emb, rope_theta, qk_norm and softcap (issue 38's keys)."""
+        kv = self.n_kv_head
+        if kv is not None and (
+            isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.n_head % kv
+        ):
+            ok = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
+            raise ValueError(
+                f"model.n_kv_head={kv!r} must be null or a positive int dividing model.n_head={self.n_head}; "
+                f"choose one of {ok}"
+            )
+        if self.pos_emb not in ("learned", "rope"):
+            raise ValueError(f"model.pos_emb={self.pos_emb!r} is not valid; choose learned or rope")
+        if self.pos_emb == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"model.pos_emb=rope rotates pairs of features, but head_dim={self.head_dim} (n_embd="
+                f"{self.n_embd} / n_head={self.n_head}) is odd; choose an even head_dim or pos_emb=learned"
+            )
+        if isinstance(self.rope_theta, bool) or not 0 < float(self.rope_theta) < float("inf"):
+            raise ValueError(
+                f"model.rope_theta must be a finite number > 0, e.g. 10000, got {self.rope_theta!r}"
+            )
+        if not isinstance(self.qk_norm, bool):
+            raise ValueError(f"model.qk_norm must be a bool, got {self.qk_norm!r}")
+
     @property
     def head_dim(self) -> int:
         """Per-head width d = n_embd // n_head."""
         return self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: ``n_kv_head``, or n_head when it is None."""
+        return self.n_kv_head or self.n_head
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> GPTConfig:

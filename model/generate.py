@@ -38,7 +38,8 @@ class KVCache:
     """Keys and values of every layer for one batch of sequences, preallocated to ``max_len`` positions.
 
     Attributes:
-        k, v: (n_layer, B, H, max_len, d); slots ``[0, length)`` are valid.
+        k, v: (n_layer, B, H, max_len, d), H the model's key/value heads (``n_kv_head``: grouped-query
+            attention shrinks the cache by n_head / n_kv_head); slots ``[0, length)`` are valid.
         length: positions cached so far (the same for every sequence); ``lengths`` (B,) int64: the same
             count on the device, what a static step reads.
         tokens: (B, max_len) the cached token ids when ``doc_separator_ids`` is given (document masks),
@@ -77,7 +78,8 @@ class KVCache:
 
     def append(self, idx: torch.Tensor):
         """Take the new tokens ``idx`` (B, T) as slots ``[length, length + T)``; returns their positions
-        (T,) and document ids, a pair (doc_q (B, T), doc_k (B, length + T)) or None without document masks.
+        (T,) (for the position embedding or RoPE) and document ids, a pair (doc_q (B, T), doc_k (B, length
+        + T)) or None without document masks.
 
         Raises:
             ValueError: another batch size than the cache's, or length + T > max_len.
@@ -101,16 +103,17 @@ class KVCache:
         self.lengths.fill_(end)
         return torch.arange(start, end, device=idx.device), docs
 
-    def attend(self, layer, qkv, backend, sdpa_backend, window=None, doc_ids=None) -> torch.Tensor:
-        """Write layer ``layer``'s new k/v (from qkv (B, T, 3, nh, hs)) into the cache and attend the new
-        queries to the cached prefix; returns (B, T, nh, hs)."""
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, nh, T, hs) strided views
+    def attend(self, layer, q, k, v, backend, sdpa_backend, doc_ids=None, **variants) -> torch.Tensor:
+        """Write layer ``layer``'s new k, v (B, T, nkv, hs) into the cache and attend the new queries q
+        (B, T, nh, hs) to the cached prefix with ``attention``'s ``variants`` (window, softcap); returns
+        (B, T, nh, hs)."""
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hs) strided views
         start, end = self._span
         self.k[layer, :, :, start:end] = k
         self.v[layer, :, :, start:end] = v
         if start > 0:  # a decode step: attend to the whole prefix (bottom-right causal mask)
-            k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
-        y = attention(q, k, v, backend, sdpa_backend, window=window, doc_ids=doc_ids)  # (B, nh, T, hs)
+            k, v = self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nkv, end, hs)
+        y = attention(q, k, v, backend, sdpa_backend, doc_ids=doc_ids, **variants)  # (B, nh, T, hs)
         return y.transpose(1, 2)
 
 
@@ -132,19 +135,19 @@ class StaticStep:
         ids = c._doc_ids(c.max_len)  # (B, max_len)
         return pos, (ids.gather(1, pos), ids)
 
-    def attend(self, layer, qkv, backend, sdpa_backend, window=None, doc_ids=None) -> torch.Tensor:
+    def attend(self, layer, q, k, v, backend, sdpa_backend, doc_ids=None, **variants) -> torch.Tensor:
         c = self.cache
-        B, _, _, H, _ = qkv.shape
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))  # (B, nh, 1, hs)
+        B, _, H, _ = k.shape
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, 1, hs)
         # slot lengths[b], indexed in the base buffer (not a layer view: Inductor then writes in place)
-        dev = qkv.device
+        dev = q.device
         at = (
             torch.full_like(c.lengths, layer)[:, None],
             torch.arange(B, device=dev)[:, None],
             torch.arange(H, device=dev)[None, :],
             c.lengths[:, None],
-        )  # each broadcast to (B, nh)
-        c.k.index_put_(at, k[:, :, 0])  # k[:, :, 0]: (B, nh, hs)
+        )  # each broadcast to (B, nkv)
+        c.k.index_put_(at, k[:, :, 0])  # k[:, :, 0]: (B, nkv, hs)
         c.v.index_put_(at, v[:, :, 0])
         y = attention(
             q,
@@ -152,20 +155,21 @@ class StaticStep:
             c.v[layer],
             backend,
             sdpa_backend,
-            window=window,
             doc_ids=doc_ids,
             lengths=c.lengths + 1,
+            **variants,
         )  # (B, nh, 1, hs)
         return y.transpose(1, 2)
 
 
 def make_kv_cache(model, batch_size: int, dtype=None, device=None) -> KVCache:
     """An empty ``KVCache`` for ``batch_size`` sequences of up to ``block_size`` positions; dtype and device
-    default to the model's parameters'. It keeps the tokens when the model masks documents."""
+    default to the model's parameters'. It keeps the tokens when the model masks documents, and the
+    model's ``kv_heads`` (n_kv_head) heads."""
     p, c = model.transformer.wte.weight, model.config
     sep = c.doc_separator_ids if c.document_mask else None
     return KVCache(
-        c.n_layer, batch_size, c.n_head, c.block_size, c.head_dim, dtype or p.dtype, device or p.device, sep
+        c.n_layer, batch_size, c.kv_heads, c.block_size, c.head_dim, dtype or p.dtype, device or p.device, sep
     )
 
 
@@ -283,10 +287,13 @@ def generate(
 def graph_key(model, batch_size: int) -> tuple:
     """What a kept graph depends on: the batch size, every parameter's and buffer's memory, dtype and device
     (a moved, cast or replaced weight, ``crop_block_size``), each layer's attention backend, SDPA kernel and
-    window (``set_attention_backend``), the block size, the decode step itself (compiled or not) and
-    inference mode (a cache made under ``torch.inference_mode`` cannot be reset outside it)."""
+    variants (window, softcap; ``set_attention_backend``), the block size, the decode step itself (compiled
+    or not) and inference mode (a cache made under ``torch.inference_mode`` cannot be reset outside it)."""
     tensors = [*model.parameters(), *model.buffers()]
-    attn = [(b.attn.attention_backend, b.attn.sdpa_backend, b.attn.window) for b in model.transformer.h]
+    attn = [
+        (b.attn.attention_backend, b.attn.sdpa_backend, tuple(b.attn.variants.items()))
+        for b in model.transformer.h
+    ]
     return (
         int(batch_size),
         tuple((t.data_ptr(), t.dtype, t.device) for t in tensors),

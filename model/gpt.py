@@ -9,6 +9,10 @@ Attention (model/attention.py) runs on naive, sdpa or flash, which compute the s
 can switch backend on the same weights. Its variants: ``GPTConfig.window`` (sliding window),
 ``GPTConfig.document_mask`` (a token sees only its own document: ids from ``forward(doc_ids=)`` or from
 the tokens, see data/docs.py) and ``GPTConfig.attn_dropout``. Generation and its KV cache: model/generate.py.
+
+Ablation keys (docs/ablations.md), each off by default, so the default model is GPT-2's: ``n_kv_head``
+(grouped-query attention), ``pos_emb="rope"`` (rotary q, k instead of wpe; model/rope.py), ``qk_norm``
+(RMSNorm of each head's q and k) and ``softcap`` (c * tanh(s / c) on the scores, in model/attention.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from . import generate as gen
 from .attention import attention
 from .config import PRESETS, GPTConfig
 from .generate import KVCache
+from .rope import apply_rope, rope_cos_sin
 
 __all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
 
@@ -34,33 +39,39 @@ __all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
-        # key, query, value projections for all heads, in one matmul
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.n_head, self.n_kv_head, hs = config.n_head, config.kv_heads, config.head_dim
+        # query, key, value projections for all heads, in one matmul (n_kv_head key and value heads)
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * hs, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.q_norm = nn.RMSNorm(hs, eps=1e-6) if config.qk_norm else None
+        self.k_norm = nn.RMSNorm(hs, eps=1e-6) if config.qk_norm else None
         self.layer = layer  # this layer's slice of a KV cache
         self.attention_backend = config.attention
         self.sdpa_backend = config.sdpa_backend
-        self.window = config.window
+        self.variants = dict(window=config.window, softcap=config.softcap)  # what every call passes
         self.attn_dropout = float(config.attn_dropout)
+        # q, k, v straight from the projection (no norm, rotation or kv groups) go to attention packed
+        self.packed = self.n_kv_head == self.n_head and not config.qk_norm and config.pos_emb == "learned"
 
-    def forward(self, x: torch.Tensor, cache=None, doc_ids=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, doc_ids=None, rope=None) -> torch.Tensor:
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
-        qkv = self.c_attn(x).view(B, T, 3, self.n_head, C // self.n_head)  # (B, T, 3, nh, hs)
-        if cache is None:
-            # qkv whole: flash's backward then writes d(qkv) in one buffer instead of concatenating 3
-            p = self.attn_dropout if self.training else 0.0
-            y = attention(
-                qkv=qkv,
-                backend=self.attention_backend,
-                sdpa_backend=self.sdpa_backend,
-                window=self.window,
-                doc_ids=doc_ids,
-                dropout_p=p,
-            )  # (B, T, nh, hs)
-        else:  # generation: this layer's k, v go into the cache and q attends to it
-            y = cache.attend(self.layer, qkv, self.attention_backend, self.sdpa_backend, self.window, doc_ids)
+        nh, nkv = self.n_head, self.n_kv_head
+        qkv = self.c_attn(x).view(B, T, nh + 2 * nkv, C // nh)  # (B, T, nh + 2 nkv, hs)
+        q, k, v = qkv.split([nh, nkv, nkv], dim=2)  # (B, T, nh, hs), (B, T, nkv, hs) x 2
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:  # rotary positions: (cos, sin) of this forward's positions
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        p = self.attn_dropout if self.training and cache is None else 0.0
+        kw = dict(backend=self.attention_backend, sdpa_backend=self.sdpa_backend, **self.variants)
+        if cache is not None:  # generation: this layer's k, v go into the cache and q attends to it
+            y = cache.attend(self.layer, q, k, v, doc_ids=doc_ids, **kw)
+        elif self.packed:  # qkv whole: flash's backward then writes d(qkv) in one buffer, no concatenation
+            y = attention(qkv=qkv.view(B, T, 3, nh, C // nh), doc_ids=doc_ids, dropout_p=p, **kw)
+        else:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hs)
+            y = attention(q, k, v, doc_ids=doc_ids, dropout_p=p, **kw).transpose(1, 2)  # (B, T, nh, hs)
         y = y.reshape(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -84,8 +95,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cache=None, doc_ids=None) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cache, doc_ids)
+    def forward(self, x: torch.Tensor, cache=None, doc_ids=None, rope=None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, doc_ids, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -95,10 +106,12 @@ class GPT(nn.Module):
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
         self.config = config
+        emb = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
+        if config.pos_emb == "learned":  # else rotary q and k (model/rope.py); kept 2nd: parameter order
+            emb["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
+                **emb,
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList(Block(config, i) for i in range(config.n_layer)),
                 ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
@@ -149,9 +162,15 @@ class GPT(nn.Module):
         else:  # the new tokens continue the cached positions and documents
             pos, doc_ids = cache.append(idx)
 
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, n_embd)
+        x, rope, cfg = self.transformer.wte(idx), None, self.config  # (B, T, n_embd)
+        if cfg.pos_emb == "rope":
+            dtype = torch.promote_types(x.dtype, torch.float32)
+            rope = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)  # (T | B, 1, 1, hs/2) x 2
+        else:
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
-            x = block(x, cache, doc_ids)
+            x = block(x, cache, doc_ids, rope)
         x = self.transformer.ln_f(x)
         if cache is not None:
             x = x[:, -1:]  # generating: only the next token's logits are needed
@@ -220,7 +239,7 @@ class GPT(nn.Module):
         """Parameters (the tied lm_head/wte weight once); ``non_embedding`` subtracts the position embedding
         (nanoGPT's convention; wte stays: as lm_head its matmul costs real FLOPs)."""
         n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
+        if non_embedding and "wpe" in self.transformer:
             n -= self.transformer.wpe.weight.numel()
         return n
 
@@ -261,9 +280,10 @@ class GPT(nn.Module):
                 f"crop_block_size needs 1 <= block_size <= {self.config.block_size}, got {block_size!r}"
             )
         self.config = dataclasses.replace(self.config, block_size=block_size)
-        wpe = self.transformer.wpe
-        wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
-        wpe.num_embeddings = block_size
+        if "wpe" in self.transformer:  # RoPE has no table to crop
+            wpe = self.transformer.wpe
+            wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
+            wpe.num_embeddings = block_size
 
     # ------------------------------------------------------------------ generation (model/generate.py)
 

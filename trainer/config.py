@@ -64,6 +64,9 @@ class AttentionConfig:
     document_mask: bool = spec(
         False, "a token attends only within its document (needs data.doc_separator)", BOOL
     )
+    softcap: float | None = spec(
+        None, "scores c * tanh(s / c) before mask and softmax (naive, flash); null = off", FINITE, 30.0
+    )
 
     @staticmethod
     def validate(cfg) -> None:
@@ -94,6 +97,12 @@ class AttentionConfig:
                 "attention.window / attention.document_mask; use attention.sdpa_backend=auto (or "
                 "efficient / math), or attention=flash"
             )
+        from model.attention import check_softcap
+
+        try:  # a positive number, on a backend that has it (sdpa has none: docs/ablations.md)
+            check_softcap(a.name, a.softcap)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 def flash_head_dim_range() -> tuple[int, int]:
@@ -120,6 +129,14 @@ class ModelConfig:
     vocab_size: int | None = spec(
         None, "token ids; null = the tokenizer's vocab rounded up to 64", POS_INT, 50304
     )
+    n_kv_head: int | None = spec(
+        None, "key/value heads (grouped-query attention), dividing n_head; null = n_head", POS_INT, 1
+    )
+    pos_emb: str = spec(
+        "learned", "positions: learned (GPT-2's wpe) | rope (rotary q and k)", ("learned", "rope")
+    )
+    rope_theta: float = spec(10000.0, "RoPE's base (model.pos_emb=rope), > 0", FINITE, 10000.0)
+    qk_norm: bool = spec(False, "RMSNorm of each head's q and k before the scores (learned scale)", BOOL)
 
     @staticmethod
     def validate(cfg) -> None:
@@ -137,6 +154,7 @@ class ModelConfig:
                 f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use {embds}{by_head}"
             )
         head_dim = n_embd // n_head
+        _check_ablations(m, head_dim)
         if m.block_size is not None and seq_len > m.block_size:
             raise ConfigError(
                 f"seq_len={seq_len} is larger than model.block_size={m.block_size}; "
@@ -154,6 +172,20 @@ class ModelConfig:
                 f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
                 f"{n_head} gives {head_dim}; {change} or use attention=sdpa"
             )
+
+
+def _check_ablations(m, head_dim: int) -> None:
+    """model.n_kv_head divides model.n_head; RoPE needs an even head dim and rope_theta > 0."""
+    if m.n_kv_head is not None and m.n_head % m.n_kv_head:
+        ok = ", ".join(f"model.n_kv_head={h}" for h in range(1, m.n_head + 1) if m.n_head % h == 0)
+        raise ConfigError(f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head}; use {ok}")
+    if m.pos_emb == "rope" and head_dim % 2:
+        raise ConfigError(
+            f"model.pos_emb=rope needs an even head dim, but model.n_embd={m.n_embd} / "
+            f"model.n_head={m.n_head} gives {head_dim}; change model.n_head or use model.pos_emb=learned"
+        )
+    if not m.rope_theta > 0:
+        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0, e.g. model.rope_theta=10000")
 
 
 def _head_counts(n_embd: int, near: int, lo: int, hi: int | None = None) -> list[int]:
