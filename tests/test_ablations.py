@@ -11,16 +11,14 @@
   checkpoint loads in sample.py and eval.py.
 
 Inputs are seeded random tensors (the ``seed`` fixture); the seed is in the messages. Flash tests of
-soft-capping need the kernels' ``softcap`` argument and skip only while ``kernels.flash_attention`` lacks it.
+soft-capping run through the kernels' ``softcap`` argument.
 """
 
-import inspect
 import math
 
 import pytest
 import torch
 
-import kernels
 from model import GPT, GPTConfig
 from model.attention import attention
 from model.rope import apply_rope, rope_cos_sin
@@ -28,20 +26,6 @@ from model.rope import apply_rope, rope_cos_sin
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 BACKENDS = ("naive", "sdpa", "flash")
-KERNEL_SOFTCAP = all(
-    "softcap" in inspect.signature(f).parameters
-    for f in (kernels.flash_attention, kernels.flash_attention_qkvpacked, kernels.flash_decode)
-)
-needs_kernel_softcap = pytest.mark.skipif(
-    not KERNEL_SOFTCAP, reason="kernels.flash_attention has no softcap argument yet (kern's change)"
-)
-
-
-def _skip_flash_softcap(backend, softcap):
-    if backend == "flash" and softcap is not None and not KERNEL_SOFTCAP:
-        pytest.skip("kernels.flash_attention has no softcap argument yet (kern's change)")
-
-
 # ------------------------------------------------------------------------------ float64 references
 
 
@@ -121,7 +105,6 @@ def test_attention_gqa_softcap_match_reference(seed, monkeypatch, backend, n_kv,
     """Forward and gradients of q, k, v (kv heads: the sum over their group) against ``ref_attention``."""
     if backend == "sdpa" and softcap is not None:
         pytest.skip("sdpa refuses soft-capping: test_sdpa_refuses_softcap")
-    _skip_flash_softcap(backend, softcap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v, g = _qkv(seed, Hkv=n_kv, scale=2.0)  # scores of several units: the cap bites
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -143,7 +126,6 @@ def test_attention_gqa_softcap_match_reference(seed, monkeypatch, backend, n_kv,
 def test_attention_gqa_softcap_with_window_documents_and_cache_rows(seed, monkeypatch, backend):
     """The new keys with the variants: window, document ids, Nq < Nk (a KV cache's newest rows)."""
     softcap = None if backend == "sdpa" else 3.0
-    _skip_flash_softcap(backend, softcap)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v, g = _qkv(seed, Hkv=2, N=32, scale=2.0)
     starts = torch.rand(2, 32, generator=g) < 0.15
@@ -160,7 +142,6 @@ def test_attention_gqa_softcap_with_window_documents_and_cache_rows(seed, monkey
 def test_softcap_gradient_is_finite_at_huge_scores(seed, monkeypatch, backend):
     """Scores of 1e4 (tanh saturated): finite outputs and gradients, equal to the reference's; float16
     inputs on the naive path (its scores are float32) too."""
-    _skip_flash_softcap(backend, 5.0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     q, k, v, g = _qkv(seed, Hkv=4, N=16, scale=30.0)
     dtypes = (torch.float32, torch.float16) if backend == "naive" else (torch.float32,)
@@ -279,7 +260,6 @@ def test_layer_matches_float64_reference(seed, monkeypatch, backend, key):
     keys = KEYS[key]
     if backend == "sdpa" and "softcap" in keys:
         keys = {k: v for k, v in keys.items() if k != "softcap"}
-    _skip_flash_softcap(backend, keys.get("softcap"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = _config(backend, **keys)
     model = _model(seed, cfg)
@@ -314,7 +294,6 @@ def test_cached_decode_equals_uncached_forward(seed, monkeypatch, backend, key):
     keys = KEYS[key]
     if backend == "sdpa" and "softcap" in keys:
         pytest.skip("sdpa refuses soft-capping")
-    _skip_flash_softcap(backend, keys.get("softcap"))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cfg = _config(backend, **keys)
     model = _model(seed, cfg)
@@ -424,8 +403,6 @@ def test_tiny_runs_backends_agree_and_checkpoint_samples(tmp_path, char_data, sh
 
     losses = {}
     for backend in BACKENDS:
-        if key == "softcap" and backend == "flash" and not KERNEL_SOFTCAP:
-            continue  # kernels.flash_attention has no softcap argument yet (kern's change)
         extra = {
             "attention": backend,
             "max_steps": 3,
