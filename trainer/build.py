@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 from data.prepare import atomic_write
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer.config import gpt_config_for
 from trainer import progress, resume_config, rundir
 from trainer.checks import (
     ConfigError,
@@ -27,6 +26,7 @@ from trainer.checks import (
     probe_attention,
 )
 from trainer.compiling import compile_model
+from trainer.config import gpt_config_for
 from trainer.schedule import lr_at
 
 
