@@ -33,52 +33,24 @@ PEAK_FLOPS_BF16 = {
     "A10G": 70e12,
     "4090": 165e12,
 }
-DEFAULT_PEAK_FLOPS = 989e12
 
 
 @dataclass
 class Plan:
-    """Settings derived from the config by ``resolve_plan`` (all validated).
+    """What ``resolve_plan`` derives from a valid config for this machine and world size."""
 
-    Attributes:
-        device_type: "cuda" or "cpu".
-        autocast_dtype: "bfloat16" for bf16 autocast, or None (plain float32).
-        compile: whether to torch.compile the model.
-        compile_mode: torch.compile mode (None for "default"; "reduce-overhead" adds CUDA graphs).
-        micro_batch_size: sequences per forward/backward per rank.
-        grad_accum: micro-batches per optimizer step per rank.
-        eval_batch_size: sequences per validation batch.
-        world_size: number of processes (torchrun ranks).
-        parallel: "ddp" or "fsdp" (``parallel``): how several ranks hold the model, and the checkpoint
-            format ("fsdp": DCP directories, also at world size 1; "ddp": single files).
-        head_dim: n_embd // n_head.
-        peak_flops: FLOP/s per device for MFU (float) or None to decide from the GPU name later.
-    """
-
-    device_type: str
-    autocast_dtype: str | None
+    device_type: str  # cuda | cpu
+    autocast_dtype: str | None  # "bfloat16", or None: plain float32
     compile: bool
-    micro_batch_size: int
-    grad_accum: int
+    micro_batch_size: int  # sequences per forward/backward per rank
+    grad_accum: int  # micro-batches per optimizer step per rank
     eval_batch_size: int
-    world_size: int
+    world_size: int  # torchrun ranks
     head_dim: int
-    peak_flops: float | None
-    compile_mode: str | None = None
+    peak_flops: float | None  # FLOP/s per device for MFU; None: from the GPU's name later
+    compile_mode: str | None = None  # None: "default"; "reduce-overhead" adds CUDA graphs
     notes: list[str] = field(default_factory=list)
-    parallel: str = "ddp"
-
-
-def _interpret_enabled() -> bool:
-    """The kernels' own test for "TRITON_INTERPRET is on" (1/true/yes/on), so both always agree."""
-    from kernels import interpret_enabled
-
-    return interpret_enabled()
-
-
-def _pow2_at_most(n: int) -> int:
-    """The largest power of two <= n (n >= 1): a seq_len that divides the usual batch sizes."""
-    return 1 << (max(1, n).bit_length() - 1)
+    parallel: str = "ddp"  # ddp | fsdp (DCP checkpoints, also at world size 1)
 
 
 def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
@@ -108,18 +80,6 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
         )
 
 
-def _check_gluon_env() -> None:
-    """FLASHGPT_GLUON_FWD and FLASHGPT_GLUON_BWD, which the flash forward and backward read
-    (kernels/plan.py), checked before the run starts rather than at its first step."""
-    from kernels.plan import ENV, ENV_BWD, mode
-
-    try:
-        for env in (ENV, ENV_BWD):
-            mode(env)
-    except ValueError as e:
-        raise ConfigError(f"environment variable {e}; unset it for the default") from None
-
-
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     """Validate the config (``trainer.config.validate``), then derive devices, dtype and the batch split.
 
@@ -139,13 +99,20 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
     device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
-    if gpt.attention == "flash" and device_type != "cuda" and not _interpret_enabled():
-        raise ConfigError(
-            "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
-            "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
-        )
     if gpt.attention == "flash":
-        _check_gluon_env()
+        from kernels import interpret_enabled  # the kernels' own test, so both always agree
+        from kernels.plan import ENV, ENV_BWD, mode
+
+        if device_type != "cuda" and not interpret_enabled():
+            raise ConfigError(
+                "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
+                "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
+            )
+        try:  # read by the flash forward and backward: checked now rather than at the first step
+            for env in (ENV, ENV_BWD):
+                mode(env)
+        except ValueError as e:
+            raise ConfigError(f"environment variable {e}; unset it for the default") from None
     if cfg.wandb.mode == "online":
         from trainer.metrics import wandb_logged_in
 
@@ -313,7 +280,7 @@ def peak_flops_for(device_name: str | None) -> float:
     for frag, flops in PEAK_FLOPS_BF16.items():
         if device_name and frag in device_name:
             return flops
-    return DEFAULT_PEAK_FLOPS
+    return PEAK_FLOPS_BF16["H100"]
 
 
 def check_data_source(cfg) -> None:
@@ -496,8 +463,8 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     if largest < 1:
         return f"{head}; use {corpus}"
     world = world_size
-    best = _pow2_at_most(largest)
-    fitting = next((n for n in _pow2_down(best) if _splits(cfg, world, n)), None)
+    best = 1 << (largest.bit_length() - 1)  # a power of two divides the usual batch sizes
+    fitting = next((n for n in (best >> i for i in range(best.bit_length())) if _splits(cfg, world, n)), None)
     if fitting == best:
         upto = "" if about else f" (or any value up to {largest})"
         return f"{head}; use seq_len={best}{upto}, or {corpus}"
@@ -506,12 +473,6 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     if fitting is None:
         return f"{head}; use {longer}, or {corpus}"
     return f"{head}; use seq_len={fitting} (fits the current batch), or {longer}, or {corpus}"
-
-
-def _pow2_down(n: int):
-    while n >= 1:
-        yield n
-        n //= 2
 
 
 def _step_tokens_for(cfg, seq_len: int, world: int) -> int:
