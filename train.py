@@ -137,12 +137,13 @@ def _quiet_non_main_ranks() -> None:
 def main_reporting_config_errors() -> int:
     """``main()`` with every config mistake Hydra/OmegaConf find while composing (a wrong type, an unknown
     key, also ``+typo=1``, an unknown group option, an unparsable override) printed as
-    ``config error: <key and a valid value>`` (``trainer.config_errors.config_error_from``), exit status 2, no
+    ``config error: <key and a valid value>`` (``trainer.fields.config_error_from``), exit status 2, no
     traceback, like the trainer's own checks. Returns the process exit status.
 
     Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
     is not a config error, or that a running job raised, is re-raised (a bug: full traceback)."""
-    from trainer.config_errors import config_error_from
+    from trainer.config import TrainConfig
+    from trainer.fields import config_error_from
     from trainer.metrics import disk_full_in
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
@@ -158,7 +159,7 @@ def main_reporting_config_errors() -> int:
             from trainer.endings import report_disk_full
 
             return report_disk_full(e, _run_dir_known()).exit_code
-        err = None if _IN_JOB[0] else config_error_from(e)
+        err = None if _IN_JOB[0] else config_error_from(e, TrainConfig)
         if err is None:
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds it; one line says it

@@ -1,13 +1,18 @@
-"""Model configuration: ``GPTConfig`` (validated where it is built) and the size ``PRESETS``.
+"""``GPTConfig``: the model's hyper-parameters, their one validation, and the size ``PRESETS``.
 
-Split from ``model/gpt.py``, which re-exports both names.
+GPTConfig is also the schema of train.py's ``model.*`` and ``attention.*`` keys: trainer/config.py builds
+those groups from its fields and the docs of its docstring (``key`` names the key of each field), so a
+bad value from the command line and a bad argument from Python meet the same check, ``__post_init__``,
+whose messages name the key, the value and one that works.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import re
+from dataclasses import dataclass, fields
 
-from .attention import check_attention_backend, check_sdpa_backend, check_softcap
+from .attention import SDPA_BACKENDS, available_attention_backends, check_softcap
 
 #: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs,
 #: "mini" for the CPU quickstart, experiment=cpu_tiny: about 0.8M parameters, readable char-level text in
@@ -21,44 +26,51 @@ PRESETS: dict[str, dict] = {
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
 }
 
+#: Fields set by train.py's ``attention`` group (key ``attention.<value>``); the others are ``model.<name>``
+#: but ``doc_separator_ids``, which comes from the prepared data.
+ATTENTION_KEYS = {"attention": "name"} | {
+    f: f for f in ("sdpa_backend", "window", "document_mask", "softcap")
+}
+NOT_KEYS = ("doc_separator_ids",)
+
+
+def key(name: str) -> str:
+    """train.py's key of GPTConfig field ``name`` (``window`` -> ``attention.window``)."""
+    return f"attention.{ATTENTION_KEYS[name]}" if name in ATTENTION_KEYS else f"model.{name}"
+
 
 @dataclass
 class GPTConfig:
-    """GPT hyper-parameters; validated on construction (and by ``dataclasses.replace``).
+    """GPT hyper-parameters, checked on construction (and by ``dataclasses.replace``).
 
     Attributes:
-        block_size: maximum sequence length in tokens (size of the position embedding).
-        vocab_size: number of token ids (50304 = GPT-2's 50257 padded up to a multiple of 64).
-        n_layer: number of transformer blocks.
-        n_head: attention heads per block; head_dim = n_embd // n_head.
+        block_size: position-embedding length, the longest sequence (train.py: null = seq_len).
+        vocab_size: token ids, 50304 = GPT-2's 50257 padded to a multiple of 64 (train.py: null = the
+            tokenizer's vocab rounded up to 64).
+        n_layer: transformer blocks.
+        n_head: attention heads per block; head dim = n_embd / n_head.
         n_embd: model width (d_model).
-        dropout: residual/embedding dropout probability in [0, 1); no attention-probability dropout.
-        bias: whether Linear layers and LayerNorms have biases (GPT-2: True).
-        attention: attention backend, one of ``model.attention.available_attention_backends()``.
-        sdpa_backend: SDPA kernel when attention == "sdpa", one of ``SDPA_BACKENDS``.
-        window: None, or w >= 1: each query attends to its w most recent positions (itself included).
-        document_mask: attend only within documents (ids from ``forward(doc_ids=)`` or the tokens).
-        attn_dropout: dropout probability on the attention weights in training, in [0, 1).
-        doc_separator_ids: token ids that end a document (``meta["doc_separator_ids"]``), used to derive
-            document ids from the tokens when ``document_mask`` is on and ``forward`` gets none.
-        n_kv_head: key/value heads, None = n_head; fewer is grouped-query attention (Ainslie et al. 2023;
-            1 = multi-query, Shazeer 2019): query head h reads kv head h // (n_head // n_kv_head), the KV
-            cache holds n_kv_head heads. Must divide n_head.
-        pos_emb: "learned" (GPT-2's position embedding wpe) or "rope" (rotary q and k, model/rope.py; no wpe).
-        rope_theta: RoPE's base, > 0 (10000 as in RoFormer; Llama 3 uses 500000 for long contexts).
-        qk_norm: RMSNorm of each head's q and k (learned scale per head_dim) before the scores, as in
-            OLMo 2 and Gemma 3: bounded logits, so larger learning rates stay stable.
-        softcap: None, or c > 0: attention scores become c * tanh(s / c) before the mask and softmax
-            (Gemma 2). Runs on naive and flash; sdpa refuses it (PyTorch's SDPA has no soft-cap;
-            docs/ablations.md).
+        dropout: residual and embedding dropout probability.
+        bias: biases in Linear layers and LayerNorms (GPT-2: true).
+        attention: attention backend: naive | sdpa | flash (model.attention registry).
+        sdpa_backend: SDPA kernel for attention=sdpa: auto | flash | cudnn | efficient | math (pinned:
+            raises instead of falling back).
+        window: causal sliding window: each token sees its w most recent positions (itself included);
+            null = full causal.
+        document_mask: a token attends only within its document (needs data.doc_separator).
+        attn_dropout: dropout on the attention probabilities in training (every backend).
+        doc_separator_ids: token ids that end a document (the data's meta.json), from which document ids
+            come when document_mask is on and ``forward`` gets none.
+        n_kv_head: key/value heads (grouped-query attention; 1 = multi-query), dividing n_head: query head
+            h reads kv head h // (n_head / n_kv_head) and the KV cache holds n_kv_head heads; null = n_head.
+        pos_emb: positions: learned (GPT-2's wpe) | rope (rotary q and k, model/rope.py; no wpe).
+        rope_theta: RoPE's base, > 0 (RoFormer's 10000; Llama 3 uses 500000 for long contexts).
+        qk_norm: RMSNorm of each head's q and k (learned scale) before the scores (OLMo 2, Gemma 3).
+        softcap: scores become c * tanh(s / c) before the mask and softmax (Gemma 2); naive and flash
+            (sdpa has none: docs/ablations.md); null = off.
 
     Raises:
-        ValueError: a non-positive size, dropout / attn_dropout outside [0, 1), n_embd not divisible by
-            n_head, unknown attention / sdpa_backend, head_dim outside the flash kernel's range
-            (``kernels.flash_attn.MIN_HEAD_DIM..MAX_HEAD_DIM``) with attention="flash", window not None
-            or an int >= 1, doc_separator_ids not None or a non-empty list of ints, n_kv_head not dividing
-            n_head, an unknown pos_emb, rope with an odd head_dim, rope_theta <= 0, softcap not None or
-            > 0, softcap with attention="sdpa".
+        ValueError: naming the key (``key``), the bad value and a valid one (``problem``).
     """
 
     block_size: int = 1024
@@ -81,77 +93,62 @@ class GPTConfig:
     softcap: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
-        ):
-            raise ValueError(f"GPTConfig.window must be None or an int >= 1, got {self.window!r}")
-        if not isinstance(self.document_mask, bool):
-            raise ValueError(f"GPTConfig.document_mask must be a bool, got {self.document_mask!r}")
-        if not 0.0 <= float(self.attn_dropout) < 1.0:
-            raise ValueError(f"GPTConfig.attn_dropout must be in [0, 1), got {self.attn_dropout!r}")
+        for f in fields(self):
+            msg = problem(f.name, getattr(self, f.name))
+            if msg:
+                raise ValueError(msg)
         if self.doc_separator_ids is not None:
-            ids = self.doc_separator_ids
-            if (
-                isinstance(ids, (str, bytes))
-                or not hasattr(ids, "__len__")
-                or len(ids) == 0
-                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
-            ):
-                raise ValueError(
-                    f"GPTConfig.doc_separator_ids must be None or a non-empty list of token ids, got {ids!r}"
-                )
-            self.doc_separator_ids = tuple(ids)  # lists from a checkpoint's model_args
-        if self.n_embd % self.n_head != 0:
-            suggestion = self.n_head * max(1, round(self.n_embd / self.n_head))
-            raise ValueError(
-                f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; choose n_embd a multiple "
-                f"of n_head (e.g. n_embd={suggestion}) or an n_head that divides n_embd"
+            self.doc_separator_ids = tuple(self.doc_separator_ids)  # lists from a checkpoint's model_args
+        msg = self._shape_problem()
+        if msg:
+            raise ValueError(msg)
+
+    def _shape_problem(self) -> str | None:
+        """Rules between fields: n_embd divisible by n_head (with widths and head counts that work), the
+        flash kernel's head-dim range, and SDPA's pinned flash / cuDNN kernels, which take no mask."""
+        n_head, n_embd = self.n_head, self.n_embd
+        from kernels.flash_attn import MAX_HEAD_DIM as hi
+        from kernels.flash_attn import MIN_HEAD_DIM as lo
+
+        flash = self.attention == "flash"
+        if n_embd % n_head:  # smaller heads than the kernel's are no use to any backend
+            heads = _head_counts(n_embd, n_head, lo, hi if flash else None)[:3]
+            embds = " or ".join(f"model.n_embd={e}" for e in _embd_near(n_embd, n_head, lo))
+            by_head = ", ".join(f"model.n_head={h}" for h in heads)
+            by_head = f" or a model.n_head dividing it: {by_head}" if heads else ""
+            return f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use {embds}{by_head}"
+        if flash and not lo <= self.head_dim <= hi:
+            heads = _head_counts(n_embd, n_embd // 64 or 1, lo, hi)  # closest to head dim 64 first
+            change = (
+                f"change model.n_head (e.g. model.n_head={heads[0]}: head dim {n_embd // heads[0]})"
+                if heads
+                else f"change the model width (e.g. model.n_embd={64 * n_head}: head dim 64)"
             )
-        self._check_ablations()
-        check_attention_backend(self.attention)
-        check_sdpa_backend(self.sdpa_backend)
-        check_softcap(self.attention, self.softcap)
-        if self.attention == "flash":
-            from kernels.flash_attn import MAX_HEAD_DIM as hi
-            from kernels.flash_attn import MIN_HEAD_DIM as lo
-
-            if not lo <= self.head_dim <= hi:
-                raise ValueError(
-                    f"attention=flash supports head_dim in {lo}..{hi}, but n_embd={self.n_embd} / "
-                    f"n_head={self.n_head} gives head_dim={self.head_dim}; change n_head or use "
-                    "attention=sdpa"
-                )
-
-    def _check_ablations(self) -> None:
-        """n_kv_head, pos_emb, rope_theta, qk_norm and softcap (issue 38's keys)."""
+            return (
+                f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
+                f"{n_head} gives head_dim={self.head_dim}; {change} or use attention=sdpa"
+            )
         kv = self.n_kv_head
-        if kv is not None and (
-            isinstance(kv, bool) or not isinstance(kv, int) or kv <= 0 or self.n_head % kv
-        ):
-            ok = [h for h in range(1, self.n_head + 1) if self.n_head % h == 0]
-            raise ValueError(
-                f"model.n_kv_head={kv!r} must be null or a positive int dividing model.n_head={self.n_head}; "
-                f"choose one of {ok}"
-            )
-        if self.pos_emb not in ("learned", "rope"):
-            raise ValueError(f"model.pos_emb={self.pos_emb!r} is not valid; choose learned or rope")
+        if kv is not None and n_head % kv:
+            ok = ", ".join(f"model.n_kv_head={h}" for h in range(1, n_head + 1) if n_head % h == 0)
+            return f"model.n_kv_head={kv} does not divide model.n_head={n_head}; use {ok}"
         if self.pos_emb == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"model.pos_emb=rope rotates pairs of features, but head_dim={self.head_dim} (n_embd="
-                f"{self.n_embd} / n_head={self.n_head}) is odd; choose an even head_dim or pos_emb=learned"
+            return (
+                f"model.pos_emb=rope rotates pairs of features, but model.n_embd={n_embd} / model.n_head="
+                f"{n_head} gives head_dim={self.head_dim}; change model.n_head or use model.pos_emb=learned"
             )
-        if isinstance(self.rope_theta, bool) or not 0 < float(self.rope_theta) < float("inf"):
-            raise ValueError(
-                f"model.rope_theta must be a finite number > 0, e.g. 10000, got {self.rope_theta!r}"
+        try:  # a backend that has soft-capping (sdpa has none: docs/ablations.md)
+            check_softcap(self.attention, self.softcap)
+        except ValueError as e:
+            return str(e)
+        masked = self.window is not None or self.document_mask
+        if self.attention == "sdpa" and self.sdpa_backend in ("flash", "cudnn") and masked:
+            return (
+                f"attention.sdpa_backend={self.sdpa_backend} takes no attention mask, so it cannot run "
+                "attention.window / attention.document_mask; use attention.sdpa_backend=auto (or "
+                "efficient / math), or attention=flash"
             )
-        if not isinstance(self.qk_norm, bool):
-            raise ValueError(f"model.qk_norm must be a bool, got {self.qk_norm!r}")
+        return None
 
     @property
     def head_dim(self) -> int:
@@ -174,3 +171,118 @@ class GPTConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
+
+
+def field_docs() -> dict[str, str]:
+    """``{"window": "causal sliding window: ...", ...}``: each field's doc from GPTConfig's docstring."""
+    text = GPTConfig.__doc__.split("Attributes:")[1].split("Raises:")[0]
+    rows = re.findall(r"^ {8}(\w+): (.*?)(?=^ {8}\w+: |\Z)", text, re.M | re.S)
+    return {name: " ".join(doc.split()) for name, doc in rows}
+
+
+# ------------------------------------------------------------------------------------------ the checks
+POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
+OPEN_UNIT = "(0,1)"  # strictly between 0 and 1 (a share that must leave something on both sides)
+_WHAT = {
+    POS_INT: "must be a positive integer",
+    NONNEG_INT: "must be a non-negative integer",
+    NONNEG: "must be >= 0",
+    UNIT: "must be in [0, 1)",
+    OPEN_UNIT: "must be in (0, 1), strictly",
+}
+
+#: Fields that take null (window: full causal; n_kv_head: n_head; softcap: off).
+NULLABLE = ("window", "n_kv_head", "softcap")
+#: Each field's check and a value that works, for ``problem`` (attention: the registry's names).
+CHECKS = dict(
+    block_size=(POS_INT, 1024), vocab_size=(POS_INT, 50304), n_layer=(POS_INT, 12), n_head=(POS_INT, 12),
+    n_embd=(POS_INT, 768), dropout=(UNIT, 0.0), bias=(BOOL, None), sdpa_backend=(SDPA_BACKENDS, "auto"),
+    window=(POS_INT, 256), document_mask=(BOOL, None), attn_dropout=(UNIT, 0.1), n_kv_head=(POS_INT, 1),
+    pos_emb=(("learned", "rope"), "learned"), rope_theta=(FINITE, 10000.0), qk_norm=(BOOL, None),
+    softcap=(FINITE, 30.0),
+)  # fmt: skip
+
+
+def problem(name: str, value) -> str | None:
+    """Why ``value`` cannot be GPTConfig field ``name``, as a message naming its key and a value that
+    works, or None. The one check of each field: ``GPTConfig.__post_init__`` runs it, and the trainer
+    words a value OmegaConf refused (``attention.window=true``) with it too."""
+    if name == "attention":
+        return problem_with("attention.name (attention=...)", value, available_attention_backends(), "sdpa")
+    if name == "doc_separator_ids":
+        ok = value is None or (
+            not isinstance(value, (str, bytes))
+            and hasattr(value, "__len__")
+            and len(value) > 0
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        )
+        return (
+            None if ok else f"doc_separator_ids must be None or a non-empty list of token ids, got {value!r}"
+        )
+    nullable = name in NULLABLE
+    if value is None and not nullable:
+        return f"{key(name)}=null is not valid here; e.g. {key(name)}={fmt(CHECKS[name][1])}"
+    check, example = CHECKS[name]
+    msg = problem_with(key(name), value, check, example, nullable=nullable)
+    if msg is None and name in ("rope_theta", "softcap") and value is not None and not float(value) > 0:
+        msg = f"{key(name)}={value!r} must be > 0, e.g. {key(name)}={fmt(example)}"
+    return msg
+
+
+def fmt(v) -> str:
+    """A value as typed on the command line (null, true, 6e-04 ...)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def problem_with(key: str, value, check, example=None, nullable: bool = False) -> str | None:
+    """Why ``value`` fails ``check`` as a message naming ``key`` and a valid value (``example``), or None.
+
+    Args:
+        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | OPEN_UNIT | BOOL, a tuple of the valid
+            values, or None (no check).
+        nullable: the key also takes null (null passes; the message says "must be null or ...").
+    """
+    if value is None or check is None:
+        return None
+    if isinstance(check, tuple):
+        if any(value == c and type(value) is type(c) for c in check):  # 1 is not true
+            return None
+        return f"{key}={value!r} is not valid; choose one of: {', '.join(map(fmt, check))}"
+    if check == BOOL:
+        return None if isinstance(value, bool) else f"{key}={value!r} is not valid; choose true or false"
+    if check in (POS_INT, NONNEG_INT):
+        if isinstance(value, int) and not isinstance(value, bool) and value >= (check == POS_INT):
+            return None
+        what = _WHAT[check].replace("must be ", "must be null or ") if nullable else _WHAT[check]
+        return f"{key}={value!r} {what}, e.g. {key}={fmt(example)}"
+    try:
+        x = math.nan if isinstance(value, bool) else float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        return f"{key}={value!r} is not a finite number, e.g. {key}={fmt(example)}"
+    if (
+        (check == NONNEG and x < 0)
+        or (check == UNIT and not 0 <= x < 1)
+        or (check == OPEN_UNIT and not 0 < x < 1)
+    ):
+        return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={fmt(example)}"
+    return None
+
+
+def _head_counts(n_embd: int, near: int, lo: int, hi: int | None = None) -> list[int]:
+    """Values of n_head that divide ``n_embd`` with a head dim in [lo, hi], closest to ``near`` first
+    (ties: the larger head dim)."""
+    ok = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and lo <= n_embd // h <= (hi or n_embd)]
+    return sorted(ok, key=lambda h: (abs(h - near), h))
+
+
+def _embd_near(n_embd: int, n_head: int, lo: int) -> list[int]:
+    """Multiples of ``n_head`` next to ``n_embd`` whose head dim is at least ``lo`` (n_embd fixes)."""
+    below = (n_embd // n_head) * n_head
+    picks = [c for c in (below, below + n_head) if c // n_head >= lo]
+    return picks or [lo * n_head]

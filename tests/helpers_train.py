@@ -186,7 +186,8 @@ def run_inprocess(overrides: list[str], out_dir: Path, monkeypatch=None):
     returns its Outcome. A composition error (wrong type, unknown key) is reported as train.py reports it:
     ``config error: ...`` on stderr, Outcome("error", 2). ``fault.NAME=VALUE`` overrides are installed
     with pytest's ``monkeypatch`` (tests/faulty_train.py; not the SIGKILL faults)."""
-    from trainer.config_errors import config_error_from
+    from trainer.config import TrainConfig
+    from trainer.fields import config_error_from
     from trainer.loop import EXIT_CONFIG, Outcome, run
 
     faults, overrides = split_faults(overrides)
@@ -200,7 +201,7 @@ def run_inprocess(overrides: list[str], out_dir: Path, monkeypatch=None):
     try:
         cfg = compose_cfg(overrides)
     except Exception as e:
-        err = config_error_from(e)
+        err = config_error_from(e, TrainConfig)
         if err is None:
             raise
         print(f"config error: {err}", file=sys.stderr, flush=True)

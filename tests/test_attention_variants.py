@@ -189,18 +189,19 @@ def test_loader_doc_ids_match_the_model_derivation(tmp_path, shakespeare_path, s
 )
 def test_variant_config_errors(tmp_path, overrides, match):
     """Each bad variant key is a config error naming it: from OmegaConf's types while composing (as
-    train.py reports them, trainer.config_errors) or from the checks of trainer/config.py."""
+    train.py reports them, trainer.fields) or from the one check of the model keys, GPTConfig's."""
     import re
 
     from helpers_train import compose_cfg
 
     from trainer.checks import ConfigError, resolve_plan
-    from trainer.config_errors import config_error_from
+    from trainer.config import TrainConfig
+    from trainer.fields import config_error_from
 
     try:
         cfg = compose_cfg(["experiment=cpu_tiny", f"data.dir={tmp_path}/none", *overrides])
     except Exception as e:  # noqa: BLE001 - a composition error: its ConfigError text
-        err = config_error_from(e)
+        err = config_error_from(e, TrainConfig)
         assert err is not None, e
         assert re.search(match, str(err)), str(err)
         return

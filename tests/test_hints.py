@@ -18,10 +18,10 @@ from trainer.checks import (
     ConfigError,
     check_data_fits,
     check_data_source,
-    out_dir_problem,
     probe_attention,
     resolve_plan,
 )
+from trainer.rundir import out_dir_problem
 
 SOURCES = [
     *sorted((REPO / "trainer").glob("*.py")),

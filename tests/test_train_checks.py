@@ -76,7 +76,7 @@ def test_flash_without_cuda_points_to_sdpa(expect_error):
 
 def test_flash_head_dim_out_of_range(expect_error):
     err = expect_error(attention="flash", **{"model.n_head": 32})  # 128 / 32 = 4
-    assert "head dims 8..256" in err and "gives 4" in err and "attention=sdpa" in err
+    assert "head dims 8..256" in err and "gives head_dim=4" in err and "attention=sdpa" in err
 
 
 def test_pinned_sdpa_backend_that_cannot_run(expect_error):
@@ -431,9 +431,10 @@ def test_typed_config_errors_name_the_full_key(expect_error, key, value, expecte
     ],
 )
 def test_unknown_key_suggests_only_a_close_match(key, hint):
-    from trainer.config_errors import unknown_key
+    from trainer.config import TrainConfig
+    from trainer.fields import unknown_key
 
-    msg = unknown_key(key)
+    msg = unknown_key(key, TrainConfig)
     if hint is None:
         assert "did you mean" not in msg and msg.startswith(f"{key} is not a config key; valid keys"), msg
     else:

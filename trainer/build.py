@@ -1,7 +1,6 @@
 """Set-up of a training run (the ``Setup`` mixin of ``trainer.loop.Trainer``): device, data, model
-config, resume checks, model and optimizer, W&B, in ``Setup.setup``; ``gpt_config_for`` builds the
-model's ``GPTConfig`` from the config's model keys. Every user error raises ``ConfigError`` before any GPU
-allocation."""
+config, resume checks, model and optimizer, W&B, in ``Setup.setup``. Every user error raises
+``ConfigError`` before any GPU allocation."""
 
 from __future__ import annotations
 
@@ -27,6 +26,7 @@ from trainer.checks import (
     probe_attention,
 )
 from trainer.compiling import compile_model
+from trainer.config import gpt_config_for
 from trainer.schedule import lr_at
 
 
@@ -48,32 +48,6 @@ def newest_run_with_checkpoints(root: Path) -> Path | None:
         if newest is None or t > newest[0]:
             newest = (t, p.parent.parent)
     return newest[1] if newest else None
-
-
-def gpt_config_for(cfg, vocab_size: int, doc_separator_ids=None):
-    """``model.GPTConfig`` of a run: every ``model.*`` and ``attention.*`` key that is a GPTConfig field, by
-    name (``attention.name`` is GPTConfig's ``attention``; issue 16's ``window``, ``document_mask``,
-    ``attn_dropout`` flow the same way), the block size (``model.block_size``, null = ``seq_len``),
-    ``vocab_size`` and the prepared data's ``doc_separator_ids`` (meta.json).
-
-    Raises:
-        ValueError: from GPTConfig's own checks.
-    """
-    from model import GPTConfig
-
-    names = {f.name for f in dataclasses.fields(GPTConfig)} - {"block_size", "vocab_size", "attention"}
-    args = {}
-    for group in (cfg.model, cfg.attention):
-        keys = [f.name for f in dataclasses.fields(group)] if dataclasses.is_dataclass(group) else list(group)
-        args.update({k: getattr(group, k) for k in keys if k in names})
-    m = cfg.model
-    return GPTConfig(
-        **args,
-        block_size=m.block_size if m.block_size is not None else cfg.seq_len,
-        vocab_size=vocab_size,
-        attention=cfg.attention.name,
-        doc_separator_ids=doc_separator_ids,
-    )
 
 
 class Setup:
@@ -154,10 +128,10 @@ class Setup:
                 f"model.vocab_size={vocab} is smaller than the tokenizer's {meta['vocab_size']}; "
                 "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
             )
-        try:
+        try:  # the config's keys passed resolve_plan; the data's vocab and separator ids are new here
             self.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
         except ValueError as e:
-            raise ConfigError(f"model: {e}") from e
+            raise ConfigError(f"data.dir={cfg.data.dir}: {e}") from e
         probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
 
     def _check_something_to_resume(self) -> None:

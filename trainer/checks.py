@@ -1,15 +1,11 @@
-"""Config validation for train.py, run before any GPU work (trainer/README: "what the trainer checks").
+"""Plan a run from its validated config, and the checks that need the machine or the files.
 
-Every error is a ``ConfigError`` whose message names the config key, the bad value and a valid value or
-the fix; ``train.py`` prints it and exits with status 2 (no traceback: it is a user error, not a bug).
-
-Order of use in the trainer:
-1. ``resolve_plan(cfg, ...)``: ``trainer.config.validate`` (ranges, shapes), then devices, seq_len against
-   the data when it is known (``check_seq_len_fits_data``), then the batch split;
-2. ``check_data_source(cfg)`` then the data is prepared, then ``check_data_fits(cfg, meta)``;
-3. ``probe_attention(plan, cfg)``: flash availability and a pinned SDPA backend, tried on a tiny tensor
-   with the real head dim and dtype on the target device;
-4. on resume, ``check_resume_compatible(saved, new)``.
+``resolve_plan`` validates the config once (``trainer.config.validate``: pure), then plans once: devices,
+dtype, compile, the batch split, the data fit (``check_seq_len_fits_data``) and the evaluation batch
+against this machine's memory. After it, ``check_data_source`` (files), ``check_data_fits`` (the prepared
+data), ``probe_attention`` (the backend on a tiny tensor) and, on resume, ``check_resume_compatible``.
+Every error is a ``ConfigError`` naming the key, the bad value and a valid value; train.py prints it and
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -18,12 +14,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from trainer import config as C
 from trainer.config import ConfigError
-from trainer.rundir import OutDirCheck, check_out_dir, out_dir_problem  # noqa: F401 - re-exported
 
-__all__ = ["ConfigError", "Plan", "resolve_plan"]  # ConfigError re-exported for callers of the checks
+__all__ = ["ConfigError", "Plan", "resolve_plan"]
 
 #: Model-shape keys that a resume may not change (they change parameter shapes).
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
@@ -37,52 +33,24 @@ PEAK_FLOPS_BF16 = {
     "A10G": 70e12,
     "4090": 165e12,
 }
-DEFAULT_PEAK_FLOPS = 989e12
 
 
 @dataclass
 class Plan:
-    """Settings derived from the config by ``resolve_plan`` (all validated).
+    """What ``resolve_plan`` derives from a valid config for this machine and world size."""
 
-    Attributes:
-        device_type: "cuda" or "cpu".
-        autocast_dtype: "bfloat16" for bf16 autocast, or None (plain float32).
-        compile: whether to torch.compile the model.
-        compile_mode: torch.compile mode (None for "default"; "reduce-overhead" adds CUDA graphs).
-        micro_batch_size: sequences per forward/backward per rank.
-        grad_accum: micro-batches per optimizer step per rank.
-        eval_batch_size: sequences per validation batch.
-        world_size: number of processes (torchrun ranks).
-        parallel: "ddp" or "fsdp" (``parallel``): how several ranks hold the model, and the checkpoint
-            format ("fsdp": DCP directories, also at world size 1; "ddp": single files).
-        head_dim: n_embd // n_head.
-        peak_flops: FLOP/s per device for MFU (float) or None to decide from the GPU name later.
-    """
-
-    device_type: str
-    autocast_dtype: str | None
+    device_type: str  # cuda | cpu
+    autocast_dtype: str | None  # "bfloat16", or None: plain float32
     compile: bool
-    micro_batch_size: int
-    grad_accum: int
+    micro_batch_size: int  # sequences per forward/backward per rank
+    grad_accum: int  # micro-batches per optimizer step per rank
     eval_batch_size: int
-    world_size: int
+    world_size: int  # torchrun ranks
     head_dim: int
-    peak_flops: float | None
-    compile_mode: str | None = None
+    peak_flops: float | None  # FLOP/s per device for MFU; None: from the GPU's name later
+    compile_mode: str | None = None  # None: "default"; "reduce-overhead" adds CUDA graphs
     notes: list[str] = field(default_factory=list)
-    parallel: str = "ddp"
-
-
-def _interpret_enabled() -> bool:
-    """The kernels' own test for "TRITON_INTERPRET is on" (1/true/yes/on), so both always agree."""
-    from kernels import interpret_enabled
-
-    return interpret_enabled()
-
-
-def _pow2_at_most(n: int) -> int:
-    """The largest power of two <= n (n >= 1): a seq_len that divides the usual batch sizes."""
-    return 1 << (max(1, n).bit_length() - 1)
+    parallel: str = "ddp"  # ddp | fsdp (DCP checkpoints, also at world size 1)
 
 
 def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
@@ -112,56 +80,50 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
         )
 
 
-def _check_gluon_env() -> None:
-    """FLASHGPT_GLUON_FWD and FLASHGPT_GLUON_BWD, which the flash forward and backward read
-    (kernels/plan.py), checked before the run starts rather than at its first step."""
-    from kernels.plan import ENV, ENV_BWD, mode
-
-    try:
-        for env in (ENV, ENV_BWD):
-            mode(env)
-    except ValueError as e:
-        raise ConfigError(f"environment variable {e}; unset it for the default") from None
-
-
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
-    """Validate the config (``trainer.config.validate``) and derive devices, dtype and the batch split.
+    """Validate the config (``trainer.config.validate``), then derive devices, dtype and the batch split.
 
     Args:
-        cfg: the composed train.py config (DictConfig of ``trainer.config.TrainConfig``).
+        cfg: the composed train.py config (DictConfig of ``TrainConfig``, or a TrainConfig).
         world_size: DDP processes (1 without torchrun).
         cuda_available: ``torch.cuda.is_available()`` (a parameter so tests can pretend).
 
-    Returns:
-        The ``Plan``.
-
     Raises:
-        ConfigError: naming the key and a valid value: any check of ``trainer.config.validate``;
-            device=cuda without CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with
-            a bad FLASHGPT_GLUON_FWD or FLASHGPT_GLUON_BWD;
-            compile_mode=reduce-overhead with several ranks; a batch split that does not divide
-            (``BatchConfig.split``); a bad perf.peak_flops; perf.trace without perf.profile_steps.
+        ConfigError: naming the key and a valid value: any check of ``validate``; device=cuda without
+            CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with a bad
+            FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD; wandb.mode=online without a login;
+            compile_mode=reduce-overhead with several ranks; a seq_len the data cannot hold; a batch split
+            that does not divide (``split_batch``); an evaluation batch beyond this machine's memory.
     """
-    C.validate(cfg)
-    if cfg.perf.trace and not cfg.perf.profile_steps:
-        raise ConfigError(
-            "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none; "
-            "set perf.profile_steps=3 (for example) or perf.trace=false"
-        )
+    cfg, gpt = C.validate(cfg)
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
     device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
-    if cfg.attention.name == "flash" and device_type != "cuda" and not _interpret_enabled():
-        raise ConfigError(
-            "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
-            "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
-        )
-    if cfg.attention.name == "flash":
-        _check_gluon_env()
-    if cfg.dtype == "auto":
-        autocast_dtype = "bfloat16" if device_type == "cuda" else None
-    else:
-        autocast_dtype = "bfloat16" if cfg.dtype == "bfloat16" else None
+    if gpt.attention == "flash":
+        from kernels import interpret_enabled  # the kernels' own test, so both always agree
+        from kernels.plan import ENV, ENV_BWD, mode
+
+        if device_type != "cuda" and not interpret_enabled():
+            raise ConfigError(
+                "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
+                "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
+            )
+        try:  # read by the flash forward and backward: checked now rather than at the first step
+            for env in (ENV, ENV_BWD):
+                mode(env)
+        except ValueError as e:
+            raise ConfigError(f"environment variable {e}; unset it for the default") from None
+    if cfg.wandb.mode == "online":
+        from trainer.metrics import wandb_logged_in
+
+        if not wandb_logged_in():
+            raise ConfigError(
+                "wandb.mode=online but no W&B API key is configured; run `wandb login` (or set "
+                "WANDB_API_KEY), or use wandb.mode=auto (online when logged in, else offline) or offline"
+            )
+    autocast_dtype = (
+        "bfloat16" if cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device_type == "cuda") else None
+    )
     compile_ = (device_type == "cuda") if cfg.compile == "auto" else bool(cfg.compile)
     compile_mode = cfg.compile_mode
     if compile_mode == "reduce-overhead" and compile_ and world_size > 1:
@@ -170,10 +132,9 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             f"{world_size} ranks ({cfg.parallel.upper()}'s gradient hooks and collectives run outside the "
             "graphs); use compile_mode=default"
         )
-    check_seq_len_fits_data(
-        cfg, world_size
-    )  # before the batch split: the data's limit is the message to give
-    micro_batch_size, grad_accum, notes = C.BatchConfig.split(cfg, world_size)
+    check_seq_len_fits_data(cfg, world_size)  # before the batch split: the data's limit is the message
+    micro_batch_size, grad_accum = split_batch(cfg, world_size)
+    notes = C.notes(cfg)
     if cfg.parallel == "fsdp" and world_size <= 1:
         notes.append(
             "note: parallel=fsdp with one process (no torchrun, or --nproc_per_node=1): nothing to shard, so "
@@ -187,16 +148,6 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
             "it runs like compile_mode=default here"
         )
-    if cfg.attention.name != "sdpa" and cfg.attention.sdpa_backend != "auto":
-        notes.append(
-            f"note: attention.sdpa_backend={cfg.attention.sdpa_backend} applies to attention=sdpa "
-            f"only; attention={cfg.attention.name} does not use it"
-        )
-    if cfg.attention.window is not None and int(cfg.attention.window) >= int(cfg.seq_len):
-        notes.append(
-            f"note: attention.window={cfg.attention.window} >= seq_len={cfg.seq_len}: every token sees all "
-            "earlier ones, the same as attention.window=null (full causal)"
-        )
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
     _check_eval_batch_fits(cfg, eval_bs, device_type)
     return Plan(
@@ -207,7 +158,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         grad_accum=grad_accum,
         eval_batch_size=int(eval_bs),
         world_size=world_size,
-        head_dim=cfg.model.n_embd // cfg.model.n_head,
+        head_dim=gpt.head_dim,
         peak_flops=C.PerfConfig.peak(cfg),
         compile_mode=None if compile_mode == "default" else compile_mode,
         notes=notes,
@@ -215,12 +166,121 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     )
 
 
+def split_batch(cfg, world_size: int) -> tuple[int, int]:
+    """(micro_batch_size, grad_accum) of one rank for ``world_size`` ranks.
+
+    A token budget per micro-batch (``micro_tokens``), so every seq_len runs without a batch override;
+    never more than one rank's share of the step, at least one sequence.
+
+    Raises:
+        ConfigError: micro_tokens not a multiple of seq_len, both sizes null, or tokens_per_step not a
+            multiple of micro_batch_size x seq_len x world_size (the hint names the key the user set).
+    """
+    b, seq_len = cfg.batch, cfg.seq_len
+    tokens_per_step = b.tokens_per_step
+    if b.micro_batch_size is not None:
+        micro_batch_size = b.micro_batch_size
+    elif b.micro_tokens is not None:
+        if b.micro_tokens > seq_len and b.micro_tokens % seq_len:
+            raise ConfigError(
+                f"batch.micro_tokens={b.micro_tokens} must be a multiple of seq_len={seq_len}, or at "
+                f"most seq_len (one sequence per micro-batch); use "
+                f"{_whole_micro_tokens(cfg, world_size)}"
+            )
+        budget = min(b.micro_tokens, max(1, tokens_per_step // world_size))
+        micro_batch_size = max(1, budget // seq_len)
+    else:
+        raise ConfigError(
+            "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_tokens=32768 "
+            "(tokens per micro-batch) or batch.micro_batch_size=8 (sequences)"
+        )
+    per_micro = micro_batch_size * seq_len * world_size
+    if tokens_per_step % per_micro:
+        per_seq = seq_len * world_size
+        fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
+        if not fits and per_micro > tokens_per_step:
+            smaller = "a shorter seq_len"  # one sequence per rank is already more than the step
+        elif not fits:
+            smaller = "a smaller batch.micro_batch_size"
+        elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
+            smaller = f"batch.micro_tokens={fits[0] * seq_len}"
+        else:
+            smaller = f"batch.micro_batch_size={fits[0]}"
+        if b.micro_batch_size is None:  # token budget: the micro-batch follows tokens_per_step
+
+            def splits(t: int) -> bool:
+                m = max(1, min(b.micro_tokens, max(1, t // world_size)) // seq_len)
+                return t % (m * per_seq) == 0
+
+            near = [t for t in _multiples_around(tokens_per_step, per_seq) if splits(t)][:2]
+            capped = " (capped at one rank's share of the step)" if b.micro_tokens > budget else ""
+            raise ConfigError(
+                f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
+                f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
+                f"sequence{'' if micro_batch_size == 1 else 's'} of seq_len={seq_len} per micro-batch "
+                f"x world_size({world_size}) = "
+                f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near)))}"
+                + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
+            )
+        raise ConfigError(
+            f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
+            f"micro_batch_size({micro_batch_size}) "
+            f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
+            f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
+        )
+    return micro_batch_size, tokens_per_step // per_micro
+
+
+def _splits(cfg, world_size: int, seq_len: int | None = None, **batch) -> bool:
+    """Whether ``split_batch`` accepts cfg's batch keys with ``seq_len`` and ``batch`` changed."""
+    b = cfg.batch
+    keys = ("tokens_per_step", "micro_tokens", "micro_batch_size")
+    changed = SimpleNamespace(**{k: batch.get(k, getattr(b, k)) for k in keys})
+    try:
+        split_batch(SimpleNamespace(batch=changed, seq_len=seq_len or cfg.seq_len), world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _whole_micro_tokens(cfg, world_size: int) -> str:
+    """The fix for a batch.micro_tokens that is not a multiple of seq_len, as overrides that pass the
+    batch checks as typed: the largest multiple below it, with a tokens_per_step near the current one
+    when the current one does not split into it."""
+    b, seq_len = cfg.batch, cfg.seq_len
+    micro = max(seq_len, (b.micro_tokens // seq_len) * seq_len)
+    fix = f"batch.micro_tokens={micro}"
+    if _splits(cfg, world_size, micro_tokens=micro):
+        return fix
+    near = [
+        t
+        for t in _multiples_around(b.tokens_per_step, seq_len * world_size)
+        if _splits(cfg, world_size, micro_tokens=micro, tokens_per_step=t)
+    ]
+    return (
+        f"{fix} batch.tokens_per_step={near[0]}" if near else f"{fix} and a batch.tokens_per_step it divides"
+    )
+
+
+def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
+    """Positive multiples of ``unit``, nearest to ``n`` first (ties: the smaller first)."""
+    lo = (n // unit) * unit
+    cands = {lo - k * unit for k in range(count)} | {lo + (k + 1) * unit for k in range(count)}
+    return sorted((c for c in cands if c > 0), key=lambda c: (abs(c - n), c))
+
+
+def _multiples_near(n: int, unit: int) -> str:
+    lo = (n // unit) * unit
+    hi = lo + unit
+    return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
+
+
 def peak_flops_for(device_name: str | None) -> float:
     """bf16 dense peak FLOP/s for a GPU name (``torch.cuda.get_device_name()``); 989e12 when unknown/CPU."""
     for frag, flops in PEAK_FLOPS_BF16.items():
         if device_name and frag in device_name:
             return flops
-    return DEFAULT_PEAK_FLOPS
+    return PEAK_FLOPS_BF16["H100"]
 
 
 def check_data_source(cfg) -> None:
@@ -403,8 +463,8 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     if largest < 1:
         return f"{head}; use {corpus}"
     world = world_size
-    best = _pow2_at_most(largest)
-    fitting = next((n for n in _pow2_down(best) if _batch_fits(cfg, n, world)), None)
+    best = 1 << (largest.bit_length() - 1)  # a power of two divides the usual batch sizes
+    fitting = next((n for n in (best >> i for i in range(best.bit_length())) if _splits(cfg, world, n)), None)
     if fitting == best:
         upto = "" if about else f" (or any value up to {largest})"
         return f"{head}; use seq_len={best}{upto}, or {corpus}"
@@ -413,29 +473,6 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     if fitting is None:
         return f"{head}; use {longer}, or {corpus}"
     return f"{head}; use seq_len={fitting} (fits the current batch), or {longer}, or {corpus}"
-
-
-def _pow2_down(n: int):
-    while n >= 1:
-        yield n
-        n //= 2
-
-
-def _batch_fits(cfg, seq_len: int, world: int, tokens_per_step: int | None = None) -> bool:
-    """Whether ``BatchConfig.split`` accepts ``seq_len`` (and ``tokens_per_step``) with cfg's batch keys."""
-    from types import SimpleNamespace
-
-    b = cfg.batch
-    batch = SimpleNamespace(
-        tokens_per_step=b.tokens_per_step if tokens_per_step is None else tokens_per_step,
-        micro_tokens=b.micro_tokens,
-        micro_batch_size=b.micro_batch_size,
-    )
-    try:
-        C.BatchConfig.split(SimpleNamespace(batch=batch, seq_len=seq_len), world)
-    except ConfigError:
-        return False
-    return True
 
 
 def _step_tokens_for(cfg, seq_len: int, world: int) -> int:
@@ -448,7 +485,9 @@ def _step_tokens_for(cfg, seq_len: int, world: int) -> int:
         micro = max(1, int(b.micro_tokens or seq_len) // seq_len)
     unit = micro * seq_len * world
     tokens = max(unit, -(-int(b.tokens_per_step) // unit) * unit)
-    while not _batch_fits(cfg, seq_len, world, tokens) and tokens < 64 * unit:  # micro_tokens rounding
+    while (
+        not _splits(cfg, world, seq_len, tokens_per_step=tokens) and tokens < 64 * unit
+    ):  # micro_tokens rounding
         tokens += unit
     return tokens
 
@@ -492,7 +531,7 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
-        default = C.DataConfig.__dataclass_fields__["val_fraction"].default
+        default = C.DataConfig.val_fraction
         if fraction < default and cfg.seq_len < size - split_point(size, default):
             # the split is the cause: a seq_len this corpus holds fits with the usual validation share
             raise ConfigError(

@@ -1,29 +1,26 @@
 """Typed configs of train.py: one dataclass per config group, registered in Hydra's ConfigStore.
 
-Hydra composes ``configs/config.yaml`` on top of the schema ``TrainConfig`` (stored as ``flashgpt_schema``),
-so OmegaConf itself rejects a value of the wrong type (``seq_len=abc``) and an unknown key (``sq_len=1``,
-``+typo=1``, ``model.n_heads=4``), naming the full key. What types cannot say (ranges, choices, keys that
-depend on each other) is checked next to the dataclass it concerns: each field's ``check`` metadata
-(``spec(...)``, trainer/fields.py) and each class's ``validate(cfg)``; ``validate(cfg)`` at the bottom runs
-them all and raises ``ConfigError`` with the key and a valid value. ``trainer.config_errors`` turns an
-OmegaConf/Hydra composition error into the same text, so every config mistake ends the same way
-(``config error: ...`` on stderr, exit status 2, no traceback; train.py).
-
-Groups (configs/): ``attention`` -> ``AttentionConfig``, ``model`` -> ``ModelConfig`` (presets stored here
-from ``model.gpt.PRESETS``, the one list of GPT sizes), ``data`` -> ``DataConfig``, ``optim`` ->
-``OptimConfig``, ``trainer`` -> the top-level run keys of ``TrainConfig`` with ``BatchConfig``,
-``EvalConfig``, ``CheckpointConfig``, ``ParityConfig``, ``PerfConfig``; ``logger`` -> ``WandbConfig``
-(key ``wandb``); ``experiment`` presets combine them.
+Hydra composes ``configs/config.yaml`` on top of ``TrainConfig`` (stored as ``flashgpt_schema``), so
+OmegaConf refuses a wrong type (``seq_len=abc``) or an unknown key (``sq_len=1``, ``model.n_heads=4``)
+while composing; ``validate`` then checks the typed config once, without I/O: each field's ``spec`` check,
+the model through ``GPTConfig`` itself, and the rules between keys. The groups ``model`` and ``attention``
+are made from ``GPTConfig``'s fields and docs (model/config.py), so the model has one schema and one
+validation. Every mistake is a ``ConfigError`` naming the key and a valid value (train.py: ``config
+error: ...``, exit 2). ``python -m trainer.config`` lists every key, its default and its doc.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from model.config import ATTENTION_KEYS, NOT_KEYS, PRESETS, GPTConfig
+from model.config import field_docs as gpt_docs
 from trainer.fields import (
     BOOL,
     FINITE,
@@ -34,172 +31,38 @@ from trainer.fields import (
     UNIT,
     ConfigError,
     check_fields,
-    dataclass_type,
+    check_known,
+    field_docs,
     fmt,
-    problem_with,
     spec,
 )
 
-__all__ = ["ConfigError", "TrainConfig", "validate"]
+__all__ = ["ConfigError", "TrainConfig", "gpt_config_for", "typed", "validate"]
+
+#: GPTConfig fields that the trainer fills in when null: the data's vocab and seq_len.
+FOLLOWS = ("block_size", "vocab_size")
 
 
-# ------------------------------------------------------------------------------------------ groups
-@dataclass
-class AttentionConfig:
-    """``attention=naive|sdpa|flash`` (configs/attention/)."""
-
-    name: str = spec("sdpa", "attention backend: naive | sdpa | flash (model.attention registry)")
-    sdpa_backend: str = spec(
-        "auto",
-        "SDPA kernel for attention=sdpa: auto | flash | cudnn | efficient | "
-        "math (pinned: raises instead of falling back)",
-    )
-    window: int | None = spec(
-        None,
-        "causal sliding window: each token sees its w most recent positions "
-        "(itself included); null = full causal",
-        POS_INT,
-        256,
-    )
-    document_mask: bool = spec(
-        False, "a token attends only within its document (needs data.doc_separator)", BOOL
-    )
-    softcap: float | None = spec(
-        None, "scores c * tanh(s / c) before mask and softmax (naive, flash); null = off", FINITE, 30.0
-    )
-
-    @staticmethod
-    def validate(cfg) -> None:
-        """Backend names against the registries of model.attention (they may grow at run time); a document
-        mask needs data.doc_separator; SDPA's pinned flash and cuDNN kernels take no mask (window, docs)."""
-        from model.attention import SDPA_BACKENDS, available_attention_backends
-
-        a = cfg.attention
-        if a.name not in available_attention_backends():
-            raise ConfigError(
-                problem_with(
-                    "attention.name (attention=...)", a.name, tuple(available_attention_backends()), "sdpa"
-                )
-            )
-        msg = problem_with("attention.sdpa_backend", a.sdpa_backend, tuple(SDPA_BACKENDS), "auto")
-        if msg:
-            raise ConfigError(msg)
-        if a.document_mask and cfg.data.doc_separator is None:
-            raise ConfigError(
-                "attention.document_mask=true needs documents: set data.doc_separator (e.g. "
-                "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
-                "or attention.document_mask=false"
-            )
-        masked = a.window is not None or a.document_mask
-        if a.name == "sdpa" and a.sdpa_backend in ("flash", "cudnn") and masked:
-            raise ConfigError(
-                f"attention.sdpa_backend={a.sdpa_backend} takes no attention mask, so it cannot run "
-                "attention.window / attention.document_mask; use attention.sdpa_backend=auto (or "
-                "efficient / math), or attention=flash"
-            )
-        from model.attention import check_softcap
-
-        try:  # a positive number, on a backend that has it (sdpa has none: docs/ablations.md)
-            check_softcap(a.name, a.softcap)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+def _group_of_gpt(cls_name: str, names: dict[str, str], preset: str | None = None) -> type:
+    """A Hydra group's dataclass made from GPTConfig's fields ``names`` ({key: field}; with ``preset``, a
+    ``name`` key for the records first): each keeps its type, default and doc (``FOLLOWS``: also null)
+    and names its GPTConfig field (metadata ``gpt``), whose check is GPTConfig's."""
+    hints, docs, default = typing.get_type_hints(GPTConfig), gpt_docs(), GPTConfig()
+    rows = [("name", str, spec(preset, "preset name (for records; the sizes below are what counts)"))]
+    for key, name in names.items():
+        t, value = (hints[name] | None, None) if name in FOLLOWS else (hints[name], getattr(default, name))
+        rows.append((key, t, field(default=value, metadata={"doc": docs[name], "gpt": name})))
+    return dataclasses.make_dataclass(cls_name, rows[preset is None :], namespace={"__module__": __name__})
 
 
-def flash_head_dim_range() -> tuple[int, int]:
-    """(min, max) head dim of our Triton kernel: ``kernels.flash_attn.MIN_HEAD_DIM/MAX_HEAD_DIM``."""
-    from kernels.flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM
-
-    return MIN_HEAD_DIM, MAX_HEAD_DIM
-
-
-@dataclass
-class ModelConfig:
-    """``model=tiny|gpt2|gpt2-medium|gpt2-large|gpt2-xl``: GPT-2 shape (``model.gpt.PRESETS``)."""
-
-    name: str = spec("gpt2", "preset name (for records; the sizes below are what counts)")
-    n_layer: int = spec(12, "transformer blocks", POS_INT, 12)
-    n_head: int = spec(12, "attention heads per block; head dim = n_embd / n_head", POS_INT, 12)
-    n_embd: int = spec(768, "model width (d_model)", POS_INT, 768)
-    dropout: float = spec(0.0, "residual and embedding dropout probability", UNIT, 0.0)
-    attn_dropout: float = spec(
-        0.0, "dropout on the attention probabilities in training (every backend)", UNIT, 0.1
-    )
-    bias: bool = spec(True, "biases in Linear layers and LayerNorms (GPT-2: true)", BOOL)
-    block_size: int | None = spec(None, "position-embedding length; null = seq_len", POS_INT, 1024)
-    vocab_size: int | None = spec(
-        None, "token ids; null = the tokenizer's vocab rounded up to 64", POS_INT, 50304
-    )
-    n_kv_head: int | None = spec(
-        None, "key/value heads (grouped-query attention), dividing n_head; null = n_head", POS_INT, 1
-    )
-    pos_emb: str = spec(
-        "learned", "positions: learned (GPT-2's wpe) | rope (rotary q and k)", ("learned", "rope")
-    )
-    rope_theta: float = spec(10000.0, "RoPE's base (model.pos_emb=rope), > 0", FINITE, 10000.0)
-    qk_norm: bool = spec(False, "RMSNorm of each head's q and k before the scores (learned scale)", BOOL)
-
-    @staticmethod
-    def validate(cfg) -> None:
-        """n_embd divisible by n_head (hints: widths and head counts that work), the flash kernel's head-dim
-        range, seq_len <= an explicit block_size."""
-        m, seq_len, attn = cfg.model, cfg.seq_len, cfg.attention.name
-        n_head, n_embd = m.n_head, m.n_embd
-        lo, hi = flash_head_dim_range()  # smaller heads are no use to any backend, and flash refuses them
-        if n_embd % n_head:
-            heads = _head_counts(n_embd, n_head, lo, hi if attn == "flash" else None)[:3]
-            embds = " or ".join(f"model.n_embd={e}" for e in _embd_near(n_embd, n_head, lo))
-            by_head = ", ".join(f"model.n_head={h}" for h in heads)
-            by_head = f" or a model.n_head dividing it: {by_head}" if heads else ""
-            raise ConfigError(
-                f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use {embds}{by_head}"
-            )
-        head_dim = n_embd // n_head
-        _check_ablations(m, head_dim)
-        if m.block_size is not None and seq_len > m.block_size:
-            raise ConfigError(
-                f"seq_len={seq_len} is larger than model.block_size={m.block_size}; "
-                f"use seq_len={m.block_size} (or smaller), "
-                f"or model.block_size={seq_len} (or model.block_size=null to follow seq_len)"
-            )
-        if attn == "flash" and not lo <= head_dim <= hi:
-            heads = _head_counts(n_embd, n_embd // 64 or 1, lo, hi)  # closest to head dim 64 first
-            change = (
-                f"change model.n_head (e.g. model.n_head={heads[0]}: head dim {n_embd // heads[0]})"
-                if heads
-                else f"change the model width (e.g. model.n_embd={64 * n_head}: head dim 64)"
-            )
-            raise ConfigError(
-                f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
-                f"{n_head} gives {head_dim}; {change} or use attention=sdpa"
-            )
-
-
-def _check_ablations(m, head_dim: int) -> None:
-    """model.n_kv_head divides model.n_head; RoPE needs an even head dim and rope_theta > 0."""
-    if m.n_kv_head is not None and m.n_head % m.n_kv_head:
-        ok = ", ".join(f"model.n_kv_head={h}" for h in range(1, m.n_head + 1) if m.n_head % h == 0)
-        raise ConfigError(f"model.n_kv_head={m.n_kv_head} does not divide model.n_head={m.n_head}; use {ok}")
-    if m.pos_emb == "rope" and head_dim % 2:
-        raise ConfigError(
-            f"model.pos_emb=rope needs an even head dim, but model.n_embd={m.n_embd} / "
-            f"model.n_head={m.n_head} gives {head_dim}; change model.n_head or use model.pos_emb=learned"
-        )
-    if not m.rope_theta > 0:
-        raise ConfigError(f"model.rope_theta={m.rope_theta} must be > 0, e.g. model.rope_theta=10000")
-
-
-def _head_counts(n_embd: int, near: int, lo: int, hi: int | None = None) -> list[int]:
-    """Values of model.n_head that divide ``n_embd`` with a head dim in [lo, hi], closest to ``near``
-    first (ties: the larger head dim)."""
-    ok = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and lo <= n_embd // h <= (hi or n_embd)]
-    return sorted(ok, key=lambda h: (abs(h - near), h))
-
-
-def _embd_near(n_embd: int, n_head: int, lo: int) -> list[int]:
-    """Multiples of ``n_head`` next to ``n_embd`` whose head dim is at least ``lo`` (model.n_embd fixes)."""
-    below = (n_embd // n_head) * n_head
-    picks = [c for c in (below, below + n_head) if c // n_head >= lo]
-    return picks or [lo * n_head]
+#: ``attention=naive|sdpa|flash`` (configs/attention/): ``name`` is GPTConfig's ``attention``.
+AttentionConfig = _group_of_gpt("AttentionConfig", {k: f for f, k in ATTENTION_KEYS.items()})
+#: ``model=<preset>``: GPT-2's shape (``model.config.PRESETS``, stored here as ``model/<name>``).
+ModelConfig = _group_of_gpt(
+    "ModelConfig",
+    {f.name: f.name for f in dataclasses.fields(GPTConfig) if f.name not in (*ATTENTION_KEYS, *NOT_KEYS)},
+    "gpt2",
+)
 
 
 @dataclass
@@ -218,16 +81,6 @@ class DataConfig:
         "null | the string between documents, e.g. '\\n\\n' (escapes "
         "understood); prepare records the documents",
     )
-
-    @staticmethod
-    def validate(cfg) -> None:
-        """data.doc_separator: null or a non-empty string."""
-        sep = cfg.data.doc_separator
-        if sep is not None and not sep:
-            raise ConfigError(
-                f"data.doc_separator={sep!r} must be null or a non-empty string, e.g. "
-                "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)"
-            )
 
 
 @dataclass
@@ -248,16 +101,6 @@ class OptimConfig:
         None, "cosine decay length in optimizer steps; null = max_steps", POS_INT, 1000
     )
 
-    @staticmethod
-    def validate(cfg) -> None:
-        """0 <= min_lr <= lr and lr > 0."""
-        o = cfg.optim
-        if not o.lr > 0 or not 0 <= o.min_lr <= o.lr:
-            raise ConfigError(
-                f"optim.lr={o.lr} / optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0, "
-                "e.g. optim.lr=6e-4 optim.min_lr=6e-5"
-            )
-
 
 @dataclass
 class BatchConfig:
@@ -275,123 +118,6 @@ class BatchConfig:
     micro_batch_size: int | None = spec(
         None, "sequences per forward/backward on one rank (wins over micro_tokens)", POS_INT, 8
     )
-
-    @staticmethod
-    def split(cfg, world_size: int) -> tuple[int, int, list[str]]:
-        """(micro_batch_size, grad_accum, notes) of one rank for ``world_size`` ranks.
-
-        A token budget per micro-batch (``micro_tokens``), so every seq_len runs without a batch override;
-        never more than one rank's share of the step, at least one sequence.
-
-        Raises:
-            ConfigError: micro_tokens not a multiple of seq_len, both sizes null, or tokens_per_step not a
-                multiple of micro_batch_size x seq_len x world_size (the hint names the key the user set).
-        """
-        b, seq_len = cfg.batch, cfg.seq_len
-        tokens_per_step = b.tokens_per_step
-        if b.micro_batch_size is not None:
-            micro_batch_size = b.micro_batch_size
-        elif b.micro_tokens is not None:
-            if b.micro_tokens > seq_len and b.micro_tokens % seq_len:
-                raise ConfigError(
-                    f"batch.micro_tokens={b.micro_tokens} must be a multiple of seq_len={seq_len}, or at "
-                    f"most seq_len (one sequence per micro-batch); use "
-                    f"{_whole_micro_tokens(cfg, world_size)}"
-                )
-            budget = min(b.micro_tokens, max(1, tokens_per_step // world_size))
-            micro_batch_size = max(1, budget // seq_len)
-        else:
-            raise ConfigError(
-                "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_tokens=32768 "
-                "(tokens per micro-batch) or batch.micro_batch_size=8 (sequences)"
-            )
-        notes = []
-        if b.micro_batch_size is not None and b.micro_tokens is not None:
-            notes.append(
-                f"note: batch.micro_batch_size={micro_batch_size} is set, so batch.micro_tokens="
-                f"{b.micro_tokens} is not used (batch.micro_batch_size=null uses the token budget)"
-            )
-        per_micro = micro_batch_size * seq_len * world_size
-        if tokens_per_step % per_micro:
-            per_seq = seq_len * world_size
-            fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
-            if not fits and per_micro > tokens_per_step:
-                smaller = "a shorter seq_len"  # one sequence per rank is already more than the step
-            elif not fits:
-                smaller = "a smaller batch.micro_batch_size"
-            elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
-                smaller = f"batch.micro_tokens={fits[0] * seq_len}"
-            else:
-                smaller = f"batch.micro_batch_size={fits[0]}"
-            if b.micro_batch_size is None:  # token budget: the micro-batch follows tokens_per_step
-
-                def splits(t: int) -> bool:
-                    m = max(1, min(b.micro_tokens, max(1, t // world_size)) // seq_len)
-                    return t % (m * per_seq) == 0
-
-                near = [t for t in _multiples_around(tokens_per_step, per_seq) if splits(t)][:2]
-                capped = " (capped at one rank's share of the step)" if b.micro_tokens > budget else ""
-                raise ConfigError(
-                    f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
-                    f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
-                    f"sequence{'' if micro_batch_size == 1 else 's'} of seq_len={seq_len} per micro-batch "
-                    f"x world_size({world_size}) = "
-                    f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near)))}"
-                    + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
-                )
-            raise ConfigError(
-                f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
-                f"micro_batch_size({micro_batch_size}) "
-                f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
-                f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
-            )
-        return micro_batch_size, tokens_per_step // per_micro, notes
-
-
-def _splits(cfg, world_size: int, **batch) -> bool:
-    """Whether ``BatchConfig.split`` accepts cfg's batch keys with ``batch`` changed."""
-    from types import SimpleNamespace
-
-    b = cfg.batch
-    keys = ("tokens_per_step", "micro_tokens", "micro_batch_size")
-    changed = SimpleNamespace(**{k: batch.get(k, getattr(b, k)) for k in keys})
-    try:
-        BatchConfig.split(SimpleNamespace(batch=changed, seq_len=cfg.seq_len), world_size)
-    except ConfigError:
-        return False
-    return True
-
-
-def _whole_micro_tokens(cfg, world_size: int) -> str:
-    """The fix for a batch.micro_tokens that is not a multiple of seq_len, as overrides that pass the
-    batch checks as typed: the largest multiple below it, with a tokens_per_step near the current one
-    when the current one does not split into it."""
-    b, seq_len = cfg.batch, cfg.seq_len
-    micro = max(seq_len, (b.micro_tokens // seq_len) * seq_len)
-    fix = f"batch.micro_tokens={micro}"
-    if _splits(cfg, world_size, micro_tokens=micro):
-        return fix
-    near = [
-        t
-        for t in _multiples_around(b.tokens_per_step, seq_len * world_size)
-        if _splits(cfg, world_size, micro_tokens=micro, tokens_per_step=t)
-    ]
-    return (
-        f"{fix} batch.tokens_per_step={near[0]}" if near else f"{fix} and a batch.tokens_per_step it divides"
-    )
-
-
-def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
-    """Positive multiples of ``unit``, nearest to ``n`` first (ties: the smaller first)."""
-    lo = (n // unit) * unit
-    cands = {lo - k * unit for k in range(count)} | {lo + (k + 1) * unit for k in range(count)}
-    return sorted((c for c in cands if c > 0), key=lambda c: (abs(c - n), c))
-
-
-def _multiples_near(n: int, unit: int) -> str:
-    lo = (n // unit) * unit
-    hi = lo + unit
-    return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
 
 
 @dataclass
@@ -474,18 +200,6 @@ class WandbConfig:
     name: str | None = spec(None, "null: the run folder's name (time, backend, seq_len)")
     tags: list[str] = spec([], "W&B tags")
 
-    @staticmethod
-    def validate(cfg) -> None:
-        """wandb.mode=online needs a W&B login."""
-        if cfg.wandb.mode == "online":
-            from trainer.metrics import wandb_logged_in
-
-            if not wandb_logged_in():
-                raise ConfigError(
-                    "wandb.mode=online but no W&B API key is configured; run `wandb login` (or set "
-                    "WANDB_API_KEY), or use wandb.mode=auto (online when logged in, else offline) or offline"
-                )
-
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 PARALLEL_MODES = ("ddp", "fsdp")
@@ -549,35 +263,113 @@ class TrainConfig:
     out_dir: str = spec("runs/run", "run directory (= Hydra's run dir); resume=true: the run to continue")
 
 
-def validate(cfg) -> None:
-    """All static checks of a composed train.py config, before any data, model or GPU work.
+def typed(cfg) -> TrainConfig:
+    """The composed config as a ``TrainConfig``, interpolations resolved; a key outside the schema
+    (``+typo=1``, which gets past OmegaConf) is a ConfigError. A TrainConfig is returned as it is."""
+    from omegaconf import OmegaConf, open_dict
 
-    Order: every field's type/range/choice check (``spec``), then each group's ``validate`` (backend
-    names, masks, model shape, lr pair, doc separator, W&B login).
+    if isinstance(cfg, TrainConfig):
+        return cfg
+    check_known(cfg, TrainConfig)
+    if "hydra" in cfg:  # an experiment's hydra.sweep settings: Hydra's, not the run's
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+    return OmegaConf.to_object(cfg)
+
+
+def gpt_config_for(cfg, vocab_size: int | None = None, doc_separator_ids=None) -> GPTConfig:
+    """The run's ``GPTConfig`` from its ``model.*`` and ``attention.*`` keys (fields of metadata ``gpt``),
+    ``model.block_size`` (null: ``seq_len``) and ``vocab_size`` (null: ``model.vocab_size``, else GPT-2's
+    padded 50304 until the data are known).
+
+    Raises:
+        ValueError: GPTConfig's check, naming the key.
+    """
+    args = {"doc_separator_ids": doc_separator_ids}
+    for schema, group in ((ModelConfig, cfg.model), (AttentionConfig, cfg.attention)):
+        args.update(
+            {f.metadata["gpt"]: getattr(group, f.name) for f in fields(schema) if "gpt" in f.metadata}
+        )
+    if args["block_size"] is None:
+        args["block_size"] = cfg.seq_len
+    args["vocab_size"] = vocab_size or args["vocab_size"] or GPTConfig.vocab_size
+    return GPTConfig(**args)
+
+
+def validate(cfg) -> tuple[TrainConfig, GPTConfig]:
+    """All static checks of a composed train.py config, once, before any data, model or GPU work; no I/O.
+
+    Order: keys outside the schema, every field's ``spec`` check, the model (``GPTConfig``: shapes,
+    backends, masks), then the rules between keys.
+
+    Returns:
+        The typed config and its GPTConfig (vocab_size provisional until the data are read).
 
     Raises:
         ConfigError: naming the key and a valid value.
     """
-    from trainer.config_errors import unknown_key
+    t = typed(cfg)
+    check_fields(t, TrainConfig)
+    try:
+        gpt = gpt_config_for(t)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    m, a, d, o, p = t.model, t.attention, t.data, t.optim, t.perf
+    if m.block_size is not None and t.seq_len > m.block_size:
+        raise ConfigError(
+            f"seq_len={t.seq_len} is larger than model.block_size={m.block_size}; use seq_len={m.block_size} "
+            f"(or smaller), or model.block_size={t.seq_len} (or model.block_size=null to follow seq_len)"
+        )
+    if d.doc_separator is not None and not d.doc_separator:
+        raise ConfigError(
+            f"data.doc_separator={d.doc_separator!r} must be null or a non-empty string, e.g. "
+            "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)"
+        )
+    if a.document_mask and d.doc_separator is None:
+        raise ConfigError(
+            "attention.document_mask=true needs documents: set data.doc_separator (e.g. "
+            "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
+            "or attention.document_mask=false"
+        )
+    if not o.lr > 0 or not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(
+            f"optim.lr={o.lr} / optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0, "
+            "e.g. optim.lr=6e-4 optim.min_lr=6e-5"
+        )
+    if p.trace and not p.profile_steps:
+        raise ConfigError(
+            "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none; "
+            "set perf.profile_steps=3 (for example) or perf.trace=false"
+        )
+    PerfConfig.peak(t)
+    return t, gpt
 
-    check_fields(cfg, TrainConfig, ignore={"hydra"}, unknown=unknown_key)
-    for group in (AttentionConfig, ModelConfig, DataConfig, OptimConfig, WandbConfig):
-        group.validate(cfg)
 
-
-def typed(cfg) -> TrainConfig:
-    """A validated config as a ``TrainConfig`` instance, interpolations resolved (``OmegaConf.to_object``):
-    what the trainer reads after ``loop.run`` has checked it. A TrainConfig is returned as it is."""
-    from omegaconf import OmegaConf
-
-    return cfg if isinstance(cfg, TrainConfig) else OmegaConf.to_object(cfg)
+def notes(cfg: TrainConfig) -> list[str]:
+    """What a valid config's keys do not do, for the start-up report."""
+    b, a, out = cfg.batch, cfg.attention, []
+    if b.micro_batch_size is not None and b.micro_tokens is not None:
+        out.append(
+            f"note: batch.micro_batch_size={b.micro_batch_size} is set, so batch.micro_tokens="
+            f"{b.micro_tokens} is not used (batch.micro_batch_size=null uses the token budget)"
+        )
+    if a.name != "sdpa" and a.sdpa_backend != "auto":
+        out.append(
+            f"note: attention.sdpa_backend={a.sdpa_backend} applies to attention=sdpa only; "
+            f"attention={a.name} does not use it"
+        )
+    if a.window is not None and a.window >= cfg.seq_len:
+        out.append(
+            f"note: attention.window={a.window} >= seq_len={cfg.seq_len}: every token sees all earlier "
+            "ones, the same as attention.window=null (full causal)"
+        )
+    return out
 
 
 def to_dict(cfg) -> dict:
     """A config (``TrainConfig`` or DictConfig) as plain, resolved dicts and lists: for the records
     (config.resolved.yaml, checkpoints, the W&B config)."""
-    import dataclasses
-
     from omegaconf import OmegaConf
 
     if dataclasses.is_dataclass(cfg):
@@ -585,24 +377,9 @@ def to_dict(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def field_docs(schema: type = TrainConfig, prefix: str = "") -> dict[str, str]:
-    """``{"batch.tokens_per_step": "tokens per optimizer step ...", ...}``: every key's one-line doc."""
-    out = {}
-    for f in fields(schema):
-        sub = dataclass_type(f)
-        if sub is not None:
-            out.update(field_docs(sub, prefix + f.name + "."))
-        else:
-            out[prefix + f.name] = f.metadata.get("doc", "")
-    return out
-
-
-# ------------------------------------------------------------------------------------------ store
 def register() -> None:
-    """Store the schema (``flashgpt_schema``) and the model presets (``model/<name>`` from
-    ``model.gpt.PRESETS``) in Hydra's ConfigStore. Idempotent; called on import of this module."""
-    from model.gpt import PRESETS
-
+    """Store the schema (``flashgpt_schema``) and the model presets (``model/<name>``) in Hydra's
+    ConfigStore. Idempotent; called on import of this module."""
     cs = ConfigStore.instance()
     cs.store(name="flashgpt_schema", node=TrainConfig)
     for name, sizes in PRESETS.items():
@@ -615,5 +392,5 @@ if __name__ == "__main__":  # python -m trainer.config: every key, its default a
     from omegaconf import OmegaConf
 
     _defaults = OmegaConf.structured(TrainConfig)
-    for _key, _doc in field_docs().items():
+    for _key, _doc in field_docs(TrainConfig).items():
         print(f"{_key} = {fmt(OmegaConf.select(_defaults, _key))}    # {_doc}")

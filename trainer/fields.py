@@ -1,126 +1,178 @@
-"""Declared checks of config fields (used by trainer/config.py's dataclasses) and ``ConfigError``.
+"""Config fields that carry their doc and check, and every config mistake worded the same way.
 
-``spec(default, doc, check, example)`` makes a dataclass field that carries its one-line doc and a check;
-``check_fields`` applies the checks of a whole (nested) schema to a composed config and ``problem_with``
-words one failure: the key, the bad value and a valid value, as every config error of the trainer does.
+``spec(default, doc, check, example)`` makes a dataclass field of a schema (trainer/config.py,
+trainer/infer_config.py); ``check_fields`` applies the checks of a whole schema to a config;
+``config_error_from`` turns an OmegaConf/Hydra composition error into the same ``ConfigError``: the key,
+the bad value and a valid value (the words of ``model.config.problem_with``). Fields made from
+``GPTConfig`` (metadata ``gpt``) are checked by GPTConfig itself, once.
 """
 
 from __future__ import annotations
 
-import math
+import difflib
 from dataclasses import MISSING, field, fields, is_dataclass
+
+from model.config import (
+    BOOL,
+    FINITE,
+    NONNEG,
+    NONNEG_INT,
+    OPEN_UNIT,
+    POS_INT,
+    UNIT,
+    fmt,
+    problem,
+    problem_with,
+)
+
+__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "UNIT", "ConfigError", "fmt"]
 
 
 class ConfigError(Exception):
     """A mistake in the run's config or inputs. ``str(err)`` names the key and a valid value (the fix)."""
 
 
-# ------------------------------------------------------------------------------------------ field specs
-POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
-OPEN_UNIT = "(0,1)"  # strictly between 0 and 1 (a share that must leave something on both sides)
-
-_WHAT = {
-    POS_INT: "must be a positive integer",
-    NONNEG_INT: "must be a non-negative integer",
-    FINITE: "is not a finite number",
-    NONNEG: "must be >= 0",
-    UNIT: "must be in [0, 1)",
-    OPEN_UNIT: "must be in (0, 1), strictly",
-}
-
-
 def spec(default, doc: str, check=None, example=None):
-    """A dataclass field with its one-line ``doc`` and its value check.
-
-    Args:
-        default: the default value (a list is copied per instance).
-        doc: one line: what the key does, its unit, what null means.
-        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | OPEN_UNIT | BOOL, or a tuple of the valid
-            values, or None.
-        example: a valid value for error messages (default: ``default``).
-    """
+    """A dataclass field with its one-line ``doc``, its ``check`` (``model.config.problem_with``) and a
+    valid ``example`` for the messages (default: ``default``); a list default is copied per instance."""
     kw = {"default_factory": lambda: list(default)} if isinstance(default, list) else {"default": default}
     example = default if example is None else example
     return field(**kw, metadata={"doc": doc, "check": check, "example": example})
 
 
-def fmt(v) -> str:
-    """A value as typed on the command line (null, true, 6e-04 ...)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return str(v)
+def field_problem(f, key: str, value) -> str | None:
+    """Why ``value`` cannot be field ``f`` (at ``key``), or None."""
+    if "gpt" in f.metadata:
+        return problem(f.metadata["gpt"], value) if value is not None else None
+    check, example = f.metadata.get("check"), f.metadata.get("example")
+    if check is None:  # a check from the type (e.g. ``data.source`` is a string)
+        t = str(f.type)
+        check = BOOL if "bool" in t else FINITE if "float" in t else NONNEG_INT if "int" in t else None
+    return problem_with(key, value, check, example, "None" in str(f.type))
 
 
-def problem_with(key: str, value, check, example, nullable: bool = False) -> str | None:
-    """Why ``value`` fails ``check`` (see ``spec``) as a message naming ``key`` and a valid value, or None.
-    A null value passes (nullable fields are typed ``Optional``; OmegaConf refuses null elsewhere); for
-    those, ``nullable`` says so in the message ("must be null or a positive integer")."""
-    if value is None or check is None:
-        return None
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(check, tuple):
-        if any(value == c and type(value) is type(c) for c in check):  # 1 is not true
-            return None
-        return f"{key}={value!r} is not valid; choose one of: {', '.join(map(fmt, check))}"
-    if check == BOOL:
-        return None if isinstance(value, bool) else f"{key}={value!r} is not valid; choose true or false"
-    if check in (POS_INT, NONNEG_INT):
-        if is_int and (value > 0 if check == POS_INT else value >= 0):
-            return None
-        what = _WHAT[check].replace("must be ", "must be null or ") if nullable else _WHAT[check]
-        return f"{key}={value!r} {what}, e.g. {key}={fmt(example)}"
-    try:
-        x = math.nan if isinstance(value, bool) else float(value)
-    except (TypeError, ValueError):
-        x = math.nan
-    if not math.isfinite(x):
-        return f"{key}={value!r} is not a finite number, e.g. {key}={fmt(example)}"
-    if (
-        (check == NONNEG and x < 0)
-        or (check == UNIT and not 0.0 <= x < 1.0)
-        or (check == OPEN_UNIT and not 0.0 < x < 1.0)
-    ):
-        return f"{key}={value!r} {_WHAT[check]}, e.g. {key}={fmt(example)}"
-    return None
-
-
-def check_fields(node, schema: type, prefix: str = "", *, ignore=frozenset(), unknown=None) -> None:
-    """Apply every field's ``check`` of dataclass ``schema`` to ``node`` (a DictConfig), recursing into
-    nested dataclass fields.
-
-    Args:
-        ignore: keys of ``node`` (at this level) that are not the schema's, e.g. Hydra's ``hydra``.
-        unknown: ``unknown(full_key) -> message`` for a key the schema does not have (Hydra's ``+key=value``
-            gets past OmegaConf); None: a short default message.
+def check_fields(node, schema: type, prefix: str = "") -> None:
+    """Every field check of dataclass ``schema`` on ``node`` (a typed config), nested dataclasses
+    included; GPTConfig's fields are left to GPTConfig.
 
     Raises:
-        ConfigError: the first failing or unknown key, with a valid value.
+        ConfigError: the first failing key, with a valid value.
     """
-    known = {f.name for f in fields(schema)} | set(ignore)
-    extra = [k for k in (node.keys() if hasattr(node, "keys") else ()) if k not in known]
-    if extra:
-        key = prefix + str(extra[0])
-        raise ConfigError(unknown(key) if unknown else f"{key} is not a config key")
     for f in fields(schema):
-        key = prefix + f.name
         value = getattr(node, f.name, None)
         sub = dataclass_type(f)
-        if sub is not None and value is not None:
-            check_fields(value, sub, key + ".", unknown=unknown)
-            continue
-        msg = problem_with(key, value, f.metadata.get("check"), f.metadata.get("example"), is_nullable(f))
-        if msg:
-            raise ConfigError(msg)
+        if sub is not None:
+            check_fields(value, sub, f"{prefix}{f.name}.")
+        elif "gpt" not in f.metadata:
+            msg = f.metadata.get("check") and field_problem(f, prefix + f.name, value)
+            if msg:
+                raise ConfigError(msg)
 
 
-def is_nullable(f) -> bool:
-    """Whether dataclass field ``f`` is typed ``X | None``."""
-    return "None" in str(f.type)
+def check_known(node, schema: type, root: type | None = None, prefix: str = "") -> None:
+    """Refuse a key of ``node`` (a DictConfig) outside ``schema``: Hydra's ``+typo=1`` gets past OmegaConf,
+    and ``OmegaConf.to_object`` would drop it silently (Hydra's own ``hydra`` node is no key of ours)."""
+    names = {f.name: f for f in fields(schema)}
+    for k in node.keys() if hasattr(node, "keys") else ():
+        if k not in names and (prefix or k != "hydra"):
+            raise ConfigError(unknown_key(f"{prefix}{k}", root or schema))
+        sub = dataclass_type(names[k]) if k in names else None
+        if sub is not None and node[k] is not None:
+            check_known(node[k], sub, root or schema, f"{prefix}{k}.")
 
 
 def dataclass_type(f) -> type | None:
     if f.default_factory is not MISSING and is_dataclass(f.default_factory):
         return f.default_factory
     return None
+
+
+def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
+    """``{"batch.tokens_per_step": "tokens per optimizer step ...", ...}``: every key's one-line doc."""
+    out = {}
+    for f in fields(schema):
+        sub = dataclass_type(f)
+        out.update(
+            field_docs(sub, f"{prefix}{f.name}.") if sub else {prefix + f.name: f.metadata.get("doc", "")}
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------ composition errors
+SUGGEST_CUTOFF = 0.75  # difflib ratio a key needs to be offered as "did you mean"
+
+
+def _field_of(key: str, schema: type):
+    f = None
+    for part in key.split("."):
+        if schema is None:
+            return None
+        f = next((x for x in fields(schema) if x.name == part), None)
+        if f is None:
+            return None
+        schema = dataclass_type(f)
+    return f
+
+
+def unknown_key(key: str, schema: type) -> str:
+    """Message for ``key``, which ``schema`` does not have: the closest valid key and those beside it."""
+    parent, _, name = key.rpartition(".")
+    if parent:
+        f = _field_of(parent, schema)
+        schema = dataclass_type(f) if f is not None else None
+    if schema is None:
+        return f"{key} is not a config key (nor is {parent}); `python -m trainer.config` lists the keys"
+    names = [f.name for f in fields(schema)]
+    # only a close match (a letter or two off: temprature, sq_len, bathces, all >= 0.85): difflib's
+    # default cutoff 0.6 suggested dtype for +typo=1 (0.67), a guess that misleads more than it helps
+    close = difflib.get_close_matches(name, names, n=1, cutoff=SUGGEST_CUTOFF)
+    full = [f"{parent}.{n}" if parent else n for n in names]
+    hint = f"did you mean {full[names.index(close[0])]}? " if close else ""
+    where = f"under {parent}" if parent else "at the top level"
+    return f"{key} is not a config key; {hint}valid keys {where}: {', '.join(full)}"
+
+
+def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
+    """The ``ConfigError`` for a Hydra/OmegaConf composition error (walks ``__cause__``), or None when
+    ``exc`` is not one (a bug: let it raise). ``schema``: the dataclass the config was composed on, whose
+    keys the messages name: a wrong type gets the key's check message, an unknown key the valid keys
+    beside it, an unknown group option the options, an unparsable override Hydra's own message."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    e: BaseException | None = exc
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MissingConfigException):
+            return ConfigError(_missing_option(e))
+        if isinstance(e, (ConfigKeyError, ConfigAttributeError, ValidationError)) and getattr(
+            e, "full_key", None
+        ):
+            key = str(e.full_key)
+            if not isinstance(e, ValidationError):
+                return ConfigError(unknown_key(key, schema))
+            f = _field_of(key, schema)
+            msg = field_problem(f, key, e.value) if f is not None else None
+            return ConfigError(msg or f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}")
+        if isinstance(e, OverrideParseException):
+            return ConfigError(
+                f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024; quote a value "
+                "with spaces, non-ASCII or special characters, e.g. \"prompt='héllo, world'\")"
+            )
+        nxt = e.__cause__ or e.__context__
+        if nxt is None and isinstance(e, (ConfigCompositionException, OmegaConfBaseException)):
+            return ConfigError(str(e).splitlines()[0])
+        e = nxt
+    return None
+
+
+def _missing_option(e) -> str:
+    group = str(getattr(e, "missing_cfg_file", None) or "")
+    opts = list(getattr(e, "options", None) or [])
+    if "/" in group and opts:
+        g, _, name = group.rpartition("/")
+        return (
+            f"{g}={name} is not a config of group {g}; choose one of: {', '.join(f'{g}={o}' for o in opts)}"
+        )
+    return str(e).splitlines()[0]

@@ -4,7 +4,7 @@
 ``configs/eval.yaml`` on ``EvalConfig`` (``flashgpt_eval_schema``), so OmegaConf refuses a misspelt key
 (``temprature=0.5``) or a wrong type (``max_new_tokens=abc``) while composing, and ``check_config`` refuses
 a key added with ``+`` (``+typo=1``, which gets past OmegaConf). Both entry points print those as
-``config error: ...`` (``trainer.config_errors.config_error_from`` with this schema), exit 2, no
+``config error: ...`` (``trainer.fields.config_error_from`` with this schema), exit 2, no
 traceback, nothing written. What depends on the checkpoint (seq_len against its block size, the prompt
 against its tokenizer) is checked by the entry points themselves (``trainer.infer.InferError``).
 
@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
-from trainer.fields import BOOL, NONNEG_INT, POS_INT, ConfigError, check_fields, fmt, spec
+from trainer.fields import (
+    BOOL,
+    NONNEG_INT,
+    POS_INT,
+    ConfigError,
+    check_fields,
+    check_known,
+    config_error_from,
+    field_docs,
+    fmt,
+    spec,
+)
 
 __all__ = [
     "ConfigError",
@@ -134,9 +145,8 @@ def check_config(cfg, schema: type) -> None:
     Raises:
         ConfigError: naming the key and a valid value (the closest key for an unknown one).
     """
-    from trainer.config_errors import unknown_key
-
-    check_fields(cfg, schema, ignore={"hydra"}, unknown=lambda key: unknown_key(key, schema))
+    check_known(cfg, schema)
+    check_fields(cfg, schema)
 
 
 _IN_JOB = [False]  # True while sample.py's / eval.py's task function runs (its errors are no config errors)
@@ -158,8 +168,6 @@ def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
     composing on ``schema`` (a misspelt key, a wrong type, an unknown group option, an unparsable
     override) printed as ``config error: ...``, exit status 2, no traceback: train.py's behaviour. Other
     exceptions, and any raised inside the task (``in_job``), are re-raised. Returns the exit status."""
-    from trainer.config_errors import config_error_from
-
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
     try:
         main()
@@ -186,8 +194,6 @@ if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
     import sys
 
     from omegaconf import OmegaConf
-
-    from trainer.config import field_docs
 
     _schema = {"sample": SampleConfig, "eval": EvalConfig}.get(sys.argv[1] if len(sys.argv) > 1 else "sample")
     if _schema is None:
