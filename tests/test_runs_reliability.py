@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_train import (
     REPO,
     copy_run,
@@ -78,7 +80,7 @@ def _assert_one_clean_run(run_dir: Path, max_steps: int) -> dict:
     wb = read_offline_run(run_dir)
     assert wb["run_id"] == s["wandb_run_id"] and len(find_wandb_files(run_dir)) == 1
     assert sorted(h["_step"] for h in wb["history"] if "train/loss" in h) == list(range(1, max_steps + 1))
-    state = ckpt.load_checkpoint(Path(s["last_checkpoint"]))  # a file, or a DCP directory's record
+    state = ckpt.load_checkpoint(Path(s["last_checkpoint"]))
     assert state["wandb_run_id"] == s["wandb_run_id"] and Path(s["last_checkpoint"]).parent.parent == run_dir
     return s
 
@@ -164,7 +166,7 @@ def test_torchrun_ranks_agree_on_rank0s_new_dir(tiny, tmp_path, parallel):
 
 
 def test_save_leaves_a_live_processs_temp_file(tmp_path):
-    """save_checkpoint removes its own and dead processes' temp files, never a live writer's."""
+    """save_checkpoint removes its own and dead processes' temp directories, never a live writer's."""
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -172,13 +174,15 @@ def test_save_leaves_a_live_processs_temp_file(tmp_path):
         d = ckpt.ckpt_dir(tmp_path)
         d.mkdir(parents=True)
         files = {
-            who: d / f".tmp-{pid}-step_00000009.pt"
+            who: d / f".tmp-{pid}-step_00000009"
             for who, pid in (("live", live.pid), ("dead", dead.pid), ("own", os.getpid()))
         }
         for f in files.values():
-            f.write_bytes(b"partial")
-        ckpt.save_checkpoint({"step": 1, "model": {}}, tmp_path, 1, keep=3)
-        assert files["live"].read_bytes() == b"partial"
+            f.mkdir()
+            (f / "__0_0.distcp").write_bytes(b"partial")
+        model = torch.nn.Linear(2, 2)
+        ckpt.save_checkpoint(model, torch.optim.AdamW(model.parameters()), {"step": 1}, tmp_path, 1, keep=3)
+        assert (files["live"] / "__0_0.distcp").read_bytes() == b"partial"
         assert not files["dead"].exists() and not files["own"].exists()
     finally:
         live.kill()
@@ -285,9 +289,9 @@ def test_resume_behind_the_last_logged_step(request, reference_run, tiny, tmp_pa
     last = max(first_losses)
     parent_id = (out / "wandb_run_id.txt").read_text().strip()
     if how == "corrupt":
-        (out / "ckpt" / "step_00000008.pt").write_bytes(b"garbage")
+        (out / "ckpt" / "step_00000008" / ckpt.RECORD).write_bytes(b"garbage")
     elif how == "deleted":
-        (out / "ckpt" / "step_00000008.pt").unlink()
+        shutil.rmtree(out / "ckpt" / "step_00000008")
     k = {"between": 8, "corrupt": 4, "deleted": 4}.get(how) or max(s for s, _ in ckpt.list_checkpoints(out))
     assert last > k
 
@@ -295,8 +299,8 @@ def test_resume_behind_the_last_logged_step(request, reference_run, tiny, tmp_pa
     assert resumed.returncode == 0, describe(resumed)
     why = {
         "between": "no checkpoint was saved after step 8",
-        "corrupt": "step_00000008.pt do not load",
-        "deleted": "step_00000008.pt is missing (deleted)",
+        "corrupt": "step_00000008 do not load",
+        "deleted": "step_00000008 is missing (deleted)",
         "killed": "(status killed) between",
     }[how]
     assert f"replaying steps {k + 1}-{last}: the newest loadable checkpoint is step {k}" in resumed.stdout
