@@ -249,7 +249,7 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
 
 @pytest.mark.slow
 def test_resume_without_metrics_warns_and_forks_wandb(tiny, tmp_path):
-    from trainer.wandb_read import read_offline_run
+    from wandb_offline import read_offline_run
 
     out = tmp_path / "run"
     base = dict(max_steps=8, checkpoint__interval=4, eval__interval=4, wandb__mode="offline")

@@ -32,9 +32,15 @@ from helpers_train import (
     train_command,
     train_losses,
 )
+from wandb_offline import (
+    WandbFileIncomplete,
+    find_wandb_files,
+    read_offline_run,
+    read_wandb_file,
+    wait_run_file_finished,
+)
 
 from trainer import checkpoint as ckpt
-from trainer.wandb_read import find_wandb_files, read_offline_run, read_wandb_file
 
 pytestmark = pytest.mark.slow
 
@@ -405,17 +411,15 @@ def test_wandb_fork_refused_starts_a_linked_run(tmp_path, monkeypatch, capsys):
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_wandb_run_file_is_complete_when_close_returns(tmp_path, monkeypatch, capsys):
-    """RunLogger.close() returns once wandb-core has written the run's .wandb file out. Run.finish() only
+def test_wandb_reader_waits_for_the_run_file_to_be_written_out(tmp_path, monkeypatch):
+    """read_offline_run waits until wandb-core has written the run's .wandb file out. Run.finish() only
     asks wandb-core to close the run's stream and its file's buffered tail (for a short run, all but the
     header) is written when wandb-core gets to that: read right away, the file could hold no run (a flaky
     run_id "" under load). Simulated here: the finished file is held back and written 0.5 s after
-    finish() returns. Bounded: a file that never completes costs WANDB_FILE_WAIT_S and a warning."""
+    finish() returns. Bounded: a file that never completes is an error after ``wait_s``."""
     import threading
 
-    from trainer import metrics
     from trainer.metrics import RunLogger
-    from trainer.wandb_read import wait_run_file_finished
 
     kw = dict(mode="offline", project="flashgpt-tests", entity=None, group="g", name="n", tags=[], config={})
     late_writes: list[threading.Timer] = []
@@ -446,13 +450,12 @@ def test_wandb_run_file_is_complete_when_close_returns(tmp_path, monkeypatch, ca
     log.close()
     wb = read_offline_run(tmp_path / "a")
     assert wb["run_id"] == run_id and [h["_step"] for h in wb["history"]] == [1, 2, 3]
-    assert "has not finished writing" not in capsys.readouterr().out
 
-    monkeypatch.setattr(metrics, "WANDB_FILE_WAIT_S", 0.3)
     log = start(tmp_path / "b", write_back_after=None)
-    t0 = time.monotonic()
     log.close()
+    t0 = time.monotonic()
+    with pytest.raises(WandbFileIncomplete):
+        read_offline_run(tmp_path / "b", wait_s=0.3)
     assert time.monotonic() - t0 < 10
-    assert "warning: W&B has not finished writing" in capsys.readouterr().out
     for t in late_writes:
         t.join()

@@ -1,7 +1,7 @@
 """End-to-end CPU tests of train.py through Hydra (subprocess runs of the tiny model on Tiny Shakespeare).
 
 Each run is a real ``python train.py ...`` process; W&B runs offline where a test reads it back with
-``trainer.wandb_read.read_offline_run`` (no mocking). The uninterrupted reference run (conftest's
+``wandb_offline.read_offline_run`` (tests/) (no mocking). The uninterrupted reference run (conftest's
 ``reference_run``, trained once per session) is shared by the backend-agreement, resume and signal tests.
 """
 
@@ -30,9 +30,9 @@ from helpers_train import (
     train_losses,
     val_losses,
 )
+from wandb_offline import read_offline_run
 
 from trainer import checkpoint as ckpt
-from trainer.wandb_read import read_offline_run
 
 pytestmark = pytest.mark.slow
 

@@ -18,6 +18,14 @@ import pytest
 import torch
 from helpers_train import REPO
 from omegaconf import OmegaConf
+from wandb_offline import (
+    WandbFileError,
+    WandbFileIncomplete,
+    read_offline_run,
+    read_wandb_file,
+    run_file_finished,
+    wait_run_file_finished,
+)
 
 from trainer import checkpoint as ckpt
 from trainer import loop
@@ -27,14 +35,6 @@ from trainer.loop import lr_at
 from trainer.metrics import resolve_wandb_mode
 from trainer.signals import PreemptionHandler
 from trainer.state import RunState
-from trainer.wandb_read import (
-    WandbFileError,
-    WandbFileIncomplete,
-    read_offline_run,
-    read_wandb_file,
-    run_file_finished,
-    wait_run_file_finished,
-)
 
 # ------------------------------------------------------------------------------------------ LR
 
