@@ -170,7 +170,7 @@ def main_reporting_config_errors() -> int:
             discard_refused_sweep()
         return 2
     if _SWEEP_JOBS and all(status == REFUSED for _, status, _ in _SWEEP_JOBS):
-        from trainer.hydra_files import restore_multirun_yaml
+        from trainer.rundir import restore_multirun_yaml
 
         restore_multirun_yaml()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))

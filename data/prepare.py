@@ -409,7 +409,7 @@ def _prepare_into(
     }
     if tokenizer == "char":
         meta["itos"] = tok.itos
-    else:  # what the ids mean: the BPE's name and vocabulary (a resume compares them, trainer/build.py)
+    else:  # what the ids mean: the BPE's name and vocabulary (a resume compares them, trainer/setup.py)
         meta["encoding"] = tok.encoding
         meta["vocab_sha256"] = tok.vocab_sha256()
     if sep_ids is not None:

@@ -48,17 +48,17 @@ def fill_disk(beside: Path) -> None:
 
 
 def install(faults: dict, setattr=setattr) -> None:
-    """Patch ``trainer.loop.Trainer`` with the faults (see the module docstring). In a test's own process
+    """Patch the trainer's functions with the faults (see the module docstring). In a test's own process
     pass ``monkeypatch.setattr`` (the patches end with the test); the SIGKILL faults need a process of
     their own (``helpers_train.run_train``)."""
     import torch
 
-    from trainer.loop import Trainer
+    from trainer import endings, loop
     from trainer.metrics import RunLogger
+    from trainer.state import RunState
 
-    install_disk_faults(faults, Trainer, RunLogger)
-    step_fn, stop_fn, eval_fn = Trainer._train_step, Trainer._stop_requested, Trainer.evaluate
-    finish_fn = Trainer._finish
+    install_disk_faults(faults, RunState, RunLogger, setattr)
+    step_fn, stop_fn, eval_fn, finish_fn = loop.train_step, loop.stop_requested, loop.evaluate, endings.finish
     nan_at, oom_at = faults.get("nan_at_step"), faults.get("raise_oom_at_step")
     kill_at = faults.get("sigkill_at_step")
     step_sleep, eval_sleep = float(faults.get("step_sleep_s", 0)), float(faults.get("eval_sleep_s", 0))
@@ -78,27 +78,28 @@ def install(faults: dict, setattr=setattr) -> None:
             time.sleep(step_sleep)
         return stop_fn(self, handler)
 
-    def evaluate(self):
+    def evaluate(st):
         if eval_sleep:
-            time.sleep(eval_sleep * len(self.eval_batches))
-        return eval_fn(self)
+            time.sleep(eval_sleep * len(st.eval_batches))
+        return eval_fn(st)
 
     def finish(self, status, extra, exit_code):
         if faults.get("sigkill_at_finish"):
             os.kill(os.getpid(), signal.SIGKILL)
         return finish_fn(self, status, extra, exit_code)
 
-    patches = {"_train_step": train_step, "_stop_requested": stop_requested, "evaluate": evaluate}
-    for name, fn in {**patches, "_finish": finish}.items():
-        setattr(Trainer, name, fn)
+    setattr(loop, "train_step", train_step)
+    setattr(loop, "stop_requested", stop_requested)
+    setattr(loop, "evaluate", evaluate)
+    setattr(endings, "finish", finish)
 
 
-def install_disk_faults(faults: dict, Trainer, RunLogger) -> None:
+def install_disk_faults(faults: dict, RunState, RunLogger, setattr=setattr) -> None:
     """The ``fill_disk_*`` faults (see the module docstring)."""
     summary_at = faults.get("fill_disk_before_summary")
     metrics_at = faults.get("fill_disk_before_metrics_at_step")
     log_at = faults.get("fill_disk_before_log_at_step")
-    summary_fn, log_fn, say_fn = RunLogger.set_summary, RunLogger.log, Trainer._say
+    summary_fn, log_fn, say_fn = RunLogger.set_summary, RunLogger.log, RunState.say
     calls = [0]
 
     def set_summary(self, values):
@@ -119,7 +120,9 @@ def install_disk_faults(faults: dict, Trainer, RunLogger) -> None:
             msg = msg + " " * PAD
         return say_fn(self, msg)
 
-    RunLogger.set_summary, RunLogger.log, Trainer._say = set_summary, log, say
+    setattr(RunLogger, "set_summary", set_summary)
+    setattr(RunLogger, "log", log)
+    setattr(RunState, "say", say)
 
 
 if __name__ == "__main__":

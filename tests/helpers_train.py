@@ -148,6 +148,27 @@ def summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def checkpoint_tensors(path: Path, tmp: Path) -> dict:
+    """Every tensor of a checkpoint directory (model and optimizer state), by flattened key: DCP's own
+    conversion to one torch.save file, read back."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp / "flat.pt")
+    out: dict = {}
+
+    def walk(obj, key):
+        if isinstance(obj, torch.Tensor):
+            out[key] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}")
+
+    walk(torch.load(tmp / "flat.pt", weights_only=True), "")
+    (tmp / "flat.pt").unlink()
+    return out
+
+
 def copy_run(src: Path, dst: Path) -> Path:
     """A copy of run directory ``src`` at ``dst`` (lock file included: nobody holds its flock) that a test may
     resume or change; returns ``dst``."""

@@ -22,7 +22,7 @@ from trainer.config import TrainConfig
 WINDOW_PATH = {
     "model/config.py",
     "trainer/config.py",
-    "trainer/build.py",
+    "trainer/setup.py",
     "model/gpt.py",
     "model/attention.py",
     "kernels/flash_attn.py",

@@ -314,23 +314,23 @@ def test_out_dir_hints_are_accepted(tmp_path):
 @pytest.mark.parametrize("value", ["1", "true", "yes", "on", "TRUE", " On "])
 def test_one_interpret_switch_for_kernels_and_trainer(value, monkeypatch):
     from kernels import interpret_enabled
-    from trainer.loop import Trainer
+    from trainer.endings import resume_command
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert interpret_enabled()
     plan = accepted([*TINY, "attention=flash"])  # the trainer lets flash run on the CPU
     assert plan.device_type == "cpu"
     fake = SimpleNamespace(overrides=["attention=flash"], out_dir=Path("runs/x"))
-    assert Trainer.resume_command(fake).startswith(f"TRITON_INTERPRET={value.strip()} python train.py")
+    assert resume_command(fake).startswith(f"TRITON_INTERPRET={value.strip()} python train.py")
 
 
 @pytest.mark.parametrize("value", ["0", "false", "", "no"])
 def test_interpreter_off_for_kernels_and_trainer(value, monkeypatch):
     from kernels import interpret_enabled
-    from trainer.loop import Trainer
+    from trainer.endings import resume_command
 
     monkeypatch.setenv("TRITON_INTERPRET", value)
     assert not interpret_enabled()
     assert "TRITON_INTERPRET=1" in refused([*TINY, "attention=flash"])
     fake = SimpleNamespace(overrides=["attention=flash"], out_dir=Path("runs/x"))
-    assert Trainer.resume_command(fake).startswith("python train.py")
+    assert resume_command(fake).startswith("python train.py")

@@ -135,17 +135,14 @@ def _tiny_dcp_state():
 def test_dcp_save_is_atomic_and_loads_without_a_process_group(tmp_path, seed, monkeypatch):
     """A DCP directory loads into a fresh model and optimizer in one process; a save that fails midway
     leaves the previous checkpoint as it was and no partial step directory; keep prunes directories."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     model, opt = _tiny_dcp_state()
-    msd, osd = get_state_dict(model, opt)
-    path = ckpt.save_dcp_checkpoint(msd, osd, {"step": 1, "rng": []}, tmp_path, 1, keep=2)
-    assert path == ckpt.ckpt_path(tmp_path, 1, dcp=True) and ckpt.is_dcp(path)
-    assert ckpt.load_checkpoint(path)["dcp"] == str(path)
+    path = ckpt.save_checkpoint(model, opt, {"step": 1, "rng": []}, tmp_path, 1, keep=2)
+    assert path == ckpt.ckpt_path(tmp_path, 1) and path.is_dir()
+    assert ckpt.load_checkpoint(path)["path"] == str(path)
 
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    ckpt.load_dcp_into(path, fresh, fresh_opt)
+    ckpt.load_weights(path, fresh, fresh_opt)
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], fresh_opt.state_dict()["state"][0]["exp_avg"])
@@ -155,21 +152,22 @@ def test_dcp_save_is_atomic_and_loads_without_a_process_group(tmp_path, seed, mo
 
     monkeypatch.setattr(ckpt, "atomic_write", broken_write)
     with pytest.raises(OSError, match="No space left"):
-        ckpt.save_dcp_checkpoint(msd, osd, {"step": 2}, tmp_path, 2, keep=2)
+        ckpt.save_checkpoint(model, opt, {"step": 2}, tmp_path, 2, keep=2)
     monkeypatch.undo()
     assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == ["step_00000001"]
     assert not [p for p in ckpt.ckpt_dir(tmp_path).iterdir() if p.name.startswith(".tmp-")]
 
     for s in (2, 3):
-        ckpt.save_dcp_checkpoint(msd, osd, {"step": s}, tmp_path, s, keep=2)
+        ckpt.save_checkpoint(model, opt, {"step": s}, tmp_path, s, keep=2)
     assert [p.name for _, p in ckpt.list_checkpoints(tmp_path)] == ["step_00000003", "step_00000002"]
 
 
 def test_incomplete_dcp_directory_is_skipped(tmp_path):
     """A step directory without DCP's .metadata (a save killed midway by SIGKILL) does not load; the
-    newest loadable checkpoint is the older single file."""
-    ckpt.save_checkpoint({"step": 1, "model": {}}, tmp_path, 1, keep=3)
-    broken = ckpt.ckpt_path(tmp_path, 2, dcp=True)
+    newest loadable checkpoint is the older one."""
+    model, opt = _tiny_dcp_state()
+    ckpt.save_checkpoint(model, opt, {"step": 1}, tmp_path, 1, keep=3)
+    broken = ckpt.ckpt_path(tmp_path, 2)
     broken.mkdir(parents=True)
     (broken / "__0_0.distcp").write_bytes(b"partial")
     warnings: list[str] = []
@@ -195,12 +193,9 @@ def test_two_ranks_match_one_process(tiny, tmp_path, reference, parallel):
     _assert_close(_grad_norms(out), _grad_norms(reference), f"{parallel} train/grad_norm")
     _assert_close(val_losses(out), val_losses(reference), f"{parallel} val/loss")
     names = sorted(p.name for p in (out / "ckpt").iterdir())
-    if parallel == "fsdp":
-        assert names == ["step_00000003", "step_00000006"], names
-        files = sorted(p.name for p in (out / "ckpt" / "step_00000006").iterdir())
-        assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "flashgpt.pt"], files
-    else:
-        assert names == ["step_00000003.pt", "step_00000006.pt"], names
+    assert names == ["step_00000003", "step_00000006"], names
+    files = sorted(p.name for p in (out / "ckpt" / "step_00000006").iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "flashgpt.pt"], files
 
 
 @pytest.mark.slow
@@ -220,7 +215,7 @@ def _truncate_to(src: Path, dst: Path, step: int) -> None:
     shutil.copytree(src, dst)
     for s, p in ckpt.list_checkpoints(dst):
         if s > step:
-            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            shutil.rmtree(p)
     lines = [r for r in read_jsonl(dst) if r["step"] <= step and "status" not in r]
     (dst / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     s = summary(dst)
@@ -235,7 +230,7 @@ def fsdp_first_half(tiny, tmp_path_factory) -> Path:
     first = tmp_path_factory.mktemp("parallel") / "fsdp_first_half"
     proc = run_train(_args(tiny, first, parallel="fsdp", max_steps=3), launcher=TORCHRUN)
     assert proc.returncode == 0, describe(proc)
-    assert ckpt.is_dcp(ckpt.ckpt_path(first, 3, dcp=True))
+    assert ckpt.ckpt_path(first, 3).is_dir()
     return first
 
 
@@ -254,7 +249,7 @@ def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
         _args(tiny, out, parallel=parallel, resume="true"), launcher=TORCHRUN if world == 2 else None
     )
     assert proc.returncode == 0, describe(proc)
-    assert f"resumed from {ckpt.ckpt_path(out, 3, dcp=True)} at step 3" in proc.stdout
+    assert f"resumed from {ckpt.ckpt_path(out, 3)} at step 3" in proc.stdout
     if world == 1:  # no torchrun: one unsharded process, said so; RNG states of 2 ranks for 1
         assert "note: parallel=fsdp with one process" in proc.stdout, proc.stdout
         assert "checkpoint has RNG states of 2 ranks, this run has 1" in proc.stdout
@@ -262,8 +257,8 @@ def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
     assert s["status"] == "ok" and s["steps"] == STEPS and s["world_size"] == world
     _assert_close(train_losses(out), train_losses(reference), f"world {world} train/loss", [4, 5, 6])
     _assert_close(val_losses(out), val_losses(reference), f"world {world} val/loss", [6])
-    final = ckpt.ckpt_path(out, 6, dcp=parallel == "fsdp")
-    assert final.exists() and ckpt.is_dcp(final) == (parallel == "fsdp")
+    final = ckpt.ckpt_path(out, 6)
+    assert final.is_dir()
 
     ev = subprocess.run(
         [sys.executable, str(REPO / "eval.py"), f"run={out}", "write=false"],
@@ -296,7 +291,7 @@ def test_single_file_checkpoint_resumes_into_fsdp(tiny, tmp_path, reference):
     proc = run_train(_args(tiny, out, parallel="fsdp", resume="true"), launcher=TORCHRUN)
     assert proc.returncode == 0, describe(proc)
     _assert_close(train_losses(out), train_losses(reference), "file -> fsdp train/loss", [4, 5, 6])
-    assert ckpt.is_dcp(ckpt.ckpt_path(out, 6, dcp=True))
+    assert ckpt.ckpt_path(out, 6).is_dir()
 
 
 @pytest.mark.slow
@@ -329,7 +324,7 @@ def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_
     k = s["steps"]
     assert 2 <= k < 40 and max(train_losses(out)) == k
     assert [p.name for _, p in ckpt.list_checkpoints(out)] == [f"step_{k:08d}"]
-    assert ckpt.load_checkpoint(ckpt.ckpt_path(out, k, dcp=True))["step"] == k
+    assert ckpt.load_checkpoint(ckpt.ckpt_path(out, k))["step"] == k
     assert not [p for p in (out / "ckpt").iterdir() if p.name.startswith(".tmp-")]
     assert "torchrun --standalone --nproc_per_node=2 train.py" in s["resume_hint"]
     assert stdout.count("SIGTERM: stopped after step") == 1  # rank 0 only

@@ -16,6 +16,7 @@ run and data directories).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +24,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_train import REPO, describe, read_jsonl, run_train, summary, train_env, train_losses
+from helpers_train import (
+    REPO,
+    checkpoint_tensors,
+    describe,
+    read_jsonl,
+    run_train,
+    summary,
+    train_env,
+    train_losses,
+)
 
 from trainer import checkpoint as ckpt
 
@@ -191,13 +201,6 @@ def test_concurrent_train_launches_share_one_prepare(tmp_path, shakespeare_path)
 # ------------------------------------------------------------------------------------------ 3. final ckpt
 
 
-def _tensors(state: dict) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v for k, v in state["model"].items()}
-    for pid, st in state["optimizer"]["state"].items():
-        out.update({f"optim.{pid}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["deleted", "corrupt"])
 def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
@@ -206,12 +209,13 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
     proc = run_train(tiny(out, **base))
     assert proc.returncode == 0, describe(proc)
     final = ckpt.ckpt_path(out, 8)
-    lost = ckpt.load_checkpoint(final)
+    lost = checkpoint_tensors(final, tmp_path)
     losses = train_losses(out)
     if how == "deleted":
-        final.unlink()
+        shutil.rmtree(final)
     else:
-        final.write_bytes(final.read_bytes()[:1000])  # truncated
+        record = final / ckpt.RECORD
+        record.write_bytes(record.read_bytes()[:1000])  # truncated
 
     tool = "eval.py" if how == "deleted" else "sample.py"
     extra = ["batches=1", "batch_size=2"] if tool == "eval.py" else ["max_new_tokens=4", "num_samples=1"]
@@ -231,8 +235,7 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
     assert resumed.returncode == 0, describe(resumed)
     assert "rebuilding it by replaying steps 5-8" in resumed.stdout, describe(resumed)
     assert "already finished" not in resumed.stdout
-    rebuilt = ckpt.load_checkpoint(final)
-    a, b = _tensors(lost), _tensors(rebuilt)
+    a, b = lost, checkpoint_tensors(final, tmp_path)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
     assert train_losses(out) == losses  # the live curve: the same losses, each step once
@@ -246,7 +249,7 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
 
 @pytest.mark.slow
 def test_resume_without_metrics_warns_and_forks_wandb(tiny, tmp_path):
-    from trainer.wandb_read import read_offline_run
+    from wandb_offline import read_offline_run
 
     out = tmp_path / "run"
     base = dict(max_steps=8, checkpoint__interval=4, eval__interval=4, wandb__mode="offline")

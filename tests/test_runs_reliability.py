@@ -14,12 +14,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers_train import (
     REPO,
     copy_run,
@@ -30,9 +32,15 @@ from helpers_train import (
     train_command,
     train_losses,
 )
+from wandb_offline import (
+    WandbFileIncomplete,
+    find_wandb_files,
+    read_offline_run,
+    read_wandb_file,
+    wait_run_file_finished,
+)
 
 from trainer import checkpoint as ckpt
-from trainer.wandb_read import find_wandb_files, read_offline_run, read_wandb_file
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +86,7 @@ def _assert_one_clean_run(run_dir: Path, max_steps: int) -> dict:
     wb = read_offline_run(run_dir)
     assert wb["run_id"] == s["wandb_run_id"] and len(find_wandb_files(run_dir)) == 1
     assert sorted(h["_step"] for h in wb["history"] if "train/loss" in h) == list(range(1, max_steps + 1))
-    state = ckpt.load_checkpoint(Path(s["last_checkpoint"]))  # a file, or a DCP directory's record
+    state = ckpt.load_checkpoint(Path(s["last_checkpoint"]))
     assert state["wandb_run_id"] == s["wandb_run_id"] and Path(s["last_checkpoint"]).parent.parent == run_dir
     return s
 
@@ -164,7 +172,7 @@ def test_torchrun_ranks_agree_on_rank0s_new_dir(tiny, tmp_path, parallel):
 
 
 def test_save_leaves_a_live_processs_temp_file(tmp_path):
-    """save_checkpoint removes its own and dead processes' temp files, never a live writer's."""
+    """save_checkpoint removes its own and dead processes' temp directories, never a live writer's."""
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -172,13 +180,15 @@ def test_save_leaves_a_live_processs_temp_file(tmp_path):
         d = ckpt.ckpt_dir(tmp_path)
         d.mkdir(parents=True)
         files = {
-            who: d / f".tmp-{pid}-step_00000009.pt"
+            who: d / f".tmp-{pid}-step_00000009"
             for who, pid in (("live", live.pid), ("dead", dead.pid), ("own", os.getpid()))
         }
         for f in files.values():
-            f.write_bytes(b"partial")
-        ckpt.save_checkpoint({"step": 1, "model": {}}, tmp_path, 1, keep=3)
-        assert files["live"].read_bytes() == b"partial"
+            f.mkdir()
+            (f / "__0_0.distcp").write_bytes(b"partial")
+        model = torch.nn.Linear(2, 2)
+        ckpt.save_checkpoint(model, torch.optim.AdamW(model.parameters()), {"step": 1}, tmp_path, 1, keep=3)
+        assert (files["live"] / "__0_0.distcp").read_bytes() == b"partial"
         assert not files["dead"].exists() and not files["own"].exists()
     finally:
         live.kill()
@@ -285,9 +295,9 @@ def test_resume_behind_the_last_logged_step(request, reference_run, tiny, tmp_pa
     last = max(first_losses)
     parent_id = (out / "wandb_run_id.txt").read_text().strip()
     if how == "corrupt":
-        (out / "ckpt" / "step_00000008.pt").write_bytes(b"garbage")
+        (out / "ckpt" / "step_00000008" / ckpt.RECORD).write_bytes(b"garbage")
     elif how == "deleted":
-        (out / "ckpt" / "step_00000008.pt").unlink()
+        shutil.rmtree(out / "ckpt" / "step_00000008")
     k = {"between": 8, "corrupt": 4, "deleted": 4}.get(how) or max(s for s, _ in ckpt.list_checkpoints(out))
     assert last > k
 
@@ -295,8 +305,8 @@ def test_resume_behind_the_last_logged_step(request, reference_run, tiny, tmp_pa
     assert resumed.returncode == 0, describe(resumed)
     why = {
         "between": "no checkpoint was saved after step 8",
-        "corrupt": "step_00000008.pt do not load",
-        "deleted": "step_00000008.pt is missing (deleted)",
+        "corrupt": "step_00000008 do not load",
+        "deleted": "step_00000008 is missing (deleted)",
         "killed": "(status killed) between",
     }[how]
     assert f"replaying steps {k + 1}-{last}: the newest loadable checkpoint is step {k}" in resumed.stdout
@@ -401,17 +411,15 @@ def test_wandb_fork_refused_starts_a_linked_run(tmp_path, monkeypatch, capsys):
     assert [r["step"] for r in read_jsonl(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_wandb_run_file_is_complete_when_close_returns(tmp_path, monkeypatch, capsys):
-    """RunLogger.close() returns once wandb-core has written the run's .wandb file out. Run.finish() only
+def test_wandb_reader_waits_for_the_run_file_to_be_written_out(tmp_path, monkeypatch):
+    """read_offline_run waits until wandb-core has written the run's .wandb file out. Run.finish() only
     asks wandb-core to close the run's stream and its file's buffered tail (for a short run, all but the
     header) is written when wandb-core gets to that: read right away, the file could hold no run (a flaky
     run_id "" under load). Simulated here: the finished file is held back and written 0.5 s after
-    finish() returns. Bounded: a file that never completes costs WANDB_FILE_WAIT_S and a warning."""
+    finish() returns. Bounded: a file that never completes is an error after ``wait_s``."""
     import threading
 
-    from trainer import metrics
     from trainer.metrics import RunLogger
-    from trainer.wandb_read import wait_run_file_finished
 
     kw = dict(mode="offline", project="flashgpt-tests", entity=None, group="g", name="n", tags=[], config={})
     late_writes: list[threading.Timer] = []
@@ -442,13 +450,12 @@ def test_wandb_run_file_is_complete_when_close_returns(tmp_path, monkeypatch, ca
     log.close()
     wb = read_offline_run(tmp_path / "a")
     assert wb["run_id"] == run_id and [h["_step"] for h in wb["history"]] == [1, 2, 3]
-    assert "has not finished writing" not in capsys.readouterr().out
 
-    monkeypatch.setattr(metrics, "WANDB_FILE_WAIT_S", 0.3)
     log = start(tmp_path / "b", write_back_after=None)
-    t0 = time.monotonic()
     log.close()
+    t0 = time.monotonic()
+    with pytest.raises(WandbFileIncomplete):
+        read_offline_run(tmp_path / "b", wait_s=0.3)
     assert time.monotonic() - t0 < 10
-    assert "warning: W&B has not finished writing" in capsys.readouterr().out
     for t in late_writes:
         t.join()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from helpers_train import REPO, describe, prepare_char_data, read_jsonl, run_train, tiny_overrides, train_env
 
+from trainer import checkpoint as ckpt
 from trainer.checkpoint import tokenizer_from_checkpoint, tokenizer_record
 
 CHARS = list("\n !,.:;?ABCabc")
@@ -128,9 +129,17 @@ def _run(script: Path, args: list[str], cwd: Path, **env):
     )
 
 
+def _write_checkpoint(src: Path, dst: Path, state: dict) -> None:
+    """A copy of checkpoint directory ``src`` at ``dst`` with ``state`` as its record."""
+    import shutil
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    torch.save({k: v for k, v in state.items() if k != "path"}, dst / ckpt.RECORD)
+
+
 def test_trainer_checkpoint_holds_char_vocabulary(trained):
     run, data = trained
-    state = torch.load(run / "ckpt" / "step_00000006.pt", weights_only=True)
+    state = ckpt.load_checkpoint(run / "ckpt" / "step_00000006")
     assert state["tokenizer"]["itos"] == json.loads((data / "meta.json").read_text())["itos"]
 
 
@@ -142,7 +151,7 @@ def test_sample_end_to_end(trained, tmp_path):
     )
     assert proc.returncode == 0, describe(proc)
     assert "sample 1/2" in proc.stdout and "sample 2/2" in proc.stdout and "ROMEO:" in proc.stdout
-    assert "step_00000006.pt" in proc.stdout  # the newest checkpoint
+    assert "step_00000006" in proc.stdout  # the newest checkpoint
     assert re.search(r"prefill 12 tokens at [\d.]+ tok/s \| decode 58 tokens at [\d.]+ tok/s", proc.stdout)
     (js,) = (run / "samples").glob("*.json")
     rec = json.loads(js.read_text())
@@ -203,19 +212,20 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     """A checkpoint whose data directory is gone still samples (the vocabulary is inside); an older
     checkpoint without it falls back to meta.json, or is a clear error when that is gone too."""
     run, data = trained
-    state = torch.load(run / "ckpt" / "step_00000006.pt", weights_only=True)
+    src = run / "ckpt" / "step_00000006"
+    state = ckpt.load_checkpoint(src)
     state["config"]["data"]["dir"] = str(tmp_path / "gone")
-    torch.save(state, tmp_path / "alone.pt")
-    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'alone.pt'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
+    _write_checkpoint(src, tmp_path / "alone", state)
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'alone'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert len(list(tmp_path.glob("samples/*.txt"))) == 1  # beside the checkpoint: no ckpt/ folder above it
     del state["tokenizer"]["itos"]
-    torch.save(state, tmp_path / "old_gone.pt")
-    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old_gone.pt'}", "max_new_tokens=5"], tmp_path)
+    _write_checkpoint(src, tmp_path / "old_gone", state)
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old_gone'}", "max_new_tokens=5"], tmp_path)
     assert proc.returncode == 2 and "meta.json" in proc.stderr and "not in the checkpoint" in proc.stderr
     state["config"]["data"]["dir"] = str(data)
-    torch.save(state, tmp_path / "old.pt")
-    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old.pt'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
+    _write_checkpoint(src, tmp_path / "old", state)
+    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
     assert proc.returncode == 0, describe(proc)
 
 
@@ -225,7 +235,7 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
         (["run={tmp}/nope"], "no such run directory"),
         (["run={empty}"], "it has no checkpoint (looked in"),
         (["run={empty}"], "ended before its first checkpoint (checkpoint.interval): train anew"),
-        (["ckpt={tmp}/nope.pt"], "no such checkpoint file"),
+        (["ckpt={tmp}/nope"], "no such checkpoint directory"),
         ([], "say which run"),
         (["run={run}", "prompt='héllo'"], "character 'é'"),
         (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
@@ -368,11 +378,10 @@ def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_pat
     (start / "rel").mkdir(parents=True)
     (start / "rel" / "data").symlink_to(data, target_is_directory=True)
     elsewhere.mkdir()
-    (run / "ckpt").mkdir(parents=True)
-    state = torch.load(src / "ckpt" / "step_00000006.pt", weights_only=True)
+    state = ckpt.load_checkpoint(src / "ckpt" / "step_00000006")
     state["config"]["data"]["dir"] = "rel/data"
     del state["tokenizer"]["itos"]  # written before checkpoints held the vocabulary
-    torch.save(state, run / "ckpt" / "step_00000006.pt")
+    _write_checkpoint(src / "ckpt" / "step_00000006", run / "ckpt" / "step_00000006", state)
     saved = yaml.safe_load((src / "config.resolved.yaml").read_text())
     saved["data"]["dir"], saved["derived"]["cwd"] = "rel/data", str(start)
     (run / "config.resolved.yaml").write_text(yaml.safe_dump(saved))

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from helpers_train import (
     REPO,
     TRAIN,
@@ -28,6 +27,7 @@ from helpers_train import (
     val_losses,
 )
 
+from trainer import checkpoint as ckpt
 from trainer.rundir import LOCK_NAME
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
     assert "finishing the current evaluation" in stderr
     s = summary(out)
     assert s["status"] == "interrupted" and s["steps"] == 8 and s["signal"] == "SIGTERM", s
-    assert s["last_checkpoint"].endswith("step_00000008.pt") and Path(s["last_checkpoint"]).is_file()
+    assert s["last_checkpoint"].endswith("step_00000008") and Path(s["last_checkpoint"]).is_dir()
     assert max(train_losses(out)) == 8  # no step after the evaluation
     assert 8 in val_losses(out)  # the evaluation that was running is kept
     assert "resume with:" in stdout and s["resume_hint"] in stdout
@@ -161,8 +161,8 @@ def test_signal_during_first_eval_runs_no_step(tiny, tmp_path):
     s = summary(out)
     assert s["status"] == "interrupted" and s["steps"] == 0, s
     assert train_losses(out) == {} and list(val_losses(out)) == [0]
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000000.pt"]
-    assert torch.load(out / "ckpt" / "step_00000000.pt", weights_only=True)["step"] == 0
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000000"]
+    assert ckpt.load_checkpoint(out / "ckpt" / "step_00000000")["step"] == 0
     assert "resume=true" in stdout
 
 
@@ -181,8 +181,8 @@ def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
     assert "exiting now without a checkpoint" in stderr
     s = summary(out)
     assert s["status"] == "interrupted" and s["exited_at_once"] is True and s["signal"] == "SIGINT", s
-    assert s["last_checkpoint"].endswith("step_00000004.pt")
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004.pt"]
+    assert s["last_checkpoint"].endswith("step_00000004")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004"]
     assert read_jsonl(out)[-1]["status"] == "interrupted"
     assert s["resume_hint"] in stdout
 
@@ -195,7 +195,7 @@ def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
         timeout=300,
     )
     assert resumed.returncode == 0, describe(resumed)
-    assert "resumed from" in resumed.stdout and "step_00000004.pt" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
     assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
 
 
@@ -218,13 +218,13 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny, small_disk):
     assert proc.returncode == 1, describe(proc)
     err = proc.stderr
     assert "Traceback" not in err
-    assert "disk full: checkpoint" in err and "step_00000008.pt needs about" in err and "MiB free" in err
-    assert f"the previous checkpoint {out / 'ckpt' / 'step_00000004.pt'} (step 4) is intact" in err
+    assert "disk full: checkpoint" in err and "step_00000008 needs about" in err and "MiB free" in err
+    assert f"the previous checkpoint {out / 'ckpt' / 'step_00000004'} (step 4) is intact" in err
     s = summary(out)
     assert s["status"] == "disk_full" and s["failed_checkpoint_step"] == 8 and s["steps"] == 8, s
-    assert s["last_checkpoint"].endswith("step_00000004.pt")
-    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004.pt"]  # no temp file left
-    state = torch.load(out / "ckpt" / "step_00000004.pt", weights_only=True)
+    assert s["last_checkpoint"].endswith("step_00000004")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004"]  # no temp file left
+    state = ckpt.load_checkpoint(out / "ckpt" / "step_00000004")
     assert state["step"] == 4
     assert sorted(train_losses(out)) == list(range(1, 9)) and read_jsonl(out)[-1]["status"] == "disk_full"
     assert s["resume_hint"] in err

@@ -518,9 +518,8 @@ def test_resume_hint_names_the_run_with_the_newest_checkpoint(expect_error, tmp_
     at the run directory touched last (a no-op resume of an older run bumps that one's mtime)."""
     monkeypatch.chdir(tmp_path)
     for name, age in (("older", 3000), ("newer", 1000)):
-        f = tmp_path / "runs" / name / "ckpt" / "step_00000008.pt"
-        f.parent.mkdir(parents=True)
-        f.write_bytes(b"x")
+        f = tmp_path / "runs" / name / "ckpt" / "step_00000008"
+        f.mkdir(parents=True)
         t = 1_700_000_000 - age
         os.utime(f, (t, t))
         os.utime(f.parent.parent, (t, t))

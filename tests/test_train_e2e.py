@@ -1,13 +1,14 @@
 """End-to-end CPU tests of train.py through Hydra (subprocess runs of the tiny model on Tiny Shakespeare).
 
 Each run is a real ``python train.py ...`` process; W&B runs offline where a test reads it back with
-``trainer.wandb_read.read_offline_run`` (no mocking). The uninterrupted reference run (conftest's
+``wandb_offline.read_offline_run`` (tests/) (no mocking). The uninterrupted reference run (conftest's
 ``reference_run``, trained once per session) is shared by the backend-agreement, resume and signal tests.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 from helpers_train import (
     REPO,
+    checkpoint_tensors,
     describe,
     read_jsonl,
     run_inprocess,
@@ -28,8 +30,9 @@ from helpers_train import (
     train_losses,
     val_losses,
 )
+from wandb_offline import read_offline_run
 
-from trainer.wandb_read import read_offline_run
+from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +52,8 @@ def test_reference_run_learns_and_logs(reference_run):
     assert (reference_run / ".hydra" / "config.yaml").is_file()
     assert (reference_run / "config.resolved.yaml").is_file()
     assert sorted(p.name for p in (reference_run / "ckpt").iterdir()) == [
-        "step_00000008.pt",
-        "step_00000016.pt",
+        "step_00000008",
+        "step_00000016",
     ]
 
     run = read_offline_run(reference_run)
@@ -101,7 +104,7 @@ def test_stop_and_resume_is_bitwise(reference_run, tiny, tmp_path):
     out = tmp_path / "run"
     first = run_train(tiny(out, max_steps=8))
     assert first.returncode == 0, describe(first)
-    assert summary(out)["last_checkpoint"].endswith("step_00000008.pt")
+    assert summary(out)["last_checkpoint"].endswith("step_00000008")
     second = run_train(tiny(out, max_steps=16, resume=True))
     assert second.returncode == 0, describe(second)
     assert "resumed from" in second.stdout
@@ -144,7 +147,7 @@ def test_sigterm_checkpoints_and_resume_reproduces(reference_run, tiny, tmp_path
     s = summary(out)
     k = s["steps"]
     assert s["status"] == "interrupted" and 3 <= k < 16, s
-    assert f"step_{k:08d}.pt" in s["last_checkpoint"] and Path(s["last_checkpoint"]).is_file()
+    assert f"step_{k:08d}" in s["last_checkpoint"] and Path(s["last_checkpoint"]).is_dir()
     assert "resume=true" in stdout and f"out_dir={out}" in stdout
     first_id = s["wandb_run_id"]
 
@@ -162,11 +165,10 @@ def test_sigterm_checkpoints_and_resume_reproduces(reference_run, tiny, tmp_path
 def test_resume_refuses_shape_and_tokenizer_change_allows_attention(reference_run, tiny, tmp_path, capsys):
     """In-process (compose + trainer.loop.run): refusals name the differing keys; a backend change is
     allowed."""
-    import shutil
 
     out = tmp_path / "run"
     shutil.copytree(reference_run / "ckpt", out / "ckpt")
-    (out / "ckpt" / "step_00000016.pt").unlink()  # resume from step 8
+    shutil.rmtree(out / "ckpt" / "step_00000016")  # resume from step 8
 
     def refused(**extra) -> str:
         outcome = run_inprocess(tiny(out, resume=True, **extra), out)
@@ -194,7 +196,6 @@ def test_resume_refuses_shape_and_tokenizer_change_allows_attention(reference_ru
 def test_resume_refuses_tokenizer_change(reference_run, tiny, tmp_path, capsys, gpt2_bpe):
     """The GPT-2 BPE version of the same text (prepared on demand into its own folder) is refused, naming
     the tokenizer and vocab size; the run's records stay untouched."""
-    import shutil
 
     out = tmp_path / "run"
     shutil.copytree(reference_run / "ckpt", out / "ckpt")
@@ -225,11 +226,12 @@ def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path, capsys, monke
     err = capsys.readouterr().err
     assert (outcome.status, outcome.exit_code) == ("nonfinite", 1), err
     assert "non-finite loss at step 6" in err
-    assert "step_00000004.pt" in err and ".hydra/config.yaml" in err and "nonfinite=skip" in err
+    assert "step_00000004" in err and ".hydra/config.yaml" in err and "nonfinite=skip" in err
     ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
-    assert ckpts == ["step_00000002.pt", "step_00000004.pt"], ckpts
-    state = torch.load(out / "ckpt" / "step_00000004.pt", weights_only=True)
-    assert state["step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+    assert ckpts == ["step_00000002", "step_00000004"], ckpts
+    assert ckpt.load_checkpoint(out / "ckpt" / "step_00000004")["step"] == 4
+    weights = checkpoint_tensors(out / "ckpt" / "step_00000004", tmp_path)
+    assert weights and all(torch.isfinite(v).all() for v in weights.values())
     s = summary(out)
     assert s["status"] == "nonfinite" and s["nonfinite/step"] == 6 and s["steps"] == 5
     assert read_jsonl(out)[-1]["status"] == "nonfinite"
@@ -294,8 +296,8 @@ def test_torchrun_two_gloo_processes(tiny, tmp_path):
     assert s["status"] == "ok" and s["world_size"] == 2 and s["grad_accum"] == 1 and s["steps"] == 4
     losses = train_losses(out)
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
-    assert (out / "ckpt" / "step_00000004.pt").is_file()
-    state = torch.load(out / "ckpt" / "step_00000004.pt", weights_only=True)
+    assert (out / "ckpt" / "step_00000004").is_dir()
+    state = ckpt.load_checkpoint(out / "ckpt" / "step_00000004")
     assert len(state["rng"]) == 2 and state["world_size"] == 2
 
 

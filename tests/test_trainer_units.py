@@ -3,27 +3,22 @@ the offline W&B reader (on files written by an independent writer below), and pa
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
+import shutil
 import signal
 import struct
 import subprocess
 import sys
 import textwrap
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
 from helpers_train import REPO
 from omegaconf import OmegaConf
-
-from trainer import checkpoint as ckpt
-from trainer.gpu_busy import GpuBusy
-from trainer.loop import Trainer, lr_at
-from trainer.metrics import resolve_wandb_mode
-from trainer.signals import PreemptionHandler
-from trainer.wandb_read import (
+from wandb_offline import (
     WandbFileError,
     WandbFileIncomplete,
     read_offline_run,
@@ -31,6 +26,15 @@ from trainer.wandb_read import (
     run_file_finished,
     wait_run_file_finished,
 )
+
+from trainer import checkpoint as ckpt
+from trainer import loop
+from trainer.dist import DistInfo
+from trainer.gpu_busy import GpuBusy
+from trainer.loop import lr_at
+from trainer.metrics import resolve_wandb_mode
+from trainer.signals import PreemptionHandler
+from trainer.state import RunState
 
 # ------------------------------------------------------------------------------------------ LR
 
@@ -53,48 +57,66 @@ def test_lr_schedule_warmup_then_cosine():
 # ------------------------------------------------------------------------------------------ checkpoints
 
 
-def _state(step: int, seed: int) -> dict:
+def _model(step: int, seed: int):
     g = torch.Generator().manual_seed(seed + step)
-    return {"step": step, "model": {"w": torch.randn(16, 16, generator=g)}, "optimizer": {}, "rng": []}
+    model = torch.nn.Linear(16, 16, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(16, 16, generator=g))
+    return model, torch.optim.AdamW(model.parameters())
+
+
+def _save(tmp_path, step: int, seed: int, keep: int):
+    model, opt = _model(step, seed)
+    return ckpt.save_checkpoint(model, opt, {"step": step, "rng": []}, tmp_path, step, keep=keep)
+
+
+def _weights(path, seed: int) -> torch.Tensor:
+    model, opt = _model(999, seed)
+    ckpt.load_weights(path, model, opt)
+    return model.weight.detach()
 
 
 def test_save_keeps_newest_n(tmp_path, seed):
     for step in range(1, 6):
-        ckpt.save_checkpoint(_state(step, seed), tmp_path, step, keep=2)
+        _save(tmp_path, step, seed, keep=2)
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [5, 4]
     path, state = ckpt.load_newest(tmp_path)
-    assert path.name == "step_00000005.pt" and torch.equal(state["model"]["w"], _state(5, seed)["model"]["w"])
+    assert path.name == "step_00000005" and state["step"] == 5 and state["path"] == str(path)
+    assert torch.equal(_weights(path, seed), _model(5, seed)[0].weight.detach())
     assert not list((tmp_path / "ckpt").glob(".*tmp*"))
 
 
 def test_interrupted_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch, seed):
-    ckpt.save_checkpoint(_state(1, seed), tmp_path, 1, keep=3)
-    before = (tmp_path / "ckpt" / "step_00000001.pt").read_bytes()
-    real_save = torch.save
+    """A save that fails after DCP wrote the shards (the record's write: a full disk) leaves no temp
+    directory and the previous checkpoint as it was."""
+    first = _save(tmp_path, 1, seed, keep=3)
+    before = {p.name: p.read_bytes() for p in first.iterdir()}
 
-    def dies_midway(obj, f, *a, **k):
-        real_save(obj, f, *a, **k)
-        f.truncate(f.tell() // 2)  # half a file written, then the disk "fills up"
+    def dies_midway(path, write):
+        with open(path, "wb") as f:
+            f.write(b"half")
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(torch, "save", dies_midway)
+    monkeypatch.setattr(ckpt, "atomic_write", dies_midway)
     with pytest.raises(OSError, match="No space left"):
-        ckpt.save_checkpoint(_state(2, seed), tmp_path, 2, keep=1)
+        _save(tmp_path, 2, seed, keep=1)
     monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001.pt"]  # no temp file left
-    assert (tmp_path / "ckpt" / "step_00000001.pt").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000001"]  # no temp dir left
+    assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     path, state = ckpt.load_newest(tmp_path)
-    assert state["step"] == 1 and torch.equal(state["model"]["w"], _state(1, seed)["model"]["w"])
+    assert state["step"] == 1 and torch.equal(_weights(path, seed), _model(1, seed)[0].weight.detach())
 
 
-def test_load_newest_skips_a_corrupt_file(tmp_path, seed):
-    ckpt.save_checkpoint(_state(3, seed), tmp_path, 3, keep=5)
-    good = (tmp_path / "ckpt" / "step_00000003.pt").read_bytes()
-    (tmp_path / "ckpt" / "step_00000007.pt").write_bytes(good[: len(good) // 3])  # e.g. copied half-way
+def test_load_newest_skips_a_corrupt_checkpoint(tmp_path, seed):
+    good = _save(tmp_path, 3, seed, keep=5)
+    bad = ckpt.ckpt_path(tmp_path, 7)
+    shutil.copytree(good, bad)
+    record = (bad / ckpt.RECORD).read_bytes()
+    (bad / ckpt.RECORD).write_bytes(record[: len(record) // 3])  # e.g. copied half-way
     warnings = []
     path, state = ckpt.load_newest(tmp_path, warn=warnings.append)
-    assert path.name == "step_00000003.pt" and state["step"] == 3
-    assert len(warnings) == 1 and "step_00000007.pt does not load" in warnings[0]
+    assert path.name == "step_00000003" and state["step"] == 3
+    assert len(warnings) == 1 and "step_00000007 does not load" in warnings[0]
     assert ckpt.load_newest(tmp_path / "nothing") == (None, None)
 
 
@@ -318,19 +340,14 @@ def test_wandb_run_file_finished_waits_for_the_exit_record(tmp_path, seed):
 # ------------------------------------------------------------------------------------------ parity
 
 
-def _parity_trainer(model, ref: str) -> Trainer:
-    """A Trainer with just what ``_parity`` uses (CPU, float32), around ``model``."""
-    t = Trainer.__new__(Trainer)
-    t.cfg = OmegaConf.create({"parity": {"reference": ref}, "seq_len": 32})
-    t.device = torch.device("cpu")
-    t.raw_model = model
-    t.autocast = contextlib.nullcontext()
-    t._peak_bytes = 0
-    t.gpu_busy = GpuBusy(0, 0, enabled=False)
+def _parity_state(model, ref: str, monkeypatch) -> RunState:
+    """A RunState with just what ``loop.parity`` uses (CPU, float32), around ``model``."""
+    cfg = OmegaConf.create({"parity": {"reference": ref}, "seq_len": 32})
+    st = RunState(cfg, None, DistInfo(), Path("."), raw_model=model, gpu_busy=GpuBusy(0, 0, enabled=False))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, model.config.vocab_size, (2, 32), generator=g)
-    t._batch = lambda s, micro: (x, torch.roll(x, -1, dims=1))
-    return t
+    monkeypatch.setattr(loop, "batch", lambda st, s, micro: (x, torch.roll(x, -1, dims=1)))
+    return st
 
 
 def test_parity_small_diff_and_skip_on_oom(seed, monkeypatch):
@@ -338,8 +355,8 @@ def test_parity_small_diff_and_skip_on_oom(seed, monkeypatch):
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig(block_size=32, vocab_size=64, n_layer=2, n_head=2, n_embd=32, attention="sdpa"))
-    t = _parity_trainer(model, "naive")
-    out = t._parity(4)
+    t = _parity_state(model, "naive", monkeypatch)
+    out = loop.parity(t, 4)
     assert out["parity/reference"] == "naive" and "parity/skipped" not in out
     assert 0 <= out["parity/loss_abs_diff"] < 1e-5 and 0 <= out["parity/logits_max_abs_diff"] < 1e-4
     assert model.training and model.attention_backend == "sdpa"
@@ -348,7 +365,7 @@ def test_parity_small_diff_and_skip_on_oom(seed, monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
 
     monkeypatch.setattr(model, "use_attention_backend", oom)
-    out = t._parity(8)
+    out = loop.parity(t, 8)
     assert set(out) == {"parity/reference", "parity/skipped"}
     assert out["parity/skipped"].startswith("out of memory in the naive reference at seq_len=32")
     assert model.training and model.attention_backend == "sdpa"
@@ -358,20 +375,20 @@ def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
     """The printed resume command must run as printed: flash on a CPU needs TRITON_INTERPRET=1 too."""
     from types import SimpleNamespace
 
-    from trainer.loop import Trainer
+    from trainer.endings import resume_command
 
     run = SimpleNamespace(
         overrides=["experiment=cpu_tiny", "attention=flash", "resume=false", "out_dir=old"],
         out_dir=tmp_path / "run",
     )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert Trainer.resume_command(run) == (
+    assert resume_command(run) == (
         f"python train.py experiment=cpu_tiny attention=flash resume=true out_dir={tmp_path / 'run'}"
     )
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert Trainer.resume_command(run).startswith("TRITON_INTERPRET=1 python train.py experiment=cpu_tiny")
+    assert resume_command(run).startswith("TRITON_INTERPRET=1 python train.py experiment=cpu_tiny")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert Trainer.resume_command(run).startswith("python train.py")
+    assert resume_command(run).startswith("python train.py")
 
 
 def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
@@ -422,17 +439,17 @@ def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
     assert not rundir.discard_refused_run(unnoted) and (unnoted / ".hydra" / "config.yaml").is_file()
 
 
-def test_take_batch_uses_a_prefetched_batch_once():
+def test_take_batch_uses_a_prefetched_batch_once(monkeypatch):
     """The batch prefetched for (step, micro) is used for exactly that (step, micro), once; anything else
     (a resume, a parity batch, a stop between steps) draws its batch afresh."""
-    t = object.__new__(Trainer)
+    t = RunState(None, None, DistInfo(), Path("."))
     calls = []
-    t._batch = lambda s, m: calls.append((s, m)) or ("fresh", s, m)
-    t._prefetched = ((5, 0), ("prefetched", 5, 0))
-    assert t._take_batch(4, 0) == ("fresh", 4, 0) and t._prefetched is None  # stale: dropped
-    t._prefetched = ((5, 0), ("prefetched", 5, 0))
-    assert t._take_batch(5, 0) == ("prefetched", 5, 0)
-    assert t._take_batch(5, 0) == ("fresh", 5, 0)
+    monkeypatch.setattr(loop, "batch", lambda st, s, m: calls.append((s, m)) or ("fresh", s, m))
+    t.prefetched = ((5, 0), ("prefetched", 5, 0))
+    assert loop.take_batch(t, 4, 0) == ("fresh", 4, 0) and t.prefetched is None  # stale: dropped
+    t.prefetched = ((5, 0), ("prefetched", 5, 0))
+    assert loop.take_batch(t, 5, 0) == ("prefetched", 5, 0)
+    assert loop.take_batch(t, 5, 0) == ("fresh", 5, 0)
     assert calls == [(4, 0), (5, 0)]
 
 
@@ -518,3 +535,34 @@ def test_gpu_busy_window_ends_before_other_work_and_names_its_trace(tmp_path):
     with idle.step(0, 1):
         pass
     assert idle.active
+
+
+def test_trainer_import_graph_has_no_circle():
+    """trainer/ modules import each other without a circle (module- and function-level imports)."""
+    import ast
+
+    graph = {}
+    for path in (REPO / "trainer").glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "trainer":
+                parts = node.module.split(".")
+                deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("trainer.")}
+        graph[path.stem] = deps - {path.stem}
+    done, stack = set(), []
+
+    def visit(m):
+        assert m not in stack, f"import circle: {' -> '.join(stack[stack.index(m) :] + [m])}"
+        if m in done or m not in graph:
+            return
+        stack.append(m)
+        for d in sorted(graph[m]):
+            visit(d)
+        stack.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+    assert {"loop", "setup", "endings", "checkpoint", "rundir", "state"} <= done

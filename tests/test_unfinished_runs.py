@@ -27,8 +27,7 @@ from helpers_train import (
     train_env,
     train_losses,
 )
-
-from trainer.wandb_read import read_offline_run
+from wandb_offline import read_offline_run
 
 pytestmark = pytest.mark.slow
 

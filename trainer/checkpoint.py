@@ -1,256 +1,166 @@
-"""Atomic checkpoints: write a temp file, flush + fsync, rename; keep the newest N; load the newest good one.
+"""Checkpoints: one format, ``torch.distributed.checkpoint`` (DCP), for one process, DDP and FSDP2 alike.
 
-Layout: ``<out_dir>/ckpt/step_00000100.pt`` (``step`` = optimizer steps completed). A save that dies midway
-(crash, full disk, a second signal) leaves at most a ``.tmp-<pid>-step_*.pt`` file, which is never read and
-is removed by a later save once process <pid> is gone (a live process's temp file is left alone); the
-previous checkpoints are untouched because ``os.replace`` is atomic on POSIX.
+``<out_dir>/ckpt/step_00000100/`` (``step`` = optimizer updates completed) holds DCP's shards of the model
+and optimizer (``__<rank>_0.distcp``, ``.metadata``) and ``flashgpt.pt``, rank 0's record of everything
+else (step, RNG states of every rank, config, model_args, tokenizer, W&B id; ``torch.load(weights_only=True)``
+loads it). DCP stores each tensor with its global shape, so a checkpoint saved at one world size loads at
+any other, into a sharded or a plain model, and without a process group (sample.py, eval.py). One file:
+``python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR OUT.pt``.
 
-A checkpoint is a dict saved with ``torch.save`` that loads with ``torch.load(weights_only=True)`` (only
-tensors, numbers, strings, lists, tuples, dicts): model and optimizer state dicts, step, data position,
-RNG states (as tensors), the resolved config and the W&B run id. See ``trainer/loop.py`` for the keys.
-
-``parallel=fsdp`` runs write DCP checkpoints instead (``torch.distributed.checkpoint``): a directory
-``<out_dir>/ckpt/step_00000100/`` where every rank writes its shards of the model and optimizer
-(``__<rank>_0.distcp``), the coordinator (rank 0) DCP's ``.metadata``, and rank 0 ``flashgpt.pt``, the
-record of everything else (step, RNG states of every rank, config, model_args, tokenizer, W&B id: the keys
-of a single-file checkpoint minus ``model`` / ``optimizer``). It is written as ``.tmp-<pid>-step_N/`` and
-renamed when complete (``save_dcp_checkpoint``), so the same guarantees hold. DCP stores each tensor with
-its global shape, so a directory saved at one world size loads at another (``load_dcp_into``), into a
-sharded (FSDP2) or a plain model, and without any process group (sample.py, eval.py, one-process resumes).
-Conversions: single file -> DCP run (a ddp/one-process run resumed with ``parallel=fsdp``: the trainer
-loads the file into the plain model before sharding it, see trainer/build.py) and DCP -> any run or
-inference; a DCP directory can also be turned into one ``torch.save`` file with
-``python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR OUT.pt`` (its keys: ``model``,
-``optimizer``; not a flashgpt single-file checkpoint, whose other keys are in ``flashgpt.pt``).
-
-Checkpoints stand alone for sampling: ``state["tokenizer"]`` (``tokenizer_record``) holds the tokenizer's
-name, vocab size and, for the char tokenizer, its character list ``itos``, so ``tokenizer_from_checkpoint``
-rebuilds the tokenizer without the data directory. Checkpoints written before ``itos`` was stored fall back
-to the ``meta.json`` of the data directory named in their config.
+A save writes ``.tmp-<pid>-step_N/`` and renames it when complete: a save that dies midway (kill -9, a
+full disk) leaves only that temp directory, never read and removed by a later save once <pid> is gone; the
+earlier checkpoints are untouched. The record carries the tokenizer (``tokenizer_record``; the char
+tokenizer's ``itos``), so a checkpoint stands alone for sampling.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from data.prepare import atomic_write
 
 CKPT_DIR_NAME = "ckpt"
-_NAME_RE = re.compile(r"^step_(\d+)\.pt$")
-_DIR_RE = re.compile(r"^step_(\d+)$")
-#: rank 0's record inside a DCP checkpoint directory (step, config, RNG states ...; no tensors of the model)
-DCP_RECORD = "flashgpt.pt"
+RECORD = "flashgpt.pt"  # rank 0's record inside a checkpoint directory
+_NAME_RE = re.compile(r"^step_(\d+)$")
+MIB = float(1 << 20)
 
 
-def ckpt_dir(out_dir: str | os.PathLike) -> Path:
-    """``<out_dir>/ckpt``."""
+def ckpt_dir(out_dir) -> Path:
     return Path(out_dir) / CKPT_DIR_NAME
 
 
-def ckpt_path(out_dir: str | os.PathLike, step: int, dcp: bool = False) -> Path:
-    """Path of the checkpoint for ``step`` completed optimizer steps: ``step_N.pt`` (a file), or the
-    directory ``step_N`` with ``dcp=True``."""
-    return ckpt_dir(out_dir) / (f"step_{step:08d}" if dcp else f"step_{step:08d}.pt")
+def ckpt_path(out_dir, step: int) -> Path:
+    return ckpt_dir(out_dir) / f"step_{step:08d}"
 
 
-def is_dcp(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a DCP checkpoint directory (rather than a single-file checkpoint)."""
-    return Path(path).is_dir()
-
-
-def checkpoint_step(path: str | os.PathLike) -> int | None:
-    """The step in a checkpoint's name (``step_N.pt`` or ``step_N``), or None for another name."""
-    name = Path(path).name
-    m = _NAME_RE.match(name) or _DIR_RE.match(name)
+def checkpoint_step(path) -> int | None:
+    """The step in a checkpoint's name (``step_N``), or None for another name."""
+    m = _NAME_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
 
 
-def list_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
-    """(step, path) of every finished checkpoint in ``<out_dir>/ckpt`` (files ``step_N.pt`` and DCP
-    directories ``step_N``), newest (highest step) first."""
+def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
+    """(step, path) of every finished checkpoint in ``<out_dir>/ckpt``, newest first."""
     d = ckpt_dir(out_dir)
     if not d.is_dir():
         return []
-    found = []
-    for p in d.iterdir():
-        m = _NAME_RE.match(p.name)
-        if m and p.is_file():
-            found.append((int(m.group(1)), p))
-        m = _DIR_RE.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found, reverse=True)
+    found = [(checkpoint_step(p), p) for p in d.iterdir() if p.is_dir()]
+    return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts: EPERM)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
-def _prune(out_dir: str | os.PathLike, keep: int) -> None:
-    """Delete checkpoints beyond the newest ``keep`` and stale temp files / directories."""
-    d = ckpt_dir(out_dir)
+def _stale_temp(path: Path) -> bool:
+    """A temp directory of ours or of a dead process; a live process's is its checkpoint being written."""
+    pid = path.name.split("-")[1] if path.name.count("-") >= 2 else ""
+    return pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid)))
+
+
+def _prune(out_dir, keep: int) -> None:
+    """Delete checkpoints beyond the newest ``keep`` and stale temp directories."""
     for _, old in list_checkpoints(out_dir)[keep:]:
-        _remove(old)
-    for stale in d.glob(".tmp-*-step_*"):  # left by a process killed mid-save
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in ckpt_dir(out_dir).glob(".tmp-*-step_*"):
         if _stale_temp(stale):
-            _remove(stale)
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
+    fd = os.open(d, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
     finally:
         os.close(fd)
 
 
-def save_checkpoint(state: dict, out_dir: str | os.PathLike, step: int, keep: int) -> Path:
-    """Save ``state`` atomically as ``<out_dir>/ckpt/step_{step:08d}.pt`` and keep only the newest ``keep``.
-
-    Algorithm: ``torch.save`` into ``.tmp-<pid>-step_N.pt`` in the same folder, ``flush`` + ``os.fsync``,
-    ``os.replace`` onto the final name, fsync the folder; only then delete checkpoints beyond ``keep``
-    and stale temp files (this process's or a dead process's, never a live writer's). If anything
-    raises before the rename, the temp file is deleted and the error
-    re-raised: existing checkpoints are never touched by a failed save.
-
-    Returns the checkpoint path. Raises whatever torch.save / the filesystem raise (OSError for a full disk).
-    """
-    d = ckpt_dir(out_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    final = ckpt_path(out_dir, step)
-    atomic_write(final, lambda f: torch.save(state, f))
-    _fsync_dir(d)
-    _prune(out_dir, keep)
-    return final
-
-
-def _dist_ready() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
-
-
 @contextlib.contextmanager
-def _quiet_no_dist():
-    """DCP warns that it assumes one process whenever there is no process group, even with
-    ``no_dist=True``: that is the intent here (sample.py, eval.py, one-process runs)."""
-    import warnings
-
+def _no_dist_quiet():
+    """DCP warns that it assumes one process whenever there is no process group: that is the intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or")
         yield
 
 
-def save_dcp_checkpoint(
-    model_state: dict,
-    optim_state: dict,
-    record: dict | None,
-    out_dir: str | os.PathLike,
-    step: int,
-    keep: int,
-) -> Path:
-    """Save a DCP checkpoint ``<out_dir>/ckpt/step_{step:08d}/`` atomically; collective: every rank calls
-    it (with the default process group, or alone without one).
+def _dist() -> bool:
+    return tdist.is_available() and tdist.is_initialized()
 
-    Args:
-        model_state, optim_state: this rank's ``get_state_dict(model, optimizer)`` (DTensor shards under
-            FSDP2, plain tensors otherwise); DCP writes each rank's shards and the coordinator the metadata.
-        record: rank 0's ``flashgpt.pt`` (step, config, RNG states ...); None on the other ranks.
-        keep: newest checkpoints kept (files and directories together).
 
-    Algorithm: rank 0 picks ``.tmp-<its pid>-step_N`` (broadcast), every rank ``dcp.save``s into it (DCP's
-    file writer fsyncs each file; the call returns on every rank only after the coordinator wrote
-    ``.metadata``), rank 0 writes ``flashgpt.pt`` (atomic_write), fsyncs the folder and renames it onto
-    ``step_N`` (an older ``step_N``, e.g. from an abandoned branch, is moved aside first and deleted
-    after), then prunes beyond ``keep``. If anything raises before the rename, rank 0 deletes the temp
-    directory and the error is re-raised: existing checkpoints are never touched by a failed save.
+def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, keep: int) -> Path:
+    """Save ``<out_dir>/ckpt/step_{step:08d}/`` atomically; collective (every rank calls it).
 
-    Returns the final path (on every rank). Raises what DCP / the filesystem raise (DCP raises on every
-    rank when one rank's write fails; rank 0's own errors after it only on rank 0, so the caller must
-    tell the others, as ``Trainer._save`` does).
-    """
-    import torch.distributed.checkpoint as dcp
-
-    ready = _dist_ready()
-    main = not ready or torch.distributed.get_rank() == 0
-    d = ckpt_dir(out_dir)
-    final = ckpt_path(out_dir, step, dcp=True)
-    tmp_name = f".tmp-{os.getpid()}-{final.name}" if main else None
+    Rank 0 picks ``.tmp-<its pid>-step_N`` (broadcast), every rank ``dcp.save``s its shards into it (DCP
+    fsyncs each file and returns once the coordinator wrote ``.metadata``), rank 0 writes ``record`` (None
+    elsewhere), fsyncs, and renames the folder onto ``step_N`` (an older one of an abandoned branch is
+    moved aside first), then prunes beyond ``keep``. A failure before the rename removes the temp folder
+    and re-raises (rank 0's own errors only on rank 0: the caller tells the others)."""
+    main = not _dist() or tdist.get_rank() == 0
+    d, final = ckpt_dir(out_dir), ckpt_path(out_dir, step)
+    tmp_name = f".tmp-{os.getpid()}-{final.name}"
     if main:
         d.mkdir(parents=True, exist_ok=True)
-        _remove(d / tmp_name)
-    if ready:
+        shutil.rmtree(d / tmp_name, ignore_errors=True)
+    if _dist():
         box = [tmp_name]
-        torch.distributed.broadcast_object_list(box, src=0)  # also: the folder exists before anyone writes
+        tdist.broadcast_object_list(box, src=0)  # also: the folder exists before anyone writes
         tmp_name = box[0]
     tmp = d / tmp_name
     try:
-        with _quiet_no_dist():
-            state = {"model": model_state, "optimizer": optim_state}
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=not ready)
+        msd, osd = get_state_dict(model, optimizer)
+        with _no_dist_quiet():
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp), no_dist=not _dist())
+        del msd, osd
         if main:
-            atomic_write(tmp / DCP_RECORD, lambda f: torch.save(record, f))
+            atomic_write(tmp / RECORD, lambda f: torch.save(record, f))
             _fsync_dir(tmp)
-            aside = None
+            aside = d / f".tmp-{os.getpid()}-old-{final.name}"
             if final.exists():
-                aside = d / f".tmp-{os.getpid()}-old-{final.name}"
-                _remove(aside)
                 os.replace(final, aside)
             os.replace(tmp, final)
             _fsync_dir(d)
-            if aside is not None:
-                _remove(aside)
+            shutil.rmtree(aside, ignore_errors=True)
     except BaseException:
         if main:
-            _remove(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     if main:
         _prune(out_dir, keep)
     return final
 
 
-def load_dcp_into(path: str | os.PathLike, model: torch.nn.Module, optimizer=None) -> None:
-    """Load a DCP checkpoint's model (and optimizer) state into ``model`` / ``optimizer`` in place.
-
-    ``model`` may be FSDP2-sharded (each rank reads its shards) or plain (each rank reads the full
-    tensors), at any world size: DCP reshards by global shape. Collective when a process group exists
-    (every rank calls it); without one it reads in this process alone (sample.py, eval.py).
-
-    Args:
-        path: the checkpoint directory (``step_N``).
-        model: the unwrapped model (not a DDP wrapper), already sharded if it is to be.
-        optimizer: its optimizer, or None to load the weights only. A fresh optimizer has no state yet;
-            ``get_state_dict`` initialises it (one step at lr 0) so DCP knows what to read.
-
-    Raises:
-        RuntimeError / CheckpointException (from DCP): missing keys or shapes that do not fit the model.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    no_dist = not _dist_ready()
-    with _quiet_no_dist():
+def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
+    """Load a checkpoint's model (and optimizer) state into ``model`` (sharded or plain, the unwrapped
+    module) in place, at any world size; collective under a process group. A fresh optimizer has no
+    state yet: ``get_state_dict`` initialises it so DCP knows what to read."""
+    no_dist = not _dist()
+    with _no_dist_quiet():
         if optimizer is None:
             msd = get_model_state_dict(model)
             dcp.load({"model": msd}, checkpoint_id=str(path), no_dist=no_dist)
@@ -261,52 +171,152 @@ def load_dcp_into(path: str | os.PathLike, model: torch.nn.Module, optimizer=Non
         set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
 
 
-def _stale_temp(path: Path) -> bool:
-    """True for a temp file of ours or of a dead process (``.tmp-<pid>-...``): a live process's temp
-    file is its checkpoint being written, never ours to delete."""
-    pid = path.name.split("-")[1] if path.name.count("-") >= 2 else ""
-    if not pid.isdigit():
-        return False
-    from trainer.rundir import pid_alive
-
-    return int(pid) == os.getpid() or not pid_alive(int(pid))
-
-
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """``torch.load(path, weights_only=True)``; raises on a truncated/corrupt file (RuntimeError, EOFError,
-    ValueError for a file that is not a flashgpt checkpoint).
-
-    For a DCP directory: its record (``flashgpt.pt``) with ``"dcp"`` set to the directory and no
-    ``"model"`` / ``"optimizer"`` (``load_dcp_into`` reads those); ValueError when the directory lacks
-    DCP's ``.metadata`` or the record (an incomplete save)."""
+def load_checkpoint(path) -> dict:
+    """A checkpoint's record, with ``"path"`` set to its directory. ValueError for an incomplete or
+    foreign directory; torch.load's errors for a corrupt record."""
     p = Path(path)
-    if p.is_dir():
-        if not (p / ".metadata").is_file() or not (p / DCP_RECORD).is_file():
-            raise ValueError(f"{p} is not a complete DCP checkpoint (no .metadata or {DCP_RECORD})")
-        record = torch.load(p / DCP_RECORD, map_location=map_location, weights_only=True)
-        if not isinstance(record, dict) or "step" not in record:
-            raise ValueError(f"{p / DCP_RECORD} is not a flashgpt checkpoint record (no 'step')")
-        return {**record, "dcp": str(p)}
-    state = torch.load(path, map_location=map_location, weights_only=True)
-    if not isinstance(state, dict) or "model" not in state or "step" not in state:
-        raise ValueError(f"{path} is not a flashgpt checkpoint (no 'model'/'step' entries)")
-    return state
+    if not (p / ".metadata").is_file() or not (p / RECORD).is_file():
+        raise ValueError(f"{p} is not a complete checkpoint (no .metadata or {RECORD})")
+    record = torch.load(p / RECORD, map_location="cpu", weights_only=True)
+    if not isinstance(record, dict) or "step" not in record:
+        raise ValueError(f"{p / RECORD} is not a flashgpt checkpoint record (no 'step')")
+    return {**record, "path": str(p)}
 
 
-def load_newest(
-    out_dir: str | os.PathLike, map_location="cpu", warn=print
-) -> tuple[Path | None, dict | None]:
-    """The newest checkpoint of ``out_dir`` that loads, as (path, state); (None, None) if there is none.
-
-    Unloadable files (truncated, corrupt) are skipped with a warning naming them, and the next older one
-    is tried.
-    """
+def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
+    """The newest checkpoint of ``out_dir`` that loads, as (path, record); unloadable ones are skipped
+    with a warning naming them. (None, None) if none loads."""
     for _, path in list_checkpoints(out_dir):
         try:
-            return path, load_checkpoint(path, map_location)
-        except Exception as e:  # noqa: BLE001 - any unreadable file: fall back to an older one
+            return path, load_checkpoint(path)
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: fall back to an older one
             warn(f"warning: checkpoint {path} does not load ({type(e).__name__}: {e}); trying an older one")
     return None, None
+
+
+def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str | None:
+    """How a run's weights newer than its loadable step-``k`` checkpoint were lost, or None: a newer
+    checkpoint that does not load, or summary.json's ``last_checkpoint`` of a higher step that is gone.
+    ``all_newer``: the replay reason's wording (every newer checkpoint named)."""
+    newer = [p for s, p in list_checkpoints(run_dir) if s > k]
+    lc = str(summary.get("last_checkpoint") or "")
+    if newer and all_newer:
+        return f"the newer checkpoint(s) {', '.join(p.name for p in newer)} do not load"
+    if newer:
+        return f"{newer[0].name} does not load"
+    if lc and (checkpoint_step(lc) or -1) > k:
+        return (
+            f"the newest checkpoint {lc} is missing (deleted)"
+            if all_newer
+            else f"{Path(lc).name} is missing (deleted)"
+        )
+    return None
+
+
+# ----------------------------------------------------------------------------------- the trainer's save
+class CheckpointSaveError(Exception):
+    """The checkpoint of ``step`` could not be written; the earlier ones are untouched. ``disk_full``: a
+    full disk or quota; ``need_bytes`` the checkpoint's estimated size, ``free_bytes`` the room left."""
+
+    def __init__(self, message: str, step: int, disk_full: bool, need_bytes: int, free_bytes: int | None):
+        super().__init__(message)
+        self.step, self.disk_full, self.need_bytes, self.free_bytes = step, disk_full, need_bytes, free_bytes
+
+
+def os_error_in(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e``: itself, in its cause/context chain, or in a DCP failure of some rank."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        for inner in (getattr(e, "failures", None) or {}).values():  # DCP's: (exception, traceback)
+            found = os_error_in(inner[0] if isinstance(inner, tuple) else inner)
+            if found is not None:
+                return found
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _nbytes(module_or_opt) -> int:
+    sd = module_or_opt.state_dict()
+    return sum(t.numel() * t.element_size() for t in _tensors(sd))
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
+    """``CheckpointSaveError`` arguments for a failed save of step ``s``: a full disk (or quota) says so,
+    with the checkpoint's size and the free space; anything else gives the error."""
+    try:
+        free: int | None = shutil.disk_usage(target.parent).free
+    except OSError:
+        free = None
+    cause = os_error_in(e)
+    full = (
+        cause.errno in (errno.ENOSPC, errno.EDQUOT)
+        if cause is not None
+        else (free is not None and free < need)
+    )
+    if not full:
+        return f"could not save checkpoint {target}: {_first_line(cause or e)}.", s, False, need, free
+    room = f", and {target.parent} has {free / MIB:.1f} MiB free" if free is not None else ""
+    why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
+    return f"disk full: checkpoint {target} needs about {need / MIB:.1f} MiB{room}{why}.", s, True, need, free
+
+
+def save(st, s: int) -> Path:
+    """The checkpoint after update ``s`` of run ``st`` (a ``trainer.state.RunState``); collective. Every
+    rank returns the path, or every rank raises CheckpointSaveError."""
+    from trainer import config as C
+
+    st.gpu_busy.close()  # a checkpoint is not a training step
+    rngs = [rng_state()]
+    if st.dist.enabled:
+        rngs = [None] * st.dist.world_size
+        tdist.all_gather_object(rngs, rng_state())
+    record = None
+    if st.dist.is_main:
+        record = {
+            "format_version": 2,
+            "step": s,
+            "seed": int(st.cfg.seed),
+            "rng": rngs,
+            "config": C.to_dict(st.cfg),
+            "model_args": dataclasses.asdict(st.gpt_config),
+            "tokenizer": tokenizer_record(st.meta),
+            "attention": st.attention_id(),
+            "wandb_run_id": st.log.wandb_id,
+            "skipped_steps": st.skipped,
+            "world_size": st.dist.world_size,
+            "parallel": st.plan.parallel,
+            "torch_version": str(torch.__version__),
+        }
+    path, problem = None, None
+    try:
+        path = save_checkpoint(st.raw_model, st.optimizer, record, st.out_dir, s, int(st.cfg.checkpoint.keep))
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:
+        need = _nbytes(st.raw_model) + _nbytes(st.optimizer)
+        problem = save_problem(e, ckpt_path(st.out_dir, s), s, need)
+    path, problem = st.broadcast((str(path) if path else None, problem))
+    if problem is not None:  # every rank stops: the run cannot go on without its checkpoints
+        raise CheckpointSaveError(*problem)
+    st.last_ckpt, st.last_ckpt_step = Path(path), s
+    return st.last_ckpt
 
 
 # ------------------------------------------------------------------------------------------- tokenizer

@@ -21,23 +21,15 @@ class InferError(Exception):
 
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
-    """The checkpoint to use, as (path, state, run directory).
-
-    A checkpoint is a file (``step_N.pt``) or a parallel=fsdp run's DCP directory (``step_N``; its
-    ``state`` is the record, with ``state["dcp"]`` the directory, whose weights ``build_model`` reads).
-    ``ckpt_path`` wins when given (its run directory is the folder above its ``ckpt/``, or ``run`` when
-    given); else the newest checkpoint of ``run`` that loads (unloadable ones are skipped with a warning).
-
-    Raises:
-        InferError: neither given, the run directory or checkpoint file does not exist, the file is not
-            a loadable flashgpt checkpoint, or the run has no loadable checkpoint.
-    """
+    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (its run
+    directory is the folder above its ``ckpt/``, or ``run``), else the newest checkpoint of ``run`` that
+    loads (unloadable ones are skipped with a warning). Raises InferError."""
     if ckpt_path:
         p = Path(ckpt_path)
         if not p.exists():
-            raise InferError(f"ckpt={ckpt_path}: no such checkpoint file or DCP directory")
+            raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory")
         try:
-            state = ckpt.load_checkpoint(p, map_location="cpu")
+            state = ckpt.load_checkpoint(p)
         except Exception as e:  # noqa: BLE001 - truncated, corrupt, not ours: all the same to the user
             raise InferError(f"ckpt={ckpt_path} does not load ({type(e).__name__}: {e})") from e
         run_dir = Path(run) if run else (p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent)
@@ -47,13 +39,12 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     run_dir = Path(run)
     if not run_dir.is_dir():
         raise InferError(f"run={run}: no such run directory (runs are under runs/, e.g. run=runs/<name>)")
-    path, state = ckpt.load_newest(run_dir, map_location="cpu", warn=warn)
+    path, state = ckpt.load_newest(run_dir, warn=warn)
     if path is None:
         found = len(ckpt.list_checkpoints(run_dir))
         why = f"none of its {found} checkpoints loads" if found else "it has no checkpoint"
-        # a run with no checkpoint cannot be resumed either (resume=true needs one): say what does work
         fix = "pass ckpt=PATH of a checkpoint that loads"
-        if not found:
+        if not found:  # it cannot be resumed either (resume=true needs one)
             fix = "it ended before its first checkpoint (checkpoint.interval): train anew or pass ckpt=PATH"
         raise InferError(f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); {fix}")
     lost = lost_newer_checkpoint(run_dir, int(state["step"]))
@@ -67,21 +58,15 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
 
 
 def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
-    """What says that ``run_dir`` had weights newer than the checkpoint of ``step`` that loads: a newer
-    checkpoint that does not load, or the summary's ``last_checkpoint`` of a higher step that is gone;
-    as text ("its final weights (step 8) are gone: step_00000008.pt is missing (deleted)"), else None."""
+    """ "its final weights (step 8) are gone: step_00000008 is missing (deleted)", or None."""
     from trainer.rundir import read_summary
 
     summary = read_summary(run_dir)
-    newer = [p for s, p in ckpt.list_checkpoints(run_dir) if s > step]
-    last = str(summary.get("last_checkpoint") or "")
-    last_step = ckpt.checkpoint_step(last) if last else None
-    if newer:
-        how, at = f"{newer[0].name} does not load", ckpt.checkpoint_step(newer[0])
-    elif last_step is not None and last_step > step:
-        how, at = f"{Path(last).name} is missing (deleted)", last_step
-    else:
+    how = ckpt.lost_after(run_dir, step, summary)
+    if how is None:
         return None
+    newer = [s for s, _ in ckpt.list_checkpoints(run_dir) if s > step]
+    at = newer[0] if newer else ckpt.checkpoint_step(summary["last_checkpoint"])
     final = summary.get("status") == "ok" and summary.get("steps") == at
     return f"its {'final' if final else 'newest'} weights (step {at}) are gone: {how}"
 
@@ -159,19 +144,13 @@ def build_model(
             )
     model = GPT(config)
     try:
-        if state.get("dcp"):  # a parallel=fsdp run's DCP directory: read in this process alone
-            ckpt.load_dcp_into(state["dcp"], model)
-        else:
-            model.load_state_dict(state["model"])
-    except Exception as e:  # noqa: BLE001 - RuntimeError (load_state_dict), DCP's CheckpointException
+        ckpt.load_weights(state["path"], model)  # in this process alone, whatever world size saved it
+    except Exception as e:  # noqa: BLE001 - DCP's CheckpointException, shapes that do not fit
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        how = (
-            f" (to inspect it as one file: python -m torch.distributed.checkpoint.format_utils dcp_to_torch "
-            f"{state['dcp']} OUT.pt)"
-            if state.get("dcp")
-            else ""
-        )
-        raise InferError(f"the checkpoint's weights do not fit its model_args: {text}{how}") from e
+        raise InferError(
+            f"the checkpoint's weights do not fit its model_args: {text} (to inspect it as one file: python "
+            f"-m torch.distributed.checkpoint.format_utils dcp_to_torch {state['path']} OUT.pt)"
+        ) from e
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -32,7 +32,6 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 RESERVE_NAME = ".flashgpt.reserve"
 RESERVE_BYTES = 256 << 10
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-WANDB_FILE_WAIT_S = 5.0  # the most RunLogger.close() waits for wandb-core to write the run's .wandb file out
 
 
 def new_run_id() -> str:
@@ -410,32 +409,8 @@ class RunLogger:
         if self.wandb_run is not None and hasattr(self.wandb_run, "mark_preempting"):
             self.wandb_run.mark_preempting()
 
-    @staticmethod
-    def _wait_wandb_file(run_file: str | None) -> None:
-        """Wait (at most WANDB_FILE_WAIT_S) until wandb-core has written the run's ``.wandb`` file out.
-
-        ``Run.finish()`` does not wait for that: it only tells wandb-core to close the run's stream, and
-        the file's buffered tail (for a short run, all of it but the header) is written when wandb-core
-        gets to it, so a reader right after finish() could find no run in the file. Waiting on the file
-        itself (its exit record) costs one read when it is already complete, the usual case. A missing
-        file (no transaction log) is not waited for; a file still incomplete at the deadline is warned
-        about, not an error.
-        """
-        if not run_file or not os.path.isfile(run_file):
-            return
-        from trainer.wandb_read import wait_run_file_finished
-
-        if not wait_run_file_finished(run_file, timeout=WANDB_FILE_WAIT_S):
-            print(
-                f"warning: W&B has not finished writing {run_file} {WANDB_FILE_WAIT_S:g} s after the run "
-                "ended; reading it now may find it incomplete",
-                flush=True,
-            )
-
     def close(self, exit_code: int = 0) -> None:
-        """Flush and close metrics.jsonl and finish the W&B run (prints the sync command when offline).
-
-        Returns once the run's ``.wandb`` file is complete (``_wait_wandb_file``, bounded)."""
+        """Flush and close metrics.jsonl and finish the W&B run (prints the sync command when offline)."""
         if not self.enabled:
             return
         if self._jsonl is not None:
@@ -446,9 +421,7 @@ class RunLogger:
         self.release_reserve()
         if self.wandb_run is not None:
             sync_dir = self.wandb_sync_dir()
-            run_file = getattr(getattr(self.wandb_run, "settings", None), "sync_file", None)
             self.wandb_run.finish(exit_code=exit_code)
-            self._wait_wandb_file(run_file)
             if self.wandb_mode == "offline":
                 print(f"W&B offline run saved; upload with: wandb sync {sync_dir}", flush=True)
             self.wandb_run = None

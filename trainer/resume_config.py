@@ -1,7 +1,7 @@
 """The config of ``resume=true``: a run continues with its own saved config, not the defaults.
 
 ``resume_config(cfg, run_dir, overrides)`` loads ``<run_dir>/config.resolved.yaml`` (written at every start
-of the run by trainer/build.py) and puts on top only the keys the resume command line set
+of the run by trainer/setup.py) and puts on top only the keys the resume command line set
 (``override_keys``), before any check or data preparation, so ``python train.py resume=true out_dir=RUN``
 prepares no data of its own and rebuilds the same model.
 """

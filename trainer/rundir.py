@@ -34,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trainer.checkpoint import list_checkpoints, pid_alive
 from trainer.fields import ConfigError
 
 LOCK_NAME = ".flashgpt.lock"
@@ -319,8 +320,6 @@ class OutDirCheck(_HydraCallback):
         note_run_dir_before(path)  # so that a run refused later takes back what it created
         if not Path(path).is_dir():
             return
-        from trainer.hydra_files import snapshot_run
-
         snapshot_run(_key(path))  # a refused resume puts back Hydra's files and the log's length
         problem = held_by_live_process(Path(path))
         if problem is None:
@@ -346,8 +345,6 @@ class OutDirCheck(_HydraCallback):
         if path is not None:
             note_run_dir_before(path)
             _SWEEP_NOTED[:] = [_key(path)]
-            from trainer.hydra_files import snapshot_sweep
-
             snapshot_sweep(path)  # an earlier sweep's Hydra files, put back for jobs refused there
 
     @staticmethod
@@ -377,7 +374,7 @@ REFUSED_RUN_FILES = frozenset({".hydra", "train.log", LOCK_NAME, "metrics.jsonl"
 #: what a -m command refused before its first job leaves in the sweep folder
 REFUSED_SWEEP_FILES = frozenset({"multirun.yaml"})
 _SWEEP_NOTED: list[str] = []  # the sweep folder of this process's -m command, noted by OutDirCheck
-#: the record of a run's resolved config, rewritten by every start of the run (trainer/build.py)
+#: the record of a run's resolved config, rewritten by every start of the run (trainer/setup.py)
 RESOLVED_CONFIG = "config.resolved.yaml"
 
 
@@ -460,11 +457,9 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
 def restore_run_files(out_dir) -> bool:
     """Put back what this command changed in an existing run directory before it ran nothing: Hydra's
     ``.hydra/*.yaml``, the length of ``train.log`` (Hydra's and the trainer's lines of this command) and
-    the lock file's holder line, as ``OutDirCheck`` noted them (``hydra_files.snapshot_run``). For a resume
+    the lock file's holder line, as ``OutDirCheck`` noted them (``snapshot_run``). For a resume
     refused by a config error or one that finds the run finished: the run stays as it was. False when
-    nothing was noted (no Hydra, a -m job: ``hydra_files.restore_job`` covers those)."""
-    from trainer.hydra_files import restore_job
-
+    nothing was noted (no Hydra, a -m job: ``restore_job`` covers those)."""
     try:
         return restore_job(_key(out_dir))
     except OSError:
@@ -488,8 +483,6 @@ def check_out_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
         raise ConfigError(problem)
     if cfg.resume:
         return
-    from trainer.checkpoint import list_checkpoints
-
     out_dir = Path(out_dir)
     ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
     try:
@@ -525,17 +518,6 @@ def last_trained_step(run_dir: Path) -> int | None:
 
     steps = [step_of(r) for r in read_metric_rows(Path(run_dir)) if "train/loss" in r]
     return max((s for s in steps if s is not None), default=None)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts: signal 0 is refused, EPERM)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, another user's
-        return True
-    return True
 
 
 def is_stale_running(run_dir: Path, summary: dict) -> bool:
@@ -592,8 +574,6 @@ def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
 
 def _trained_to_the_end(run_dir: Path) -> bool:
     """True when the run's newest checkpoint is of step max_steps (config.resolved.yaml's)."""
-    from trainer.checkpoint import list_checkpoints
-
     max_steps = read_resolved_config(run_dir).get("max_steps")
     found = list_checkpoints(run_dir)
     return isinstance(max_steps, int) and bool(found) and found[0][0] >= max_steps
@@ -620,3 +600,89 @@ def mark_killed_on_resume(run_dir: Path) -> str | None:
         },
     )
     return note
+
+
+# ------------------------------------------------------------------------------------------ Hydra's files
+#: Hydra's files of each job folder of the sweep when the command started: path -> bytes
+_FILES: dict[Path, bytes] = {}
+#: each job folder's log file size then (a refused job's log lines are cut off again)
+_LOG_SIZES: dict[Path, int] = {}
+#: each job folder's lock file then (who held it last): path -> bytes
+_LOCKS: dict[Path, bytes] = {}
+_MULTIRUN: list[tuple[Path, bytes]] = []
+#: how deep job folders sit under the sweep folder (hydra.sweep.subdir may nest one level)
+_JOB_GLOBS = ("*/.hydra/*.yaml", "*/*/.hydra/*.yaml")
+LOG_NAME = "train.log"  # ${hydra.job.name}.log of train.py
+
+
+def snapshot_sweep(sweep_dir) -> None:
+    """Copy Hydra's files of the job folders already in ``sweep_dir`` (nothing when it does not exist)."""
+    _FILES.clear()
+    _LOG_SIZES.clear()
+    _LOCKS.clear()
+    _MULTIRUN.clear()
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        return
+    if (root / "multirun.yaml").is_file():
+        _MULTIRUN.append((root / "multirun.yaml", (root / "multirun.yaml").read_bytes()))
+    for pattern in _JOB_GLOBS:
+        for path in root.glob(pattern):
+            _FILES[path] = path.read_bytes()
+            log, lock = path.parent.parent / LOG_NAME, path.parent.parent / LOCK_NAME
+            if log.is_file():
+                _LOG_SIZES[log] = log.stat().st_size
+            if lock.is_file():
+                _LOCKS[lock] = lock.read_bytes()
+
+
+def snapshot_run(run_dir) -> None:
+    """The same copy for one existing run directory of a single run (``OutDirCheck.on_run_start``, before
+    Hydra rewrites its ``.hydra/`` and appends to its log): a resume refused by a config error, or one
+    that finds the run finished, puts them back (``restore_job``) and so leaves the run as it was."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return
+    for path in root.glob(".hydra/*.yaml"):
+        _FILES[path] = path.read_bytes()
+    log, lock = root / LOG_NAME, root / LOCK_NAME
+    if log.is_file():
+        _LOG_SIZES[log] = log.stat().st_size
+    if lock.is_file():
+        _LOCKS[lock] = lock.read_bytes()
+
+
+def restore_job(run_dir) -> bool:
+    """Put back the ``.hydra/*.yaml`` files, the log length and the lock file's text that ``run_dir`` had
+    when the sweep started, removing ``.hydra`` files Hydra added since; True when ``run_dir`` was in the
+    snapshot. (The lock file is rewritten in place: the same inode, so a lock held on it stays held.)"""
+    hydra_dir = Path(run_dir) / ".hydra"
+    kept = {p: data for p, data in _FILES.items() if p.parent == hydra_dir}
+    if not kept:
+        return False
+    for path in hydra_dir.glob("*.yaml"):
+        if path not in kept:
+            path.unlink()
+    for path, data in kept.items():
+        if not path.is_file() or path.read_bytes() != data:
+            path.write_bytes(data)
+    log = Path(run_dir) / LOG_NAME
+    size = _LOG_SIZES.get(log)
+    if size is not None and log.is_file() and log.stat().st_size > size:
+        with open(log, "r+b") as f:
+            f.truncate(size)
+    lock = Path(run_dir) / LOCK_NAME
+    if lock in _LOCKS and lock.is_file() and lock.read_bytes() != _LOCKS[lock]:
+        with open(lock, "r+b") as f:
+            f.truncate(0)
+            f.write(_LOCKS[lock])
+    return True
+
+
+def restore_multirun_yaml() -> bool:
+    """Put back the sweep folder's ``multirun.yaml`` (for a command whose every job was refused)."""
+    if not _MULTIRUN:
+        return False
+    path, data = _MULTIRUN[0]
+    path.write_bytes(data)
+    return True

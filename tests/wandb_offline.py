@@ -13,7 +13,8 @@ That file is a LevelDB-style log (the format of LevelDB's write-ahead log, which
 * each record is a serialized ``wandb.proto.wandb_internal_pb2.Record`` protobuf.
 
 Older wandb versions ship a reader (``wandb.sdk.internal.datastore.DataStore``); it is used when present, and
-the small reader below otherwise (wandb 0.31, installed here, has none).
+the small reader below otherwise (wandb 0.31, installed here, has none). The tests read runs with it: the
+trainer itself only writes (W&B mirrors metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -234,8 +235,9 @@ def run_file_finished(wandb_file: str | Path) -> bool:
 
 def wait_run_file_finished(wandb_file: str | Path, timeout: float = 5.0) -> bool:
     """Wait (at most ``timeout`` seconds) until ``run_file_finished(wandb_file)``; returns whether it is.
-    Why a reader must wait after ``Run.finish()``: ``trainer.metrics.RunLogger._wait_wandb_file``. Usually
-    the file is complete at the first look; then this costs one read of the file."""
+    ``Run.finish()`` only asks wandb-core to close the run's stream; the file's buffered tail (for a short
+    run, all but the header) is written when wandb-core gets to it, so a reader right after finish() could
+    find no run in the file. Usually it is complete at the first look: one read of the file."""
     deadline = time.monotonic() + timeout
     delay = 0.002
     while True:
@@ -267,7 +269,7 @@ def find_wandb_files(run_dir: str | Path) -> list[Path]:
     return files
 
 
-def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
+def read_offline_run(run_dir_or_wandb_file: str | Path, wait_s: float = 5.0) -> dict:
     """Read what an offline W&B run logged: dict(history=list[dict], summary=dict, config=dict, run_id=str).
 
     Accepts a ``.wandb`` file, a W&B run folder (``offline-run-*``), or a trainer run directory (holding
@@ -275,11 +277,13 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
     merged in time order: histories concatenated, config and summary updated by the later ones. Folders of
     other run ids than the newest one are ignored, except the parents of a forked newest run (see
     ``branch_point``): their history up to the fork step is prepended and ``parents`` lists them.
+    The newest file is first waited for (at most ``wait_s``) until wandb-core has written it out.
     Raises FileNotFoundError when no ``.wandb`` file is found, WandbFileError for a damaged header/checksum
     and WandbFileIncomplete when the newest file holds no run record yet (rather than a run with run_id "").
     """
     p = Path(run_dir_or_wandb_file)
     if p.is_file():
+        wait_run_file_finished(p, timeout=wait_s)
         return _check_has_run(read_wandb_file(p), p)
     files = find_wandb_files(p)
     if not files:
@@ -288,6 +292,7 @@ def read_offline_run(run_dir_or_wandb_file: str | Path) -> dict:
         raise FileNotFoundError(
             f"no W&B run file (*.wandb) under {p}; was the run started with wandb.mode=offline|online?"
         )
+    wait_run_file_finished(files[-1], timeout=wait_s)  # the newest run may have just finished
     runs = [read_wandb_file(f) for f in files]
     _check_has_run(runs[-1], files[-1])
     merged = _merge_same_id(runs, runs[-1]["run_id"])
@@ -314,8 +319,8 @@ def _check_has_run(run: dict, path: Path) -> dict:
     size = path.stat().st_size
     raise WandbFileIncomplete(
         f"{path}: no run record in it yet ({size} bytes): wandb-core has not written the run out - it is "
-        "still running or finishing (read it after RunLogger.close() has returned; run.finish() alone does "
-        "not wait for the file), or it was killed before wandb flushed the file"
+        "still running or finishing (past read_offline_run's wait_s), or it was killed before wandb flushed "
+        "the file"
     )
 
 

@@ -1,0 +1,501 @@
+"""Set-up of a training run: device, data, model config, resume checks, model and optimizer, logging.
+Every user error raises ``ConfigError`` before any GPU allocation."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import socket
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from data.prepare import atomic_write
+from trainer import checkpoint as ckpt
+from trainer import config as C
+from trainer import progress, resume_config, rundir
+from trainer.checks import (
+    ConfigError,
+    check_data_fits,
+    check_resume_compatible,
+    effective_data_source,
+    peak_flops_for,
+    probe_attention,
+)
+from trainer.compiling import compile_model, compile_options
+from trainer.config import gpt_config_for
+from trainer.schedule import lr_at
+from trainer.state import RunState
+
+
+def setup(st: RunState) -> None:
+    """Raises ConfigError for user errors (before GPU allocation) and ``rundir.RunFinished``."""
+    setup_device(st)
+    if st.cfg.resume and st.broadcast(not ckpt.list_checkpoints(st.out_dir) if st.dist.is_main else None):
+        # before data preparation, which would prepare (download) the defaults' data for nothing
+        raise ConfigError(no_checkpoint_message(st))
+    prepare_data(st)
+    build_model_config(st)
+    state = load_resume(st)
+    build_model(st, state)
+    start_logging(st, state)
+
+
+def setup_device(st: RunState) -> None:
+    cfg, plan, d = st.cfg, st.plan, st.dist
+    if plan.device_type == "cuda":
+        st.device = torch.device("cuda", d.local_rank)
+        torch.cuda.set_device(st.device)
+        torch.cuda.reset_peak_memory_stats(st.device)  # a previous multirun job's peak is not ours
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.manual_seed(int(cfg.seed) + d.rank)
+    if plan.autocast_dtype == "bfloat16":
+        st.autocast = torch.autocast(device_type=plan.device_type, dtype=torch.bfloat16)
+
+
+def prepare_data(st: RunState) -> None:
+    """Rank 0 prepares the data (the others wait and get its error, if any); the corpus must fit."""
+    cfg = st.cfg
+    err = None
+    if st.dist.is_main:
+        try:
+            from data.prepare import ensure_prepared
+
+            ensure_prepared(
+                effective_data_source(cfg),
+                cfg.data.dir,
+                cfg.data.tokenizer,
+                float(cfg.data.val_fraction),
+                cfg.data.doc_separator,
+                keep_other=True,  # data another launch prepared meanwhile is not replaced
+            )
+        except (OSError, ValueError, RuntimeError) as e:
+            err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
+    err = st.broadcast(err)
+    if err:
+        raise ConfigError(err)
+    from data.loader import load_meta
+
+    st.meta = load_meta(cfg.data.dir)
+    check_data_fits(cfg, st.meta, st.dist.world_size)
+    if cfg.attention.document_mask and st.meta.get("train_docs") == 1:
+        st.say(
+            f"warning: data.doc_separator={cfg.data.doc_separator!r} does not occur in the training "
+            f"split of {cfg.data.dir} (1 document), so attention.document_mask=true changes nothing; "
+            "check the separator (Tiny Shakespeare's speeches: data.doc_separator='\\n\\n')"
+        )
+
+
+def build_model_config(st: RunState) -> None:
+    cfg, meta = st.cfg, st.meta
+    m = cfg.model
+    vocab = int(m.vocab_size) if m.vocab_size is not None else -(-int(meta["vocab_size"]) // 64) * 64
+    if vocab < int(meta["vocab_size"]):
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {meta['vocab_size']}; "
+            "use model.vocab_size=null (rounds the tokenizer's size up to a multiple of 64)"
+        )
+    try:  # the config's keys passed resolve_plan; the data's vocab and separator ids are new here
+        st.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
+    except ValueError as e:
+        raise ConfigError(f"data.dir={cfg.data.dir}: {e}") from e
+    probe_attention(cfg, st.plan, st.device, st.gpt_config.n_head)
+
+
+def load_resume(st: RunState) -> dict | None:
+    """resume=true: the newest loadable checkpoint's record, checked against this run's model and
+    tokenizer (before anything is built on the GPU); None for a new run."""
+    cfg = st.cfg
+    if not cfg.resume:
+        return None
+    path, state = ckpt.load_newest(st.out_dir, warn=st.say) if st.dist.is_main else (None, None)
+    path = st.broadcast(str(path) if path else None)
+    if path is None:
+        raise ConfigError(no_checkpoint_message(st))
+    if state is None:
+        state = ckpt.load_checkpoint(path)
+    notes = check_resume_compatible(
+        {
+            "model_args": state["model_args"],
+            "tokenizer": state["tokenizer"]["name"],
+            "vocab_size": state["tokenizer"]["vocab_size"],
+            "attention": state.get("attention", ()),
+        },
+        {
+            "model_args": dataclasses.asdict(st.gpt_config),
+            "tokenizer": cfg.data.tokenizer,
+            "vocab_size": int(st.meta["vocab_size"]),
+            "attention": st.attention_id(),
+        },
+    )
+    changed = ckpt.tokenizer_difference(state["tokenizer"], st.meta)
+    if changed:  # same name and size, but the ids would mean other tokens (re-mapped data)
+        raise ConfigError(tokenizer_change_message(st, state, Path(path), changed))
+    st.resume_path, st.resume_notes = Path(path), notes
+    resume_checks(st, state)
+    return state
+
+
+def build_model(st: RunState, state: dict | None) -> None:
+    """Model (compiled; DDP-wrapped or FSDP2-sharded), optimizer, the resumed state, data and eval batches.
+    Under FSDP2 the blocks are compiled one by one and sharded before the optimizer is built; a resume
+    loads the DCP checkpoint into the (sharded or plain) model at any world size."""
+    from data.loader import BinDataset
+    from model import GPT
+
+    cfg, plan, d = st.cfg, st.plan, st.dist
+    st.fsdp = plan.parallel == "fsdp" and d.enabled
+    # FSDP2 keeps the weights each rank built (DDP broadcasts rank 0's): every rank builds rank 0's
+    with torch.random.fork_rng(devices=[], enabled=st.fsdp and d.rank != 0):
+        if st.fsdp:
+            torch.manual_seed(int(cfg.seed))
+        st.raw_model = GPT(st.gpt_config).to(st.device)
+    if st.fsdp:
+        from trainer.dist import shard_model
+
+        shard_model(
+            st.raw_model,
+            plan.device_type,
+            d.world_size,
+            bf16=plan.autocast_dtype == "bfloat16" and plan.device_type == "cuda",
+            compile_options=compile_options(plan.compile_mode) if plan.compile else None,
+        )
+    o = cfg.optim
+    st.optimizer = st.raw_model.configure_optimizers(
+        float(o.weight_decay), float(o.lr), (float(o.beta1), float(o.beta2)), plan.device_type
+    )
+    if state is not None:
+        try:
+            ckpt.load_weights(state["path"], st.raw_model, st.optimizer)
+        except Exception as e:  # noqa: BLE001 - DCP's errors: missing keys, shapes, I/O
+            raise ConfigError(f"resume: the checkpoint {state['path']} does not load: {_first(e)}") from e
+        st.step = int(state["step"])
+        st.skipped = int(state.get("skipped_steps", 0))
+        st.last_ckpt, st.last_ckpt_step = st.resume_path, st.step
+        rngs = state["rng"]
+        if len(rngs) != d.world_size:
+            st.say(
+                f"note: checkpoint has RNG states of {len(rngs)} ranks, this run has {d.world_size}: "
+                f"rank r continues rank r mod {len(rngs)}'s streams (dropout differs from an "
+                "uninterrupted run; the data do not, they are drawn per global micro-batch)"
+            )
+        ckpt.set_rng_state(rngs[d.rank % len(rngs)])
+    # under FSDP2 the blocks were compiled in place (shard_model)
+    compiled = plan.compile and not st.fsdp
+    st.fwd_model = compile_model(st.raw_model, plan.compile_mode) if compiled else st.raw_model
+    st.cudagraphs = plan.compile and plan.compile_mode == "reduce-overhead"
+    if st.cudagraphs:
+        # Gradients must live outside the graphs' memory pool: with grad None, autograd would keep the
+        # backward graph's output buffer as .grad and the next micro-batch's replay would overwrite it
+        # (pytorch/pytorch#96693); zero tensors are added into, and zero_grad keeps them.
+        for p in st.raw_model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    if st.fsdp or not d.enabled:
+        st.train_model = st.fwd_model
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        st.train_model = DDP(st.fwd_model, device_ids=[d.local_rank] if plan.device_type == "cuda" else None)
+    st.train_ds = BinDataset(cfg.data.dir, "train", int(cfg.seq_len))
+    val_ds = BinDataset(cfg.data.dir, "val", int(cfg.seq_len))
+    st.eval_batches = val_ds.eval_batches(int(cfg.eval.batches), plan.eval_batch_size, int(cfg.seed))
+    st.peak_flops = plan.peak_flops or peak_flops_for(
+        torch.cuda.get_device_name(st.device) if plan.device_type == "cuda" else None
+    )
+    st.backend_ran = backend_that_ran(st)
+    st.kernel_plan = kernel_plan(st)
+
+
+def start_logging(st: RunState, state: dict | None) -> None:
+    """config.resolved.yaml, W&B, the running summary and the start-up lines."""
+    cfg, plan, d = st.cfg, st.plan, st.dist
+    resolved = C.to_dict(cfg)
+    resolved["derived"] = {
+        **derived(st),
+        "cwd": os.getcwd(),  # what relative paths in this config are relative to
+        # the group options (trainer=cpu, ...): a resume changing one undoes the old one's keys
+        resume_config.CHOICES_KEY: resume_config.run_choices(st.out_dir, st.overrides, bool(cfg.resume)),
+    }
+    group = cfg.wandb.group
+    if group is None and st.multirun:
+        group = st.out_dir.parent.name
+    if d.is_main:
+        # temp file + rename: a kill mid-write never leaves a truncated record for the next resume
+        text = OmegaConf.to_yaml(OmegaConf.create(resolved)).encode()
+        atomic_write(st.out_dir / rundir.RESOLVED_CONFIG, lambda f: f.write(text))
+    st.log.start_wandb(
+        mode=cfg.wandb.mode,
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        group=group,
+        name=cfg.wandb.name or st.out_dir.name,
+        tags=list(cfg.wandb.tags),
+        config=resolved,
+        run_id=state.get("wandb_run_id") if state is not None else None,
+        fork_at=wandb_fork_step(st),
+    )
+    st.log.set_summary(
+        {
+            "status": "running",
+            "attention": cfg.attention.name,
+            "attention/backend_ran": st.backend_ran,
+            **({"attention/kernels": st.kernel_plan} if st.kernel_plan else {}),
+            "seq_len": int(cfg.seq_len),
+            "steps": st.step,
+            "max_steps": int(cfg.max_steps),
+            "wandb_run_id": st.log.wandb_id,
+            "out_dir": str(st.out_dir),
+            # who runs it: readers tell a dead "running" run by its lock, else by these
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            **derived(st),
+        }
+    )
+    n_params = st.raw_model.num_params()
+    mode = f" ({plan.compile_mode})" if plan.compile and plan.compile_mode else ""
+    st.say(
+        f"flashgpt: {n_params / 1e6:.2f}M params | attention={cfg.attention.name} "
+        f"(ran: {st.backend_ran}) | seq_len={cfg.seq_len} | device={st.device} x{d.world_size} | "
+        f"dtype={plan.autocast_dtype or 'float32'} | compile={plan.compile}{mode} | "
+        f"micro_batch={plan.micro_batch_size} "
+        f"x accum {plan.grad_accum} x ranks {d.world_size} = {cfg.batch.tokens_per_step} tokens/step | "
+        f"out_dir={st.out_dir}"
+    )
+    if st.kernel_plan:
+        st.say(f"attention/kernels: {st.kernel_plan}")
+    for note in plan.notes:
+        st.say(note)
+    if st.device.type == "cpu" and d.is_main and n_params >= progress.CPU_WARN_PARAMS:
+        per_token = st.raw_model.flops_per_token(int(cfg.seq_len))
+        steps_left = int(cfg.max_steps) - st.step
+        flops = progress.matmul_flops(st.device)
+        st.say(progress.cpu_warning(n_params, per_token, int(cfg.batch.tokens_per_step), steps_left, flops))
+    if cfg.resume:
+        st.say(f"resumed from {st.resume_path} at step {st.step}")
+        for line in st.resume_intro + st.resume_notes:
+            st.say(line)
+        replay = replay_record(st)
+        lost = st.metrics_lost
+        if lost:
+            parent = st.log.wandb_parent
+            lost = {**lost, "wandb_parent": parent} if parent else lost
+            st.log.set_summary({"metrics_lost": lost})
+            replay = {**replay, "metrics_lost": lost}
+        event = {"event": "resume", "from": str(st.resume_path), "notes": st.resume_notes, **replay}
+        st.log.log(st.step, event, wandb_too=False)
+        if st.resume_notes:
+            st.log.update_config({"resume_notes": st.resume_notes})
+
+
+def kernel_plan(st: RunState) -> str | None:
+    """attention=flash: the forward, backward and decode kernels of this run's shapes (kernels/plan.py)."""
+    if st.cfg.attention.name != "flash":
+        return None
+    from kernels import describe_plan
+
+    g = st.gpt_config
+    dtype = torch.bfloat16 if st.plan.autocast_dtype == "bfloat16" else torch.float32
+    return describe_plan(
+        g.n_embd // g.n_head, int(st.cfg.seq_len), dtype, st.device, bool(st.cfg.deterministic),
+        window=g.window, documents=g.document_mask, dropout_p=g.attn_dropout,
+    )  # fmt: skip
+
+
+def derived(st: RunState) -> dict:
+    plan = st.plan
+    return {
+        "n_params": st.raw_model.num_params() if st.raw_model is not None else 0,
+        "micro_batch_size": plan.micro_batch_size,
+        "grad_accum": plan.grad_accum,
+        "world_size": st.dist.world_size,
+        "device": str(st.device),
+        "dtype": plan.autocast_dtype or "float32",
+        "compile": plan.compile,
+        "compile_mode": plan.compile_mode or "default",
+        "block_size": st.gpt_config.block_size,
+        "vocab_size": st.gpt_config.vocab_size,
+        "tokens_per_step": int(st.cfg.batch.tokens_per_step),
+        "peak_flops": st.peak_flops,
+    }
+
+
+def backend_that_ran(st: RunState) -> str:
+    name = st.cfg.attention.name
+    if name != "sdpa":
+        return name
+    try:
+        from model.attention import sdpa_backend_that_ran
+
+        g = st.gpt_config
+        dtype = torch.bfloat16 if st.plan.autocast_dtype == "bfloat16" else torch.float32
+        shape = (1, g.n_head, int(st.cfg.seq_len), g.n_embd // g.n_head)
+        gen = torch.Generator(device=st.device).manual_seed(0)  # leaves the global RNG streams alone
+        q = torch.randn(shape, device=st.device, dtype=dtype, generator=gen)
+        p = float(st.cfg.model.attn_dropout or 0.0)  # the training calls' dropout steers the choice
+        return "sdpa:" + str(sdpa_backend_that_ran(q, q, q, st.cfg.attention.sdpa_backend, p))
+    except Exception as e:  # noqa: BLE001 - best effort, for logging only
+        return f"sdpa:unknown ({type(e).__name__})"
+
+
+def _first(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+# ------------------------------------------------------------------------------------------ resume
+def newest_run_with_checkpoints(root: Path) -> Path | None:
+    """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times: a
+    refused resume still writes into its run directory and bumps that one's mtime)."""
+    newest: tuple[float, Path] | None = None
+    for p in root.glob(f"*/{ckpt.CKPT_DIR_NAME}/step_*"):
+        with contextlib.suppress(OSError):  # removed meanwhile (keep=N rotation of a live run)
+            if newest is None or p.stat().st_mtime > newest[0]:
+                newest = (p.stat().st_mtime, p.parent.parent)
+    return newest[1] if newest else None
+
+
+def no_checkpoint_message(st: RunState) -> str:
+    status = rundir.read_summary(st.out_dir).get("status")
+    if status not in (None, "error"):  # a run was here and died before its first checkpoint
+        return (
+            f"resume=true but {st.out_dir} has no loadable checkpoint: its run stopped before the "
+            f"first one (summary status {status!r}), so there is nothing to continue; start it again "
+            f"in a new out_dir (or delete {st.out_dir} if its records are not needed)"
+        )
+    newest = newest_run_with_checkpoints(Path("runs"))
+    hint = f" (newest run with checkpoints: out_dir={newest})" if newest else ""
+    return (
+        f"resume=true but {st.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
+        f"of the run to continue>{hint}, or resume=false to start a new run"
+    )
+
+
+def tokenizer_change_message(st: RunState, state: dict, path: Path, changed: str) -> str:
+    """Which data keys of the run changed, what differs in the tokenizer, and the fix."""
+    saved = (state.get("config") or {}).get("data") or {}
+    keys = [
+        f"data.{k}={getattr(st.cfg.data, k)} (the run's: {saved[k]})"
+        for k in ("source", "dir", "tokenizer", "doc_separator")
+        if k in saved and str(saved[k]) != str(getattr(st.cfg.data, k))
+    ]
+    where = (
+        ", ".join(keys) or f"data.dir={st.cfg.data.dir}, whose data was prepared again since (its meta.json)"
+    )
+    back = " ".join(f"data.{k}={saved[k]}" for k in ("source", "dir") if saved.get(k) is not None)
+    return (
+        f"resume=true refused: the data this command prepared ({where}) has another tokenizer than "
+        f"the checkpoint {path} was trained with: {changed}. Its token ids would mean other tokens, so "
+        f"the run would go on training on re-mapped data; nothing was changed in {st.out_dir}. Resume "
+        f"without those data.* overrides (the run's own data: {back or 'its saved data.*'}), or train "
+        "on the new data in a new run (resume=false, another out_dir)"
+    )
+
+
+def resume_checks(st: RunState, state: dict) -> None:
+    """Once a checkpoint loads: refuse a run that already reached max_steps (RunFinished: nothing changes),
+    unless its final checkpoint was lost (then its steps are replayed). Rewrite a summary left "running"
+    by a killed process to "killed"; note a changed max_steps; set apart the records of the logged steps
+    after the checkpoint, which this resume replays."""
+    cfg, k, max_steps = st.cfg, int(state["step"]), int(st.cfg.max_steps)
+    summary = rundir.read_summary(st.out_dir) if st.dist.is_main else {}
+    done, lost = k, None
+    if summary.get("status") == "ok" and isinstance(summary.get("steps"), int):
+        done = max(k, summary["steps"])  # finished even when its final checkpoint does not load
+        lost = ckpt.lost_after(st.out_dir, k, summary) if done > k else None
+    done, lost = st.broadcast((done, lost))
+    old_max = (state.get("config") or {}).get("max_steps")
+    if done > max_steps:  # a resume never takes steps back
+        raise ConfigError(rundir.below_done_message(st.out_dir, done, max_steps, old_max))
+    if done == max_steps and lost is not None:
+        st.resume_notes.append(
+            f"the run finished at step {done}, but its final checkpoint {lost}: rebuilding it by "
+            f"replaying steps {k + 1}-{done} from the step-{k} checkpoint with the run's own schedule "
+            f"(max_steps={max_steps}); on a deterministic path the rebuilt weights equal the lost ones"
+        )
+    elif done >= max_steps:  # e.g. killed in its ending, past the last checkpoint: no rewrite
+        from trainer.endings import resume_command
+
+        cmd = " ".join(w for w in resume_command(st).split() if not w.startswith("max_steps="))
+        raise rundir.RunFinished(rundir.finished_message(st.out_dir, done, max_steps, cmd))
+    if st.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
+        killed = rundir.mark_killed_on_resume(st.out_dir)
+        if killed:
+            st.say(killed)
+            summary = rundir.read_summary(st.out_dir)  # the replay reason reads "killed"
+    if old_max is not None and int(old_max) != max_steps:
+        st.resume_notes.append(rundir.max_steps_note(int(old_max), max_steps, k, cfg.optim, lr_at))
+    last = st.log.last_logged_step() if st.dist.is_main else None
+    # gone: deleted, or emptied although a step up to k must have been logged (log_interval)
+    gone = not st.metrics_existed or k >= int(cfg.log_interval)
+    if st.dist.is_main and last is None and k > 0 and gone:
+        metrics_lost(st, k, summary)
+        return
+    if last is None or last <= k:
+        return
+    why = ckpt.lost_after(st.out_dir, k, summary, all_newer=True) or (
+        f"no checkpoint was saved after step {k}: the run stopped at step {last} "
+        f"(status {summary.get('status', 'unknown')}) between checkpoints "
+        f"(checkpoint.interval={cfg.checkpoint.interval}, log_interval={cfg.log_interval})"
+    )
+    moved = st.log.set_apart_after(k)
+    if moved:
+        st.replay = {
+            "from_step": k + 1,
+            "to_step": moved["last"],
+            "reason": why,
+            "abandoned_metrics": moved["path"].name,
+            "wandb_steps": moved["wandb_steps"],
+        }
+
+
+def metrics_lost(st: RunState, k: int, summary: dict) -> None:
+    """A resume from step ``k`` of a run whose metrics.jsonl is gone or empty: say so, and fork the W&B run
+    at step k (its history may run past k; W&B would drop the steps logged below its current one)."""
+    ran = summary.get("steps") if isinstance(summary.get("steps"), int) else None
+    st.metrics_lost = {"checkpoint_step": k, "summary_steps": ran}
+    past = f" (summary.json says the run reached step {ran})" if ran is not None else ""
+    st.say(
+        f"warning: {st.out_dir / 'metrics.jsonl'} is missing or empty (deleted?), but the run has a "
+        f"checkpoint of step {k}{past}: the logged curve of steps 1-{k} is not in this run directory any "
+        f"more and metrics.jsonl starts again at step {k + 1}. W&B (when on) continues in a new run "
+        f"forked from the old one at step {k}, so its history is never mixed with steps past {k}"
+    )
+
+
+def wandb_fork_step(st: RunState) -> int | None:
+    """Where the W&B run is forked: before the replayed steps, or at the checkpoint when metrics.jsonl
+    was lost; None to continue the same W&B run."""
+    if st.replay and st.replay["wandb_steps"]:
+        return st.replay["from_step"] - 1
+    return st.metrics_lost["checkpoint_step"] if st.metrics_lost else None
+
+
+def replay_record(st: RunState) -> dict:
+    """Say which steps are replayed and why; record it in the summary and W&B config."""
+    r = st.replay
+    if not r:
+        return {}
+    a, b = r["from_step"], r["to_step"]
+    parent = st.log.wandb_parent
+    wb = (
+        f" W&B: run {st.log.wandb_id} forked from {parent['run_id']} at step {parent['step']} "
+        f"(the parent keeps steps {a}-{b} of the abandoned branch)."
+        if parent
+        else ""
+    )
+    st.say(
+        f"replaying steps {a}-{b}: the newest loadable checkpoint is step {a - 1} and {r['reason']}. "
+        f"Their earlier records (the abandoned branch) moved to {r['abandoned_metrics']}; metrics.jsonl "
+        f"keeps steps up to {a - 1} and continues from step {a}.{wb}"
+    )
+    info = {"replayed_steps": [a, b], "abandoned_metrics": r["abandoned_metrics"], "reason": r["reason"]}
+    if parent:
+        info["wandb_parent"] = parent
+    st.log.set_summary({"replay": info})
+    st.log.update_config({"replay": info})
+    return {"replay": info}

@@ -1,0 +1,115 @@
+"""The state of one training run, shared by set-up (trainer/setup.py), the loop (trainer/loop.py) and the
+endings (trainer/endings.py), which are plain functions of it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.dist import DistInfo
+from trainer.gpu_busy import GpuBusy
+from trainer.metrics import DiskFullError, RunLogger, append_line
+
+GIB = float(1 << 30)
+
+
+@dataclass
+class RunState:
+    cfg: Any  # the checked TrainConfig
+    plan: Any  # trainer.checks.Plan
+    dist: DistInfo
+    out_dir: Path
+    multirun: bool = False
+    overrides: list[str] = field(default_factory=list)
+    # progress
+    step: int = 0  # optimizer updates completed
+    skipped: int = 0  # non-finite updates skipped (nonfinite=skip)
+    last_ckpt: Path | None = None
+    last_ckpt_step: int = -1
+    last_train_loss: float | None = None
+    last_val_loss: float | None = None
+    last_val_step: int | None = None
+    peak_bytes: int = 0  # peak before a parity check reset the CUDA stats
+    step_tps: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    steps_here: int = 0  # steps run by this process (a resume starts at 0)
+    prefetched: tuple | None = None  # ((step, micro), (x, y)) fetched ahead by loop.train_step
+    ending: bool = False  # an ending runs: a full disk is then reported, not raised
+    # resume
+    resume_intro: list[str] = field(default_factory=list)
+    resume_path: Path | None = None
+    resume_notes: list[str] = field(default_factory=list)
+    replay: dict | None = None  # a resume that replays logged steps (setup.resume_checks)
+    metrics_lost: dict | None = None  # a resume that finds metrics.jsonl gone
+    metrics_existed: bool = False
+    # built by set-up
+    log: RunLogger | None = None
+    gpu_busy: GpuBusy | None = None
+    device: torch.device = torch.device("cpu")
+    autocast: Any = field(default_factory=contextlib.nullcontext)
+    meta: dict = field(default_factory=dict)
+    gpt_config: Any = None
+    raw_model: Any = None  # the GPT itself (sharded in place under FSDP2)
+    fwd_model: Any = None  # compiled
+    train_model: Any = None  # DDP-wrapped
+    optimizer: Any = None
+    train_ds: Any = None
+    eval_batches: list = field(default_factory=list)
+    peak_flops: float | None = None
+    backend_ran: str = ""
+    kernel_plan: str | None = None
+    fsdp: bool = False  # parallel=fsdp with several ranks
+    cudagraphs: bool = False  # compile_mode=reduce-overhead
+
+    @classmethod
+    def open(cls, cfg, plan, dist, out_dir, **kw) -> RunState:
+        """A new run's state with its RunLogger (metrics.jsonl opened) and GPU-busy profiler."""
+        out_dir = Path(out_dir)
+        # before RunLogger creates it: a resume tells a deleted metrics.jsonl from a kept one
+        st = cls(cfg, plan, dist, out_dir, metrics_existed=(out_dir / "metrics.jsonl").is_file(), **kw)
+        st.log = RunLogger(out_dir, enabled=dist.is_main)
+        st.gpu_busy = GpuBusy(
+            int(cfg.perf.exclude_first_steps),
+            int(cfg.perf.profile_steps),
+            enabled=plan.device_type == "cuda" and dist.is_main,
+            trace_dir=out_dir if cfg.perf.trace else None,
+        )
+        return st
+
+    def say(self, msg: str) -> None:
+        """To the console and <out_dir>/train.log (a run under nohup keeps its history); rank 0 only."""
+        if not self.dist.is_main:
+            return
+        print(msg, flush=True)
+        try:
+            append_line(self.out_dir / "train.log", msg)
+        except DiskFullError:
+            if not self.ending:  # the run ends as disk_full; the ending says why
+                raise
+        except OSError:
+            pass
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.dist.enabled:
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def peak_gib(self) -> float:
+        """Peak GPU memory of training (parity excluded), GiB; 0.0 on the CPU."""
+        if self.device.type != "cuda":
+            return 0.0
+        return max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device)) / GIB
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def attention_id(self) -> list[str]:
+        return [self.cfg.attention.name, self.cfg.attention.sdpa_backend]
