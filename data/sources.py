@@ -240,7 +240,7 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
         raise FileNotFoundError(
             f"source {str(path)!r} does not exist (cwd: {os.getcwd()}). Pass an existing UTF-8 text file, a "
             "directory or glob of text / .jsonl / .json.gz / .parquet files, or hf:NAME[:CONFIG] "
-            "(data.source=... or --source ...), or leave the source unset to download Tiny Shakespeare."
+            "(data.source=PATH or --source PATH), or leave the source unset to download Tiny Shakespeare."
         )
     path = path.resolve()
     if path.is_dir():
