@@ -42,6 +42,17 @@ def is_hf(source: str | os.PathLike | None) -> bool:
     return isinstance(source, str) and source.startswith(HF_PREFIX)
 
 
+def is_document_source(source: str | os.PathLike | None) -> bool:
+    """Whether ``source`` is read as a list of documents (end-of-text between them, documents recorded):
+    ``hf:``, a directory, a glob or a record file; cheap (no file is read)."""
+    if source is None or str(source).lower().startswith(("http://", "https://")):
+        return False
+    text = str(source)
+    if is_hf(text) or _is_records(Path(text)) or Path(text).expanduser().is_dir():
+        return True
+    return any(c in text for c in _GLOB_CHARS) and not Path(text).expanduser().exists()
+
+
 def _is_records(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 

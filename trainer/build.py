@@ -126,6 +126,9 @@ class Setup:
                     float(cfg.data.val_fraction),
                     cfg.data.doc_separator,
                     keep_other=True,  # data another launch prepared meanwhile is not replaced
+                    text_field=cfg.data.text_field,
+                    max_tokens=cfg.data.max_tokens,
+                    workers=cfg.data.workers,
                 )
             except (OSError, ValueError, RuntimeError) as e:
                 err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"

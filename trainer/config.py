@@ -81,10 +81,13 @@ class AttentionConfig:
         msg = problem_with("attention.sdpa_backend", a.sdpa_backend, tuple(SDPA_BACKENDS), "auto")
         if msg:
             raise ConfigError(msg)
-        if a.document_mask and cfg.data.doc_separator is None:
+        from data.sources import is_document_source
+
+        if a.document_mask and cfg.data.doc_separator is None and not is_document_source(cfg.data.source):
             raise ConfigError(
                 "attention.document_mask=true needs documents: set data.doc_separator (e.g. "
-                "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
+                "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), or a "
+                "data.source of documents (a directory, glob, .jsonl, .parquet or hf:NAME), "
                 "or attention.document_mask=false"
             )
         masked = a.window is not None or a.document_mask
@@ -175,8 +178,12 @@ class DataConfig:
     """``data=shakespeare|shakespeare_char`` (configs/data/): the corpus and where it is prepared."""
 
     name: str = spec("shakespeare", "dataset name (for records)")
-    source: str | None = spec(None, "null = download Tiny Shakespeare; or a path/URL of a UTF-8 text file")
-    dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
+    source: str | None = spec(
+        None,
+        "null = download Tiny Shakespeare; a UTF-8 text file or URL; a directory or glob of text / "
+        ".jsonl / .json.gz / .parquet files; hf:NAME[:CONFIG] (docs/data.md)",
+    )
+    dir: str = spec("data/shakespeare", "where the token shards and meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
     val_fraction: float = spec(
         0.1, "share of the corpus (its end) held out for validation, in (0, 1)", OPEN_UNIT, 0.1
@@ -186,6 +193,9 @@ class DataConfig:
         "null | the string between documents, e.g. '\\n\\n' (escapes "
         "understood); prepare records the documents",
     )
+    text_field: str = spec("text", "record field / column holding the text (JSONL, Parquet, hf: sources)")
+    max_tokens: int | None = spec(None, "prepare at most this many tokens; null = all", POS_INT, 1000000000)
+    workers: int | None = spec(None, "tokenizer processes of the prepare step; null = CPU count", POS_INT, 8)
 
     @staticmethod
     def validate(cfg) -> None:
