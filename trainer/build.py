@@ -161,6 +161,22 @@ class Setup:
             self.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
         except ValueError as e:
             raise ConfigError(f"model: {e}") from e
+        self._init_weights = None
+        if str(getattr(cfg, "init_from", "scratch")) != "scratch":  # GPT-2 weights: their shape wins
+            from model.pretrained import load_gpt2
+
+            try:
+                pre, self._init_weights = load_gpt2(str(cfg.init_from), block_size=self.gpt_config.block_size)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            if pre.vocab_size < int(meta["vocab_size"]) or cfg.data.tokenizer != "gpt2":
+                raise ConfigError(
+                    f"init_from={cfg.init_from} reads GPT-2 BPE ids (vocab {pre.vocab_size}); the data is "
+                    f"tokenized with {cfg.data.tokenizer} (vocab {meta['vocab_size']}): use "
+                    "data.tokenizer=gpt2"
+                )
+            shape = {k: getattr(pre, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")}
+            self.gpt_config = dataclasses.replace(self.gpt_config, **shape)
         probe_attention(cfg, plan, self.device, self.gpt_config.n_head)
 
     def _check_something_to_resume(self) -> None:
@@ -230,6 +246,9 @@ class Setup:
                 self.raw_model = GPT(self.gpt_config).to(self.device)
         else:
             self.raw_model = GPT(self.gpt_config).to(self.device)
+        if getattr(self, "_init_weights", None) is not None:  # init_from: before DDP/FSDP wrap the model
+            self.raw_model.load_state_dict(self._init_weights, strict=False)
+            self._init_weights = None
         o = cfg.optim
 
         def make_optimizer():

@@ -510,6 +510,11 @@ class TrainConfig:
         BOOL,
     )
     resume: bool = spec(False, "continue the run in out_dir from its newest loadable checkpoint", BOOL)
+    init_from: str = spec(
+        "scratch",
+        "scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 checkpoint dir: the "
+        "starting weights; the model shape comes from the checkpoint (model.* sizes ignored)",
+    )
     nonfinite: str = spec(
         "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")
     )
