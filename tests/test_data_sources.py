@@ -165,3 +165,40 @@ def test_max_tokens_caps_the_corpus(tmp_path, gpt2_bpe, seed):
     _write_jsonl(src, _docs(50, seed))
     meta = prepare(str(src), tmp_path / "o", "gpt2", 0.1, max_tokens=500, workers=1, progress=False)
     assert meta["train_tokens"] + meta["val_tokens"] == 500 and load_meta(tmp_path / "o")["max_tokens"] == 500
+
+
+_MEM_CHILD = """
+import resource, sys
+from data.tokenizer import encode_documents
+from data.prepare import prepare
+encode_documents("gpt2", ["warm up the tokenizer " * 1000])  # the BPE tables are loaded: the baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+prepare(sys.argv[1], sys.argv[2], "gpt2", 0.01, workers=1, shard_tokens=1_000_000, progress=False)
+print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe):
+    """16 MB of JSONL prepared with a 6 MB cap on the growth of the peak RSS over the baseline (Python,
+    numpy and the loaded BPE): a prepare that held the corpus, or its token list (~36 bytes per token as
+    Python ints), would go far over."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.prepare import write_corpus
+
+    size = write_corpus(tmp_path / "c.jsonl", 16)
+    cap_kb = 6 * 1024
+    res = subprocess.run(
+        [sys.executable, "-c", _MEM_CHILD, str(tmp_path / "c.jsonl"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert res.returncode == 0, res.stderr
+    base, peak = map(int, res.stdout.split()[-2:])
+    assert peak - base < cap_kb < size / 1024 / 2, f"peak RSS grew {peak - base} kB preparing {size} bytes"
+    assert load_meta(tmp_path / "o")["train_tokens"] > size / 8
