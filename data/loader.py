@@ -1,7 +1,8 @@
 """Read a prepared data directory: meta, tokenizer, and deterministic random-window batches.
 
 Batches follow nanoGPT's ``get_batch``: ``batch_size`` windows of ``seq_len + 1`` consecutive tokens
-at random offsets of a memory-mapped ``uint16`` token file; inputs are a window's first ``seq_len``
+at random offsets of a split's token stream (its shards memory-mapped and read as one stream, so a window
+may span two shards and the windows do not depend on the shard size); inputs are a window's first ``seq_len``
 tokens, targets the same window shifted by one. Unlike nanoGPT the offsets come from a NumPy
 ``Generator`` seeded with ``[seed, split_id, step, micro_step, rank]``, so a batch depends on those
 numbers only (identical across attention backends, restarts and resumes).
@@ -24,10 +25,10 @@ from data.meta import (
     FORMAT_VERSION,
     PREPARE_HINT,
     SPLITS,
-    TOKEN_DTYPE,
-    bin_path,
     check_bin_file,
     load_meta,
+    split_shards,
+    token_dtype,
 )
 from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 
@@ -105,9 +106,14 @@ class BinDataset:
         self.seq_len = seq_len
         self.meta = load_meta(self.data_dir)
         self.vocab_size: int = self.meta["vocab_size"]
-        self.path = bin_path(self.data_dir, split)
+        self.dtype = token_dtype(self.meta)
+        self.shards = split_shards(self.data_dir, self.meta, split)  # [(file, tokens, index file)]
+        self.path = self.shards[0][0] if len(self.shards) == 1 else self.data_dir
         self.num_tokens: int = self.meta[f"{split}_tokens"]
-        check_bin_file(self.path, self.num_tokens)
+        for path, n, _ in self.shards:
+            check_bin_file(path, n, self.dtype)
+        # offsets[k] = position of shard k's first token in the split's stream
+        self._offsets = np.cumsum([0] + [n for _, n, _ in self.shards]).astype(np.int64)
         if self.num_tokens < seq_len + 1:
             fraction = "larger" if split == "val" else "smaller"
             raise ValueError(
@@ -121,8 +127,30 @@ class BinDataset:
             self._check_ids()
 
     # -- file handling
-    def _open(self) -> np.memmap:
-        return np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r", shape=(self.num_tokens,))
+    def _open(self) -> list[np.ndarray]:
+        # np.memmap refuses an empty file: an empty shard is an empty array
+        return [
+            np.memmap(p, dtype=self.dtype, mode="r", shape=(n,)) if n else np.zeros(0, self.dtype)
+            for p, n, _ in self.shards
+        ]
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's stream (a view within one shard, else a copy)."""
+        start, stop = max(0, start), min(self.num_tokens, stop)
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        k = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        lo = start - int(self._offsets[k])
+        if stop <= self._offsets[k + 1]:
+            return self._data[k][lo : lo + stop - start]
+        parts, pos = [], start
+        while pos < stop:
+            k = int(np.searchsorted(self._offsets, pos, side="right")) - 1
+            off = int(self._offsets[k])
+            end = min(stop, int(self._offsets[k + 1]))
+            parts.append(self._data[k][pos - off : end - off])
+            pos = end
+        return np.concatenate(parts)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -134,17 +162,22 @@ class BinDataset:
         self._data = self._open()
 
     def _check_ids(self) -> None:
-        n = self.num_tokens
-        if n <= _FULL_ID_CHECK_TOKENS:
-            top = int(self._data.max())
-        else:
-            k = _PARTIAL_ID_CHECK_TOKENS
-            top = max(int(self._data[:k].max()), int(self._data[-k:].max()))
+        top, where = -1, self.path
+        for data, (path, n, _) in zip(self._data, self.shards, strict=True):
+            if n == 0:
+                continue
+            if n <= _FULL_ID_CHECK_TOKENS:
+                t = int(data.max())
+            else:
+                k = _PARTIAL_ID_CHECK_TOKENS
+                t = max(int(data[:k].max()), int(data[-k:].max()))
+            if t > top:
+                top, where = t, path
         if top >= self.vocab_size:
             raise ValueError(
-                f"{self.path} holds token id {top}, but {self.data_dir / 'meta.json'} says "
+                f"{where} holds token id {top}, but {self.data_dir / 'meta.json'} says "
                 f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
-                f"Delete {self.path.parent}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
+                f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
             )
 
     # -- documents
@@ -159,10 +192,17 @@ class BinDataset:
                     f"{self.data_dir} was prepared without a document separator; set data.doc_separator "
                     "(e.g. data.doc_separator='\n\n' for Tiny Shakespeare) with a data.dir of its own"
                 )
-            from data.docs import separator_ends
+            if all(idx is not None for _, _, idx in self.shards):  # format 2: the prepared index
+                parts = [np.zeros(1, np.int64)]
+                for off, (_, _, idx) in zip(self._offsets, self.shards, strict=False):
+                    parts.append(np.fromfile(idx, dtype="<i8") + off)
+                starts = np.unique(np.concatenate(parts))
+                self._doc_starts = starts[starts < self.num_tokens].astype(np.int64)
+            else:
+                from data.docs import separator_ends
 
-            ends = np.flatnonzero(separator_ends(np.asarray(self._data), sep)) + 1
-            self._doc_starts = np.concatenate([[0], ends[ends < self.num_tokens]]).astype(np.int64)
+                ends = np.flatnonzero(separator_ends(self._read(0, self.num_tokens), sep)) + 1
+                self._doc_starts = np.concatenate([[0], ends[ends < self.num_tokens]]).astype(np.int64)
         return self._doc_starts
 
     def window_doc_ids(self, starts: np.ndarray) -> torch.Tensor:
@@ -177,7 +217,7 @@ class BinDataset:
         # start in [0, num_tokens - seq_len - 1], so start + seq_len + 1 <= num_tokens
         starts = rng.integers(0, self.num_tokens - self.seq_len, size=batch_size)
         span = self.seq_len + 1
-        win = np.stack([self._data[s : s + span] for s in starts.tolist()]).astype(np.int64)
+        win = np.stack([self._read(s, s + span) for s in starts.tolist()]).astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
         if with_doc_ids:
@@ -249,7 +289,8 @@ class BinDataset:
 
     def tokens(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Token ids ``[start, stop)`` of the split as an int64 array (a copy)."""
-        return np.asarray(self._data[start:stop], dtype=np.int64)
+        start, stop, _ = slice(start, stop).indices(self.num_tokens)
+        return np.asarray(self._read(start, stop), dtype=np.int64)
 
     def __len__(self) -> int:
         return self.num_tokens

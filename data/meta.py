@@ -1,6 +1,22 @@
 """On-disk format of a prepared data directory, and the checks that read it back.
 
-A prepared directory holds (format_version 1):
+Format 2 (what ``data.prepare`` writes):
+
+- ``{split}_{k:06d}.bin``: shard k of a split's token stream, raw little-endian ``uint16`` (vocabulary up
+  to 65,536) or ``uint32`` token ids, ``shard_tokens`` tokens each but the last; the split's stream is
+  the shards concatenated (a document may cross a shard boundary).
+- ``{split}_{k:06d}.idx``: the document index of that shard: int64 little-endian offsets (in the shard)
+  where a document starts.
+- ``meta.json`` (written last)::
+
+      {"format_version": 2, "tokenizer", "vocab_size", "train_tokens", "val_tokens", "val_fraction",
+       "source", "source_sha256", "dtype": "uint16" | "uint32", "shard_tokens": int,
+       "shards": {"train": [{"file": "train_000000.bin", "tokens": int, "docs": int,
+                             "index": "train_000000.idx"}, ...], "val": [...]},
+       "source_kind": "text" | "docs", "text_field", "max_tokens", "source_fingerprint" (docs kind),
+       "doc_separator", "doc_separator_ids", "train_docs", "val_docs", "itos" | "encoding"/"vocab_sha256"}
+
+Format 1 (prepared by earlier versions, still read):
 
 - ``train.bin`` / ``val.bin``: the token stream's first / last part as raw little-endian ``uint16``
   token ids (no header), so a file of ``n`` tokens is exactly ``2 * n`` bytes.
@@ -22,9 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
-TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16 on disk, whatever the machine
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+TOKEN_DTYPE = np.dtype("<u2")  # little-endian uint16 on disk, whatever the machine (format 1)
 DTYPE_NAME = "uint16"
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 META_NAME = "meta.json"
 SPLITS = ("train", "val")
 REQUIRED_KEYS = (
@@ -83,16 +101,27 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     if not isinstance(meta, dict):
         raise ValueError(f"{path} holds a {type(meta).__name__}, expected a JSON object. {redo}")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise ValueError(
-            f"{path} has format_version={version!r}, but this code reads format_version={FORMAT_VERSION}. "
-            f"{redo}"
+            f"{path} has format_version={version!r}, but this code reads format_version "
+            f"{' or '.join(map(str, READ_VERSIONS))}. {redo}"
         )
-    missing = [k for k in REQUIRED_KEYS if k not in meta]
+    missing = [
+        k for k in REQUIRED_KEYS + (("shards", "shard_tokens") if version == 2 else ()) if k not in meta
+    ]
     if missing:
         raise ValueError(f"{path} lacks keys {missing}. {redo}")
-    if meta["dtype"] != DTYPE_NAME:
-        raise ValueError(f"{path} says dtype={meta['dtype']!r}; only {DTYPE_NAME!r} is supported. {redo}")
+    allowed = tuple(DTYPES) if version == 2 else (DTYPE_NAME,)
+    if meta["dtype"] not in allowed:
+        raise ValueError(f"{path} says dtype={meta['dtype']!r}; supported: {allowed}. {redo}")
+    if version == 2:
+        for split in SPLITS:
+            shards = meta["shards"].get(split) if isinstance(meta["shards"], dict) else None
+            if (
+                not isinstance(shards, list)
+                or sum(int(s.get("tokens", -1)) for s in shards) != meta[f"{split}_tokens"]
+            ):
+                raise ValueError(f"{path}: its {split} shards do not add up to {split}_tokens. {redo}")
     if meta["tokenizer"] not in ("gpt2", "char"):
         raise ValueError(f"{path} names unknown tokenizer {meta['tokenizer']!r}. {redo}")
     if meta["tokenizer"] == "char" and not isinstance(meta.get("itos"), list):
@@ -103,8 +132,25 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     return meta
 
 
-def check_bin_file(path: str | os.PathLike, num_tokens: int) -> None:
-    """Check that the token file ``path`` exists and is exactly ``num_tokens * 2`` bytes.
+def token_dtype(meta: dict) -> np.dtype:
+    """The numpy dtype of a prepared directory's token files (little-endian uint16 or uint32)."""
+    return DTYPES[meta["dtype"]]
+
+
+def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tuple[Path, int, Path | None]]:
+    """(token file, tokens, document index file or None) of each shard of ``split``, in stream order;
+    a format-1 directory has one shard per split (``{split}.bin``) and no index."""
+    if meta["format_version"] == 1:
+        return [(bin_path(data_dir, split), int(meta[f"{split}_tokens"]), None)]
+    d = Path(data_dir)
+    return [
+        (d / s["file"], int(s["tokens"]), d / s["index"] if s.get("index") else None)
+        for s in meta["shards"][split]
+    ]
+
+
+def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype = TOKEN_DTYPE) -> None:
+    """Check that the token file ``path`` exists and is exactly ``num_tokens * itemsize`` bytes.
 
     Raises:
         FileNotFoundError: the file is missing (message: re-run the prepare step).
@@ -118,10 +164,11 @@ def check_bin_file(path: str | os.PathLike, num_tokens: int) -> None:
             f"and re-run `{PREPARE_HINT}`."
         )
     size = path.stat().st_size
-    expected = num_tokens * TOKEN_DTYPE.itemsize
+    expected = num_tokens * dtype.itemsize
     if size != expected:
         raise ValueError(
-            f"{path} is {size} bytes, but {path.parent / META_NAME} says it holds {num_tokens} uint16 tokens "
+            f"{path} is {size} bytes, but {path.parent / META_NAME} says it holds {num_tokens} "
+            f"{dtype.name} tokens "
             f"= {expected} bytes: the file is truncated or was written by another prepare run. Delete {path} "
             f"and {path.parent / META_NAME}, then re-run `{PREPARE_HINT}`."
         )

@@ -26,10 +26,12 @@ import json
 import logging
 import math
 import os
+import shutil
 import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -40,17 +42,33 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `da
 
 import numpy as np  # noqa: E402
 
-from data.docs import parse_separator  # noqa: E402
+from data.docs import GPT2_EOT, parse_separator, separator_ends, separator_ids  # noqa: E402
 from data.meta import (  # noqa: E402
-    DTYPE_NAME,
+    DTYPES,
     FORMAT_VERSION,
     META_NAME,
     SPLITS,
-    TOKEN_DTYPE,
-    bin_path,
     check_bin_file,
     load_meta,
     meta_path,
+    split_shards,
+    token_dtype,
+)
+from data.shards import (  # noqa: E402
+    ShardWriter,
+    install,
+    is_val_doc,
+    load_state,
+    save_state,
+    stage_dir,
+    tokenized_documents,
+)
+from data.sources import (  # noqa: E402
+    Source,
+    decode_utf8,
+    fingerprint_diff,
+    fingerprint_sha256,
+    open_source,
 )
 from data.tokenizer import MAX_VOCAB, TOKENIZERS, make_tokenizer  # noqa: E402
 
@@ -63,6 +81,7 @@ DATA_DIR = Path(__file__).resolve().parent
 DEFAULT_OUT_DIRS = {"gpt2": DATA_DIR / "shakespeare", "char": DATA_DIR / "shakespeare_char"}
 DOWNLOAD_NAME = "input.txt"
 DOWNLOAD_TIMEOUT_S = 60.0
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB uint16 files, as llm.c's FineWeb shards
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -120,11 +139,6 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
         raise
 
 
-def _write_array(path: Path, ids: np.ndarray) -> None:
-    arr = np.ascontiguousarray(ids, dtype=TOKEN_DTYPE)
-    atomic_write(path, lambda f: f.write(memoryview(arr).cast("B")))
-
-
 def _write_meta(path: Path, meta: dict) -> None:
     payload = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
     atomic_write(path, lambda f: f.write(payload))
@@ -159,15 +173,17 @@ def _meta_source(out_dir: Path) -> str | None:
         return None
 
 
-def _resolve_source(source: str | os.PathLike | None, out_dir: Path, *, fetch: bool) -> tuple[Path, str]:
-    """Map ``source`` to (local file to read, label stored in meta["source"]).
+def _resolve_source(
+    source: str | os.PathLike | None, out_dir: Path, *, fetch: bool, text_field: str = "text"
+) -> Source:
+    """Map ``source`` to a ``data.sources.Source`` (its ``label`` is stored in meta["source"]).
 
     ``None`` means the Tiny Shakespeare URL. When ``fetch`` is true a URL is downloaded into
     ``out_dir/input.txt``, unless that file exists already and ``out_dir/meta.json`` does not name another
-    source (delete it to force a new download).
+    source (delete it to force a new download); a URL is a text source whose label is the URL.
 
     Raises:
-        FileNotFoundError / IsADirectoryError: a local ``source`` that is not an existing file.
+        FileNotFoundError / IsADirectoryError: a local ``source`` that names no file.
         RuntimeError: download failure (see ``_download``).
     """
     if isinstance(source, str) and not source.strip():
@@ -180,82 +196,100 @@ def _resolve_source(source: str | os.PathLike | None, out_dir: Path, *, fetch: b
                 dest.unlink()  # a download of another URL
             if not (dest.is_file() and dest.stat().st_size > 0):
                 _download(url, dest)
-        return dest, url
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"source text file {str(path)!r} does not exist (cwd: {os.getcwd()}). Pass an existing UTF-8 "
-            "text file (data.source=PATH or --source PATH), or leave the source unset to download Tiny "
-            "Shakespeare."
-        )
-    if not path.is_file():
-        raise IsADirectoryError(f"source {str(path)!r} is not a regular file; pass a UTF-8 text file's path")
-    path = path.resolve()
-    return path, str(path)
-
-
-def _decode_utf8(raw: bytes, path: Path) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"{path} is not UTF-8 text: byte {raw[e.start : e.start + 1]!r} at offset {e.start} is invalid "
-            f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
-            "pass the converted file."
-        ) from e
+        return Source(url, "text", [dest], out_dir, text_field=text_field)
+    return open_source(source, text_field)
 
 
 # ------------------------------------------------------------------------------------------------- API
+@dataclass(frozen=True)
+class Options:
+    """What a prepared directory is prepared with besides source and tokenizer (compared on reuse)."""
+
+    val_fraction: float = 0.1
+    doc_separator: str | None = None
+    text_field: str = "text"
+    max_tokens: int | None = None
+
+
 def prepare(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
     doc_separator: str | None = None,
+    *,
+    text_field: str = "text",
+    max_tokens: int | None = None,
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    dtype: str = "auto",
+    progress: bool = True,
 ) -> dict:
-    """Tokenize a UTF-8 text corpus into ``out_dir/{train,val}.bin`` + ``out_dir/meta.json``.
+    """Tokenize a corpus into shards ``out_dir/{train,val}_NNNNNN.bin`` (+ ``.idx``) and ``meta.json``.
 
     Args:
-        source: path of a UTF-8 text file; an ``http(s)://`` URL (downloaded into ``out_dir/input.txt``,
-            reused if that file exists); or ``None`` / ``""`` for Tiny Shakespeare (``TINY_SHAKESPEARE_URL``).
+        source: a UTF-8 text file; a directory or glob of text / .jsonl / .json.gz / .parquet files; a
+            single .jsonl / .json.gz / .parquet file; ``hf:NAME[:CONFIG]`` (``data.sources``); an
+            ``http(s)://`` URL (downloaded into ``out_dir/input.txt``, reused if that file exists); or
+            ``None`` / ``""`` for Tiny Shakespeare (``TINY_SHAKESPEARE_URL``).
         out_dir: output directory (created if missing).
         tokenizer: ``"gpt2"`` (tiktoken GPT-2 BPE, ``encode_ordinary``, vocab 50257) or ``"char"``
-            (vocab = sorted distinct characters of the corpus, stored as ``meta["itos"]``).
-        val_fraction: share of the token stream (its end) kept for validation, in (0, 1).
-        doc_separator: None, or a string that separates documents in the text (Tiny Shakespeare: "\n\n",
-            one speech per document). gpt2: the text is split on it and the documents are joined with the
-            end-of-text token (50256) instead; char: the text is kept as it is (no end-of-text token in its
-            vocabulary) and the separator's characters mark the boundaries (`data.docs`). The escapes
-            \\n, \\t, \\\\ are understood (`data.docs.parse_separator`).
+            (vocab = sorted distinct characters of the corpus, stored as ``meta["itos"]``; a single
+            text file only: the vocabulary needs the whole text).
+        val_fraction: in (0, 1). A single text file: the share of the token stream (its end, moved to
+            the next document start when there are documents) kept for validation. Any other source:
+            the share of documents held out whole (``data.shards.is_val_doc``).
+        doc_separator: a single text file only: None (one document), or a string that separates
+            documents in it (Tiny Shakespeare: "\n\n"). gpt2: the documents are joined with the
+            end-of-text token (50256); char: the text is kept and the separator's characters mark the
+            boundaries (``data.docs``). Escapes \\n, \\t, \\\\ are understood. Every other source is a
+            list of documents, each followed by the end-of-text token.
+        text_field: the record field (JSON) or column (Parquet, datasets) that holds a document's text.
+        max_tokens: stop after this many tokens (the last document cut there), None for all.
+        workers: tokenizer processes (default: the CPU count); 1 tokenizes inline.
+        shard_tokens: tokens per shard file (the last one of a split may be shorter).
+        dtype: ``"auto"`` (uint16 when the vocabulary fits, else uint32), ``"uint16"`` or ``"uint32"``.
+        progress: show a tqdm bar (tokens, tokens/s) on stderr.
 
     Returns:
-        The meta dict written to ``meta.json``: format_version (1), tokenizer, vocab_size, train_tokens,
-        val_tokens, val_fraction, source (absolute path or URL), source_sha256 (of the file's bytes),
-        dtype ("uint16"), for char itos, for gpt2 encoding (tiktoken's name) and vocab_sha256
-        (``data.tokenizer.vocab_sha256`` of its tokens), and with doc_separator: doc_separator,
-        doc_separator_ids (the token ids that end a document) and train_docs / val_docs (documents
-        starting in each split).
+        The meta dict written to ``meta.json`` (``data.meta``): format_version 2, tokenizer, vocab_size,
+        train_tokens, val_tokens, val_fraction, source (absolute path, glob, hf:NAME or URL),
+        source_sha256 (a text file's bytes; else of ``source_fingerprint``: file names, sizes, mtimes),
+        dtype, shard_tokens, shards, source_kind, text_field, max_tokens, for char itos, for gpt2
+        encoding and vocab_sha256, and with documents doc_separator, doc_separator_ids, train_docs and
+        val_docs (documents starting in each split).
 
-    Files are written through temporary files and ``os.replace``; a previous ``meta.json`` is removed
-    first and the new one written last, so an interrupted run never leaves a directory that looks
-    prepared. The corpus is tokenized in memory (fine up to a few hundred MB). When it fails (e.g. a
-    download without network), the directories this call created are removed again, with what it wrote
-    there; a directory that existed before, or holds other files, is kept.
+    The shards are written into ``out_dir/.prepare-partial`` and moved in at the end (``data.shards``),
+    the meta.json last: a prepare that fails or is interrupted leaves the data already prepared in
+    ``out_dir`` as it was, and one that is interrupted continues from its last complete shard when run
+    again with the same arguments. A failed prepare also removes the directories it created.
 
     Raises:
-        ValueError: bad tokenizer / val_fraction, non-UTF-8 or empty corpus, fewer than 2 tokens.
-        FileNotFoundError / IsADirectoryError: local ``source`` is not an existing file.
+        ValueError: bad arguments, a non-UTF-8 file, a record without the text field, a source without
+            (non-empty) documents, fewer than 2 tokens or an empty split; the message names the source.
+        FileNotFoundError / IsADirectoryError: a local ``source`` that names no file.
         RuntimeError: download failed (says to pass a local path), or tiktoken's BPE files are unavailable.
     """
-    _check_args(tokenizer, val_fraction)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
     out = Path(out_dir).expanduser()
     created: list[Path] = []
     with _locked(out, created):
         try:
-            return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
-        except BaseException:
-            _take_back(created)  # a refused or failed prepare leaves no empty data directory of its own
+            return _prepare_into(out, source, tokenizer, opts, workers, shard_tokens, dtype, progress)
+        except BaseException as e:
+            _take_back(created, keep_stage=not isinstance(e, Exception))
             raise
+
+
+def _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens) -> Options:
+    _check_args(tokenizer, val_fraction)
+    if not isinstance(text_field, str) or not text_field:
+        raise ValueError(f"text_field={text_field!r} must be a non-empty field name, e.g. 'text'")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2
+    ):
+        raise ValueError(f"max_tokens={max_tokens!r} must be null or an integer >= 2, e.g. 1000000000")
+    return Options(float(val_fraction), parse_separator(doc_separator), text_field, max_tokens)
 
 
 def _make_dirs(path: Path) -> list[Path]:
@@ -327,14 +361,17 @@ def _missing_dirs(path: Path) -> list[Path]:
     return missing
 
 
-def _take_back(created: list[Path]) -> None:
+def _take_back(created: list[Path], keep_stage: bool = False) -> None:
     """After a failed ``prepare``: remove the directories it created (``created``, deepest first) with the
-    files it writes there (download, token files, meta.json). A directory holding anything else is kept,
-    and so are those above it; a directory that existed before is never in ``created``."""
+    files it writes there (download, stage, meta.json). A directory holding anything else is kept, and so
+    are those above it; a directory that existed before is never in ``created``. ``keep_stage``: an
+    interrupted prepare (Ctrl-C) keeps its stage, to resume from."""
     if not created:
         return
     out = created[0]
-    for path in (out / DOWNLOAD_NAME, meta_path(out), *(bin_path(out, split) for split in SPLITS)):
+    if not keep_stage:
+        shutil.rmtree(stage_dir(out), ignore_errors=True)
+    for path in (out / DOWNLOAD_NAME, meta_path(out)):
         try:
             path.unlink(missing_ok=True)
         except OSError:
@@ -346,83 +383,268 @@ def _take_back(created: list[Path]) -> None:
             return
 
 
+def _source_identity(src: Source, opts: Options) -> tuple[str, dict | None]:
+    """(source_sha256, source_fingerprint): a text file's bytes' SHA-256; else the SHA-256 of the
+    fingerprint (file names, sizes, mtimes or the dataset name) and the fingerprint itself."""
+    if src.kind == "text":
+        return sha256_file(src.files[0]), None
+    fp = src.fingerprint()
+    return fingerprint_sha256(fp, opts.text_field), fp
+
+
+def _tokenizer_meta(tok) -> dict:
+    if tok.name == "char":
+        return {"itos": tok.itos}
+    # what the ids mean: the BPE's name and vocabulary (a resume compares them, trainer/setup.py)
+    return {"encoding": tok.encoding, "vocab_sha256": tok.vocab_sha256()}
+
+
+def _dtype_for(vocab_size: int, dtype: str) -> str:
+    if dtype == "auto":
+        return "uint16" if vocab_size <= MAX_VOCAB else "uint32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use auto, uint16 or uint32")
+    if dtype == "uint16" and vocab_size > MAX_VOCAB:
+        raise ValueError(
+            f"vocab_size {vocab_size} does not fit uint16 token files; use dtype=uint32 (or auto)"
+        )
+    return dtype
+
+
 def _prepare_into(
     out: Path,
     source: str | os.PathLike | None,
     tokenizer: str,
-    val_fraction: float,
-    doc_separator: str | None,
+    opts: Options,
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    dtype: str = "auto",
+    progress: bool = True,
 ) -> dict:
     """``prepare`` into the existing directory ``out``."""
-    src_path, src_label = _resolve_source(source, out, fetch=True)
+    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+        raise ValueError(
+            f"shard_tokens={shard_tokens!r} must be a positive integer, e.g. {DEFAULT_SHARD_TOKENS}"
+        )
+    workers = os.cpu_count() or 1 if workers is None else int(workers)
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1 (default: the CPU count)")
+    src = _resolve_source(source, out, fetch=True, text_field=opts.text_field)
+    if src.kind == "docs" and tokenizer == "char":
+        raise ValueError(
+            "tokenizer 'char' reads a single text file (its vocabulary is the file's characters); "
+            f"{src.label} is a list of documents: use tokenizer gpt2 (data.tokenizer=gpt2, --tokenizer gpt2)"
+        )
+    if src.kind == "docs" and opts.doc_separator is not None:
+        raise ValueError(
+            f"doc_separator splits a single text file into documents; {src.label} is read as documents "
+            "already (one per file or record, end-of-text between them): leave doc_separator unset"
+        )
+    sha, fp = _source_identity(src, opts)
+    stage = stage_dir(out)
+    stage.mkdir(exist_ok=True)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer,
+        "source": src.label,
+        "source_sha256": sha,
+        "source_kind": src.kind,
+        "val_fraction": opts.val_fraction,
+        "text_field": opts.text_field,
+        "max_tokens": opts.max_tokens,
+        "shard_tokens": shard_tokens,
+    }
+    try:
+        if src.kind == "text":
+            body = _prepare_text(src, stage, tokenizer, opts, shard_tokens, dtype)
+        else:
+            key = {"meta": meta, "dtype": dtype, "fingerprint": fp}
+            body = _prepare_docs(src, stage, tokenizer, opts, shard_tokens, dtype, workers, progress, key)
+    except Exception:
+        shutil.rmtree(stage, ignore_errors=True)  # a bad source: nothing to resume
+        raise
+    meta.update(body)
+    if fp is not None:
+        meta["source_fingerprint"] = fp
+    logger.info(
+        "prepare %s: %s tokenizer -> %d tokens (%d train / %d val, %s, %d + %d shards) -> %s",
+        src.label,
+        tokenizer,
+        meta["train_tokens"] + meta["val_tokens"],
+        meta["train_tokens"],
+        meta["val_tokens"],
+        meta["dtype"],
+        len(meta["shards"]["train"]),
+        len(meta["shards"]["val"]),
+        out,
+    )
+    install(out, stage, meta["shards"], lambda: _write_meta(meta_path(out), meta))
+    return meta
 
-    raw = src_path.read_bytes()
-    source_sha256 = hashlib.sha256(raw).hexdigest()
-    text = _decode_utf8(raw, src_path)
+
+def _prepare_text(
+    src: Source, stage: Path, tokenizer: str, opts: Options, shard_tokens: int, dtype: str
+) -> dict:
+    """A single text file, read whole (as before shards): one document, or documents split on
+    ``doc_separator``; the val split is the stream's end, from the first document start at or after
+    ``split_point`` (a corpus of one document is cut there)."""
+    path = src.files[0]
+    text = decode_utf8(path.read_bytes(), str(path))
     if not text:
-        raise ValueError(f"{src_path} is empty; pass a non-empty UTF-8 text file")
-
+        raise ValueError(f"{path} is empty; pass a non-empty UTF-8 text file")
     tok = make_tokenizer(tokenizer, text=text)
     sep_ids = None
-    doc_separator = parse_separator(doc_separator)
-    if doc_separator is not None:
-        from data.docs import GPT2_EOT, separator_ids
-
-        sep_ids = separator_ids(tokenizer, doc_separator, tok)
+    if opts.doc_separator is not None:
+        sep_ids = separator_ids(tokenizer, opts.doc_separator, tok)
     if sep_ids is not None and tokenizer == "gpt2":
         # each non-empty document, then one end-of-text token (it ends the document)
         parts = []
-        for doc in text.split(doc_separator):
+        for doc in text.split(opts.doc_separator):
             if doc:
                 part = tok.encode_array(doc)
                 parts += [part, np.full(1, GPT2_EOT, dtype=part.dtype)]
         ids = np.concatenate(parts) if parts else tok.encode_array(text)
     else:
         ids = tok.encode_array(text)
-    if tok.vocab_size > MAX_VOCAB:  # pragma: no cover - both tokenizers stay below 2**16
-        raise ValueError(f"vocab_size {tok.vocab_size} does not fit uint16 token files")
-    n_train = split_point(len(ids), val_fraction)
-    logger.info(
-        "prepare %s: %s tokenizer, %d chars -> %d tokens (%d train / %d val) -> %s",
-        src_label,
-        tokenizer,
-        len(text),
-        len(ids),
-        n_train,
-        len(ids) - n_train,
-        out,
-    )
-
-    meta_path(out).unlink(missing_ok=True)  # directory is "unprepared" until the new meta lands
-    _write_array(bin_path(out, "train"), ids[:n_train])
-    _write_array(bin_path(out, "val"), ids[n_train:])
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": tokenizer,
-        "vocab_size": int(tok.vocab_size),
-        "train_tokens": int(n_train),
-        "val_tokens": int(len(ids) - n_train),
-        "val_fraction": float(val_fraction),
-        "source": src_label,
-        "source_sha256": source_sha256,
-        "dtype": DTYPE_NAME,
-    }
-    if tokenizer == "char":
-        meta["itos"] = tok.itos
-    else:  # what the ids mean: the BPE's name and vocabulary (a resume compares them, trainer/setup.py)
-        meta["encoding"] = tok.encoding
-        meta["vocab_sha256"] = tok.vocab_sha256()
+    if opts.max_tokens is not None:
+        ids = ids[: opts.max_tokens]
+    n_train = split_point(len(ids), opts.val_fraction)
     if sep_ids is not None:
-        from data.docs import separator_ends
+        starts = np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1  # documents after the first
+        later = starts[starts >= n_train]
+        if len(later) and later[0] < len(ids):  # whole documents held out, when there is a later one
+            n_train = int(later[0])
+        starts = np.concatenate([[0], starts])
+    else:
+        starts = np.zeros(1, np.int64)
+    dt = _dtype_for(tok.vocab_size, dtype)
+    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
+    for split, lo, hi in (("train", 0, n_train), ("val", n_train, len(ids))):
+        w = ShardWriter(stage, split, shard_tokens, dt)
+        cuts = np.unique(np.concatenate([[lo], starts[(starts > lo) & (starts < hi)], [hi]]))
+        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+            w.add(ids[a:b])
+        body["shards"][split] = w.finish()
+        body[f"{split}_tokens"] = hi - lo
+        if sep_ids is not None:
+            body[f"{split}_docs"] = w.docs
+    if sep_ids is not None:
+        body.update(doc_separator=opts.doc_separator, doc_separator_ids=sep_ids)
+    return body
 
-        ends = separator_ends(ids, sep_ids)
-        meta["doc_separator"] = doc_separator
-        meta["doc_separator_ids"] = sep_ids
-        # documents starting in each split: position 0 and every position after a separator end
-        meta["train_docs"] = 1 + int(ends[: n_train - 1].sum())
-        meta["val_docs"] = 1 + int(ends[n_train : len(ids) - 1].sum())
-    _write_meta(meta_path(out), meta)
-    return meta
+
+def _prepare_docs(
+    src: Source,
+    stage: Path,
+    tokenizer: str,
+    opts: Options,
+    shard_tokens: int,
+    dtype: str,
+    workers: int,
+    progress: bool,
+    key: dict,
+) -> dict:
+    """A list of documents, streamed: tokenized by ``workers`` processes, each document followed by the
+    end-of-text token, every 1/val_fraction-th held out whole for validation, written into shards;
+    resumes from ``stage``'s state when it holds one for ``key``."""
+    from tqdm import tqdm
+
+    tok = make_tokenizer(tokenizer)
+    dt = _dtype_for(tok.vocab_size, dtype)
+    state = load_state(stage, key)
+    stage.mkdir(exist_ok=True)
+    splits = state["splits"] if state else {}
+    writers = {s: ShardWriter(stage, s, shard_tokens, dt, splits.get(s)) for s in SPLITS}
+    done = state["docs"] if state else 0
+    total = sum(w.tokens for w in writers.values())
+    if state:
+        logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, done, total)
+    eot = np.full(1, GPT2_EOT, dtype=np.uint32)
+    bar = tqdm(
+        total=opts.max_tokens,
+        initial=total,
+        unit="tok",
+        unit_scale=True,
+        desc=f"prepare {Path(src.label).name or src.label}",
+        disable=not progress,
+        mininterval=1.0,
+    )
+    try:
+        i = done - 1
+        docs = tokenized_documents(src.documents(), tokenizer, workers, skip=done)
+        for i, ids in enumerate(docs, start=done):
+            ids = np.concatenate([ids, eot])
+            if opts.max_tokens is not None:
+                ids = ids[: opts.max_tokens - total]
+            writers["val" if is_val_doc(i, opts.val_fraction) else "train"].add(ids)
+            total += len(ids)
+            bar.update(len(ids))
+            if any(w.completed for w in writers.values()):
+                save_state(stage, key, i + 1, writers)
+            if opts.max_tokens is not None and total >= opts.max_tokens:
+                break
+        docs.close()  # stops the tokenizer processes (after a max_tokens break)
+        n_docs = i + 1
+        shards = {split: w.finish() for split, w in writers.items()}
+    finally:
+        bar.close()
+        for w in writers.values():
+            w.close()
+    if n_docs == 0:
+        raise ValueError(
+            f"{src.label} holds no non-empty document (field {opts.text_field!r} for records); pass a source "
+            "with text"
+        )
+    for split in SPLITS:
+        if writers[split].tokens == 0:
+            raise ValueError(
+                f"{src.label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
+                f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
+                f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
+            )
+    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": shards}
+    for split in SPLITS:
+        body[f"{split}_tokens"] = writers[split].tokens
+        body[f"{split}_docs"] = writers[split].docs
+    body.update(doc_separator=None, doc_separator_ids=[GPT2_EOT])
+    return body
+
+
+def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_text: bool = True) -> str | None:
+    """What differs between ``meta`` (a prepared directory) and these arguments, in words, or None."""
+    if meta["tokenizer"] != tokenizer:
+        return (
+            f"data tokenized with {meta['tokenizer']!r} (vocab_size {meta['vocab_size']}), not {tokenizer!r}"
+        )
+    if meta.get("doc_separator") != opts.doc_separator and src.kind == "text":
+        return f"data prepared with doc_separator={meta.get('doc_separator')!r}, not {opts.doc_separator!r}"
+    old_fraction = meta.get("val_fraction")
+    if old_fraction is not None and not math.isclose(float(old_fraction), opts.val_fraction, abs_tol=1e-12):
+        return f"data split with val_fraction={old_fraction}, not {opts.val_fraction}"
+    if meta.get("text_field", "text") != opts.text_field and src.kind == "docs":
+        return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
+    if meta.get("max_tokens") != opts.max_tokens:
+        return f"data capped at max_tokens={meta.get('max_tokens')}, not {opts.max_tokens}"
+    if meta["source"] != src.label and (src.kind == "docs" or _is_url(src.label) or _is_url(meta["source"])):
+        return f"data prepared from {meta['source']}, not {src.label}"
+    if src.kind == "docs":
+        old = meta.get("source_fingerprint")
+        new = src.fingerprint()
+        diff = fingerprint_diff(old, new) if isinstance(old, dict) else "no recorded fingerprint"
+        return (
+            f"data prepared from {meta['source']} as it was before (source changed: {diff})" if diff else None
+        )
+    if _is_url(src.label):
+        if not src.files[0].is_file():
+            return None  # the download was deleted; the token files are still valid
+    if hash_text:
+        sha = sha256_file(src.files[0])
+        if sha != meta["source_sha256"]:
+            return (
+                f"data prepared from {meta['source']} (another text than {src.label}: sha256 {sha[:12]}..., "
+                f"prepared from {str(meta['source_sha256'])[:12]}...; source changed)"
+            )
+    return None
 
 
 def stale_reason(
@@ -431,50 +653,37 @@ def stale_reason(
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
     doc_separator: str | None = None,
+    *,
+    text_field: str = "text",
+    max_tokens: int | None = None,
 ) -> str | None:
     """Why ``out_dir`` needs (re-)preparing for these arguments, or ``None`` if it is up to date.
 
-    Up to date means: ``meta.json`` loads (format_version 1), its tokenizer and val_fraction match, both
-    ``.bin`` files exist with the sizes it records, and the source matches: for a local file, its SHA-256
-    equals ``meta["source_sha256"]``; for a URL (or ``None``), ``meta["source"]`` is that URL and a kept
-    ``out_dir/input.txt``, if any, hashes to ``meta["source_sha256"]``. Costs one hash of the source file.
+    Up to date means: ``meta.json`` loads (format 1 or 2), every token file exists with the size it
+    records, and tokenizer, separator, split, text field, cap and source match (``_compare``): a text
+    file's SHA-256, a URL's name (and a kept download's SHA-256), the file names / sizes / mtimes of a
+    directory or glob, a dataset's name. Costs one hash of a text source.
 
     Raises:
-        FileNotFoundError / IsADirectoryError: local ``source`` is not an existing file.
+        FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
     out = Path(out_dir).expanduser()
-    src_path, src_label = _resolve_source(source, out, fetch=False)
+    src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
     if not (out / META_NAME).is_file():
         return "not prepared yet"
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError) as e:
         return f"no usable {META_NAME} ({e})"
-    if meta["tokenizer"] != tokenizer:
-        return f"{META_NAME} is for tokenizer {meta['tokenizer']!r}, requested {tokenizer!r}"
-    doc_separator = parse_separator(doc_separator)
-    if meta.get("doc_separator") != doc_separator:
-        return f"{META_NAME} has doc_separator={meta.get('doc_separator')!r}, requested {doc_separator!r}"
-    old_fraction = meta.get("val_fraction")
-    if old_fraction is None or not math.isclose(float(old_fraction), float(val_fraction), abs_tol=1e-12):
-        return f"{META_NAME} has val_fraction={old_fraction!r}, requested {val_fraction!r}"
     for split in SPLITS:
-        try:
-            check_bin_file(bin_path(out, split), meta[f"{split}_tokens"])
-        except (FileNotFoundError, ValueError) as e:
-            return str(e)
-    if _is_url(src_label):
-        if meta["source"] != src_label:
-            return f"{META_NAME} was prepared from {meta['source']!r}, requested {src_label!r}"
-        if not src_path.is_file():
-            return None  # the download was deleted; the token files are still valid
-    sha = sha256_file(src_path)
-    if sha != meta["source_sha256"]:
-        return (
-            f"{src_path} has sha256 {sha[:12]}..., but {META_NAME} was prepared from content with sha256 "
-            f"{str(meta['source_sha256'])[:12]}... (source changed)"
-        )
-    return None
+        for path, n, _ in split_shards(out, meta, split):
+            try:
+                check_bin_file(path, n, token_dtype(meta))
+            except (FileNotFoundError, ValueError) as e:
+                return str(e)
+    diff = _compare(meta, src, tokenizer, opts)
+    return f"{META_NAME} holds {diff}" if diff else None
 
 
 def ensure_prepared(
@@ -485,44 +694,54 @@ def ensure_prepared(
     doc_separator: str | None = None,
     *,
     keep_other: bool = False,
+    text_field: str = "text",
+    max_tokens: int | None = None,
+    workers: int | None = None,
+    progress: bool = True,
 ) -> dict:
     """Return ``out_dir``'s meta dict, running ``prepare`` first only if it is missing or stale.
 
-    Staleness is decided by ``stale_reason`` (missing/broken files, other tokenizer, other
-    val_fraction, or a source whose SHA-256 differs); the reason is logged (INFO) before re-preparing.
-    When up to date nothing is re-tokenized or rewritten (file mtimes are unchanged).
+    Staleness is decided by ``stale_reason``; the reason is logged (INFO) before re-preparing. When up to
+    date nothing is re-tokenized or rewritten (file mtimes are unchanged).
 
     The check and the prepare run under an exclusive lock on the directory (``_locked``): of several
     processes that start at once on a directory not prepared yet, one prepares and the others wait for
-    it, then return its meta. With ``keep_other=True`` (the trainer) a directory that another process
-    has meanwhile prepared with other arguments (``conflict_reason``) is an error, not re-prepared: runs
-    read it. In distributed training call it on one rank, then barrier.
+    it, then return its meta. With ``keep_other=True`` (the trainer) a directory that holds data of other
+    arguments (``conflict_reason``) is an error, not re-prepared: runs read it. In distributed training
+    call it on one rank, then barrier.
 
     Raises:
         Same as ``prepare``; ValueError naming what the directory holds (``keep_other``).
     """
-    _check_args(tokenizer, val_fraction)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
     out = Path(out_dir).expanduser()
     created: list[Path] = []
     with _locked(out, created):
         try:  # taken back under the lock: a waiter never starts on files about to be removed
-            reason = stale_reason(source, out, tokenizer, val_fraction, doc_separator)
+            reason = stale_reason(source, out, tokenizer, **_kw(opts))
             if reason is None:
                 logger.info("data in %s is up to date", out_dir)
                 return load_meta(out)
-            held = (
-                conflict_reason(source, out, tokenizer, val_fraction, doc_separator) if keep_other else None
-            )
+            held = conflict_reason(source, out, tokenizer, **_kw(opts)) if keep_other else None
             if held:
                 raise ValueError(
-                    f"{out_dir} now holds {held} (prepared by another process meanwhile); runs read it, so "
-                    "it is not prepared again: use a data.dir of its own"
+                    f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
+                    "its own"
                 )
             logger.info("preparing data in %s: %s", out_dir, reason)
-            return _prepare_into(out, source, tokenizer, val_fraction, doc_separator)
-        except BaseException:
-            _take_back(created)
+            return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
+        except BaseException as e:
+            _take_back(created, keep_stage=not isinstance(e, Exception))
             raise
+
+
+def _kw(opts: Options) -> dict:
+    return {
+        "val_fraction": opts.val_fraction,
+        "doc_separator": opts.doc_separator,
+        "text_field": opts.text_field,
+        "max_tokens": opts.max_tokens,
+    }
 
 
 def conflict_reason(
@@ -531,38 +750,28 @@ def conflict_reason(
     tokenizer: str = "gpt2",
     val_fraction: float = 0.1,
     doc_separator: str | None = None,
+    *,
+    text_field: str = "text",
+    max_tokens: int | None = None,
 ) -> str | None:
     """What ``out_dir`` already holds that preparing these arguments there would replace, or None.
 
     A directory with a loadable ``meta.json`` holds data that runs read (and resume from): preparing
-    another tokenizer, document separator, split or corpus there would swap it under them. None when
-    ``out_dir`` is not prepared (or its meta.json is broken) or holds exactly these arguments' data.
+    another tokenizer, document separator, split, text field, cap or corpus there would swap it under
+    them (a changed source included: its message names what differs). None when ``out_dir`` is not
+    prepared (or its meta.json is broken) or holds exactly these arguments' data.
 
     Raises:
-        FileNotFoundError / IsADirectoryError: local ``source`` is not an existing file.
+        FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
     out = Path(out_dir).expanduser()
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError):
         return None
-    src_path, src_label = _resolve_source(source, out, fetch=False)
-    doc_separator = parse_separator(doc_separator)
-    if meta["tokenizer"] != tokenizer:
-        return (
-            f"data tokenized with {meta['tokenizer']!r} (vocab_size {meta['vocab_size']}), not {tokenizer!r}"
-        )
-    if meta.get("doc_separator") != doc_separator:
-        return f"data prepared with doc_separator={meta.get('doc_separator')!r}, not {doc_separator!r}"
-    old_fraction = meta.get("val_fraction")
-    if old_fraction is not None and not math.isclose(float(old_fraction), float(val_fraction), abs_tol=1e-12):
-        return f"data split with val_fraction={old_fraction}, not {val_fraction}"
-    if _is_url(src_label):
-        if meta["source"] != src_label:
-            return f"data prepared from {meta['source']}, not {src_label}"
-    elif sha256_file(src_path) != meta["source_sha256"]:
-        return f"data prepared from {meta['source']} (another text than {src_label})"
-    return None
+    src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
+    return _compare(meta, src, tokenizer, opts)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -570,12 +779,13 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit status (0 ok, 1 error with a message on stderr)."""
     parser = argparse.ArgumentParser(
         prog="python -m data.prepare",
-        description="Tokenize a UTF-8 text corpus into train.bin / val.bin (uint16) + meta.json.",
+        description="Tokenize a corpus into token shards ({train,val}_NNNNNN.bin + .idx) + meta.json.",
     )
     parser.add_argument(
         "--source",
         default=None,
-        help="UTF-8 text file or http(s) URL (default: download Tiny Shakespeare into OUT_DIR/input.txt)",
+        help="UTF-8 text file, directory or glob of text / .jsonl / .json.gz / .parquet files, "
+        "hf:NAME[:CONFIG], or http(s) URL (default: download Tiny Shakespeare into OUT_DIR/input.txt)",
     )
     parser.add_argument(
         "--out-dir",
@@ -583,13 +793,34 @@ def main(argv: list[str] | None = None) -> int:
         help="output directory (default: data/shakespeare for gpt2, data/shakespeare_char for char)",
     )
     parser.add_argument("--tokenizer", choices=TOKENIZERS, default="gpt2")
-    parser.add_argument("--val-fraction", type=float, default=0.1, help="share of tokens for val (0.1)")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.1,
+        help="share held out for val (0.1): documents of a list of documents, the end of a text file",
+    )
     parser.add_argument(
         "--doc-separator",
         default=None,
-        help="string between documents, e.g. $'\\n\\n' (records document starts for "
+        help="a text file only: string between documents, e.g. $'\\n\\n' (records document starts for "
         "document masking; gpt2 writes <|endoftext|> between documents)",
     )
+    parser.add_argument("--text-field", default="text", help="record field / column with the text (text)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help=f"tokenizer processes (default: CPU count, {os.cpu_count()})",
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens per shard ({DEFAULT_SHARD_TOKENS})",
+    )
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="token file dtype (auto)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--force",
         action="store_true",
@@ -599,24 +830,40 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
+    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens}
     try:
-        held = conflict_reason(args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator)
+        held = conflict_reason(
+            args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator, **kw
+        )
         if held and not args.force:
             other = Path(out_dir).parent / f"{Path(out_dir).name}_{args.tokenizer}"
             print(
-                f"error: {out_dir} already holds {held}; preparing there would replace the train.bin / "
-                f"val.bin / meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "
+                f"error: {out_dir} already holds {held}; preparing there would replace the token files and "
+                f"meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "
                 "or add --force to replace it",
                 file=sys.stderr,
             )
             return 1
-        meta = prepare(args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator)
+        meta = prepare(
+            args.source,
+            out_dir,
+            args.tokenizer,
+            args.val_fraction,
+            args.doc_separator,
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            dtype=args.dtype,
+            progress=not args.no_progress,
+            **kw,
+        )
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    shards = sum(len(v) for v in meta["shards"].values())
     print(
         f"wrote {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-        f"(tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}) to {Path(out_dir)}"
+        f"(tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}, {meta['dtype']}, {shards} shards) "
+        f"to {Path(out_dir)}"
     )
     return 0
 

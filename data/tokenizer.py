@@ -191,3 +191,18 @@ def make_tokenizer(name: str, *, text: str | None = None, itos: Sequence[str] | 
             return CharTokenizer.from_text(text)
         raise ValueError("the char tokenizer needs its vocabulary: pass itos=... or text=...")
     raise ValueError(f"unknown tokenizer {name!r}; use one of {TOKENIZERS}")
+
+
+_WORKER_TOKENIZERS: dict = {}
+
+
+def encode_documents(name: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize a batch of documents (a prepare worker's task): (all ids concatenated as uint32, the
+    token count of each document as int64). ``name`` is a tokenizer without a corpus-bound vocabulary
+    ("gpt2"); the tokenizer is built once per process."""
+    tok = _WORKER_TOKENIZERS.get(name)
+    if tok is None:
+        tok = _WORKER_TOKENIZERS[name] = make_tokenizer(name)
+    parts = [np.asarray(tok.encode(t), dtype=np.uint32) for t in texts]
+    lens = np.array([len(p) for p in parts], dtype=np.int64)
+    return (np.concatenate(parts) if parts else np.zeros(0, np.uint32)), lens

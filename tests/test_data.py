@@ -30,8 +30,20 @@ REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE_GPT2_TOKENS = 338_025
 
 
-def _ids(path: Path) -> np.ndarray:
-    return np.fromfile(path, dtype="<u2").astype(np.int64)
+def _ids(path: Path, dtype: str = "<u2") -> np.ndarray:
+    return np.fromfile(path, dtype=dtype).astype(np.int64)
+
+
+def _split_ids(d: Path, split: str) -> np.ndarray:
+    """A split's token stream read straight from its shard files (meta.json's list, in order)."""
+    meta = json.loads((d / "meta.json").read_text())
+    dtype = {"uint16": "<u2", "uint32": "<u4"}[meta["dtype"]]
+    parts = [_ids(d / s["file"], dtype) for s in meta["shards"][split]]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def _token_files(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.suffix in (".bin", ".idx"))
 
 
 def _write(path: Path, text: str) -> Path:
@@ -72,13 +84,13 @@ def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
     raw = shakespeare_path.read_bytes()
     text = raw.decode("utf-8")
     meta = json.loads((gpt2_dir / "meta.json").read_text())
-    train, val = _ids(gpt2_dir / "train.bin"), _ids(gpt2_dir / "val.bin")
+    train, val = _split_ids(gpt2_dir, "train"), _split_ids(gpt2_dir, "val")
     total = len(train) + len(val)
 
     assert total == SHAKESPEARE_GPT2_TOKENS
     assert len(train) == int(total * 0.9) == 304_222 and len(val) == 33_803
     assert meta == {
-        "format_version": 1,
+        "format_version": 2,
         "tokenizer": "gpt2",
         "vocab_size": 50257,
         "train_tokens": len(train),
@@ -86,12 +98,20 @@ def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
         "val_fraction": 0.1,
         "source": str(shakespeare_path.resolve()),
         "source_sha256": hashlib.sha256(raw).hexdigest(),
+        "source_kind": "text",
+        "text_field": "text",
+        "max_tokens": None,
         "dtype": "uint16",
+        "shard_tokens": prep.DEFAULT_SHARD_TOKENS,
+        "shards": {
+            split: [{"file": f"{split}_000000.bin", "tokens": n, "docs": 1, "index": f"{split}_000000.idx"}]
+            for split, n in (("train", len(train)), ("val", len(val)))
+        },
         # what the ids mean (a resume compares it): the encoding's name, and its tokens' bytes in id order
         "encoding": "gpt2",
         "vocab_sha256": _vocab_sha256(tiktoken.get_encoding("gpt2")),
     }
-    assert (gpt2_dir / "train.bin").stat().st_size == 2 * len(train)
+    assert (gpt2_dir / "train_000000.bin").stat().st_size == 2 * len(train)
     # independent reference: tiktoken directly
     enc = tiktoken.get_encoding("gpt2")
     assert np.array_equal(np.concatenate([train, val]), np.array(enc.encode_ordinary(text)))
@@ -104,7 +124,7 @@ def test_prepare_gpt2_round_trip_sizes_and_meta(gpt2_dir, shakespeare_path):
 def test_prepare_char_round_trip_and_meta(char_dir, shakespeare_path):
     text = shakespeare_path.read_text(encoding="utf-8")
     meta = load_meta(char_dir)
-    train, val = _ids(char_dir / "train.bin"), _ids(char_dir / "val.bin")
+    train, val = _split_ids(char_dir, "train"), _split_ids(char_dir, "val")
 
     chars = sorted(set(text))
     assert meta["tokenizer"] == "char" and meta["itos"] == chars and meta["vocab_size"] == len(chars) == 65
@@ -127,7 +147,7 @@ def test_prepare_unicode_text_round_trips(tmp_path, name, request):
     src = _write(tmp_path / "u.txt", text)
     out = tmp_path / name
     meta = prepare(src, out, tokenizer=name, val_fraction=0.25)
-    ids = np.concatenate([_ids(out / "train.bin"), _ids(out / "val.bin")])
+    ids = np.concatenate([_split_ids(out, "train"), _split_ids(out, "val")])
     assert meta["train_tokens"] == int(len(ids) * 0.75)
     assert tokenizer_from_meta(meta).decode(ids) == text  # exact, incl. \r\n
 
@@ -157,7 +177,7 @@ def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     assert res.returncode == 0, res.stderr
     assert "240 train + 60 val tokens" in res.stdout
     assert load_meta(out)["val_fraction"] == 0.2
-    assert np.array_equal(_ids(out / "train.bin"), np.arange(240))
+    assert np.array_equal(_split_ids(out, "train"), np.arange(240))
 
     # `python data/prepare.py` from another working directory, GPT-2 on the real corpus
     request.getfixturevalue("gpt2_bpe")  # skips offline without tiktoken's files
@@ -221,32 +241,34 @@ def test_cli_refuses_a_dir_prepared_otherwise_unless_forced(tmp_path, capsys):
     assert load_meta(out)["val_fraction"] == 0.2 and load_meta(out)["train_tokens"] == 240
 
 
-def test_atomic_prepare_leaves_no_valid_looking_dir(tmp_path, monkeypatch):
+def test_interrupted_prepare_leaves_the_prepared_data_as_it_was(tmp_path, monkeypatch):
+    """A prepare killed while writing shards touches nothing prepared: they go to a stage first."""
+    from data import shards
+
     src = _write(tmp_path / "a.txt", "abcdefghij" * 20)
     out = tmp_path / "out"
     prepare(src, out, tokenizer="char")
-    assert (out / "meta.json").is_file()
+    before = _files(out)
 
-    real = prep._write_array
+    real = shards.ShardWriter.finish
     calls = []
 
-    def failing(path, ids):  # the second .bin write "dies"
-        calls.append(path)
+    def failing(self):  # the second split's shard write "dies"
+        calls.append(self.split)
         if len(calls) == 2:
             raise KeyboardInterrupt("simulated kill")
-        real(path, ids)
+        return real(self)
 
-    monkeypatch.setattr(prep, "_write_array", failing)
+    monkeypatch.setattr(shards.ShardWriter, "finish", failing)
     with pytest.raises(KeyboardInterrupt):
         prepare(_write(tmp_path / "b.txt", "zyxw" * 30), out, tokenizer="char")
-    assert not (out / "meta.json").exists()  # old meta removed before writing, new one never written
+    assert _files(out) == before  # the old data and meta.json, untouched
     assert not [p for p in os.listdir(out) if p.startswith(".tmp-")]
-    with pytest.raises(FileNotFoundError, match="not a prepared data directory"):
-        BinDataset(out, "train", 4)
+    assert BinDataset(out, "train", 4).tokens(0, 3).tolist() == [0, 1, 2]
     monkeypatch.undo()
-    # ensure_prepared repairs the directory
+    # ensure_prepared prepares the new corpus
     meta = ensure_prepared(tmp_path / "b.txt", out, "char")
-    assert meta["itos"] == ["w", "x", "y", "z"]
+    assert meta["itos"] == ["w", "x", "y", "z"] and not (out / shards.STAGE_NAME).exists()
 
 
 # ---------------------------------------------------------------------------------- ensure_prepared
@@ -254,7 +276,7 @@ def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, ca
     src = _write(tmp_path / "s.txt", "To be, or not to be, that is the question.\n" * 40)
     out = tmp_path / "out"
     meta = ensure_prepared(src, out, "char")
-    files = [out / "train.bin", out / "val.bin", out / "meta.json"]
+    files = [*_token_files(out), out / "meta.json"]
     mtimes = [f.stat().st_mtime_ns for f in files]
 
     caplog.set_level("INFO", logger="data.prepare")
@@ -264,7 +286,7 @@ def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, ca
     caplog.clear()
     meta2 = ensure_prepared(src, out, "gpt2")  # tokenizer changed
     assert meta2["tokenizer"] == "gpt2" and "itos" not in meta2
-    assert "tokenizer 'char', requested 'gpt2'" in caplog.text
+    assert "tokenized with 'char'" in caplog.text
     assert load_meta(out) == meta2
 
     caplog.clear()
@@ -278,10 +300,10 @@ def test_ensure_prepared_skips_when_up_to_date_and_redoes_on_change(tmp_path, ca
     assert meta4["val_fraction"] == 0.5 and "val_fraction" in caplog.text
 
     caplog.clear()
-    with open(out / "val.bin", "r+b") as f:  # truncated file -> re-prepared
+    with open(out / "val_000000.bin", "r+b") as f:  # truncated file -> re-prepared
         f.truncate(2)
     assert ensure_prepared(src, out, "gpt2", val_fraction=0.5) == meta4
-    assert (out / "val.bin").stat().st_size == 2 * meta4["val_tokens"] and "bytes" in caplog.text
+    assert (out / "val_000000.bin").stat().st_size == 2 * meta4["val_tokens"] and "bytes" in caplog.text
 
 
 def test_ensure_prepared_missing_source_errors(tmp_path):
@@ -301,8 +323,9 @@ def test_non_utf8_source_error(tmp_path):
 def test_missing_source_and_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no_such\.txt.*does not exist"):
         prepare(tmp_path / "no_such.txt", tmp_path / "out")
-    with pytest.raises(IsADirectoryError):
-        prepare(tmp_path, tmp_path / "out")
+    (tmp_path / "empty_dir").mkdir()  # a directory is a list of documents: one without files is refused
+    with pytest.raises(FileNotFoundError, match="empty_dir.*holds no"):
+        prepare(tmp_path / "empty_dir", tmp_path / "out")
     src = _write(tmp_path / "ok.txt", "hello there")
     with pytest.raises(ValueError, match="unknown tokenizer"):
         prepare(src, tmp_path / "out", tokenizer="bpe")
@@ -441,7 +464,7 @@ def test_batch_determinism(gpt2_dir, seed):
         assert not torch.equal(ds.batch(4, **kwargs)[0], ref[0]), kwargs
     # the data itself matches: y is x shifted by one inside the token stream
     x, y = ref
-    stream = _ids(gpt2_dir / "train.bin")
+    stream = _split_ids(gpt2_dir, "train")
     assert torch.equal(y[:, :-1], x[:, 1:])
     for row_x, row_y in zip(x.numpy(), y.numpy(), strict=True):
         window = np.concatenate([row_x, row_y[-1:]])
@@ -484,30 +507,35 @@ def test_truncated_bin_and_mismatched_meta_errors(tmp_path):
     out = tmp_path / "out"
     meta = prepare(src, out, tokenizer="char")
 
-    with open(out / "train.bin", "r+b") as f:
+    with open(out / "train_000000.bin", "r+b") as f:
         f.truncate(2 * meta["train_tokens"] - 2)
-    pattern = re.escape(str(out / "train.bin")) + r" is \d+ bytes.*truncated.*Delete"
+    pattern = re.escape(str(out / "train_000000.bin")) + r" is \d+ bytes.*truncated.*Delete"
     with pytest.raises(ValueError, match=pattern):
         BinDataset(out, "train", 8)
     BinDataset(out, "val", 8)  # the other split is fine
 
     prepare(src, out, tokenizer="char")
-    bad = dict(meta, val_tokens=meta["val_tokens"] + 5)
+    bad = json.loads(json.dumps(meta))
+    bad["val_tokens"] += 5
+    bad["shards"]["val"][0]["tokens"] += 5
     (out / "meta.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match=r"val\.bin is \d+ bytes, but .*meta\.json says.*re-run"):
+    with pytest.raises(ValueError, match=r"val_000000\.bin is \d+ bytes, but .*meta\.json says.*re-run"):
+        BinDataset(out, "val", 8)
+    (out / "meta.json").write_text(json.dumps(dict(meta, val_tokens=meta["val_tokens"] + 5)))
+    with pytest.raises(ValueError, match=r"val shards do not add up to val_tokens.*re-run"):
         BinDataset(out, "val", 8)
 
     (out / "meta.json").write_text(json.dumps(dict(meta, vocab_size=5)))  # ids up to 27 in the bins
     with pytest.raises(ValueError, match=r"holds token id \d+.*vocab_size=5.*different prepare runs"):
         BinDataset(out, "train", 8)
 
-    (out / "meta.json").write_text(json.dumps(dict(meta, format_version=2)))
-    with pytest.raises(ValueError, match=r"format_version=2.*re-run"):
+    (out / "meta.json").write_text(json.dumps(dict(meta, format_version=3)))
+    with pytest.raises(ValueError, match=r"format_version=3.*re-run"):
         BinDataset(out, "train", 8)
 
-    (out / "val.bin").unlink()
+    (out / "val_000000.bin").unlink()
     (out / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(FileNotFoundError, match=r"val\.bin not found"):
+    with pytest.raises(FileNotFoundError, match=r"val_000000\.bin not found"):
         BinDataset(out, "val", 8)
 
 

@@ -161,7 +161,13 @@ def test_concurrent_prepares_prepare_once(tmp_path, shakespeare_path):
     assert [code for code, _ in results] == [0] * n, logs
     assert logs.count("preparing data in") == 1, logs
     assert logs.count("is up to date") == n - 1, logs
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json",
+        "train_000000.bin",
+        "train_000000.idx",
+        "val_000000.bin",
+        "val_000000.idx",
+    ]  # one prepare's shards, no stage left behind
 
 
 @pytest.mark.slow

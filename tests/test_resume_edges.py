@@ -164,7 +164,7 @@ def test_resume_from_another_folder_reads_the_runs_relative_data_dir(tiny, tmp_p
     out = tmp_path / "run"
     cmd, env = train_command(tiny(out, max_steps=4, checkpoint__interval=4, data__dir="chars"))
     first = subprocess.run(cmd, cwd=str(a), env=env, capture_output=True, text=True, timeout=300)
-    assert first.returncode == 0 and (a / "chars" / "train.bin").is_file(), describe(first)
+    assert first.returncode == 0 and (a / "chars" / "train_000000.bin").is_file(), describe(first)
     cmd, env = train_command(["resume=true", f"out_dir={out}", "max_steps=6"], env=offline_train_env())
     again = subprocess.run(cmd, cwd=str(b), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, describe(again)

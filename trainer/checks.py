@@ -289,22 +289,36 @@ def check_data_source(cfg) -> None:
     Raises:
         ConfigError naming data.source / data.dir and the fix.
     """
+    from data.sources import is_document_source
+
     src = cfg.data.source
-    if src is not None and not str(src).startswith(("http://", "https://")):
+    glob_like = src is not None and any(c in str(src) for c in "*?[") and not Path(str(src)).exists()
+    if src is not None and not str(src).startswith(("http://", "https://", "hf:")) and not glob_like:
         p = Path(str(src)).expanduser()
         if not p.exists():
             raise ConfigError(
                 f"data.source={src} does not exist (relative paths start at {Path.cwd()}); pass an "
-                "existing UTF-8 text file, e.g. data.source=/path/to/corpus.txt, or data.source=null to "
-                "download Tiny Shakespeare"
+                "existing UTF-8 text file, e.g. data.source=/path/to/corpus.txt, a directory or glob of "
+                "text / .jsonl / .parquet files, hf:NAME[:CONFIG], or data.source=null to download Tiny "
+                "Shakespeare"
             )
-        if not p.is_file():
+        if p.is_dir():
+            p = None  # a directory of documents: data.prepare lists and reads its files
+        elif not p.is_file():
             raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")
+    else:
+        p = None
+    if p is not None:
         try:
             with open(p, "rb") as f:
                 f.read(1)
         except OSError as e:
             raise ConfigError(f"data.source={src} is not readable ({e.strerror}); fix its permissions") from e
+    if is_document_source(src) and cfg.data.tokenizer == "char":
+        raise ConfigError(
+            f"data.tokenizer=char reads a single text file (its vocabulary is the text's characters); "
+            f"data.source={src} is a list of documents: use data.tokenizer=gpt2"
+        )
     d = Path(str(cfg.data.dir)).expanduser()
     if d.exists() and not d.is_dir():
         raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
@@ -406,6 +420,27 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     src = cfg.data.source
     if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
         return
+    from data.sources import is_document_source
+
+    if is_document_source(src) or meta.get("source_kind") == "docs":
+        from data.prepare import conflict_reason
+
+        try:
+            held = conflict_reason(
+                src,
+                data_dir,
+                cfg.data.tokenizer,
+                float(cfg.data.val_fraction),
+                cfg.data.doc_separator,
+                text_field=cfg.data.text_field,
+                max_tokens=cfg.data.max_tokens,
+            )
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"data.source={src}: {e}") from e
+        if held:
+            name = Path(str(src).rstrip("/*")).name.replace(":", "_") or "corpus"
+            raise ConfigError(f"data.dir={cfg.data.dir} holds {held}; {fix(name)}")
+        return
     import hashlib
 
     digest = hashlib.sha256(Path(str(src)).expanduser().read_bytes()).hexdigest()
@@ -424,8 +459,9 @@ def effective_data_source(cfg) -> str | None:
         return cfg.data.source
     meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
     src = (meta or {}).get("source")
-    if src and not str(src).startswith(("http://", "https://")) and Path(src).is_file():
-        return str(src)
+    if src and not str(src).startswith(("http://", "https://")):
+        if str(src).startswith("hf:") or Path(src).exists() or meta.get("source_kind") == "docs":
+            return str(src)
     return None
 
 

@@ -70,8 +70,12 @@ class DataConfig:
     """``data=shakespeare|shakespeare_char`` (configs/data/): the corpus and where it is prepared."""
 
     name: str = spec("shakespeare", "dataset name (for records)")
-    source: str | None = spec(None, "null = download Tiny Shakespeare; or a path/URL of a UTF-8 text file")
-    dir: str = spec("data/shakespeare", "where train.bin / val.bin / meta.json go (relative to the cwd)")
+    source: str | None = spec(
+        None,
+        "null = download Tiny Shakespeare; a UTF-8 text file or URL; a directory or glob of text / "
+        ".jsonl / .json.gz / .parquet files; hf:NAME[:CONFIG] (docs/data.md)",
+    )
+    dir: str = spec("data/shakespeare", "where the token shards and meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
     val_fraction: float = spec(
         0.1, "share of the corpus (its end) held out for validation, in (0, 1)", OPEN_UNIT, 0.1
@@ -81,6 +85,9 @@ class DataConfig:
         "null | the string between documents, e.g. '\\n\\n' (escapes "
         "understood); prepare records the documents",
     )
+    text_field: str = spec("text", "record field / column holding the text (JSONL, Parquet, hf: sources)")
+    max_tokens: int | None = spec(None, "prepare at most this many tokens; null = all", POS_INT, 1000000000)
+    workers: int | None = spec(None, "tokenizer processes of the prepare step; null = CPU count", POS_INT, 8)
 
 
 @dataclass
@@ -246,6 +253,11 @@ class TrainConfig:
         BOOL,
     )
     resume: bool = spec(False, "continue the run in out_dir from its newest loadable checkpoint", BOOL)
+    init_from: str = spec(
+        "scratch",
+        "scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 checkpoint dir: the "
+        "starting weights; the model shape comes from the checkpoint (model.* sizes ignored)",
+    )
     nonfinite: str = spec(
         "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")
     )
@@ -326,10 +338,13 @@ def validate(cfg) -> tuple[TrainConfig, GPTConfig]:
             f"data.doc_separator={d.doc_separator!r} must be null or a non-empty string, e.g. "
             "data.doc_separator='\\n\\n' (Tiny Shakespeare: one speech per document)"
         )
-    if a.document_mask and d.doc_separator is None:
+    from data.sources import is_document_source
+
+    if a.document_mask and d.doc_separator is None and not is_document_source(d.source):
         raise ConfigError(
             "attention.document_mask=true needs documents: set data.doc_separator (e.g. "
-            "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), "
+            "data.doc_separator='\\n\\n' for Tiny Shakespeare, with a data.dir of its own), or a "
+            "data.source of documents (a directory, glob, .jsonl, .parquet or hf:NAME), "
             "or attention.document_mask=false"
         )
     if not o.lr > 0 or not 0 <= o.min_lr <= o.lr:

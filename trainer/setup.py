@@ -72,6 +72,9 @@ def prepare_data(st: RunState) -> None:
                 float(cfg.data.val_fraction),
                 cfg.data.doc_separator,
                 keep_other=True,  # data another launch prepared meanwhile is not replaced
+                text_field=cfg.data.text_field,
+                max_tokens=cfg.data.max_tokens,
+                workers=cfg.data.workers,
             )
         except (OSError, ValueError, RuntimeError) as e:
             err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
@@ -103,6 +106,21 @@ def build_model_config(st: RunState) -> None:
         st.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
     except ValueError as e:
         raise ConfigError(f"data.dir={cfg.data.dir}: {e}") from e
+    st.init_weights = None
+    if str(cfg.init_from) != "scratch":  # GPT-2 weights: their shape wins
+        from model.pretrained import load_gpt2
+
+        try:
+            pre, st.init_weights = load_gpt2(str(cfg.init_from), block_size=st.gpt_config.block_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        if pre.vocab_size < int(meta["vocab_size"]) or cfg.data.tokenizer != "gpt2":
+            raise ConfigError(
+                f"init_from={cfg.init_from} reads GPT-2 BPE ids (vocab {pre.vocab_size}); the data is "
+                f"tokenized with {cfg.data.tokenizer} (vocab {meta['vocab_size']}): use data.tokenizer=gpt2"
+            )
+        shape = {k: getattr(pre, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")}
+        st.gpt_config = dataclasses.replace(st.gpt_config, **shape)
     probe_attention(cfg, st.plan, st.device, st.gpt_config.n_head)
 
 
@@ -154,6 +172,9 @@ def build_model(st: RunState, state: dict | None) -> None:
         if st.fsdp:
             torch.manual_seed(int(cfg.seed))
         st.raw_model = GPT(st.gpt_config).to(st.device)
+    if st.init_weights is not None:  # init_from: before DDP/FSDP wrap the model
+        st.raw_model.load_state_dict(st.init_weights, strict=False)
+        st.init_weights = None
     if st.fsdp:
         from trainer.dist import shard_model
 

@@ -1,0 +1,290 @@
+"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
+
+A source string is one of:
+
+- a UTF-8 text file (``corpus.txt``): kind ``"text"``, read whole as today (one document, or documents
+  split on ``data.doc_separator``); its identity is the SHA-256 of its bytes;
+- a directory (every regular, non-hidden file under it, sorted) or a glob (``shards/*.jsonl``,
+  ``books/**/*.txt``): kind ``"docs"``; a text file is one document, a ``.jsonl`` / ``.jsonl.gz`` /
+  ``.json.gz`` file one document per line, a ``.parquet`` file one document per row, the document being
+  the record's ``text_field`` (default ``text``); a single ``.jsonl`` / ``.json.gz`` / ``.parquet`` file
+  is read the same way. Its identity is the files' names, sizes and mtimes (hashing 50 GB on every
+  launch costs minutes);
+- ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split read with ``datasets`` in streaming mode
+  (NAME may be a hub name or a local dataset directory); its identity is the name and config.
+
+``open_source`` returns a ``Source`` whose ``documents()`` yields the documents in a fixed order (the
+same order every time, so a prepare resumes by skipping documents) and whose errors name the source.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+HF_PREFIX = "hf:"
+_GLOB_CHARS = "*?["
+
+
+class SourceError(ValueError):
+    """A source that cannot be read as documents (the message names it and a fix)."""
+
+
+def is_hf(source: str | os.PathLike | None) -> bool:
+    return isinstance(source, str) and source.startswith(HF_PREFIX)
+
+
+def is_document_source(source: str | os.PathLike | None) -> bool:
+    """Whether ``source`` is read as a list of documents (end-of-text between them, documents recorded):
+    ``hf:``, a directory, a glob or a record file; cheap (no file is read)."""
+    if source is None or str(source).lower().startswith(("http://", "https://")):
+        return False
+    text = str(source)
+    if is_hf(text) or _is_records(Path(text)) or Path(text).expanduser().is_dir():
+        return True
+    return any(c in text for c in _GLOB_CHARS) and not Path(text).expanduser().exists()
+
+
+def _is_records(path: Path) -> bool:
+    return path.name.lower().endswith(RECORD_SUFFIXES)
+
+
+def decode_utf8(raw: bytes, where: str) -> str:
+    """``raw`` as UTF-8, or a ValueError naming ``where``, the bad byte and its offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SourceError(
+            f"{where} is not UTF-8 text: byte {raw[e.start : e.start + 1]!r} at offset {e.start} is invalid "
+            f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
+            "pass the converted file."
+        ) from e
+
+
+@dataclass
+class Source:
+    """A parsed source: ``label`` (stored in meta["source"]), ``kind`` ("text" | "docs"), the files it
+    reads (text / docs kinds) or the Hugging Face name and config."""
+
+    label: str
+    kind: str
+    files: list[Path] = field(default_factory=list)
+    root: Path | None = None  # names in the fingerprint are relative to it (a moved corpus still matches)
+    hf_name: str | None = None
+    hf_config: str | None = None
+    text_field: str = "text"
+
+    # ----------------------------------------------------------------------------------- identity
+    def fingerprint(self) -> dict:
+        """What identifies this source's content cheaply: {"files": [[name, size, mtime_ns], ...]} or
+        {"hf": name, "config": config}; the text kind's identity is its SHA-256 (``data.prepare``)."""
+        if self.hf_name is not None:
+            return {"hf": self.hf_name, "config": self.hf_config}
+        rows = []
+        for p in self.files:
+            st = p.stat()
+            name = str(p.relative_to(self.root)) if self.root else str(p)
+            rows.append([name, st.st_size, st.st_mtime_ns])
+        return {"files": rows}
+
+    def total_bytes(self) -> int | None:
+        """Bytes of the files read (the progress bar's total), None for a Hugging Face dataset."""
+        return None if self.hf_name is not None else sum(p.stat().st_size for p in self.files)
+
+    # ---------------------------------------------------------------------------------- documents
+    def documents(self) -> Iterator[str]:
+        """Every document of the source, in a fixed order (empty ones included: the caller skips them)."""
+        if self.hf_name is not None:
+            yield from self._hf_documents()
+            return
+        for path in self.files:
+            if _is_records(path):
+                yield from self._record_documents(path)
+            else:
+                yield decode_utf8(path.read_bytes(), str(path))
+
+    def _field(self, record, where: str) -> str:
+        if not isinstance(record, dict):
+            raise SourceError(f"{where} holds a {type(record).__name__}, not a JSON object with a text field")
+        if self.text_field not in record:
+            fields = ", ".join(sorted(map(str, record))[:8]) or "none"
+            raise SourceError(
+                f"{where} has no field {self.text_field!r} (its fields: {fields}); set data.text_field "
+                "(--text-field) to the field that holds the text"
+            )
+        text = record[self.text_field]
+        if text is None:
+            return ""
+        if not isinstance(text, str):
+            raise SourceError(
+                f"{where}: field {self.text_field!r} holds a {type(text).__name__}, not text; set "
+                "data.text_field (--text-field) to a string field"
+            )
+        return text
+
+    def _record_documents(self, path: Path) -> Iterator[str]:
+        if path.name.lower().endswith(".parquet"):
+            yield from self._parquet_documents(path)
+            return
+        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        try:
+            with opener(path, "rb") as raw:
+                for lineno, line in enumerate(io.BufferedReader(raw), 1):
+                    if not line.strip():
+                        continue
+                    where = f"{path}:{lineno}"
+                    try:
+                        record = json.loads(decode_utf8(line, where))
+                    except json.JSONDecodeError as e:
+                        raise SourceError(
+                            f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files"
+                        ) from e
+                    yield self._field(record, where)
+        except (gzip.BadGzipFile, EOFError) as e:
+            raise SourceError(f"{path} is not a readable gzip file ({e})") from e
+
+    def _parquet_documents(self, path: Path) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
+            raise SourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
+        names = pf.schema_arrow.names
+        if self.text_field not in names:
+            raise SourceError(
+                f"{path} has no column {self.text_field!r} (its columns: {', '.join(names[:8])}); set "
+                "data.text_field (--text-field) to the column that holds the text"
+            )
+        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_field]):
+            col = batch.column(0)
+            for i, text in enumerate(col.to_pylist()):
+                if text is not None and not isinstance(text, str):
+                    raise SourceError(
+                        f"{path}: column {self.text_field!r} holds {type(text).__name__} values (row {i}), "
+                        "not text; set data.text_field (--text-field) to a string column"
+                    )
+                yield text or ""
+
+    def _hf_documents(self) -> Iterator[str]:
+        ds = open_hf(self.hf_name, self.hf_config, self.label)
+        for i, record in enumerate(ds):
+            yield self._field(record, f"{self.label} record {i}")
+
+
+def open_hf(name: str, config: str | None, label: str):
+    """``datasets.load_dataset(name, config, split="train", streaming=True)``, errors naming ``label``."""
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise SourceError(f"{label} needs the datasets package: pip install datasets") from e
+    try:
+        return datasets.load_dataset(name, config, split="train", streaming=True)
+    except Exception as e:  # hub / network / not-found errors come in many classes
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        raise SourceError(
+            f"could not open the Hugging Face dataset {label} ({type(e).__name__}: {str(e)[:300]}). "
+            + ("Offline mode is on: " if offline else "Without network access: ")
+            + f"fetch it on a machine with network (`huggingface-cli download --repo-type dataset {name}`) "
+            "into this machine's Hugging Face cache (HF_HOME), or download its .parquet / .jsonl files and "
+            "pass them as data.source=DIR (or a glob)"
+        ) from e
+
+
+def _expand(pattern: str) -> list[Path]:
+    return sorted(
+        Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file()
+    )
+
+
+def _dir_files(root: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        out += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
+    return sorted(p for p in out if p.is_file())
+
+
+def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
+    """Parse a local or Hugging Face ``source`` (URLs and None are ``data.prepare``'s).
+
+    Raises:
+        FileNotFoundError: a path or glob that names no file.
+        SourceError: ``hf:`` without a name.
+    """
+    if is_hf(source):
+        rest = str(source)[len(HF_PREFIX) :]
+        name, _, config = rest.partition(":")  # NAME may be a local directory (without a colon)
+        if not name:
+            raise SourceError(
+                f"{source!r} names no dataset; use hf:NAME[:CONFIG], e.g. hf:roneneldan/TinyStories"
+            )
+        if name.startswith(("/", ".", "~")):
+            name = str(Path(name).expanduser().resolve())
+        return Source(
+            label=f"{HF_PREFIX}{name}" + (f":{config}" if config else ""),
+            kind="docs",
+            hf_name=name,
+            hf_config=config or None,
+            text_field=text_field,
+        )
+    text = str(source)
+    path = Path(text).expanduser()
+    if any(c in text for c in _GLOB_CHARS) and not path.exists():
+        files = _expand(text)
+        if not files:
+            raise FileNotFoundError(
+                f"source glob {text!r} matches no file (cwd: {os.getcwd()}); pass a pattern that matches "
+                "text / .jsonl / .json.gz / .parquet files, e.g. data.source='corpus/*.jsonl'"
+            )
+        root = Path(os.path.commonpath([str(p.resolve().parent) for p in files]))
+        return Source(text, "docs", [p.resolve() for p in files], root, text_field=text_field)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"source {str(path)!r} does not exist (cwd: {os.getcwd()}). Pass an existing UTF-8 text file, a "
+            "directory or glob of text / .jsonl / .json.gz / .parquet files, or hf:NAME[:CONFIG] "
+            "(data.source=PATH or --source PATH), or leave the source unset to download Tiny Shakespeare."
+        )
+    path = path.resolve()
+    if path.is_dir():
+        files = _dir_files(path)
+        if not files:
+            raise FileNotFoundError(f"source directory {str(path)!r} holds no (non-hidden) file")
+        return Source(str(path), "docs", files, path, text_field=text_field)
+    if not path.is_file():
+        raise IsADirectoryError(f"source {str(path)!r} is not a regular file or directory")
+    if _is_records(path):
+        return Source(str(path), "docs", [path], path.parent, text_field=text_field)
+    return Source(str(path), "text", [path], path.parent, text_field=text_field)
+
+
+def fingerprint_sha256(fp: dict, text_field: str) -> str:
+    """SHA-256 of a fingerprint (and the text field read): meta["source_sha256"] of a docs source."""
+    payload = json.dumps({"fingerprint": fp, "text_field": text_field}, sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest()
+
+
+def fingerprint_diff(old: dict, new: dict) -> str | None:
+    """What differs between two fingerprints, in words (the first few files), or None."""
+    if old == new:
+        return None
+    if "files" in old and "files" in new:
+        a = {r[0]: r[1:] for r in old["files"]}
+        b = {r[0]: r[1:] for r in new["files"]}
+        gone, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
+        parts = []
+        for what, names in (("removed", gone), ("added", added), ("changed (size or mtime)", changed)):
+            if names:
+                more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+                parts.append(f"{what}: {', '.join(names[:3])}{more}")
+        return "; ".join(parts) or "the file list differs"
+    return f"was {old}, now {new}"

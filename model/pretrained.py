@@ -1,0 +1,136 @@
+"""GPT-2's released weights (or any Hugging Face GPT-2 checkpoint directory) in our ``GPT``.
+
+``init_from``: ``scratch`` (no weights), a GPT-2 size (``gpt2``, ``gpt2-medium``, ``gpt2-large``,
+``gpt2-xl``: read through ``transformers`` from its cache, downloaded when online) or a local directory
+saved by ``GPT2LMHeadModel.save_pretrained``. Parameter names match (nanoGPT's layout is GPT-2's);
+GPT-2's ``Conv1D`` stores its weight as (in, out), ``nn.Linear`` as (out, in), so the four projection
+weights are transposed. The model shape comes from the checkpoint, with biases on.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import GPTConfig
+
+GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+INIT_FROM_CHOICES = ("scratch", *GPT2_SIZES)
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class PretrainedError(ValueError):
+    """A checkpoint that cannot be loaded (the message names it and what to fetch)."""
+
+
+def _hf_files(init_from: str):
+    """(transformers' GPT2Config, raw state dict) of a local checkpoint directory or a GPT-2 size from the
+    Hugging Face cache (downloaded when online). The weights are read from the files (safetensors, else
+    pytorch_model.bin) rather than through GPT2LMHeadModel.from_pretrained, whose hub-kernel hook takes
+    this repository's ``kernels`` package for Hugging Face's."""
+    try:
+        from transformers import GPT2Config
+    except ImportError as e:
+        raise PretrainedError(
+            f"init_from={init_from} needs the transformers package: pip install transformers"
+        ) from e
+    path = Path(init_from).expanduser()
+    if path.is_dir():
+        source = str(path)
+    elif init_from in GPT2_SIZES:
+        source = f"openai-community/{init_from}"
+    else:
+        raise PretrainedError(
+            f"init_from={init_from!r} is neither one of {INIT_FROM_CHOICES} nor a local Hugging Face GPT-2 "
+            "checkpoint directory (config.json + weights); e.g. init_from=gpt2"
+        )
+    try:
+        if not path.is_dir():
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(source, allow_patterns=["config.json", "model.safetensors"]))
+        config = GPT2Config.from_pretrained(path)
+        if (path / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            sd = load_file(path / "model.safetensors")
+        elif (path / "pytorch_model.bin").is_file():
+            sd = torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        else:
+            raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
+    except Exception as e:  # hub / network / format errors come in many classes
+        raise PretrainedError(
+            f"could not load GPT-2 weights init_from={init_from} from {source} ({type(e).__name__}: "
+            f"{str(e)[:300]}). Offline, fetch them on a machine with network (`huggingface-cli download "
+            f"{source}`) into this machine's Hugging Face cache (HF_HOME, now "
+            f"{os.environ.get('HF_HOME', '~/.cache/huggingface')}), or pass a local checkpoint directory"
+        ) from e
+    return config, sd
+
+
+def load_gpt2(init_from: str, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """(GPTConfig with the checkpoint's shape, state dict in our layout) of a GPT-2 checkpoint.
+
+    ``overrides``: other GPTConfig fields (attention, dropout, window ...); ``block_size`` may be smaller
+    than the checkpoint's n_positions (the position table is cut).
+
+    Raises:
+        PretrainedError: unknown name, transformers missing, weights not found (names what to fetch), or a
+            checkpoint whose architecture differs from GPT-2's (activation, attention scaling).
+    """
+    c, raw = _hf_files(init_from)
+    if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or not c.scale_attn_weights:
+        raise PretrainedError(
+            f"init_from={init_from}: activation {c.activation_function!r} / scale_attn_weights="
+            f"{c.scale_attn_weights} is not GPT-2's (tanh GELU, 1/sqrt(head_dim) scaling)"
+        )
+    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
+        raise PretrainedError(f"init_from={init_from}: a GPT-2 variant with another attention scaling")
+    if abs(float(c.layer_norm_epsilon) - 1e-5) > 1e-12:
+        raise PretrainedError(f"init_from={init_from}: layer_norm_epsilon={c.layer_norm_epsilon}, not 1e-5")
+    block_size = int(overrides.pop("block_size", None) or c.n_positions)
+    if block_size > c.n_positions:
+        raise PretrainedError(
+            f"block_size={block_size} is longer than init_from={init_from}'s {c.n_positions} positions; use "
+            f"seq_len <= {c.n_positions}"
+        )
+    config = GPTConfig(
+        block_size=block_size,
+        vocab_size=int(c.vocab_size),
+        n_layer=int(c.n_layer),
+        n_head=int(c.n_head),
+        n_embd=int(c.n_embd),
+        bias=True,
+        **overrides,
+    )
+    sd = {}
+    for k, v in raw.items():
+        if not k.startswith(("transformer.", "lm_head.")):
+            k = "transformer." + k  # GPT2Model's names (OpenAI's released files), not GPT2LMHeadModel's
+        if k.endswith((".attn.bias", ".attn.masked_bias")):
+            continue  # causal-mask buffers of older transformers versions
+        v = v.detach().to(torch.float32)
+        if k.endswith(_CONV1D):
+            v = v.t()
+        sd[k] = v.contiguous()
+    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"][:block_size]
+    sd.setdefault("lm_head.weight", sd["transformer.wte.weight"])
+    return config, sd
+
+
+def gpt_from_pretrained(init_from: str, **overrides):
+    """Our ``GPT`` with the weights of ``init_from`` (see ``load_gpt2``)."""
+    from .gpt import GPT
+
+    config, sd = load_gpt2(init_from, **overrides)
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
+    if missing or unexpected:
+        raise PretrainedError(
+            f"init_from={init_from}: weights do not fit GPT-2's layout (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]})"
+        )
+    return model
