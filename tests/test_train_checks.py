@@ -89,7 +89,9 @@ def test_missing_data_file(expect_error, tmp_path):
     err = expect_error(**{"data.source": tmp_path / "nope.txt", "data.dir": tmp_path / "d"})
     assert f"data.source={tmp_path / 'nope.txt'} does not exist" in err
     err = expect_error(**{"data.source": tmp_path, "data.dir": tmp_path / "d"})
-    assert "is not a file" in err
+    assert (
+        "is a list of documents: use data.tokenizer=gpt2" in err
+    )  # a directory is a corpus of documents now
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
