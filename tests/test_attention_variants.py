@@ -243,6 +243,7 @@ def test_a_separator_that_never_occurs_is_reported(tmp_path, shakespeare_path):
     assert "data.doc_separator='ZZZQQQ' does not occur" in proc.stdout, describe(proc)
 
 
+@pytest.mark.slow
 def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespeare_path):
     """Three 3-step CPU runs (naive, sdpa, flash under TRITON_INTERPRET=1), window 16 and document masks on
     Tiny Shakespeare speeches (float32): the logged losses agree to 1e-4, and differ from plain causal."""

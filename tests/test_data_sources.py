@@ -131,6 +131,7 @@ def test_interrupted_prepare_resumes_from_its_last_shard(tmp_path, gpt2_bpe, see
     assert not (out / shards.STAGE_NAME).exists()
 
 
+@pytest.mark.slow
 def test_changed_source_and_bad_input_are_named(tmp_path, gpt2_bpe):
     d = tmp_path / "texts"
     d.mkdir()

@@ -163,6 +163,7 @@ def test_sample_end_to_end(trained, tmp_path):
     assert after == records  # training records untouched
 
 
+@pytest.mark.slow
 def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
     """Greedy text of the trained model: the same with naive, sdpa (math), flash (interpreter; its decode
     steps run flash_decode), without the KV cache and with static decode steps."""
@@ -414,6 +415,7 @@ def test_samples_and_evals_of_the_same_second_get_their_own_files(tmp_path):
     assert claim_new_file(tmp_path / "samples", "x", ".txt", siblings=(".json",)).name == "x-3.txt"
 
 
+@pytest.mark.slow
 def test_eval_caps_batches_and_batch_size_to_the_split(trained, tmp_path):
     """batch_size=100000 or batches=100000 on a ~111k-token split: cut to what covers the split once (a
     note says so, the result records it), instead of building gigabytes of batches or running for
@@ -464,6 +466,7 @@ def read_only_run(trained, tmp_path):
         subprocess.run(["umount", str(view)], check=False)
 
 
+@pytest.mark.slow
 def test_read_only_run_prints_results_and_exits_0(read_only_run, tmp_path):
     """sample.py, eval.py and bench.report on a read-only run: the result is printed, a note says what
     could not be written where and which option writes it elsewhere, exit 0, no traceback; with that

@@ -104,6 +104,7 @@ def test_prime_seq_len_gets_one_suggestion_that_runs(data_args, seq_len, tokens)
     _config_check([*args, *fix])
 
 
+@pytest.mark.slow
 def test_empty_out_dir_is_refused_naming_it(tiny, tmp_path):
     """out_dir= (an unset shell variable in a job script) would write the run into the current
     directory: exit 2 naming out_dir and a folder that works; nothing is written there."""

@@ -244,7 +244,7 @@ def test_reader_parses_records_across_blocks(tmp_path, seed):
     f = tmp_path / "run-abcd1234.wandb"
     _write_leveldb_log(f, recs)
     assert f.stat().st_size > 3 * 32768
-    run = read_offline_run(f)
+    run = read_offline_run(f, wait_s=0)
     assert run["run_id"] == "abcd1234" and run["group"] == "g"
     assert run["config"] == {"attention": {"name": "sdpa"}}
     assert [h["_step"] for h in run["history"]] == list(range(200))
@@ -252,7 +252,7 @@ def test_reader_parses_records_across_blocks(tmp_path, seed):
     assert run["summary"]["status"] == "ok" and len(run["summary"]["blob"]) == 70000
     # a run killed mid-write: the truncated last record is dropped, the rest reads
     f.write_bytes(f.read_bytes()[:-1000])
-    assert len(read_offline_run(f)["history"]) == 200
+    assert len(read_offline_run(f, wait_s=0)["history"]) == 200
 
 
 def test_reader_rejects_bad_header_and_checksum(tmp_path, seed):
@@ -263,10 +263,10 @@ def test_reader_rejects_bad_header_and_checksum(tmp_path, seed):
     raw[20] ^= 0xFF
     f.write_bytes(bytes(raw))
     with pytest.raises(WandbFileError, match="checksum mismatch"):
-        read_offline_run(f)
+        read_offline_run(f, wait_s=0)
     f.write_bytes(b"PK\x03\x04" + bytes(raw[4:]))
     with pytest.raises(WandbFileError, match="not a W&B run file"):
-        read_offline_run(f)
+        read_offline_run(f, wait_s=0)
     with pytest.raises(FileNotFoundError, match="no W&B run file"):
         read_offline_run(tmp_path / "empty_dir_that_does_not_exist")
 
@@ -292,7 +292,7 @@ def test_wandb_reader_refuses_a_file_without_its_run_record(tmp_path, seed):
         f.write_bytes(data[:cut])
         assert read_wandb_file(f)["run_id"] == "" and read_wandb_file(f)["history"] == []
         with pytest.raises(WandbFileIncomplete, match=f"no run record in it yet \\({cut} bytes\\)"):
-            read_offline_run(f)
+            read_offline_run(f, wait_s=0)
         assert issubclass(WandbFileIncomplete, WandbFileError)
     # a run directory: the newest file decides; an older file without a run record (killed) is skipped
     run_dir = tmp_path / "run"
@@ -302,11 +302,11 @@ def test_wandb_reader_refuses_a_file_without_its_run_record(tmp_path, seed):
     newer.parent.mkdir(parents=True)
     older.write_bytes(data[:7])
     newer.write_bytes(data)
-    assert read_offline_run(run_dir)["run_id"] == "abcd1234"
+    assert read_offline_run(run_dir, wait_s=0)["run_id"] == "abcd1234"
     older.write_bytes(data)
     newer.write_bytes(data[:7])
     with pytest.raises(WandbFileIncomplete, match="offline-run-20250101_000001-abcd1234"):
-        read_offline_run(run_dir)
+        read_offline_run(run_dir, wait_s=0)
 
 
 def test_wandb_run_file_finished_waits_for_the_exit_record(tmp_path, seed):
