@@ -1,0 +1,205 @@
+"""Corpora of documents (issue 39): directories, JSONL, Parquet and local Hugging Face datasets prepared
+into shards; uint32 shards, documents across shard boundaries, a resumed prepare, a re-shard.
+
+The reference is tiktoken itself on each document the test wrote (and the EOT token after each)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from data import shards
+from data.loader import BinDataset, load_meta
+from data.prepare import conflict_reason, prepare
+
+EOT = 50256
+
+
+def _docs(n: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "\n", "é", "東京"]
+    return [" ".join(rng.choice(words, size=int(rng.integers(5, 80)))) for _ in range(n)]
+
+
+def _expected(docs, val_fraction=0.1):
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    out = {"train": [], "val": []}
+    for i, d in enumerate(docs):
+        split = "val" if shards.is_val_doc(i, val_fraction) else "train"
+        out[split] += enc.encode_ordinary(d) + [EOT]
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def _stream(d, split):
+    return BinDataset(d, split, 1, check_ids=True).tokens()
+
+
+def _write_jsonl(path, docs, field="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for i, d in enumerate(docs):
+            f.write(json.dumps({"id": i, field: d}) + "\n")
+
+
+@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
+def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
+    docs = _docs(40, seed)
+    if kind == "dir":
+        src = tmp_path / "texts"
+        src.mkdir()
+        for i, d in enumerate(docs):
+            (src / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+    elif kind == "jsonl":
+        src = tmp_path / "c.jsonl"
+        _write_jsonl(src, docs)
+    elif kind == "parquet":
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        src = tmp_path / "c.parquet"
+        pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), src, row_group_size=7)
+    else:
+        pytest.importorskip("datasets")
+        (tmp_path / "ds" / "data").mkdir(parents=True)
+        _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
+        src = f"hf:{tmp_path / 'ds'}"
+    out = tmp_path / "out"
+    meta = prepare(str(src), out, "gpt2", 0.1, shard_tokens=97, workers=1, progress=False)
+    want = _expected(docs)
+    for split in ("train", "val"):
+        assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {kind} {split}"
+        assert meta[f"{split}_docs"] == int((want[split] == EOT).sum())
+    assert meta["doc_separator_ids"] == [EOT] and meta["dtype"] == "uint16"
+    assert len(meta["shards"]["train"]) == -(-meta["train_tokens"] // 97)
+    ds = BinDataset(out, "train", 16)
+    starts = ds.doc_starts()
+    toks = ds.tokens()
+    assert np.array_equal(starts, np.concatenate([[0], np.flatnonzero(toks[:-1] == EOT) + 1]))
+    x, y, doc = ds.batch(8, seed=1, step=0, with_doc_ids=True)  # documents cross the 97-token shards
+    assert x.shape == (8, 16)
+
+
+def test_workers_uint32_and_reshard_give_the_same_tokens_and_windows(tmp_path, gpt2_bpe, seed):
+    docs = _docs(60, seed)
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, docs)
+    a = prepare(str(src), tmp_path / "a", "gpt2", 0.1, shard_tokens=10_000, workers=1, progress=False)
+    b = prepare(
+        str(src), tmp_path / "b", "gpt2", 0.1, shard_tokens=53, workers=2, dtype="uint32", progress=False
+    )
+    assert a["dtype"] == "uint16" and b["dtype"] == "uint32" and len(b["shards"]["train"]) > 3
+    assert (tmp_path / "b" / b["shards"]["train"][0]["file"]).stat().st_size == 53 * 4
+    for split in ("train", "val"):
+        assert np.array_equal(_stream(tmp_path / "a", split), _stream(tmp_path / "b", split))
+    da, db = BinDataset(tmp_path / "a", "train", 32), BinDataset(tmp_path / "b", "train", 32)
+    for step in range(3):
+        for xa, xb in zip(
+            da.batch(4, seed=seed % 1000, step=step), db.batch(4, seed=seed % 1000, step=step), strict=True
+        ):
+            assert xa.equal(xb), f"seed={seed} step={step}"
+
+
+def test_interrupted_prepare_resumes_from_its_last_shard(tmp_path, gpt2_bpe, seed, monkeypatch):
+    docs = _docs(80, seed)
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, docs)
+    out = tmp_path / "out"
+    real = shards.ShardWriter.add
+    calls = []
+
+    def dying(self, ids):
+        calls.append(1)
+        if len(calls) == 50:
+            raise KeyboardInterrupt("simulated kill")
+        return real(self, ids)
+
+    monkeypatch.setattr(shards.ShardWriter, "add", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
+    state = json.loads((out / shards.STAGE_NAME / shards.STATE_NAME).read_text())
+    assert 0 < state["docs"] < 50 and not (out / "meta.json").exists()
+    calls.clear()
+    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, ids: (calls.append(1), real(self, ids))[1])
+    prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
+    assert len(calls) == 80 - state["docs"]  # the done documents were not written again
+    want = _expected(docs)
+    for split in ("train", "val"):
+        assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {split}"
+    assert not (out / shards.STAGE_NAME).exists()
+
+
+@pytest.mark.slow
+def test_changed_source_and_bad_input_are_named(tmp_path, gpt2_bpe):
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.txt").write_text("one document")
+    (d / "b.txt").write_text("another document")
+    out = tmp_path / "out"
+    prepare(str(d), out, "gpt2", 0.5, workers=1, progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    (d / "b.txt").write_text("changed document!")
+    assert "b.txt" in conflict_reason(str(d), out, "gpt2", 0.5)
+    (d / "c.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"c\.txt is not UTF-8.*offset 3"):
+        prepare(str(d), out, "gpt2", 0.5, workers=1, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing prepared was touched
+    j = tmp_path / "c.jsonl"
+    _write_jsonl(j, ["x", "y"], field="body")
+    with pytest.raises(
+        ValueError, match=r"c\.jsonl:1 has no field 'text' \(its fields: body, id\).*text_field"
+    ):
+        prepare(str(j), tmp_path / "o2", "gpt2", workers=1, progress=False)
+    _write_jsonl(j, ["", ""])
+    with pytest.raises(ValueError, match=r"c\.jsonl holds no non-empty document"):
+        prepare(str(j), tmp_path / "o3", "gpt2", workers=1, progress=False)
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    pytest.importorskip("datasets")
+    with pytest.raises(ValueError, match=r"hf:no-such-org-xyz/none.*Hugging Face"):
+        prepare("hf:no-such-org-xyz/none", tmp_path / "o4", "gpt2", workers=1, progress=False)
+
+
+def test_max_tokens_caps_the_corpus(tmp_path, gpt2_bpe, seed):
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, _docs(50, seed))
+    meta = prepare(str(src), tmp_path / "o", "gpt2", 0.1, max_tokens=500, workers=1, progress=False)
+    assert meta["train_tokens"] + meta["val_tokens"] == 500 and load_meta(tmp_path / "o")["max_tokens"] == 500
+
+
+_MEM_CHILD = """
+import resource, sys
+from data.tokenizer import encode_documents
+from data.prepare import prepare
+encode_documents("gpt2", ["warm up the tokenizer " * 1000])  # the BPE tables are loaded: the baseline
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+prepare(sys.argv[1], sys.argv[2], "gpt2", 0.01, workers=1, shard_tokens=1_000_000, progress=False)
+print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe):
+    """16 MB of JSONL prepared with a 6 MB cap on the growth of the peak RSS over the baseline (Python,
+    numpy and the loaded BPE): a prepare that held the corpus, or its token list (~36 bytes per token as
+    Python ints), would go far over."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bench.prepare import write_corpus
+
+    size = write_corpus(tmp_path / "c.jsonl", 16)
+    cap_kb = 6 * 1024
+    res = subprocess.run(
+        [sys.executable, "-c", _MEM_CHILD, str(tmp_path / "c.jsonl"), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert res.returncode == 0, res.stderr
+    base, peak = map(int, res.stdout.split()[-2:])
+    assert peak - base < cap_kb < size / 1024 / 2, f"peak RSS grew {peak - base} kB preparing {size} bytes"
+    assert load_meta(tmp_path / "o")["train_tokens"] > size / 8

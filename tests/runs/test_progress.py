@@ -1,0 +1,73 @@
+"""The console's sense of time: elapsed/ETA on step lines (trainer/progress.py) and the warning for a
+GPT-2-sized model started on the CPU."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from tests.helpers_train import run_inprocess
+
+from trainer import progress
+
+UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def _parse(text: str) -> tuple[int, int]:
+    """(seconds, size of the smallest unit shown) of a ``format_duration`` string."""
+    parts = re.fullmatch(r"(?:(\d+)([dhm]))?(\d+)([dhms])", text)
+    assert parts, text
+    big, big_unit, small, small_unit = parts.groups()
+    total = int(small) * UNITS[small_unit] + (int(big) * UNITS[big_unit] if big else 0)
+    return total, UNITS[small_unit]
+
+
+def test_format_duration_reads_back_within_its_last_unit(seed):
+    rng = random.Random(seed)
+    for seconds in [rng.uniform(0, 10 ** rng.uniform(0, 6)) for _ in range(300)] + [59.9, 3600, 86400]:
+        total, unit = _parse(progress.format_duration(seconds))
+        assert total <= seconds < total + unit, (seed, seconds, progress.format_duration(seconds))
+
+
+def test_clock_eta_is_steps_left_times_mean_step_time(monkeypatch, seed):
+    rng = random.Random(seed)
+    start, first, steps, max_steps = rng.uniform(0, 1e4), rng.randrange(0, 50), rng.randrange(1, 40), 100
+    per_step = rng.uniform(0.5, 90.0)
+    now = [start]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Clock(first)
+    assert clock.text(first, max_steps).endswith("eta ?")  # no step yet: no estimate
+    now[0] = start + per_step * steps
+    elapsed, eta = re.fullmatch(r"elapsed (\S+) \| eta (\S+)", clock.text(first + steps, max_steps)).groups()
+    expect_eta = per_step * (max_steps - first - steps)
+    for shown, expect in ((elapsed, per_step * steps), (eta, expect_eta)):
+        total, unit = _parse(shown)
+        assert total <= expect + 1e-6 and expect < total + unit, (seed, shown, expect)
+
+
+@pytest.mark.parametrize(("model", "warned"), [("gpt2", True), ("tiny", False)])
+def test_cpu_run_of_a_gpt2_sized_model_says_how_slow(tiny, tmp_path, capsys, monkeypatch, model, warned):
+    """Set-up on the CPU prints the warning (with experiment=cpu_tiny) for GPT-2 small, not for tiny."""
+    from trainer import loop
+
+    monkeypatch.setattr(loop, "train", lambda st: loop.Outcome("ok", 0))  # set-up only
+    out = tmp_path / "run"
+    outcome = run_inprocess(tiny(out, model=model, max_steps=1000), out)
+    text = capsys.readouterr().out
+    assert outcome.exit_code == 0, text
+    line = next((x for x in text.splitlines() if x.startswith("warning: a ")), None)
+    assert (line is not None) == warned, text
+    if warned:
+        assert "M-parameter model on the CPU" in line and "max_steps=1000 takes at least" in line, line
+        assert "experiment=cpu_tiny" in line, line
+
+
+def test_step_lines_show_elapsed_and_eta(tiny, tmp_path, capsys):
+    out = tmp_path / "run"
+    outcome = run_inprocess(tiny(out, max_steps=4, **{"eval.interval": 0, "checkpoint.interval": 0}), out)
+    text = capsys.readouterr().out
+    assert outcome.exit_code == 0, text
+    lines = [x for x in text.splitlines() if re.match(r"step +\d+/4 \| loss", x)]
+    assert len(lines) == 4 and all(re.search(r"\| elapsed \S+ \| eta \S+$", x) for x in lines), text
+    assert lines[-1].endswith("eta 0s"), lines[-1]

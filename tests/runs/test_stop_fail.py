@@ -1,0 +1,414 @@
+"""Stopping and failing clearly: real train.py processes, real signals, a real full disk (a small tmpfs),
+real unwritable out_dirs and real Hydra sweeps. Each test reads back the run directory it left.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.helpers_train import (
+    REPO,
+    TRAIN,
+    describe,
+    read_jsonl,
+    run_inprocess,
+    run_train,
+    summary,
+    train_command,
+    train_env,
+    train_losses,
+    val_losses,
+)
+
+from trainer import checkpoint as ckpt
+from trainer.rundir import LOCK_NAME
+
+pytestmark = pytest.mark.slow
+
+
+def _mount_tmpfs(where: Path, options: str) -> None:
+    """Mount a tmpfs at ``where`` or skip (with the reason) where mounting is not allowed."""
+    where.mkdir(parents=True, exist_ok=True)
+    cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs: room for one checkpoint of the tiny model (~4.9 MiB) but not two."""
+    mnt = tmp_path / "disk"
+    _mount_tmpfs(mnt, "size=8m")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "ro,size=1m")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+class Train:
+    """``python train.py ARGS`` as a background process whose train.log we can watch."""
+
+    def __init__(self, args: list[str], out: Path) -> None:
+        self.out = out
+        cmd, env = train_command(args)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=str(REPO),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def wait_for_log(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        log = self.out / "train.log"
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if log.is_file() and text in log.read_text():
+                return
+            time.sleep(0.05)
+        self.proc.kill()
+        out, err = self.proc.communicate()
+        pytest.fail(f"never logged {text!r} (exit {self.proc.returncode})\n{out[-3000:]}\n{err[-3000:]}")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc.poll() is None, "the run ended before the signal was sent"
+        self.proc.send_signal(sig)
+
+    def finish(self, timeout: float = 120) -> tuple[int, str, str]:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+        return self.proc.returncode, out, err
+
+
+# ------------------------------------------------------------------------------------------ signals
+
+
+def test_signal_to_a_sweep_says_which_jobs_did_not_run(tiny, tmp_path):
+    """SIGTERM during job 0 of a 2-job -m sweep: job 0 stops with its checkpoint and resume command, the
+    sweep stops (exit 143), and stderr says that the jobs after job 0 did not run; job 1 has no folder."""
+    sweep = tmp_path / "sw"
+    args = [a for a in tiny(None, fault__step_sleep_s=0.2) if not a.startswith(("seed=", "out_dir="))]
+    run = Train(["-m", *args, "seed=1,2", f"hydra.sweep.dir={sweep}"], sweep / "0_naive_n64")
+    run.wait_for_log("step      2/16 | loss")
+    run.signal(signal.SIGTERM)
+    code, stdout, stderr = run.finish()
+    assert code == 128 + signal.SIGTERM, f"{code}\n{stdout[-2000:]}\n{stderr[-2000:]}"
+    assert "sweep stopped by a signal in job 0" in stderr, stderr
+    assert "the jobs after it did not run" in stderr, stderr
+    assert summary(sweep / "0_naive_n64")["status"] == "interrupted"
+    assert not (sweep / "1_naive_n64").exists()
+
+
+def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
+    """SIGTERM while the step-8 evaluation runs: that evaluation finishes and is logged, step 9 never
+    runs, step 8 is checkpointed, the resume command is printed and continues the run."""
+    out = tmp_path / "run"
+    run = Train(tiny(out, checkpoint__interval=4, fault__eval_sleep_s=1.0), out)
+    run.wait_for_log("step      8/16 | loss")  # printed just before the evaluation of step 8 starts
+    time.sleep(0.3)
+    run.signal(signal.SIGTERM)
+    code, stdout, stderr = run.finish()
+    assert code == 128 + signal.SIGTERM, f"{code}\n{stdout}\n{stderr}"
+    assert "finishing the current evaluation" in stderr
+    s = summary(out)
+    assert s["status"] == "interrupted" and s["steps"] == 8 and s["signal"] == "SIGTERM", s
+    assert s["last_checkpoint"].endswith("step_00000008") and Path(s["last_checkpoint"]).is_dir()
+    assert max(train_losses(out)) == 8  # no step after the evaluation
+    assert 8 in val_losses(out)  # the evaluation that was running is kept
+    assert "resume with:" in stdout and s["resume_hint"] in stdout
+
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, describe(resumed)
+    assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
+
+
+def test_signal_during_first_eval_runs_no_step(tiny, tmp_path):
+    """SIGINT during the evaluation before step 1: it finishes, no training step runs, a step-0
+    checkpoint is saved and the run ends "interrupted" (exit 130)."""
+    out = tmp_path / "run"
+    run = Train(tiny(out, fault__eval_sleep_s=1.0), out)
+    run.wait_for_log("flashgpt:")  # set-up done; the step-0 evaluation (2 x 1 s) starts next
+    time.sleep(0.3)
+    run.signal(signal.SIGINT)
+    code, stdout, stderr = run.finish()
+    assert code == 128 + signal.SIGINT, f"{code}\n{stdout}\n{stderr}"
+    assert "finishing the current evaluation" in stderr
+    s = summary(out)
+    assert s["status"] == "interrupted" and s["steps"] == 0, s
+    assert train_losses(out) == {} and list(val_losses(out)) == [0]
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000000"]
+    assert ckpt.load_checkpoint(out / "ckpt" / "step_00000000")["step"] == 0
+    assert "resume=true" in stdout
+
+
+def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
+    """A second signal exits at once without a checkpoint; summary.json then says "interrupted" (not
+    "running"), names the last checkpoint, and its resume command works as printed."""
+    out = tmp_path / "run"
+    run = Train(tiny(out, checkpoint__interval=4, fault__eval_sleep_s=1.0), out)
+    run.wait_for_log("step      8/16 | loss")
+    time.sleep(0.3)
+    run.signal(signal.SIGTERM)
+    time.sleep(0.3)  # still inside the 2 s evaluation: the graceful stop has not happened yet
+    run.signal(signal.SIGINT)
+    code, stdout, stderr = run.finish()
+    assert code == 128 + signal.SIGINT, f"{code}\n{stdout}\n{stderr}"
+    assert "exiting now without a checkpoint" in stderr
+    s = summary(out)
+    assert s["status"] == "interrupted" and s["exited_at_once"] is True and s["signal"] == "SIGINT", s
+    assert s["last_checkpoint"].endswith("step_00000004")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004"]
+    assert read_jsonl(out)[-1]["status"] == "interrupted"
+    assert s["resume_hint"] in stdout
+
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, describe(resumed)
+    assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
+    assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
+
+
+def _as_typed(command: str) -> list[str]:
+    """A printed ``python train.py ...`` command as argv (this interpreter for ``python``)."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["python", "train.py"], command
+    return [sys.executable, str(TRAIN), *argv[2:]]
+
+
+# ------------------------------------------------------------------------------------------ full disk
+
+
+def test_full_disk_during_checkpoint_keeps_the_previous_one(tiny, small_disk):
+    """The step-8 checkpoint does not fit: the run says the disk is full and what the checkpoint needs,
+    ends with status disk_full (exit 1, no traceback), keeps step 4's checkpoint and every metric line;
+    with room made, the printed resume command finishes the run."""
+    out = small_disk / "run"
+    proc = run_train(tiny(out, checkpoint__interval=4))
+    assert proc.returncode == 1, describe(proc)
+    err = proc.stderr
+    assert "Traceback" not in err
+    assert "disk full: checkpoint" in err and "step_00000008 needs about" in err and "MiB free" in err
+    assert f"the previous checkpoint {out / 'ckpt' / 'step_00000004'} (step 4) is intact" in err
+    s = summary(out)
+    assert s["status"] == "disk_full" and s["failed_checkpoint_step"] == 8 and s["steps"] == 8, s
+    assert s["last_checkpoint"].endswith("step_00000004")
+    assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000004"]  # no temp file left
+    state = ckpt.load_checkpoint(out / "ckpt" / "step_00000004")
+    assert state["step"] == 4
+    assert sorted(train_losses(out)) == list(range(1, 9)) and read_jsonl(out)[-1]["status"] == "disk_full"
+    assert s["resume_hint"] in err
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = subprocess.run(
+        _as_typed(s["resume_hint"]),
+        cwd=str(REPO),
+        env=train_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, describe(resumed)
+    assert summary(out)["status"] == "ok" and summary(out)["steps"] == 16
+
+
+# ------------------------------------------------------------------------------------------ out_dir
+
+
+def test_out_dir_that_is_a_file_is_a_config_error(tiny, tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("mine\n")
+    for out, expected in (
+        (blocker, f"config error: out_dir={blocker} is an existing file, not a directory"),
+        (blocker / "run", f"config error: out_dir={blocker / 'run'} cannot be created: {blocker} is a file"),
+    ):
+        proc = run_train(tiny(out))
+        assert proc.returncode == 2, describe(proc)
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert blocker.read_text() == "mine\n"  # the user's file is untouched
+    proc = run_train(tiny(tmp_path / "notes.txt-run", max_steps=1, eval__at_start=False))  # the hint
+    assert proc.returncode == 0, describe(proc)
+
+
+def test_read_only_out_dir_is_a_config_error(tiny, read_only_dir, capsys):
+    for out in (read_only_dir, read_only_dir / "run"):
+        proc = run_train(tiny(out))
+        assert proc.returncode == 2, describe(proc)
+        assert f"config error: out_dir={out} " in proc.stderr and "not writable" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    # the same check in-process (trainer.loop.run on a composed config)
+    outcome = run_inprocess(tiny(read_only_dir), read_only_dir)
+    assert (outcome.status, outcome.exit_code) == ("error", 2)
+    assert f"out_dir={read_only_dir} is not writable" in capsys.readouterr().err
+
+
+def test_unwritable_sweep_dir_is_a_config_error(tiny, read_only_dir, tmp_path):
+    args = [a for a in tiny(tmp_path / "unused") if not a.startswith("out_dir=")]
+    proc = run_train(["-m", *args, "seq_len=32,64", f"hydra.sweep.dir={read_only_dir / 'sweep'}"])
+    assert proc.returncode == 2, describe(proc)
+    assert f"config error: hydra.sweep.dir={read_only_dir / 'sweep'} cannot be created" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------ sweeps
+
+
+def _sweep_args(tiny, tmp_path) -> list[str]:
+    args = tiny(tmp_path / "unused", max_steps=2, eval__at_start=False)
+    return [a for a in args if not a.startswith("out_dir=")]
+
+
+def test_sweep_where_every_job_failed_exits_nonzero_and_report_shows_errors(tiny, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        ["-m", *_sweep_args(tiny, tmp_path), "batch.tokens_per_step=1000,1001", f"hydra.sweep.dir={sweep}"]
+    )
+    assert proc.returncode == 2, describe(proc)  # both jobs: config error (2)
+    assert "sweep: all 2 jobs failed" in proc.stderr and f"python -m bench.report {sweep}" in proc.stderr
+    report = subprocess.run(
+        [sys.executable, "-m", "bench.report", str(sweep)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    md = (sweep / "report.md").read_text()
+    assert "## Failed runs" in md
+    for n in (1000, 1001):
+        assert f"batch.tokens_per_step={n} is not a multiple of micro_batch_size(8)" in md
+    rows = json.loads((sweep / "report.json").read_text())["runs"]
+    assert all(r["status"] == "error" and "batch.tokens_per_step=" in r["error"] for r in rows)
+
+
+def test_sweep_with_an_oom_and_a_failed_job_goes_on_and_exits_0(tiny, tmp_path):
+    """An OOM (status oom, exit 0) is a result of the sweep, so not every job failed: exit 0, and the
+    failure is listed; the report shows both jobs' error texts."""
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        [
+            "-m",
+            *_sweep_args(tiny, tmp_path),
+            "fault.raise_oom_at_step=1",
+            "batch.tokens_per_step=1024,1000",
+            f"hydra.sweep.dir={sweep}",
+        ]
+    )
+    assert proc.returncode == 0, describe(proc)
+    assert "sweep: 1 of 2 jobs failed" in proc.stderr
+    statuses = sorted(summary(d)["status"] for d in sweep.iterdir() if (d / "summary.json").is_file())
+    assert statuses == ["error", "oom"]
+    report = subprocess.run(
+        [sys.executable, "-m", "bench.report", str(sweep)],
+        cwd=str(REPO),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert report.returncode == 0, report.stderr
+    md = (sweep / "report.md").read_text()
+    assert "CUDA out of memory at step 1" in md and "batch.tokens_per_step=1000 is not a multiple" in md
+
+
+def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, tmp_path):
+    """The same sweep again into the same hydra.sweep.dir: every job is refused (its directory holds a
+    run); the end-of-sweep message says so per job and names a new sweep folder, instead of pointing at
+    error summaries that do not exist; the earlier runs' records and Hydra's files of that sweep
+    (.hydra/*.yaml, train.log, multirun.yaml, which Hydra rewrites before any job can be refused, and the
+    lock file's text, which the trainer rewrites as it takes the lock) are
+    byte for byte as they were."""
+    sweep = tmp_path / "sweep"
+    args = [a for a in _sweep_args(tiny, tmp_path) if not a.startswith("attention=")]
+    cmd = ["-m", *args, "attention=naive,sdpa", "eval.interval=0", f"hydra.sweep.dir={sweep}"]
+    first = run_train(cmd)
+    assert first.returncode == 0, describe(first)
+    jobs = [sweep / "0_naive_n64", sweep / "1_sdpa_n64"]
+
+    def records():  # the runs' own records and Hydra's files of the earlier sweep
+        files = [sweep / "multirun.yaml"] + [
+            j / name
+            for j in jobs
+            for name in ("summary.json", "metrics.jsonl", "train.log", "config.resolved.yaml", LOCK_NAME)
+        ]
+        files += sorted(p for j in jobs for p in (j / ".hydra").iterdir())
+        return {p: p.read_bytes() for p in files}
+
+    before = records()
+    again = run_train(cmd + ["optim.lr=0.0123"])  # another config: Hydra's files would differ
+    assert again.returncode == 2, describe(again)
+    err = again.stderr
+    assert "sweep: all 2 jobs failed" in err, describe(again)
+    for j in jobs:
+        assert f"refused: {j} already holds a run; use a new hydra.sweep.dir" in err, err
+        assert f"config error: out_dir={j} already holds a run" in err, err
+    assert f"hydra.sweep.dir={sweep}_2" in err and "multirun/<time>" in err, err
+    assert "holds its error" not in err and "bench.report" not in err, err
+    assert "runs/<time>_<backend>_n<seq_len>" not in err, err  # a single run's hint: not for -m
+    assert records() == before
+    assert all(summary(j)["status"] == "ok" for j in jobs)
+
+
+def test_sweep_exit_code_lists_refused_jobs_apart(capsys, tmp_path):
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    sweep = tmp_path / "sw"
+    (tmp_path / "sw_2").mkdir()  # taken: the suggestion is the next free name
+    refused, err = (str(sweep / "0_a"), train.REFUSED, 2), (str(sweep / "1_b"), "error", 2)
+    assert train.sweep_exit_code([refused, err], str(sweep)) == 2
+    out = capsys.readouterr().err
+    assert f"refused: {sweep / '0_a'} already holds a run; use a new hydra.sweep.dir" in out, out
+    assert f"error (exit 2): {sweep / '1_b'}" in out, out
+    assert "the other failed runs' summary.json hold their errors" in out, out
+    assert f"python -m bench.report {sweep} lists them" in out and f"hydra.sweep.dir={sweep}_3" in out, out
+    assert train.sweep_exit_code([refused, ("c", "ok", 0)], str(sweep)) == 0
+    out = capsys.readouterr().err
+    assert "1 of 2 jobs failed" in out and "refused: " in out and "bench.report" not in out, out
+
+
+def test_sweep_exit_code_rules(capsys):
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    ok, oom, cfg_err, nan = ("a", "ok", 0), ("b", "oom", 0), ("c", "error", 2), ("d", "nonfinite", 1)
+    assert train.sweep_exit_code([]) == 0  # jobs ran elsewhere (another launcher): nothing to judge
+    assert train.sweep_exit_code([ok, oom]) == 0
+    assert train.sweep_exit_code([oom, oom]) == 0  # OOM cells are results
+    assert train.sweep_exit_code([ok, cfg_err]) == 0 and "1 of 2 jobs failed" in capsys.readouterr().err
+    assert train.sweep_exit_code([cfg_err, cfg_err]) == 2
+    assert train.sweep_exit_code([cfg_err, nan]) == 1
+    assert "all 2 jobs failed" in capsys.readouterr().err

@@ -1,0 +1,544 @@
+"""Config validation (trainer/checks.py): each user error is caught before any model is built, and the
+message names the key and a valid value. Runs in-process through Hydra's compose API + trainer.loop.run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tests.helpers_train import compose_cfg, run_inprocess, tiny_overrides
+
+from trainer.checks import ConfigError, check_resume_compatible, resolve_plan
+
+
+@pytest.fixture
+def expect_error(char_data, shakespeare_path, tmp_path, capsys, monkeypatch):
+    """Run with overrides; assert exit status 2 and return the printed error (one line, no traceback)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+    def check(**extra) -> str:
+        out = tmp_path / "run"
+        outcome = run_inprocess(tiny_overrides(char_data, shakespeare_path, out, **extra), out)
+        err = capsys.readouterr().err
+        assert (outcome.status, outcome.exit_code) == ("error", 2), err
+        assert err.startswith("config error: ") and "Traceback" not in err
+        assert not (out / "ckpt").exists() and not (out / "wandb").exists()  # stopped before training
+        return err
+
+    return check
+
+
+def test_seq_len_larger_than_block_size(expect_error):
+    err = expect_error(**{"model.block_size": 32})
+    assert "seq_len=64 is larger than model.block_size=32" in err and "model.block_size=64" in err
+
+
+def test_seq_len_larger_than_data(expect_error, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1720 chars: val split 172
+    args = {"data.source": small, "data.dir": tmp_path / "small", "seq_len": 256, "batch.micro_batch_size": 4}
+    err = expect_error(**args)  # before preparing: a bound from the file's size (tokens <= bytes)
+    assert not (tmp_path / "small").exists()
+    assert err.startswith("config error: seq_len=256 is longer than the data allows: ")
+    assert "(1,720 bytes) gives at most about 173 validation tokens" in err and "use seq_len=128," in err
+    from data.prepare import ensure_prepared
+
+    ensure_prepared(str(small), str(tmp_path / "small"), "char", 0.1)
+    err = expect_error(**args)
+    val_tokens = json.loads((tmp_path / "small" / "meta.json").read_text())["val_tokens"]
+    assert val_tokens == 172
+    assert f"data.dir={tmp_path / 'small'} holds 172 validation and 1,548 training tokens" in err
+    assert "so seq_len can be at most 171; use seq_len=128 (or any value up to 171)" in err
+
+
+def test_n_embd_not_divisible_by_n_head(expect_error):
+    err = expect_error(**{"model.n_head": 3})
+    assert "model.n_embd=128 is not divisible by model.n_head=3" in err
+
+
+def test_unknown_attention_backend(expect_error):
+    err = expect_error(**{"attention.name": "fast"})
+    assert "attention.name (attention=...)='fast' is not valid" in err and "naive, sdpa, flash" in err
+
+
+def test_unknown_attention_group_is_rejected_by_hydra():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match="attention"):
+        compose_cfg(["attention=fast"])
+
+
+def test_flash_without_cuda_points_to_sdpa(expect_error):
+    err = expect_error(attention="flash")
+    assert "needs a CUDA GPU" in err and "attention=sdpa" in err and "TRITON_INTERPRET=1" in err
+
+
+def test_flash_head_dim_out_of_range(expect_error):
+    err = expect_error(attention="flash", **{"model.n_head": 32})  # 128 / 32 = 4
+    assert "head dims 8..256" in err and "gives head_dim=4" in err and "attention=sdpa" in err
+
+
+def test_pinned_sdpa_backend_that_cannot_run(expect_error):
+    err = expect_error(attention="sdpa", **{"attention.sdpa_backend": "cudnn"})
+    assert "attention.sdpa_backend=cudnn cannot run head_dim=32, dtype=float32 on cpu" in err
+    assert "attention.sdpa_backend=auto" in err and "math" in err  # math always runs on the CPU
+
+
+def test_missing_data_file(expect_error, tmp_path):
+    err = expect_error(**{"data.source": tmp_path / "nope.txt", "data.dir": tmp_path / "d"})
+    assert f"data.source={tmp_path / 'nope.txt'} does not exist" in err
+    err = expect_error(**{"data.source": tmp_path, "data.dir": tmp_path / "d"})
+    assert (
+        "is a list of documents: use data.tokenizer=gpt2" in err
+    )  # a directory is a corpus of documents now
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_data_file(expect_error, tmp_path):
+    f = tmp_path / "secret.txt"
+    f.write_text("hello")
+    f.chmod(0)
+    err = expect_error(**{"data.source": f, "data.dir": tmp_path / "d"})
+    assert "is not readable" in err
+
+
+def test_batch_does_not_divide_tokens_per_step(expect_error):
+    err = expect_error(**{"batch.tokens_per_step": 1000})
+    assert "batch.tokens_per_step=1000 is not a multiple of micro_batch_size(8) x seq_len(64)" in err
+    assert "batch.tokens_per_step=512 or 1024" in err
+    err = expect_error(**{"batch.micro_batch_size": None, "batch.micro_tokens": 100})
+    assert "batch.micro_tokens=100 must be a multiple of seq_len=64, or at most seq_len" in err
+    assert "batch.micro_tokens=64" in err
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "world", "micro", "accum"),
+    [
+        (256, 1, 128, 2),
+        (1024, 1, 32, 2),
+        (8192, 1, 4, 2),
+        (32768, 1, 1, 2),
+        (1024, 8, 8, 1),  # never more than one rank's share of tokens_per_step
+        (16384, 4, 1, 1),
+    ],
+)
+def test_token_budget_batch_defaults(seq_len, world, micro, accum):
+    """The default batch is a token budget per micro-batch (batch.micro_tokens), so `python train.py
+    seq_len=N` needs no batch override at any N from 256 to 32768, on one or several ranks."""
+    plan = resolve_plan(compose_cfg([f"seq_len={seq_len}"]), world_size=world, cuda_available=True)
+    assert (plan.micro_batch_size, plan.grad_accum) == (micro, accum)
+    assert plan.eval_batch_size == micro
+    assert plan.micro_batch_size * seq_len * world * plan.grad_accum == 65536
+
+
+def test_explicit_micro_batch_size_wins_over_the_token_budget():
+    plan = resolve_plan(
+        compose_cfg(["seq_len=1024", "batch.micro_batch_size=4"]), world_size=1, cuda_available=True
+    )
+    assert (plan.micro_batch_size, plan.grad_accum) == (4, 16)
+    with pytest.raises(ConfigError, match="batch.micro_batch_size=null needs batch.micro_tokens"):
+        resolve_plan(compose_cfg(["batch.micro_tokens=null"]), world_size=1, cuda_available=True)
+
+
+def test_compile_mode_key():
+    """compile_mode passes through to torch.compile ("default" -> None); unknown values and CUDA graphs
+    under DDP are refused, naming the key."""
+    for mode, expect in (
+        ("default", None),
+        ("reduce-overhead", "reduce-overhead"),
+        ("max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs"),
+    ):
+        plan = resolve_plan(compose_cfg([f"compile_mode={mode}"]), world_size=1, cuda_available=True)
+        assert plan.compile and plan.compile_mode == expect
+    with pytest.raises(
+        ConfigError,
+        match="compile_mode='turbo' is not valid; choose one of: default, "
+        "reduce-overhead, max-autotune-no-cudagraphs",
+    ):
+        resolve_plan(compose_cfg(["compile_mode=turbo"]), world_size=1, cuda_available=True)
+    with pytest.raises(ConfigError, match="compile_mode=reduce-overhead .* one process only"):
+        resolve_plan(
+            compose_cfg(["compile_mode=reduce-overhead", "batch.tokens_per_step=131072"]),
+            world_size=2,
+            cuda_available=True,
+        )
+    with pytest.raises(ConfigError, match="perf.profile_steps"):
+        resolve_plan(compose_cfg(["perf.profile_steps=-1"]), world_size=1, cuda_available=True)
+    traced = resolve_plan(
+        compose_cfg(["perf.profile_steps=3", "perf.trace=true"]), world_size=1, cuda_available=True
+    )
+    assert traced.device_type == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("nonfinite", "ignore", "nonfinite='ignore' is not valid; choose one of: stop, skip"),
+        (
+            "wandb.mode",
+            "cloud",
+            "wandb.mode='cloud' is not valid; choose one of: auto, online, offline, disabled",
+        ),
+        ("parity.reference", "flash", "parity.reference='flash' is not valid; choose one of: naive, sdpa"),
+        ("dtype", "float16", "dtype='float16' is not valid"),
+        ("tf32", "maybe", "tf32='maybe' is not valid; choose true or false"),
+        ("tf32", 1.0, "tf32=1.0 is not valid; choose true or false"),
+        ("compile", 1, "compile=1 is not valid; choose one of: true, false, auto"),
+        ("deterministic", "maybe", "deterministic='maybe' is not valid; choose true or false"),
+        ("eval.at_start", "sometimes", "eval.at_start='sometimes' is not valid; choose true or false"),
+        ("checkpoint.at_end", "maybe", "checkpoint.at_end='maybe' is not valid; choose true or false"),
+        ("perf.trace", "maybe", "perf.trace='maybe' is not valid; choose true or false"),
+        (
+            "perf.trace",
+            True,
+            "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none",
+        ),
+        ("max_steps", 0, "max_steps=0 must be a positive integer"),
+        ("optim.lr", "abc", "optim.lr='abc' is not a finite number"),
+        ("optim.lr", "inf", "optim.lr=inf is not a finite number"),
+        ("optim.beta1", 1.5, "optim.beta1=1.5 must be in [0, 1)"),
+        ("optim.weight_decay", -5, "optim.weight_decay=-5.0 must be >= 0"),  # typed: a float
+        ("optim.lr", True, "optim.lr=True is not a finite number"),
+        ("seed", "abc", "seed='abc' must be a non-negative integer"),
+        ("data.val_fraction", 0.2, "was split with val_fraction=0.1, but data.val_fraction=0.2"),
+    ],
+)
+def test_enum_and_range_errors(expect_error, key, value, expected):
+    assert expected in expect_error(**{key: value})
+
+
+def test_device_cuda_without_gpu(expect_error):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert "device=cuda but no CUDA GPU" in expect_error(device="cuda")
+
+
+def test_resume_without_checkpoint(expect_error):
+    err = expect_error(resume=True)
+    assert "resume=true but" in err and "has no loadable checkpoint" in err and "out_dir=" in err
+
+
+def test_flash_allowed_under_triton_interpret(monkeypatch):
+    cfg = compose_cfg(["model=tiny", "attention=flash", "seq_len=64"])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError):
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_plan(cfg, world_size=1, cuda_available=False).device_type == "cpu"
+
+
+def test_check_resume_compatible_lists_all_differences():
+    base = {
+        "model_args": {
+            "n_layer": 2,
+            "n_head": 4,
+            "n_embd": 128,
+            "block_size": 64,
+            "vocab_size": 128,
+            "bias": True,
+        },
+        "tokenizer": "char",
+        "vocab_size": 65,
+        "attention": ["naive", "auto"],
+    }
+    assert check_resume_compatible(base, {**base, "model_args": {**base["model_args"]}}) == []
+    notes = check_resume_compatible(base, {**base, "attention": ["sdpa", "auto"]})
+    assert notes == ["attention backend changed on resume: ['naive', 'auto'] -> ['sdpa', 'auto']"]
+    with pytest.raises(ConfigError) as e:
+        check_resume_compatible(
+            base, {**base, "model_args": {**base["model_args"], "n_head": 8}, "tokenizer": "gpt2"}
+        )
+    assert "model.n_head: 4 -> 8" in str(e.value) and "data.tokenizer: char -> gpt2" in str(e.value)
+
+
+# ------------------------------------------------------------------------------------------ presets
+
+
+@pytest.mark.parametrize("seq_len", [1024, 2048, 4096, 8192, 16384])
+def test_context_sweep_fixes_tokens_per_step(seq_len):
+    cfg = compose_cfg(["experiment=context_sweep", f"seq_len={seq_len}"], return_hydra_config=True)
+    plan = resolve_plan(cfg, world_size=1, cuda_available=True)
+    assert plan.micro_batch_size * seq_len == 16384 and plan.grad_accum == 8
+    assert cfg.batch.tokens_per_step == 131072 and cfg.model.name == "gpt2"
+    sweep = cfg.hydra.sweep
+    assert "context_sweep" in sweep.dir
+    assert sweep._get_node("subdir")._value() == "${hydra.job.num}_${attention.name}_n${seq_len}"
+
+
+def test_block_size_follows_seq_len_and_presets_compose():
+    cfg = compose_cfg(["attention=naive", "seq_len=8192"])
+    assert cfg.model.block_size is None and cfg.model.name == "gpt2" and cfg.attention.name == "naive"
+    assert cfg.attention.sdpa_backend == "auto"  # typed: every attention config has every key
+    tiny = compose_cfg(["experiment=cpu_tiny"])
+    assert tiny.model.name == "mini" and tiny.data.tokenizer == "char" and tiny.seq_len == 128
+    plan = resolve_plan(tiny, world_size=1, cuda_available=False)
+    assert (plan.device_type, plan.compile, plan.autocast_dtype) == ("cpu", False, None)
+    gpu = resolve_plan(
+        compose_cfg(["experiment=gpt2_shakespeare", "seq_len=8192"]), world_size=1, cuda_available=True
+    )
+    assert (gpu.device_type, gpu.compile, gpu.autocast_dtype, gpu.micro_batch_size) == (
+        "cuda",
+        True,
+        "bfloat16",
+        2,
+    )
+
+
+def test_wandb_online_without_login(expect_error, monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    err = expect_error(**{"wandb.mode": "online"})
+    assert "wandb.mode=online but no W&B API key" in err and "wandb login" in err and "offline" in err
+
+
+def test_data_dir_holding_another_corpus_is_not_overwritten(expect_error, char_data, tmp_path):
+    other = tmp_path / "other.txt"
+    other.write_text("A different corpus, long enough for a few windows of text. " * 200)
+    before = (char_data / "meta.json").read_text()
+    err = expect_error(**{"data.source": other})
+    assert f"data.dir={char_data} holds data prepared from" in err
+    assert f"set data.dir={char_data.parent / 'shakespeare_char_other'} (a folder of its own)" in err
+    assert (char_data / "meta.json").read_text() == before  # the shared data were not re-prepared
+
+
+def _finished_run(path):
+    path.mkdir(parents=True, exist_ok=True)
+    summary = {"status": "ok", "final/val_loss": 2.5, "attention": "naive", "seq_len": 64}
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "metrics.jsonl").write_text('{"step": 1, "train/loss": 4.0}\n')
+    return (path / "summary.json").read_text(), (path / "metrics.jsonl").read_text()
+
+
+def test_a_run_killed_before_its_first_checkpoint_is_not_a_loop_of_advice(expect_error, tmp_path):
+    """A run killed hard before its first checkpoint (summary "running", no ckpt/): a new run there is
+    refused without pointing at resume=true, and resume=true says there is nothing to continue instead of
+    pointing at another run; the directory is left as it was."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"status": "running"}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "train/loss": 4.0}\n')
+    err = expect_error()
+    assert "without a checkpoint, so resume=true has nothing to continue" in err and "new out_dir" in err, err
+    err = expect_error(resume=True)
+    assert "stopped before the first one" in err and "newest run with checkpoints" not in err, err
+    assert json.loads((run / "summary.json").read_text()) == {"status": "running"}
+
+
+def test_new_run_in_an_existing_run_dir_is_refused(expect_error, tmp_path):
+    summary, metrics = _finished_run(tmp_path / "run")
+    err = expect_error()
+    assert "already holds a run" in err and "resume=true" in err and "new out_dir" in err
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_refused_resume_leaves_the_run_untouched(expect_error, tmp_path):
+    summary, metrics = _finished_run(tmp_path / "run")
+    expect_error(resume=True)  # no checkpoint to resume from
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_an_eval_batch_beyond_the_machine_is_refused_and_a_window_past_seq_len_noted():
+    """An eval.batch_size whose logits need terabytes (any machine) is a config error naming a size that
+    fits, before it takes the machine down; a window >= seq_len runs, with a note that it is full causal."""
+    huge = ["experiment=cpu_tiny", "eval.batch_size=100000000"]
+    with pytest.raises(ConfigError, match=r"eval.batch_size=100000000 needs about .* GiB .*use eval.batch_s"):
+        resolve_plan(compose_cfg(huge), world_size=1, cuda_available=False)
+    plan = resolve_plan(
+        compose_cfg(["experiment=cpu_tiny", "attention.window=1000"]), world_size=1, cuda_available=False
+    )
+    assert any("attention.window=1000 >= seq_len=128" in n for n in plan.notes), plan.notes
+
+
+def test_token_budget_batch_hint_names_what_the_user_set():
+    """With the micro-batch from the token budget (cpu_tiny), a tokens_per_step that does not split names
+    batch.micro_tokens (not a micro_batch_size the user never set) and suggests steps that do split."""
+    import re
+
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(
+            compose_cfg(["experiment=cpu_tiny", "batch.tokens_per_step=1000"]),
+            world_size=1,
+            cuda_available=False,
+        )
+    msg = str(e.value)
+    assert "batch.micro_tokens=2048" in msg and "micro_batch_size" not in msg, msg
+    for t in map(int, re.search(r"use batch.tokens_per_step=([\d or]+)", msg).group(1).split(" or ")):
+        plan = resolve_plan(
+            compose_cfg(["experiment=cpu_tiny", f"batch.tokens_per_step={t}"]),
+            world_size=1,
+            cuda_available=False,
+        )
+        assert plan.micro_batch_size * 128 * plan.grad_accum == t
+
+
+def test_plan_notes_say_what_a_key_does_not_do():
+    """Keys that have no effect in a run say so at start-up: micro_tokens under an explicit
+    micro_batch_size, GPU profiling and CUDA graphs on the CPU."""
+    plan = resolve_plan(
+        compose_cfg(["experiment=cpu_tiny", "batch.micro_batch_size=16", "batch.micro_tokens=4096"]),
+        world_size=1,
+        cuda_available=False,
+    )
+    assert any("batch.micro_tokens=4096 is not used" in n for n in plan.notes), plan.notes
+    plan = resolve_plan(
+        compose_cfg(
+            ["experiment=cpu_tiny", "perf.profile_steps=2", "compile=true", "compile_mode=reduce-overhead"]
+        ),
+        world_size=1,
+        cuda_available=False,
+    )
+    assert any("perf.profile_steps" in n for n in plan.notes) and any("CUDA graphs" in n for n in plan.notes)
+    gpu = resolve_plan(compose_cfg(["perf.profile_steps=2"]), world_size=1, cuda_available=True)
+    assert gpu.notes == []
+
+
+# ------------------------------------------------------------------------------------------ typed configs
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "expected"),
+    [
+        ("seq_len", "abc", "seq_len='abc' must be a positive integer, e.g. seq_len=1024"),
+        ("sq_len", 64, "sq_len is not a config key; did you mean seq_len?"),
+        ("+typo", 1, "typo is not a config key"),
+        ("+model.typo", 1, "model.typo is not a config key; valid keys under model: model.name"),
+        ("model.n_heads", 4, "model.n_heads is not a config key; did you mean model.n_head?"),
+        ("attention", "fast", "choose one of: attention=flash, attention=naive, attention=sdpa"),
+        ("batch.micro_batch_size", 2.5, "batch.micro_batch_size=2.5 must be null or a positive integer"),
+        ("batch.tokens_per_step", 2.5, "batch.tokens_per_step=2.5 must be a positive integer"),
+        ("attention.window", 0, "attention.window=0 must be null or a positive integer"),
+        ("model.attn_dropout", 1.5, "model.attn_dropout=1.5 must be in [0, 1)"),
+    ],
+)
+def test_typed_config_errors_name_the_full_key(expect_error, key, value, expected):
+    """OmegaConf's type and unknown-key errors (also ``+key=...``, which Hydra adds past the schema) end
+    like the trainer's own checks: exit 2, one line naming the full key and a valid one."""
+    assert expected in expect_error(**{key: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("typo", None),  # 0.67 from dtype: no longer offered
+        ("foo", None),
+        ("sq_len", "seq_len"),
+        ("max_step", "max_steps"),
+        ("evl", "eval"),
+        ("model.n_heads", "model.n_head"),
+    ],
+)
+def test_unknown_key_suggests_only_a_close_match(key, hint):
+    from trainer.config import TrainConfig
+    from trainer.fields import unknown_key
+
+    msg = unknown_key(key, TrainConfig)
+    if hint is None:
+        assert "did you mean" not in msg and msg.startswith(f"{key} is not a config key; valid keys"), msg
+    else:
+        assert f"did you mean {hint}? " in msg, msg
+
+
+@pytest.mark.slow  # real train.py processes
+def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
+    from helpers_train import run_train
+
+    for args in (["seq_len=abc"], ["+typo=1", "experiment=cpu_tiny"], ["model=gpt3"]):
+        proc = run_train([*args, f"out_dir={tmp_path / 'run'}", "wandb.mode=disabled"], timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("config error: ") and "Traceback" not in proc.stderr, proc.stderr
+    assert "model=gpt3 is not a config of group model; choose one of: " in proc.stderr
+    # an unquoted value Hydra's grammar cannot read (non-ASCII): the message says how to quote it
+    proc = run_train(["wandb.tags=[héllo]", f"out_dir={tmp_path / 'run'}"], timeout=120)
+    assert proc.returncode == 2 and "quote a value" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow  # real train.py processes
+def test_a_sweep_refused_before_its_first_job_leaves_no_folder(tmp_path):
+    """`-m` with a bad sweep value: config error, exit 2, and no multirun/<time>_<token>/ holding only
+    Hydra's multirun.yaml (config errors write nothing); a folder the user made keeps what it held."""
+    import subprocess
+
+    from helpers_train import describe, train_command
+
+    cmd, env = train_command(["-m", "experiment=cpu_tiny", "seq_len=128,abc", "wandb.mode=disabled"])
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "seq_len='abc'" in proc.stderr, describe(proc)
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    cmd, env = train_command(["-m", "seq_len=128,abc", f"hydra.sweep.dir={mine}", "wandb.mode=disabled"])
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, describe(proc)
+    assert (mine / "notes").is_dir()
+
+
+def test_model_presets_are_the_model_package_presets():
+    """``model=<name>`` is ``model.gpt.PRESETS[name]`` (one list of sizes), and sets only model keys."""
+    from omegaconf import OmegaConf
+
+    from model.gpt import PRESETS
+    from trainer.loop import gpt_config_for
+
+    base = OmegaConf.to_container(compose_cfg([]))  # unresolved: run_name holds ${now:...}
+    for name, sizes in PRESETS.items():
+        cfg = compose_cfg([f"model={name}"])
+        assert {k: cfg.model[k] for k in sizes} == sizes and cfg.model.name == name
+        gpt = gpt_config_for(cfg, 128)
+        assert {k: getattr(gpt, k) for k in sizes} == sizes and gpt.block_size == cfg.seq_len
+        others = {k: v for k, v in OmegaConf.to_container(cfg).items() if k != "model"}
+        assert others == {k: v for k, v in base.items() if k != "model"}
+
+
+def test_issue16_keys_compose_with_their_defaults():
+    cfg = compose_cfg([])
+    assert (cfg.attention.window, cfg.attention.document_mask) == (None, False)
+    assert (cfg.model.attn_dropout, cfg.data.doc_separator) == (0.0, None)
+    assert compose_cfg(["data.doc_separator='<|endoftext|>'"]).data.doc_separator == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("micro_tokens,count", [(128, "gives 1 sequence of"), (256, "gives 2 sequences of")])
+def test_token_budget_batch_hint_counts_sequences_in_english(micro_tokens, count):
+    """The micro-batch count of the split error reads "1 sequence", "2 sequences"."""
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(
+            compose_cfg(
+                ["experiment=cpu_tiny", f"batch.micro_tokens={micro_tokens}", "batch.tokens_per_step=1000"]
+            ),
+            world_size=1,
+            cuda_available=False,
+        )
+    assert count in str(e.value), e.value
+
+
+def test_resume_hint_names_the_run_with_the_newest_checkpoint(expect_error, tmp_path, monkeypatch):
+    """resume=true in a directory without checkpoints points at the run whose checkpoint is newest, not
+    at the run directory touched last (a no-op resume of an older run bumps that one's mtime)."""
+    monkeypatch.chdir(tmp_path)
+    for name, age in (("older", 3000), ("newer", 1000)):
+        f = tmp_path / "runs" / name / "ckpt" / "step_00000008"
+        f.mkdir(parents=True)
+        t = 1_700_000_000 - age
+        os.utime(f, (t, t))
+        os.utime(f.parent.parent, (t, t))
+    os.utime(tmp_path / "runs" / "older", (1_800_000_000, 1_800_000_000))  # a no-op resume of it, later
+    err = expect_error(resume=True)
+    assert f"(newest run with checkpoints: out_dir={os.path.join('runs', 'newer')})" in err, err
+
+
+def test_bad_gluon_env_is_a_config_error(monkeypatch):
+    """FLASHGPT_GLUON_FWD (read by the flash forward) is checked before the run starts, naming the variable;
+    other backends do not read it."""
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "bogus")
+    with pytest.raises(ConfigError, match="FLASHGPT_GLUON_FWD='bogus'.*unset it"):
+        resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
+    resolve_plan(compose_cfg(["attention=sdpa"]), world_size=1, cuda_available=True)
+    monkeypatch.setenv("FLASHGPT_GLUON_FWD", "0")
+    resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
+    monkeypatch.setenv("FLASHGPT_GLUON_BWD", "on")
+    with pytest.raises(ConfigError, match="FLASHGPT_GLUON_BWD='on'.*unset it"):
+        resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
