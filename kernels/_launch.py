@@ -78,8 +78,8 @@ def _scale_log2(softmax_scale: float, softcap: float) -> float:
 
 
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap: float) -> dict:
-    """Kernel keyword arguments of the variants (issue 16, soft-capping); all off gives the plain causal
-    kernels (softcap None: a constexpr, so the plain kernels compile exactly as without it)."""
+    """Kernel keyword arguments of the variants (window, documents, dropout, soft-capping); all off gives the
+    plain causal kernels (softcap None: a constexpr, so the plain kernels compile exactly as without it)."""
     return dict(
         softcap=softcap * LOG2E if softcap else None,
         SOFTCAP=bool(softcap),

@@ -97,7 +97,7 @@ def _fwd_inner(
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
-    Variants (issue 16): blocks before `mask_lo` are masked too (window / document start); the keep tile is
+    Variants: blocks before `mask_lo` are masked too (window / document start); the keep tile is
     `_score_keep`; HAS_DROPOUT drops P after the row sums (the normaliser and the LSE are the undropped
     ones) with `_dropout_keep` and scales the kept weights by 1 / (1 - dropout_p).
 

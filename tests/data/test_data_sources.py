@@ -1,4 +1,4 @@
-"""Corpora of documents (issue 39): directories, JSONL, Parquet and local Hugging Face datasets prepared
+"""Corpora of documents: directories, JSONL, Parquet and local Hugging Face datasets prepared
 into shards; uint32 shards, documents across shard boundaries, a resumed prepare, a re-shard.
 
 The reference is tiktoken itself on each document the test wrote (and the EOT token after each)."""

@@ -1,4 +1,4 @@
-"""Attention variants of our Triton FlashAttention-2 (issue 16, soft-capping from issue 38) under the Triton
+"""Attention variants of our Triton FlashAttention-2 under the Triton
 interpreter (CPU).
 
 Sliding window, document masking, attention dropout and logit soft-capping, alone and together, with GQA and

@@ -1,4 +1,4 @@
-"""Attention variants (issue 16) in the model, data and trainer: sliding window, document masking, dropout.
+"""Attention variants in the model, data and trainer: sliding window, document masking, dropout.
 
 * model.attention: naive, sdpa and flash (Triton interpreter) against the float64 reference of
   kernels.reference, for window and document masks; attention dropout in training only.

@@ -138,7 +138,7 @@ def _with_separators(idx: torch.Tensor, starts) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
 def test_document_mask_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backend):
-    """Document masks with a KV cache (issue 36): separators in the prompt, across the prefill/decode
+    """Document masks with a KV cache: separators in the prompt, across the prefill/decode
     boundary and in the decoded part; every step's logits (growing cache and static steps) equal the
     training forward's, which applies the document mask."""
     _need(backend, monkeypatch)

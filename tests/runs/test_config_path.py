@@ -1,5 +1,5 @@
 """``attention.window`` from the command line to the kernel: one schema and one check (GPTConfig's), and a
-short path (issue 37: it went through 15 files and 4 validations)."""
+short path (it once went through 15 files and 4 validations)."""
 
 from __future__ import annotations
 

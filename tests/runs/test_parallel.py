@@ -1,4 +1,4 @@
-"""Several ranks on the CPU (issue 19): parallel=fsdp (FSDP2 over gloo) and DDP against one process, DCP
+"""Several ranks on the CPU: parallel=fsdp (FSDP2 over gloo) and DDP against one process, DCP
 checkpoints resumed at another world size, SIGTERM and config errors under torchrun.
 
 Every multi-rank test launches real ``torchrun --standalone --nproc_per_node=2`` processes (gloo) on the tiny
