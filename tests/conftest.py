@@ -115,7 +115,7 @@ def session_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def char_data(session_dir, shakespeare_path) -> Path:
     """Tiny Shakespeare prepared with the char tokenizer, once per test session."""
-    from helpers_train import once, prepare_char_data
+    from tests.helpers_train import once, prepare_char_data
 
     with once(session_dir / "shakespeare_char"):  # every worker: ensure_prepared checks, under the lock
         return prepare_char_data(session_dir, shakespeare_path)
@@ -128,7 +128,7 @@ def char_data(session_dir, shakespeare_path) -> Path:
 def tiny(char_data, shakespeare_path):
     """Factory: `helpers_train.tiny_overrides` bound to the shared char data: (out_dir, **extra) -> args.
     ``out_dir=None`` leaves ``out_dir`` out (Hydra's timestamped default, or a sweep's own dirs)."""
-    from helpers_train import tiny_overrides
+    from tests.helpers_train import tiny_overrides
 
     def make(out_dir: Path | None, **extra) -> list[str]:
         args = tiny_overrides(char_data, shakespeare_path, out_dir or Path("unused"), **extra)
@@ -140,7 +140,7 @@ def tiny(char_data, shakespeare_path):
 def _train_once(out: Path, args: list[str], exit_code: int, status: str) -> Path:
     """``python train.py ARGS`` into ``out`` by the first worker that asks; every worker checks that it
     exited ``exit_code`` and left ``status`` in summary.json."""
-    from helpers_train import describe, once, run_train, summary
+    from tests.helpers_train import describe, once, run_train, summary
 
     with once(out) as first:
         if first:
@@ -166,7 +166,7 @@ def killed_run(session_dir, tiny) -> Path:
     """A 16-step tiny run (checkpoints every 4, offline W&B) SIGKILLed as update ``KILLED_AFTER + 1`` ends,
     before its log line: no ending ran, summary.json says "running" forever. Trained once per session and
     shared by the workers; copy it (``helpers_train.copy_run``) to read it with tools or resume it."""
-    from helpers_train import KILLED_AFTER
+    from tests.helpers_train import KILLED_AFTER
 
     out = session_dir / "killed_run"
     args = tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__sigkill_at_step=KILLED_AFTER + 1)

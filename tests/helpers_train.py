@@ -213,7 +213,7 @@ def run_inprocess(overrides: list[str], out_dir: Path, monkeypatch=None):
 
     faults, overrides = split_faults(overrides)
     if faults:
-        import faulty_train
+        from tests import faulty_train
 
         if monkeypatch is None or any(name.startswith("sigkill") for name in faults):
             raise ValueError(f"faults {sorted(faults)} in this process need monkeypatch and no SIGKILL")

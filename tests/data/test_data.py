@@ -385,7 +385,7 @@ def test_failed_download_takes_back_the_data_dirs_it_created(tmp_path, monkeypat
 def test_train_without_network_leaves_no_empty_data_dir(tmp_path):
     """train.py with the default (downloaded) corpus and no network: config error, and the data.dir it
     would have prepared is not left behind empty."""
-    from helpers_train import describe, offline_train_env, run_train
+    from tests.helpers_train import describe, offline_train_env, run_train
 
     data = tmp_path / "data" / "shakespeare_char"
     proc = run_train(

@@ -361,8 +361,7 @@ def test_gptconfig_errors(kw, match):
 )
 def test_train_config_errors(tmp_path, overrides, match):
     """train.py's config check names the keys (exit 2 there), before any data or model work."""
-    from helpers_train import compose_cfg
-
+    from tests.helpers_train import compose_cfg
     from trainer.checks import ConfigError, resolve_plan
 
     cfg = compose_cfg(["experiment=cpu_tiny", f"data.dir={tmp_path}/none", *overrides])
@@ -402,7 +401,15 @@ def test_tiny_runs_backends_agree_and_checkpoint_samples(tmp_path, char_data, sh
     import subprocess
     import sys
 
-    from helpers_train import REPO, describe, read_jsonl, run_train, tiny_overrides, train_env, train_losses
+    from tests.helpers_train import (
+        REPO,
+        describe,
+        read_jsonl,
+        run_train,
+        tiny_overrides,
+        train_env,
+        train_losses,
+    )
 
     losses = {}
     for backend in BACKENDS:

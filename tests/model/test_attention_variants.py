@@ -192,8 +192,7 @@ def test_variant_config_errors(tmp_path, overrides, match):
     train.py reports them, trainer.fields) or from the one check of the model keys, GPTConfig's."""
     import re
 
-    from helpers_train import compose_cfg
-
+    from tests.helpers_train import compose_cfg
     from trainer.checks import ConfigError, resolve_plan
     from trainer.config import TrainConfig
     from trainer.fields import config_error_from
@@ -210,7 +209,7 @@ def test_variant_config_errors(tmp_path, overrides, match):
 
 
 def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shakespeare_path):
-    from helpers_train import describe, run_train, tiny_overrides
+    from tests.helpers_train import describe, run_train, tiny_overrides
 
     proc = run_train(
         tiny_overrides(
@@ -229,7 +228,7 @@ def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shake
 def test_a_separator_that_never_occurs_is_reported(tmp_path, shakespeare_path):
     """document_mask with a data.doc_separator absent from the corpus (one document): the run goes on but
     says that the mask changes nothing, instead of silently training plain causal attention."""
-    from helpers_train import describe, run_train, tiny_overrides
+    from tests.helpers_train import describe, run_train, tiny_overrides
 
     extra = {
         "data.doc_separator": "ZZZQQQ",
@@ -247,7 +246,7 @@ def test_a_separator_that_never_occurs_is_reported(tmp_path, shakespeare_path):
 def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespeare_path):
     """Three 3-step CPU runs (naive, sdpa, flash under TRITON_INTERPRET=1), window 16 and document masks on
     Tiny Shakespeare speeches (float32): the logged losses agree to 1e-4, and differ from plain causal."""
-    from helpers_train import describe, run_train, tiny_overrides, train_env, train_losses
+    from tests.helpers_train import describe, run_train, tiny_overrides, train_env, train_losses
 
     data = tmp_path / "docs"
     losses = {}

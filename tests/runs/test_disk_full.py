@@ -72,7 +72,7 @@ def _clean_ending(proc, out: Path) -> dict:
 def _resume(s: dict, disk: Path):
     """Make room (the filler goes, the disk grows to hold two checkpoints), then run the printed
     resume command as typed."""
-    from helpers_train import REPO, train_env
+    from tests.helpers_train import REPO, train_env
     from test_stop_fail import _as_typed
 
     (disk / FILLER).unlink()

@@ -274,7 +274,7 @@ def test_dcp_checkpoint_of_two_ranks_resumes_at_world(
 
 
 def _env() -> dict:
-    from helpers_train import train_env
+    from tests.helpers_train import train_env
 
     return train_env()
 

@@ -175,7 +175,7 @@ def test_concurrent_train_launches_share_one_prepare(tmp_path, shakespeare_path)
     """Three ``train.py`` launches started together on a fresh data.dir: one prepares it, all train (exit
     0, status ok). The corpus is Tiny Shakespeare 8 times over, so that its preparation (seconds) outlasts
     the spread of the three start-ups and the launches meet at the data directory."""
-    from helpers_train import tiny_overrides, train_command
+    from tests.helpers_train import tiny_overrides, train_command
 
     data, corpus = tmp_path / "fresh_data", tmp_path / "corpus.txt"
     corpus.write_text(shakespeare_path.read_text(encoding="utf-8") * 8, encoding="utf-8")
@@ -255,7 +255,7 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
 
 @pytest.mark.slow
 def test_resume_without_metrics_warns_and_forks_wandb(tiny, tmp_path):
-    from wandb_offline import read_offline_run
+    from tests.wandb_offline import read_offline_run
 
     out = tmp_path / "run"
     base = dict(max_steps=8, checkpoint__interval=4, eval__interval=4, wandb__mode="offline")

@@ -100,7 +100,7 @@ def test_a_concurrent_reader_does_not_make_a_killed_run_look_alive(killed_in_end
 def test_readers_report_a_live_run_as_running(tiny, tmp_path):
     import time
 
-    from helpers_train import read_jsonl
+    from tests.helpers_train import read_jsonl
 
     from bench import report
     from trainer.rundir import true_status

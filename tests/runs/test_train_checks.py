@@ -445,7 +445,7 @@ def test_unknown_key_suggests_only_a_close_match(key, hint):
 
 @pytest.mark.slow  # real train.py processes
 def test_train_py_reports_composition_errors_with_exit_2(tmp_path):
-    from helpers_train import run_train
+    from tests.helpers_train import run_train
 
     for args in (["seq_len=abc"], ["+typo=1", "experiment=cpu_tiny"], ["model=gpt3"]):
         proc = run_train([*args, f"out_dir={tmp_path / 'run'}", "wandb.mode=disabled"], timeout=120)
@@ -463,7 +463,7 @@ def test_a_sweep_refused_before_its_first_job_leaves_no_folder(tmp_path):
     Hydra's multirun.yaml (config errors write nothing); a folder the user made keeps what it held."""
     import subprocess
 
-    from helpers_train import describe, train_command
+    from tests.helpers_train import describe, train_command
 
     cmd, env = train_command(["-m", "experiment=cpu_tiny", "seq_len=128,abc", "wandb.mode=disabled"])
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
