@@ -1,0 +1,273 @@
+"""Our default training command beside a peer's training script (nanoGPT's train.py), in one invocation.
+
+For each seq_len and bias setting it first runs `python train.py attention=flash seq_len=N model.bias=B`
+(bench.throughput's cell: no evaluation, checkpoints or W&B), then the peer's train.py with what that run
+resolved: the same model shape (n_layer, n_head, n_embd, vocab_size, bias), micro-batch, gradient
+accumulation, seq_len, dtype and compile, on the same prepared tokens. The peer is given by path and run as
+it is, from a scratch folder that links its train.py, model.py and configurator.py and holds
+data/flashgpt/{train,val}.bin (uint16, the start of our prepared splits) and meta.pkl (our vocab_size, so both
+models have the same embedding). Its tokens/sec is tokens per iteration over the median of the "time ..ms"
+it prints per iteration after the first --warmup; ours is the median tokens/sec of our run after as many
+steps. Writes OUT.json (after every cell), OUT.md and OUT.png.
+
+    python -m bench.peer --peer ~/nanoGPT/train.py --out bench/results/peer_h200 -- data.source=PATH
+    python -m bench.peer --allow-cpu --peer ~/nanoGPT/train.py --attention sdpa --seq-lens 64 --steps 4 \\
+        --warmup 1 -- experiment=cpu_tiny data.source=PATH      # a CPU try-out of the tool (no figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import common, throughput
+
+REPO = Path(__file__).resolve().parents[1]
+PEER_FILES = ("train.py", "model.py", "configurator.py")
+#: nanoGPT prints "iter 12: loss 4.1234, time 123.45ms, mfu 40.12%" once per iteration (log_interval=1)
+ITER_LINE = re.compile(r"^iter (\d+): loss [-+.\w]+, time ([\d.]+)ms", re.M)
+
+
+def peer_command(cfg: dict, steps: int, out_dir: Path) -> list[str]:
+    """The peer's command line for the run our cell resolved (`cfg`: its config.resolved.yaml, whose
+    ``derived`` part holds what the trainer decided: batch split, dtype, compile, device): the same model,
+    batch split, seq_len, dtype and compile; evaluation only at its iteration 0 (one batch: nanoGPT always
+    evaluates there), no checkpoint, no W&B."""
+    m, d = cfg["model"], cfg["derived"]
+    args = dict(
+        dataset="flashgpt",
+        out_dir=str(out_dir),
+        n_layer=m["n_layer"],
+        n_head=m["n_head"],
+        n_embd=m["n_embd"],
+        bias=bool(m["bias"]),
+        dropout=0.0,
+        block_size=d["block_size"],
+        batch_size=d["micro_batch_size"],
+        gradient_accumulation_steps=d["grad_accum"],
+        max_iters=steps - 1,  # nanoGPT runs iterations 0..max_iters
+        eval_interval=steps + 1,
+        eval_iters=1,
+        log_interval=1,
+        always_save_checkpoint=False,
+        wandb_log=False,
+        compile=bool(d["compile"]),
+        dtype=d["dtype"],  # bfloat16 autocast or float32, as nanoGPT names them
+        device=d["device"],
+    )
+    return [sys.executable, "train.py", *(f"--{k}={v}" for k, v in args.items())]
+
+
+def peer_folder(peer: Path, data_dir: Path, vocab_size: int, tokens: int, where: Path) -> Path:
+    """A scratch folder to run the peer in: links to its files, and our splits as nanoGPT reads them."""
+    from data.loader import BinDataset
+
+    for f in PEER_FILES:
+        (where / f).symlink_to(peer.parent / f)
+    out = where / "data" / "flashgpt"
+    out.mkdir(parents=True)
+    for split in ("train", "val"):
+        ds = BinDataset(data_dir, split, seq_len=1, check_ids=False)
+        if np.dtype(ds.dtype).itemsize != 2:
+            raise SystemExit(f"error: {data_dir} holds {ds.dtype} tokens; nanoGPT reads uint16 only")
+        ds._read(0, min(tokens, ds.num_tokens)).astype(np.uint16).tofile(out / f"{split}.bin")
+    with open(out / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": vocab_size}, f)
+    return where
+
+
+def peer_tokens_per_sec(log: str, tokens_per_iter: int, warmup: int) -> tuple[float, int]:
+    """(median tokens/sec, iterations timed) from the peer's per-iteration lines, the first `warmup` out."""
+    ms = [float(t) for i, t in ITER_LINE.findall(log) if int(i) >= warmup]
+    if not ms:
+        raise ValueError(f"no 'iter N: loss ..., time ..ms' line after iteration {warmup - 1} in its output")
+    return tokens_per_iter / (statistics.median(ms) / 1000), len(ms)
+
+
+def run_peer(a, cell: dict, run_dir: Path) -> dict:
+    """Run the peer for our finished cell `run_dir`; its record (status, tokens_per_sec or error)."""
+    cfg = common.read_config(run_dir)
+    d = cfg["derived"]
+    rec = dict(who="peer", seq_len=cell["seq_len"], bias=cell["bias"])
+    with tempfile.TemporaryDirectory(prefix="flashgpt-peer-") as tmp:
+        tokens_per_iter = d["tokens_per_step"]
+        keep = max(4 * tokens_per_iter, 2 * d["block_size"] + 2)  # nanoGPT draws random windows from these
+        data_dir = Path(d["cwd"]) / cfg["data"]["dir"]
+        where = peer_folder(a.peer, data_dir, d["vocab_size"], keep, Path(tmp))
+        cmd = peer_command(cfg, a.steps, Path(tmp) / "out")
+        rec["command"] = " ".join(shlex.quote(c) for c in [str(a.peer), *cmd[2:]])
+        try:
+            proc = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=a.timeout)
+        except subprocess.TimeoutExpired:
+            return rec | dict(status="error", error=f"timed out after {a.timeout:.0f} s")
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return rec | dict(status="error", error=throughput.error_excerpt(log[-3000:]))
+    try:
+        tps, timed = peer_tokens_per_sec(log, tokens_per_iter, a.warmup)
+    except ValueError as e:
+        return rec | dict(status="error", error=str(e))
+    iters = ITER_LINE.findall(log)
+    return rec | dict(
+        status="ok", tokens_per_sec=tps, timed_steps=timed, step_ms=[float(t) for _, t in iters]
+    )
+
+
+def markdown(meta: dict, cells: list[dict]) -> str:
+    """One row per seq_len and bias: ours, the peer's, ours / peer."""
+    by = {(c["who"], c["seq_len"], c["bias"]): c for c in cells}
+    rows = []
+    for n, bias in sorted({(c["seq_len"], c["bias"]) for c in cells}):
+        ours, peer = by.get(("flashgpt", n, bias)), by.get(("peer", n, bias))
+        fmt = [
+            f"{c['tokens_per_sec']:,.0f}" if c and c["status"] == "ok" else (c or {}).get("status", "—")
+            for c in (ours, peer)
+        ]
+        ok = all(c and c["status"] == "ok" for c in (ours, peer))
+        rows.append(
+            [
+                n,
+                "on" if bias else "off",
+                *fmt,
+                f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if ok else "—",
+            ]
+        )
+    lines = [
+        f"# Training throughput against a peer: {meta['gpu']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}. `python -m bench.peer "
+        f"{' '.join(meta['argv'])}`: ours `{meta['command']}`, the peer {meta['peer']} with the same model, "
+        f"batch split and tokens ({meta['steps']} steps each, median tokens/sec after the first "
+        f"{meta['warmup']}).",
+        "",
+        *common.md_table(["seq_len", "biases", "flashgpt", "peer", "flashgpt / peer"], rows),
+    ]
+    lines += [
+        f"- {c['who']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in cells if c["status"] != "ok"
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, cells: list[dict]) -> None:
+    fig, axes = common.subplots(1, 1)
+    ax = axes[0][0]
+    for who in ("flashgpt", "peer"):
+        for bias, style in ((True, "-o"), (False, "--s")):
+            pts = sorted(
+                (c["seq_len"], c["tokens_per_sec"])
+                for c in cells
+                if c["who"] == who and c["bias"] == bias and c["status"] == "ok"
+            )
+            if pts:
+                ax.plot(*zip(*pts, strict=True), style, label=f"{who}, biases {'on' if bias else 'off'}")
+    ax.set_xlabel("seq_len")
+    ax.set_ylabel("tokens/sec")
+    common.finish_axes(ax, [c["seq_len"] for c in cells])
+    common.save_figure(fig, path, "training throughput against a peer")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.peer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--peer", type=Path, required=True, help="the peer's train.py (nanoGPT's), run as it is")
+    p.add_argument(
+        "--seq-lens", type=common.ints(), default=[1024, 8192], help="comma list (default 1024,8192)"
+    )
+    p.add_argument(
+        "--bias", choices=("on", "off", "both"), default="both", help="model biases (default both)"
+    )
+    p.add_argument("--attention", default="flash", help="our backend (default flash)")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per cell before it is stopped")
+    p.add_argument("--out", default="outputs/peer", help="results prefix: OUT.json, OUT.md, OUT.png")
+    p.add_argument("--runs-dir", default="outputs/peer_runs", help="our run folders (%(default)s)")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
+    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    a = p.parse_args(argv)
+    a.peer = a.peer.expanduser().resolve()
+    missing = [f for f in PEER_FILES if not (a.peer.parent / f).is_file()]
+    if a.peer.name != "train.py" or missing:
+        p.error(f"--peer {a.peer}: give nanoGPT's train.py, beside its {', '.join(PEER_FILES[1:])}")
+    if a.steps <= a.warmup:
+        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not a.allow_cpu:
+        p.exit(
+            2,
+            "error: bench.peer measures training on a CUDA GPU and none is visible; for a try-out on a "
+            "CPU pass --allow-cpu with tiny cells, e.g. --allow-cpu --attention sdpa --seq-lens 64 "
+            "--steps 4 --warmup 1 -- experiment=cpu_tiny\n",
+        )
+    a.profile_steps, a.log_interval = 0, 1  # what bench.throughput's cell command reads
+    env = common.environment(torch.device(device))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    meta = dict(gpu=env["gpu"] or "cpu", torch=env["torch"], triton=env["triton"], date=env["date"])
+    meta |= dict(
+        commit=commit.stdout.strip() or "unknown",
+        peer=str(a.peer),
+        steps=a.steps,
+        warmup=a.warmup,
+        argv=sys.argv[1:] if argv is None else argv,
+        command=" ".join(
+            ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
+        ),
+    )
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
+    a.overrides = [*a.overrides]
+    cells: list[dict] = []
+    for n in a.seq_lens:
+        for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
+            run_dir = runs / f"n{n}_bias{int(bias)}"
+            cmd = throughput.cell_command(a.attention, n, a, run_dir)
+            cmd.insert(3, f"model.bias={str(bias).lower()}")
+            print(
+                f"== flashgpt seq_len={n} bias={bias}: {' '.join(shlex.quote(c) for c in cmd[1:])}",
+                flush=True,
+            )
+            t0 = time.time()
+            try:
+                proc = subprocess.run(
+                    cmd,
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=a.timeout,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                )
+                rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+            except subprocess.TimeoutExpired:
+                rc, tail = -1, f"timed out after {a.timeout:.0f} s"
+            rec = throughput.read_cell(a.attention, n, run_dir, rc, time.time() - t0, tail)
+            cells.append(ours := rec | dict(who="flashgpt", bias=bias))
+            print(f"   {ours['status']}: {ours.get('tokens_per_sec', ours.get('error', ''))}", flush=True)
+            if ours["status"] == "ok":
+                print(f"== peer seq_len={n} bias={bias}", flush=True)
+                cells.append(peer := run_peer(a, ours, run_dir))
+                print(f"   {peer['status']}: {peer.get('tokens_per_sec', peer.get('error', ''))}", flush=True)
+            out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(meta, cells))
+    plot(out.with_suffix(".png"), cells)
+    print(out.with_suffix(".md").read_text())
+    return 0 if all(c["status"] == "ok" for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
