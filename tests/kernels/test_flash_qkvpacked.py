@@ -78,7 +78,7 @@ def _check_accuracy(seed, device, qkv, do, o, lse, dqkv, causal, what):
             err = ((a.double() - r).abs().max() / r.abs().max().clamp_min(1.0)).item()
             assert err <= tol, f"seed={seed} {what}: {name} relative error {err:.3g} > {tol}"
         return
-    from test_flash_gpu import assert_fa_rule, naive_chunked
+    from tests.kernels.test_flash_gpu import assert_fa_rule, naive_chunked
 
     q, k, v = _views(qkv)
     dob = do.transpose(1, 2)

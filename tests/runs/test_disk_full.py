@@ -73,7 +73,7 @@ def _resume(s: dict, disk: Path):
     """Make room (the filler goes, the disk grows to hold two checkpoints), then run the printed
     resume command as typed."""
     from tests.helpers_train import REPO, train_env
-    from test_stop_fail import _as_typed
+    from tests.runs.test_stop_fail import _as_typed
 
     (disk / FILLER).unlink()
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)

@@ -118,7 +118,8 @@ def test_same_second_launches_get_their_own_dirs(tiny, tmp_path):
 def test_two_live_processes_never_share_an_out_dir(tiny, tmp_path):
     """A second launch into the out_dir of a live run is refused (exit 2) and writes nothing there."""
     out = tmp_path / "run"
-    first = _popen(tiny(out, fault__step_sleep_s=1.0, wandb__mode="offline"), REPO)  # 16 steps, > 16 s
+    # 16 steps of >= 3 s: the two refused launches (each a Python start, seconds on 2 loaded cores) fit
+    first = _popen(tiny(out, fault__step_sleep_s=3.0, wandb__mode="offline"), REPO)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and first.poll() is None:
