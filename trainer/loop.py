@@ -34,16 +34,13 @@ from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import endings, resume_config, rundir, setup
 from trainer.checks import ConfigError, check_data_source, resolve_plan
-from trainer.config import gpt_config_for  # noqa: F401 - re-exported for tests
 from trainer.dist import broadcast_obj, global_micro_index, init_distributed, local_norm, rank0_verdict
-from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome, first_line
-from trainer.metrics import DiskFullError, disk_full_in
+from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome
+from trainer.metrics import DiskFullError, disk_full_in, first_line
 from trainer.progress import Clock
 from trainer.schedule import lr_at
 from trainer.signals import PreemptionHandler
 from trainer.state import RunState
-
-__all__ = ["EXIT_CONFIG", "EXIT_OK", "Outcome", "RunState", "lr_at", "run", "train"]
 
 
 def batch(st: RunState, s: int, micro: int):
