@@ -208,8 +208,9 @@ def run_inprocess(overrides: list[str], out_dir: Path, monkeypatch=None):
     ``config error: ...`` on stderr, Outcome("error", 2). ``fault.NAME=VALUE`` overrides are installed
     with pytest's ``monkeypatch`` (tests/faulty_train.py; not the SIGKILL faults)."""
     from trainer.config import TrainConfig
+    from trainer.endings import EXIT_CONFIG, Outcome
     from trainer.fields import config_error_from
-    from trainer.loop import EXIT_CONFIG, Outcome, run
+    from trainer.loop import run
 
     faults, overrides = split_faults(overrides)
     if faults:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data.prepare import atomic_write
+from trainer.metrics import first_line
 
 CKPT_DIR_NAME = "ckpt"
 RECORD = "flashgpt.pt"  # rank 0's record inside a checkpoint directory
@@ -239,24 +240,8 @@ def os_error_in(e: BaseException | None) -> OSError | None:
 
 
 def _nbytes(module_or_opt) -> int:
-    sd = module_or_opt.state_dict()
-    return sum(t.numel() * t.element_size() for t in _tensors(sd))
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+    leaves = torch.utils._pytree.tree_leaves(module_or_opt.state_dict())
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
@@ -273,7 +258,7 @@ def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
         else (free is not None and free < need)
     )
     if not full:
-        return f"could not save checkpoint {target}: {_first_line(cause or e)}.", s, False, need, free
+        return f"could not save checkpoint {target}: {first_line(cause or e)}.", s, False, need, free
     room = f", and {target.parent} has {free / MIB:.1f} MiB free" if free is not None else ""
     why = f" ({cause.strerror})" if cause is not None and cause.strerror else ""
     return f"disk full: checkpoint {target} needs about {need / MIB:.1f} MiB{room}{why}.", s, True, need, free

@@ -20,7 +20,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.checks import ConfigError
-from trainer.metrics import DiskFullError, disk_full_in, write_json_atomic
+from trainer.metrics import DiskFullError, disk_full_in, first_line, write_json_atomic
 from trainer.state import GIB
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
@@ -43,11 +43,6 @@ class Outcome:
     status: str
     exit_code: int
     taken_dir: str | None = None
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def final_figures(st) -> dict:

@@ -34,16 +34,13 @@ from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import endings, resume_config, rundir, setup
 from trainer.checks import ConfigError, check_data_source, resolve_plan
-from trainer.config import gpt_config_for  # noqa: F401 - re-exported for tests
 from trainer.dist import broadcast_obj, global_micro_index, init_distributed, local_norm, rank0_verdict
-from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome, first_line
-from trainer.metrics import DiskFullError, disk_full_in
+from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome
+from trainer.metrics import DiskFullError, disk_full_in, first_line
 from trainer.progress import Clock
 from trainer.schedule import lr_at
 from trainer.signals import PreemptionHandler
 from trainer.state import RunState
-
-__all__ = ["EXIT_CONFIG", "EXIT_OK", "Outcome", "RunState", "lr_at", "run", "train"]
 
 
 def batch(st: RunState, s: int, micro: int):
@@ -325,9 +322,8 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     try:
         if cfg.resume:
             # the run's own config before anything is checked or prepared (not the defaults' data)
-            cfg, set_here = resume_config.resume_config(cfg, run_dir, overrides)
-            if set_here is not None:
-                given = resume_config.describe_set_here(overrides, set_here)
+            cfg, given = resume_config.resume_config(cfg, run_dir, overrides)
+            if given is not None:
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir, multirun)  # before check_out_dir: the more specific message

@@ -79,6 +79,12 @@ def _jsonable(v):
     return v
 
 
+def first_line(e: BaseException) -> str:
+    """``Type: first line of the message`` of an exception, for one-line reports."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def step_of(row: dict) -> int | None:
     """A metrics row's step as an int (None when it has none)."""
     s = row.get("step")

@@ -1,13 +1,18 @@
 """The config of ``resume=true``: a run continues with its own saved config, not the defaults.
 
 ``resume_config(cfg, run_dir, overrides)`` loads ``<run_dir>/config.resolved.yaml`` (written at every start
-of the run by trainer/setup.py) and puts on top only the keys the resume command line set
-(``override_keys``), before any check or data preparation, so ``python train.py resume=true out_dir=RUN``
-prepares no data of its own and rebuilds the same model.
+of the run by trainer/setup.py) and puts on top only what the resume command line changes, before any
+check or data preparation, so ``python train.py resume=true out_dir=RUN`` prepares no data of its own and
+rebuilds the same model. What the command changes is Hydra's answer, not ours: the config composed from
+the run's own group options (``derived.group_choices``) is compared with the one composed from those
+options plus this command's overrides (Hydra's compose API), so a ``_global_`` preset
+(``experiment=cpu_tiny``), a group swapped on resume (``trainer=cpu`` -> ``trainer=gpu``) and ``+``/``~``
+overrides mean exactly what they mean to Hydra.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,64 +22,71 @@ from trainer.rundir import RESOLVED_CONFIG, read_resolved_config
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
 _NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+#: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
+CHOICES_KEY = "group_choices"
 
 
-def override_keys(overrides: list[str]) -> set[str]:
-    """Dotted keys the command line set: ``a.b=v`` sets ``a.b``; a group choice ``G=NAME`` sets what
-    configs/G/NAME.yaml sets (``_group_keys``: the ``G`` subtree, or for a ``# @package _global_`` file
-    such as ``trainer=cpu`` or ``experiment=cpu_tiny`` its keys and the groups its defaults list picks).
-    ``hydra.*`` overrides are left out (they are no run keys)."""
-    keys: set[str] = set()
-    for key, value in _parsed(overrides):
-        keys.add(key)
-        if value is not None and "." not in key:
-            keys |= _group_keys(key, value)
-    return keys
+def _parsed(overrides: list[str]):
+    """Hydra's parse of the command line's overrides, ``hydra.*`` (no run keys) left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(
+        [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    )
+    return [o for o in parsed if not o.key_or_group.startswith("hydra")]
 
 
-def _parsed(overrides: list[str]) -> list[tuple[str, str | None]]:
-    """(key, value or None for a bare ``~key``) of each override, ``+``/``~`` stripped, ``hydra.*`` and
-    Hydra's own groups left out."""
-    out = []
-    for o in overrides:
-        key, sep, value = o.lstrip("+~").partition("=")
-        key = key.strip()
-        if key and not key.startswith("hydra"):
-            out.append((key, value.strip() if sep else None))
+@contextlib.contextmanager
+def _hydra():
+    """Hydra's compose API: the running app's (train.py), else one on configs/ for this block."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    import trainer.config  # noqa: F401 - the schema and the model presets in the ConfigStore
+
+    with initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base="1.3"):
+        yield
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
     return out
 
 
-def _group_keys(group: str, name: str, depth: int = 0) -> set[str]:
-    """The keys that option ``name`` of config group ``group`` sets: ``{group}`` (or its ``# @package``)
-    for a packaged option or one from the ConfigStore (the model presets); for a ``_global_`` file its
-    leaves and, recursively, the groups its defaults list overrides."""
-    import yaml
+def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str], str]:
+    """What this command line sets over a run composed from the group options ``choices``: the dotted
+    keys (those it names, and every key whose composed value it changes, e.g. those a preset or a swapped
+    group option sets), and their description for the start-up line: the options chosen with the keys
+    they changed in parentheses, then the keys named (``experiment=cpu_tiny (batch.micro_tokens, ...,
+    seq_len), max_steps``; "nothing" for none)."""
+    from hydra import compose
+    from omegaconf import OmegaConf
 
-    path = CONFIGS_DIR / group / f"{name}.yaml"
-    try:
-        text = path.read_text()
-        spec = yaml.safe_load(text) or {}
-    except (OSError, yaml.YAMLError):
-        return {group}  # not a file of configs/ (a ConfigStore option, a plain key): the subtree at most
-    header = next((ln for ln in text.splitlines() if ln.startswith("# @package")), "")
-    package = header.split()[-1] if header else group
-    if package != "_global_":
-        return {package}
-    keys: set[str] = set()
-    for entry in (spec.pop("defaults", None) or []) if isinstance(spec, dict) else []:
-        if isinstance(entry, dict) and depth < 4:
-            for k, v in entry.items():
-                keys |= _group_keys(str(k).split()[-1].lstrip("/"), str(v), depth + 1)
-
-    def leaves(node: dict, prefix: str) -> None:
-        for k, v in node.items():
-            if isinstance(v, dict) and v:
-                leaves(v, f"{prefix}{k}.")
-            else:
-                keys.add(f"{prefix}{k}")
-
-    leaves(spec if isinstance(spec, dict) else {}, "")
-    return keys
+    parsed = _parsed(overrides)
+    named = {o.key_or_group for o in parsed}
+    base = [f"{g}={v}" for g, v in choices.items()]
+    rest = [b for b, g in zip(base, choices, strict=True) if g not in named]
+    with _hydra():
+        before = compose("config", overrides=base)
+        after = compose("config", overrides=rest + [o.input_line for o in parsed], return_hydra_config=True)
+    groups = set(after.hydra.runtime.choices)
+    a, b = (_leaves(OmegaConf.to_container(c, resolve=False)) for c in (before, after))
+    keys = {o.key_or_group for o in parsed if o.key_or_group not in groups}
+    by_options = {k for k in a.keys() | b.keys() if not k.startswith("hydra.") and a.get(k) != b.get(k)}
+    keep = lambda k: k.split(".")[0] not in _NOT_RESUMED  # noqa: E731
+    keys, by_options = {k for k in keys if keep(k)}, {k for k in by_options - keys if keep(k)}
+    chosen = ", ".join(o.input_line.lstrip("+") for o in parsed if o.key_or_group in groups)
+    if chosen and by_options:
+        chosen += f" ({', '.join(sorted(by_options))})"
+    return keys | by_options, ", ".join(([chosen] if chosen else []) + sorted(keys)) or "nothing"
 
 
 def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
@@ -85,20 +97,22 @@ def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
         key = f"{prefix}{k}"
         if key in keys or any(key.startswith(p + ".") for p in keys) or k not in composed:
             continue
-        if isinstance(v, dict) and hasattr(composed[k], "keys"):
-            out[k] = _drop(v, composed[k], keys, key + ".")
-        else:
-            out[k] = v
+        out[k] = (
+            _drop(v, composed[k], keys, key + ".")
+            if isinstance(v, dict) and hasattr(composed[k], "keys")
+            else v
+        )
     return out
 
 
 def resume_config(cfg, run_dir: Path, overrides: list[str]):
     """The config of ``resume=true``: the run's own resolved config (``<run_dir>/config.resolved.yaml``),
-    with only what this command line set on top. So ``python train.py resume=true out_dir=RUN`` continues
-    the run with its data source, data dir, model and schedule, and prepares no data of its own (the
-    defaults, e.g. a Tiny Shakespeare download, never come into play). Returns ``(cfg, keys)``: the merged
-    DictConfig and the sorted keys the command line set over the saved ones; ``(cfg, None)`` unchanged
-    for a new run or a run directory without a saved config (it never got through set-up).
+    with only what this command line changes on top (``changed_keys``). So ``python train.py resume=true
+    out_dir=RUN`` continues the run with its data source, data dir, model and schedule, and prepares no
+    data of its own (the defaults, e.g. a Tiny Shakespeare download, never come into play). Returns
+    ``(cfg, description)``: the merged DictConfig and what the command line set, for the start-up line;
+    ``(cfg, None)`` unchanged for a new run or a run directory without a saved config (it never got
+    through set-up).
 
     Raises:
         ConfigError when config.resolved.yaml cannot be read or no longer fits the schema.
@@ -114,60 +128,20 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
             raise ValueError("not a mapping")
         if not saved:  # an empty file (e.g. truncated by a kill) would silently resume with the defaults
             raise ValueError("empty")
-        keys = override_keys(overrides) | set(_NOT_RESUMED)
-        # a group option changed on resume (trainer=cpu -> trainer=gpu) also undoes what the run's old
-        # option set, even keys the new one leaves at the schema default
-        undone = set(keys)
-        old_choices = _saved_choices(saved)
-        for group in _groups_set(overrides):
-            if old_choices.get(group) is not None:
-                undone |= _group_keys(group, old_choices[group])
-        merged = OmegaConf.merge(cfg, _drop(saved, cfg, undone))
+        keys, given = changed_keys(_saved_choices(saved), overrides)
+        merged = OmegaConf.merge(cfg, _drop(saved, cfg, keys | set(_NOT_RESUMED)))
         _anchor_relative_paths(merged, saved, keys)
-    except Exception as e:  # noqa: BLE001 - YAML and OmegaConf's validation errors alike
+    except Exception as e:  # noqa: BLE001 - YAML, Hydra's and OmegaConf's errors alike
         raise ConfigError(
             f"resume=true: the run's saved config {path} does not load ({type(e).__name__}: "
             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); repeat the run's original "
             "overrides on the command line, or fix or delete that file"
         ) from e
     assert isinstance(merged, DictConfig)
-    return merged, sorted(keys - set(_NOT_RESUMED))
-
-
-def describe_set_here(overrides: list[str], keys: list[str]) -> str:
-    """The "set on this command line" list of a resume's start-up line, from ``resume_config``'s keys: a
-    preset that sets keys outside its own group (``experiment=cpu_tiny``, ``trainer=cpu``: a ``_global_``
-    file) is named once, in command-line order, with the keys it set in parentheses (a key also given on
-    its own is listed on its own instead); then the keys set one by one, sorted. "nothing" for none."""
-    rest = set(keys)
-    presets = []
-    for key, value in _parsed(overrides):
-        if value is None or "." in key or key not in rest:
-            continue
-        from_preset = _group_keys(key, value)
-        if from_preset <= {key}:  # a plain key, or a group option that sets only its own subtree
-            continue
-        presets.append((key, value, from_preset))
-    preset_names = {key for key, _, _ in presets}
-    explicit = {key for key, _ in _parsed(overrides) if key not in preset_names}
-    parts = []
-    for key, value, from_preset in presets:
-        mine = sorted((from_preset & rest) - explicit - {key})
-        rest -= set(mine) | {key}
-        parts.append(f"{key}={value}" + (f" ({', '.join(mine)})" if mine else ""))
-    return ", ".join(parts + sorted(rest)) or "nothing"
+    return merged, given
 
 
 # ------------------------------------------------------------------------------------------ group choices
-#: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
-CHOICES_KEY = "group_choices"
-
-
-def _groups_set(overrides: list[str]) -> set[str]:
-    """Config groups the command line chose an option of (``G=NAME``, ``+G=NAME``; no dotted keys)."""
-    return {key for key, value in _parsed(overrides) if value is not None and "." not in key}
-
-
 def _saved_choices(saved: dict) -> dict:
     derived = saved.get("derived")
     choices = derived.get(CHOICES_KEY) if isinstance(derived, dict) else None
@@ -187,13 +161,9 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
         for k, v in HydraConfig.get().runtime.choices.items()
         if v is not None and not str(k).startswith("hydra")
     }
-    if not resume:
-        return current
-    old = _saved_choices(read_resolved_config(run_dir))  # resume_config has refused a broken record
-    if not old:
-        return current
-    chosen = _groups_set(overrides)
-    return {**old, **{g: v for g, v in current.items() if g in chosen}}
+    old = _saved_choices(read_resolved_config(run_dir)) if resume else {}
+    chosen = {o.key_or_group for o in _parsed(overrides)}
+    return {**old, **{g: v for g, v in current.items() if g in chosen or g not in old}}
 
 
 #: saved path keys that are relative to the working directory of the run's start

@@ -26,6 +26,7 @@ from trainer.checks import (
 )
 from trainer.compiling import compile_model, compile_options
 from trainer.config import gpt_config_for
+from trainer.metrics import first_line
 from trainer.schedule import lr_at
 from trainer.state import RunState
 
@@ -193,7 +194,7 @@ def build_model(st: RunState, state: dict | None) -> None:
         try:
             ckpt.load_weights(state["path"], st.raw_model, st.optimizer)
         except Exception as e:  # noqa: BLE001 - DCP's errors: missing keys, shapes, I/O
-            raise ConfigError(f"resume: the checkpoint {state['path']} does not load: {_first(e)}") from e
+            raise ConfigError(f"resume: the checkpoint {state['path']} does not load: {first_line(e)}") from e
         st.step = int(state["step"])
         st.skipped = int(state.get("skipped_steps", 0))
         st.last_ckpt, st.last_ckpt_step = st.resume_path, st.step
@@ -361,11 +362,6 @@ def backend_that_ran(st: RunState) -> str:
         return "sdpa:" + str(sdpa_backend_that_ran(q, q, q, st.cfg.attention.sdpa_backend, p))
     except Exception as e:  # noqa: BLE001 - best effort, for logging only
         return f"sdpa:unknown ({type(e).__name__})"
-
-
-def _first(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ------------------------------------------------------------------------------------------ resume

@@ -149,8 +149,8 @@ def test_resume_trainer_gpu_over_a_cpu_run_takes_the_gpu_keys(killed_in_ending):
     overrides = ["resume=true", f"out_dir={killed_in_ending}", "trainer=gpu"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         fresh = compose("config", overrides=overrides)
-    merged, keys = resume_config(fresh, killed_in_ending, overrides)
-    assert keys == ["trainer"]  # what the start-up line says the command line set
+    merged, given = resume_config(fresh, killed_in_ending, overrides)
+    assert given.startswith("trainer=gpu (") and "compile" in given  # what the start-up line says
     # the run was trainer=cpu (compile false, from configs/trainer/cpu.yaml); trainer=gpu: the default
     assert fresh.compile is not False and merged.compile == fresh.compile, merged.compile
 
@@ -175,20 +175,19 @@ def test_resume_from_another_folder_reads_the_runs_relative_data_dir(tiny, tmp_p
 
 
 def test_resume_line_names_a_preset_instead_of_its_keys():
-    """``experiment=cpu_tiny`` on a resume command line is named as the preset, with the keys it set in
-    parentheses, not listed as if each key had been typed; a key also typed on its own (max_steps) stays
+    """``experiment=cpu_tiny`` on a resume command line is named as the preset, with the keys it changed
+    in parentheses, not listed as if each key had been typed; a key also typed on its own (max_steps) stays
     on its own, and plain keys and packaged groups (attention=flash) read as before."""
-    from trainer.resume_config import _NOT_RESUMED, describe_set_here, override_keys
+    from trainer.resume_config import changed_keys
 
-    def line(overrides):
-        return describe_set_here(overrides, sorted(override_keys(overrides) - set(_NOT_RESUMED)))
+    def line(overrides, choices=None):
+        return changed_keys(choices or {}, overrides)[1]
 
     got = line(["experiment=cpu_tiny", "resume=true", "out_dir=/x", "max_steps=40"])
-    assert got.startswith("experiment=cpu_tiny (batch.micro_batch_size, ") and got.endswith("), max_steps")
+    assert got.startswith("experiment=cpu_tiny (batch.micro_tokens, ") and got.endswith("), max_steps")
     preset = got[len("experiment=cpu_tiny (") : -len("), max_steps")].split(", ")
-    assert (
-        "seq_len" in preset and "model" in preset and "max_steps" not in preset and "experiment" not in preset
-    )
+    assert "seq_len" in preset and "model.n_layer" in preset and "max_steps" not in preset
     assert line(["resume=true", "max_steps=8"]) == "max_steps"
-    assert line(["resume=true", "attention=flash", "model.n_layer=2"]) == "attention, model.n_layer"
+    got = line(["resume=true", "attention=flash", "model.n_layer=2"], {"attention": "sdpa"})
+    assert got == "attention=flash (attention.name), model.n_layer"
     assert line(["resume=true"]) == "nothing"

@@ -482,7 +482,7 @@ def test_model_presets_are_the_model_package_presets():
     from omegaconf import OmegaConf
 
     from model.gpt import PRESETS
-    from trainer.loop import gpt_config_for
+    from trainer.config import gpt_config_for
 
     base = OmegaConf.to_container(compose_cfg([]))  # unresolved: run_name holds ${now:...}
     for name, sizes in PRESETS.items():

@@ -31,8 +31,8 @@ from trainer import checkpoint as ckpt
 from trainer import loop
 from trainer.dist import DistInfo
 from trainer.gpu_busy import GpuBusy
-from trainer.loop import lr_at
 from trainer.metrics import resolve_wandb_mode
+from trainer.schedule import lr_at
 from trainer.signals import PreemptionHandler
 from trainer.state import RunState
 

@@ -66,16 +66,28 @@ def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespe
     assert wb["summary"]["status"] == "ok"
 
 
-def test_override_keys_of_group_choices():
-    """What a resume command line sets over the saved config: keys, group subtrees, and the keys of
-    ``_global_`` options (trainer=cpu, experiment=cpu_tiny with the groups its defaults pick)."""
-    from trainer.resume_config import override_keys
+def test_changed_keys_of_group_choices():
+    """What a resume command line sets over the saved config, as Hydra composes it: keys, what a group
+    option changes, and the keys of ``_global_`` options (trainer=cpu, experiment=cpu_tiny with the groups
+    its defaults pick); hydra.* overrides are no run keys."""
+    from trainer.resume_config import changed_keys
 
-    keys = override_keys(["max_steps=8", "attention=naive", "logger=disabled", "hydra.run.dir=x"])
-    assert {"max_steps", "attention", "wandb"} <= keys and not any(k.startswith("hydra") for k in keys)
-    exp = override_keys(["experiment=cpu_tiny"])
-    assert {"model", "data", "seq_len", "optim.lr", "compile", "batch.tokens_per_step"} <= exp
-    assert "optim" not in exp and "wandb" not in exp  # only the keys it sets: the rest stays saved
+    keys, _ = changed_keys({}, ["max_steps=8", "attention=naive", "logger=disabled", "hydra.run.dir=x"])
+    assert {"max_steps", "attention.name", "wandb.mode"} <= keys and not any(
+        k.startswith("hydra") for k in keys
+    )
+    exp, _ = changed_keys({}, ["experiment=cpu_tiny"])
+    assert {
+        "model.n_layer",
+        "data.tokenizer",
+        "seq_len",
+        "optim.lr",
+        "compile",
+        "batch.tokens_per_step",
+    } <= exp
+    assert "optim.beta1" not in exp and not any(k.startswith("wandb") for k in exp)  # the rest stays saved
+    back, _ = changed_keys({"trainer": "cpu"}, ["trainer=gpu"])  # a swapped option undoes the old one's keys
+    assert "compile" in back
 
 
 # ------------------------------------------------------------------------------------------ 2. killed runs
