@@ -315,12 +315,10 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
 
     fd = importlib.import_module("kernels.flash_decode")  # the module (kernels exports its function)
 
-    hkv, group, dtype, device = a.kv_heads, a.group, a.dtype, a.device
-    gen = torch.Generator(device=device).manual_seed(a.seed)
-    q = torch.randn(batch, hkv * group, 1, d, device=device, dtype=dtype, generator=gen)
-    k, v = (torch.randn(batch, hkv, context, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    hkv, group, dtype = a.kv_heads, a.group, a.dtype
+    q, k, v = common.decode_inputs(batch, hkv, group, context, d, dtype, a.device, a.seed)
     kv_bytes = 2 * k.numel() * k.element_size()
-    copies = common.l2_copies(q, k, v, kv_bytes) if device.type == "cuda" else None
+    copies = common.l2_copies(q, k, v) if a.device.type == "cuda" else None
     measure = lambda fn: common.graph_ms(fn, copies, a.timer) if copies else a.timer(lambda: fn(q, k, v))
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
@@ -352,10 +350,8 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
             else:
                 ms = measure(fn)
                 rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
-        except torch.OutOfMemoryError:
-            rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile or run is a result
-            rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+            rec["status"] = common.failure(e)
         records.append(rec)
         print(json.dumps(rec))
     return records

@@ -100,7 +100,7 @@ def bench_one(provider: str, mask: str, n: int, mode: str, args, device, timer) 
         flops = 4.0 * d * pairs * h * (2.5 if mode == "fwd+bwd" else 1.0)
         rec.update(status="ok", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
     except Exception as e:  # OOM, a compile failure: record and go on
-        rec.update(status=f"{type(e).__name__}: {str(e)[:200]}")
+        rec["status"] = common.failure(e)
     common.free_memory(device)
     return rec
 
