@@ -368,16 +368,10 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
 
 
 def read_summary(run_dir: str | Path) -> dict:
-    """`run_dir/summary.json`, {} when missing or unreadable (warning on stderr)."""
-    path = Path(run_dir) / "summary.json"
-    if not path.is_file():
-        return {}
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        print(f"warning: {path}: unreadable summary ({exc})", file=sys.stderr)
-        return {}
-    return obj if isinstance(obj, dict) else {}
+    """`run_dir/summary.json`, {} when missing or unreadable (`trainer.rundir.read_summary`)."""
+    from trainer.rundir import read_summary
+
+    return read_summary(Path(run_dir))
 
 
 def run_status(run_dir: str | Path, summary: dict | None = None) -> tuple[str | None, str | None]:
@@ -394,15 +388,15 @@ def read_config(run_dir: str | Path) -> dict:
     unresolved; {} when neither is readable."""
     from omegaconf import OmegaConf
 
-    for path in (Path(run_dir) / "config.resolved.yaml", Path(run_dir) / ".hydra" / "config.yaml"):
-        if path.is_file():
-            try:
-                cfg = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-            except Exception as exc:
-                print(f"warning: {path}: unreadable config ({exc})", file=sys.stderr)
-                return {}
-            return cfg if isinstance(cfg, dict) else {}
-    return {}
+    from trainer.rundir import read_resolved_config
+
+    if cfg := read_resolved_config(run_dir):
+        return cfg
+    try:
+        cfg = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / ".hydra" / "config.yaml"), resolve=False)
+    except Exception:  # noqa: BLE001 - absent or not YAML: no config
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def cfg_get(cfg: dict, dotted: str, default: Any = None) -> Any:
