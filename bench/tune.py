@@ -32,6 +32,7 @@ Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 import json
@@ -457,9 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--seqlens", type=ints, help="N (default search 1024,4096,16384; --plans 4096,16384; dry run 32)"
-    )
+    p.add_argument("--seqlens", type=ints, help="N (default 1024,4096,16384; --plans 4096,16384; dry run 32)")
     p.add_argument("--headdims", "--d", dest="headdims", type=ints, help="d (default 64,128; dry run 16)")
     p.add_argument(
         "--kernels", default="fwd,bwd_dkdv,bwd_dq", help="search: from fwd,bwd_dkdv,bwd_dq, or bwd"
@@ -548,12 +547,8 @@ def main(argv=None) -> int:
     )
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    out = open(out_path, "a") if out_path else None
-    try:
+    with open(out_path, "a") if out_path else contextlib.nullcontext() as out:
         (ab if a.plans else search)(a, out)
-    finally:
-        if out is not None:
-            out.close()
     return 0
 
 
