@@ -24,18 +24,26 @@ records into the JSON of the same tag (``--headdims 64``, then ``--headdims 128 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from bench import common
-from bench.common import MODES, Timer, classify_exception, free_memory, max_abs_diff, take_pairs
+from bench.common import md_table
+from kernels.reference import chunked_causal_reference
 
+MODES = ("fwd", "bwd", "fwdbwd")
+BWD = ("bwd", "fwdbwd")
 GPU_PROVIDERS = ("flash", "flash-det", "naive", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex")
 DRY_PROVIDERS = ("flash", "naive", "sdpa-math")
+INJECT_KINDS = ("error", "oom", "wrong")
+SPEEDUP_BASELINES = ("sdpa-flash", "flex", "sdpa-cudnn")  # first columns of the speedup table
 FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 # (abs tolerance on O, tolerance on dQ/dK/dV relative to max(1, max|reference grad|)); float32 leaves room
 # for TF32 tensor-core dots on the GPU
@@ -59,6 +67,41 @@ def attention_flops(b: int, h: int, n: int, d: int, mode: str) -> float:
     return 2.0 * b * h * n * n * d * FLOP_FACTOR[mode]
 
 
+def check_pairs(b: int, h: int, max_all: int = 8) -> list[tuple[int, int]]:
+    """(batch, head) pairs checked against the reference: all when B*H <= `max_all`, else (0, 0), (0, 1)
+    and (B-1, H-1): first heads plus the last one, to catch batch/head stride bugs."""
+    if b * h <= max_all:
+        return [(i, j) for i in range(b) for j in range(h)]
+    return list(dict.fromkeys([(0, 0), (0, min(1, h - 1)), (b - 1, h - 1)]))
+
+
+def take_pairs(t: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """t[b, h] stacked for the pairs -> (len(pairs), N, d)."""
+    return t.detach()[[p[0] for p in pairs], [p[1] for p in pairs]]
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float32; inf when anything is not finite (so the check fails)."""
+    diff = (a.float() - b.float()).abs()
+    return float(diff.max()) if torch.isfinite(diff).all() else float("inf")
+
+
+def inject_failure(fn: Callable, kind: str) -> Callable:
+    """A provider that fails on purpose (testing the bookkeeping): "error" raises RuntimeError, "oom"
+    torch.cuda.OutOfMemoryError, "wrong" returns O + 0.5."""
+    if kind not in INJECT_KINDS:
+        raise ValueError(f"unknown failure kind {kind!r}; valid: {', '.join(INJECT_KINDS)}")
+
+    def failing(q, k, v):
+        if kind == "error":
+            raise RuntimeError("injected failure (--inject-failure)")
+        if kind == "oom":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected by --inject-failure)")
+        return fn(q, k, v) + 0.5
+
+    return failing
+
+
 @dataclass
 class ShapeInputs:
     """Inputs of one (N, d) shape and the float32 reference on the checked (batch, head) pairs."""
@@ -77,13 +120,24 @@ def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool) -> Sh
     q, k, v, do = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
     for t in (q, k, v):
         t.requires_grad_(True)
-    pairs = common.check_pairs(b, h)
-    ref_o, ref_grads = common.reference_attention(
+    pairs = check_pairs(b, h)
+    ref_o, ref_grads = chunked_causal_reference(
         *(take_pairs(t, pairs) for t in (q, k, v)),
         take_pairs(do, pairs) if need_grads else None,
         chunk=max(1, min(1024, (1 << 26) // max(1, len(pairs) * n))),
     )
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
+
+
+def peak_memory(fn: Callable) -> tuple[float, float]:
+    """(peak GiB, GiB above what was allocated before) of one call of fn on CUDA."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    top = torch.cuda.max_memory_allocated()
+    return top / 2**30, (top - base) / 2**30
 
 
 def bench_provider(
@@ -93,23 +147,37 @@ def bench_provider(
     provider's failure. Status: ok, oom, error: ..., mismatch: ...; peak memory CUDA only."""
     q, k, v, do = inp.q, inp.k, inp.v, inp.do
     b, h, n, d = q.shape
-    device, tol_o, tol_g = q.device, *tol
-    need_bwd = any(m in ("bwd", "fwdbwd") for m in modes)
-    status, ms, errors = dict.fromkeys(MODES, "ok"), dict.fromkeys(MODES), {}
-    peak = extra = peak_of = None
+    tol_o, tol_g = tol
+    need_bwd = any(m != "fwd" for m in modes)
+    status, ms, errors, peak, fn = dict.fromkeys(MODES, "ok"), dict.fromkeys(MODES), {}, (None, None), None
 
     def fail(which: Sequence[str], value: str) -> None:
         for m in which:
             if status[m] == "ok":
                 status[m] = value
 
-    def clean() -> None:
-        for t in (q, k, v):
-            t.grad = None
-        free_memory(device)
+    def attempt(which: Sequence[str], step: Callable):
+        """step() with a failure recorded on the modes `which`; gradients and cached memory freed after."""
+        try:
+            return step()
+        except Exception as exc:
+            fail(which, common.failure(exc))
+        finally:
+            for t in (q, k, v):
+                t.grad = None
+            common.free_memory(q.device)
 
-    fn = None
-    try:
+    def check_backward(o) -> None:
+        o.backward(do)
+        for gname, t, ref in zip(("dq", "dk", "dv"), (q, k, v), inp.ref_grads, strict=True):
+            if t.grad is None:
+                raise RuntimeError(f"backward produced no gradient for {gname[1]}")
+            errors[gname] = max_abs_diff(take_pairs(t.grad, inp.pairs), ref)
+            if not errors[gname] <= (limit := tol_g * max(1.0, float(ref.abs().max()))):
+                fail(BWD, f"mismatch: max|{gname} - ref| = {errors[gname]:.3g} > {limit:.3g}")
+
+    def check() -> None:  # the forward against the reference, then the backward (whose failure leaves fwd)
+        nonlocal fn
         fn = factory()
         o = fn(q, k, v)
         if o.shape != q.shape:
@@ -117,67 +185,31 @@ def bench_provider(
         errors["o"] = max_abs_diff(take_pairs(o, inp.pairs), inp.ref_o)
         if not errors["o"] <= tol_o:
             fail(MODES, f"mismatch: max|O - ref| = {errors['o']:.3g} > {tol_o:g}")
-        if need_bwd and status["fwd"] == "ok":
-            try:
-                o.backward(do)
-                for gname, t, ref in zip(("dq", "dk", "dv"), (q, k, v), inp.ref_grads, strict=True):
-                    if t.grad is None:
-                        raise RuntimeError(f"backward produced no gradient for {gname[1]}")
-                    errors[gname] = max_abs_diff(take_pairs(t.grad, inp.pairs), ref)
-                    limit = tol_g * max(1.0, float(ref.abs().max()))
-                    if not errors[gname] <= limit:
-                        fail(
-                            ("bwd", "fwdbwd"),
-                            f"mismatch: max|{gname} - ref| = {errors[gname]:.3g} > {limit:.3g}",
-                        )
-            except Exception as exc:  # backward unsupported / OOM: the forward's results still count
-                fail(("bwd", "fwdbwd"), classify_exception(exc))
-        del o
-        clean()
-        bwd_ok = need_bwd and status["fwdbwd"] == "ok"
-        fwd = lambda: fn(q, k, v)
-        fwdbwd = lambda: fn(q, k, v).backward(do)
-        if device.type == "cuda" and status["fwd"] == "ok":  # peak memory of one forward(+backward)
-            try:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                (fwdbwd if bwd_ok else fwd)()
-                torch.cuda.synchronize()
-                top = torch.cuda.max_memory_allocated()
-                peak, extra, peak_of = top / 2**30, (top - base) / 2**30, "fwdbwd" if bwd_ok else "fwd"
-            except Exception as exc:
-                fail(MODES, classify_exception(exc))
-            clean()
-        if status["fwd"] == "ok":
-            try:
-                ms["fwd"] = timer(fwd)
-            except Exception as exc:
-                fail(MODES, classify_exception(exc))
-            clean()
-        if bwd_ok and status["fwdbwd"] == "ok":
-            try:
-                ms["fwdbwd"] = timer(fwdbwd, grad_to_none=(q, k, v))
-            except Exception as exc:
-                fail(("bwd", "fwdbwd"), classify_exception(exc))
-            clean()
-        if ms["fwd"] is not None and ms["fwdbwd"] is not None:
-            ms["bwd"] = ms["fwdbwd"] - ms["fwd"]
-    except Exception as exc:  # the provider cannot be built or its forward fails
-        fail(MODES, classify_exception(exc))
-    finally:
-        fn = None
-        clean()
+        elif need_bwd:
+            attempt(BWD, lambda: check_backward(o))
+
+    attempt(MODES, check)
+    bwd_ok = need_bwd and status["fwdbwd"] == "ok"
+    fwd, fwdbwd = (lambda: fn(q, k, v)), (lambda: fn(q, k, v).backward(do))
+    if q.is_cuda and status["fwd"] == "ok":  # peak memory of one forward(+backward)
+        peak = attempt(MODES, lambda: peak_memory(fwdbwd if bwd_ok else fwd)) or peak
+    if status["fwd"] == "ok":
+        ms["fwd"] = attempt(MODES, lambda: timer(fwd))
+    if bwd_ok and status["fwdbwd"] == "ok":
+        ms["fwdbwd"] = attempt(BWD, lambda: timer(fwdbwd, grad_to_none=(q, k, v)))
+    if ms["fwd"] is not None and ms["fwdbwd"] is not None:
+        ms["bwd"] = ms["fwdbwd"] - ms["fwd"]
     records = []
     for m in modes:
-        ok = status[m] == "ok"
-        errs = [errors[x] for x in (("o",) if m == "fwd" else ("o", "dq", "dk", "dv")) if x in errors]
-        t = ms[m] if ok else None
+        t = ms[m] if status[m] == "ok" else None
+        errs = [e for x, e in errors.items() if m != "fwd" or x == "o"]
         records.append(
             dict(provider=name, N=n, d=d, B=b, H=h, mode=m, ms_median=t)
             | dict(tflops=attention_flops(b, h, n, d, m) / (t * 1e9) if t and t > 0 else None)
-            | dict(peak_gib=peak, peak_extra_gib=extra, peak_of=peak_of, status=status[m])
-            | dict(max_abs_err=max(errs) if errs else None, errors=dict(errors))
+            | dict(
+                peak_gib=peak[0], peak_extra_gib=peak[1], peak_of=peak[0] and ("fwdbwd" if bwd_ok else "fwd")
+            )
+            | dict(status=status[m], max_abs_err=max(errs) if errs else None, errors=dict(errors))
             | dict(tolerance={"o_abs": tol_o, "grad_rel": tol_g})
         )
     return records
@@ -198,18 +230,15 @@ def run_benchmark(
             inp = make_inputs(b, h, n, d, device=device, dtype=dtype, seed=seed, need_grads=need_grads)
         except Exception as exc:
             none = dict(ms_median=None, tflops=None, peak_gib=None, peak_extra_gib=None, max_abs_err=None)
-            st = classify_exception(exc)
-            records += [
-                dict(provider=p, N=n, d=d, B=b, H=h, mode=m, status=st, **none)
-                for p in run["providers"]
-                for m in modes
-            ]
+            status = common.failure(exc)
+            shape = dict(N=n, d=d, B=b, H=h, status=status, **none)
+            records += [dict(provider=p, mode=m, **shape) for p in run["providers"] for m in modes]
         else:
             for p in run["providers"]:
 
                 def factory(p=p, n=n):
                     fn = common.build_provider(p, n=n, device=device)
-                    return common.inject_failure(fn, inject[p]) if p in inject else fn
+                    return inject_failure(fn, inject[p]) if p in inject else fn
 
                 recs = bench_provider(p, factory, inp, modes=modes, timer=timer, tol=tol)
                 for r in recs:
@@ -217,7 +246,7 @@ def run_benchmark(
                     log(f"  {p:15s} {r['mode']:7s} {t:>18s}  {r['status'][:90]}")
                 records += recs
             del inp
-        free_memory(device)
+        common.free_memory(device)
         if on_shape_done:
             on_shape_done(records)
     return records
@@ -236,6 +265,229 @@ def gluon_routes() -> dict:
         flash_gluon_bwd=os.environ.get("FLASHGPT_GLUON_BWD", "auto"),
         flash_gluon_min_n_bwd={str(d): n for d, n in MIN_N_BWD.items()},
     )
+
+
+# ------------------------------------------------------------------------------ markdown and figure
+
+
+def _fmt(x: float | None, spec: str | None = None) -> str:
+    return "—" if x is None else format(x, spec or (".1f" if abs(x) >= 10 else ".3g"))
+
+
+def short_status(status: str) -> str:
+    return {"oom": "OOM", "mismatch": "FAIL", "error": "ERR"}.get(status.split(":")[0], status)
+
+
+def _table_modes(records) -> list[str]:
+    modes = list(dict.fromkeys(r["mode"] for r in records))
+    return [m for m in ("fwd", "bwd") if m in modes] or modes
+
+
+def markdown(meta: dict, records: Sequence[dict]) -> str:
+    """Per head dim: TFLOP/s (rows N, columns providers, cells 'fwd / bwd'), speedup of flash over the
+    baselines, peak memory, max abs errors; then the failures."""
+    idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in records}
+    providers = list(dict.fromkeys(r["provider"] for r in records))
+    ns, tmodes = sorted({r["N"] for r in records}), _table_modes(records)
+    m = meta.get
+    lines = [
+        f"# Causal attention benchmark — {m('gpu') or m('device')} ({m('dtype')})",
+        "",
+        f"- date {m('date')}, torch {m('torch')}, triton {m('triton')}, CUDA {m('cuda')}",
+        f"- {m('tokens')} tokens per batch (B = tokens // N), hidden {m('hidden')} (H = hidden // d); "
+        f"timing: {m('timing')}",
+        f"- FLOPs: {m('flops')}",
+    ]
+    if m("flash_gluon_min_n"):
+        lines += [
+            f"- flash's forward on sm_90: the Gluon kernel from N = {m('flash_gluon_min_n')} (per d; "
+            f"FLASHGPT_GLUON_FWD={m('flash_gluon_fwd')}), the Triton kernel otherwise",
+            "- flash's backward on sm_90: the one-pass Gluon kernel from N = "
+            f"{m('flash_gluon_min_n_bwd')} (MHA, N % 128 == 0; FLASHGPT_GLUON_BWD={m('flash_gluon_bwd')}), "
+            "the split Triton kernels otherwise",
+        ]
+    lines.append(
+        "- cells: OOM = out of memory, ERR = cannot run, FAIL = wrong result vs float32 reference (not "
+        "timed), — = not measured"
+    )
+    for i in m("invocations") or ():
+        lines.append(
+            f"- merged (`--merge`): N = {i.get('seqlens')}, d = {i.get('headdims')}, providers "
+            f"{i.get('providers')}, modes {i.get('modes') or list(MODES)} measured {i.get('date')} (torch "
+            f"{i.get('torch')}, triton {i.get('triton')})"
+        )
+    if m("complete") is False:
+        lines.append("- **incomplete**: the last invocation stopped before measuring every shape it lists")
+    if m("dry_run"):
+        lines.append("- **dry run** (CPU plumbing check): numbers are meaningless")
+    mode_txt = " / ".join(tmodes)
+
+    def cell(r) -> str:
+        return "—" if r is None else _fmt(r["tflops"]) if r["status"] == "ok" else short_status(r["status"])
+
+    def ratio(a, r) -> str:
+        if a and r and a["tflops"] and r["tflops"]:
+            return f"{a['tflops'] / r['tflops']:.2f}×"
+        return short_status(r["status"]) if r is not None and r["status"] != "ok" else "—"
+
+    def memory(r) -> str:
+        if r is None or r.get("peak_gib") is None:
+            return "—" if r is None or r["status"] == "ok" else short_status(r["status"])
+        return f"{r['peak_gib']:.2f} / {r['peak_extra_gib']:.2f}"
+
+    def errors(r) -> str:
+        errs = (r or {}).get("errors") or {}
+        grads = [errs[x] for x in ("dq", "dk", "dv") if x in errs]
+        return f"{_fmt(errs.get('o'), '.2e')} / {_fmt(max(grads) if grads else None, '.2e')}"
+
+    def section(d: int) -> list[str]:
+        at = lambda p, n: [idx.get((p, n, d, mode)) for mode in tmodes]  # the table modes' records
+        first = lambda p, n: next((idx[k] for m in MODES if (k := (p, n, d, m)) in idx), None)
+        per_n = lambda cell, cols: [[n, *(cell(c, n) for c in cols)] for n in ns]
+        bh = {r["N"]: f"{r['B']}×{r['H']}" for r in records if r["d"] == d}
+        rows = per_n(lambda p, n: " / ".join(map(cell, at(p, n))), providers)
+        out = ["", f"## d = {d}: TFLOP/s ({mode_txt})", ""]
+        out += md_table(["N", "B×H", *providers], [[n, bh.get(n, "—"), *rest] for n, *rest in rows])
+        bases = [p for p in SPEEDUP_BASELINES if p in providers]
+        bases += [p for p in providers if p not in bases and p != "flash"]
+        if "flash" in providers and bases:
+            speedup = lambda b, n: " / ".join(map(ratio, at("flash", n), at(b, n)))
+            out += ["", f"### d = {d}: speedup of flash (TFLOP/s ratio, {mode_txt})", ""]
+            out += md_table(["N", *(f"vs {p}" for p in bases)], per_n(speedup, bases))
+        if not any(r.get("peak_gib") is not None for r in records):
+            out += ["", f"### d = {d}: peak memory not measured (needs CUDA)"]
+        else:
+            out += ["", f"### d = {d}: peak memory of one forward+backward, GiB (total / above inputs)", ""]
+            out += md_table(["N", *providers], per_n(lambda p, n: memory(first(p, n)), providers))
+        out += ["", f"### d = {d}: max abs error vs float32 reference (O / grads)", ""]
+        return out + md_table(["N", *providers], per_n(lambda p, n: errors(first(p, n)), providers))
+
+    for d in sorted({r["d"] for r in records}):
+        lines += section(d)
+    notes: dict = {}
+    for r in records:
+        if r["status"] != "ok":
+            notes.setdefault((r["provider"], r["d"], r["status"]), []).append((r["N"], r["mode"]))
+    if notes:
+        lines += ["", "## Failures", ""]
+        for (p, d, st), where in notes.items():
+            n_txt = ",".join(str(x) for x in sorted({w[0] for w in where}))
+            lines.append(f"- {p} d={d} N={n_txt} ({','.join(dict.fromkeys(w[1] for w in where))}): {st}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
+    """Rows = head dims; columns = TFLOP/s vs N per table mode, then peak memory (when measured); one line
+    per provider, failures marked at the top of the panel."""
+    idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in records}
+    providers = list(dict.fromkeys(r["provider"] for r in records))
+    ds, ns, modes = (
+        sorted({r["d"] for r in records}) or [0],
+        sorted({r["N"] for r in records}),
+        _table_modes(records),
+    )
+    panels = modes + (["mem"] if any(r.get("peak_gib") is not None for r in records) else [])
+    fig, axes = common.subplots(len(ds), len(panels))
+    for i, d in enumerate(ds):
+        for j, m in enumerate(panels):
+            ax, failures = axes[i][j], []
+            for c, p in enumerate(providers):
+                rs = [r for n in ns if (r := idx.get((p, n, d, modes[0] if m == "mem" else m)))]
+                ys = [r.get("peak_gib") if m == "mem" else r["tflops"] for r in rs]
+                ok = [
+                    (r["N"], y) for r, y in zip(rs, ys, strict=True) if r["status"] == "ok" and y is not None
+                ]
+                if ok:
+                    ax.plot(*zip(*ok, strict=True), marker="o", ms=3, label=p, color=f"C{c % 10}")
+                if bad := [r for r in rs if r["status"] != "ok"]:
+                    kinds = "/".join(dict.fromkeys(short_status(r["status"]) for r in bad))
+                    failures.append(([r["N"] for r in bad], f"{p} {kinds}", f"C{c % 10}"))
+            if m == "mem":  # quadratic (naive) vs linear memory: a log scale keeps both readable
+                ax.set_ylabel("peak GiB (fwd+bwd)")
+                if ax.lines:
+                    ax.set_yscale("log", base=2)
+            else:
+                ax.set_ylabel("TFLOP/s")
+                ax.set_ylim(bottom=0)
+            ax.set_xlabel("sequence length N")
+            ax.set_title(f"d={d} {'peak memory' if m == 'mem' else m}")
+            common.finish_axes(ax, ns, failures)
+    return common.save_figure(fig, path, title)
+
+
+# ---------------------------------------------------------------------------------------- --merge
+
+INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "modes", "torch", "triton", "gpu")
+MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run")  # one table header holds them
+
+
+def integers(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def strings(x) -> bool:
+    return isinstance(x, str)
+
+
+def merge_records(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
+    """`old` with the records of the same (provider, N, d, mode) replaced by `new` ones, then the other new
+    ones (a sweep split over several invocations of one tag)."""
+    key = lambda r: (r["provider"], r["N"], r["d"], r["mode"])
+    fresh = {key(r): r for r in new}
+    merged = [fresh.pop(key(r), r) for r in old]
+    return merged + [r for r in new if key(r) in fresh]
+
+
+def read_for_merge(path: Path) -> tuple[list[dict], dict]:
+    """(records, metadata) of an attention results JSON, checked to have the shape bench.attention writes.
+    ValueError naming what is wrong; OSError when unreadable."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+        raise ValueError('expected an object with a "records" list')
+    if not isinstance(meta := data.get("metadata", {}), dict):
+        raise ValueError('"metadata" must be an object')
+    for r in data["records"]:
+        kinds = dict(provider=strings, mode=strings, N=integers, d=integers)
+        if not (isinstance(r, dict) and all(ok(r.get(key)) for key, ok in kinds.items())):
+            raise ValueError(f"a record needs provider, mode (strings), N, d (integers): {str(r)[:80]}")
+    invocations = meta.get("invocations", [])
+    if not isinstance(invocations, list) or not all(isinstance(i, dict) for i in invocations):
+        raise ValueError('"metadata.invocations" must be a list of objects')
+    for i in (meta, *invocations):
+        for key, ok in dict(seqlens=integers, headdims=integers, providers=strings, modes=strings).items():
+            if key in i and not (isinstance(i[key], list) and all(ok(x) for x in i[key])):
+                raise ValueError(f'metadata "{key}" must be a list of {ok.__name__}')
+    return data["records"], meta
+
+
+def merge_clash(previous_meta: dict, meta: dict) -> str | None:
+    """The table-wide settings that differ between an existing file and this invocation, or None."""
+    diffs = [
+        f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})"
+        for k in MERGE_MUST_MATCH
+        if k in previous_meta and previous_meta[k] != meta.get(k)
+    ]
+    return ", ".join(diffs) or None
+
+
+def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
+    """The invocations a merged file holds rows of, oldest first: the earlier ones (or `previous_meta`
+    itself), less those whose every (N, d, provider, mode) this one measured again, then this one."""
+
+    def cells(m: dict) -> set:
+        keys = ("seqlens", "headdims", "providers")
+        return {
+            (*c, mode)
+            for c in itertools.product(*(m.get(k) or () for k in keys))
+            for mode in m.get("modes") or MODES
+        }
+
+    earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
+    kept = [m for m in earlier if not (cells(m) and cells(m) <= cells(meta))]
+    return [{k: m.get(k) for k in INVOCATION_KEYS} for m in (*kept, meta)]
+
+
+# -------------------------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -293,21 +545,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     inject = {}
     for spec in a.inject_failure:
         prov, _, kind = spec.partition(":")
-        if prov not in common.PROVIDERS or (kind or "error") not in common.INJECT_KINDS:
-            p.error(f"--inject-failure {spec!r}: expected PROVIDER[:{'|'.join(common.INJECT_KINDS)}]")
+        if prov not in common.PROVIDERS or (kind or "error") not in INJECT_KINDS:
+            p.error(f"--inject-failure {spec!r}: expected PROVIDER[:{'|'.join(INJECT_KINDS)}]")
         inject[prov] = kind or "error"
     for d in a.headdims:
         try:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
             p.error(str(exc))
-    timer = Timer(device, warmup_ms=a.warmup, rep_ms=a.rep, cpu_reps=a.cpu_reps)
+    timer = common.Timer(device, warmup_ms=a.warmup, rep_ms=a.rep, cpu_reps=a.cpu_reps)
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     tol = (tol[0] if a.atol_o is None else a.atol_o, tol[1] if a.rtol_grad is None else a.rtol_grad)
-    path, previous, previous_meta = f"{a.out}/attention_{a.tag}.json", [], {}
-    if a.merge and os.path.isfile(path):
+    path, previous, previous_meta = Path(a.out) / f"attention_{a.tag}.json", [], {}
+    if a.merge and path.is_file():
         try:
-            previous, previous_meta = common.read_for_merge(path)
+            previous, previous_meta = read_for_merge(path)
         except (OSError, ValueError) as exc:
             print(
                 f"error: --merge: cannot read {path} ({exc}); fix or move it, or run without --merge",
@@ -327,9 +579,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta |= gluon_routes() | dict(timing=timer.describe(), tolerance={"o_abs": tol[0], "grad_rel": tol[1]})
     meta["flops"] = "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd"
     meta["check"] = "O and dQ/dK/dV vs the float32 reference on (batch, head) pairs from check_pairs(B, H)"
-    meta["naive_impl"] = common.naive_impl()[1] if "naive" in a.providers else None
+    meta["naive_impl"] = "model.attention.attention(backend='naive')" if "naive" in a.providers else None
     meta |= dict(injected_failures=inject or None, merged_with_previous=bool(previous), complete=False)
-    if previous and (clash := common.merge_clash(previous_meta, meta)):
+    if previous and (clash := merge_clash(previous_meta, meta)):
         print(
             f"error: --merge: {path} was measured with {clash}; one table must hold comparable rows: use "
             "another --tag (or the same settings)",
@@ -337,15 +589,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     if previous:
-        meta["invocations"] = common.merged_invocations(previous_meta, meta)
-    save = lambda recs, png=False: common.write_attention(
-        common.merge_records(previous, recs), meta, a.out, a.tag, png
+        meta["invocations"] = merged_invocations(previous_meta, meta)
+    results = common.Results(path, meta, markdown, meta_key="metadata", records=[])
+
+    def save(records: list[dict], complete: bool = False) -> str:
+        results.lists["records"] = merge_records(previous, records)
+        return results.save(complete)
+
+    print(save(run_benchmark(meta, device, dtype, timer, tol, inject, on_shape_done=save), complete=True))
+    png = plot(
+        results.lists["records"],
+        path.with_suffix(".png"),
+        f"causal attention, {meta['gpu'] or meta['device']}, {meta['dtype']}",
     )
-    records = run_benchmark(meta, device, dtype, timer, tol, inject, on_shape_done=save)
-    meta["complete"] = True
-    paths = save(records, png=True)
-    print(paths["md"].read_text())
-    print("wrote " + ", ".join(str(x) for x in paths.values()))
+    print(f"wrote {path}, {path.with_suffix('.md')}, {png}")
     return 0
 
 

@@ -56,10 +56,25 @@ class Run:
     config: dict = field(default_factory=dict)
 
 
+def label_of(cfg: dict, summary: dict) -> str | None:
+    """'<backend> N=<seq_len>', plus an explicit dtype (compared: float32 / bfloat16) and the attention
+    variants (' w=<window>', ' doc-mask', ' attn-drop=<p>'); None when the config names no backend."""
+    if (backend := common.attention_label(cfg, summary)) is None:
+        return None
+    label = backend + (f" N={n}" if (n := common.seq_len_of(cfg, summary)) is not None else "")
+    if (dtype := common.cfg_get(cfg, "dtype")) in ("float32", "bfloat16"):
+        label += f" {dtype}" + (
+            " no-TF32" if dtype == "float32" and common.cfg_get(cfg, "tf32") is False else ""
+        )
+    label += f" w={w}" if common.plain(w := common.cfg_get(cfg, "attention.window")) else ""
+    label += " doc-mask" if common.cfg_get(cfg, "attention.document_mask") is True else ""
+    p = common.cfg_get(cfg, "model.attn_dropout")
+    return label + (f" attn-drop={p:g}" if isinstance(p, (int, float)) and p > 0 else "")
+
+
 def load_run(path: str | Path) -> Run:
-    """A run directory (or its metrics.jsonl). Label '<backend> N=<seq_len>' (plus an explicit dtype and the
-    attention variant) when the config says, else the folder name. RunDirError when the folder or
-    metrics.jsonl is missing or holds no train/loss."""
+    """A run directory (or its metrics.jsonl), labelled by `label_of` or else the folder name. RunDirError
+    when the folder or metrics.jsonl is missing or holds no train/loss."""
     path = Path(path)
     run_dir = path.parent if path.is_file() else path
     if not path.exists():
@@ -70,19 +85,8 @@ def load_run(path: str | Path) -> Run:
             f"{run_dir}/metrics.jsonl has no 'train/loss' entries (was the run stopped before its first log "
             "step?)"
         )
-    cfg, summary = common.read_config(run_dir), common.read_summary(run_dir)
-    backend, seq_len = common.attention_label(cfg, summary), common.seq_len_of(cfg, summary)
-    label = run_dir.resolve().name
-    if backend is not None:
-        label = backend + (f" N={seq_len}" if seq_len is not None else "")
-        if (dtype := common.cfg_get(cfg, "dtype")) in (
-            "float32",
-            "bfloat16",
-        ):  # an explicit dtype is compared
-            label += f" {dtype}" + (
-                " no-TF32" if dtype == "float32" and common.cfg_get(cfg, "tf32") is False else ""
-            )
-        label += common.variant_label(cfg)
+    cfg = common.read_config(run_dir)
+    label = label_of(cfg, common.read_summary(run_dir)) or run_dir.resolve().name
     return Run(run_dir, label, train, common.series(rows, "val/loss"), cfg)
 
 
@@ -162,8 +166,9 @@ def check_tolerances(result: dict, tolerance: float | None, val_tolerance: float
     return msgs
 
 
-def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
-    """Fixed-width table of the comparisons, reference first."""
+def table(ref: Run, results: Sequence[dict], window: int) -> str:
+    """Markdown table of the comparisons, reference first; the check column: ok, FAIL, not checked, or "—"
+    without tolerances, with the runs that ended early in brackets."""
     f = lambda x: "—" if x is None else format(x, ".4g")
 
     def check(r: dict) -> str:
@@ -173,16 +178,12 @@ def text_table(ref: Run, results: Sequence[dict], window: int) -> str:
         return f"{cell} ({r['ended_early']})" if r["ended_early"] else cell
 
     head = ["#", "run", "aligned", "max|Δ|", "mean|Δ|", f"win{window} max|Δ|", "val step", "|Δ val|", "check"]
-    rows = [["0", ref.label + " (reference)", str(len(ref.train))] + [""] * 6]
+    rows = [[0, ref.label + " (reference)", len(ref.train), *[""] * 6]]
     for i, r in enumerate(results, 1):
         nums = [f(r[k]) for k in ("max_abs_diff", "mean_abs_diff", "window_max_abs_diff")]
-        val = [str(r["val_step"]) if r["val_step"] is not None else "—", f(r["final_val_abs_diff"])]
-        rows.append([str(i), r["label"], str(r["aligned_steps"]), *nums, *val, check(r)])
-    widths = [max(len(row[j]) for row in [head, *rows]) for j in range(len(head))]
-    fmt = lambda row: "  ".join(
-        c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
-    )
-    return "\n".join([fmt(head), "  ".join("-" * w for w in widths), *map(fmt, rows)])
+        val = [r["val_step"] if r["val_step"] is not None else "—", f(r["final_val_abs_diff"])]
+        rows.append([i, r["label"], r["aligned_steps"], *nums, *val, check(r)])
+    return "\n".join(common.md_table(head, rows))
 
 
 def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
@@ -194,17 +195,9 @@ def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
         color = f"C{i % 10}"
         top.plot(list(run.train), list(run.train.values()), color=color, lw=1.0, label=f"{run.label} train")
         if run.val:
-            top.plot(
-                list(run.val),
-                list(run.val.values()),
-                color=color,
-                ls="--",
-                marker="o",
-                ms=3,
-                label=f"{run.label} val",
-            )
-        steps = sorted(set(ref.train) & set(run.train)) if i else []
-        if not steps:
+            kw = dict(color=color, ls="--", marker="o", ms=3, label=f"{run.label} val")
+            top.plot(list(run.val), list(run.val.values()), **kw)
+        if not (steps := sorted(set(ref.train) & set(run.train)) if i else []):
             continue
         a, b = np.array([ref.train[s] for s in steps]), np.array([run.train[s] for s in steps])
         bottom.plot(steps, b - a, color=color, lw=0.6, alpha=0.6, label=f"{run.label} − ref (per step)")
@@ -307,16 +300,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         failures += res["failures"]
         not_checked += [m for m in res["not_checked"] if m not in not_checked]
         results.append(res)
-    print(text_table(ref, results, args.window))
+    print(table(ref, results, args.window))
     print(
         f"\nwrote {plot(ref, others, Path(args.out) if args.out else ref.path / 'compare.png', args.window)}"
     )
     if args.json:
         passed = not failures and not not_checked
-        out = dict(
-            reference=dict(label=ref.label, path=str(ref.path)), window=args.window, tolerance=args.tolerance
+        out = dict(reference=dict(label=ref.label, path=str(ref.path)), window=args.window)
+        out |= dict(
+            tolerance=args.tolerance, val_tolerance=args.val_tolerance, results=results, passed=passed
         )
-        out |= dict(val_tolerance=args.val_tolerance, results=results, passed=passed)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(_jsonable(out), indent=1) + "\n")
         print(f"wrote {args.json}")

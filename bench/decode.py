@@ -28,6 +28,7 @@ shape and e2e record (``complete`` False until the end); ``--report JSON`` rewri
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -40,21 +41,79 @@ if __name__ == "__main__" and "--dry-run" in sys.argv[1:]:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import torch
-import torch.nn.functional as F
 
 from bench import common
-from bench.common import DECODE_PROVIDERS as PROVIDERS
 from bench.common import GRAPH_CALLS, Timer, free_memory
 
+PROVIDERS = ("flash-decode", "read-floor", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+PROVIDERS += ("sdpa-math",)
 EAGER_ONLY_MS = 1.0  # eager medians this long are not also timed as a graph
 TIMER_SLOW_MS = 10.0  # Timer.slow_ms of the kernel sweep: such calls are timed as the median of 3
 E2E_MODES = ("eager", "static", "compiled", "graph", "compiled-graph")
 E2E_WARMUP_TOKENS = 4  # the warm-up generation: the prefill and the first decode steps (which compile)
 GPU_GRID = dict(contexts=[1024 << i for i in range(8)], batches=[1, 16, 64], dims=[64, 128], groups=[1, 4, 8])
 GPU_GRID |= dict(kv_heads=8, prompt_len=512, new_tokens=256)
-DRY_GRID = dict(
-    contexts=[40, 100], batches=[1, 2], dims=[16], groups=[1, 4], kv_heads=2, prompt_len=4, new_tokens=3
-)
+DRY_GRID = dict(contexts=[40, 100], batches=[1, 2], dims=[16], groups=[1, 4], kv_heads=2, prompt_len=4)
+DRY_GRID |= dict(new_tokens=3)
+
+# The read-floor provider: a kernel that only reads the K/V cache, once. Any decode kernel must read every
+# K/V byte; this one does nothing else (each program sums a chunk of k and v), so its time in the same
+# harness is a floor for the attention providers. 2048 programs of 8 warps, BLOCK 2048 were the fastest at
+# every decode shape of a sweep on the H200 (bench/NOTES.md, "Decode floor").
+FLOOR_PROGRAMS, FLOOR_BLOCK, FLOOR_WARPS = 2048, 2048, 8
+_FLOOR_KERNEL: list = []
+
+
+def _floor_kernel():
+    """Built at first use, so that TRITON_INTERPRET set by a dry run is honoured."""
+    if not _FLOOR_KERNEL:
+        import triton
+        import triton.language as tl
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+        @triton.jit
+        def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+            if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
+                gdc_wait()
+                gdc_launch_dependents()
+            lo = tl.program_id(0).to(tl.int64) * chunk
+            # tl.full / tl.reduce: tl.zeros / tl.sum are compiled-mode functions when triton was imported
+            # before TRITON_INTERPRET=1 was set
+            acc = tl.full([BLOCK], 0.0, tl.float32)
+            for start in range(0, chunk, BLOCK):
+                offs = lo + start + tl.arange(0, BLOCK)
+                acc += tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
+                acc += tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
+            tl.store(OUT + tl.program_id(0), tl.reduce(acc, 0, tl.standard._sum_combine))
+
+        _FLOOR_KERNEL.append(read_kernel)
+    return _FLOOR_KERNEL[0]
+
+
+def read_floor(q, k, v) -> torch.Tensor:
+    """Read every element of k and v once; returns per-program float32 sums (not attention; q unused).
+    ValueError for non-tensors, non-contiguous k / v, or k / v of other shapes, dtypes or devices."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        raise ValueError(f"read-floor needs tensors k and v, got {type(k).__name__} and {type(v).__name__}")
+    for problem, bad in (
+        ("contiguous k and v (a copy would be timed too)", not (k.is_contiguous() and v.is_contiguous())),
+        (f"k and v of one shape, got {tuple(k.shape)} and {tuple(v.shape)}", k.shape != v.shape),
+        (f"k and v of one dtype, got {k.dtype} and {v.dtype}", k.dtype != v.dtype),
+        (f"k and v on one device, got {k.device} and {v.device}", k.device != v.device),
+    ):
+        if bad:
+            raise ValueError(f"read-floor needs {problem}")
+    n, cdiv = k.numel(), lambda a, b: -(-a // b)
+    programs = max(1, min(FLOOR_PROGRAMS, cdiv(n, FLOOR_BLOCK)))
+    chunk = cdiv(cdiv(n, programs), FLOOR_BLOCK) * FLOOR_BLOCK  # elements per program, whole loop steps
+    out = torch.empty(programs, dtype=torch.float32, device=k.device)
+    # programmatic dependent launch on Hopper, eager calls outside the interpreter (flash_decode's rule)
+    from kernels import interpret_enabled
+
+    pdl = k.is_cuda and not interpret_enabled() and torch.cuda.get_device_capability(k.device)[0] >= 9
+    opts = dict(num_warps=FLOOR_WARPS, launch_pdl=True) if pdl else dict(num_warps=FLOOR_WARPS)
+    _floor_kernel()[(programs,)](k, v, out, n, chunk, BLOCK=FLOOR_BLOCK, USE_PDL=pdl, **opts)
+    return out
 
 
 def provider_fn(name: str):
@@ -64,7 +123,7 @@ def provider_fn(name: str):
 
         return lambda q, k, v: flash_decode(q, k, v)
     if name == "read-floor":
-        return common.read_floor
+        return read_floor
     if name == "naive":
 
         def naive(q, k, v):
@@ -75,18 +134,7 @@ def provider_fn(name: str):
 
         return naive
     if name.startswith("sdpa-"):
-        from torch.nn.attention import sdpa_kernel
-
-        backends = [common.sdpa_backend(name[5:])] if name != "sdpa-auto" else None
-
-        def sdpa(q, k, v):
-            gqa = q.shape[1] != k.shape[1]
-            if backends is None:
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-            with sdpa_kernel(backends):
-                return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-
-        return sdpa
+        return common.sdpa(None if name == "sdpa-auto" else name[5:])
     raise ValueError(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)}")
 
 
@@ -111,11 +159,9 @@ def time_call(fn, args: tuple, timer, graph_ms=None) -> dict:
 
 def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int) -> list[dict]:
     """Records of every provider for one (d, group, batch, context) decode step."""
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    hkv, shape = args.kv_heads, dict(d=d, group=group, batch=b, context=ctx)
+    shape = dict(d=d, group=group, batch=b, context=ctx)
     try:
-        q = torch.randn(b, hkv * group, 1, d, device=device, dtype=dtype, generator=gen)
-        k, v = (torch.randn(b, hkv, ctx, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+        q, k, v = common.decode_inputs(b, args.kv_heads, group, ctx, d, dtype, device, args.seed)
     except torch.OutOfMemoryError:
         return [dict(shape, provider="*", status="oom")]
     ref = reference(q, k, v)
@@ -124,7 +170,7 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
     copies = []  # the L2-spanning input copies of the graph timing, made at the first graph
 
     def graph_ms(fn) -> float:
-        copies[:] = copies or common.l2_copies(q, k, v, kv_bytes)
+        copies[:] = copies or common.l2_copies(q, k, v)
         return common.graph_ms(fn, copies, timer)
 
     records, seconds = [], []
@@ -139,13 +185,12 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err is not None and err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                graphs = graph_ms if args.graphs and device.type == "cuda" else None
-                timed = time_call(fn, (q, k, v), timer, graphs)
+                timed = time_call(
+                    fn, (q, k, v), timer, graph_ms if args.graphs and device.type == "cuda" else None
+                )
                 rec.update(status="ok", **timed, gbs=kv_bytes / (timed["ms"] * 1e-3) / 1e9)
-        except torch.OutOfMemoryError:
-            rec["status"] = "oom"
-        except Exception as e:  # noqa: BLE001 - a backend that cannot run is a result
-            rec["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run (or runs out of memory) is a result
+            rec["status"] = common.failure(e)
         records.append(rec)
         seconds.append(f"{p} {time.perf_counter() - t0:.1f}")
         print(json.dumps(rec), flush=True)
@@ -156,68 +201,134 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
     return records
 
 
-def e2e_sweep(args, device, dtype, on_record) -> None:
-    """Generation tokens/sec per backend, mode (E2E_MODES) and batch; on_record(rec) after each."""
+def e2e_record(args, device, dtype, backend: str, mode: str, b: int) -> dict:
+    """Prefill and decode tokens/sec of `GPT.generate` for one backend, mode (E2E_MODES) and batch."""
     from torch._dynamo.utils import counters
 
     from model import GPT, PRESETS, GPTConfig
 
-    preset = PRESETS["tiny"] if args.dry_run else PRESETS["gpt2"]
-    for backend in args.e2e_backends:
-        for mode in E2E_MODES:
-            for b in args.batches:
-                compiled, graph, static = mode.startswith("compiled"), mode.endswith("graph"), mode != "eager"
-                if graph and device.type != "cuda":
-                    continue  # CUDA graphs: nothing to time on a CPU
-                t0 = time.perf_counter()
-                rec = dict(backend=backend, mode=mode, static_decode=static, batch=b)
-                rec |= dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
-                if compiled:
-                    rec["compile_backend"] = args.compile_backend
-                model = None
-                try:
-                    torch.manual_seed(args.seed)
-                    cfg = GPTConfig(
-                        block_size=args.prompt_len + args.new_tokens,
-                        vocab_size=50304,
-                        attention=backend,
-                        **preset,
-                    )
-                    model = GPT(cfg).to(device=device, dtype=dtype).eval()
-                    prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
-                    if compiled:
-                        torch._dynamo.reset()  # a fresh cache per record: no guards left by other models
-                        model._decode_static = torch.compile(
-                            model._decode_static, backend=args.compile_backend
-                        )
-                    kw = dict(temperature=0, static_decode=static, cuda_graph=graph)
-                    model.generate(
-                        prompt, min(E2E_WARMUP_TOKENS, args.new_tokens), **kw
-                    )  # compiles, captures
-                    graphs, t = int(counters["stats"]["unique_graphs"]), {}
-                    model.generate(prompt, args.new_tokens, timings=t, **kw)
-                    if compiled:
-                        rec["recompiles"] = int(counters["stats"]["unique_graphs"]) - graphs
-                    rec.update(
-                        status="ok",
-                        prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"],
-                        decode_tokens_per_sec=t["decode_tokens"] / t["decode_s"],
-                    )
-                except torch.OutOfMemoryError:
-                    rec["status"] = "oom"
-                except Exception as e:  # noqa: BLE001 - a backend or compilation that fails is a result
-                    rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
-                finally:
-                    del model
-                    if compiled:
-                        torch._dynamo.reset()
-                    free_memory(device)
-                print(json.dumps(rec), flush=True)
-                print(
-                    f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s",
-                    file=sys.stderr,
-                )
-                on_record([rec])
+    compiled, graph, static = mode.startswith("compiled"), mode.endswith("graph"), mode != "eager"
+    rec = dict(backend=backend, mode=mode, static_decode=static, batch=b)
+    rec |= dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+    if compiled:
+        rec["compile_backend"] = args.compile_backend
+    model = None
+    try:
+        torch.manual_seed(args.seed)
+        preset = PRESETS["tiny"] if args.dry_run else PRESETS["gpt2"]
+        block = args.prompt_len + args.new_tokens
+        cfg = GPTConfig(block_size=block, vocab_size=50304, attention=backend, **preset)
+        model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        prompt = torch.randint(0, 50257, (b, args.prompt_len), device=device)
+        if compiled:
+            torch._dynamo.reset()  # a fresh cache per record: no guards left by other models
+            model._decode_static = torch.compile(model._decode_static, backend=args.compile_backend)
+        kw = dict(temperature=0, static_decode=static, cuda_graph=graph)
+        model.generate(prompt, min(E2E_WARMUP_TOKENS, args.new_tokens), **kw)  # compiles, captures
+        graphs, t = int(counters["stats"]["unique_graphs"]), {}
+        model.generate(prompt, args.new_tokens, timings=t, **kw)
+        if compiled:
+            rec["recompiles"] = int(counters["stats"]["unique_graphs"]) - graphs
+        rec.update(status="ok", prefill_tokens_per_sec=t["prefill_tokens"] / t["prefill_s"])
+        rec["decode_tokens_per_sec"] = t["decode_tokens"] / t["decode_s"]
+    except Exception as e:  # noqa: BLE001 - a backend or compilation that fails is a result
+        rec["status"] = common.failure(e)
+    finally:
+        del model
+        if compiled:
+            torch._dynamo.reset()
+        free_memory(device)
+    return rec
+
+
+def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
+    """Kernel sweep (ms / GB/s per provider and shape) and end-to-end generation tables."""
+    lines = [f"# Decode benchmark ({meta['device']}, {meta['dtype']})", ""]
+    if not meta.get("complete", True):  # files of older runs have no flag: they were written at the end
+        lines += [
+            f"**Incomplete**: the run stopped (or is still running) after {len(kernel)} kernel and "
+            f"{len(e2e)} end-to-end records; missing cells were not measured.",
+            "",
+        ]
+    calls, ceiling = meta.get("graph_calls", 1), meta["copy_ceiling_gbs"]
+    eager_only = meta.get("eager_only_ms") if meta.get("graphs") else None
+    lines += [
+        f"Copy ceiling: {ceiling:.0f} GB/s. Cells: ms / GB/s of K/V read (fraction of the ceiling). Where "
+        f"the JSON's `timing` says cuda_graph, ms = replay time of one CUDA graph of {calls} back-to-back "
+        f"calls / {calls} (kernel time, graph launch shared; the calls cycle through copies of the inputs "
+        "spanning twice the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms "
+        "of eager calls"
+        + (
+            f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
+            "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
+            if eager_only is not None
+            else "."
+        ),
+        "",
+    ]
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        if r.get("status") != "ok":
+            return r["status"].split(":")[0]
+        text = f"{r['ms']:.3f} / {r['gbs']:.0f} ({r['gbs'] / ceiling:.0%})"
+        return text + (" e" if eager_only and r.get("timing") == "eager" else "")
+
+    providers = sorted({r["provider"] for r in kernel if r["provider"] != "*"}, key=PROVIDERS.index)
+    if kernel:
+        index = {(r["d"], r["group"], r["batch"], r["context"], r["provider"]): r for r in kernel}
+        shapes = sorted({(r["d"], r["group"], r["batch"], r["context"]) for r in kernel})
+        rows = [[*s, *(cell(index.get((*s, p), index.get((*s, "*")))) for p in providers)] for s in shapes]
+        lines += common.md_table(["d", "group", "batch", "context", *providers], rows, "---")
+    if e2e:
+        lines += [
+            "",
+            "End to end: mode eager = the growing cache view, static = `static_decode=True` (decode_step, "
+            "eager), compiled = static with `torch.compile(model._decode_static)` (sample.py "
+            "`compile=true`), graph / compiled-graph = the static / compiled step replayed as one CUDA "
+            "graph (sample.py `cuda_graph=true`).",
+            "",
+        ]
+        rows = []
+        for r in e2e:
+            cb, n = r.get("compile_backend"), r.get("recompiles")
+            note = (
+                [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
+                if cb not in (None, "inductor")
+                else []
+            )
+            note = "; ".join(note + ([f"{n} graph(s) compiled inside the timed run"] if n else []))
+            ok = r["status"] == "ok"
+            speed = (
+                [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
+                if ok
+                else [r["status"], ""]
+            )
+            mode = r.get("mode", "static" if r["static_decode"] else "eager")  # older files: no mode
+            rows.append([r["backend"], mode, r["batch"], *speed, note])
+        lines += common.md_table(
+            ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"], rows, "---"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def rewrite_report(path: Path) -> str:
+    """Rewrite the markdown beside a bench.decode results JSON (`--report`); ValueError naming the problem."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # missing, a directory, not JSON
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(data, dict) or not {"meta", "kernel", "e2e"} <= data.keys():
+        raise ValueError(f"{path} is not a bench.decode results file (no meta, kernel and e2e)")
+    try:
+        report = markdown(data["meta"], data["kernel"], data["e2e"])
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
+        raise ValueError(
+            f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
+        ) from e
+    common.write_text(path.with_suffix(".md"), report)
+    return report
 
 
 def main(argv=None) -> int:
@@ -257,7 +368,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report is not None:
         try:
-            print(common.rewrite_decode_report(Path(args.report)))
+            print(rewrite_report(Path(args.report)))
         except ValueError as e:
             print(f"error: --report: {e}", file=sys.stderr)
             return 2
@@ -292,17 +403,23 @@ def main(argv=None) -> int:
     # an --e2e-only run has its own default file: it must not replace the kernel sweep's results
     tag = args.tag or ("dryrun" if args.dry_run else "h200") + ("_e2e" if args.e2e_only else "")
     out = Path(args.out or ("outputs/bench" if args.dry_run else "bench/results"))
-    results = common.Results(out / f"decode_{tag}.json", meta, common.decode_markdown, kernel=[], e2e=[])
+    results = common.Results(out / f"decode_{tag}.json", meta, markdown, kernel=[], e2e=[])
     results.save()
     if not args.e2e_only:
-        for d in args.dims:
-            for group in args.groups:
-                for b in args.batches:
-                    for ctx in args.contexts:
-                        results.add("kernel", bench_shape(args, device, timer, dtype, d, group, b, ctx))
-                        free_memory(device)
+        for d, group, b, ctx in itertools.product(args.dims, args.groups, args.batches, args.contexts):
+            results.add("kernel", bench_shape(args, device, timer, dtype, d, group, b, ctx))
+            free_memory(device)
     if args.e2e or args.e2e_only:
-        e2e_sweep(args, device, dtype, lambda recs: results.add("e2e", recs))
+        for backend, mode, b in itertools.product(args.e2e_backends, E2E_MODES, args.batches):
+            if mode.endswith("graph") and device.type != "cuda":
+                continue  # CUDA graphs: nothing to time on a CPU
+            t0 = time.perf_counter()
+            results.add("e2e", [rec := e2e_record(args, device, dtype, backend, mode, b)])
+            print(json.dumps(rec), flush=True)
+            print(
+                f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+            )
     print(results.save(complete=True))
     if args.dry_run:  # the plumbing check exists to run our kernel: its failure fails the check
         bad = [

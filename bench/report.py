@@ -188,23 +188,10 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
         rows = []
         for n in seqs:
             match = [[r for r in runs if r["backend"] == b and r["seq_len"] == n] for b in backends]
-            rows.append(
-                [
-                    n,
-                    *(
-                        cell(m[0], key, fmt)
-                        if len(m) == 1
-                        else "; ".join(f"{cell(r, key, fmt)} ({r['run']})" for r in m) or "—"
-                        for m in match
-                    ),
-                ]
-            )
-        lines += [
-            "",
-            f"## {title} (rows: seq_len, columns: attention backend)",
-            "",
-            *common.md_table(["seq_len", *backends], rows),
-        ]
+            several = lambda m: "; ".join(f"{cell(r, key, fmt)} ({r['run']})" for r in m) or "—"  # noqa: B023
+            rows.append([n, *(cell(m[0], key, fmt) if len(m) == 1 else several(m) for m in match)])
+        lines += ["", f"## {title} (rows: seq_len, columns: attention backend)", ""]
+        lines += common.md_table(["seq_len", *backends], rows)
     if unknown := [r["run"] for r in runs if r["seq_len"] is None]:
         lines += ["", f"Runs without a seq_len (not in the pivot tables): {', '.join(unknown)}"]
     return "\n".join(lines) + "\n"

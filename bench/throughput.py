@@ -126,7 +126,7 @@ def plot(path: Path, meta: dict, cells: list[dict]) -> None:
         pts = sorted((c["seq_len"], c) for c in cells if c["backend"] == b and c["status"] == "ok")
         if pts:
             axes[0][0].plot(
-                [n for n, _ in pts], [c["tokens_per_sec"] / 1e3 for _, c in pts], marker="o", label=b
+                *zip(*((n, c["tokens_per_sec"] / 1e3) for n, c in pts), strict=True), marker="o", label=b
             )
         if busy := [(n, 100 * c["gpu_busy"]) for n, c in pts if "gpu_busy" in c]:
             axes[0][1].plot(*zip(*busy, strict=True), marker="o", label=b)
@@ -271,13 +271,8 @@ def main(argv=None) -> int:
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     command = "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides)
     meta = dict(gpu=env["gpu"] or "cpu", torch=env["torch"], triton=env["triton"], date=env["date"])
-    meta |= dict(
-        steps=a.steps,
-        warmup=a.warmup,
-        profile_steps=a.profile_steps,
-        command=command.strip(),
-        argv=sys.argv[1:],
-    )
+    meta |= dict(steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps, command=command.strip())
+    meta["argv"] = sys.argv[1:]
     cells: list[dict] = []
     from tqdm import tqdm
 

@@ -32,6 +32,7 @@ Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import itertools
 import json
@@ -315,12 +316,10 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
 
     fd = importlib.import_module("kernels.flash_decode")  # the module (kernels exports its function)
 
-    hkv, group, dtype, device = a.kv_heads, a.group, a.dtype, a.device
-    gen = torch.Generator(device=device).manual_seed(a.seed)
-    q = torch.randn(batch, hkv * group, 1, d, device=device, dtype=dtype, generator=gen)
-    k, v = (torch.randn(batch, hkv, context, d, device=device, dtype=dtype, generator=gen) for _ in range(2))
+    hkv, group, dtype = a.kv_heads, a.group, a.dtype
+    q, k, v = common.decode_inputs(batch, hkv, group, context, d, dtype, a.device, a.seed)
     kv_bytes = 2 * k.numel() * k.element_size()
-    copies = common.l2_copies(q, k, v, kv_bytes) if device.type == "cuda" else None
+    copies = common.l2_copies(q, k, v) if a.device.type == "cuda" else None
     measure = lambda fn: common.graph_ms(fn, copies, a.timer) if copies else a.timer(lambda: fn(q, k, v))
     base = dict(d=d, batch=batch, context=context, kv_heads=hkv, group=group, kv_bytes=kv_bytes)
     ref = fd.flash_decode(q, k, v)
@@ -332,14 +331,8 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
     for bn, sp, w, st in itertools.product(a.block_n, a.splits, a.warps, a.stages):
         if sp > -(-context // bn) or (a.prune and ((batch == 1 and sp < 8) or (batch >= 16 and sp > 33))):
             continue
-        rec = dict(
-            base,
-            config="sweep",
-            block_n=bn,
-            splits_requested=sp,
-            splits=kplan.split_layout(context, sp, bn)[1],
-        )
-        rec |= dict(warps=w, stages=st)
+        split = kplan.split_layout(context, sp, bn)[1]
+        rec = dict(base, config="sweep", block_n=bn, splits_requested=sp, splits=split, warps=w, stages=st)
 
         def fn(q, k, v, bn=bn, sp=sp, w=w, st=st):
             scale = 1.0 / d**0.5
@@ -352,10 +345,8 @@ def decode_shape(a, d: int, batch: int, context: int) -> list[dict]:
             else:
                 ms = measure(fn)
                 rec.update(status="ok", ms=ms, gbs=kv_bytes / (ms * 1e-3) / 1e9)
-        except torch.OutOfMemoryError:
-            rec["status"] = "oom"
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile or run is a result
-            rec["status"] = f"error: {type(e).__name__}: {str(e).strip().splitlines()[0][:120]}"
+            rec["status"] = common.failure(e)
         records.append(rec)
         print(json.dumps(rec))
     return records
@@ -374,16 +365,15 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
         f"flash_decode (max abs difference <= {meta['tolerance']:g}).",
         "",
     ]
-    for d, b, ctx in sorted(
-        {(r["d"], r["batch"], r["context"]) for r in records}, key=lambda s: (-s[0], *s[1:])
-    ):
-        rs = [r for r in records if (r["d"], r["batch"], r["context"]) == (d, b, ctx)]
+    shapes = sorted({(r["d"], r["batch"], r["context"]) for r in records}, key=lambda s: (-s[0], *s[1:]))
+    for shape in shapes:
+        rs = [r for r in records if (r["d"], r["batch"], r["context"]) == shape]
         auto, sweep = next(r for r in rs if r["config"] == "auto"), [r for r in rs if r["config"] == "sweep"]
         ok = sorted((r for r in sweep if r["status"] == "ok"), key=lambda r: r["ms"])
         best = "; ".join(f"{label(r)}: {us(r['ms'])} us, {r['gbs']:.0f} GB/s" for r in ok[:4]) or "none"
         lines += [
-            f"## d {d}, batch {b}, context {ctx} (Hkv {auto['kv_heads']}, group {auto['group']}, K/V "
-            f"{auto['kv_bytes'] / 1e6:.1f} MB)",
+            f"## d {shape[0]}, batch {shape[1]}, context {shape[2]} (Hkv {auto['kv_heads']}, group "
+            f"{auto['group']}, K/V {auto['kv_bytes'] / 1e6:.1f} MB)",
             "",
             f"Automatic (block_n {auto['block_n']}, splits {auto['splits']}, Triton's warps/stages): "
             f"{us(auto['ms'])} us, {auto['gbs']:.0f} GB/s.",
@@ -396,32 +386,31 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
                 f"Not timed: {len(bad)} ({'; '.join(label(r) + ' ' + r['status'] for r in bad[:4])})",
                 "",
             ]
-        cols = sorted({r["splits_requested"] for r in sweep})
-        cell = lambda r, c: (
-            "-"
-            if r is None
-            else r["status"].split(":")[0]
-            if r["status"] != "ok"
-            else us(r["ms"]) + (f" ({r['splits']})" if r["splits"] != c else "")
-        )
-        rows = []
+        if not sweep:
+            continue
+
+        def cell(r: dict | None, c: int) -> str:
+            if r is None or r["status"] != "ok":
+                return "-" if r is None else r["status"].split(":")[0]
+            return us(r["ms"]) + (f" ({r['splits']})" if r["splits"] != c else "")
+
+        cols, rows = sorted({r["splits_requested"] for r in sweep}), []
         for key in sorted({(r["block_n"], r["warps"], r["stages"]) for r in sweep}):
             row = {r["splits_requested"]: r for r in sweep if (r["block_n"], r["warps"], r["stages"]) == key}
             rows.append([*key, *(cell(row.get(c), c) for c in cols)])
-        if sweep:
-            lines += [
-                *common.md_table(["block_n", "warps", "stages", *(f"s={c}" for c in cols)], rows, "---"),
-                "",
-            ]
+        lines += [
+            *common.md_table(["block_n", "warps", "stages", *(f"s={c}" for c in cols)], rows, "---"),
+            "",
+        ]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def decode_search(a) -> int:
     """The decode tile search over DECODE_SHAPES (or the product of --dims, --batches, --contexts)."""
-    first = (DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)[0]
-    if a.dims is None and a.batches is None and a.contexts is None:
-        shapes = list(DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)
-    else:
+    default = DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES
+    shapes = list(default)
+    if (a.dims, a.batches, a.contexts) != (None, None, None):
+        first = default[0]
         shapes = list(
             itertools.product(a.dims or [first[0]], a.batches or [first[1]], a.contexts or [first[2]])
         )
@@ -429,24 +418,20 @@ def decode_search(a) -> int:
     for key, value in (DRY_DECODE_GRID if a.dry_run else DECODE_GRID).items():
         setattr(a, key, getattr(a, key) or value)
     a.kv_heads = a.kv_heads or (2 if a.dry_run else 8)
-    if a.dry_run:
-        a.timer, timing = (
-            common.Timer(a.device, cpu_reps=1),
-            "CPU dry run: median of 1 eager call after a warm-up",
-        )
-    else:
-        a.timer = common.Timer(a.device, warmup_ms=10, rep_ms=40)
+    a.timer = (
+        common.Timer(a.device, cpu_reps=1) if a.dry_run else common.Timer(a.device, warmup_ms=10, rep_ms=40)
+    )
+    timing = "CPU dry run: median of 1 eager call after a warm-up"
+    if not a.dry_run:
         timing = f"CUDA graph of {common.GRAPH_CALLS} calls cycling through L2-spanning K/V copies, "
         timing += f"{a.timer.describe()} / {common.GRAPH_CALLS}"
     env = common.environment(a.device)
     grid = dict(block_n=a.block_n, splits=a.splits, warps=a.warps, stages=a.stages, pruned=a.prune)
     meta = dict(device=env["gpu"] or "cpu", dtype=str(a.dtype)[6:], torch=env["torch"], triton=env["triton"])
-    meta |= dict(
-        time=env["date"], argv=a.argv, shapes=[list(s) for s in shapes], kv_heads=a.kv_heads, group=a.group
-    )
-    meta |= dict(grid=grid, tolerance=DECODE_TOLERANCE[a.dtype], timing=timing)
-    tag = a.tag or ("dryrun" if a.dry_run else "h200")
+    meta |= dict(time=env["date"], argv=a.argv, shapes=[list(s) for s in shapes], kv_heads=a.kv_heads)
+    meta |= dict(group=a.group, grid=grid, tolerance=DECODE_TOLERANCE[a.dtype], timing=timing)
     out = Path(a.out or ("outputs/bench" if a.dry_run else "bench/results"))
+    tag = a.tag or ("dryrun" if a.dry_run else "h200")
     results = common.Results(out / f"decode_tiles_{tag}.json", meta, decode_markdown, records=[])
     results.save()
     for d, b, ctx in shapes:
@@ -473,9 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--seqlens", type=ints, help="N (default search 1024,4096,16384; --plans 4096,16384; dry run 32)"
-    )
+    p.add_argument("--seqlens", type=ints, help="N (default 1024,4096,16384; --plans 4096,16384; dry run 32)")
     p.add_argument("--headdims", "--d", dest="headdims", type=ints, help="d (default 64,128; dry run 16)")
     p.add_argument(
         "--kernels", default="fwd,bwd_dkdv,bwd_dq", help="search: from fwd,bwd_dkdv,bwd_dq, or bwd"
@@ -564,12 +547,8 @@ def main(argv=None) -> int:
     )
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    out = open(out_path, "a") if out_path else None
-    try:
+    with open(out_path, "a") if out_path else contextlib.nullcontext() as out:
         (ab if a.plans else search)(a, out)
-    finally:
-        if out is not None:
-            out.close()
     return 0
 
 

@@ -16,6 +16,7 @@ flash / flex (> 1: flash faster). The bar: at N = 32k, w = 1024 fwd+bwd >= 8x fa
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -100,12 +101,12 @@ def bench_one(provider: str, mask: str, n: int, mode: str, args, device, timer) 
         flops = 4.0 * d * pairs * h * (2.5 if mode == "fwd+bwd" else 1.0)
         rec.update(status="ok", ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
     except Exception as e:  # OOM, a compile failure: record and go on
-        rec.update(status=f"{type(e).__name__}: {str(e)[:200]}")
+        rec["status"] = common.failure(e)
     common.free_memory(device)
     return rec
 
 
-def markdown(records: list[dict], meta: dict) -> str:
+def markdown(meta: dict, records: list[dict]) -> str:
     idx = {(r["provider"], r["mask"], r["n"], r["mode"]): r for r in records}
     lines = [
         f"# Attention variants: {meta['device']}",
@@ -122,44 +123,15 @@ def markdown(records: list[dict], meta: dict) -> str:
     fmt = lambda x, spec: "—" if x is None else format(x, spec)
     ms = lambda *key: (idx.get(key) or {}).get("ms")
     rows = []
-    for mask in meta["masks"]:
-        for n in meta["ns"]:
-            for mode in meta["modes"]:
-                f, x, c = (
-                    ms("flash", mask, n, mode),
-                    ms("flex", mask, n, mode),
-                    ms("flash", "causal", n, mode),
-                )
-                tf = (idx.get(("flash", mask, n, mode)) or {}).get("tflops")
-                speedup = f"{c / f:.2f}x" if f and c else "—"
-                rows.append(
-                    [
-                        mask,
-                        n,
-                        mode,
-                        fmt(f, ".3f"),
-                        fmt(tf, ".0f"),
-                        fmt(x, ".3f"),
-                        fmt(x / f if f and x else None, ".2f"),
-                        speedup,
-                    ]
-                )
-    head = [
-        "mask",
-        "N",
-        "mode",
-        "flash ms",
-        "flash TF/s",
-        "flex ms",
-        "flash / flex",
-        "vs full causal (flash)",
-    ]
-    lines += common.md_table(head, rows)
-    w, c, x = (
-        ms("flash", "window1024", 32768, "fwd+bwd"),
-        ms("flash", "causal", 32768, "fwd+bwd"),
-        ms("flex", "window1024", 32768, "fwd+bwd"),
-    )
+    for mask, n, mode in itertools.product(meta["masks"], meta["ns"], meta["modes"]):
+        f, x, c = ms("flash", mask, n, mode), ms("flex", mask, n, mode), ms("flash", "causal", n, mode)
+        tf = (idx.get(("flash", mask, n, mode)) or {}).get("tflops")
+        ratios = [fmt(x / f if f and x else None, ".2f"), f"{c / f:.2f}x" if f and c else "—"]
+        rows.append([mask, n, mode, fmt(f, ".3f"), fmt(tf, ".0f"), fmt(x, ".3f"), *ratios])
+    head = ["mask", "N", "mode", "flash ms", "flash TF/s", "flex ms", "flash / flex"]
+    lines += common.md_table([*head, "vs full causal (flash)"], rows)
+    bar = [("flash", "window1024"), ("flash", "causal"), ("flex", "window1024")]
+    w, c, x = (ms(p, mask, 32768, "fwd+bwd") for p, mask in bar)
     if w and c and x:
         met = "met" if c / w >= 8 and x / w >= 1 else "NOT met"
         lines += [
@@ -189,15 +161,10 @@ def main(argv=None) -> int:
     p.add_argument("--tag", help="file name tag (default: h200 / the GPU name / dryrun)")
     args = p.parse_args(argv)
     dry = args.dry_run
-    for key, gpu, cpu in (
-        ("ns", [8192, 16384, 32768, 65536], [64]),
-        ("windows", [256, 1024, 4096], [16]),
-        ("tokens", 65536, 192),
-        ("heads", 16, 2),
-        ("head_dim", 64, 16),
-        ("doc_mean", DOC_MEAN, 24),
-    ):
-        setattr(args, key, getattr(args, key) or (cpu if dry else gpu))
+    gpu = dict(ns=[8192, 16384, 32768, 65536], windows=[256, 1024, 4096], tokens=65536, heads=16, head_dim=64)
+    cpu = dict(ns=[64], windows=[16], tokens=192, heads=2, head_dim=16, doc_mean=24)
+    for key, value in (cpu if dry else gpu | dict(doc_mean=DOC_MEAN)).items():
+        setattr(args, key, getattr(args, key) or value)
     if dry:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
@@ -214,22 +181,13 @@ def main(argv=None) -> int:
     meta = dict(device=env["gpu"] or "cpu", dtype="float32" if dry else "bfloat16", tokens=args.tokens)
     meta |= dict(heads=args.heads, head_dim=args.head_dim, doc_mean=args.doc_mean, ns=args.ns, masks=masks)
     meta |= dict(modes=args.modes, dry_run=dry, torch=env["torch"], seed=args.seed, time_utc=env["date"])
-    out = common.Results(
-        Path(args.out or ("outputs/bench" if dry else "bench/results")) / f"variants_{tag}.json",
-        meta,
-        lambda meta, records: markdown(records, meta),
-        records=[],
-    )
-    for n in args.ns:
-        for mask in masks:
-            for mode in args.modes:
-                for provider in args.providers:
-                    rec = bench_one(provider, mask, n, mode, args, device, timer)
-                    ms = "—" if rec["ms"] is None else f"{rec['ms']:.3f} ms"
-                    print(
-                        f"{provider:5s} {mask:11s} N={n:<6d} {mode:8s} {ms}  {rec['status'][:80]}", flush=True
-                    )
-                    out.add("records", [rec])  # after every cell: a run stopped by a time limit keeps it
+    path = Path(args.out or ("outputs/bench" if dry else "bench/results")) / f"variants_{tag}.json"
+    out = common.Results(path, meta, markdown, records=[])
+    for n, mask, mode, provider in itertools.product(args.ns, masks, args.modes, args.providers):
+        rec = bench_one(provider, mask, n, mode, args, device, timer)
+        ms = "—" if rec["ms"] is None else f"{rec['ms']:.3f} ms"
+        print(f"{provider:5s} {mask:11s} N={n:<6d} {mode:8s} {ms}  {rec['status'][:80]}", flush=True)
+        out.add("records", [rec])  # after every cell: a run stopped by a time limit keeps it
     out.save(complete=True)
     print(f"wrote {out.path} and .md")
     return 1 if all(r["status"] != "ok" for r in out.lists["records"]) else 0

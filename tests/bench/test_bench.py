@@ -140,7 +140,7 @@ def test_attention_merge_refuses_bad_or_incomparable_files(tmp_path, capsys):
     for bad in bads:  # the reader refuses each; the CLI turns that into exit 2 (checked once below)
         path.write_text(bad)
         with pytest.raises(ValueError):
-            common.read_for_merge(path)
+            ba.read_for_merge(path)
     argv = ["--dry-run", "--out", str(tmp_path), "--providers", "naive", "--seqlens", "32", "--merge"]
     capsys.readouterr()
     assert ba.main(argv) == 2 and "error: --merge: cannot read" in capsys.readouterr().err
@@ -163,7 +163,7 @@ def test_flops_formula():
 def test_reference_attention_matches_float64_autograd(seed):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64) for _ in range(4))
-    o_ref, grads = common.reference_attention(q, k, v, do, chunk=8)  # 37 rows: 4 full chunks + 1 partial
+    o_ref, grads = ba.chunked_causal_reference(q, k, v, do, chunk=8)  # 37 rows: 4 full chunks + 1 partial
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     s = (qq @ kk.transpose(-1, -2)) / math.sqrt(8)
     o = torch.softmax(s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf")), -1) @ vv
@@ -178,7 +178,7 @@ def _provider_records(seed: int, kind: str | None, modes=ba.MODES, h: int = 2) -
     cpu = torch.device("cpu")
     inp = ba.make_inputs(2, h, 16, 8, device=cpu, dtype=torch.float32, seed=seed, need_grads=True)
     fn = lambda: common.build_provider("sdpa-math", n=16, device=cpu)
-    factory = (lambda: common.inject_failure(fn(), kind)) if kind else fn
+    factory = (lambda: ba.inject_failure(fn(), kind)) if kind else fn
     timer = common.Timer(cpu, cpu_reps=1)
     return ba.bench_provider("sdpa-math", factory, inp, modes=modes, timer=timer, tol=(5e-3, 1e-2))
 
@@ -219,7 +219,7 @@ def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
             recs.append(
                 _fake_record(p, n, d, m, tflops=float(rng.uniform(50, 500)), peak=float(rng.uniform(1, 9)))
             )
-    md = common.attention_markdown(recs, {"gpu": "NVIDIA H200", "dtype": "bfloat16"})
+    md = ba.markdown({"gpu": "NVIDIA H200", "dtype": "bfloat16"}, recs)
     idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in recs}
     assert (
         f"{idx[('flash', 1024, 128, 'bwd')]['tflops'] / idx[('flex', 1024, 128, 'bwd')]['tflops']:.2f}×" in md
@@ -227,13 +227,13 @@ def test_markdown_and_plot_gpu_like_records(tmp_path, seed):
     assert "OOM" in md and "peak memory of one forward+backward" in md
     peak = idx[("sdpa-flash", 32768, 64, "fwd")]["peak_gib"]
     assert f"{peak:.2f} / {peak / 2:.2f}" in md
-    assert common.attention_plot(recs, tmp_path / "a.png").stat().st_size > 0
+    assert ba.plot(recs, tmp_path / "a.png").stat().st_size > 0
     # --merge semantics: same key replaced in place, new keys appended
     new = [
         _fake_record("flash", 1024, 64, "fwd", tflops=1.0),
         _fake_record("flash", 2048, 64, "fwd", tflops=2.0),
     ]
-    merged = common.merge_records(recs, new)
+    merged = ba.merge_records(recs, new)
     assert len(merged) == len(recs) + 1
     assert idx[("flash", 1024, 64, "fwd")] not in merged and new[0] in merged and merged[-1] is new[1]
 
@@ -551,8 +551,8 @@ def test_compare_flags_incomplete_runs(tmp_path, seed, capsys):
     assert (r0 / "compare.png").is_file()
     out = capsys.readouterr()
     assert "status 'nonfinite'" in out.err
-    row = next(line for line in out.out.splitlines() if line.startswith("1 "))  # the check column names it
-    assert row.rstrip().endswith("— (flash N=64 nonfinite)"), out.out  # no tolerance: nothing checked
+    row = next(line for line in out.out.splitlines() if line.startswith("| 1 |"))  # the check column names it
+    assert row.endswith("| — (flash N=64 nonfinite) |"), out.out  # no tolerance: nothing checked
     assert bc.main([str(r0), str(r1), "--tolerance", "1.0"]) == 1
     assert "not a complete run" in capsys.readouterr().out
 
@@ -835,7 +835,7 @@ def test_bench_uses_only_public_kernel_names_but_the_decode_tile_search():
             elif isinstance(node, ast.Import):
                 private |= {(path.name, a.name, None) for a in node.names if a.name.startswith("kernels.")}
     assert private == {
-        ("common.py", "kernels.reference", "chunked_causal_reference"),
+        ("attention.py", "kernels.reference", "chunked_causal_reference"),
         ("attention.py", "kernels.plan", "MIN_N"),
         ("attention.py", "kernels.plan", "MIN_N_BWD"),
     }, private

@@ -60,7 +60,7 @@ def test_interrupted_run_leaves_valid_incomplete_json(tmp_path, monkeypatch):
 
 def test_results_saved_after_every_shape_and_complete_at_the_end(tmp_path):
     meta = dict(device="cpu", dtype="float32", copy_ceiling_gbs=1.0, graph_calls=20)
-    results = common.Results(tmp_path / "decode_t.json", meta, common.decode_markdown, kernel=[], e2e=[])
+    results = common.Results(tmp_path / "decode_t.json", meta, decode.markdown, kernel=[], e2e=[])
     rec = dict(d=16, group=1, batch=1, context=40, provider="naive", status="ok", ms=1.0, gbs=1.0)
     results.add("kernel", [rec])
     first = json.loads((tmp_path / "decode_t.json").read_text())

@@ -363,7 +363,7 @@ def test_errors(kwargs, match):
 def test_read_floor_names_what_is_wrong():
     """bench.decode's read-floor provider: a clear error for inputs it cannot read as one flat stream, and
     per-program sums that add up to the sum of k and v (it reads every element once)."""
-    from bench.common import read_floor
+    from bench.decode import read_floor
 
     k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
     assert torch.allclose(read_floor(None, k, v).sum(), (k.sum() + v.sum()).float(), atol=1e-3)

@@ -127,8 +127,8 @@ def test_compare_does_not_pass_an_unfinished_run(reference_run, killed_run, tmp_
         code = compare.main([str(reference_run), str(run), "--out", str(tmp_path / "c.png"), *tolerances])
         text = capsys.readouterr().out
         assert code == 1, text
-        table_row = [line for line in text.splitlines() if line.startswith("1 ")][0]
-        assert table_row.rstrip().endswith("not checked") and " ok" not in table_row, text
+        table_row = [line for line in text.splitlines() if line.startswith("| 1 |")][0]
+        assert table_row.endswith("| not checked |") and " ok" not in table_row, text
         assert "NOT CHECKED (unfinished runs)" in text and "all within tolerance" not in text
         assert f"killed / unfinished (last step {last})" in text
         assert "the run is unfinished, so its comparison is not meaningful" in text
