@@ -82,6 +82,7 @@ DEFAULT_OUT_DIRS = {"gpt2": DATA_DIR / "shakespeare", "char": DATA_DIR / "shakes
 DOWNLOAD_NAME = "input.txt"
 DOWNLOAD_TIMEOUT_S = 60.0
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB uint16 files, as llm.c's FineWeb shards
+DEFAULT_VAL_FRACTION = 0.1
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -89,11 +90,32 @@ def _is_url(source: str | os.PathLike | None) -> bool:
     return isinstance(source, str) and source.lower().startswith(("http://", "https://"))
 
 
-def _check_args(tokenizer: str, val_fraction: float) -> None:
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {TOKENIZERS}")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < float(val_fraction) < 1.0:
+def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float | None, int | None]:
+    """The val split as (val_fraction, None) or (None, val_docs): a share, or a count of whole documents;
+    neither set means ``DEFAULT_VAL_FRACTION``.
+
+    Raises:
+        ValueError: both set (naming both keys), or a value out of range.
+    """
+    if val_docs is not None:
+        if val_fraction is not None:
+            raise ValueError(
+                f"val_fraction={val_fraction} and val_docs={val_docs} both set the val split: set one "
+                "(data.val_fraction / --val-fraction for a share, data.val_docs / --val-docs for a count "
+                "of documents)"
+            )
+        if isinstance(val_docs, bool) or not isinstance(val_docs, int) or val_docs < 1:
+            raise ValueError(f"val_docs={val_docs!r} must be a positive number of documents, e.g. 100")
+        return None, val_docs
+    if val_fraction is None:
+        return DEFAULT_VAL_FRACTION, None
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, (int, float))
+        or not 0 < val_fraction < 1
+    ):
         raise ValueError(f"val_fraction={val_fraction!r} must be a number strictly between 0 and 1, e.g. 0.1")
+    return float(val_fraction), None
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
@@ -103,6 +125,14 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
         while chunk := f.read(chunk_bytes):
             h.update(chunk)
     return h.hexdigest()
+
+
+def meta_split(meta: dict) -> tuple[float | None, int | None]:
+    """(val_fraction, val_docs) a prepared directory was split with: a share, or (val_fraction null) the
+    count of documents held out, which is its ``val_docs``."""
+    if "val_fraction" in meta and meta["val_fraction"] is None:
+        return None, meta.get("val_docs")
+    return meta.get("val_fraction"), None
 
 
 def split_point(num_tokens: int, val_fraction: float) -> int:
@@ -205,19 +235,26 @@ def _resolve_source(
 class Options:
     """What a prepared directory is prepared with besides source and tokenizer (compared on reuse)."""
 
-    val_fraction: float = 0.1
+    val_fraction: float | None = DEFAULT_VAL_FRACTION  # None: val_docs
     doc_separator: str | None = None
     text_field: str = "text"
     max_tokens: int | None = None
+    val_docs: int | None = None
+
+    def is_val(self, i: int) -> bool:
+        """Document ``i`` (0-based, non-empty, in source order) is held out: the first ``val_docs``, or
+        one in every 1/val_fraction (``data.shards.is_val_doc``)."""
+        return i < self.val_docs if self.val_docs is not None else is_val_doc(i, self.val_fraction)
 
 
 def prepare(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     doc_separator: str | None = None,
     *,
+    val_docs: int | None = None,
     text_field: str = "text",
     max_tokens: int | None = None,
     workers: int | None = None,
@@ -238,7 +275,10 @@ def prepare(
             text file only: the vocabulary needs the whole text).
         val_fraction: in (0, 1). A single text file: the share of the token stream (its end, moved to
             the next document start when there are documents) kept for validation. Any other source:
-            the share of documents held out whole (``data.shards.is_val_doc``).
+            the share of documents held out whole (``data.shards.is_val_doc``). None: 0.1, or val_docs.
+        val_docs: or a count: the first that many documents are held out whole (a stream's length is
+            unknown, so a count cannot be spread); a text file needs ``doc_separator``. Not with
+            val_fraction (ValueError naming both).
         doc_separator: a single text file only: None (one document), or a string that separates
             documents in it (Tiny Shakespeare: "\n\n"). gpt2: the documents are joined with the
             end-of-text token (50256); char: the text is kept and the separator's characters mark the
@@ -270,7 +310,7 @@ def prepare(
         FileNotFoundError / IsADirectoryError: a local ``source`` that names no file.
         RuntimeError: download failed (says to pass a local path), or tiktoken's BPE files are unavailable.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
     out = Path(out_dir).expanduser()
     created: list[Path] = []
     with _locked(out, created):
@@ -281,15 +321,17 @@ def prepare(
             raise
 
 
-def _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens) -> Options:
-    _check_args(tokenizer, val_fraction)
+def _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs=None) -> Options:
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {TOKENIZERS}")
+    val_fraction, val_docs = val_split(val_fraction, val_docs)
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r} must be a non-empty field name, e.g. 'text'")
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2
     ):
         raise ValueError(f"max_tokens={max_tokens!r} must be null or an integer >= 2, e.g. 1000000000")
-    return Options(float(val_fraction), parse_separator(doc_separator), text_field, max_tokens)
+    return Options(val_fraction, parse_separator(doc_separator), text_field, max_tokens, val_docs)
 
 
 def _make_dirs(path: Path) -> list[Path]:
@@ -508,18 +550,30 @@ def _prepare_text(
         ids = tok.encode_array(text)
     if opts.max_tokens is not None:
         ids = ids[: opts.max_tokens]
-    n_train = split_point(len(ids), opts.val_fraction)
+    if opts.val_docs is not None and sep_ids is None:
+        raise ValueError(
+            f"val_docs={opts.val_docs} holds out whole documents, and {path} is one document: set "
+            "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
+        )
     if sep_ids is not None:
         starts = np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1  # documents after the first
-        later = starts[starts >= n_train]
-        if len(later) and later[0] < len(ids):  # whole documents held out, when there is a later one
-            n_train = int(later[0])
         starts = np.concatenate([[0], starts])
     else:
         starts = np.zeros(1, np.int64)
+    if opts.val_docs is not None:  # the first val_docs documents, the rest for training
+        if len(starts) <= opts.val_docs:
+            raise ValueError(_empty_split(str(path), len(starts), "train", opts))
+        n_val = int(starts[opts.val_docs])
+        ranges = (("train", n_val, len(ids)), ("val", 0, n_val))
+    else:
+        n_train = split_point(len(ids), opts.val_fraction)
+        later = starts[starts >= n_train]
+        if sep_ids is not None and len(later) and later[0] < len(ids):  # whole documents held out
+            n_train = int(later[0])
+        ranges = (("train", 0, n_train), ("val", n_train, len(ids)))
     dt = _dtype_for(tok.vocab_size, dtype)
     body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
-    for split, lo, hi in (("train", 0, n_train), ("val", n_train, len(ids))):
+    for split, lo, hi in ranges:
         w = ShardWriter(stage, split, shard_tokens, dt)
         cuts = np.unique(np.concatenate([[lo], starts[(starts > lo) & (starts < hi)], [hi]]))
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
@@ -531,6 +585,20 @@ def _prepare_text(
     if sep_ids is not None:
         body.update(doc_separator=opts.doc_separator, doc_separator_ids=sep_ids)
     return body
+
+
+def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
+    """The error for a split that got no document (``n_docs`` in all)."""
+    if opts.val_docs is not None:
+        return (
+            f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "
+            f"(the first {opts.val_docs} are held out): use a smaller val_docs or a larger source"
+        )
+    return (
+        f"{label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
+        f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
+        f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
+    )
 
 
 def _prepare_docs(
@@ -576,7 +644,7 @@ def _prepare_docs(
             ids = np.concatenate([ids, eot])
             if opts.max_tokens is not None:
                 ids = ids[: opts.max_tokens - total]
-            writers["val" if is_val_doc(i, opts.val_fraction) else "train"].add(ids)
+            writers["val" if opts.is_val(i) else "train"].add(ids)
             total += len(ids)
             bar.update(len(ids))
             if any(w.completed for w in writers.values()):
@@ -597,11 +665,7 @@ def _prepare_docs(
         )
     for split in SPLITS:
         if writers[split].tokens == 0:
-            raise ValueError(
-                f"{src.label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
-                f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
-                f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
-            )
+            raise ValueError(_empty_split(src.label, n_docs, split, opts))
     body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": shards}
     for split in SPLITS:
         body[f"{split}_tokens"] = writers[split].tokens
@@ -618,9 +682,18 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
         )
     if meta.get("doc_separator") != opts.doc_separator and src.kind == "text":
         return f"data prepared with doc_separator={meta.get('doc_separator')!r}, not {opts.doc_separator!r}"
-    old_fraction = meta.get("val_fraction")
-    if old_fraction is not None and not math.isclose(float(old_fraction), opts.val_fraction, abs_tol=1e-12):
-        return f"data split with val_fraction={old_fraction}, not {opts.val_fraction}"
+    old_fraction, old_docs = meta_split(meta)
+    if old_docs != opts.val_docs or (
+        old_docs is None
+        and old_fraction is not None  # format-1 metas may lack it
+        and not math.isclose(float(old_fraction), opts.val_fraction, abs_tol=1e-12)
+    ):
+        old = f"val_docs={old_docs}" if old_docs is not None else f"val_fraction={old_fraction}"
+        new = f"val_fraction={opts.val_fraction}" if opts.val_docs is None else f"val_docs={opts.val_docs}"
+        # two shares: "val_fraction=0.1, not 0.2"
+        return (
+            f"data split with {old}, not {new.removeprefix('val_fraction=') if old[:5] == new[:5] else new}"
+        )
     if meta.get("text_field", "text") != opts.text_field and src.kind == "docs":
         return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
     if meta.get("max_tokens") != opts.max_tokens:
@@ -651,9 +724,10 @@ def stale_reason(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     doc_separator: str | None = None,
     *,
+    val_docs: int | None = None,
     text_field: str = "text",
     max_tokens: int | None = None,
 ) -> str | None:
@@ -667,7 +741,7 @@ def stale_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
     out = Path(out_dir).expanduser()
     src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
     if not (out / META_NAME).is_file():
@@ -690,9 +764,10 @@ def ensure_prepared(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     doc_separator: str | None = None,
     *,
+    val_docs: int | None = None,
     keep_other: bool = False,
     text_field: str = "text",
     max_tokens: int | None = None,
@@ -713,7 +788,7 @@ def ensure_prepared(
     Raises:
         Same as ``prepare``; ValueError naming what the directory holds (``keep_other``).
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
     out = Path(out_dir).expanduser()
     created: list[Path] = []
     with _locked(out, created):
@@ -738,6 +813,7 @@ def ensure_prepared(
 def _kw(opts: Options) -> dict:
     return {
         "val_fraction": opts.val_fraction,
+        "val_docs": opts.val_docs,
         "doc_separator": opts.doc_separator,
         "text_field": opts.text_field,
         "max_tokens": opts.max_tokens,
@@ -748,9 +824,10 @@ def conflict_reason(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     doc_separator: str | None = None,
     *,
+    val_docs: int | None = None,
     text_field: str = "text",
     max_tokens: int | None = None,
 ) -> str | None:
@@ -764,7 +841,7 @@ def conflict_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
     out = Path(out_dir).expanduser()
     try:
         meta = load_meta(out)
@@ -796,8 +873,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--val-fraction",
         type=float,
-        default=0.1,
+        default=None,
         help="share held out for val (0.1): documents of a list of documents, the end of a text file",
+    )
+    parser.add_argument(
+        "--val-docs",
+        type=int,
+        default=None,
+        help="or hold out this many whole documents (the first in source order) instead of a share",
     )
     parser.add_argument(
         "--doc-separator",
@@ -830,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
-    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens}
+    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens, "val_docs": args.val_docs}
     try:
         held = conflict_reason(
             args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator, **kw

@@ -202,3 +202,56 @@ def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path,
     base, peak = map(int, res.stdout.split()[-2:])
     assert peak - base < cap_kb < size / 1024 / 2, f"peak RSS grew {peak - base} kB preparing {size} bytes"
     assert load_meta(tmp_path / "o")["train_tokens"] > size / 8
+
+
+def test_val_docs_holds_out_the_first_documents(tmp_path, gpt2_bpe, seed):
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    docs = _docs(30, seed)
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, docs)
+    meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=4, workers=1, progress=False)
+    ids = [enc.encode_ordinary(d) + [EOT] for d in docs]
+    assert meta["val_docs"] == 4 and meta["val_fraction"] is None and meta["train_docs"] == 26
+    assert np.array_equal(_stream(tmp_path / "o", "val"), np.concatenate(ids[:4])), f"seed={seed}"
+    assert np.array_equal(_stream(tmp_path / "o", "train"), np.concatenate(ids[4:])), f"seed={seed}"
+    assert "val_docs=4, not val_fraction=0.1" in conflict_reason(str(src), tmp_path / "o", "gpt2")
+    assert conflict_reason(str(src), tmp_path / "o", "gpt2", val_docs=4) is None
+    # a text file of documents: the first ones too; one without documents is refused, naming the fix
+    txt = tmp_path / "c.txt"
+    txt.write_text("@@@".join(docs), encoding="utf-8")  # no document holds it
+    meta = prepare(str(txt), tmp_path / "t", "gpt2", None, "@@@", val_docs=3, workers=1, progress=False)
+    assert np.array_equal(_stream(tmp_path / "t", "val"), np.concatenate(ids[:3]))
+    assert meta["val_docs"] == 3 and meta["train_docs"] == 27
+    with pytest.raises(ValueError, match=r"val_docs=3 holds out whole documents.*doc_separator"):
+        prepare(str(txt), tmp_path / "t2", "gpt2", val_docs=3, workers=1, progress=False)
+    with pytest.raises(ValueError, match=r"none for the train split at val_docs=30"):
+        prepare(str(src), tmp_path / "t3", "gpt2", val_docs=30, workers=1, progress=False)
+    assert not (tmp_path / "t2").exists() and not (tmp_path / "t3").exists()
+
+
+def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, char_data, shakespeare_path):
+    import subprocess
+    import sys
+
+    from helpers_train import REPO, compose_cfg
+
+    from trainer.checks import ConfigError, resolve_plan
+
+    with pytest.raises(ValueError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_docs"):
+        prepare(str(shakespeare_path), tmp_path / "o", "char", 0.2, val_docs=5)
+    args = ["--source", str(shakespeare_path), "--out-dir", str(tmp_path / "o"), "--val-docs", "5"]
+    res = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args, "--val-fraction", "0.2", "--tokenizer", "char"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "--val-fraction" in res.stderr and "--val-docs" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
+    overrides = [f"data.dir={char_data}", "data=shakespeare_char", f"data.source={shakespeare_path}"]
+    cfg = compose_cfg([*overrides, "data.val_fraction=0.2", "data.val_docs=5", "model=tiny", "trainer=cpu"])
+    with pytest.raises(ConfigError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_fraction"):
+        resolve_plan(cfg, world_size=1, cuda_available=False)
