@@ -1,8 +1,10 @@
-"""Prepare step: UTF-8 text corpus -> ``train.bin`` / ``val.bin`` (uint16 token ids) + ``meta.json``.
+"""Prepare step: a corpus -> token shards ``{train,val}_NNNNNN.bin`` (+ ``.idx``) and ``meta.json``.
 
-The pattern is nanoGPT's (``data/shakespeare*/prepare.py``): tokenize the whole corpus once, keep the
-first ``1 - val_fraction`` of the token stream for training and the rest for validation, and store the
-ids as raw ``uint16`` so that training memory-maps them. See ``data/meta.py`` for the file format.
+The pattern is nanoGPT's (``data/openwebtext/prepare.py``): tokenize the corpus once and store the ids
+raw (uint16, or uint32 for a larger vocabulary) so that training memory-maps them. Every source streams
+through one path (``_prepare_stream``): ``data.sources`` reads it as pieces of documents,
+``data.shards`` tokenizes them in parallel and writes resumable shards. See ``data/meta.py`` for the
+file format and ``docs/data.md`` for the sources and the val split.
 
 CLI (either form, from anywhere)::
 
@@ -42,7 +44,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `da
 
 import numpy as np  # noqa: E402
 
-from data.docs import GPT2_EOT, parse_separator, separator_ends, separator_ids  # noqa: E402
+from data.docs import GPT2_EOT, parse_separator, separator_ids  # noqa: E402
 from data.meta import (  # noqa: E402
     DTYPES,
     FORMAT_VERSION,
@@ -61,11 +63,10 @@ from data.shards import (  # noqa: E402
     load_state,
     save_state,
     stage_dir,
-    tokenized_documents,
+    tokenized_pieces,
 )
 from data.sources import (  # noqa: E402
     Source,
-    decode_utf8,
     fingerprint_diff,
     fingerprint_sha256,
     open_source,
@@ -482,6 +483,11 @@ def _prepare_into(
             f"doc_separator splits a single text file into documents; {src.label} is read as documents "
             "already (one per file or record, end-of-text between them): leave doc_separator unset"
         )
+    if src.kind == "text" and opts.val_docs is not None and opts.doc_separator is None:
+        raise ValueError(
+            f"val_docs={opts.val_docs} holds out whole documents, and {src.label} is one document: set "
+            "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
+        )
     sha, fp = _source_identity(src, opts)
     stage = stage_dir(out)
     stage.mkdir(exist_ok=True)
@@ -496,12 +502,9 @@ def _prepare_into(
         "max_tokens": opts.max_tokens,
         "shard_tokens": shard_tokens,
     }
+    key = {"meta": meta, "dtype": dtype, "fingerprint": fp, "doc_separator": opts.doc_separator}
     try:
-        if src.kind == "text":
-            body = _prepare_text(src, stage, tokenizer, opts, shard_tokens, dtype)
-        else:
-            key = {"meta": meta, "dtype": dtype, "fingerprint": fp}
-            body = _prepare_docs(src, stage, tokenizer, opts, shard_tokens, dtype, workers, progress, key)
+        body = _prepare_stream(src, stage, tokenizer, opts, shard_tokens, dtype, workers, progress, key)
     except Exception:
         shutil.rmtree(stage, ignore_errors=True)  # a bad source: nothing to resume
         raise
@@ -524,69 +527,6 @@ def _prepare_into(
     return meta
 
 
-def _prepare_text(
-    src: Source, stage: Path, tokenizer: str, opts: Options, shard_tokens: int, dtype: str
-) -> dict:
-    """A single text file, read whole (as before shards): one document, or documents split on
-    ``doc_separator``; the val split is the stream's end, from the first document start at or after
-    ``split_point`` (a corpus of one document is cut there)."""
-    path = src.files[0]
-    text = decode_utf8(path.read_bytes(), str(path))
-    if not text:
-        raise ValueError(f"{path} is empty; pass a non-empty UTF-8 text file")
-    tok = make_tokenizer(tokenizer, text=text)
-    sep_ids = None
-    if opts.doc_separator is not None:
-        sep_ids = separator_ids(tokenizer, opts.doc_separator, tok)
-    if sep_ids is not None and tokenizer == "gpt2":
-        # each non-empty document, then one end-of-text token (it ends the document)
-        parts = []
-        for doc in text.split(opts.doc_separator):
-            if doc:
-                part = tok.encode_array(doc)
-                parts += [part, np.full(1, GPT2_EOT, dtype=part.dtype)]
-        ids = np.concatenate(parts) if parts else tok.encode_array(text)
-    else:
-        ids = tok.encode_array(text)
-    if opts.max_tokens is not None:
-        ids = ids[: opts.max_tokens]
-    if opts.val_docs is not None and sep_ids is None:
-        raise ValueError(
-            f"val_docs={opts.val_docs} holds out whole documents, and {path} is one document: set "
-            "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
-        )
-    if sep_ids is not None:
-        starts = np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1  # documents after the first
-        starts = np.concatenate([[0], starts])
-    else:
-        starts = np.zeros(1, np.int64)
-    if opts.val_docs is not None:  # the first val_docs documents, the rest for training
-        if len(starts) <= opts.val_docs:
-            raise ValueError(_empty_split(str(path), len(starts), "train", opts))
-        n_val = int(starts[opts.val_docs])
-        ranges = (("train", n_val, len(ids)), ("val", 0, n_val))
-    else:
-        n_train = split_point(len(ids), opts.val_fraction)
-        later = starts[starts >= n_train]
-        if sep_ids is not None and len(later) and later[0] < len(ids):  # whole documents held out
-            n_train = int(later[0])
-        ranges = (("train", 0, n_train), ("val", n_train, len(ids)))
-    dt = _dtype_for(tok.vocab_size, dtype)
-    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
-    for split, lo, hi in ranges:
-        w = ShardWriter(stage, split, shard_tokens, dt)
-        cuts = np.unique(np.concatenate([[lo], starts[(starts > lo) & (starts < hi)], [hi]]))
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-            w.add(ids[a:b])
-        body["shards"][split] = w.finish()
-        body[f"{split}_tokens"] = hi - lo
-        if sep_ids is not None:
-            body[f"{split}_docs"] = w.docs
-    if sep_ids is not None:
-        body.update(doc_separator=opts.doc_separator, doc_separator_ids=sep_ids)
-    return body
-
-
 def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     """The error for a split that got no document (``n_docs`` in all)."""
     if opts.val_docs is not None:
@@ -601,7 +541,7 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     )
 
 
-def _prepare_docs(
+def _prepare_stream(
     src: Source,
     stage: Path,
     tokenizer: str,
@@ -612,22 +552,36 @@ def _prepare_docs(
     progress: bool,
     key: dict,
 ) -> dict:
-    """A list of documents, streamed: tokenized by ``workers`` processes, each document followed by the
-    end-of-text token, every 1/val_fraction-th held out whole for validation, written into shards;
-    resumes from ``stage``'s state when it holds one for ``key``."""
+    """Every source, streamed (``Source.pieces``): tokenized by ``workers`` processes, written into
+    shards, resumed from ``stage``'s state when it holds one for ``key``.
+
+    Documents: each document of a source of documents, and of a text file split on ``doc_separator`` by
+    the GPT-2 BPE, is followed by the end-of-text token; the char tokenizer keeps the separator's
+    characters. The val split is whole documents (``Options.is_val``), except a text file split by a
+    share: its end, moved to the next document start, as when it was read whole (so the stream goes to
+    the train split first and its end is moved to the val split, ``ShardWriter.split_off``).
+    """
     from tqdm import tqdm
 
-    tok = make_tokenizer(tokenizer)
+    text = src.kind == "text"
+    sep = opts.doc_separator if text else None
+    if tokenizer == "char":  # the vocabulary is the text's characters: a first pass over the file
+        chars = "".join(sorted(src.characters()))
+        tok, spec = make_tokenizer("char", itos=list(chars)), ("char", chars)
+    else:
+        tok, spec = make_tokenizer(tokenizer), tokenizer
+    eot = not text or (sep is not None and tokenizer == "gpt2")  # end-of-text after every document
+    sep_ids = [GPT2_EOT] if eot else (separator_ids(tokenizer, sep, tok) if sep is not None else None)
+    by_doc = not text or opts.val_docs is not None  # else the stream's end (moved after it)
     dt = _dtype_for(tok.vocab_size, dtype)
     state = load_state(stage, key)
     stage.mkdir(exist_ok=True)
     splits = state["splits"] if state else {}
     writers = {s: ShardWriter(stage, s, shard_tokens, dt, splits.get(s)) for s in SPLITS}
-    done = state["docs"] if state else 0
+    done, doc = (state["pieces"], state["doc"]) if state else (0, -1)
     total = sum(w.tokens for w in writers.values())
     if state:
-        logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, done, total)
-    eot = np.full(1, GPT2_EOT, dtype=np.uint32)
+        logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, doc + 1, total)
     bar = tqdm(
         total=opts.max_tokens,
         initial=total,
@@ -638,39 +592,49 @@ def _prepare_docs(
         mininterval=1.0,
     )
     try:
-        i = done - 1
-        docs = tokenized_documents(src.documents(), tokenizer, workers, skip=done)
-        for i, ids in enumerate(docs, start=done):
-            ids = np.concatenate([ids, eot])
+        pieces = tokenized_pieces(src.pieces(sep, keep_separator=not eot), spec, workers, skip=done)
+        for k, (ids, start, end) in enumerate(pieces, start=done):
+            doc += start
+            if end and eot:
+                ids = np.append(ids, np.uint32(GPT2_EOT))
             if opts.max_tokens is not None:
                 ids = ids[: opts.max_tokens - total]
-            writers["val" if opts.is_val(i) else "train"].add(ids)
+            writers["val" if by_doc and opts.is_val(doc) else "train"].add(ids, start)
             total += len(ids)
             bar.update(len(ids))
             if any(w.completed for w in writers.values()):
-                save_state(stage, key, i + 1, writers)
+                save_state(stage, key, k + 1, doc, writers)
             if opts.max_tokens is not None and total >= opts.max_tokens:
                 break
-        docs.close()  # stops the tokenizer processes (after a max_tokens break)
-        n_docs = i + 1
-        shards = {split: w.finish() for split, w in writers.items()}
+        pieces.close()  # stops the tokenizer processes (after a max_tokens break)
+        train, val = writers["train"], writers["val"]
+        train.finish()
+        if not by_doc and total:  # a text file's end, moved to the next document start when it has them
+            n_train = split_point(total, opts.val_fraction)
+            train.split_off(train.next_start(n_train) if sep_ids is not None else n_train, val)
+        val.finish()
     finally:
         bar.close()
         for w in writers.values():
             w.close()
-    if n_docs == 0:
+    if total == 0:
         raise ValueError(
-            f"{src.label} holds no non-empty document (field {opts.text_field!r} for records); pass a source "
-            "with text"
+            f"{src.label} is empty (no text besides separators); pass a non-empty UTF-8 text file"
+            if text
+            else f"{src.label} holds no non-empty document (field {opts.text_field!r} for records); pass a "
+            "source with text"
         )
     for split in SPLITS:
         if writers[split].tokens == 0:
-            raise ValueError(_empty_split(src.label, n_docs, split, opts))
-    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": shards}
-    for split in SPLITS:
-        body[f"{split}_tokens"] = writers[split].tokens
-        body[f"{split}_docs"] = writers[split].docs
-    body.update(doc_separator=None, doc_separator_ids=[GPT2_EOT])
+            raise ValueError(_empty_split(src.label, doc + 1, split, opts))
+    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
+    for split, w in writers.items():
+        body["shards"][split] = w.shards
+        body[f"{split}_tokens"] = w.tokens
+        if sep_ids is not None:
+            body[f"{split}_docs"] = w.docs
+    if sep_ids is not None:
+        body.update(doc_separator=sep, doc_separator_ids=sep_ids)
     return body
 
 

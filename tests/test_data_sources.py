@@ -110,21 +110,21 @@ def test_interrupted_prepare_resumes_from_its_last_shard(tmp_path, gpt2_bpe, see
     real = shards.ShardWriter.add
     calls = []
 
-    def dying(self, ids):
+    def dying(self, ids, start=True):
         calls.append(1)
         if len(calls) == 50:
             raise KeyboardInterrupt("simulated kill")
-        return real(self, ids)
+        return real(self, ids, start)
 
     monkeypatch.setattr(shards.ShardWriter, "add", dying)
     with pytest.raises(KeyboardInterrupt):
         prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
     state = json.loads((out / shards.STAGE_NAME / shards.STATE_NAME).read_text())
-    assert 0 < state["docs"] < 50 and not (out / "meta.json").exists()
+    assert 0 < state["pieces"] < 50 and not (out / "meta.json").exists()  # a piece per short document
     calls.clear()
-    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, ids: (calls.append(1), real(self, ids))[1])
+    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, *a: (calls.append(1), real(self, *a))[1])
     prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
-    assert len(calls) == 80 - state["docs"]  # the done documents were not written again
+    assert len(calls) == 80 - state["pieces"]  # the done documents were not written again
     want = _expected(docs)
     for split in ("train", "val"):
         assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {split}"
@@ -178,10 +178,12 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe):
-    """16 MB of JSONL prepared with a 6 MB cap on the growth of the peak RSS over the baseline (Python,
-    numpy and the loaded BPE): a prepare that held the corpus, or its token list (~36 bytes per token as
-    Python ints), would go far over."""
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe, kind):
+    """16 MB of JSONL, or one 16 MB text file (a single document, so every piece of it is cut at a word
+    boundary, and its end is moved to the val split afterwards), prepared with a 6 MB cap on the growth
+    of the peak RSS over the baseline (Python, numpy and the loaded BPE): a prepare that held the corpus,
+    or its token list (~36 bytes per token as Python ints), would go far over."""
     import os
     import subprocess
     import sys
@@ -190,9 +192,15 @@ def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path,
     from bench.prepare import write_corpus
 
     size = write_corpus(tmp_path / "c.jsonl", 16)
+    src = tmp_path / f"c.{kind}"
+    if kind == "txt":
+        with open(tmp_path / "c.jsonl", encoding="utf-8") as f, open(src, "w", encoding="utf-8") as out:
+            for line in f:
+                out.write(json.loads(line)["text"] + " ")
+        (tmp_path / "c.jsonl").unlink()
     cap_kb = 6 * 1024
     res = subprocess.run(
-        [sys.executable, "-c", _MEM_CHILD, str(tmp_path / "c.jsonl"), str(tmp_path / "o")],
+        [sys.executable, "-c", _MEM_CHILD, str(src), str(tmp_path / "o")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -201,7 +209,58 @@ def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path,
     assert res.returncode == 0, res.stderr
     base, peak = map(int, res.stdout.split()[-2:])
     assert peak - base < cap_kb < size / 1024 / 2, f"peak RSS grew {peak - base} kB preparing {size} bytes"
-    assert load_meta(tmp_path / "o")["train_tokens"] > size / 8
+    meta = load_meta(tmp_path / "o")
+    assert meta["train_tokens"] > size / 8 and meta["source_kind"] == ("text" if kind == "txt" else "docs")
+
+
+@pytest.mark.parametrize("tokenizer,sep", [("gpt2", None), ("gpt2", "\n\n"), ("char", "\n\n")])
+def test_a_text_file_streams_with_the_tokens_and_split_of_the_whole(
+    tmp_path, gpt2_bpe, seed, monkeypatch, tokenizer, sep
+):
+    """A text file read in 64-byte blocks, tokenized in pieces of ~40 characters, written into 97-token
+    shards: the tokens, the split (the end of the stream, moved to the next document start) and the
+    document starts are those of the whole text tokenized at once (the reference, written here as the
+    prepare step did before it streamed)."""
+    import tiktoken
+
+    from data import sources
+    from data.docs import separator_ends
+
+    for mod, name, value in (
+        (sources, "BLOCK_BYTES", 64),
+        (sources, "PIECE_CHARS", 40),
+        (shards, "BATCH_CHARS", 100),
+    ):
+        monkeypatch.setattr(mod, name, value)
+    rng = np.random.default_rng(seed)
+    text = " ".join(rng.choice(["alpha", "beta", "\n", "\n\n", "\n\n\n", "é", "東京", "it's", " "], 3000))
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    meta = prepare(str(tmp_path / "c.txt"), tmp_path / "o", tokenizer, 0.1, sep, shard_tokens=97, workers=1)
+    enc = tiktoken.get_encoding("gpt2")
+    if tokenizer == "char":
+        chars = sorted(set(text))
+        ids, sep_ids = np.array([chars.index(c) for c in text]), [chars.index(c) for c in sep]
+    elif sep:
+        ids, sep_ids = (
+            np.array([t for d in text.split(sep) if d for t in enc.encode_ordinary(d) + [EOT]]),
+            [EOT],
+        )
+    else:
+        ids = np.array(enc.encode_ordinary(text))
+    starts = (
+        np.concatenate([[0], np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1]) if sep else np.zeros(1)
+    )
+    n_train = int(len(ids) * 0.9)
+    later = starts[starts >= n_train]
+    n_train = int(later[0]) if sep and len(later) else n_train
+    assert np.array_equal(_stream(tmp_path / "o", "train"), ids[:n_train]), f"seed={seed}"
+    assert np.array_equal(_stream(tmp_path / "o", "val"), ids[n_train:]), f"seed={seed}"
+    assert len(meta["shards"]["train"]) == -(-n_train // 97)
+    if sep:  # the document index: the reference's starts, and the val split's first token
+        val_starts = np.concatenate([[0], starts[starts > n_train] - n_train])
+        assert np.array_equal(BinDataset(tmp_path / "o", "val", 1).doc_starts(), val_starts), f"seed={seed}"
+        assert np.array_equal(BinDataset(tmp_path / "o", "train", 1).doc_starts(), starts[starts < n_train])
+        assert (meta["train_docs"], meta["val_docs"]) == ((starts < n_train).sum(), len(val_starts))
 
 
 def test_val_docs_holds_out_the_first_documents(tmp_path, gpt2_bpe, seed):
