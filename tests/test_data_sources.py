@@ -44,30 +44,37 @@ def _write_jsonl(path, docs, field="text"):
             f.write(json.dumps({"id": i, field: d}) + "\n")
 
 
-@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
-def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
-    docs = _docs(40, seed)
+def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
+    """``docs`` written as a source of ``kind``: a directory of text files, a JSONL file, a Parquet file or
+    a local Hugging Face dataset (hf:DIR)."""
     if kind == "dir":
-        src = tmp_path / "texts"
-        src.mkdir()
+        (tmp_path / "texts").mkdir()
         for i, d in enumerate(docs):
-            (src / f"{i:03d}.txt").write_text(d, encoding="utf-8")
-    elif kind == "jsonl":
-        src = tmp_path / "c.jsonl"
-        _write_jsonl(src, docs)
-    elif kind == "parquet":
+            (tmp_path / "texts" / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+        return str(tmp_path / "texts")
+    if kind == "jsonl":
+        _write_jsonl(tmp_path / "c.jsonl", docs)
+        return str(tmp_path / "c.jsonl")
+    if kind == "parquet":
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
 
-        src = tmp_path / "c.parquet"
-        pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), src, row_group_size=7)
-    else:
-        pytest.importorskip("datasets")
-        (tmp_path / "ds" / "data").mkdir(parents=True)
-        _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
-        src = f"hf:{tmp_path / 'ds'}"
+        table = pa.table({"id": list(range(len(docs))), "text": docs})
+        pq.write_table(table, tmp_path / "c.parquet", row_group_size=7)
+        return str(tmp_path / "c.parquet")
+    pytest.importorskip("datasets")
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
+    return f"hf:{tmp_path / 'ds'}"
+
+
+@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
+def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
+    docs = _docs(40, seed)
     out = tmp_path / "out"
-    meta = prepare(str(src), out, "gpt2", 0.1, shard_tokens=97, workers=1, progress=False)
+    meta = prepare(
+        _corpus(tmp_path, kind, docs), out, "gpt2", 0.1, shard_tokens=97, workers=1, progress=False
+    )
     want = _expected(docs)
     for split in ("train", "val"):
         assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {kind} {split}"
@@ -314,3 +321,41 @@ def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, ch
     cfg = compose_cfg([*overrides, "data.val_fraction=0.2", "data.val_docs=5", "model=tiny", "trainer=cpu"])
     with pytest.raises(ConfigError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_fraction"):
         resolve_plan(cfg, world_size=1, cuda_available=False)
+
+
+@pytest.mark.slow  # a train.py process each, ~11 s on 2 shared cores
+@pytest.mark.parametrize(
+    "kind,split", [("dir", []), ("jsonl", ["data.val_docs=6"]), ("parquet", []), ("hf", [])]
+)
+def test_train_py_runs_on_every_source(tmp_path, gpt2_bpe, seed, kind, split):
+    """python train.py on a corpus of each kind (GPT-2 BPE, document masking on): it prepares the data
+    (shards, documents) and trains and evaluates a few steps."""
+    from helpers_train import describe, read_jsonl, run_train
+
+    src = _corpus(tmp_path, kind, _docs(60, seed))
+    args = [
+        "experiment=cpu_tiny",
+        "data=shakespeare",
+        f"data.source={src}",
+        f"data.dir={tmp_path / 'data'}",
+        "data.workers=1",
+        *split,
+        "model=tiny",
+        "attention.document_mask=true",
+        "seq_len=32",
+        "max_steps=2",
+        "batch.tokens_per_step=256",
+        "batch.micro_tokens=256",
+        "eval.interval=2",
+        "eval.batches=1",
+        "checkpoint.interval=2",
+        "wandb.mode=disabled",
+        f"out_dir={tmp_path / 'run'}",
+    ]
+    proc = run_train(args)
+    assert proc.returncode == 0, describe(proc)
+    meta = load_meta(tmp_path / "data")
+    assert meta["source_kind"] == "docs" and meta["doc_separator_ids"] == [EOT] and meta["val_docs"] >= 6
+    assert (meta["val_fraction"] is None) == bool(split), meta
+    losses = [r["val/loss"] for r in read_jsonl(tmp_path / "run") if "val/loss" in r]
+    assert losses and all(0 < v < 20 for v in losses), f"seed={seed}: {losses}"
