@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import hashlib
 import http.client
-import json
 import logging
 import math
 import os
@@ -32,10 +31,8 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `data` package from the repo root
     _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,11 +47,13 @@ from data.meta import (  # noqa: E402
     FORMAT_VERSION,
     META_NAME,
     SPLITS,
+    atomic_write,
     check_bin_file,
     load_meta,
     meta_path,
     split_shards,
     token_dtype,
+    write_json,
 )
 from data.shards import (  # noqa: E402
     ShardWriter,
@@ -151,28 +150,6 @@ def split_point(num_tokens: int, val_fraction: float) -> int:
             "Use a bigger corpus."
         )
     return min(max(int(num_tokens * (1.0 - val_fraction)), 1), num_tokens - 1)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a hidden temporary file in the same directory, then ``os.replace`` it.
-
-    A killed process leaves at most a ``.tmp-*`` file, never a partial ``path``.
-    """
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_meta(path: Path, meta: dict) -> None:
-    payload = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
-    atomic_write(path, lambda f: f.write(payload))
 
 
 def _download(url: str, dest: Path) -> None:
@@ -311,18 +288,29 @@ def prepare(
         FileNotFoundError / IsADirectoryError: a local ``source`` that names no file.
         RuntimeError: download failed (says to pass a local path), or tiktoken's BPE files are unavailable.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
+    opts = _options(
+        tokenizer,
+        val_fraction,
+        doc_separator,
+        val_docs=val_docs,
+        text_field=text_field,
+        max_tokens=max_tokens,
+    )
     out = Path(out_dir).expanduser()
-    created: list[Path] = []
-    with _locked(out, created):
-        try:
-            return _prepare_into(out, source, tokenizer, opts, workers, shard_tokens, dtype, progress)
-        except BaseException as e:
-            _take_back(created, keep_stage=not isinstance(e, Exception))
-            raise
+    with _locked(out):
+        return _prepare_into(out, source, tokenizer, opts, workers, shard_tokens, dtype, progress)
 
 
-def _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs=None) -> Options:
+def _options(
+    tokenizer: str,
+    val_fraction: float | None = None,
+    doc_separator: str | None = None,
+    *,
+    val_docs: int | None = None,
+    text_field: str = "text",
+    max_tokens: int | None = None,
+) -> Options:
+    """``prepare``'s split and reading arguments, checked (ValueError naming the bad one)."""
     if tokenizer not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {TOKENIZERS}")
     val_fraction, val_docs = val_split(val_fraction, val_docs)
@@ -351,22 +339,23 @@ def _make_dirs(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _locked(out: Path, created: list[Path]):
+def _locked(out: Path):
     """Create ``out`` and hold an exclusive ``flock`` on the directory itself while the block runs, so
     that launches which start together (a job array, a sweep launcher) prepare a data directory once:
     the first prepares, the others wait here and then find it up to date. The kernel drops the lock when
     its process dies, so a killed prepare never blocks the next one. A directory that was removed and
     created again while we waited (a failed prepare takes back what it created) is locked afresh.
-    Where the filesystem has no ``flock`` (some network mounts) the block runs unlocked. The directories
-    this process created are appended to ``created`` (deepest first), for ``_take_back``."""
+    Where the filesystem has no ``flock`` (some network mounts) the block runs unlocked. A block that
+    fails takes back the directories this process created (``_take_back``), under the lock: a waiter
+    never starts on files about to be removed."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no flock on this platform
-        created[:] = _make_dirs(out)
-        yield
+        with _taking_back(_make_dirs(out)):
+            yield
         return
     while True:
-        created[:] = _make_dirs(out)  # what this process made (again, after a retry)
+        created = _make_dirs(out)  # what this process made (again, after a retry)
         try:
             fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except FileNotFoundError:  # taken back by a failed prepare meanwhile
@@ -388,10 +377,20 @@ def _locked(out: Path, created: list[Path]):
                     same = False
                 if not same:
                     continue  # the finally closes fd (dropping the lock on the old directory)
-            yield
+            with _taking_back(created):
+                yield
             return
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _taking_back(created: list[Path]):
+    try:
+        yield
+    except BaseException as e:  # an interrupt (Ctrl-C) keeps the stage, to resume from
+        _take_back(created, keep_stage=not isinstance(e, Exception))
+        raise
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -523,7 +522,7 @@ def _prepare_into(
         len(meta["shards"]["val"]),
         out,
     )
-    install(out, stage, meta["shards"], lambda: _write_meta(meta_path(out), meta))
+    install(out, stage, meta["shards"], lambda: write_json(meta_path(out), meta))
     return meta
 
 
@@ -588,7 +587,7 @@ def _prepare_stream(
         unit="tok",
         unit_scale=True,
         desc=f"prepare {Path(src.label).name or src.label}",
-        disable=not progress,
+        disable=None if progress else True,  # None: only on a terminal (no bar in logs, pipes)
         mininterval=1.0,
     )
     try:
@@ -684,18 +683,9 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
     return None
 
 
-def stale_reason(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    tokenizer: str = "gpt2",
-    val_fraction: float | None = None,
-    doc_separator: str | None = None,
-    *,
-    val_docs: int | None = None,
-    text_field: str = "text",
-    max_tokens: int | None = None,
-) -> str | None:
-    """Why ``out_dir`` needs (re-)preparing for these arguments, or ``None`` if it is up to date.
+def stale_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
+    """Why ``out_dir`` needs (re-)preparing for these arguments (``prepare``'s: ``split`` = val_fraction,
+    doc_separator; ``options`` = val_docs, text_field, max_tokens), or ``None`` if it is up to date.
 
     Up to date means: ``meta.json`` loads (format 1 or 2), every token file exists with the size it
     records, and tokenizer, separator, split, text field, cap and source match (``_compare``): a text
@@ -705,8 +695,10 @@ def stale_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
-    out = Path(out_dir).expanduser()
+    return _stale(source, Path(out_dir).expanduser(), tokenizer, _options(tokenizer, *split, **options))
+
+
+def _stale(source, out: Path, tokenizer: str, opts: Options) -> str | None:
     src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
     if not (out / META_NAME).is_file():
         return "not prepared yet"
@@ -725,20 +717,17 @@ def stale_reason(
 
 
 def ensure_prepared(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
+    source,
+    out_dir,
     tokenizer: str = "gpt2",
-    val_fraction: float | None = None,
-    doc_separator: str | None = None,
-    *,
-    val_docs: int | None = None,
+    *split,
     keep_other: bool = False,
-    text_field: str = "text",
-    max_tokens: int | None = None,
     workers: int | None = None,
     progress: bool = True,
+    **options,
 ) -> dict:
-    """Return ``out_dir``'s meta dict, running ``prepare`` first only if it is missing or stale.
+    """Return ``out_dir``'s meta dict, running ``prepare`` (with these arguments, as ``stale_reason``
+    takes them) first only if it is missing or stale.
 
     Staleness is decided by ``stale_reason``; the reason is logged (INFO) before re-preparing. When up to
     date nothing is re-tokenized or rewritten (file mtimes are unchanged).
@@ -752,50 +741,26 @@ def ensure_prepared(
     Raises:
         Same as ``prepare``; ValueError naming what the directory holds (``keep_other``).
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
+    opts = _options(tokenizer, *split, **options)
     out = Path(out_dir).expanduser()
-    created: list[Path] = []
-    with _locked(out, created):
-        try:  # taken back under the lock: a waiter never starts on files about to be removed
-            reason = stale_reason(source, out, tokenizer, **_kw(opts))
-            if reason is None:
-                logger.info("data in %s is up to date", out_dir)
-                return load_meta(out)
-            held = conflict_reason(source, out, tokenizer, **_kw(opts)) if keep_other else None
-            if held:
-                raise ValueError(
-                    f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
-                    "its own"
-                )
-            logger.info("preparing data in %s: %s", out_dir, reason)
-            return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
-        except BaseException as e:
-            _take_back(created, keep_stage=not isinstance(e, Exception))
-            raise
+    with _locked(out):
+        reason = _stale(source, out, tokenizer, opts)
+        if reason is None:
+            logger.info("data in %s is up to date", out_dir)
+            return load_meta(out)
+        held = _conflict(source, out, tokenizer, opts) if keep_other else None
+        if held:
+            raise ValueError(
+                f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
+                "its own"
+            )
+        logger.info("preparing data in %s: %s", out_dir, reason)
+        return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
 
 
-def _kw(opts: Options) -> dict:
-    return {
-        "val_fraction": opts.val_fraction,
-        "val_docs": opts.val_docs,
-        "doc_separator": opts.doc_separator,
-        "text_field": opts.text_field,
-        "max_tokens": opts.max_tokens,
-    }
-
-
-def conflict_reason(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    tokenizer: str = "gpt2",
-    val_fraction: float | None = None,
-    doc_separator: str | None = None,
-    *,
-    val_docs: int | None = None,
-    text_field: str = "text",
-    max_tokens: int | None = None,
-) -> str | None:
-    """What ``out_dir`` already holds that preparing these arguments there would replace, or None.
+def conflict_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
+    """What ``out_dir`` already holds that preparing these arguments (as ``stale_reason`` takes them)
+    there would replace, or None.
 
     A directory with a loadable ``meta.json`` holds data that runs read (and resume from): preparing
     another tokenizer, document separator, split, text field, cap or corpus there would swap it under
@@ -805,8 +770,10 @@ def conflict_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens, val_docs)
-    out = Path(out_dir).expanduser()
+    return _conflict(source, Path(out_dir).expanduser(), tokenizer, _options(tokenizer, *split, **options))
+
+
+def _conflict(source, out: Path, tokenizer: str, opts: Options) -> str | None:
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError):

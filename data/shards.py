@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.meta import DTYPES, META_NAME, SPLITS
+from data.meta import DTYPES, META_NAME, SPLITS, write_json
 
 STAGE_NAME = ".prepare-partial"
 STATE_NAME = "state.json"
@@ -45,15 +45,6 @@ def is_val_doc(i: int, val_fraction: float) -> bool:
     every 1/val_fraction documents, evenly spread (the 5th, 15th, 25th ... at 0.1), so a streamed
     corpus of unknown length gets val_fraction of its documents without a second pass."""
     return int((i + 1) * val_fraction + 0.5) > int(i * val_fraction + 0.5)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:
@@ -204,7 +195,7 @@ def load_state(stage: Path, key: dict) -> dict | None:
 def save_state(stage: Path, key: dict, pieces: int, doc: int, writers: dict[str, ShardWriter]) -> None:
     """Record ``pieces`` done, the index of the document the last one belongs to, and every part."""
     splits = {s: w.state() for s, w in writers.items()}
-    _write_json(stage / STATE_NAME, {"key": key, "pieces": pieces, "doc": doc, "splits": splits})
+    write_json(stage / STATE_NAME, {"key": key, "pieces": pieces, "doc": doc, "splits": splits})
     for w in writers.values():
         w.completed = False
 

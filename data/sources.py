@@ -184,10 +184,6 @@ class Source:
             rows.append([name, st.st_size, st.st_mtime_ns])
         return {"files": rows}
 
-    def total_bytes(self) -> int | None:
-        """Bytes of the files read (the progress bar's total), None for a Hugging Face dataset."""
-        return None if self.hf_name is not None else sum(p.stat().st_size for p in self.files)
-
     # ---------------------------------------------------------------------------------- documents
     def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
         """Every non-empty document of the source in a fixed order, as pieces (``text_pieces``): a record,
