@@ -270,6 +270,44 @@ def test_a_text_file_streams_with_the_tokens_and_split_of_the_whole(
         assert (meta["train_docs"], meta["val_docs"]) == ((starts < n_train).sum(), len(val_starts))
 
 
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_an_interrupted_text_file_prepare_resumes(tmp_path, gpt2_bpe, seed, monkeypatch, tokenizer):
+    """A text file streams, so a killed prepare of one continues from its last shard (pieces skipped,
+    the document count restored) and ends with the data and meta.json of an uninterrupted prepare."""
+    from data import sources
+
+    for mod, name, value in (
+        (sources, "BLOCK_BYTES", 64),
+        (sources, "PIECE_CHARS", 40),
+        (shards, "BATCH_CHARS", 100),
+    ):
+        monkeypatch.setattr(mod, name, value)
+    words = ["alpha", "beta", "\n", "\n\n", "é", "東京", "it's"]
+    (tmp_path / "c.txt").write_text(
+        " ".join(np.random.default_rng(seed).choice(words, 3000)), encoding="utf-8"
+    )
+    args = (str(tmp_path / "c.txt"), tmp_path / "out", tokenizer, 0.1, "\n\n")
+    want = prepare(str(tmp_path / "c.txt"), tmp_path / "ref", *args[2:], shard_tokens=97, workers=1)
+    real, calls = shards.ShardWriter.add, []
+
+    def dying(self, ids, start=True):
+        calls.append(1)
+        if len(calls) == 150:
+            raise KeyboardInterrupt("simulated kill")
+        return real(self, ids, start)
+
+    monkeypatch.setattr(shards.ShardWriter, "add", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(*args, shard_tokens=97, workers=1)
+    state = json.loads((tmp_path / "out" / shards.STAGE_NAME / shards.STATE_NAME).read_text())
+    assert 0 < state["doc"] < state["pieces"] < 150
+    monkeypatch.setattr(shards.ShardWriter, "add", real)
+    assert prepare(*args, shard_tokens=97, workers=1) == want
+    for split in ("train", "val"):
+        a, b = BinDataset(tmp_path / "out", split, 1), BinDataset(tmp_path / "ref", split, 1)
+        assert np.array_equal(a.tokens(), b.tokens()) and np.array_equal(a.doc_starts(), b.doc_starts())
+
+
 def test_val_docs_holds_out_the_first_documents(tmp_path, gpt2_bpe, seed):
     import tiktoken
 
