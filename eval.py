@@ -3,6 +3,7 @@
     python eval.py run=runs/<run>                          # newest checkpoint, the run's val split
     python eval.py run=runs/<run> data.split=train attention=naive batches=50
     python eval.py ckpt=runs/<run>/ckpt/step_00000300.pt dtype=float32
+    python eval.py init_from=gpt2 data.dir=data/web seq_len=1024   # released weights on GPT-2 BPE data
 
 The batches are ``BinDataset.eval_batches(batches, batch_size, seed)`` of the run's data directory: with
 the defaults (the run's eval.batches, evaluation batch size, seq_len and seed) they are the batches of the
@@ -33,6 +34,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from model.pretrained import PretrainedError, inference_record
 from trainer.infer import InferError
 from trainer.infer_config import (
     ConfigError,
@@ -53,7 +55,7 @@ def eval_main(cfg: DictConfig) -> int:
         return 2
     try:
         return _eval(cfg)
-    except InferError as e:
+    except (InferError, PretrainedError) as e:
         print(f"eval.py: error: {e}", file=sys.stderr)
         return 2
 
@@ -110,7 +112,10 @@ def _eval(cfg: DictConfig) -> int:
     split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
     dtype = resolve_dtype(str(cfg.dtype), device)
-    path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    if cfg.init_from:  # released weights, no run: nothing is written without out=
+        path, state, run_dir = Path(cfg.init_from), inference_record(cfg.init_from, cfg.run, cfg.ckpt), None
+    else:
+        path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
     rc = state.get("config") or {}
     run_eval, run_batch = rc.get("eval") or {}, rc.get("batch") or {}
     block = int(state["model_args"]["block_size"])
@@ -128,7 +133,7 @@ def _eval(cfg: DictConfig) -> int:
     # a data.dir given here is relative to this directory, the run's own to the one it started in
     data_dir = cfg.data.dir or run_data_dir(state, run_dir)
     if not data_dir:
-        raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH")
+        raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH (GPT-2 BPE data)")
     try:
         ds = BinDataset(data_dir, split, seq_len)
     except (OSError, ValueError) as e:
@@ -180,7 +185,11 @@ def _eval(cfg: DictConfig) -> int:
         f"perplexity {result['perplexity']:.3f} | {batches} x {batch_size} x {seq_len} tokens | "
         f"attention={model.attention_backend} | dtype={result['dtype']}"
     )
-    if cfg.write:
+    if cfg.write and run_dir is None and not cfg.out:  # init_from: no run directory to write into
+        print(
+            "eval.py: init_from has no run directory: printed only (out=PATH.json writes it)", file=sys.stderr
+        )
+    elif cfg.write:
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
         out = None
         try:

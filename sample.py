@@ -4,6 +4,7 @@
     python sample.py run=runs/<run> prompt="ROMEO:" temperature=0 max_new_tokens=200
     python sample.py ckpt=runs/<run>/ckpt/step_00000300.pt prompt=file:prompt.txt top_p=0.9
     TRITON_INTERPRET=1 python sample.py run=runs/<run> attention=flash max_new_tokens=20   # CPU, slow
+    python sample.py init_from=gpt2 prompt="Hello" out=gpt2.txt     # GPT-2's released weights, no run
 
 Model and tokenizer come from the checkpoint alone (model_args, weights, tokenizer with its char
 vocabulary; older checkpoints fall back to the data directory's meta.json). The prompt is prefilled into a
@@ -29,6 +30,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from model.pretrained import PretrainedError, inference_record
 from trainer.infer import InferError
 from trainer.infer_config import (
     ConfigError,
@@ -49,7 +51,7 @@ def sample_main(cfg: DictConfig) -> int:
         return 2
     try:
         return _sample(cfg)
-    except InferError as e:
+    except (InferError, PretrainedError) as e:
         print(f"sample.py: error: {e}", file=sys.stderr)
         return 2
 
@@ -94,7 +96,10 @@ def _sample(cfg: DictConfig) -> int:
             "prompt=file:nl.txt)"
         )
 
-    path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    if cfg.init_from:  # released weights, no run: nothing is written without out=
+        path, state, run_dir = Path(cfg.init_from), inference_record(cfg.init_from, cfg.run, cfg.ckpt), None
+    else:
+        path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
     try:
         # an older checkpoint's vocabulary is in its run's data dir (relative to where the run started)
         tok = tokenizer_from_checkpoint(state, run_data_dir(state, run_dir))
@@ -185,6 +190,12 @@ def _sample(cfg: DictConfig) -> int:
         "samples": samples,
         "token_ids": new,
     }
+    if run_dir is None and not cfg.out:  # init_from: no run directory to write into
+        print(
+            "sample.py: init_from has no run directory: printed only (out=PATH.txt writes them)",
+            file=sys.stderr,
+        )
+        return 0
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}"
     txt = None
     try:

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -73,6 +75,29 @@ def bin_path(data_dir: str | os.PathLike, split: str) -> Path:
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
     return Path(data_dir) / f"{split}.bin"
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through a hidden temporary file in the same directory, then ``os.replace`` it.
+
+    A killed process leaves at most a ``.tmp-*`` file, never a partial ``path``.
+    """
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """``obj`` as indented JSON into ``path``, atomically (``atomic_write``)."""
+    payload = (json.dumps(obj, indent=2) + "\n").encode("utf-8")
+    atomic_write(path, lambda f: f.write(payload))
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:

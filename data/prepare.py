@@ -1,8 +1,10 @@
-"""Prepare step: UTF-8 text corpus -> ``train.bin`` / ``val.bin`` (uint16 token ids) + ``meta.json``.
+"""Prepare step: a corpus -> token shards ``{train,val}_NNNNNN.bin`` (+ ``.idx``) and ``meta.json``.
 
-The pattern is nanoGPT's (``data/shakespeare*/prepare.py``): tokenize the whole corpus once, keep the
-first ``1 - val_fraction`` of the token stream for training and the rest for validation, and store the
-ids as raw ``uint16`` so that training memory-maps them. See ``data/meta.py`` for the file format.
+The pattern is nanoGPT's (``data/openwebtext/prepare.py``): tokenize the corpus once and store the ids
+raw (uint16, or uint32 for a larger vocabulary) so that training memory-maps them. Every source streams
+through one path (``_prepare_stream``): ``data.sources`` reads it as pieces of documents,
+``data.shards`` tokenizes them in parallel and writes resumable shards. See ``data/meta.py`` for the
+file format and ``docs/data.md`` for the sources and the val split.
 
 CLI (either form, from anywhere)::
 
@@ -22,7 +24,6 @@ import argparse
 import contextlib
 import hashlib
 import http.client
-import json
 import logging
 import math
 import os
@@ -30,10 +31,8 @@ import shutil
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `data` package from the repo root
     _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,17 +41,19 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `da
 
 import numpy as np  # noqa: E402
 
-from data.docs import GPT2_EOT, parse_separator, separator_ends, separator_ids  # noqa: E402
+from data.docs import GPT2_EOT, parse_separator, separator_ids  # noqa: E402
 from data.meta import (  # noqa: E402
     DTYPES,
     FORMAT_VERSION,
     META_NAME,
     SPLITS,
+    atomic_write,
     check_bin_file,
     load_meta,
     meta_path,
     split_shards,
     token_dtype,
+    write_json,
 )
 from data.shards import (  # noqa: E402
     ShardWriter,
@@ -61,11 +62,10 @@ from data.shards import (  # noqa: E402
     load_state,
     save_state,
     stage_dir,
-    tokenized_documents,
+    tokenized_pieces,
 )
 from data.sources import (  # noqa: E402
     Source,
-    decode_utf8,
     fingerprint_diff,
     fingerprint_sha256,
     open_source,
@@ -82,6 +82,7 @@ DEFAULT_OUT_DIRS = {"gpt2": DATA_DIR / "shakespeare", "char": DATA_DIR / "shakes
 DOWNLOAD_NAME = "input.txt"
 DOWNLOAD_TIMEOUT_S = 60.0
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB uint16 files, as llm.c's FineWeb shards
+DEFAULT_VAL_FRACTION = 0.1
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -89,11 +90,32 @@ def _is_url(source: str | os.PathLike | None) -> bool:
     return isinstance(source, str) and source.lower().startswith(("http://", "https://"))
 
 
-def _check_args(tokenizer: str, val_fraction: float) -> None:
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {TOKENIZERS}")
-    if not isinstance(val_fraction, (int, float)) or not 0.0 < float(val_fraction) < 1.0:
+def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float | None, int | None]:
+    """The val split as (val_fraction, None) or (None, val_docs): a share, or a count of whole documents;
+    neither set means ``DEFAULT_VAL_FRACTION``.
+
+    Raises:
+        ValueError: both set (naming both keys), or a value out of range.
+    """
+    if val_docs is not None:
+        if val_fraction is not None:
+            raise ValueError(
+                f"val_fraction={val_fraction} and val_docs={val_docs} both set the val split: set one "
+                "(data.val_fraction / --val-fraction for a share, data.val_docs / --val-docs for a count "
+                "of documents)"
+            )
+        if isinstance(val_docs, bool) or not isinstance(val_docs, int) or val_docs < 1:
+            raise ValueError(f"val_docs={val_docs!r} must be a positive number of documents, e.g. 100")
+        return None, val_docs
+    if val_fraction is None:
+        return DEFAULT_VAL_FRACTION, None
+    if (
+        isinstance(val_fraction, bool)
+        or not isinstance(val_fraction, (int, float))
+        or not 0 < val_fraction < 1
+    ):
         raise ValueError(f"val_fraction={val_fraction!r} must be a number strictly between 0 and 1, e.g. 0.1")
+    return float(val_fraction), None
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
@@ -103,6 +125,14 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
         while chunk := f.read(chunk_bytes):
             h.update(chunk)
     return h.hexdigest()
+
+
+def meta_split(meta: dict) -> tuple[float | None, int | None]:
+    """(val_fraction, val_docs) a prepared directory was split with: a share, or (val_fraction null) the
+    count of documents held out, which is its ``val_docs``."""
+    if "val_fraction" in meta and meta["val_fraction"] is None:
+        return None, meta.get("val_docs")
+    return meta.get("val_fraction"), None
 
 
 def split_point(num_tokens: int, val_fraction: float) -> int:
@@ -120,28 +150,6 @@ def split_point(num_tokens: int, val_fraction: float) -> int:
             "Use a bigger corpus."
         )
     return min(max(int(num_tokens * (1.0 - val_fraction)), 1), num_tokens - 1)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a hidden temporary file in the same directory, then ``os.replace`` it.
-
-    A killed process leaves at most a ``.tmp-*`` file, never a partial ``path``.
-    """
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _write_meta(path: Path, meta: dict) -> None:
-    payload = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
-    atomic_write(path, lambda f: f.write(payload))
 
 
 def _download(url: str, dest: Path) -> None:
@@ -205,19 +213,26 @@ def _resolve_source(
 class Options:
     """What a prepared directory is prepared with besides source and tokenizer (compared on reuse)."""
 
-    val_fraction: float = 0.1
+    val_fraction: float | None = DEFAULT_VAL_FRACTION  # None: val_docs
     doc_separator: str | None = None
     text_field: str = "text"
     max_tokens: int | None = None
+    val_docs: int | None = None
+
+    def is_val(self, i: int) -> bool:
+        """Document ``i`` (0-based, non-empty, in source order) is held out: the first ``val_docs``, or
+        one in every 1/val_fraction (``data.shards.is_val_doc``)."""
+        return i < self.val_docs if self.val_docs is not None else is_val_doc(i, self.val_fraction)
 
 
 def prepare(
     source: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
+    val_fraction: float | None = None,
     doc_separator: str | None = None,
     *,
+    val_docs: int | None = None,
     text_field: str = "text",
     max_tokens: int | None = None,
     workers: int | None = None,
@@ -238,7 +253,10 @@ def prepare(
             text file only: the vocabulary needs the whole text).
         val_fraction: in (0, 1). A single text file: the share of the token stream (its end, moved to
             the next document start when there are documents) kept for validation. Any other source:
-            the share of documents held out whole (``data.shards.is_val_doc``).
+            the share of documents held out whole (``data.shards.is_val_doc``). None: 0.1, or val_docs.
+        val_docs: or a count: the first that many documents are held out whole (a stream's length is
+            unknown, so a count cannot be spread); a text file needs ``doc_separator``. Not with
+            val_fraction (ValueError naming both).
         doc_separator: a single text file only: None (one document), or a string that separates
             documents in it (Tiny Shakespeare: "\n\n"). gpt2: the documents are joined with the
             end-of-text token (50256); char: the text is kept and the separator's characters mark the
@@ -270,26 +288,39 @@ def prepare(
         FileNotFoundError / IsADirectoryError: a local ``source`` that names no file.
         RuntimeError: download failed (says to pass a local path), or tiktoken's BPE files are unavailable.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(
+        tokenizer,
+        val_fraction,
+        doc_separator,
+        val_docs=val_docs,
+        text_field=text_field,
+        max_tokens=max_tokens,
+    )
     out = Path(out_dir).expanduser()
-    created: list[Path] = []
-    with _locked(out, created):
-        try:
-            return _prepare_into(out, source, tokenizer, opts, workers, shard_tokens, dtype, progress)
-        except BaseException as e:
-            _take_back(created, keep_stage=not isinstance(e, Exception))
-            raise
+    with _locked(out):
+        return _prepare_into(out, source, tokenizer, opts, workers, shard_tokens, dtype, progress)
 
 
-def _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens) -> Options:
-    _check_args(tokenizer, val_fraction)
+def _options(
+    tokenizer: str,
+    val_fraction: float | None = None,
+    doc_separator: str | None = None,
+    *,
+    val_docs: int | None = None,
+    text_field: str = "text",
+    max_tokens: int | None = None,
+) -> Options:
+    """``prepare``'s split and reading arguments, checked (ValueError naming the bad one)."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {tokenizer!r}; use one of {TOKENIZERS}")
+    val_fraction, val_docs = val_split(val_fraction, val_docs)
     if not isinstance(text_field, str) or not text_field:
         raise ValueError(f"text_field={text_field!r} must be a non-empty field name, e.g. 'text'")
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2
     ):
         raise ValueError(f"max_tokens={max_tokens!r} must be null or an integer >= 2, e.g. 1000000000")
-    return Options(float(val_fraction), parse_separator(doc_separator), text_field, max_tokens)
+    return Options(val_fraction, parse_separator(doc_separator), text_field, max_tokens, val_docs)
 
 
 def _make_dirs(path: Path) -> list[Path]:
@@ -308,22 +339,23 @@ def _make_dirs(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _locked(out: Path, created: list[Path]):
+def _locked(out: Path):
     """Create ``out`` and hold an exclusive ``flock`` on the directory itself while the block runs, so
     that launches which start together (a job array, a sweep launcher) prepare a data directory once:
     the first prepares, the others wait here and then find it up to date. The kernel drops the lock when
     its process dies, so a killed prepare never blocks the next one. A directory that was removed and
     created again while we waited (a failed prepare takes back what it created) is locked afresh.
-    Where the filesystem has no ``flock`` (some network mounts) the block runs unlocked. The directories
-    this process created are appended to ``created`` (deepest first), for ``_take_back``."""
+    Where the filesystem has no ``flock`` (some network mounts) the block runs unlocked. A block that
+    fails takes back the directories this process created (``_take_back``), under the lock: a waiter
+    never starts on files about to be removed."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - no flock on this platform
-        created[:] = _make_dirs(out)
-        yield
+        with _taking_back(_make_dirs(out)):
+            yield
         return
     while True:
-        created[:] = _make_dirs(out)  # what this process made (again, after a retry)
+        created = _make_dirs(out)  # what this process made (again, after a retry)
         try:
             fd = os.open(out, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except FileNotFoundError:  # taken back by a failed prepare meanwhile
@@ -345,10 +377,20 @@ def _locked(out: Path, created: list[Path]):
                     same = False
                 if not same:
                     continue  # the finally closes fd (dropping the lock on the old directory)
-            yield
+            with _taking_back(created):
+                yield
             return
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def _taking_back(created: list[Path]):
+    try:
+        yield
+    except BaseException as e:  # an interrupt (Ctrl-C) keeps the stage, to resume from
+        _take_back(created, keep_stage=not isinstance(e, Exception))
+        raise
 
 
 def _missing_dirs(path: Path) -> list[Path]:
@@ -440,6 +482,11 @@ def _prepare_into(
             f"doc_separator splits a single text file into documents; {src.label} is read as documents "
             "already (one per file or record, end-of-text between them): leave doc_separator unset"
         )
+    if src.kind == "text" and opts.val_docs is not None and opts.doc_separator is None:
+        raise ValueError(
+            f"val_docs={opts.val_docs} holds out whole documents, and {src.label} is one document: set "
+            "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
+        )
     sha, fp = _source_identity(src, opts)
     stage = stage_dir(out)
     stage.mkdir(exist_ok=True)
@@ -454,12 +501,9 @@ def _prepare_into(
         "max_tokens": opts.max_tokens,
         "shard_tokens": shard_tokens,
     }
+    key = {"meta": meta, "dtype": dtype, "fingerprint": fp, "doc_separator": opts.doc_separator}
     try:
-        if src.kind == "text":
-            body = _prepare_text(src, stage, tokenizer, opts, shard_tokens, dtype)
-        else:
-            key = {"meta": meta, "dtype": dtype, "fingerprint": fp}
-            body = _prepare_docs(src, stage, tokenizer, opts, shard_tokens, dtype, workers, progress, key)
+        body = _prepare_stream(src, stage, tokenizer, opts, shard_tokens, dtype, workers, progress, key)
     except Exception:
         shutil.rmtree(stage, ignore_errors=True)  # a bad source: nothing to resume
         raise
@@ -478,62 +522,25 @@ def _prepare_into(
         len(meta["shards"]["val"]),
         out,
     )
-    install(out, stage, meta["shards"], lambda: _write_meta(meta_path(out), meta))
+    install(out, stage, meta["shards"], lambda: write_json(meta_path(out), meta))
     return meta
 
 
-def _prepare_text(
-    src: Source, stage: Path, tokenizer: str, opts: Options, shard_tokens: int, dtype: str
-) -> dict:
-    """A single text file, read whole (as before shards): one document, or documents split on
-    ``doc_separator``; the val split is the stream's end, from the first document start at or after
-    ``split_point`` (a corpus of one document is cut there)."""
-    path = src.files[0]
-    text = decode_utf8(path.read_bytes(), str(path))
-    if not text:
-        raise ValueError(f"{path} is empty; pass a non-empty UTF-8 text file")
-    tok = make_tokenizer(tokenizer, text=text)
-    sep_ids = None
-    if opts.doc_separator is not None:
-        sep_ids = separator_ids(tokenizer, opts.doc_separator, tok)
-    if sep_ids is not None and tokenizer == "gpt2":
-        # each non-empty document, then one end-of-text token (it ends the document)
-        parts = []
-        for doc in text.split(opts.doc_separator):
-            if doc:
-                part = tok.encode_array(doc)
-                parts += [part, np.full(1, GPT2_EOT, dtype=part.dtype)]
-        ids = np.concatenate(parts) if parts else tok.encode_array(text)
-    else:
-        ids = tok.encode_array(text)
-    if opts.max_tokens is not None:
-        ids = ids[: opts.max_tokens]
-    n_train = split_point(len(ids), opts.val_fraction)
-    if sep_ids is not None:
-        starts = np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1  # documents after the first
-        later = starts[starts >= n_train]
-        if len(later) and later[0] < len(ids):  # whole documents held out, when there is a later one
-            n_train = int(later[0])
-        starts = np.concatenate([[0], starts])
-    else:
-        starts = np.zeros(1, np.int64)
-    dt = _dtype_for(tok.vocab_size, dtype)
-    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
-    for split, lo, hi in (("train", 0, n_train), ("val", n_train, len(ids))):
-        w = ShardWriter(stage, split, shard_tokens, dt)
-        cuts = np.unique(np.concatenate([[lo], starts[(starts > lo) & (starts < hi)], [hi]]))
-        for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-            w.add(ids[a:b])
-        body["shards"][split] = w.finish()
-        body[f"{split}_tokens"] = hi - lo
-        if sep_ids is not None:
-            body[f"{split}_docs"] = w.docs
-    if sep_ids is not None:
-        body.update(doc_separator=opts.doc_separator, doc_separator_ids=sep_ids)
-    return body
+def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
+    """The error for a split that got no document (``n_docs`` in all)."""
+    if opts.val_docs is not None:
+        return (
+            f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "
+            f"(the first {opts.val_docs} are held out): use a smaller val_docs or a larger source"
+        )
+    return (
+        f"{label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
+        f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
+        f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
+    )
 
 
-def _prepare_docs(
+def _prepare_stream(
     src: Source,
     stage: Path,
     tokenizer: str,
@@ -544,69 +551,89 @@ def _prepare_docs(
     progress: bool,
     key: dict,
 ) -> dict:
-    """A list of documents, streamed: tokenized by ``workers`` processes, each document followed by the
-    end-of-text token, every 1/val_fraction-th held out whole for validation, written into shards;
-    resumes from ``stage``'s state when it holds one for ``key``."""
+    """Every source, streamed (``Source.pieces``): tokenized by ``workers`` processes, written into
+    shards, resumed from ``stage``'s state when it holds one for ``key``.
+
+    Documents: each document of a source of documents, and of a text file split on ``doc_separator`` by
+    the GPT-2 BPE, is followed by the end-of-text token; the char tokenizer keeps the separator's
+    characters. The val split is whole documents (``Options.is_val``), except a text file split by a
+    share: its end, moved to the next document start, as when it was read whole (so the stream goes to
+    the train split first and its end is moved to the val split, ``ShardWriter.split_off``).
+    """
     from tqdm import tqdm
 
-    tok = make_tokenizer(tokenizer)
+    text = src.kind == "text"
+    sep = opts.doc_separator if text else None
+    if tokenizer == "char":  # the vocabulary is the text's characters: a first pass over the file
+        chars = "".join(sorted(src.characters()))
+        tok, spec = make_tokenizer("char", itos=list(chars)), ("char", chars)
+    else:
+        tok, spec = make_tokenizer(tokenizer), tokenizer
+    eot = not text or (sep is not None and tokenizer == "gpt2")  # end-of-text after every document
+    sep_ids = [GPT2_EOT] if eot else (separator_ids(tokenizer, sep, tok) if sep is not None else None)
+    by_doc = not text or opts.val_docs is not None  # else the stream's end (moved after it)
     dt = _dtype_for(tok.vocab_size, dtype)
     state = load_state(stage, key)
     stage.mkdir(exist_ok=True)
     splits = state["splits"] if state else {}
     writers = {s: ShardWriter(stage, s, shard_tokens, dt, splits.get(s)) for s in SPLITS}
-    done = state["docs"] if state else 0
+    done, doc = (state["pieces"], state["doc"]) if state else (0, -1)
     total = sum(w.tokens for w in writers.values())
     if state:
-        logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, done, total)
-    eot = np.full(1, GPT2_EOT, dtype=np.uint32)
+        logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, doc + 1, total)
     bar = tqdm(
         total=opts.max_tokens,
         initial=total,
         unit="tok",
         unit_scale=True,
         desc=f"prepare {Path(src.label).name or src.label}",
-        disable=not progress,
+        disable=None if progress else True,  # None: only on a terminal (no bar in logs, pipes)
         mininterval=1.0,
     )
     try:
-        i = done - 1
-        docs = tokenized_documents(src.documents(), tokenizer, workers, skip=done)
-        for i, ids in enumerate(docs, start=done):
-            ids = np.concatenate([ids, eot])
+        pieces = tokenized_pieces(src.pieces(sep, keep_separator=not eot), spec, workers, skip=done)
+        for k, (ids, start, end) in enumerate(pieces, start=done):
+            doc += start
+            if end and eot:
+                ids = np.append(ids, np.uint32(GPT2_EOT))
             if opts.max_tokens is not None:
                 ids = ids[: opts.max_tokens - total]
-            writers["val" if is_val_doc(i, opts.val_fraction) else "train"].add(ids)
+            writers["val" if by_doc and opts.is_val(doc) else "train"].add(ids, start)
             total += len(ids)
             bar.update(len(ids))
             if any(w.completed for w in writers.values()):
-                save_state(stage, key, i + 1, writers)
+                save_state(stage, key, k + 1, doc, writers)
             if opts.max_tokens is not None and total >= opts.max_tokens:
                 break
-        docs.close()  # stops the tokenizer processes (after a max_tokens break)
-        n_docs = i + 1
-        shards = {split: w.finish() for split, w in writers.items()}
+        pieces.close()  # stops the tokenizer processes (after a max_tokens break)
+        train, val = writers["train"], writers["val"]
+        train.finish()
+        if not by_doc and total:  # a text file's end, moved to the next document start when it has them
+            n_train = split_point(total, opts.val_fraction)
+            train.split_off(train.next_start(n_train) if sep_ids is not None else n_train, val)
+        val.finish()
     finally:
         bar.close()
         for w in writers.values():
             w.close()
-    if n_docs == 0:
+    if total == 0:
         raise ValueError(
-            f"{src.label} holds no non-empty document (field {opts.text_field!r} for records); pass a source "
-            "with text"
+            f"{src.label} is empty (no text besides separators); pass a non-empty UTF-8 text file"
+            if text
+            else f"{src.label} holds no non-empty document (field {opts.text_field!r} for records); pass a "
+            "source with text"
         )
     for split in SPLITS:
         if writers[split].tokens == 0:
-            raise ValueError(
-                f"{src.label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
-                f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
-                f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
-            )
-    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": shards}
-    for split in SPLITS:
-        body[f"{split}_tokens"] = writers[split].tokens
-        body[f"{split}_docs"] = writers[split].docs
-    body.update(doc_separator=None, doc_separator_ids=[GPT2_EOT])
+            raise ValueError(_empty_split(src.label, doc + 1, split, opts))
+    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **_tokenizer_meta(tok), "shards": {}}
+    for split, w in writers.items():
+        body["shards"][split] = w.shards
+        body[f"{split}_tokens"] = w.tokens
+        if sep_ids is not None:
+            body[f"{split}_docs"] = w.docs
+    if sep_ids is not None:
+        body.update(doc_separator=sep, doc_separator_ids=sep_ids)
     return body
 
 
@@ -618,9 +645,18 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
         )
     if meta.get("doc_separator") != opts.doc_separator and src.kind == "text":
         return f"data prepared with doc_separator={meta.get('doc_separator')!r}, not {opts.doc_separator!r}"
-    old_fraction = meta.get("val_fraction")
-    if old_fraction is not None and not math.isclose(float(old_fraction), opts.val_fraction, abs_tol=1e-12):
-        return f"data split with val_fraction={old_fraction}, not {opts.val_fraction}"
+    old_fraction, old_docs = meta_split(meta)
+    if old_docs != opts.val_docs or (
+        old_docs is None
+        and old_fraction is not None  # format-1 metas may lack it
+        and not math.isclose(float(old_fraction), opts.val_fraction, abs_tol=1e-12)
+    ):
+        old = f"val_docs={old_docs}" if old_docs is not None else f"val_fraction={old_fraction}"
+        new = f"val_fraction={opts.val_fraction}" if opts.val_docs is None else f"val_docs={opts.val_docs}"
+        # two shares: "val_fraction=0.1, not 0.2"
+        return (
+            f"data split with {old}, not {new.removeprefix('val_fraction=') if old[:5] == new[:5] else new}"
+        )
     if meta.get("text_field", "text") != opts.text_field and src.kind == "docs":
         return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
     if meta.get("max_tokens") != opts.max_tokens:
@@ -647,17 +683,9 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
     return None
 
 
-def stale_reason(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
-    doc_separator: str | None = None,
-    *,
-    text_field: str = "text",
-    max_tokens: int | None = None,
-) -> str | None:
-    """Why ``out_dir`` needs (re-)preparing for these arguments, or ``None`` if it is up to date.
+def stale_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
+    """Why ``out_dir`` needs (re-)preparing for these arguments (``prepare``'s: ``split`` = val_fraction,
+    doc_separator; ``options`` = val_docs, text_field, max_tokens), or ``None`` if it is up to date.
 
     Up to date means: ``meta.json`` loads (format 1 or 2), every token file exists with the size it
     records, and tokenizer, separator, split, text field, cap and source match (``_compare``): a text
@@ -667,8 +695,10 @@ def stale_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
-    out = Path(out_dir).expanduser()
+    return _stale(source, Path(out_dir).expanduser(), tokenizer, _options(tokenizer, *split, **options))
+
+
+def _stale(source, out: Path, tokenizer: str, opts: Options) -> str | None:
     src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
     if not (out / META_NAME).is_file():
         return "not prepared yet"
@@ -687,19 +717,17 @@ def stale_reason(
 
 
 def ensure_prepared(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
+    source,
+    out_dir,
     tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
-    doc_separator: str | None = None,
-    *,
+    *split,
     keep_other: bool = False,
-    text_field: str = "text",
-    max_tokens: int | None = None,
     workers: int | None = None,
     progress: bool = True,
+    **options,
 ) -> dict:
-    """Return ``out_dir``'s meta dict, running ``prepare`` first only if it is missing or stale.
+    """Return ``out_dir``'s meta dict, running ``prepare`` (with these arguments, as ``stale_reason``
+    takes them) first only if it is missing or stale.
 
     Staleness is decided by ``stale_reason``; the reason is logged (INFO) before re-preparing. When up to
     date nothing is re-tokenized or rewritten (file mtimes are unchanged).
@@ -713,48 +741,26 @@ def ensure_prepared(
     Raises:
         Same as ``prepare``; ValueError naming what the directory holds (``keep_other``).
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
+    opts = _options(tokenizer, *split, **options)
     out = Path(out_dir).expanduser()
-    created: list[Path] = []
-    with _locked(out, created):
-        try:  # taken back under the lock: a waiter never starts on files about to be removed
-            reason = stale_reason(source, out, tokenizer, **_kw(opts))
-            if reason is None:
-                logger.info("data in %s is up to date", out_dir)
-                return load_meta(out)
-            held = conflict_reason(source, out, tokenizer, **_kw(opts)) if keep_other else None
-            if held:
-                raise ValueError(
-                    f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
-                    "its own"
-                )
-            logger.info("preparing data in %s: %s", out_dir, reason)
-            return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
-        except BaseException as e:
-            _take_back(created, keep_stage=not isinstance(e, Exception))
-            raise
+    with _locked(out):
+        reason = _stale(source, out, tokenizer, opts)
+        if reason is None:
+            logger.info("data in %s is up to date", out_dir)
+            return load_meta(out)
+        held = _conflict(source, out, tokenizer, opts) if keep_other else None
+        if held:
+            raise ValueError(
+                f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
+                "its own"
+            )
+        logger.info("preparing data in %s: %s", out_dir, reason)
+        return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
 
 
-def _kw(opts: Options) -> dict:
-    return {
-        "val_fraction": opts.val_fraction,
-        "doc_separator": opts.doc_separator,
-        "text_field": opts.text_field,
-        "max_tokens": opts.max_tokens,
-    }
-
-
-def conflict_reason(
-    source: str | os.PathLike | None,
-    out_dir: str | os.PathLike,
-    tokenizer: str = "gpt2",
-    val_fraction: float = 0.1,
-    doc_separator: str | None = None,
-    *,
-    text_field: str = "text",
-    max_tokens: int | None = None,
-) -> str | None:
-    """What ``out_dir`` already holds that preparing these arguments there would replace, or None.
+def conflict_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
+    """What ``out_dir`` already holds that preparing these arguments (as ``stale_reason`` takes them)
+    there would replace, or None.
 
     A directory with a loadable ``meta.json`` holds data that runs read (and resume from): preparing
     another tokenizer, document separator, split, text field, cap or corpus there would swap it under
@@ -764,8 +770,10 @@ def conflict_reason(
     Raises:
         FileNotFoundError / IsADirectoryError: local ``source`` names no file.
     """
-    opts = _options(tokenizer, val_fraction, doc_separator, text_field, max_tokens)
-    out = Path(out_dir).expanduser()
+    return _conflict(source, Path(out_dir).expanduser(), tokenizer, _options(tokenizer, *split, **options))
+
+
+def _conflict(source, out: Path, tokenizer: str, opts: Options) -> str | None:
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError):
@@ -796,8 +804,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--val-fraction",
         type=float,
-        default=0.1,
+        default=None,
         help="share held out for val (0.1): documents of a list of documents, the end of a text file",
+    )
+    parser.add_argument(
+        "--val-docs",
+        type=int,
+        default=None,
+        help="or hold out this many whole documents (the first in source order) instead of a share",
     )
     parser.add_argument(
         "--doc-separator",
@@ -830,7 +844,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
-    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens}
+    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens, "val_docs": args.val_docs}
     try:
         held = conflict_reason(
             args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator, **kw

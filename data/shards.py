@@ -3,18 +3,20 @@
 A prepare writes into ``DIR/.prepare-partial/`` (the stage) and moves the finished shards into ``DIR``
 only at the end, so a prepare that fails or is killed never touches data already prepared there. Each
 split is appended to ``{split}.part.bin`` / ``{split}.part.idx``; a part that reaches ``shard_tokens``
-tokens is renamed to ``{split}_{k:06d}.bin`` / ``.idx``. After every document during which a shard was
-completed, ``state.json`` records how many documents are done and how long each part is: a prepare
-killed later resumes there (parts truncated to the recorded lengths, the done documents skipped
-unread by the tokenizer), so at most the tokens since the last completed shard are tokenized again.
+tokens is renamed to ``{split}_{k:06d}.bin`` / ``.idx``. After every piece of text
+(``data.sources.Piece``) during which a shard was completed, ``state.json`` records how many pieces are
+done and how long each part is: a prepare killed later resumes there (parts truncated to the recorded
+lengths, the done pieces skipped unread by the tokenizer), so at most the tokens since the last completed
+shard are tokenized again.
 
-Documents are tokenized by ``workers`` processes (spawned: safe next to torch's threads), in batches of
+Pieces are tokenized by ``workers`` processes (spawned: safe next to torch's threads), in batches of
 about ``BATCH_CHARS`` characters; the main process reads the source and writes the shards, with at most
 ``2 * workers`` batches in flight (bounded memory: a batch, not the corpus).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.meta import DTYPES, META_NAME, SPLITS
+from data.meta import DTYPES, META_NAME, SPLITS, write_json
 
 STAGE_NAME = ".prepare-partial"
 STATE_NAME = "state.json"
@@ -43,15 +45,6 @@ def is_val_doc(i: int, val_fraction: float) -> bool:
     every 1/val_fraction documents, evenly spread (the 5th, 15th, 25th ... at 0.1), so a streamed
     corpus of unknown length gets val_fraction of its documents without a second pass."""
     return int((i + 1) * val_fraction + 0.5) > int(i * val_fraction + 0.5)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class ShardWriter:
@@ -75,11 +68,13 @@ class ShardWriter:
         f.seek(length)
         return f
 
-    def add(self, ids: np.ndarray) -> None:
-        """One document's ids (its end-of-text token included); it may cross into the next shard(s)."""
-        self._idx.write(np.int64(self.part_tokens).tobytes())  # the document starts here
-        self.part_docs += 1
-        self.docs += 1
+    def add(self, ids: np.ndarray, start: bool = True) -> None:
+        """Token ids of a document (``start``) or of the rest of one; they may cross into the next
+        shard(s)."""
+        if start:
+            self._idx.write(np.int64(self.part_tokens).tobytes())  # the document starts here
+            self.part_docs += 1
+            self.docs += 1
         pos = 0
         while pos < len(ids):
             take = min(len(ids) - pos, self.shard_tokens - self.part_tokens)
@@ -134,6 +129,53 @@ class ShardWriter:
             if not f.closed:
                 f.close()
 
+    def _starts(self, shard: dict) -> np.ndarray:
+        return np.fromfile(self.stage / shard["index"], dtype="<i8")
+
+    def next_start(self, at: int) -> int:
+        """The first document start at or after token ``at`` of the finished split, or ``at`` if none
+        comes before its end."""
+        offset = 0
+        for s in self.shards:
+            if offset + s["tokens"] > at:
+                later = self._starts(s) + offset
+                later = later[later >= at]
+                if len(later):
+                    return int(later[0])
+            offset += s["tokens"]
+        return at
+
+    def split_off(self, at: int, other: ShardWriter, chunk: int = 1 << 20) -> None:
+        """Move tokens ``at:`` of this finished split to the end of ``other`` (a document starts at ``at``;
+        the later starts are kept), read ``chunk`` tokens at a time, and cut this split's shards there."""
+        offset, kept = 0, []
+        for s in self.shards:
+            n, lo = s["tokens"], at - offset  # lo: where this shard's moved part begins
+            offset += n
+            if lo >= n and lo > 0:
+                kept.append(s)
+                continue
+            starts = self._starts(s)
+            first = lo >= 0 or (len(starts) > 0 and starts[0] == 0)  # a document starts at max(lo, 0)
+            lo = max(lo, 0)
+            cuts = [lo, *starts[starts > lo].tolist(), n]  # every cut but the first is a document start
+            with open(self.stage / s["file"], "rb") as f:
+                for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+                    f.seek(a * self.dtype.itemsize)
+                    for c in range(a, b, chunk):
+                        ids = np.fromfile(f, dtype=self.dtype, count=min(chunk, b - c))
+                        other.add(ids, start=c == a and (i > 0 or first))
+            if lo:  # this shard keeps its tokens before ``at``
+                docs = int((starts < lo).sum())
+                os.truncate(self.stage / s["file"], lo * self.dtype.itemsize)
+                os.truncate(self.stage / s["index"], docs * 8)
+                kept.append({**s, "tokens": lo, "docs": docs})
+            else:
+                for name in (s["file"], s["index"]):
+                    (self.stage / name).unlink()
+        self.shards = kept
+        self.tokens, self.docs = at, sum(s["docs"] for s in kept)
+
 
 def load_state(stage: Path, key: dict) -> dict | None:
     """The stage's resumable state when it was written for ``key`` (same source and arguments), else
@@ -150,10 +192,10 @@ def load_state(stage: Path, key: dict) -> dict | None:
     return None
 
 
-def save_state(stage: Path, key: dict, docs: int, writers: dict[str, ShardWriter]) -> None:
-    _write_json(
-        stage / STATE_NAME, {"key": key, "docs": docs, "splits": {s: w.state() for s, w in writers.items()}}
-    )
+def save_state(stage: Path, key: dict, pieces: int, doc: int, writers: dict[str, ShardWriter]) -> None:
+    """Record ``pieces`` done, the index of the document the last one belongs to, and every part."""
+    splits = {s: w.state() for s, w in writers.items()}
+    write_json(stage / STATE_NAME, {"key": key, "pieces": pieces, "doc": doc, "splits": splits})
     for w in writers.values():
         w.completed = False
 
@@ -175,17 +217,12 @@ def install(out: Path, stage: Path, shards: dict[str, list[dict]], write_meta) -
 
 
 # ------------------------------------------------------------------------------- tokenization
-def _batches(texts: Iterable[str], skip: int) -> Iterator[list[str]]:
-    """Non-empty documents after the first ``skip`` ones, grouped into batches of ~BATCH_CHARS chars."""
-    batch, size, i = [], 0, 0
-    for text in texts:
-        if not text:
-            continue
-        i += 1
-        if i <= skip:
-            continue
-        batch.append(text)
-        size += len(text)
+def _batches(pieces: Iterable, skip: int) -> Iterator[list]:
+    """The pieces after the first ``skip``, grouped into batches of ~BATCH_CHARS characters."""
+    batch, size = [], 0
+    for piece in itertools.islice(pieces, skip, None):
+        batch.append(piece)
+        size += len(piece[0])
         if size >= BATCH_CHARS:
             yield batch
             batch, size = [], 0
@@ -193,33 +230,34 @@ def _batches(texts: Iterable[str], skip: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _split(result: tuple[np.ndarray, np.ndarray]) -> Iterator[np.ndarray]:
+def _split(result: tuple[np.ndarray, np.ndarray], batch: list) -> Iterator[tuple]:
     ids, lens = result
     ends = np.cumsum(lens)
-    for a, b in zip(ends - lens, ends, strict=True):
-        yield ids[a:b]
+    for a, b, (_, start, end) in zip(ends - lens, ends, batch, strict=True):
+        yield ids[a:b], start, end
 
 
-def tokenized_documents(
-    texts: Iterable[str], tokenizer: str, workers: int, skip: int = 0
-) -> Iterator[np.ndarray]:
-    """Token ids (uint32) of each non-empty document after the first ``skip``, in order, tokenized by
-    ``workers`` spawned processes (inline when ``workers <= 1``)."""
+def tokenized_pieces(pieces: Iterable, tokenizer, workers: int, skip: int = 0) -> Iterator[tuple]:
+    """(token ids as uint32, starts a document, ends one) of each piece (``data.sources.Piece``) after the
+    first ``skip``, in order, tokenized by ``workers`` spawned processes (inline when ``workers <= 1``).
+    ``tokenizer``: ``data.tokenizer.encode_documents``'s spec ("gpt2", or ("char", characters))."""
     from data.tokenizer import encode_documents
 
     if workers <= 1:
-        for batch in _batches(texts, skip):
-            yield from _split(encode_documents(tokenizer, batch))
+        for batch in _batches(pieces, skip):
+            yield from _split(encode_documents(tokenizer, [p[0] for p in batch]), batch)
         return
     pool = mp.get_context("spawn").Pool(workers)
     try:
         pending: deque = deque()
-        for batch in _batches(texts, skip):
-            pending.append(pool.apply_async(encode_documents, (tokenizer, batch)))
+        for batch in _batches(pieces, skip):
+            pending.append((pool.apply_async(encode_documents, (tokenizer, [p[0] for p in batch])), batch))
             if len(pending) >= 2 * workers:  # bounded: wait for the oldest before reading on
-                yield from _split(pending.popleft().get())
+                task, done = pending.popleft()
+                yield from _split(task.get(), done)
         while pending:
-            yield from _split(pending.popleft().get())
+            task, done = pending.popleft()
+            yield from _split(task.get(), done)
         pool.close()
     finally:
         pool.terminate()

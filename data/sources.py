@@ -1,9 +1,9 @@
-"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
+r"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
 
 A source string is one of:
 
-- a UTF-8 text file (``corpus.txt``): kind ``"text"``, read whole as today (one document, or documents
-  split on ``data.doc_separator``); its identity is the SHA-256 of its bytes;
+- a UTF-8 text file (``corpus.txt``): kind ``"text"``, one document, or documents split on
+  ``data.doc_separator``; its identity is the SHA-256 of its bytes;
 - a directory (every regular, non-hidden file under it, sorted) or a glob (``shards/*.jsonl``,
   ``books/**/*.txt``): kind ``"docs"``; a text file is one document, a ``.jsonl`` / ``.jsonl.gz`` /
   ``.json.gz`` file one document per line, a ``.parquet`` file one document per row, the document being
@@ -13,25 +13,33 @@ A source string is one of:
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split read with ``datasets`` in streaming mode
   (NAME may be a hub name or a local dataset directory); its identity is the name and config.
 
-``open_source`` returns a ``Source`` whose ``documents()`` yields the documents in a fixed order (the
-same order every time, so a prepare resumes by skipping documents) and whose errors name the source.
+``open_source`` returns a ``Source`` whose ``pieces()`` yields its text in a fixed order (the same every
+time, so a prepare resumes by skipping pieces) and whose errors name the source. Every source streams: a
+file is read in blocks of ``BLOCK_BYTES`` and a document longer than ``PIECE_CHARS`` is cut into pieces at
+a space between two words, where GPT-2's pre-tokenizer starts a new word anyway (`` ?\p{L}+``), so its
+tokens are those of the whole text; memory holds a few pieces, never a file.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 HF_PREFIX = "hf:"
 _GLOB_CHARS = "*?["
+BLOCK_BYTES = 1 << 20  # a text file is read in blocks of 1 MB
+PIECE_CHARS = 1 << 16  # a document is tokenized in pieces of about 64k characters (a token list of 16k ints)
+Piece = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 
 
 class SourceError(ValueError):
@@ -57,16 +65,97 @@ def _is_records(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
 
+def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
+    return SourceError(
+        f"{where} is not UTF-8 text: byte {e.object[e.start : e.start + 1]!r} at offset {offset} is invalid "
+        f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
+        "pass the converted file."
+    )
+
+
 def decode_utf8(raw: bytes, where: str) -> str:
     """``raw`` as UTF-8, or a ValueError naming ``where``, the bad byte and its offset."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SourceError(
-            f"{where} is not UTF-8 text: byte {raw[e.start : e.start + 1]!r} at offset {e.start} is invalid "
-            f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
-            "pass the converted file."
-        ) from e
+        raise _not_utf8(where, e, e.start) from e
+
+
+def read_blocks(path: Path) -> Iterator[str]:
+    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split); a bad
+    byte is a ValueError naming the file and its offset."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0  # bytes decoded before this block
+    with open(path, "rb") as f:
+        while True:
+            raw = f.read(BLOCK_BYTES)
+            pending = len(decoder.getstate()[0])  # the start of a character cut by the last block
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise _not_utf8(str(path), e, done - pending + e.start) from e
+            done += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
+def _cut(buf: str, lo: int, hi: int, end: int) -> int:
+    r"""Where to cut ``buf`` after ``lo``: the last space between two non-spaces before ``hi``, else the
+    first one before ``end``; 0 for none. GPT-2's pre-tokenizer starts a word there (`` ?\p{L}+`` and its
+    kin begin with the space, no pattern crosses it), so the tokens of the parts are those of the whole."""
+    end = min(end, len(buf) - 1)
+
+    def word_start(p: int) -> bool:
+        return not (buf[p - 1].isspace() or buf[p + 1].isspace())
+
+    p = buf.rfind(" ", lo + 1, min(hi, end))
+    while p > lo and not word_start(p):
+        p = buf.rfind(" ", lo + 1, p)
+    if p > lo:
+        return p
+    p = buf.find(" ", max(hi, lo + 1), end)
+    while p >= 0 and not word_start(p):
+        p = buf.find(" ", p + 1, end)
+    return max(p, 0)
+
+
+def text_pieces(blocks: Iterable[str], sep: str | None = None, keep_sep: bool = False) -> Iterator[Piece]:
+    """The documents of a stream of text ``blocks``: one, or separated by ``sep``, as pieces of about
+    ``PIECE_CHARS`` at most (cut where the tokens stay those of the whole text, ``_cut``; up to 8 pieces
+    without a word boundary are read before cutting anyway). Empty documents are skipped.
+
+    ``keep_sep`` (the char tokenizer, which keeps the separator's characters): a document ends after every
+    occurrence of ``sep``, overlapping ones too (``data.docs.separator_ends``'s rule). Otherwise the
+    separator is dropped and the documents are those of ``str.split(sep)``.
+    """
+    n = len(sep) if sep else 1
+    buf, pos, find_from, start = "", 0, 0, True  # buf[pos:] is not yielded yet
+    for block in itertools.chain(blocks, [None]):
+        if block is not None:
+            drop = min(pos, find_from) if sep else pos  # keep_sep: a separator may begin before pos
+            buf, pos, find_from = buf[drop:] + block, pos - drop, find_from - drop
+        while sep:  # every document that ends in buf
+            q = buf.find(sep, find_from)
+            if q < 0:
+                find_from = max(find_from, len(buf) - n + 1)  # an occurrence yet to come starts here
+                break
+            end = q + n if keep_sep else q
+            if end > pos or not start:  # a non-empty document, or the end of one begun
+                yield buf[pos:end], start, True
+            pos, find_from, start = q + n, q + 1 if keep_sep else q + n, True
+        if block is None:
+            if len(buf) > pos or not start:
+                yield buf[pos:], start, True
+            return
+        while len(buf) - pos > 2 * PIECE_CHARS:  # a long document: a piece (no separator starts before it)
+            limit = len(buf) - n + 1
+            c = _cut(buf, pos, pos + PIECE_CHARS, limit) or (limit if len(buf) - pos > 8 * PIECE_CHARS else 0)
+            if not c:
+                break
+            yield buf[pos:c], start, False
+            pos, start = c, False
 
 
 @dataclass
@@ -95,21 +184,28 @@ class Source:
             rows.append([name, st.st_size, st.st_mtime_ns])
         return {"files": rows}
 
-    def total_bytes(self) -> int | None:
-        """Bytes of the files read (the progress bar's total), None for a Hugging Face dataset."""
-        return None if self.hf_name is not None else sum(p.stat().st_size for p in self.files)
-
     # ---------------------------------------------------------------------------------- documents
-    def documents(self) -> Iterator[str]:
-        """Every document of the source, in a fixed order (empty ones included: the caller skips them)."""
+    def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
+        """Every non-empty document of the source in a fixed order, as pieces (``text_pieces``): a record,
+        a text file of a directory, or a single text file's documents split on ``doc_separator``."""
         if self.hf_name is not None:
-            yield from self._hf_documents()
+            for text in self._hf_documents():
+                yield from text_pieces([text])
             return
         for path in self.files:
             if _is_records(path):
-                yield from self._record_documents(path)
+                for text in self._record_documents(path):
+                    yield from text_pieces([text])
             else:
-                yield decode_utf8(path.read_bytes(), str(path))
+                yield from text_pieces(read_blocks(path), doc_separator, keep_separator)
+
+    def characters(self) -> set[str]:
+        """The distinct characters of the text files (the char tokenizer's vocabulary), read in blocks."""
+        chars: set[str] = set()
+        for path in self.files:
+            for block in read_blocks(path):
+                chars.update(block)
+        return chars
 
     def _field(self, record, where: str) -> str:
         if not isinstance(record, dict):

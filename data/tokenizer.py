@@ -196,13 +196,14 @@ def make_tokenizer(name: str, *, text: str | None = None, itos: Sequence[str] | 
 _WORKER_TOKENIZERS: dict = {}
 
 
-def encode_documents(name: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize a batch of documents (a prepare worker's task): (all ids concatenated as uint32, the
-    token count of each document as int64). ``name`` is a tokenizer without a corpus-bound vocabulary
-    ("gpt2"); the tokenizer is built once per process."""
-    tok = _WORKER_TOKENIZERS.get(name)
+def encode_documents(spec, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize a batch of texts (a prepare worker's task): (all ids concatenated as uint32, the token
+    count of each text as int64). ``spec``: "gpt2", or ("char", its characters in id order); the
+    tokenizer is built once per process."""
+    tok = _WORKER_TOKENIZERS.get(spec)
     if tok is None:
-        tok = _WORKER_TOKENIZERS[name] = make_tokenizer(name)
-    parts = [np.asarray(tok.encode(t), dtype=np.uint32) for t in texts]
+        name, chars = (spec, None) if isinstance(spec, str) else spec
+        tok = _WORKER_TOKENIZERS[spec] = make_tokenizer(name, itos=chars and list(chars))
+    parts = [np.asarray(tok.encode_array(t), dtype=np.uint32) for t in texts]
     lens = np.array([len(p) for p in parts], dtype=np.int64)
     return (np.concatenate(parts) if parts else np.zeros(0, np.uint32)), lens

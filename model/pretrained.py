@@ -120,12 +120,12 @@ def load_gpt2(init_from: str, **overrides) -> tuple[GPTConfig, dict[str, torch.T
     return config, sd
 
 
-def gpt_from_pretrained(init_from: str, **overrides):
-    """Our ``GPT`` with the weights of ``init_from`` (see ``load_gpt2``)."""
-    from .gpt import GPT
+def load_into(model, sd: dict[str, torch.Tensor], init_from: str) -> None:
+    """Load ``load_gpt2``'s state dict into our ``GPT`` built from its config (in place).
 
-    config, sd = load_gpt2(init_from, **overrides)
-    model = GPT(config)
+    Raises:
+        PretrainedError: names of the checkpoint that do not fit our layout.
+    """
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
@@ -133,4 +133,47 @@ def gpt_from_pretrained(init_from: str, **overrides):
             f"init_from={init_from}: weights do not fit GPT-2's layout (missing {missing[:4]}, unexpected "
             f"{unexpected[:4]})"
         )
+
+
+def gpt_from_pretrained(init_from: str, **overrides):
+    """Our ``GPT`` with the weights of ``init_from`` (see ``load_gpt2``)."""
+    from .gpt import GPT
+
+    config, sd = load_gpt2(init_from, **overrides)
+    model = GPT(config)
+    load_into(model, sd, init_from)
     return model
+
+
+def inference_record(init_from: str, run: str | None = None, ckpt: str | None = None) -> dict:
+    """What sample.py and eval.py read from a run's checkpoint, for released weights without a run:
+    ``model_args`` (the checkpoint's shape), the GPT-2 BPE tokenizer, step 0, no run config, and the
+    weights in our layout (``weights``, loaded by ``trainer.infer.build_model`` through ``load_into``).
+
+    Raises:
+        PretrainedError: ``run`` or ``ckpt`` set too (two models), as ``load_gpt2``, or a vocabulary smaller
+            than GPT-2's BPE (its ids would not fit).
+    """
+    import dataclasses
+
+    from data.tokenizer import GPT2_VOCAB_SIZE
+
+    if run or ckpt:
+        raise PretrainedError(
+            f"init_from={init_from} and {'run' if run else 'ckpt'}={run or ckpt} name two models; pass one "
+            "(init_from for released weights, run=/ckpt= for a run's checkpoint)"
+        )
+    config, sd = load_gpt2(init_from)
+    if config.vocab_size < GPT2_VOCAB_SIZE:
+        raise PretrainedError(
+            f"init_from={init_from} has a {config.vocab_size}-token vocabulary; sample.py and eval.py read "
+            f"text with GPT-2's BPE ({GPT2_VOCAB_SIZE} tokens): pass a GPT-2 checkpoint"
+        )
+    return {
+        "model_args": dataclasses.asdict(config),
+        "step": 0,
+        "tokenizer": {"name": "gpt2", "vocab_size": GPT2_VOCAB_SIZE},
+        "config": {},
+        "path": str(init_from),
+        "weights": sd,
+    }

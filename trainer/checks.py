@@ -283,6 +283,17 @@ def peak_flops_for(device_name: str | None) -> float:
     return PEAK_FLOPS_BF16["H100"]
 
 
+def _val_split(cfg) -> tuple[float | None, int | None]:
+    """(val_fraction, val_docs) as the prepare step reads them: one of them set, a null share is 0.1.
+    Raises ConfigError naming both keys when both are set."""
+    from data.prepare import val_split
+
+    try:
+        return val_split(cfg.data.val_fraction, cfg.data.val_docs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def check_data_source(cfg) -> None:
     """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent).
 
@@ -407,15 +418,16 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
             f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
             f"data.dir={other} (a folder of its own) or delete {cfg.data.dir} to re-prepare it"
         )
-    try:
-        same_split = abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
+    fraction, docs = _val_split(cfg)
+    try:  # a count of documents: data.prepare compares it
+        same_split = docs is not None or abs(float(meta.get("val_fraction")) - fraction) < 1e-12
     except (TypeError, ValueError):
         same_split = True  # an older meta.json without val_fraction: data.prepare decides
     if not same_split:
         raise ConfigError(
             f"data.dir={cfg.data.dir} was split with val_fraction={meta.get('val_fraction')}, but "
-            f"data.val_fraction={cfg.data.val_fraction}; "
-            f"use data.val_fraction={meta.get('val_fraction')} or {fix(f'val{cfg.data.val_fraction}')}"
+            f"data.val_fraction={fraction}; "
+            f"use data.val_fraction={meta.get('val_fraction')} or {fix(f'val{fraction}')}"
         )
     src = cfg.data.source
     if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
@@ -430,8 +442,9 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
                 src,
                 data_dir,
                 cfg.data.tokenizer,
-                float(cfg.data.val_fraction),
+                cfg.data.val_fraction,
                 cfg.data.doc_separator,
+                val_docs=cfg.data.val_docs,
                 text_field=cfg.data.text_field,
                 max_tokens=cfg.data.max_tokens,
             )
@@ -537,15 +550,17 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
     Raises:
         ConfigError from ``check_data_fits`` / ``seq_len_too_long``.
     """
-    from data.prepare import split_point
+    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point
 
+    fraction, docs = _val_split(cfg)
     data_dir = Path(str(cfg.data.dir)).expanduser()
     meta = _prepared_meta(data_dir)
     try:
         same = (
             meta is not None
             and meta.get("tokenizer") == cfg.data.tokenizer
-            and abs(float(meta.get("val_fraction")) - float(cfg.data.val_fraction)) < 1e-12
+            and meta_split(meta)[1] == docs
+            and (docs is not None or abs(float(meta.get("val_fraction")) - fraction) < 1e-12)
         )
     except (TypeError, ValueError):
         same = False
@@ -560,14 +575,13 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         size = path.stat().st_size if path is not None and path.is_file() else 0
     except OSError:
         size = 0
-    if size < 2:
+    if size < 2 or docs is not None:  # a count of documents: the prepare step names a split too small
         return
-    fraction = float(cfg.data.val_fraction)
     n_val = size - split_point(size, fraction) + 1
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
-        default = C.DataConfig.val_fraction
+        default = DEFAULT_VAL_FRACTION
         if fraction < default and cfg.seq_len < size - split_point(size, default):
             # the split is the cause: a seq_len this corpus holds fits with the usual validation share
             raise ConfigError(

@@ -77,8 +77,14 @@ class DataConfig:
     )
     dir: str = spec("data/shakespeare", "where the token shards and meta.json go (relative to the cwd)")
     tokenizer: str = spec("gpt2", "gpt2 (tiktoken BPE) | char", ("gpt2", "char"))
-    val_fraction: float = spec(
-        0.1, "share of the corpus (its end) held out for validation, in (0, 1)", OPEN_UNIT, 0.1
+    val_fraction: float | None = spec(
+        None,
+        "share held out for validation, in (0, 1): whole documents, or a text file's end; null = 0.1",
+        OPEN_UNIT,
+        0.1,
+    )
+    val_docs: int | None = spec(
+        None, "or this many whole documents held out (the first); not with data.val_fraction", POS_INT, 100
     )
     doc_separator: str | None = spec(
         None,

@@ -143,6 +143,11 @@ def build_model(
                 "attention=flash on the CPU (Triton interpreter) runs float32/float16 only; use dtype=float32"
             )
     model = GPT(config)
+    if "weights" in state:  # init_from (model.pretrained.inference_record): GPT-2's weights, no checkpoint
+        from model.pretrained import load_into
+
+        load_into(model, state["weights"], state["path"])
+        return model.to(device=device, dtype=dtype).eval()
     try:
         ckpt.load_weights(state["path"], model)  # in this process alone, whatever world size saved it
     except Exception as e:  # noqa: BLE001 - DCP's CheckpointException, shapes that do not fit

@@ -63,6 +63,9 @@ class SampleConfig:
     attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
     run: str | None = spec(None, "run directory (runs/<name>); its newest checkpoint that loads is used")
     ckpt: str | None = spec(None, "or a checkpoint file (wins over run's newest)")
+    init_from: str | None = spec(
+        None, "or released weights, no run: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir"
+    )
     prompt: str = spec("\n", "text, or file:PATH to read it from a UTF-8 file")
     num_samples: int = spec(3, "sequences, generated as one batch", POS_INT, 3)
     max_new_tokens: int = spec(500, "tokens generated per sample", NONNEG_INT, 500)
@@ -108,6 +111,9 @@ class EvalConfig:
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     run: str | None = spec(None, "run directory; its newest checkpoint that loads is used")
     ckpt: str | None = spec(None, "or a checkpoint file")
+    init_from: str | None = spec(
+        None, "or released weights, no run: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir"
+    )
     batches: int | None = spec(None, "fixed evaluation batches; null = the run's eval.batches", POS_INT, 20)
     batch_size: int | None = spec(
         None, "sequences per batch; null = the run's evaluation batch size", POS_INT, 8

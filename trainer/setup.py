@@ -70,8 +70,9 @@ def prepare_data(st: RunState) -> None:
                 effective_data_source(cfg),
                 cfg.data.dir,
                 cfg.data.tokenizer,
-                float(cfg.data.val_fraction),
+                cfg.data.val_fraction,
                 cfg.data.doc_separator,
+                val_docs=cfg.data.val_docs,
                 keep_other=True,  # data another launch prepared meanwhile is not replaced
                 text_field=cfg.data.text_field,
                 max_tokens=cfg.data.max_tokens,

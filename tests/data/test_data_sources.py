@@ -44,30 +44,37 @@ def _write_jsonl(path, docs, field="text"):
             f.write(json.dumps({"id": i, field: d}) + "\n")
 
 
-@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
-def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
-    docs = _docs(40, seed)
+def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
+    """``docs`` written as a source of ``kind``: a directory of text files, a JSONL file, a Parquet file or
+    a local Hugging Face dataset (hf:DIR)."""
     if kind == "dir":
-        src = tmp_path / "texts"
-        src.mkdir()
+        (tmp_path / "texts").mkdir()
         for i, d in enumerate(docs):
-            (src / f"{i:03d}.txt").write_text(d, encoding="utf-8")
-    elif kind == "jsonl":
-        src = tmp_path / "c.jsonl"
-        _write_jsonl(src, docs)
-    elif kind == "parquet":
+            (tmp_path / "texts" / f"{i:03d}.txt").write_text(d, encoding="utf-8")
+        return str(tmp_path / "texts")
+    if kind == "jsonl":
+        _write_jsonl(tmp_path / "c.jsonl", docs)
+        return str(tmp_path / "c.jsonl")
+    if kind == "parquet":
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
 
-        src = tmp_path / "c.parquet"
-        pq.write_table(pa.table({"id": list(range(len(docs))), "text": docs}), src, row_group_size=7)
-    else:
-        pytest.importorskip("datasets")
-        (tmp_path / "ds" / "data").mkdir(parents=True)
-        _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
-        src = f"hf:{tmp_path / 'ds'}"
+        table = pa.table({"id": list(range(len(docs))), "text": docs})
+        pq.write_table(table, tmp_path / "c.parquet", row_group_size=7)
+        return str(tmp_path / "c.parquet")
+    pytest.importorskip("datasets")
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
+    return f"hf:{tmp_path / 'ds'}"
+
+
+@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
+def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
+    docs = _docs(40, seed)
     out = tmp_path / "out"
-    meta = prepare(str(src), out, "gpt2", 0.1, shard_tokens=97, workers=1, progress=False)
+    meta = prepare(
+        _corpus(tmp_path, kind, docs), out, "gpt2", 0.1, shard_tokens=97, workers=1, progress=False
+    )
     want = _expected(docs)
     for split in ("train", "val"):
         assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {kind} {split}"
@@ -110,21 +117,21 @@ def test_interrupted_prepare_resumes_from_its_last_shard(tmp_path, gpt2_bpe, see
     real = shards.ShardWriter.add
     calls = []
 
-    def dying(self, ids):
+    def dying(self, ids, start=True):
         calls.append(1)
         if len(calls) == 50:
             raise KeyboardInterrupt("simulated kill")
-        return real(self, ids)
+        return real(self, ids, start)
 
     monkeypatch.setattr(shards.ShardWriter, "add", dying)
     with pytest.raises(KeyboardInterrupt):
         prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
     state = json.loads((out / shards.STAGE_NAME / shards.STATE_NAME).read_text())
-    assert 0 < state["docs"] < 50 and not (out / "meta.json").exists()
+    assert 0 < state["pieces"] < 50 and not (out / "meta.json").exists()  # a piece per short document
     calls.clear()
-    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, ids: (calls.append(1), real(self, ids))[1])
+    monkeypatch.setattr(shards.ShardWriter, "add", lambda self, *a: (calls.append(1), real(self, *a))[1])
     prepare(str(src), out, "gpt2", 0.1, shard_tokens=101, workers=1, progress=False)
-    assert len(calls) == 80 - state["docs"]  # the done documents were not written again
+    assert len(calls) == 80 - state["pieces"]  # the done documents were not written again
     want = _expected(docs)
     for split in ("train", "val"):
         assert np.array_equal(_stream(out, split), want[split]), f"seed={seed} {split}"
@@ -179,10 +186,12 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe):
-    """16 MB of JSONL prepared with a 6 MB cap on the growth of the peak RSS over the baseline (Python,
-    numpy and the loaded BPE): a prepare that held the corpus, or its token list (~36 bytes per token as
-    Python ints), would go far over."""
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path, gpt2_bpe, kind):
+    """16 MB of JSONL, or one 16 MB text file (a single document, so every piece of it is cut at a word
+    boundary, and its end is moved to the val split afterwards), prepared with a 6 MB cap on the growth
+    of the peak RSS over the baseline (Python, numpy and the loaded BPE): a prepare that held the corpus,
+    or its token list (~36 bytes per token as Python ints), would go far over."""
     import os
     import subprocess
     import sys
@@ -191,9 +200,15 @@ def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path,
     from bench.prepare import write_corpus
 
     size = write_corpus(tmp_path / "c.jsonl", 16)
+    src = tmp_path / f"c.{kind}"
+    if kind == "txt":
+        with open(tmp_path / "c.jsonl", encoding="utf-8") as f, open(src, "w", encoding="utf-8") as out:
+            for line in f:
+                out.write(json.loads(line)["text"] + " ")
+        (tmp_path / "c.jsonl").unlink()
     cap_kb = 6 * 1024
     res = subprocess.run(
-        [sys.executable, "-c", _MEM_CHILD, str(tmp_path / "c.jsonl"), str(tmp_path / "o")],
+        [sys.executable, "-c", _MEM_CHILD, str(src), str(tmp_path / "o")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -202,4 +217,184 @@ def test_prepare_of_a_corpus_larger_than_its_memory_cap_stays_under_it(tmp_path,
     assert res.returncode == 0, res.stderr
     base, peak = map(int, res.stdout.split()[-2:])
     assert peak - base < cap_kb < size / 1024 / 2, f"peak RSS grew {peak - base} kB preparing {size} bytes"
-    assert load_meta(tmp_path / "o")["train_tokens"] > size / 8
+    meta = load_meta(tmp_path / "o")
+    assert meta["train_tokens"] > size / 8 and meta["source_kind"] == ("text" if kind == "txt" else "docs")
+
+
+@pytest.mark.parametrize("tokenizer,sep", [("gpt2", None), ("gpt2", "\n\n"), ("char", "\n\n")])
+def test_a_text_file_streams_with_the_tokens_and_split_of_the_whole(
+    tmp_path, gpt2_bpe, seed, monkeypatch, tokenizer, sep
+):
+    """A text file read in 64-byte blocks, tokenized in pieces of ~40 characters, written into 97-token
+    shards: the tokens, the split (the end of the stream, moved to the next document start) and the
+    document starts are those of the whole text tokenized at once (the reference, written here as the
+    prepare step did before it streamed)."""
+    import tiktoken
+
+    from data import sources
+    from data.docs import separator_ends
+
+    for mod, name, value in (
+        (sources, "BLOCK_BYTES", 64),
+        (sources, "PIECE_CHARS", 40),
+        (shards, "BATCH_CHARS", 100),
+    ):
+        monkeypatch.setattr(mod, name, value)
+    rng = np.random.default_rng(seed)
+    text = " ".join(rng.choice(["alpha", "beta", "\n", "\n\n", "\n\n\n", "é", "東京", "it's", " "], 3000))
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    meta = prepare(str(tmp_path / "c.txt"), tmp_path / "o", tokenizer, 0.1, sep, shard_tokens=97, workers=1)
+    enc = tiktoken.get_encoding("gpt2")
+    if tokenizer == "char":
+        chars = sorted(set(text))
+        ids, sep_ids = np.array([chars.index(c) for c in text]), [chars.index(c) for c in sep]
+    elif sep:
+        ids, sep_ids = (
+            np.array([t for d in text.split(sep) if d for t in enc.encode_ordinary(d) + [EOT]]),
+            [EOT],
+        )
+    else:
+        ids = np.array(enc.encode_ordinary(text))
+    starts = (
+        np.concatenate([[0], np.flatnonzero(separator_ends(ids, sep_ids)[:-1]) + 1]) if sep else np.zeros(1)
+    )
+    n_train = int(len(ids) * 0.9)
+    later = starts[starts >= n_train]
+    n_train = int(later[0]) if sep and len(later) else n_train
+    assert np.array_equal(_stream(tmp_path / "o", "train"), ids[:n_train]), f"seed={seed}"
+    assert np.array_equal(_stream(tmp_path / "o", "val"), ids[n_train:]), f"seed={seed}"
+    assert len(meta["shards"]["train"]) == -(-n_train // 97)
+    if sep:  # the document index: the reference's starts, and the val split's first token
+        val_starts = np.concatenate([[0], starts[starts > n_train] - n_train])
+        assert np.array_equal(BinDataset(tmp_path / "o", "val", 1).doc_starts(), val_starts), f"seed={seed}"
+        assert np.array_equal(BinDataset(tmp_path / "o", "train", 1).doc_starts(), starts[starts < n_train])
+        assert (meta["train_docs"], meta["val_docs"]) == ((starts < n_train).sum(), len(val_starts))
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_an_interrupted_text_file_prepare_resumes(tmp_path, gpt2_bpe, seed, monkeypatch, tokenizer):
+    """A text file streams, so a killed prepare of one continues from its last shard (pieces skipped,
+    the document count restored) and ends with the data and meta.json of an uninterrupted prepare."""
+    from data import sources
+
+    for mod, name, value in (
+        (sources, "BLOCK_BYTES", 64),
+        (sources, "PIECE_CHARS", 40),
+        (shards, "BATCH_CHARS", 100),
+    ):
+        monkeypatch.setattr(mod, name, value)
+    words = ["alpha", "beta", "\n", "\n\n", "é", "東京", "it's"]
+    (tmp_path / "c.txt").write_text(
+        " ".join(np.random.default_rng(seed).choice(words, 3000)), encoding="utf-8"
+    )
+    args = (str(tmp_path / "c.txt"), tmp_path / "out", tokenizer, 0.1, "\n\n")
+    want = prepare(str(tmp_path / "c.txt"), tmp_path / "ref", *args[2:], shard_tokens=97, workers=1)
+    real, calls = shards.ShardWriter.add, []
+
+    def dying(self, ids, start=True):
+        calls.append(1)
+        if len(calls) == 150:
+            raise KeyboardInterrupt("simulated kill")
+        return real(self, ids, start)
+
+    monkeypatch.setattr(shards.ShardWriter, "add", dying)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(*args, shard_tokens=97, workers=1)
+    state = json.loads((tmp_path / "out" / shards.STAGE_NAME / shards.STATE_NAME).read_text())
+    assert 0 < state["doc"] < state["pieces"] < 150
+    monkeypatch.setattr(shards.ShardWriter, "add", real)
+    assert prepare(*args, shard_tokens=97, workers=1) == want
+    for split in ("train", "val"):
+        a, b = BinDataset(tmp_path / "out", split, 1), BinDataset(tmp_path / "ref", split, 1)
+        assert np.array_equal(a.tokens(), b.tokens()) and np.array_equal(a.doc_starts(), b.doc_starts())
+
+
+def test_val_docs_holds_out_the_first_documents(tmp_path, gpt2_bpe, seed):
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    docs = _docs(30, seed)
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, docs)
+    meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=4, workers=1, progress=False)
+    ids = [enc.encode_ordinary(d) + [EOT] for d in docs]
+    assert meta["val_docs"] == 4 and meta["val_fraction"] is None and meta["train_docs"] == 26
+    assert np.array_equal(_stream(tmp_path / "o", "val"), np.concatenate(ids[:4])), f"seed={seed}"
+    assert np.array_equal(_stream(tmp_path / "o", "train"), np.concatenate(ids[4:])), f"seed={seed}"
+    assert "val_docs=4, not val_fraction=0.1" in conflict_reason(str(src), tmp_path / "o", "gpt2")
+    assert conflict_reason(str(src), tmp_path / "o", "gpt2", val_docs=4) is None
+    # a text file of documents: the first ones too; one without documents is refused, naming the fix
+    txt = tmp_path / "c.txt"
+    txt.write_text("@@@".join(docs), encoding="utf-8")  # no document holds it
+    meta = prepare(str(txt), tmp_path / "t", "gpt2", None, "@@@", val_docs=3, workers=1, progress=False)
+    assert np.array_equal(_stream(tmp_path / "t", "val"), np.concatenate(ids[:3]))
+    assert meta["val_docs"] == 3 and meta["train_docs"] == 27
+    with pytest.raises(ValueError, match=r"val_docs=3 holds out whole documents.*doc_separator"):
+        prepare(str(txt), tmp_path / "t2", "gpt2", val_docs=3, workers=1, progress=False)
+    with pytest.raises(ValueError, match=r"none for the train split at val_docs=30"):
+        prepare(str(src), tmp_path / "t3", "gpt2", val_docs=30, workers=1, progress=False)
+    assert not (tmp_path / "t2").exists() and not (tmp_path / "t3").exists()
+
+
+def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, char_data, shakespeare_path):
+    import subprocess
+    import sys
+
+    from helpers_train import REPO, compose_cfg
+
+    from trainer.checks import ConfigError, resolve_plan
+
+    with pytest.raises(ValueError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_docs"):
+        prepare(str(shakespeare_path), tmp_path / "o", "char", 0.2, val_docs=5)
+    args = ["--source", str(shakespeare_path), "--out-dir", str(tmp_path / "o"), "--val-docs", "5"]
+    res = subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args, "--val-fraction", "0.2", "--tokenizer", "char"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1 and "--val-fraction" in res.stderr and "--val-docs" in res.stderr, res.stderr
+    assert not (tmp_path / "o").exists()
+    overrides = [f"data.dir={char_data}", "data=shakespeare_char", f"data.source={shakespeare_path}"]
+    cfg = compose_cfg([*overrides, "data.val_fraction=0.2", "data.val_docs=5", "model=tiny", "trainer=cpu"])
+    with pytest.raises(ConfigError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_fraction"):
+        resolve_plan(cfg, world_size=1, cuda_available=False)
+
+
+@pytest.mark.slow  # a train.py process each, ~11 s on 2 shared cores
+@pytest.mark.parametrize(
+    "kind,split", [("dir", []), ("jsonl", ["data.val_docs=6"]), ("parquet", []), ("hf", [])]
+)
+def test_train_py_runs_on_every_source(tmp_path, gpt2_bpe, seed, kind, split):
+    """python train.py on a corpus of each kind (GPT-2 BPE, document masking on): it prepares the data
+    (shards, documents) and trains and evaluates a few steps."""
+    from helpers_train import describe, read_jsonl, run_train
+
+    src = _corpus(tmp_path, kind, _docs(60, seed))
+    args = [
+        "experiment=cpu_tiny",
+        "data=shakespeare",
+        f"data.source={src}",
+        f"data.dir={tmp_path / 'data'}",
+        "data.workers=1",
+        *split,
+        "model=tiny",
+        "attention.document_mask=true",
+        "seq_len=32",
+        "max_steps=2",
+        "batch.tokens_per_step=256",
+        "batch.micro_tokens=256",
+        "eval.interval=2",
+        "eval.batches=1",
+        "checkpoint.interval=2",
+        "wandb.mode=disabled",
+        f"out_dir={tmp_path / 'run'}",
+    ]
+    proc = run_train(args)
+    assert proc.returncode == 0, describe(proc)
+    meta = load_meta(tmp_path / "data")
+    assert meta["source_kind"] == "docs" and meta["doc_separator_ids"] == [EOT] and meta["val_docs"] >= 6
+    assert (meta["val_fraction"] is None) == bool(split), meta
+    losses = [r["val/loss"] for r in read_jsonl(tmp_path / "run") if "val/loss" in r]
+    assert losses and all(0 < v < 20 for v in losses), f"seed={seed}: {losses}"

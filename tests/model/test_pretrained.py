@@ -7,30 +7,47 @@ Triton's CPU interpreter), and cached greedy generation equal to theirs.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
+import numpy as np
 import pytest
 import torch
+from helpers_train import REPO, describe, train_env
 
 transformers = pytest.importorskip("transformers")
 
 from model.pretrained import PretrainedError, gpt_from_pretrained, load_gpt2  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def _random_gpt2(d, **shape):
+    """A randomly initialised GPT2LMHeadModel of ``shape``, saved into ``d`` (save_pretrained)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(1234)
-    cfg = GPT2Config(
-        n_layer=2, n_head=4, n_embd=64, n_positions=32, vocab_size=97, bos_token_id=0, eos_token_id=0
-    )
-    hf = GPT2LMHeadModel(cfg).eval()
+    hf = GPT2LMHeadModel(GPT2Config(n_layer=2, bos_token_id=0, eos_token_id=0, **shape)).eval()
     with torch.no_grad():  # biases and LayerNorms away from their 0 / 1 init, so a dropped one shows
         for name, p in hf.named_parameters():
             if name.endswith("bias") or "ln_" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    d = tmp_path_factory.mktemp("hf_gpt2")
     hf.save_pretrained(d)
     return d, hf
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return _random_gpt2(
+        tmp_path_factory.mktemp("hf_gpt2"), n_head=4, n_embd=64, n_positions=32, vocab_size=97
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_bpe_dir(tmp_path_factory):
+    """GPT-2's vocabulary (50257), so sample.py / eval.py can read text with GPT-2's BPE."""
+    return _random_gpt2(
+        tmp_path_factory.mktemp("hf_gpt2_bpe"), n_head=2, n_embd=32, n_positions=64, vocab_size=50257
+    )
 
 
 def _need(backend, monkeypatch):
@@ -81,3 +98,81 @@ def test_offline_gpt2_without_cache_says_what_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(PretrainedError, match=r"(?s)openai-community/gpt2.*huggingface-cli download"):
         load_gpt2("gpt2")
+
+
+def _cli(script: str, args: list[str], cwd, **env):
+    return subprocess.run(
+        [sys.executable, str(REPO / script), *args],
+        cwd=str(cwd),
+        env=train_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_sample_init_from_greedy_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path):
+    d, hf = hf_bpe_dir
+    prompt = "The quick brown fox"
+    args = [f"init_from={d}", f"prompt={prompt}", "temperature=0", "num_samples=1", "max_new_tokens=12"]
+    proc = _cli("sample.py", [*args, "device=cpu", f"out={tmp_path}/s.txt"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    ours = json.loads((tmp_path / "s.json").read_text())["token_ids"][0]
+    ids = torch.tensor([gpt2_bpe.encode(prompt)])
+    theirs = hf.generate(ids, max_new_tokens=12, do_sample=False, use_cache=True, pad_token_id=0)
+    assert ours == theirs[0, ids.shape[1] :].tolist()
+    printed = _cli("sample.py", [*args, "device=cpu"], tmp_path)  # no run, no out=: printed only
+    assert printed.returncode == 0 and "printed only" in printed.stderr, describe(printed)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.txt"]
+
+
+def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
+    from data.loader import BinDataset
+    from data.prepare import prepare
+
+    d, hf = hf_bpe_dir
+    words = np.random.default_rng(seed).choice(
+        ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "."], 4000
+    )
+    (tmp_path / "c.txt").write_text(" ".join(words))
+    prepare(tmp_path / "c.txt", tmp_path / "data", "gpt2", workers=1, progress=False)
+    args = [
+        f"init_from={d}",
+        f"data.dir={tmp_path}/data",
+        "seq_len=32",
+        "batch_size=2",
+        "batches=3",
+        "seed=7",
+    ]
+    proc = _cli("eval.py", [*args, "device=cpu", f"out={tmp_path}/e.json"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    ours = json.loads((tmp_path / "e.json").read_text())
+    losses = []
+    with torch.no_grad():
+        for x, y in BinDataset(tmp_path / "data", "val", 32).eval_batches(3, 2, 7):
+            logits = hf(x).logits.double()
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    ref = sum(losses) / len(losses)
+    assert abs(ours["loss"] - ref) < 1e-5, f"seed={seed}: eval.py {ours['loss']} vs transformers {ref}"
+    assert ours["step"] == 0 and ours["checkpoint"] == str(d)
+
+
+@pytest.mark.parametrize(
+    "script,args,message",
+    [
+        ("sample.py", ["init_from=gpt2"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
+        ("eval.py", ["init_from=gpt2", "data.dir=x"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
+        ("sample.py", ["init_from={d}", "run=runs/x"], r"init_from=.* and run=runs/x name two models"),
+        ("sample.py", ["init_from={small}"], r"97-token vocabulary.*GPT-2's BPE"),
+        ("eval.py", ["init_from={d}"], r"pass data.dir=PATH"),
+    ],
+)
+def test_init_from_errors_exit_2(hf_dir, hf_bpe_dir, tmp_path, script, args, message):
+    """Offline without weights the error names what to fetch; nothing is written."""
+    import re
+
+    args = [a.format(d=hf_bpe_dir[0], small=hf_dir[0]) for a in args]
+    proc = _cli(script, [*args, "device=cpu"], tmp_path, HF_HUB_OFFLINE=1, HF_HOME=tmp_path / "hf")
+    assert proc.returncode == 2, describe(proc)
+    assert re.search(message, proc.stderr), describe(proc)
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["hf"])
