@@ -340,8 +340,7 @@ def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, ch
     import subprocess
     import sys
 
-    from helpers_train import REPO, compose_cfg
-
+    from tests.helpers_train import REPO, compose_cfg
     from trainer.checks import ConfigError, resolve_plan
 
     with pytest.raises(ValueError, match=r"val_fraction=0.2 and val_docs=5 both set.*data.val_docs"):
@@ -369,7 +368,7 @@ def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, ch
 def test_train_py_runs_on_every_source(tmp_path, gpt2_bpe, seed, kind, split):
     """python train.py on a corpus of each kind (GPT-2 BPE, document masking on): it prepares the data
     (shards, documents) and trains and evaluates a few steps."""
-    from helpers_train import describe, read_jsonl, run_train
+    from tests.helpers_train import describe, read_jsonl, run_train
 
     src = _corpus(tmp_path, kind, _docs(60, seed))
     args = [

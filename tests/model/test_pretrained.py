@@ -14,7 +14,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers_train import REPO, describe, train_env
+
+from tests.helpers_train import REPO, describe, train_env
 
 transformers = pytest.importorskip("transformers")
 
