@@ -115,7 +115,7 @@ class ShapeInputs:
     ref_grads: tuple | None
 
 
-def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool) -> ShapeInputs:
+def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool, softcap=None) -> ShapeInputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
     for t in (q, k, v):
@@ -125,6 +125,7 @@ def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool) -> Sh
         *(take_pairs(t, pairs) for t in (q, k, v)),
         take_pairs(do, pairs) if need_grads else None,
         chunk=max(1, min(1024, (1 << 26) // max(1, len(pairs) * n))),
+        softcap=softcap,
     )
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
 
@@ -227,7 +228,17 @@ def run_benchmark(
         log(f"[bench] N={n} d={d} B={b} H={h}")
         try:
             seed, need_grads = run["seed"] + 7919 * n + d, any(m != "fwd" for m in modes)
-            inp = make_inputs(b, h, n, d, device=device, dtype=dtype, seed=seed, need_grads=need_grads)
+            inp = make_inputs(
+                b,
+                h,
+                n,
+                d,
+                device=device,
+                dtype=dtype,
+                seed=seed,
+                need_grads=need_grads,
+                softcap=run.get("softcap"),
+            )
         except Exception as exc:
             none = dict(ms_median=None, tflops=None, peak_gib=None, peak_extra_gib=None, max_abs_err=None)
             status = common.failure(exc)
@@ -237,7 +248,7 @@ def run_benchmark(
             for p in run["providers"]:
 
                 def factory(p=p, n=n):
-                    fn = common.build_provider(p, n=n, device=device)
+                    fn = common.build_provider(p, n=n, device=device, softcap=run.get("softcap"))
                     return inject_failure(fn, inject[p]) if p in inject else fn
 
                 recs = bench_provider(p, factory, inp, modes=modes, timer=timer, tol=tol)
@@ -291,7 +302,8 @@ def markdown(meta: dict, records: Sequence[dict]) -> str:
     ns, tmodes = sorted({r["N"] for r in records}), _table_modes(records)
     m = meta.get
     lines = [
-        f"# Causal attention benchmark — {m('gpu') or m('device')} ({m('dtype')})",
+        f"# Causal attention benchmark — {m('gpu') or m('device')} ({m('dtype')})"
+        + (f", soft-capped scores c·tanh(s/c), c = {m('softcap')}" if meta.get("softcap") else ""),
         "",
         f"- date {m('date')}, torch {m('torch')}, triton {m('triton')}, CUDA {m('cuda')}",
         f"- {m('tokens')} tokens per batch (B = tokens // N), hidden {m('hidden')} (H = hidden // d); "
@@ -418,7 +430,15 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
 # ---------------------------------------------------------------------------------------- --merge
 
 INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "modes", "torch", "triton", "gpu")
-MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run")  # one table header holds them
+MERGE_MUST_MATCH = (
+    "device",
+    "gpu",
+    "dtype",
+    "tokens",
+    "hidden",
+    "dry_run",
+    "softcap",
+)  # one table header holds them
 
 
 def integers(x) -> bool:
@@ -520,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", action="store_true", help="merge into attention_<tag>.json (same cells replaced)"
     )
+    p.add_argument(
+        "--softcap",
+        type=float,
+        help="logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)",
+    )
     p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
     return p
 
@@ -541,7 +566,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.providers = a.providers or list(DRY_PROVIDERS if small else GPU_PROVIDERS)
     dtype = common.DTYPES[a.dtype or ("float32" if small else "bfloat16")]
     a.tokens, a.hidden = a.tokens or (64 if small else 16384), a.hidden or (64 if small else 2048)
-    a.modes, a.tag = [m for m in MODES if m in a.modes], a.tag or common.default_tag(device)
+    if a.softcap is not None and not a.softcap > 0:
+        p.error(f"--softcap must be a positive number, e.g. --softcap 30; got {a.softcap:g}")
+    if a.softcap and (sdpa := [q for q in a.providers if q.startswith("sdpa-")]):
+        p.error(f"--softcap: {','.join(sdpa)} cannot soft-cap (SDPA has no score modifier); drop them")
+    suffix = f"_softcap{a.softcap:g}" if a.softcap else ""  # its own file: not mixed with plain rows
+    a.modes, a.tag = [m for m in MODES if m in a.modes], a.tag or common.default_tag(device) + suffix
     inject = {}
     for spec in a.inject_failure:
         prov, _, kind = spec.partition(":")
@@ -574,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     meta |= {
         k: getattr(a, k)
-        for k in ("tag", "tokens", "hidden", "seqlens", "headdims", "providers", "modes", "seed")
+        for k in ("tag", "tokens", "hidden", "seqlens", "headdims", "providers", "modes", "seed", "softcap")
     }
     meta |= gluon_routes() | dict(timing=timer.describe(), tolerance={"o_abs": tol[0], "grad_rel": tol[1]})
     meta["flops"] = "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd"

@@ -238,23 +238,25 @@ def sdpa(backend: str | None, causal: bool = False) -> Callable:
 _FLEX: list = []
 
 
-def build_provider(name: str, *, n: int, device: torch.device) -> Callable:
+def build_provider(name: str, *, n: int, device: torch.device, softcap: float | None = None) -> Callable:
     """``fn(q, k, v) -> o`` (causal, scale 1/sqrt(d)) of provider `name`: flash = kernels.flash_attention,
     flash-det the same with deterministic=True (the split Triton backward, bitwise reproducible); naive =
     model.attention.attention(..., "naive"); sdpa-<backend> = F.scaled_dot_product_attention pinned with
-    sdpa_kernel; flex = compiled flex_attention with a causal block mask of length `n`. ValueError for an
-    unknown name."""
+    sdpa_kernel; flex = compiled flex_attention with a causal block mask of length `n`. `softcap` c: scores
+    c * tanh(s / c) (flex through a score_mod; sdpa has none: ValueError). ValueError for an unknown name."""
+    if softcap and name.startswith("sdpa-"):
+        raise ValueError(f"{name} cannot soft-cap scores (SDPA has no score modifier)")
     if name in ("flash", "flash-det"):
         import kernels
 
         kernels.check_flash_available(device)
         return lambda q, k, v: kernels.flash_attention(
-            q, k, v, causal=True, deterministic=name == "flash-det"
+            q, k, v, causal=True, deterministic=name == "flash-det", softcap=softcap
         )
     if name == "naive":
         from model.attention import attention
 
-        return lambda q, k, v: attention(q, k, v, "naive")
+        return lambda q, k, v: attention(q, k, v, "naive", softcap=softcap)
     if name.startswith("sdpa-"):
         return sdpa(name[5:], causal=True)
     if name == "flex":
@@ -266,7 +268,8 @@ def build_provider(name: str, *, n: int, device: torch.device) -> Callable:
             dynamo_config.recompile_limit = max(64, dynamo_config.recompile_limit)
             _FLEX.append(torch.compile(flex_attention, dynamic=False))
         mask = create_block_mask(lambda b, h, q, k: q >= k, B=None, H=None, Q_LEN=n, KV_LEN=n, device=device)
-        return lambda q, k, v: _FLEX[0](q, k, v, block_mask=mask)
+        cap = (lambda s, b, h, i, j: softcap * torch.tanh(s / softcap)) if softcap else None
+        return lambda q, k, v: _FLEX[0](q, k, v, block_mask=mask, score_mod=cap)
     raise ValueError(f"unknown provider {name!r}; valid: {', '.join(PROVIDERS)}")
 
 

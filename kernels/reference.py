@@ -189,8 +189,10 @@ def chunked_causal_reference(
     scale: float | None = None,
     chunk: int = 1024,
     dtype: torch.dtype = torch.float32,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """Causal self-attention and its exact backward in `dtype`, chunk by chunk of query rows (for large N).
+    ``softcap`` c: scores s become c * tanh(s / c) before the mask, and dS is multiplied by 1 - tanh^2.
 
     The memory-bounded form of `attention_reference` (same function, causal, Nq == Nk, no variants),
     used by `bench.attention` to check every provider at N up to 32k+ where an N x N mask does not fit.
@@ -219,6 +221,9 @@ def chunked_causal_reference(
         e = min(n, s + chunk)
         qc, kc, vc = qf[..., s:e, :], kf[..., :e, :], vf[..., :e, :]
         scores = (qc @ kc.transpose(-1, -2)) * scale
+        if softcap:
+            th = torch.tanh(scores / softcap)
+            scores = softcap * th
         rows = torch.arange(s, e, device=q.device)[:, None]
         scores.masked_fill_(cols[None, :e] > rows, float("-inf"))
         p = torch.softmax(scores, dim=-1)
@@ -230,6 +235,8 @@ def chunked_causal_reference(
             dv[..., :e, :] += p.transpose(-1, -2) @ doc
             dp = doc @ vc.transpose(-1, -2)
             ds = p * (dp - (doc * oc).sum(-1, keepdim=True))
+            if softcap:
+                ds = ds * (1 - th * th)  # d c tanh(s / c) / ds
             del dp
             dq[..., s:e, :] = (ds @ kc) * scale
             dk[..., :e, :] += (ds.transpose(-1, -2) @ qc) * scale

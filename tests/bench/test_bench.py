@@ -101,6 +101,25 @@ def test_attention_dry_run_flash(tmp_path):
             _check_flops(r)
 
 
+def test_attention_softcap_checks_every_provider_against_a_capped_reference(tmp_path, seed, capsys):
+    """--softcap c: the reference and flash / naive soft-cap the scores, the rows go to their own file, and
+    a provider that ignored the cap would fail the check (the capped and plain references differ by more
+    than the tolerance); sdpa, which cannot cap, is refused naming it."""
+    args = ["--dry-run", "--out", str(tmp_path), "--cpu-reps", "1", "--seqlens", "32", "--seed", str(seed)]
+    assert ba.main([*args, "--providers", "flash,naive", "--softcap", "0.5"]) == 0
+    data = json.loads((tmp_path / "attention_cpu_softcap0.5.json").read_text())
+    assert data["metadata"]["softcap"] == 0.5 and len(data["records"]) == 2 * 3
+    for r in data["records"]:
+        assert r["status"] == "ok" and r["max_abs_err"] < 1e-3, r
+    assert "c = 0.5" in (tmp_path / "attention_cpu_softcap0.5.md").read_text()
+    cpu = dict(device=torch.device("cpu"), dtype=torch.float32, seed=seed, need_grads=False)
+    capped, plain = ba.make_inputs(2, 4, 32, 16, softcap=0.5, **cpu), ba.make_inputs(2, 4, 32, 16, **cpu)
+    assert (capped.ref_o - plain.ref_o).abs().max() > 10 * ba.TOLERANCES[torch.float32][0]
+    with pytest.raises(SystemExit) as exc:
+        ba.main([*args, "--providers", "naive,sdpa-math", "--softcap", "0.5"])
+    assert exc.value.code == 2 and "sdpa-math cannot soft-cap" in capsys.readouterr().err
+
+
 def test_attention_merge_records_invocations(tmp_path):
     """Invocations with one tag and --merge: the file holds every run's rows, and its metadata and markdown
     say which seqlens were measured when; an invocation whose cells were all measured again leaves."""
@@ -160,12 +179,16 @@ def test_flops_formula():
         ba.shape_for(16384, 2048, 512, 96)
 
 
-def test_reference_attention_matches_float64_autograd(seed):
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_reference_attention_matches_float64_autograd(seed, softcap):
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (torch.randn(2, 3, 37, 8, generator=g, dtype=torch.float64) for _ in range(4))
-    o_ref, grads = ba.chunked_causal_reference(q, k, v, do, chunk=8)  # 37 rows: 4 full chunks + 1 partial
+    q = q * 3  # scores beyond the soft-cap, where tanh bends
+    # 37 rows: 4 full chunks + 1 partial
+    o_ref, grads = ba.chunked_causal_reference(q, k, v, do, chunk=8, softcap=softcap)
     qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
     s = (qq @ kk.transpose(-1, -2)) / math.sqrt(8)
+    s = softcap * torch.tanh(s / softcap) if softcap else s
     o = torch.softmax(s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf")), -1) @ vv
     o.backward(do)
     assert o_ref.dtype == torch.float32
