@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
 # The H200 runs whose results are committed under bench/results/ (index: bench/results/README.md).
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: kernels | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation | multigpu)
+#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | softcap | gqa | ablations | context)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
+# ablations and context train on $CODE (default: every .py file of the installed packages, a corpus of long
+# documents any GPU machine has), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu) ;;
-*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
+CODE=${CODE:-$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/**/*.py}
+code=(data.source="$CODE" data.dir=data/code data.max_tokens=100000000 attention.document_mask=false
+      wandb.mode=offline wandb.project=flashgpt-h200)
 
 case "$PHASE" in
 kernels)  # the kernel benchmarks: attention, decode step and generation, attention variants (bench/results/*_h200*)
@@ -127,5 +132,37 @@ multigpu)  # needs 2 GPUs (NGPU=2 by default): 1 GPU vs torchrun ddp vs torchrun
   rm -rf "$OUT/multigpu_resume_1gpu" && cp -r "$OUT/multigpu/${n}gpu_fsdp_flash" "$OUT/multigpu_resume_1gpu"
   python train.py "${m[@]}" attention=flash parallel=fsdp max_steps=210 resume=true \
     out_dir="$OUT/multigpu_resume_1gpu" || echo "MULTIGPU FAILED: fsdp resume on 1 GPU" ;;
+peer)  # ours (attention=flash) beside nanoGPT's train.py ($NANOGPT) at seq_len 1024 and 8192, BIAS=on|off (one
+  # call each: four cells of about two minutes)
+  python -m bench.peer --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" --seq-lens 1024,8192 \
+    --bias "${BIAS:-on}" --out "$OUT/peer_h200_bias_${BIAS:-on}" --runs-dir "$OUT/peer_runs" -- data.source="$SRC" ;;
+softcap)  # the kernel cost of soft-capping: flash with c = 30 against plain causal, N = 4k-16k, d = 64 and 128
+  for cap in "" 30; do
+    python -m bench.attention --providers flash,flex --seqlens 4096,8192,16384 --headdims 64,128 \
+      --out "$OUT" --tag h200_causal ${cap:+--softcap $cap}
+  done ;;
+gqa)  # training throughput with n_kv_head = 12 / 4 / 1 at seq_len 8192 (flash)
+  for kv in 12 4 1; do
+    python -m bench.throughput --backends flash --seq-lens 8192 --steps 25 --warmup 8 \
+      --out "$OUT/throughput_h200_gqa$kv" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC" model.n_kv_head=$kv
+  done ;;
+ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at seq_len 1024 from one seed, then
+  # loss curves (bench.compare against the first run) and the sweep table (bench.report)
+  a=(-m attention=flash seq_len=1024 max_steps=300 log_interval=1 eval.interval=100 eval.batches=10
+     checkpoint.interval=0 checkpoint.at_end=false "${code[@]}")
+  python train.py "${a[@]}" model.pos_emb=learned,rope model.qk_norm=false,true wandb.group=ablate_pos_qk \
+    hydra.sweep.dir="$OUT/ablate_pos_qk"
+  python train.py "${a[@]}" model.n_kv_head=12,4,1 wandb.group=ablate_kv hydra.sweep.dir="$OUT/ablate_kv"
+  for s in ablate_pos_qk ablate_kv; do
+    python -m bench.compare "$OUT/$s"/[0-9]* --window 20 --out "$OUT/$s.png" --json "$OUT/$s.json"
+    python -m bench.report "$OUT/$s" --out "$OUT/$s"
+  done ;;
+context)  # loss by context length on the code corpus: seq_len 1024 / 4096 / 16384, the same 65,536 tokens per
+  # step and 600 steps (39M tokens) from one seed, flash
+  python train.py -m attention=flash seq_len=1024,4096,16384 max_steps=600 log_interval=1 eval.interval=100 \
+    eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false wandb.group=context_code "${code[@]}" \
+    hydra.sweep.dir="$OUT/context"
+  python -m bench.compare "$OUT/context"/[0-9]* --window 20 --out "$OUT/context.png" --json "$OUT/context.json"
+  python -m bench.report "$OUT/context" --out "$OUT/context" ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
