@@ -138,7 +138,34 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
             "overrides on the command line, or fix or delete that file"
         ) from e
     assert isinstance(merged, DictConfig)
+    if changed := _data_changes(saved, merged, keys):
+        raise ConfigError(
+            f"resume=true refused: this command changes the run's data: {'; '.join(changed)}. A resume "
+            "continues on the run's own data (one loss curve, one val split): drop those overrides, or "
+            "start a new run (another out_dir) to train on other data"
+        )
     return merged, given
+
+
+#: data keys a resume may change: how many processes tokenize (the tokens are the same)
+_DATA_KEYS_FREE = ("data.workers",)
+
+
+def _data_changes(saved: dict, merged, keys: set[str]) -> list[str]:
+    """``key (run's value -> this command's)`` for each ``data.*`` key the command line set to another
+    value than the run's (paths compared where they point: the run's relative to its own cwd)."""
+    from omegaconf import OmegaConf
+
+    cwd, out = saved_cwd(saved), []
+    for key in sorted(k for k in keys if k.startswith("data.") and k not in _DATA_KEYS_FREE):
+        old, new = OmegaConf.select(OmegaConf.create(saved), key), OmegaConf.select(merged, key)
+        if key in _CWD_PATHS and isinstance(old, str) and isinstance(new, str):
+            same = Path(anchored(old, cwd)).expanduser().resolve() == Path(new).expanduser().resolve()
+        else:
+            same = old == new
+        if not same:
+            out.append(f"{key} ({old!r} -> {new!r})")
+    return out
 
 
 # ------------------------------------------------------------------------------------------ group choices

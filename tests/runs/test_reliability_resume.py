@@ -1,9 +1,10 @@
 """Resume and data-preparation faults a new user hit (real train.py / eval.py / sample.py processes, real
 run and data directories).
 
-1. resume=true onto data of another tokenizer (another char corpus of the same vocab size) is refused,
-   exit 2, naming the data keys and what differs, with the run directory byte for byte as it was; the
-   BPE's encoding name and vocabulary are compared too.
+1. resume=true onto other data (another char corpus of the same vocab size, or the same characters in
+   another order) is refused, exit 2, naming the data keys and what differs, with the run directory byte
+   for byte as it was; the tokenizers are compared by what defines the ids (the char list, the BPE's
+   encoding name and vocabulary).
 2. Launches that start together into a data directory not prepared yet: one prepares (a lock on the
    directory), the others wait and then use it.
 3. A finished run whose final checkpoint is corrupt or deleted: eval.py / sample.py say the final
@@ -91,9 +92,16 @@ def test_resume_onto_another_char_vocabulary_is_refused(tiny, tmp_path, shakespe
     assert resumed.returncode == 2, describe(resumed)
     err = resumed.stderr
     assert err.startswith("config error: resume=true refused"), describe(resumed)
-    assert f"data.source={other}" in err and "character list of 65 -> 65 characters" in err, err
+    assert "the run's data: data.dir (" in err and f"-> '{other}')" in err, err
     assert "Traceback" not in err
     assert _tree(out) == before  # checkpoints, metrics, summary, .hydra/, train.log, the lock's text
+    # the same characters in another order (another corpus, same ids): refused too, naming the key
+    lines = shakespeare_path.read_text(encoding="utf-8").splitlines(keepends=True)
+    (reversed_text := tmp_path / "reversed.txt").write_text("".join(lines[::-1]), encoding="utf-8")
+    resumed = run_train(tiny(out, resume=True, max_steps=8, data__source=reversed_text))
+    assert resumed.returncode == 2 and f"data.source (" in resumed.stderr, describe(resumed)
+    assert "data.dir" not in resumed.stderr.split("the run's data:")[1].split(". A resume")[0]
+    assert _tree(out) == before
 
     # 4. the same run: a max_steps below the steps done is refused naming max_steps, nothing changed
     short = run_train(tiny(out, resume=True, max_steps=2))
