@@ -27,6 +27,7 @@ from tests.helpers_train import (
     run_train,
     summary,
     train_command,
+    train_env,
     train_losses,
     val_losses,
 )
@@ -287,10 +288,11 @@ def test_torchrun_two_gloo_processes(tiny, tmp_path):
     out = tmp_path / "ddp"
     args = tiny(out, max_steps=4, eval__interval=2)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    rank_dirs = set(Path(tempfile.gettempdir()).glob("flashgpt-rank*"))
-    proc = run_train(args, launcher=launcher, timeout=300)
+    tmp = tmp_path / "tmp"  # the ranks' own temp dir: other tests' torchrun ranks come and go in /tmp
+    tmp.mkdir()
+    proc = run_train(args, launcher=launcher, timeout=300, env={**train_env(), "TMPDIR": str(tmp)})
     assert proc.returncode == 0, describe(proc)
-    assert set(Path(tempfile.gettempdir()).glob("flashgpt-rank*")) == rank_dirs  # rank 1's Hydra dir removed
+    assert not list(tmp.glob("flashgpt-rank*"))  # rank 1's Hydra dir removed
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".hydra")) == [".hydra"]
     s = summary(out)
     assert s["status"] == "ok" and s["world_size"] == 2 and s["grad_accum"] == 1 and s["steps"] == 4
