@@ -110,6 +110,8 @@ def _sample(cfg: DictConfig) -> int:
     except ValueError as e:
         raise InferError(f"prompt cannot be encoded by the run's {tok.name} tokenizer: {e}") from e
     model = build_model(state, cfg.attention.name, cfg.attention.sdpa_backend, device, dtype)
+    static = bool(cfg.static_decode or cfg.compile or cuda_graph)  # a CUDA graph replays the static step
+    check_generation_backend(model.config.attention, bool(cfg.use_cache), static)
     block = model.config.block_size
     if len(ids) > block:
         print(
@@ -221,6 +223,24 @@ def _sample(cfg: DictConfig) -> int:
         return 0
     print(f"samples written to {txt}")
     return 0
+
+
+def check_generation_backend(name: str, use_cache: bool, static: bool) -> None:
+    """A backend added with ``register_attention_backend`` may lack the KV cache or the static decode step:
+    say which key works instead of failing inside generation."""
+    from model.attention import BACKENDS
+
+    b = BACKENDS[name]
+    if use_cache and not b.kv_cache:
+        raise InferError(
+            f"attention={name} was registered without kv_cache=True, so it cannot generate with a KV cache; "
+            "pass use_cache=false (the whole context every token: slower), or register it with kv_cache=True"
+        )
+    if use_cache and static and b.decode is None:
+        raise InferError(
+            f"attention={name} has no static decode step (register_attention_backend(..., decode=fn)); drop "
+            "static_decode=true / compile=true"
+        )
 
 
 @hydra.main(config_path="configs", config_name="sample", version_base="1.3")

@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-from .attention import SDPA_BACKENDS, available_attention_backends, check_softcap
+from .attention import BACKENDS, SDPA_BACKENDS, available_attention_backends, check_softcap
 
 #: Model-size presets (GPT-2 sizes from the GPT-2 paper, table 2; "tiny" for CPU tests and smoke runs,
 #: "mini" for the CPU quickstart, experiment=cpu_tiny: about 0.8M parameters, readable char-level text in
@@ -141,6 +141,15 @@ class GPTConfig:
             check_softcap(self.attention, self.softcap)
         except ValueError as e:
             return str(e)
+        used = [k for k, on in (("attention.window", self.window is not None), ("attention.document_mask",
+                self.document_mask), ("model.attn_dropout", self.attn_dropout > 0)) if on]  # fmt: skip
+        backend = BACKENDS.get(self.attention)
+        if used and backend is not None and not backend.variants:
+            return (
+                f"{' and '.join(used)} need a backend registered with variants=True, and attention="
+                f"{self.attention} was registered without it (model/attention.py); use attention=naive, sdpa "
+                f"or flash, or drop {used[0]}"
+            )
         masked = self.window is not None or self.document_mask
         if self.attention == "sdpa" and self.sdpa_backend in ("flash", "cudnn") and masked:
             return (

@@ -51,6 +51,32 @@ def test_cached_attention_rejects_bad_shapes_and_backends():
         attention(q[:, :, :1], k, k, "test_no_cache", lengths=torch.tensor([3]))
 
 
+def test_a_backend_registered_without_capabilities_is_refused_naming_the_key():
+    """A backend added with register_attention_backend's defaults (no kv_cache, variants or decode step):
+    sample.py names use_cache=false or the static-decode keys, GPTConfig the variant keys, before any step
+    runs (they failed inside generation / the first training step)."""
+    import sample
+    from trainer.infer import InferError
+
+    register_attention_backend("test_plain", lambda q, k, v, s: q, overwrite=True)
+    with pytest.raises(InferError, match="registered without kv_cache=True.*pass use_cache=false"):
+        sample.check_generation_backend("test_plain", use_cache=True, static=False)
+    sample.check_generation_backend("test_plain", use_cache=False, static=True)  # uncached: no static step
+    register_attention_backend("test_cache_only", lambda q, k, v, s: q, kv_cache=True, overwrite=True)
+    sample.check_generation_backend("test_cache_only", use_cache=True, static=False)
+    with pytest.raises(InferError, match="no static decode step.*drop static_decode=true"):
+        sample.check_generation_backend("test_cache_only", use_cache=True, static=True)
+    shape = dict(block_size=16, vocab_size=61, n_layer=1, n_head=2, n_embd=32, attention="test_plain")
+    for kw, key in (
+        (dict(window=8), "attention.window"),
+        (dict(document_mask=True), "attention.document_mask"),
+        (dict(attn_dropout=0.1), "model.attn_dropout"),
+    ):
+        with pytest.raises(ValueError, match=f"{key} need a backend registered with variants=True"):
+            GPTConfig(**shape, **kw)
+    GPTConfig(**shape)  # without them it is fine
+
+
 def _model(backend: str, block_size: int = 16) -> GPT:
     cfg = GPTConfig(
         block_size=block_size, vocab_size=61, n_layer=2, n_head=2, n_embd=32, dropout=0.0, attention=backend
