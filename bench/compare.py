@@ -301,9 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         not_checked += [m for m in res["not_checked"] if m not in not_checked]
         results.append(res)
     print(table(ref, results, args.window))
-    print(
-        f"\nwrote {plot(ref, others, Path(args.out) if args.out else ref.path / 'compare.png', args.window)}"
-    )
+    png = Path(args.out) if args.out else ref.path / "compare.png"
+    try:
+        print(f"\nwrote {plot(ref, others, png, args.window)}")
+    except OSError as exc:  # a colleague's runs, a read-only mount: the table above is the result
+        print(
+            f"note: could not write {png} ({exc.strerror or exc}); the table above is the result; pass "
+            "--out PNG to write the plot elsewhere",
+            file=sys.stderr,
+        )
     if args.json:
         passed = not failures and not not_checked
         out = dict(reference=dict(label=ref.label, path=str(ref.path)), window=args.window)

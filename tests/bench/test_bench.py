@@ -423,16 +423,22 @@ def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, caps
     assert br.main([str(tmp_path / "missing")]) == 2
 
 
-def test_report_of_a_read_only_sweep_prints_it_and_exits_0(tmp_path, seed):
-    """A colleague's runs on a read-only file system: the report is printed, a note names what could not be
-    written where (and --out), exit 0, and the folder is unchanged. Root ignores permission bits, so as root
-    the folder is a read-only bind mount in a private mount namespace; as another user it has no write bit."""
+@pytest.mark.parametrize("tool", ["report", "compare"])
+def test_report_and_compare_of_read_only_runs_print_and_exit_0(tmp_path, seed, tool):
+    """A colleague's runs on a read-only file system: the report (or comparison table) is printed, a note
+    names what could not be written where (and --out), exit 0, and the folder is unchanged. Root ignores
+    permission bits, so as root the folder is a read-only bind mount in a private mount namespace; as another
+    user it has no write bit."""
     rng = np.random.default_rng(seed)
     sweep = tmp_path / "sweep"
     train = dict(enumerate(_random_walk(rng, 5).tolist(), 1))
     make_run(sweep, "0_flash_n128", "flash", 128, train=train, tps=[1e4, 2e4])
+    make_run(sweep, "1_sdpa_n128", "sdpa", 128, train=train, tps=[1e4, 2e4])
     before = sorted(p.relative_to(sweep) for p in sweep.rglob("*"))
-    cmd = [sys.executable, "-m", "bench.report", str(sweep)]
+    if tool == "report":
+        cmd = [sys.executable, "-m", "bench.report", str(sweep), "--wandb"]
+    else:
+        cmd = [sys.executable, "-m", "bench.compare", str(sweep / "0_flash_n128"), str(sweep / "1_sdpa_n128")]
     if os.geteuid() == 0:
         if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
             pytest.skip("as root a read-only folder needs a mount namespace (unshare -m), not allowed here")
@@ -441,12 +447,16 @@ def test_report_of_a_read_only_sweep_prints_it_and_exits_0(tmp_path, seed):
         for p in (sweep, *(p for p in sweep.rglob("*") if p.is_dir())):
             p.chmod(0o555)
     env = dict(os.environ, PYTHONPATH=str(REPO), WANDB_MODE="disabled")
-    proc = subprocess.run([*cmd, "--wandb"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "| 128 |" in proc.stdout and "0_flash_n128" in proc.stdout  # the report itself
-    assert "could not write report.md, report.json, report_sweep.png" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and str(sweep) in proc.stderr and "--out" in proc.stderr
-    assert "W&B logging skipped" in proc.stdout
+    if tool == "report":
+        assert "| 128 |" in proc.stdout and "0_flash_n128" in proc.stdout  # the report itself
+        assert "could not write report.md, report.json, report_sweep.png" in proc.stderr, proc.stderr
+        assert "W&B logging skipped" in proc.stdout
+    else:
+        assert "| 1 | sdpa N=128 |" in proc.stdout  # the comparison table
+        assert f"could not write {sweep / '0_flash_n128' / 'compare.png'}" in proc.stderr, proc.stderr
     assert sorted(p.relative_to(sweep) for p in sweep.rglob("*")) == before
 
 
