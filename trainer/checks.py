@@ -303,6 +303,13 @@ def check_data_source(cfg) -> None:
     from data.sources import is_document_source
 
     src = cfg.data.source
+    for key, value in (("data.source", src), ("data.dir", cfg.data.dir)):
+        if value is not None and not str(value).strip():  # else the cwd itself: a corpus, or where data go
+            null = ", or data.source=null to download Tiny Shakespeare" if key == "data.source" else ""
+            example = "/path/to/corpus.txt" if key == "data.source" else "data/mycorpus"
+            raise ConfigError(
+                f"{key}= is empty (an unset shell variable?); pass a path, e.g. {key}={example}{null}"
+            )
     glob_like = src is not None and any(c in str(src) for c in "*?[") and not Path(str(src)).exists()
     if src is not None and not str(src).startswith(("http://", "https://", "hf:")) and not glob_like:
         p = Path(str(src)).expanduser()

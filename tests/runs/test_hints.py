@@ -218,6 +218,22 @@ def test_data_hints_are_accepted(char_data, tmp_path, shakespeare_path):
     check_data_source(compose_cfg([*TINY, "data.source=null", f"data.dir={tmp_path / 'd'}"]))
 
 
+@pytest.mark.parametrize("empty", ["data.source=", "data.source=''", "data.dir=", "data.dir=' '"])
+def test_empty_data_paths_are_refused_naming_the_key(shakespeare_path, tmp_path, empty):
+    """An empty data.source / data.dir (an unset shell variable) would make the working directory the corpus
+    or the place prepared data go: refused naming the key; the suggested value is accepted."""
+    key = empty.split("=")[0]
+    base = [*TINY, f"data.source={shakespeare_path}", f"data.dir={tmp_path / 'd'}"]
+    with pytest.raises(ConfigError) as e:
+        check_data_source(compose_cfg([*base, empty]))
+    assert f"{key}= is empty" in str(e.value)
+    fixes = hints(str(e.value), key, "")
+    assert fixes == (["/path/to/corpus.txt", "null"] if key == "data.source" else ["data/mycorpus"]), fixes
+    # data.source=null works as typed (a download, not attempted here); the data.dir example too
+    check_data_source(compose_cfg([*base, "data.source=null"]))
+    check_data_source(compose_cfg([*base, f"data.dir={tmp_path / fixes[-1]}"]))
+
+
 def test_seq_len_hint_fits_the_corpus_and_the_batch(tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("To be, or not to be, that is the question.\n" * 40)
