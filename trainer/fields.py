@@ -128,6 +128,11 @@ def unknown_key(key: str, schema: type) -> str:
     close = difflib.get_close_matches(name, names, n=1, cutoff=SUGGEST_CUTOFF)
     full = [f"{parent}.{n}" if parent else n for n in names]
     hint = f"did you mean {full[names.index(close[0])]}? " if close else ""
+    if not close and not parent:  # a group's key given without its group (lr for optim.lr)
+        nested = [
+            f"{g.name}.{name}" for g in fields(schema) if (t := dataclass_type(g)) and _field_of(name, t)
+        ]
+        hint = f"did you mean {' or '.join(nested)}? " if nested else ""
     where = f"under {parent}" if parent else "at the top level"
     return f"{key} is not a config key; {hint}valid keys {where}: {', '.join(full)}"
 

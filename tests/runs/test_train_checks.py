@@ -430,6 +430,8 @@ def test_typed_config_errors_name_the_full_key(expect_error, key, value, expecte
         ("max_step", "max_steps"),
         ("evl", "eval"),
         ("model.n_heads", "model.n_head"),
+        ("lr", "optim.lr"),  # a group's key without its group
+        ("n_layer", "model.n_layer"),
     ],
 )
 def test_unknown_key_suggests_only_a_close_match(key, hint):
@@ -441,6 +443,8 @@ def test_unknown_key_suggests_only_a_close_match(key, hint):
         assert "did you mean" not in msg and msg.startswith(f"{key} is not a config key; valid keys"), msg
     else:
         assert f"did you mean {hint}? " in msg, msg
+        if hint != "eval":  # a group, not a value
+            compose_cfg([f"{hint}=3"])  # the suggestion is a key that composes
 
 
 @pytest.mark.slow  # real train.py processes
