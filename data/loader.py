@@ -120,7 +120,7 @@ class BinDataset:
                 f"the {split} split of {self.data_dir} has {self.num_tokens} tokens, but seq_len={seq_len} "
                 f"needs at least {seq_len + 1} (a window of seq_len + 1 tokens: inputs + shifted targets). "
                 f"Use a smaller seq_len (at most {max(self.num_tokens - 1, 0)} here), a bigger corpus, or "
-                f"a {fraction} val_fraction."
+                f"a {fraction} data.val_fraction."
             )
         self._data = self._open()
         if check_ids:
