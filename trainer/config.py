@@ -277,8 +277,12 @@ class TrainConfig:
     parity: ParityConfig = field(default_factory=ParityConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-    run_name: str = spec("run", "run folder name (configs/config.yaml: time, backend, seq_len, token)")
-    out_dir: str = spec("runs/run", "run directory (= Hydra's run dir); resume=true: the run to continue")
+    run_name: str = spec(
+        "run", "run folder name (train.py: <time>_<backend>_n<seq_len>_<token>, configs/config.yaml)"
+    )
+    out_dir: str = spec(
+        "runs/run", "run directory (= Hydra's run dir; train.py: runs/<time>_<backend>_n<seq_len>_<token>)"
+    )
 
 
 def typed(cfg) -> TrainConfig:
