@@ -123,12 +123,12 @@ def _free_sibling(sweep: Path) -> Path:
 
 
 def _quiet_non_main_ranks() -> None:
-    """Under torchrun, only rank 0 owns the run directory: other ranks get a throwaway Hydra dir and write
-    no ``.hydra/`` (their out_dir is rank 0's, broadcast in ``trainer.loop.run``)."""
+    """Under torchrun, only rank 0 owns the run directory: other ranks get a throwaway Hydra dir and log
+    nothing (their out_dir is rank 0's, broadcast in ``trainer.loop.run``)."""
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0 or any(a in ("-m", "--multirun") for a in sys.argv[1:]):
         return
-    extra = ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    extra = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     if not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
         extra.append(f"hydra.run.dir={tempfile.gettempdir()}/{_RANK_DIR_PREFIX}{rank}-{os.getpid()}")
     sys.argv.extend(extra)
@@ -165,14 +165,14 @@ def main_reporting_config_errors() -> int:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds it; one line says it
             print(f"config error: {err}", file=sys.stderr, flush=True)
         if not _SWEEP_JOBS:  # a -m command refused before its first job: no sweep folder left behind
-            from trainer.rundir import discard_refused_sweep
+            from trainer.rundir import put_back_sweep
 
-            discard_refused_sweep()
+            put_back_sweep()
         return 2
     if _SWEEP_JOBS and all(status == REFUSED for _, status, _ in _SWEEP_JOBS):
-        from trainer.rundir import restore_multirun_yaml
+        from trainer.rundir import put_back_sweep
 
-        restore_multirun_yaml()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
+        put_back_sweep()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
 
 

@@ -166,6 +166,17 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     )
 
 
+def _micro_batch(b, seq_len: int, world_size: int) -> int | None:
+    """Sequences per micro-batch of one rank from the batch keys ``b``: micro_batch_size, else the
+    micro_tokens budget (never more than one rank's share of the step, at least one sequence); None when
+    neither gives one (both null, or micro_tokens above seq_len and not a multiple of it)."""
+    if b.micro_batch_size is not None:
+        return int(b.micro_batch_size)
+    if b.micro_tokens is None or (b.micro_tokens > seq_len and b.micro_tokens % seq_len):
+        return None
+    return max(1, min(b.micro_tokens, max(1, b.tokens_per_step // world_size)) // seq_len)
+
+
 def split_batch(cfg, world_size: int) -> tuple[int, int]:
     """(micro_batch_size, grad_accum) of one rank for ``world_size`` ranks.
 
@@ -178,69 +189,69 @@ def split_batch(cfg, world_size: int) -> tuple[int, int]:
     """
     b, seq_len = cfg.batch, cfg.seq_len
     tokens_per_step = b.tokens_per_step
-    if b.micro_batch_size is not None:
-        micro_batch_size = b.micro_batch_size
-    elif b.micro_tokens is not None:
-        if b.micro_tokens > seq_len and b.micro_tokens % seq_len:
-            raise ConfigError(
-                f"batch.micro_tokens={b.micro_tokens} must be a multiple of seq_len={seq_len}, or at "
-                f"most seq_len (one sequence per micro-batch); use "
-                f"{_whole_micro_tokens(cfg, world_size)}"
-            )
-        budget = min(b.micro_tokens, max(1, tokens_per_step // world_size))
-        micro_batch_size = max(1, budget // seq_len)
-    else:
+    micro_batch_size = _micro_batch(b, seq_len, world_size)
+    if micro_batch_size is None and b.micro_tokens is None:
         raise ConfigError(
             "batch.micro_batch_size=null needs batch.micro_tokens; set batch.micro_tokens=32768 "
             "(tokens per micro-batch) or batch.micro_batch_size=8 (sequences)"
         )
-    per_micro = micro_batch_size * seq_len * world_size
-    if tokens_per_step % per_micro:
-        per_seq = seq_len * world_size
-        fits = [m for m in range(micro_batch_size - 1, 0, -1) if tokens_per_step % (m * per_seq) == 0]
-        if not fits and per_micro > tokens_per_step:
-            smaller = "a shorter seq_len"  # one sequence per rank is already more than the step
-        elif not fits:
-            smaller = "a smaller batch.micro_batch_size"
-        elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
-            smaller = f"batch.micro_tokens={fits[0] * seq_len}"
-        else:
-            smaller = f"batch.micro_batch_size={fits[0]}"
-        if b.micro_batch_size is None:  # token budget: the micro-batch follows tokens_per_step
-
-            def splits(t: int) -> bool:
-                m = max(1, min(b.micro_tokens, max(1, t // world_size)) // seq_len)
-                return t % (m * per_seq) == 0
-
-            near = [t for t in _multiples_around(tokens_per_step, per_seq) if splits(t)][:2]
-            capped = " (capped at one rank's share of the step)" if b.micro_tokens > budget else ""
-            raise ConfigError(
-                f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
-                f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
-                f"sequence{'' if micro_batch_size == 1 else 's'} of seq_len={seq_len} per micro-batch "
-                f"x world_size({world_size}) = "
-                f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near)))}"
-                + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
-            )
+    if micro_batch_size is None:
         raise ConfigError(
-            f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
-            f"micro_batch_size({micro_batch_size}) "
-            f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
-            f"{_multiples_near(tokens_per_step, per_micro)}, or {smaller}"
+            f"batch.micro_tokens={b.micro_tokens} must be a multiple of seq_len={seq_len}, or at "
+            f"most seq_len (one sequence per micro-batch); use {_whole_micro_tokens(cfg, world_size)}"
         )
-    return micro_batch_size, tokens_per_step // per_micro
+    per_micro = micro_batch_size * seq_len * world_size
+    if tokens_per_step % per_micro == 0:
+        return micro_batch_size, tokens_per_step // per_micro
+    fits = _valid(cfg, world_size, "micro_batch_size", range(micro_batch_size - 1, 0, -1))
+    if not fits and per_micro > tokens_per_step:
+        smaller = "a shorter seq_len"  # one sequence per rank is already more than the step
+    elif not fits:
+        smaller = "a smaller batch.micro_batch_size"
+    elif b.micro_batch_size is None:  # the micro-batch came from batch.micro_tokens
+        smaller = f"batch.micro_tokens={fits[0] * seq_len}"
+    else:
+        smaller = f"batch.micro_batch_size={fits[0]}"
+    if b.micro_batch_size is None:  # token budget: the micro-batch follows tokens_per_step
+        near = _valid(
+            cfg, world_size, "tokens_per_step", _multiples_around(tokens_per_step, seq_len * world_size)
+        )
+        capped = (
+            " (capped at one rank's share of the step)"
+            if b.micro_tokens > tokens_per_step // world_size
+            else ""
+        )
+        raise ConfigError(
+            f"batch.tokens_per_step={tokens_per_step} does not split into micro-batches of whole "
+            f"sequences: batch.micro_tokens={b.micro_tokens}{capped} gives {micro_batch_size} "
+            f"sequence{'' if micro_batch_size == 1 else 's'} of seq_len={seq_len} per micro-batch "
+            f"x world_size({world_size}) = "
+            f"{per_micro} tokens; use batch.tokens_per_step={' or '.join(map(str, sorted(near[:2])))}"
+            + (f", or {smaller}" if smaller.startswith("batch.micro_tokens=") else "")
+        )
+    lo = tokens_per_step // per_micro * per_micro
+    near = [n for n in (lo, lo + per_micro) if n > 0]
+    raise ConfigError(
+        f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
+        f"micro_batch_size({micro_batch_size}) "
+        f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
+        f"{' or '.join(map(str, near))}, or {smaller}"
+    )
 
 
-def _splits(cfg, world_size: int, seq_len: int | None = None, **batch) -> bool:
-    """Whether ``split_batch`` accepts cfg's batch keys with ``seq_len`` and ``batch`` changed."""
-    b = cfg.batch
+def _valid(cfg, world_size: int, key: str, values, **changed) -> list[int]:
+    """The one nearest-valid-value search behind the batch and seq_len suggestions: the ``values`` of
+    ``key`` (seq_len or a batch.* key), in their order, with which cfg's batch splits into whole
+    micro-batches (``split_batch``; with ``changed`` keys changed too), so each suggestion runs as typed."""
     keys = ("tokens_per_step", "micro_tokens", "micro_batch_size")
-    changed = SimpleNamespace(**{k: batch.get(k, getattr(b, k)) for k in keys})
-    try:
-        split_batch(SimpleNamespace(batch=changed, seq_len=seq_len or cfg.seq_len), world_size)
-    except ConfigError:
-        return False
-    return True
+    out = []
+    for v in values:
+        c = SimpleNamespace(**{"seq_len": cfg.seq_len, **{k: getattr(cfg.batch, k) for k in keys}, **changed})
+        setattr(c, key, v)
+        micro = _micro_batch(c, c.seq_len, world_size)
+        if micro is not None and c.tokens_per_step % (micro * c.seq_len * world_size) == 0:
+            out.append(v)
+    return out
 
 
 def _whole_micro_tokens(cfg, world_size: int) -> str:
@@ -250,13 +261,10 @@ def _whole_micro_tokens(cfg, world_size: int) -> str:
     b, seq_len = cfg.batch, cfg.seq_len
     micro = max(seq_len, (b.micro_tokens // seq_len) * seq_len)
     fix = f"batch.micro_tokens={micro}"
-    if _splits(cfg, world_size, micro_tokens=micro):
+    near = [b.tokens_per_step, *_multiples_around(b.tokens_per_step, seq_len * world_size)]
+    near = _valid(cfg, world_size, "tokens_per_step", near, micro_tokens=micro)
+    if near and near[0] == b.tokens_per_step:
         return fix
-    near = [
-        t
-        for t in _multiples_around(b.tokens_per_step, seq_len * world_size)
-        if _splits(cfg, world_size, micro_tokens=micro, tokens_per_step=t)
-    ]
     return (
         f"{fix} batch.tokens_per_step={near[0]}" if near else f"{fix} and a batch.tokens_per_step it divides"
     )
@@ -267,12 +275,6 @@ def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
     lo = (n // unit) * unit
     cands = {lo - k * unit for k in range(count)} | {lo + (k + 1) * unit for k in range(count)}
     return sorted((c for c in cands if c > 0), key=lambda c: (abs(c - n), c))
-
-
-def _multiples_near(n: int, unit: int) -> str:
-    lo = (n // unit) * unit
-    hi = lo + unit
-    return f"{lo}" if lo == n else (f"{lo} or {hi}" if lo > 0 else f"{hi}")
 
 
 def peak_flops_for(device_name: str | None) -> float:
@@ -518,34 +520,21 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     corpus = "a larger corpus (data.source=PATH with a data.dir of its own)"
     if largest < 1:
         return f"{head}; use {corpus}"
-    world = world_size
     best = 1 << (largest.bit_length() - 1)  # a power of two divides the usual batch sizes
-    fitting = next((n for n in (best >> i for i in range(best.bit_length())) if _splits(cfg, world, n)), None)
+    fitting = (_valid(cfg, world_size, "seq_len", [best >> i for i in range(best.bit_length())]) or [None])[0]
     if fitting == best:
         upto = "" if about else f" (or any value up to {largest})"
         return f"{head}; use seq_len={best}{upto}, or {corpus}"
-    tokens = _step_tokens_for(cfg, best, world)
-    longer = f"seq_len={best} batch.tokens_per_step={tokens}"
+    # the longer one with the smallest batch.tokens_per_step from the current one up that it splits into
+    unit = best * world_size
+    first = -(-int(cfg.batch.tokens_per_step) // unit) * unit
+    tokens = _valid(cfg, world_size, "tokens_per_step", range(first, first + 512 * unit, unit), seq_len=best)[
+        :1
+    ]
+    longer = f"seq_len={best} " + (f"batch.tokens_per_step={tokens[0]}" if tokens else "and a batch it fits")
     if fitting is None:
         return f"{head}; use {longer}, or {corpus}"
     return f"{head}; use seq_len={fitting} (fits the current batch), or {longer}, or {corpus}"
-
-
-def _step_tokens_for(cfg, seq_len: int, world: int) -> int:
-    """The smallest multiple of batch.tokens_per_step's unit at ``seq_len`` that is at least the current
-    batch.tokens_per_step: micro-batch x seq_len x world_size (the micro-batch from cfg's batch keys)."""
-    b = cfg.batch
-    if b.micro_batch_size is not None:
-        micro = int(b.micro_batch_size)
-    else:
-        micro = max(1, int(b.micro_tokens or seq_len) // seq_len)
-    unit = micro * seq_len * world
-    tokens = max(unit, -(-int(b.tokens_per_step) // unit) * unit)
-    while (
-        not _splits(cfg, world, seq_len, tokens_per_step=tokens) and tokens < 64 * unit
-    ):  # micro_tokens rounding
-        tokens += unit
-    return tokens
 
 
 def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:

@@ -309,46 +309,27 @@ def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Out
     return Outcome("disk_full", EXIT_FAILED)
 
 
-def report_config_error(e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False) -> Outcome:
+def report_config_error(
+    e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False, hydra_files: dict | None = None
+) -> Outcome:
     """Print ``config error: ...`` (no traceback). A single run then takes back what it created in its run
     directory (``rundir.discard_refused_run``: a config error writes nothing); a job of a ``-m`` sweep, or a
     run that cannot take back what is there (a directory not noted by Hydra's ``OutDirCheck``, or holding
-    more than a refused run writes), records status "error" in summary.json instead, which the sweep's
-    summary and ``bench.report`` list."""
-    from trainer.rundir import RunDirTaken
+    more than a refused run writes), records status "error" in summary.json (and Hydra's files) instead,
+    which the sweep's summary and ``bench.report`` list. A resume, or a run refused because its directory
+    holds another run (``RunDirTaken``), writes nothing there."""
+    from trainer import rundir
 
-    taken = str(e.out_dir) if isinstance(e, RunDirTaken) else None  # another run's: never written to
+    taken = str(e.out_dir) if isinstance(e, rundir.RunDirTaken) else None  # another run's: never written to
     if is_main:
         print(f"config error: {e}", file=sys.stderr, flush=True)
-        from trainer.rundir import discard_refused_run
-
-        try:
-            if not multirun and discard_refused_run(out_dir):
+        with contextlib.suppress(OSError):
+            if not multirun and rundir.discard_refused_run(out_dir):
                 return Outcome("error", EXIT_CONFIG)
-        except OSError:
-            pass
-        try:
-            from trainer.metrics import write_json_atomic
-
-            # Record the error only in a run directory of our own: a refused resume or a refused
-            # re-use of an existing run must leave that run's summary as it was.
-            if out_dir.is_dir() and not cfg.resume and not taken and not (out_dir / "summary.json").exists():
-                write_json_atomic(
-                    out_dir / "summary.json",
-                    {
-                        "status": "error",
-                        "error": str(e),
-                        "attention": cfg.attention.name,
-                        "seq_len": cfg.seq_len,
-                    },
-                )
-        except OSError:
-            pass
-        if taken and multirun:  # Hydra rewrote that run's .hydra/ files and logged there: put them back
-            from trainer.rundir import restore_job
-
-            try:
-                restore_job(taken)
-            except OSError:
-                pass
+        # Record the error only in a run directory of our own
+        if out_dir.is_dir() and not cfg.resume and not taken and not (out_dir / "summary.json").exists():
+            with contextlib.suppress(OSError):
+                summary = {"status": "error", "error": str(e), "attention": cfg.attention.name}
+                write_json_atomic(out_dir / "summary.json", {**summary, "seq_len": cfg.seq_len})
+                rundir.write_hydra_files(out_dir, hydra_files or {})
     return Outcome("error", EXIT_CONFIG, taken)

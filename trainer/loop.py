@@ -297,6 +297,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     is_main = int(os.environ.get("RANK", "0")) == 0
     # the run to resume: rank 0's out_dir; the other ranks' Hydra dir is a throwaway, the given key is not
     run_dir = Path(out_dir) if is_main else Path(str(cfg.out_dir))
+    hydra_files = rundir.hydra_files(cfg) if is_main else {}  # Hydra's task config, before the lines below
     with open_dict(cfg):
         cfg.out_dir = str(out_dir)
         cfg.run_name = Path(out_dir).name  # the folder's name (a later ${now:} would differ)
@@ -315,7 +316,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         if busy:
             print(f"config error: {problem}", file=sys.stderr, flush=True)
             return Outcome("error", EXIT_CONFIG)
-        return endings.report_config_error(ConfigError(problem), out_dir, cfg, is_main, multirun)
+        return endings.report_config_error(ConfigError(problem), out_dir, cfg, is_main, multirun, hydra_files)
     if lock is None:
         lock = rundir.claim_run_dir(out_dir, is_main=False)
     intro: list[str] = []
@@ -332,7 +333,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
         check_data_source(cfg)
     except ConfigError as e:
         lock.release()
-        return endings.report_config_error(e, out_dir, cfg, is_main, multirun)
+        return endings.report_config_error(e, out_dir, cfg, is_main, multirun, hydra_files)
     cfg = C.typed(cfg)  # checked: from here on the run reads a TrainConfig, not Hydra's DictConfig
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -346,25 +347,28 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             st = RunState.open(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
         except DiskFullError as e:  # not even metrics.jsonl fits
             return endings.report_disk_full(e, out_dir)
-        st.resume_intro = intro
+        st.resume_intro, st.hydra_files, st.lock = intro, hydra_files, lock
         try:
             setup.setup(st)
         except ConfigError as e:
             st.log.close(exit_code=EXIT_CONFIG)
-            return endings.report_config_error(e, out_dir, cfg, dist.is_main, multirun)
+            return endings.report_config_error(e, out_dir, cfg, dist.is_main, multirun, hydra_files)
         except rundir.RunFinished as e:  # nothing was written: say so and leave the run as it is
             st.log.close(exit_code=0)
             if dist.is_main:
-                rundir.restore_run_files(out_dir)  # Hydra's .hydra/ rewrite and log lines go back too
                 print(str(e), flush=True)
             return Outcome("finished", EXIT_OK)
         except BaseException as e:
+            with contextlib.suppress(Exception):  # failed past its checks: its records, for the ending
+                st.record()
             if isinstance(e, DiskFullError) or disk_full_in(e) is not None:  # its first records
                 return endings.end_disk_full(st, e)
             st.log.close(exit_code=1)
             raise
         return train(st)
     finally:
+        if st is not None:
+            st.close_log()
         st = None
         lock.release()
         # free what a finished run holds, so the next job of a -m sweep (same process) starts clean

@@ -13,20 +13,21 @@
   max_steps, and for a raised max_steps (the cosine schedule changes).
 * ``out_dir_problem`` / ``check_out_dir`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be
   created or written, and a new run in a directory that already holds one, are config errors (exit 2).
-* ``note_run_dir_before`` / ``discard_refused_run``: a single run refused by a config error after Hydra
-  created its directory takes back what it created there (a user's existing folder keeps what it held);
-  in a directory that existed (a refused resume) ``restore_run_files`` puts back Hydra's ``.hydra/``
-  files, ``train.log``'s length and the lock's holder line.
+* ``note_run_dir_before`` / ``discard_refused_run``: Hydra writes nothing into a run directory
+  (``hydra.output_subdir: null``, console-only job logging: the trainer writes ``.hydra/`` and train.log
+  once a run has passed its checks), so a single run refused by a config error only takes back the lock
+  and metrics.jsonl it opened and the folders Hydra created for it; ``put_back_sweep`` does the same for
+  the ``multirun.yaml`` Hydra's sweeper writes before any job can be refused.
 * ``true_status`` / ``mark_killed_on_resume``: a summary left "running" by a process that died without
   its ending is reported as killed / unfinished (no live process holds the lock), and rewritten on resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
-import shutil
 import socket
 import string
 import sys
@@ -84,6 +85,13 @@ class RunDirLock:
         self.out_dir = Path(out_dir)
         self._fd = fd
 
+    def write_holder(self) -> None:
+        """Say who holds the lock, for the message another process prints (``claim_run_dir``)."""
+        if self._fd is not None:
+            info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, info.encode() + b"\n", 0)
+
     def release(self) -> None:
         """Drop the lock (the file stays: removing it would let a waiter lock a different inode)."""
         if self._fd is None:
@@ -121,11 +129,10 @@ def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
         finally:
             os.close(fd)
         raise RunDirBusy(_busy_message(out_dir, holder)) from None
-    # who holds it, for the message another process would print (the lock itself is the flock)
-    info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, info.encode() + b"\n", 0)
-    return RunDirLock(out_dir, fd)
+    lock = RunDirLock(out_dir, fd)
+    if os.fstat(fd).st_size == 0:  # a new lock; an existing run's holder line changes once its checks pass
+        lock.write_holder()
+    return lock
 
 
 def _busy_message(out_dir: Path, holder: str) -> str:
@@ -305,62 +312,37 @@ class OutDirCheck(_HydraCallback):
     or written is a config error: ``config error: ...`` on stderr, exit status 2."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check ``hydra.run.dir`` (= ``out_dir``), and refuse, before Hydra writes its ``.hydra/`` files
-        there, a directory that a live process holds or (resume=false) one that already holds a run: the
-        trainer refuses both too, but by then Hydra would have rewritten that run's ``.hydra/*.yaml``."""
-        self._check(config, "hydra.run.dir", "out_dir")
-        from omegaconf import OmegaConf
-
-        try:
-            path = OmegaConf.select(config, "hydra.run.dir")
-        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
-            return
-        if path is None:
-            return
-        note_run_dir_before(path)  # so that a run refused later takes back what it created
-        if not Path(path).is_dir():
-            return
-        snapshot_run(_key(path))  # a refused resume puts back Hydra's files and the log's length
-        problem = held_by_live_process(Path(path))
-        if problem is None:
-            try:
-                check_new_run_dir(config, Path(path))  # the trainer's order: the specific message first
-                check_out_dir(config, Path(path))
-            except ConfigError as e:
-                problem = str(e)
-        if problem:
-            print(f"config error: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+        """Check ``hydra.run.dir`` (= ``out_dir``), and note what it holds before Hydra creates it."""
+        path = self._check(config, "hydra.run.dir", "out_dir")
+        if path is not None:
+            note_run_dir_before(path)  # so that a run refused later takes back what it created
 
     def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check the sweep folder ``hydra.sweep.dir``, and note what it holds before Hydra creates it
-        (``discard_refused_sweep``)."""
-        self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
-        from omegaconf import OmegaConf
-
-        try:
-            path = OmegaConf.select(config, "hydra.sweep.dir")
-        except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
-            return
+        """Check the sweep folder ``hydra.sweep.dir``, and note it and its ``multirun.yaml`` before Hydra's
+        sweeper creates them (``put_back_sweep``)."""
+        path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
         if path is not None:
             note_run_dir_before(path)
-            _SWEEP_NOTED[:] = [_key(path)]
-            snapshot_sweep(path)  # an earlier sweep's Hydra files, put back for jobs refused there
+            yaml = Path(_key(path)) / "multirun.yaml"
+            _SWEEP[:] = [(_key(path), yaml.read_bytes() if yaml.is_file() else None)]
 
     @staticmethod
-    def _check(config, node: str, key: str) -> None:
+    def _check(config, node: str, key: str) -> str | None:
+        """The path at ``node`` (None when unset or unresolvable: Hydra's to report); exits 2 when it
+        cannot hold a run."""
         from omegaconf import OmegaConf
 
         try:
             path = OmegaConf.select(config, node)
         except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
-            return
+            return None
         if path is None:
-            return
+            return None
         problem = out_dir_problem(path, key)
         if problem:
             print(f"config error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
+        return path
 
 
 # ------------------------------------------------------------------------------- refused single runs
@@ -368,12 +350,11 @@ class OutDirCheck(_HydraCallback):
 #: held then, or None) of each run directory, noted by ``OutDirCheck`` before Hydra creates it
 _BEFORE: dict[str, tuple[Path | None, frozenset[str] | None]] = {}
 
-#: what a single run refused by a config error may have written into its run directory: Hydra's ``.hydra/``
-#: and log file, the lock, the metrics.jsonl that set-up opens (empty), the error summary
-REFUSED_RUN_FILES = frozenset({".hydra", "train.log", LOCK_NAME, "metrics.jsonl", "summary.json"})
-#: what a -m command refused before its first job leaves in the sweep folder
-REFUSED_SWEEP_FILES = frozenset({"multirun.yaml"})
-_SWEEP_NOTED: list[str] = []  # the sweep folder of this process's -m command, noted by OutDirCheck
+#: what a single run refused by a config error may have created in its run directory: the lock and the
+#: metrics.jsonl that set-up opens (empty); Hydra and the trainer's record write nothing before the checks
+REFUSED_RUN_FILES = frozenset({LOCK_NAME, "metrics.jsonl"})
+#: the sweep folder of this process's -m command and its multirun.yaml before Hydra wrote it
+_SWEEP: list[tuple[str, bytes | None]] = []
 #: the record of a run's resolved config, rewritten by every start of the run (trainer/setup.py)
 RESOLVED_CONFIG = "config.resolved.yaml"
 
@@ -395,8 +376,8 @@ def _key(path) -> str:
 
 
 def note_run_dir_before(path) -> None:
-    """Record whether run directory ``path`` exists and what it holds, before Hydra creates it or writes
-    its ``.hydra/`` there (``OutDirCheck.on_run_start``): what ``discard_refused_run`` may take back."""
+    """Record whether run directory ``path`` exists and what it holds, before Hydra creates it
+    (``OutDirCheck``): what ``discard_refused_run`` may take back."""
     p = Path(_key(path))
     if p.is_dir():
         _BEFORE[str(p)] = (None, frozenset(os.listdir(p)))
@@ -405,14 +386,23 @@ def note_run_dir_before(path) -> None:
     _BEFORE[str(p)] = (missing[-1] if missing else p, None)
 
 
-def discard_refused_sweep() -> bool:
-    """Take back the sweep folder of a ``-m`` command refused by a config error before any job ran (Hydra
-    writes its ``multirun.yaml`` first): True when it did. Only a folder this process created and that
-    holds nothing but that file goes (``discard_refused_run``'s rules)."""
-    return bool(_SWEEP_NOTED) and discard_refused_run(_SWEEP_NOTED[0], allowed=REFUSED_SWEEP_FILES)
+def put_back_sweep() -> None:
+    """A ``-m`` command that ran no job (refused before its first one, or every job refused): its sweep
+    folder's ``multirun.yaml``, which Hydra's sweeper writes first, goes back to what it was (absent, or an
+    earlier sweep's), and the folder goes when this process created it (``discard_refused_run``)."""
+    if not _SWEEP:
+        return
+    key, data = _SWEEP[0]
+    yaml = Path(key) / "multirun.yaml"
+    with contextlib.suppress(OSError):
+        if data is not None:
+            yaml.write_bytes(data)
+        elif yaml.is_file():
+            yaml.unlink()
+        discard_refused_run(key)
 
 
-def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) -> bool:
+def discard_refused_run(out_dir) -> bool:
     """Take back what this process created in ``out_dir`` for a run that a config error refused, so that
     the refused command leaves nothing behind; True when it did (then write nothing more there).
 
@@ -430,18 +420,12 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
     p = Path(key)
     if not p.is_dir():
         return True
-    if before is not None:  # it held something (a run refused on resume): Hydra's rewrites go back
-        restore_run_files(p)
     new = set(os.listdir(p)) - set(before or ())
     metrics = p / "metrics.jsonl"
-    if not new <= allowed or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
+    if not new <= REFUSED_RUN_FILES or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
         return False
     for name in new:
-        q = p / name
-        if q.is_dir() and not q.is_symlink():
-            shutil.rmtree(q)
-        else:
-            q.unlink()
+        (p / name).unlink()
     if before is None:  # created by this process (Hydra): the folder and the empty ones it made above it
         for d in (p, *p.parents):
             try:
@@ -452,18 +436,6 @@ def discard_refused_run(out_dir, allowed: frozenset[str] = REFUSED_RUN_FILES) ->
                 break
     del _BEFORE[key]
     return True
-
-
-def restore_run_files(out_dir) -> bool:
-    """Put back what this command changed in an existing run directory before it ran nothing: Hydra's
-    ``.hydra/*.yaml``, the length of ``train.log`` (Hydra's and the trainer's lines of this command) and
-    the lock file's holder line, as ``OutDirCheck`` noted them (``snapshot_run``). For a resume
-    refused by a config error or one that finds the run finished: the run stays as it was. False when
-    nothing was noted (no Hydra, a -m job: ``restore_job`` covers those)."""
-    try:
-        return restore_job(_key(out_dir))
-    except OSError:
-        return False
 
 
 def check_out_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
@@ -603,86 +575,26 @@ def mark_killed_on_resume(run_dir: Path) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ Hydra's files
-#: Hydra's files of each job folder of the sweep when the command started: path -> bytes
-_FILES: dict[Path, bytes] = {}
-#: each job folder's log file size then (a refused job's log lines are cut off again)
-_LOG_SIZES: dict[Path, int] = {}
-#: each job folder's lock file then (who held it last): path -> bytes
-_LOCKS: dict[Path, bytes] = {}
-_MULTIRUN: list[tuple[Path, bytes]] = []
-#: how deep job folders sit under the sweep folder (hydra.sweep.subdir may nest one level)
-_JOB_GLOBS = ("*/.hydra/*.yaml", "*/*/.hydra/*.yaml")
-LOG_NAME = "train.log"  # ${hydra.job.name}.log of train.py
+def hydra_files(cfg) -> dict[str, str]:
+    """What Hydra would write into this job's ``.hydra/`` (file name -> YAML): the task's config, Hydra's
+    own and the command line's overrides; {} outside Hydra (``trainer.loop.run`` called directly).
+    ``hydra.output_subdir`` is null (configs/config.yaml): the trainer writes them (``write_hydra_files``)
+    once the run has passed its checks, so a refused launch rewrites no run's files."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    if not HydraConfig.initialized():
+        return {}
+    hydra = HydraConfig.instance().cfg  # {"hydra": HydraConfig.get()}, as Hydra saves it
+    return {
+        "config.yaml": OmegaConf.to_yaml(cfg),
+        "hydra.yaml": OmegaConf.to_yaml(hydra),
+        "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task),
+    }
 
 
-def snapshot_sweep(sweep_dir) -> None:
-    """Copy Hydra's files of the job folders already in ``sweep_dir`` (nothing when it does not exist)."""
-    _FILES.clear()
-    _LOG_SIZES.clear()
-    _LOCKS.clear()
-    _MULTIRUN.clear()
-    root = Path(sweep_dir)
-    if not root.is_dir():
-        return
-    if (root / "multirun.yaml").is_file():
-        _MULTIRUN.append((root / "multirun.yaml", (root / "multirun.yaml").read_bytes()))
-    for pattern in _JOB_GLOBS:
-        for path in root.glob(pattern):
-            _FILES[path] = path.read_bytes()
-            log, lock = path.parent.parent / LOG_NAME, path.parent.parent / LOCK_NAME
-            if log.is_file():
-                _LOG_SIZES[log] = log.stat().st_size
-            if lock.is_file():
-                _LOCKS[lock] = lock.read_bytes()
-
-
-def snapshot_run(run_dir) -> None:
-    """The same copy for one existing run directory of a single run (``OutDirCheck.on_run_start``, before
-    Hydra rewrites its ``.hydra/`` and appends to its log): a resume refused by a config error, or one
-    that finds the run finished, puts them back (``restore_job``) and so leaves the run as it was."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        return
-    for path in root.glob(".hydra/*.yaml"):
-        _FILES[path] = path.read_bytes()
-    log, lock = root / LOG_NAME, root / LOCK_NAME
-    if log.is_file():
-        _LOG_SIZES[log] = log.stat().st_size
-    if lock.is_file():
-        _LOCKS[lock] = lock.read_bytes()
-
-
-def restore_job(run_dir) -> bool:
-    """Put back the ``.hydra/*.yaml`` files, the log length and the lock file's text that ``run_dir`` had
-    when the sweep started, removing ``.hydra`` files Hydra added since; True when ``run_dir`` was in the
-    snapshot. (The lock file is rewritten in place: the same inode, so a lock held on it stays held.)"""
-    hydra_dir = Path(run_dir) / ".hydra"
-    kept = {p: data for p, data in _FILES.items() if p.parent == hydra_dir}
-    if not kept:
-        return False
-    for path in hydra_dir.glob("*.yaml"):
-        if path not in kept:
-            path.unlink()
-    for path, data in kept.items():
-        if not path.is_file() or path.read_bytes() != data:
-            path.write_bytes(data)
-    log = Path(run_dir) / LOG_NAME
-    size = _LOG_SIZES.get(log)
-    if size is not None and log.is_file() and log.stat().st_size > size:
-        with open(log, "r+b") as f:
-            f.truncate(size)
-    lock = Path(run_dir) / LOCK_NAME
-    if lock in _LOCKS and lock.is_file() and lock.read_bytes() != _LOCKS[lock]:
-        with open(lock, "r+b") as f:
-            f.truncate(0)
-            f.write(_LOCKS[lock])
-    return True
-
-
-def restore_multirun_yaml() -> bool:
-    """Put back the sweep folder's ``multirun.yaml`` (for a command whose every job was refused)."""
-    if not _MULTIRUN:
-        return False
-    path, data = _MULTIRUN[0]
-    path.write_bytes(data)
-    return True
+def write_hydra_files(out_dir: Path, files: dict[str, str]) -> None:
+    """Write ``hydra_files``' record into ``<out_dir>/.hydra/``."""
+    for name, text in files.items():
+        (Path(out_dir) / ".hydra").mkdir(exist_ok=True)
+        (Path(out_dir) / ".hydra" / name).write_text(text)

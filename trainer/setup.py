@@ -235,8 +235,10 @@ def build_model(st: RunState, state: dict | None) -> None:
 
 
 def start_logging(st: RunState, state: dict | None) -> None:
-    """config.resolved.yaml, W&B, the running summary and the start-up lines."""
+    """The run has passed its checks: Hydra's files and train.log (``RunState.record``),
+    config.resolved.yaml, W&B, the running summary and the start-up lines."""
     cfg, plan, d = st.cfg, st.plan, st.dist
+    st.record()
     resolved = C.to_dict(cfg)
     resolved["derived"] = {
         **derived(st),

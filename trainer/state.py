@@ -4,6 +4,7 @@ endings (trainer/endings.py), which are plain functions of it."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,37 @@ import torch
 from trainer.dist import DistInfo
 from trainer.gpu_busy import GpuBusy
 from trainer.metrics import DiskFullError, RunLogger, append_line
+from trainer.rundir import RunDirLock, write_hydra_files
 
 GIB = float(1 << 30)
+
+
+class RunLog(logging.Handler):
+    """``<out_dir>/train.log``: the run's ``say`` lines and, as a handler of the root logger, the logging
+    records of its libraries (data preparation, W&B) in Hydra's format. Held in memory until the run has
+    passed its checks (``open``): a refused launch writes no line (Hydra's job logging is console-only)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(logging.INFO)
+        self.path, self.held = path, []
+        self.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.write(self.format(record))
+        except Exception:  # noqa: BLE001 - logging's rule: report, never raise
+            self.handleError(record)
+
+    def write(self, line: str) -> None:
+        if self.held is None:
+            append_line(self.path, line)
+        else:
+            self.held.append(line)
+
+    def open(self) -> None:
+        held, self.held = self.held, None
+        if held:
+            append_line(self.path, "\n".join(held))
 
 
 @dataclass
@@ -25,6 +55,8 @@ class RunState:
     out_dir: Path
     multirun: bool = False
     overrides: list[str] = field(default_factory=list)
+    hydra_files: dict = field(default_factory=dict)  # rundir.hydra_files of this launch
+    lock: RunDirLock | None = None
     # progress
     step: int = 0  # optimizer updates completed
     skipped: int = 0  # non-finite updates skipped (nonfinite=skip)
@@ -49,6 +81,7 @@ class RunState:
     metrics_existed: bool = False
     # built by set-up
     log: RunLogger | None = None
+    runlog: RunLog | None = None  # train.log (rank 0)
     gpu_busy: GpuBusy | None = None
     device: torch.device = torch.device("cpu")
     autocast: Any = field(default_factory=contextlib.nullcontext)
@@ -73,6 +106,9 @@ class RunState:
         # before RunLogger creates it: a resume tells a deleted metrics.jsonl from a kept one
         st = cls(cfg, plan, dist, out_dir, metrics_existed=(out_dir / "metrics.jsonl").is_file(), **kw)
         st.log = RunLogger(out_dir, enabled=dist.is_main)
+        if dist.is_main:
+            st.runlog = RunLog(out_dir / "train.log")
+            logging.getLogger().addHandler(st.runlog)
         st.gpu_busy = GpuBusy(
             int(cfg.perf.exclude_first_steps),
             int(cfg.perf.profile_steps),
@@ -81,13 +117,30 @@ class RunState:
         )
         return st
 
+    def record(self) -> None:
+        """Once the run has passed its checks (set-up's start of logging, or a failure past them): Hydra's
+        ``.hydra/`` files of this launch, the lock's holder line and the held train.log lines. Before it
+        the run writes nothing but what ``rundir.discard_refused_run`` takes back; rank 0 only."""
+        if self.runlog is None or self.runlog.held is None:
+            return
+        write_hydra_files(self.out_dir, self.hydra_files)
+        if self.lock is not None:
+            self.lock.write_holder()
+        self.runlog.open()
+
+    def close_log(self) -> None:
+        """Detach train.log from the root logger (the next job of a -m sweep has its own)."""
+        if self.runlog is not None:
+            logging.getLogger().removeHandler(self.runlog)
+
     def say(self, msg: str) -> None:
         """To the console and <out_dir>/train.log (a run under nohup keeps its history); rank 0 only."""
         if not self.dist.is_main:
             return
         print(msg, flush=True)
         try:
-            append_line(self.out_dir / "train.log", msg)
+            if self.runlog is not None:
+                self.runlog.write(msg)
         except DiskFullError:
             if not self.ending:  # the run ends as disk_full; the ending says why
                 raise

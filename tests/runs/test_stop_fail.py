@@ -344,9 +344,9 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
     """The same sweep again into the same hydra.sweep.dir: every job is refused (its directory holds a
     run); the end-of-sweep message says so per job and names a new sweep folder, instead of pointing at
     error summaries that do not exist; the earlier runs' records and Hydra's files of that sweep
-    (.hydra/*.yaml, train.log, multirun.yaml, which Hydra rewrites before any job can be refused, and the
-    lock file's text, which the trainer rewrites as it takes the lock) are
-    byte for byte as they were."""
+    (.hydra/*.yaml and train.log, which the trainer writes only once a job has passed its checks,
+    multirun.yaml, which Hydra's sweeper rewrites before any job can be refused, and the lock file's
+    text) are byte for byte as they were."""
     sweep = tmp_path / "sweep"
     args = [a for a in _sweep_args(tiny, tmp_path) if not a.startswith("attention=")]
     cmd = ["-m", *args, "attention=naive,sdpa", "eval.interval=0", f"hydra.sweep.dir={sweep}"]

@@ -304,9 +304,10 @@ def test_torchrun_two_gloo_processes(tiny, tmp_path):
 
 
 def test_config_error_exits_2_without_traceback_and_writes_nothing(tiny, tmp_path):
-    """A config error found inside the training task, after Hydra created the run directory and wrote its
-    .hydra/ and log there (the batch split; set-up's missing checkpoint on resume), takes all of that
-    back: no run directory, no runs/ folder. A folder that existed before keeps exactly what it held."""
+    """A config error found inside the training task, after Hydra created the run directory and the
+    trainer took its lock there (the batch split; set-up's missing checkpoint on resume, metrics.jsonl
+    open), takes all of that back: no run directory, no runs/ folder, no .hydra/ or train.log (written
+    only once a run has passed its checks). A folder that existed before keeps exactly what it held."""
     proc = run_train(tiny(tmp_path / "runs" / "run", **{"batch.tokens_per_step": 1000}))
     assert proc.returncode == 2, describe(proc)
     assert "config error: batch.tokens_per_step=1000" in proc.stderr and "Traceback" not in proc.stderr

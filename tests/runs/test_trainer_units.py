@@ -392,16 +392,16 @@ def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
 
 
 def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
-    """rundir.discard_refused_run (a config error writes nothing): what Hydra and set-up made in a new
-    directory goes, with the empty folders above it that did not exist; a folder that existed keeps what
-    it held; anything else new (W&B files, logged metrics) leaves the directory as it is (returns False);
-    a directory Hydra's OutDirCheck never noted is not touched."""
+    """rundir.discard_refused_run (a config error writes nothing): what set-up made in a new directory (the
+    lock, an empty metrics.jsonl; Hydra writes nothing there) goes, with the empty folders above it that did
+    not exist; a folder that existed keeps what it held; anything else new (W&B files, logged metrics)
+    leaves the directory as it is (returns False); a directory Hydra's OutDirCheck never noted is not
+    touched."""
     from trainer import rundir
 
     def refused_run(d):
-        (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "config.yaml").write_text("x: 1\n")
-        for name in ("train.log", rundir.LOCK_NAME, "metrics.jsonl"):
+        d.mkdir(parents=True, exist_ok=True)
+        for name in (rundir.LOCK_NAME, "metrics.jsonl"):
             (d / name).write_text("" if name == "metrics.jsonl" else "line\n")
 
     (tmp_path / "runs").mkdir()
@@ -416,13 +416,10 @@ def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
     (mine / "notes.txt").write_text("mine")
     (mine / "train.log").write_text("an earlier log\n")
     rundir.note_run_dir_before(mine)
-    (mine / ".hydra").mkdir()
-    for name in (rundir.LOCK_NAME, "metrics.jsonl"):
-        (mine / name).write_text("")
-    with open(mine / "train.log", "a") as f:  # an existing log is appended to, never removed
-        f.write("config error: ...\n")
+    refused_run(mine)
     assert rundir.discard_refused_run(mine)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.log"]
+    assert (mine / "train.log").read_text() == "an earlier log\n"
 
     more = tmp_path / "more"
     rundir.note_run_dir_before(more)
@@ -430,13 +427,11 @@ def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
     (more / "wandb").mkdir()
     (more / "metrics.jsonl").write_text('{"step": 1}\n')
     assert not rundir.discard_refused_run(more)
-    assert sorted(p.name for p in more.iterdir()) == sorted(
-        [".hydra", "train.log", rundir.LOCK_NAME, "metrics.jsonl", "wandb"]
-    )
+    assert sorted(p.name for p in more.iterdir()) == sorted([rundir.LOCK_NAME, "metrics.jsonl", "wandb"])
 
     unnoted = tmp_path / "unnoted"
     refused_run(unnoted)
-    assert not rundir.discard_refused_run(unnoted) and (unnoted / ".hydra" / "config.yaml").is_file()
+    assert not rundir.discard_refused_run(unnoted) and (unnoted / rundir.LOCK_NAME).is_file()
 
 
 def test_take_batch_uses_a_prefetched_batch_once(monkeypatch):
