@@ -141,8 +141,12 @@ class GPTConfig:
             check_softcap(self.attention, self.softcap)
         except ValueError as e:
             return str(e)
-        used = [k for k, on in (("attention.window", self.window is not None), ("attention.document_mask",
-                self.document_mask), ("model.attn_dropout", self.attn_dropout > 0)) if on]  # fmt: skip
+        variants = {
+            "attention.window": self.window is not None,
+            "attention.document_mask": self.document_mask,
+            "model.attn_dropout": self.attn_dropout > 0,
+        }
+        used = [k for k, on in variants.items() if on]
         backend = BACKENDS.get(self.attention)
         if used and backend is not None and not backend.variants:
             return (
