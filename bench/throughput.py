@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from bench import common
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,13 +44,29 @@ SUMMARY_KEYS = """perf/tokens_per_sec perf/mfu perf/step_ms mem/peak_gib perf/gp
 perf/timed_steps micro_batch_size grad_accum final/train_loss attention/backend_ran compile_mode""".split()
 
 
-def cell_command(backend: str, seq_len: int, a, out_dir: Path) -> list[str]:
-    """train.py command line of one cell: the user's command plus run-length and bookkeeping keys."""
+def cell_command(backend: str, seq_len: int, a, out_dir: Path, *extra: str) -> list[str]:
+    """train.py command line of one cell: the user's command plus run-length and bookkeeping keys (`extra`:
+    more keys of the caller's, before the user's)."""
     keys = f"max_steps={a.steps} perf.exclude_first_steps={a.warmup} perf.profile_steps={a.profile_steps} "
     keys += f"log_interval={a.log_interval} eval.interval=0 eval.at_start=false eval.batches=1 "
     keys += "checkpoint.interval=0 checkpoint.at_end=false oom_exit_code=0 wandb.mode=disabled"
-    args = [f"attention={backend}", f"seq_len={seq_len}", *keys.split(), f"out_dir={out_dir}", *a.overrides]
-    return [sys.executable, str(REPO / "train.py"), *args]
+    args = [f"attention={backend}", f"seq_len={seq_len}", *extra, *keys.split(), f"out_dir={out_dir}"]
+    return [sys.executable, str(REPO / "train.py"), *args, *a.overrides]
+
+
+def run_cell(backend: str, seq_len: int, a, run_dir: Path, *extra: str) -> tuple[dict, str]:
+    """Run one cell's train.py (its command printed first) in a fresh process, stopped after --timeout;
+    (its record, the end of its log)."""
+    cmd = cell_command(backend, seq_len, a, run_dir, *extra)
+    tqdm.write(f"== {backend} seq_len={seq_len}: {shlex.join(cmd[1:])}")
+    t0 = time.time()
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=env)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
+    return read_cell(backend, seq_len, run_dir, rc, time.time() - t0, tail), tail
 
 
 def error_excerpt(log_tail: str, limit: int = 600) -> str:
@@ -265,52 +283,33 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    command = "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides)
-    meta = dict(gpu=env["gpu"] or "cpu", torch=env["torch"], triton=env["triton"], date=env["date"])
-    meta |= dict(steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps, command=command.strip())
-    meta["argv"] = sys.argv[1:]
-    cells: list[dict] = []
-    from tqdm import tqdm
-
+    command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)
+    meta = env | dict(gpu=env["gpu"] or "cpu", steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps)
+    meta |= dict(command=command.strip(), argv=sys.argv[1:] if argv is None else list(argv))
+    # the results so far after every cell, so a stopped sweep keeps what it measured
+    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
-    bar = tqdm(
-        [(n, b) for n in a.seq_lens for b in a.backends],
-        desc="cells",
-        unit="cell",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-    )
+    cells = [(n, b) for n in a.seq_lens for b in a.backends]
+    bar = tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty())
     for n, b in bar:
         bar.set_postfix_str(f"{b} seq_len={n}")
         if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            cells.append(
-                dict(backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}")
+            skip = dict(
+                backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}"
             )
+            results.add("cells", [skip])
             continue
-        cmd = cell_command(b, n, a, runs / f"{b}_n{n}")
-        tqdm.write(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}")
-        t0 = time.time()
-        try:
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=env)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired as e:
-            rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
-        cells.append(rec := read_cell(b, n, runs / f"{b}_n{n}", rc, time.time() - t0, tail))
+        rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
         tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
         if rec["status"] not in ("ok", "oom"):
             tqdm.write(tail[-1500:])
-        # results so far, so a stopped sweep keeps what it measured
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+        results.add("cells", [rec])
     bar.close()
-    out.with_suffix(".md").write_text(markdown(meta, cells))
-    plot(out.with_suffix(".png"), meta, cells)
-    print(out.with_suffix(".md").read_text())
-    return 0 if any(c["status"] == "ok" for c in cells) else 1
+    print(results.save(complete=True))
+    plot(Path(a.out).with_suffix(".png"), meta, results.lists["cells"])
+    return 0 if any(c["status"] == "ok" for c in results.lists["cells"]) else 1
 
 
 if __name__ == "__main__":
