@@ -37,10 +37,10 @@ import importlib
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -50,6 +50,29 @@ from bench import common
 
 PLAN_KEYS = {"fwd": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
 SEARCH_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+# The joint backward search (--kernels bwd): per key, lines "dK/dV tiles : dQ tiles", each the product of
+# its comma lists of BMxBNxWARPSxSTAGES tiles ('t': TMA loads, 't?': without and with). Pointer loads around
+# NOTES v1's optimum; with --tma the TMA pairs of NOTES v4, the same tiles with and without TMA per kernel.
+BWD_PLANS = {
+    "d128": [
+        "64x128x8x2 : 128x32x8x2, 128x64x8x2, 64x64x8x2",
+        "64x128x8x3 : 128x32x8x3, 128x64x8x3, 64x64x8x3",
+        "64x64x8x3 : 128x32x8x3, 64x64x8x3",
+        "32x128x8x3 : 128x32x8x3",
+    ],
+    "d64": [
+        "64x128x8x3, 64x64x8x3, 32x128x8x3, 128x64x8x3 : 128x64x8x3, 64x64x8x3, 128x32x8x3",
+        "64x64x4x3, 32x64x4x3, 32x128x4x3 : 64x64x4x3, 64x32x4x3",
+        "64x128x8x2 : 128x64x8x2",
+    ],
+    "tma d128": [
+        "64x128x8x3 : 128x64x8x3t, 128x64x8x3, 128x32x8x3t, 64x64x4x3t",
+        "64x128x8x3t : 128x64x8x3t",
+        "64x128x8x2 : 128x64x8x3t",
+    ],
+    "tma d64 N<=1024": ["32x64x4x3t?, 64x128x4x2t? : 64x32x4x3t?, 64x64x4x3t?"],
+    "tma d64": ["64x128x4x2t? : 128x64x8x3t?, 64x64x4x3t?"],
+}
 DECODE_SHAPES = ((128, 1, 8192), (128, 1, 32768), (128, 16, 8192), (128, 16, 32768), (64, 1, 8192))
 DECODE_SHAPES += ((64, 64, 8192), (64, 64, 32768))
 DRY_DECODE_SHAPES = ((16, 1, 40), (16, 2, 100))
@@ -121,37 +144,10 @@ def candidates(kernel: str, d: int, explicit: list | None = None):
 
 
 def bwd_plans(d: int, n: int, tma: bool) -> list[tuple]:
-    """(dK/dV tile, dQ tile) pairs of the joint backward search: pointer loads around NOTES v1's optimum,
-    or (`tma`) the TMA pairs of NOTES v4, the same tiles with and without TMA per kernel."""
-    from kernels import TileConfig as T
-
-    if not tma and d >= 128:
-        plans = [(T(64, 128, 8, s), T(*dq, 8, s)) for s in (2, 3) for dq in ((128, 32), (128, 64), (64, 64))]
-        plans += [(T(64, 64, 8, 3), T(*dq, 8, 3)) for dq in ((128, 32), (64, 64))]
-        return plans + [(T(32, 128, 8, 3), T(128, 32, 8, 3))]
-    if not tma:
-        kv = ((64, 128), (64, 64), (32, 128), (128, 64))
-        plans = [(T(*a, 8, 3), T(*q, 8, 3)) for a in kv for q in ((128, 64), (64, 64), (128, 32))]
-        plans += [
-            (T(*a, 4, 3), T(*q, 4, 3)) for a in ((64, 64), (32, 64), (32, 128)) for q in ((64, 64), (64, 32))
-        ]
-        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 2))]
-    if d >= 128:
-        k1 = T(64, 128, 8, 3)
-        dqs = (
-            T(128, 64, 8, 3, tma=True),
-            T(128, 64, 8, 3),
-            T(128, 32, 8, 3, tma=True),
-            T(64, 64, 4, 3, tma=True),
-        )
-        plans = [(k1, dq) for dq in dqs] + [(replace(k1, tma=True), T(128, 64, 8, 3, tma=True))]
-        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True))]
-    if n <= 1024:
-        k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
-    else:
-        k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
-    pairs = itertools.product(k1s, (False, True), dqs, (False, True))
-    return [(replace(k1, tma=t1), replace(dq, tma=t2)) for k1, t1, dq, t2 in pairs]
+    """(dK/dV tile, dQ tile) pairs of the joint backward search: BWD_PLANS' lines for d, N and `tma`."""
+    key = ("tma " if tma else "") + ("d128" if d >= 128 else "d64 N<=1024" if tma and n <= 1024 else "d64")
+    tiles = lambda text: parse_configs(re.sub(r"(\w+)t\?", r"\1,\1t", text))
+    return [p for line in BWD_PLANS[key] for p in itertools.product(*map(tiles, line.split(":")))]
 
 
 class Shape:
