@@ -559,11 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             previous, previous_meta = read_for_merge(path)
         except (OSError, ValueError) as exc:
-            print(
-                f"error: --merge: cannot read {path} ({exc}); fix or move it, or run without --merge",
-                file=sys.stderr,
+            return common.error(
+                f"--merge: cannot read {path} ({exc}); fix or move it, or run without --merge"
             )
-            return 2
     from kernels import interpret_enabled
 
     meta = dict(benchmark="bench.attention", device=device.type, **common.environment(device), dry_run=small)
@@ -576,12 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta["naive_impl"] = "model.attention.attention(backend='naive')" if "naive" in a.providers else None
     meta |= dict(injected_failures=inject or None, merged_with_previous=bool(previous), complete=False)
     if previous and (clash := merge_clash(previous_meta, meta)):
-        print(
-            f"error: --merge: {path} was measured with {clash}; one table must hold comparable rows: use "
-            "another --tag (or the same settings)",
-            file=sys.stderr,
+        return common.error(
+            f"--merge: {path} was measured with {clash}; one table must hold comparable rows: use another "
+            "--tag (or the same settings)"
         )
-        return 2
     if previous:
         meta["invocations"] = merged_invocations(previous_meta, meta)
     results = common.Results(path, meta, markdown, meta_key="metadata", records=[])

@@ -72,6 +72,12 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 
 
+def error(message: str, status: int = 2) -> int:
+    """Print "error: <message>" on stderr and return `status` (2: bad input or no GPU)."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
+
+
 def environment(device: torch.device) -> dict:
     """Versions and device facts of a results file (no hostname)."""
     import triton
@@ -149,15 +155,12 @@ class Timer:
     def __call__(self, fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
         cuda = self.device.type == "cuda"
         if not cuda or self.slow_ms is not None:
-            self._once(
-                fn, grad_to_none
-            )  # warm-up (compilation, allocator); do_bench makes the same first call
-            times = [self._once(fn, grad_to_none)]
+            once = lambda: self._once(fn, grad_to_none)
+            once()  # warm-up (compilation, allocator); do_bench makes the same first call
+            times = [once()]
             if not cuda or times[0] >= self.slow_ms:
-                reps = self.slow_reps if cuda else self.cpu_reps
-                return float(
-                    statistics.median(times + [self._once(fn, grad_to_none) for _ in range(reps - 1)])
-                )
+                times += [once() for _ in range((self.slow_reps if cuda else self.cpu_reps) - 1)]
+                return float(statistics.median(times))
         from triton.testing import do_bench
 
         kw = dict(warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=grad_to_none, return_mode="median")

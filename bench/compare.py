@@ -242,13 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if len(args.runs) < 2:
-        print("error: give at least two runs (the first is the reference)", file=sys.stderr)
-        return 2
+        return common.error("give at least two runs (the first is the reference)")
     try:
         runs = [load_run(r) for r in args.runs]
     except common.RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return common.error(str(exc))
     labels = [r.label for r in runs]
     for r in runs:  # duplicate labels made unique with the folder name
         if labels.count(r.label) > 1:

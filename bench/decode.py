@@ -292,21 +292,17 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         ]
         rows = []
         for r in e2e:
-            cb, n = r.get("compile_backend"), r.get("recompiles")
+            cb, n, speed = r.get("compile_backend"), r.get("recompiles"), [r["status"], ""]
             note = (
                 [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
                 if cb not in (None, "inductor")
                 else []
             )
-            note = "; ".join(note + ([f"{n} graph(s) compiled inside the timed run"] if n else []))
-            ok = r["status"] == "ok"
-            speed = (
-                [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
-                if ok
-                else [r["status"], ""]
-            )
+            note += [f"{n} graph(s) compiled inside the timed run"] if n else []
+            if r["status"] == "ok":
+                speed = [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
             mode = r.get("mode", "static" if r["static_decode"] else "eager")  # older files: no mode
-            rows.append([r["backend"], mode, r["batch"], *speed, note])
+            rows.append([r["backend"], mode, r["batch"], *speed, "; ".join(note)])
         lines += common.md_table(
             ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"], rows, "---"
         )
@@ -370,8 +366,7 @@ def main(argv=None) -> int:
         try:
             print(rewrite_report(Path(args.report)))
         except ValueError as e:
-            print(f"error: --report: {e}", file=sys.stderr)
-            return 2
+            return common.error(f"--report: {e}")
         return 0
     for key, value in (DRY_GRID if args.dry_run else GPU_GRID).items():
         if getattr(args, key) is None:  # what the user did not give
@@ -382,10 +377,7 @@ def main(argv=None) -> int:
         args.copy_bytes = min(args.copy_bytes, 1 << 22)
         timer = Timer(device, cpu_reps=1)
     elif not torch.cuda.is_available():
-        print(
-            "error: bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU", file=sys.stderr
-        )
-        return 2
+        return common.error("bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU")
     else:
         device, dtype = torch.device("cuda"), common.DTYPES[args.dtype]
         timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, slow_ms=TIMER_SLOW_MS)
@@ -421,17 +413,11 @@ def main(argv=None) -> int:
                 file=sys.stderr,
             )
     print(results.save(complete=True))
-    if args.dry_run:  # the plumbing check exists to run our kernel: its failure fails the check
-        bad = [
-            r for r in results.lists["kernel"] if r["provider"] == "flash-decode" and r.get("status") != "ok"
-        ]
-        bad += [r for r in results.lists["e2e"] if r.get("backend") == "flash" and r.get("status") != "ok"]
-        if bad:
-            print(
-                f"error: dry run: {len(bad)} flash record(s) failed, first: {bad[0].get('status')}",
-                file=sys.stderr,
-            )
-            return 1
+    # the plumbing check exists to run our kernel: its failure fails the check
+    ours = [r for r in results.lists["kernel"] if r["provider"] == "flash-decode"]
+    ours += [r for r in results.lists["e2e"] if r.get("backend") == "flash"]
+    if args.dry_run and (bad := [r for r in ours if r.get("status") != "ok"]):
+        return common.error(f"dry run: {len(bad)} flash record(s) failed, first: {bad[0].get('status')}", 1)
     return 0
 
 

@@ -274,8 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs = collect(sweep, args.warmup_frac)
     except common.RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return common.error(str(exc))
     md = markdown(runs, sweep, args.warmup_frac)
     print(md)
     report = (

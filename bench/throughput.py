@@ -265,8 +265,7 @@ def main(argv=None) -> int:
             try:
                 print(gaps_report(path, a.min_gap_us, a.top))
             except (OSError, ValueError) as e:  # includes json.JSONDecodeError and gzip's BadGzipFile
-                print(f"error: {path}: {e}", file=sys.stderr)
-                status = 2
+                status = common.error(f"{path}: {e}")
         return status
     if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
         p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
@@ -275,14 +274,12 @@ def main(argv=None) -> int:
     import torch
 
     if not a.allow_cpu and not torch.cuda.is_available():
-        print(
-            "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
+        return common.error(
+            "bench.throughput measures training on a CUDA GPU and none is visible; its default "
             "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
             "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
-            "--profile-steps 0 -- experiment=cpu_tiny",
-            file=sys.stderr,
+            "--profile-steps 0 -- experiment=cpu_tiny"
         )
-        return 2
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)

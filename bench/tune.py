@@ -441,11 +441,7 @@ def decode_search(a) -> int:
     print(results.save(complete=True))
     bad = [r for r in results.lists["records"] if r.get("status") != "ok"]
     if a.dry_run and bad:  # the plumbing check: every configuration must run and match
-        print(
-            f"error: dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}",
-            file=sys.stderr,
-        )
-        return 1
+        return common.error(f"dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}", 1)
     return 0
 
 
@@ -508,18 +504,15 @@ def main(argv=None) -> int:
             with override_tile_config(**{k: v for k, v in tiles.items() if k != "provider"}):
                 pass
         except ValueError as exc:
-            print(f"error: {text}: {exc}", file=sys.stderr)
-            return 2
+            return common.error(f"{text}: {exc}")
     if a.dry_run:
         a.device, a.dtype, a.gpu = torch.device("cpu"), torch.float32, None
     elif not torch.cuda.is_available():
-        print(
-            "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
+        return common.error(
+            "python -m bench.tune times CUDA kernels and needs a CUDA GPU "
             "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` checks "
-            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
-            file=sys.stderr,
+            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline."
         )
-        return 2
     else:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
     if a.decode:
@@ -534,8 +527,7 @@ def main(argv=None) -> int:
         try:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return common.error(str(exc))
     a.timer = common.Timer(a.device, cpu_reps=1) if small else common.Timer(a.device)
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
     out_path = a.out or (

@@ -168,11 +168,7 @@ def main(argv=None) -> int:
     if dry:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
-        print(
-            "error: bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run",
-            file=sys.stderr,
-        )
-        return 2
+        return common.error("bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run")
     device = torch.device("cpu" if dry else "cuda")
     timer = common.Timer(device)
     masks = ["causal"] + [f"window{w}" for w in args.windows] + ["docs"]
