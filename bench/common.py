@@ -78,6 +78,10 @@ def error(message: str, status: int = 2) -> int:
     return status
 
 
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def environment(device: torch.device) -> dict:
     """Versions and device facts of a results file (no hostname)."""
     import triton
@@ -366,7 +370,7 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
         try:
             obj = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
-            print(f"warning: {path}:{lineno}: unparsable JSON line skipped", file=sys.stderr)
+            warn(f"{path}:{lineno}: unparsable JSON line skipped")
             continue
         if isinstance(obj, dict):
             rows.append(obj)
