@@ -525,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--device cuda but no CUDA device; use --dry-run (CPU) or a CUDA machine")
     small = device.type != "cuda"  # CPU: tiny dry-run shapes unless given
     if small and not a.dry_run:
-        print("[bench] no CUDA device: running the CPU dry-run configuration", file=sys.stderr)
+        common.log("[bench] no CUDA device: running the CPU dry-run configuration")
     if small:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
     a.out = a.out or ("outputs/bench" if small else "bench/results")

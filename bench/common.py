@@ -72,14 +72,15 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 
 
+def log(message: str) -> None:
+    """A line on stderr: progress, warnings and errors (stdout holds the records and tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def error(message: str, status: int = 2) -> int:
-    """Print "error: <message>" on stderr and return `status` (2: bad input or no GPU)."""
-    print(f"error: {message}", file=sys.stderr)
+    """Log "error: <message>" and return `status` (2: bad input or no GPU)."""
+    log(f"error: {message}")
     return status
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
 
 
 def environment(device: torch.device) -> dict:
@@ -370,7 +371,7 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
         try:
             obj = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
-            warn(f"{path}:{lineno}: unparsable JSON line skipped")
+            log(f"warning: {path}:{lineno}: unparsable JSON line skipped")
             continue
         if isinstance(obj, dict):
             rows.append(obj)

@@ -259,9 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, diff in diffs.items():
         if diff:
             what = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in diff.items())
-            common.warn(
-                f"{label} and the reference {ref.label} differ in config ({what}); the curves differ for "
-                "more than the attention backend"
+            common.log(
+                f"warning: {label} and the reference {ref.label} differ in config ({what}); the curves "
+                "differ for more than the attention backend"
             )
     statuses, unfinished = {}, {}
     for r in runs:
@@ -270,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if statuses[r.label] in common.UNFINISHED_STATUSES:
             unfinished[r.label] = note or "still running (a live process holds its run directory)"
         elif statuses[r.label] != "ok":  # diverged, oom or interrupted: it stops early
-            common.warn(f"{r.label} ended with status {status!r}; only its logged steps are compared")
+            common.log(f"warning: {r.label} ended with status {status!r}; only its logged steps are compared")
     checked = args.tolerance is not None or args.val_tolerance is not None
     results, failures, not_checked = [], [], []
     for run in others:

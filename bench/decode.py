@@ -173,7 +173,7 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
         copies[:] = copies or common.l2_copies(q, k, v)
         return common.graph_ms(fn, copies, timer)
 
-    records, seconds = [], []
+    records, seconds, graphs = [], [], graph_ms if args.graphs and device.type == "cuda" else None
     for p in args.providers:
         t0 = time.perf_counter()
         rec = dict(shape, provider=p, kv_bytes=kv_bytes)
@@ -185,19 +185,14 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err is not None and err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                timed = time_call(
-                    fn, (q, k, v), timer, graph_ms if args.graphs and device.type == "cuda" else None
-                )
+                timed = time_call(fn, (q, k, v), timer, graphs)
                 rec.update(status="ok", **timed, gbs=kv_bytes / (timed["ms"] * 1e-3) / 1e9)
         except Exception as e:  # noqa: BLE001 - a backend that cannot run (or runs out of memory) is a result
             rec["status"] = common.failure(e)
         records.append(rec)
         seconds.append(f"{p} {time.perf_counter() - t0:.1f}")
         print(json.dumps(rec), flush=True)
-    print(
-        f"[bench.decode] d={d} group={group} batch={b} context={ctx}: seconds " + ", ".join(seconds),
-        file=sys.stderr,
-    )
+    common.log(f"[bench.decode] d={d} group={group} batch={b} context={ctx}: seconds {', '.join(seconds)}")
     return records
 
 
@@ -251,19 +246,16 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
             "",
         ]
     calls, ceiling = meta.get("graph_calls", 1), meta["copy_ceiling_gbs"]
-    eager_only = meta.get("eager_only_ms") if meta.get("graphs") else None
+    eager_only, tail = meta.get("eager_only_ms") if meta.get("graphs") else None, "."
+    if eager_only is not None:
+        tail = f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
+        tail += "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
     lines += [
         f"Copy ceiling: {ceiling:.0f} GB/s. Cells: ms / GB/s of K/V read (fraction of the ceiling). Where "
         f"the JSON's `timing` says cuda_graph, ms = replay time of one CUDA graph of {calls} back-to-back "
         f"calls / {calls} (kernel time, graph launch shared; the calls cycle through copies of the inputs "
         "spanning twice the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms "
-        "of eager calls"
-        + (
-            f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
-            "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
-            if eager_only is not None
-            else "."
-        ),
+        f"of eager calls{tail}",
         "",
     ]
 
@@ -294,18 +286,15 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         for r in e2e:
             cb, n, speed = r.get("compile_backend"), r.get("recompiles"), [r["status"], ""]
             note = (
-                [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
-                if cb not in (None, "inductor")
-                else []
+                [] if cb in (None, "inductor") else [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
             )
             note += [f"{n} graph(s) compiled inside the timed run"] if n else []
             if r["status"] == "ok":
                 speed = [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
             mode = r.get("mode", "static" if r["static_decode"] else "eager")  # older files: no mode
             rows.append([r["backend"], mode, r["batch"], *speed, "; ".join(note)])
-        lines += common.md_table(
-            ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"], rows, "---"
-        )
+        head = ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"]
+        lines += common.md_table(head, rows, "---")
     return "\n".join(lines) + "\n"
 
 
@@ -408,10 +397,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             results.add("e2e", [rec := e2e_record(args, device, dtype, backend, mode, b)])
             print(json.dumps(rec), flush=True)
-            print(
-                f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s",
-                file=sys.stderr,
-            )
+            common.log(f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s")
     print(results.save(complete=True))
     # the plumbing check exists to run our kernel: its failure fails the check
     ours = [r for r in results.lists["kernel"] if r["provider"] == "flash-decode"]

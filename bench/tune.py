@@ -414,9 +414,7 @@ def decode_search(a) -> int:
     for key, value in (DRY_DECODE_GRID if a.dry_run else DECODE_GRID).items():
         setattr(a, key, getattr(a, key) or value)
     a.kv_heads = a.kv_heads or (2 if a.dry_run else 8)
-    a.timer = (
-        common.Timer(a.device, cpu_reps=1) if a.dry_run else common.Timer(a.device, warmup_ms=10, rep_ms=40)
-    )
+    a.timer = common.Timer(a.device, warmup_ms=10, rep_ms=40, cpu_reps=1)  # CPU (dry run): one timed call
     timing = "CPU dry run: median of 1 eager call after a warm-up"
     if not a.dry_run:
         timing = f"CUDA graph of {common.GRAPH_CALLS} calls cycling through L2-spanning K/V copies, "
@@ -434,10 +432,7 @@ def decode_search(a) -> int:
         t0 = time.perf_counter()
         results.add("records", decode_shape(a, d, b, ctx))
         common.free_memory(a.device)
-        print(
-            f"[bench.tune --decode] d={d} batch={b} context={ctx}: {time.perf_counter() - t0:.1f} s",
-            file=sys.stderr,
-        )
+        common.log(f"[bench.tune --decode] d={d} batch={b} context={ctx}: {time.perf_counter() - t0:.1f} s")
     print(results.save(complete=True))
     bad = [r for r in results.lists["records"] if r.get("status") != "ok"]
     if a.dry_run and bad:  # the plumbing check: every configuration must run and match
@@ -528,7 +523,7 @@ def main(argv=None) -> int:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
             return common.error(str(exc))
-    a.timer = common.Timer(a.device, cpu_reps=1) if small else common.Timer(a.device)
+    a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
     out_path = a.out or (
         None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
