@@ -62,11 +62,8 @@ def error_text(summary: dict, status: str) -> str | None:
 
 def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> dict:
     """One run's row: backend, seq_len, status and the figures of the module docstring."""
-    cfg, summary, rows = (
-        common.read_config(run_dir),
-        common.read_summary(run_dir),
-        common.read_metrics(run_dir),
-    )
+    cfg, summary = common.read_config(run_dir), common.read_summary(run_dir)
+    rows = common.read_metrics(run_dir)
     status = str(summary.get("status", "no summary" if not summary else "unknown"))
     true, killed_note = common.run_status(run_dir, summary)  # a dead "running" run is "killed"
     status = str(true) if killed_note is not None else status
@@ -75,21 +72,15 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     def figure(name: str, key: str, summary_key: str, fallback: str) -> float | None:
         """summary.json's figure (NaN kept: a non-finite run), else `fallback` of the logged values."""
         v = summary.get(summary_key)
-        if (
-            isinstance(v, (int, float))
-            and not isinstance(v, bool)
-            and (fallback != "max" or common.finite(v))
-        ):
+        if common.finite(v) or (fallback != "max" and isinstance(v, float)):  # NaN or inf: a float
             sources[name] = "summary.json"
             return float(v)
         logged = list(common.series(rows, key).values())
-        if fallback == "max":
-            logged = [v for v in logged if common.finite(v)]
-        value = {
-            "median": lambda: post_warmup_median(logged, warmup_frac),
-            "max": lambda: max(logged, default=None),
-            "last": lambda: logged[-1] if logged else None,
-        }[fallback]()
+        if fallback == "median":
+            value = post_warmup_median(logged, warmup_frac)
+        else:  # the largest finite value, or the last
+            logged = [v for v in logged if fallback == "last" or common.finite(v)]
+            value = (max(logged) if fallback == "max" else logged[-1]) if logged else None
         if value is not None:
             sources[name] = f"metrics.jsonl {fallback}"
         return value

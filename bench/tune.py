@@ -394,22 +394,16 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
         for key in sorted({(r["block_n"], r["warps"], r["stages"]) for r in sweep}):
             row = {r["splits_requested"]: r for r in sweep if (r["block_n"], r["warps"], r["stages"]) == key}
             rows.append([*key, *(cell(row.get(c), c) for c in cols)])
-        lines += [
-            *common.md_table(["block_n", "warps", "stages", *(f"s={c}" for c in cols)], rows, "---"),
-            "",
-        ]
+        head = ["block_n", "warps", "stages", *(f"s={c}" for c in cols)]
+        lines += [*common.md_table(head, rows, "---"), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def decode_search(a) -> int:
     """The decode tile search over DECODE_SHAPES (or the product of --dims, --batches, --contexts)."""
-    default = DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES
-    shapes = list(default)
-    if (a.dims, a.batches, a.contexts) != (None, None, None):
-        first = default[0]
-        shapes = list(
-            itertools.product(a.dims or [first[0]], a.batches or [first[1]], a.contexts or [first[2]])
-        )
+    shapes = list(default := DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)
+    if (given := (a.dims, a.batches, a.contexts)) != (None, None, None):  # the first shape's for the others
+        shapes = list(itertools.product(*(x or [y] for x, y in zip(given, default[0], strict=True))))
     a.prune = a.splits is None and not a.dry_run  # splits given by the user are swept as given
     for key, value in (DRY_DECODE_GRID if a.dry_run else DECODE_GRID).items():
         setattr(a, key, getattr(a, key) or value)
