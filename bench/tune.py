@@ -42,7 +42,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -87,11 +86,6 @@ def cfg_fields(cfg) -> list:
     return out + [cfg_fields(cfg.no_tma)] if cfg.no_tma is not None else out
 
 
-def _bad_input(message: str) -> NoReturn:
-    print(message, file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_configs(text: str) -> list:
     """'BMxBNxWARPSxSTAGES[t],...' -> [TileConfig, ...]; exits 2 naming a malformed item."""
     from kernels import TileConfig
@@ -100,7 +94,8 @@ def parse_configs(text: str) -> list:
     for item in (x.strip() for x in text.split(",")):
         parts = item.removesuffix("t").split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+            message = f"tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)"
+            raise SystemExit(common.error(message))
         cfgs.append(TileConfig(*map(int, parts), tma=item.endswith("t")))
     return cfgs
 
@@ -113,18 +108,15 @@ def parse_plan(text: str) -> dict:
     if text.startswith("provider:"):
         name = text.partition(":")[2]
         if not name or "+" in name or "=" in name:
-            _bad_input(
-                f"error: plan {text!r}: provider:NAME takes one provider of bench.attention and no tiles"
-            )
+            message = f"plan {text!r}: provider:NAME takes one provider of bench.attention and no tiles"
+            raise SystemExit(common.error(message))
         return {"provider": name}
     plan = {}
     for part in text.split("+"):
         key, _, cfg = part.partition("=")
         if key not in PLAN_KEYS or not cfg:
-            _bad_input(
-                f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG (joined by '+') or "
-                "provider:NAME"
-            )
+            expected = "default, fwd=CFG, dkdv=CFG, dq=CFG (joined by '+') or provider:NAME"
+            raise SystemExit(common.error(f"plan part {part!r}: expected {expected}"))
         plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
     return plan
 
