@@ -17,7 +17,6 @@ steps. Writes OUT.json (after every cell), OUT.md and OUT.png.
 
 from __future__ import annotations
 
-import argparse
 import pickle
 import re
 import shlex
@@ -171,9 +170,7 @@ def plot(path: Path, cells: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.peer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = throughput.cell_parser("peer", __doc__, timeout=900)
     p.add_argument("--peer", type=Path, required=True, help="the peer's train.py (nanoGPT's), run as it is")
     p.add_argument(
         "--seq-lens", type=common.ints(), default=[1024, 8192], help="comma list (default 1024,8192)"
@@ -182,31 +179,18 @@ def main(argv=None) -> int:
         "--bias", choices=("on", "off", "both"), default="both", help="model biases (default both)"
     )
     p.add_argument("--attention", default="flash", help="our backend (default flash)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per cell before it is stopped")
-    p.add_argument("--out", default="outputs/peer", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default="outputs/peer_runs", help="our run folders (%(default)s)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
-    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    p.set_defaults(profile_steps=0, log_interval=1)  # what bench.throughput's cell command reads
     a = p.parse_args(argv)
     a.peer = a.peer.expanduser().resolve()
     missing = [f for f in PEER_FILES if not (a.peer.parent / f).is_file()]
     if a.peer.name != "train.py" or missing:
         p.error(f"--peer {a.peer}: give nanoGPT's train.py, beside its {', '.join(PEER_FILES[1:])}")
-    if a.steps <= a.warmup:
-        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
+    if status := throughput.check_cells(p, a, try_out):
+        return status
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not a.allow_cpu:
-        p.exit(
-            2,
-            "error: bench.peer measures training on a CUDA GPU and none is visible; for a try-out on a "
-            "CPU pass --allow-cpu with tiny cells, e.g. --allow-cpu --attention sdpa --seq-lens 64 "
-            "--steps 4 --warmup 1 -- experiment=cpu_tiny\n",
-        )
-    a.profile_steps, a.log_interval = 0, 1  # what bench.throughput's cell command reads
     env = common.environment(torch.device(device))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     meta = env | dict(gpu=env["gpu"] or "cpu", commit=commit.stdout.strip() or "unknown", peer=str(a.peer))

@@ -231,33 +231,58 @@ def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
     )
 
 
-def main(argv=None) -> int:
+def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:
+    """The arguments of the tools that run train.py cells (this one and bench.peer): run length, time limit,
+    where results and run folders go, the CPU opt-in and the user's train.py overrides (after --)."""
     p = argparse.ArgumentParser(
-        prog="python -m bench.throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=f"python -m bench.{prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")
+    p.add_argument("--out", default=f"outputs/{prog}", help="results prefix: OUT.json, OUT.md, OUT.png")
+    p.add_argument("--runs-dir", default=f"outputs/{prog}_runs", help="run folders (%(default)s)")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
+    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    return p
+
+
+def check_cells(p: argparse.ArgumentParser, a, try_out: str) -> int | None:
+    """Usage errors (exit 2) for a --timeout or --steps that measures nothing; without CUDA and --allow-cpu,
+    2 with an error naming a CPU try-out (`try_out`: its arguments); else None."""
+    if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
+        p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
+    if a.steps <= a.warmup + a.profile_steps:
+        left_out = "--warmup + --profile-steps" if a.profile_steps else "--warmup"
+        p.error(f"--steps ({a.steps}) must exceed {left_out} ({a.warmup + a.profile_steps})")
+    import torch
+
+    if not a.allow_cpu and not torch.cuda.is_available():
+        tool = p.prog.removeprefix("python -m ")
+        return common.error(
+            f"{tool} measures training on a CUDA GPU and none is visible; its default cells train "
+            f"GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu with tiny "
+            f"cells, e.g. --allow-cpu {try_out}"
+        )
+    return None
+
+
+def main(argv=None) -> int:
+    p = cell_parser("throughput", __doc__, timeout=600)
     p.add_argument("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
     p.add_argument(
         "--seq-lens", type=common.ints(), default=[1024, 4096, 8192, 16384, 32768], help="comma list"
     )
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
     p.add_argument("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per cell before it is stopped")
     p.add_argument(
         "--naive-up-to", type=int, help="naive only up to this seq_len (its N^2 scores run out of memory)"
     )
-    p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default="outputs/throughput_runs", help="run folders (%(default)s)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
     p.add_argument("--gaps", nargs="+", type=Path, metavar="TRACE", help="analyse these traces instead")
     p.add_argument("--top", type=int, default=15, help="--gaps: rows per table (default 15)")
     p.add_argument(
         "--min-gap-us", type=float, default=2.0, help="--gaps: shorter gaps are ignored (default 2)"
     )
-    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = p.parse_args(argv)
     if a.gaps:
         status = 0
@@ -267,19 +292,11 @@ def main(argv=None) -> int:
             except (OSError, ValueError) as e:  # includes json.JSONDecodeError and gzip's BadGzipFile
                 status = common.error(f"{path}: {e}")
         return status
-    if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
-        p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
-    if a.steps <= a.warmup + a.profile_steps:
-        p.error(f"--steps ({a.steps}) must exceed --warmup + --profile-steps ({a.warmup + a.profile_steps})")
+    try_out = "--backends naive --seq-lens 64 --steps 4 --warmup 1 --profile-steps 0 -- experiment=cpu_tiny"
+    if status := check_cells(p, a, try_out):
+        return status
     import torch
 
-    if not a.allow_cpu and not torch.cuda.is_available():
-        return common.error(
-            "bench.throughput measures training on a CUDA GPU and none is visible; its default "
-            "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
-            "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
-            "--profile-steps 0 -- experiment=cpu_tiny"
-        )
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)
