@@ -163,16 +163,10 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
     head = ["run", "backend", "seq_len", "status", *(t for _, t, _ in METRICS), "final val loss", "steps"]
     lines += common.md_table(head, rows, "---")
     if failed := [r for r in runs if r["status"] != "ok"]:
-        rows = [
-            [r["run"], r["backend"], seq(r), r["status"], (r["error"] or "—").replace("|", "\\|")]
-            for r in failed
-        ]
-        lines += [
-            "",
-            "## Failed runs",
-            "",
-            *common.md_table(["run", "backend", "seq_len", "status", "error"], rows, "---"),
-        ]
+        error = lambda r: (r["error"] or "—").replace("|", "\\|")
+        rows = [[r["run"], r["backend"], seq(r), r["status"], error(r)] for r in failed]
+        head = ["run", "backend", "seq_len", "status", "error"]
+        lines += ["", "## Failed runs", "", *common.md_table(head, rows, "---")]
     backends, seqs = backends_of(runs), sorted({r["seq_len"] for r in runs if r["seq_len"] is not None})
     cell = lambda r, key, fmt: status(r) if r["status"] != "ok" else _fmt(r, key, fmt)
     for key, title, fmt in METRICS:
@@ -280,10 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         written.append(plot(runs, png, title=f"sweep {sweep.resolve().name}"))
     except OSError as exc:
         left = [n for n in ("report.md", "report.json", png.name) if out / n not in written]
-        print(
+        common.log(
             f"note: could not write {', '.join(left)} in {out} ({exc.strerror or exc}); the report above is "
-            "complete; pass --out DIR to write the files elsewhere",
-            file=sys.stderr,
+            "complete; pass --out DIR to write the files elsewhere"
         )
     if written:
         print("wrote " + ", ".join(map(str, written)))

@@ -190,11 +190,12 @@ def _tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / ms / 1e9
 
 
-def _record(a, shape: Shape, **fields) -> dict:
-    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return dict(
-        d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__, date=date
-    )
+def _write(out, a, shape: Shape, **fields) -> None:
+    """One JSON line to `out`: the shape, `fields`, the GPU, torch and the time."""
+    rec = dict(d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__)
+    rec["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
 
 
 def _progress(items, desc: str):
@@ -232,14 +233,12 @@ def search(a, out) -> None:
                 else:
                     _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
                 tag = "default" if i == 0 else "candidate"
-                rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err)
-                rec["tflops"] = _tflops(flops, ms)
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+                tflops = _tflops(flops, ms)
+                _write(out, a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err, tflops=tflops)
                 if ms is not None:
                     rows.append((ms, i, plan))
                 if a.configs is not None or kernel == "bwd":
-                    result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
+                    result = f"{ms:.3f} ms ({tflops:.0f} TF/s)" if err is None else err
                     print(f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}")
             if not rows:
                 print(f"{kernel:8s} {shape.describe()}: no candidate ran")
@@ -287,9 +286,7 @@ def ab(a, out) -> None:
                 line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
             print(line)
             if out is not None:
-                rec = _record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+                _write(out, a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
         del shape
         common.free_memory(a.device)
 

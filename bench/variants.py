@@ -51,13 +51,8 @@ def make_attention(provider: str, mask: str, n: int, doc_ids, device, b: int, co
     if provider == "flash":
         from kernels import flash_attention
 
-        kw = (
-            dict(window=int(mask[6:]))
-            if mask.startswith("window")
-            else dict(doc_ids=doc_ids)
-            if mask == "docs"
-            else {}
-        )
+        kw = dict(window=int(mask[6:])) if mask.startswith("window") else {}
+        kw |= dict(doc_ids=doc_ids) if mask == "docs" else {}
         return lambda q, k, v: flash_attention(q, k, v, causal=True, **kw)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
