@@ -118,14 +118,12 @@ class ShapeInputs:
 def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool, softcap=None) -> ShapeInputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     pairs = check_pairs(b, h)
+    picked = [take_pairs(t, pairs) for t in (q, k, v, do)]
+    chunk = max(1, min(1024, (1 << 26) // max(1, len(pairs) * n)))  # float32 scores of 256 MiB at most
     ref_o, ref_grads = chunked_causal_reference(
-        *(take_pairs(t, pairs) for t in (q, k, v)),
-        take_pairs(do, pairs) if need_grads else None,
-        chunk=max(1, min(1024, (1 << 26) // max(1, len(pairs) * n))),
-        softcap=softcap,
+        *picked[:3], picked[3] if need_grads else None, chunk=chunk, softcap=softcap
     )
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
 
@@ -454,12 +452,8 @@ def read_for_merge(path: Path) -> tuple[list[dict], dict]:
 
 def merge_clash(previous_meta: dict, meta: dict) -> str | None:
     """The table-wide settings that differ between an existing file and this invocation, or None."""
-    diffs = [
-        f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})"
-        for k in MERGE_MUST_MATCH
-        if k in previous_meta and previous_meta[k] != meta.get(k)
-    ]
-    return ", ".join(diffs) or None
+    diffs = [k for k in MERGE_MUST_MATCH if k in previous_meta and previous_meta[k] != meta.get(k)]
+    return ", ".join(f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})" for k in diffs) or None
 
 
 def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:

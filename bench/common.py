@@ -236,9 +236,8 @@ def sdpa(backend: str | None, causal: bool = False) -> Callable:
 
     def call(q, k, v):
         with sdpa_kernel(pinned) if pinned else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            gqa = q.shape[1] != k.shape[1]  # fewer k, v heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     return call
 

@@ -154,15 +154,12 @@ def markdown(meta: dict, cells: list[dict]) -> str:
 
 def plot(path: Path, cells: list[dict]) -> None:
     fig, axes = common.subplots(1, 1)
-    ax = axes[0][0]
+    ax, ok = axes[0][0], [c for c in cells if c["status"] == "ok"]
     for who in ("flashgpt", "peer"):
         for bias, style in ((True, "-o"), (False, "--s")):
-            pts = sorted(
-                (c["seq_len"], c["tokens_per_sec"])
-                for c in cells
-                if c["who"] == who and c["bias"] == bias and c["status"] == "ok"
-            )
-            if pts:
+            if pts := sorted(
+                (c["seq_len"], c["tokens_per_sec"]) for c in ok if (c["who"], c["bias"]) == (who, bias)
+            ):
                 ax.plot(*zip(*pts, strict=True), style, label=f"{who}, biases {'on' if bias else 'off'}")
     ax.set(xlabel="seq_len", ylabel="tokens/sec")
     common.finish_axes(ax, [c["seq_len"] for c in cells])

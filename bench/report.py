@@ -185,15 +185,13 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
 def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
     """tokens/sec, peak GiB and MFU % vs seq_len; failed runs as 'x' at the top of each panel."""
     backends = backends_of(runs)
+    known = sorted((r for r in runs if r["seq_len"] is not None), key=lambda r: r["seq_len"])
     fig, axes = common.subplots(1, 3, w=5.2, h=4.0)
     panels = (("tokens_per_sec", "tokens / sec"), ("peak_gib", "peak memory, GiB"), ("mfu_pct", "MFU, %"))
     for ax, (key, ylabel) in zip(axes[0], panels, strict=True):
         failed = []
         for c, b in enumerate(backends):
-            mine = sorted(
-                (r for r in runs if r["backend"] == b and r["seq_len"] is not None),
-                key=lambda r: r["seq_len"],
-            )
+            mine = [r for r in known if r["backend"] == b]
             if ok := [(r["seq_len"], r[key]) for r in mine if r["status"] == "ok" and common.finite(r[key])]:
                 ax.plot(*zip(*ok, strict=True), marker="o", ms=4, label=b, color=f"C{c % 10}")
             for st in dict.fromkeys(r["status"] for r in mine if r["status"] != "ok"):
@@ -201,7 +199,7 @@ def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
                 failed.append((xs, f"{b} {'OOM' if st == 'oom' else st}", f"C{c % 10}"))
         ax.set(xlabel="seq_len (tokens)", ylabel=ylabel)
         ax.set_ylim(bottom=0)
-        common.finish_axes(ax, sorted({r["seq_len"] for r in runs if r["seq_len"] is not None}), failed)
+        common.finish_axes(ax, [r["seq_len"] for r in known], failed)
     return common.save_figure(fig, path, title)
 
 

@@ -159,10 +159,8 @@ def gaps(events: list[dict], min_gap_us: float = 2.0) -> dict:
     """Gaps between device events and their host context (module docstring): span_us, busy_us, gap_us,
     host_caused_us, by_context [(outer, inner, us, count)], by_kernel [(name, us)], gaps [(us, at_us, next
     event, outer, inner, host_caused)], each largest first. ValueError when there are no device events."""
-    dev = sorted(
-        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-        key=lambda e: e["ts"],
-    )
+    on_device = ("kernel", "gpu_memcpy", "gpu_memset")
+    dev = sorted((e for e in events if e.get("cat") in on_device and "dur" in e), key=lambda e: e["ts"])
     if not dev:
         raise ValueError("no device events in the trace (profiled on a CPU?)")
     runtime = ("cuda_runtime", "cuda_driver")
