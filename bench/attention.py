@@ -118,14 +118,12 @@ class ShapeInputs:
 def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool, softcap=None) -> ShapeInputs:
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, do = (torch.randn(b, h, n, d, device=device, dtype=dtype, generator=gen) for _ in range(4))
-    for t in (q, k, v):
-        t.requires_grad_(True)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     pairs = check_pairs(b, h)
+    picked = [take_pairs(t, pairs) for t in (q, k, v, do)]
+    chunk = max(1, min(1024, (1 << 26) // max(1, len(pairs) * n)))  # float32 scores of 256 MiB at most
     ref_o, ref_grads = chunked_causal_reference(
-        *(take_pairs(t, pairs) for t in (q, k, v)),
-        take_pairs(do, pairs) if need_grads else None,
-        chunk=max(1, min(1024, (1 << 26) // max(1, len(pairs) * n))),
-        softcap=softcap,
+        *picked[:3], picked[3] if need_grads else None, chunk=chunk, softcap=softcap
     )
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
 
@@ -204,15 +202,11 @@ def bench_provider(
     for m in modes:
         t = ms[m] if status[m] == "ok" else None
         errs = [e for x, e in errors.items() if m != "fwd" or x == "o"]
-        records.append(
-            dict(provider=name, N=n, d=d, B=b, H=h, mode=m, ms_median=t)
-            | dict(tflops=attention_flops(b, h, n, d, m) / (t * 1e9) if t and t > 0 else None)
-            | dict(
-                peak_gib=peak[0], peak_extra_gib=peak[1], peak_of=peak[0] and ("fwdbwd" if bwd_ok else "fwd")
-            )
-            | dict(status=status[m], max_abs_err=max(errs) if errs else None, errors=dict(errors))
-            | dict(tolerance={"o_abs": tol_o, "grad_rel": tol_g})
-        )
+        rec = dict(provider=name, N=n, d=d, B=b, H=h, mode=m, ms_median=t)
+        rec["tflops"] = attention_flops(b, h, n, d, m) / (t * 1e9) if t and t > 0 else None
+        rec |= dict(peak_gib=peak[0], peak_extra_gib=peak[1], peak_of=peak[0] and ("fwd", "fwdbwd")[bwd_ok])
+        rec |= dict(status=status[m], max_abs_err=max(errs) if errs else None, errors=dict(errors))
+        records.append(rec | dict(tolerance={"o_abs": tol_o, "grad_rel": tol_g}))
     return records
 
 
@@ -222,33 +216,22 @@ def run_benchmark(
     """Every (d, N, provider) of `run` (seqlens, headdims, providers, modes, tokens, hidden, seed): inputs and
     reference built once per shape; an allocation that fails marks every provider of the shape.
     `on_shape_done(records)` after each shape (partial results are saved)."""
-    inject, modes, records = inject or {}, run["modes"], []
+    inject, modes, records, softcap = inject or {}, run["modes"], [], run.get("softcap")
+    kw = dict(device=device, dtype=dtype, need_grads=any(m != "fwd" for m in modes))
     for d, n in ((d, n) for d in run["headdims"] for n in run["seqlens"]):
         b, h = shape_for(run["tokens"], run["hidden"], n, d)
         log(f"[bench] N={n} d={d} B={b} H={h}")
         try:
-            seed, need_grads = run["seed"] + 7919 * n + d, any(m != "fwd" for m in modes)
-            inp = make_inputs(
-                b,
-                h,
-                n,
-                d,
-                device=device,
-                dtype=dtype,
-                seed=seed,
-                need_grads=need_grads,
-                softcap=run.get("softcap"),
-            )
+            inp = make_inputs(b, h, n, d, seed=run["seed"] + 7919 * n + d, softcap=softcap, **kw)
         except Exception as exc:
-            none = dict(ms_median=None, tflops=None, peak_gib=None, peak_extra_gib=None, max_abs_err=None)
-            status = common.failure(exc)
-            shape = dict(N=n, d=d, B=b, H=h, status=status, **none)
+            none = dict.fromkeys(("ms_median", "tflops", "peak_gib", "peak_extra_gib", "max_abs_err"))
+            shape = dict(N=n, d=d, B=b, H=h, status=common.failure(exc), **none)
             records += [dict(provider=p, mode=m, **shape) for p in run["providers"] for m in modes]
         else:
             for p in run["providers"]:
 
                 def factory(p=p, n=n):
-                    fn = common.build_provider(p, n=n, device=device, softcap=run.get("softcap"))
+                    fn = common.build_provider(p, n=n, device=device, softcap=softcap)
                     return inject_failure(fn, inject[p]) if p in inject else fn
 
                 recs = bench_provider(p, factory, inp, modes=modes, timer=timer, tol=tol)
@@ -393,11 +376,8 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
     per provider, failures marked at the top of the panel."""
     idx = {(r["provider"], r["N"], r["d"], r["mode"]): r for r in records}
     providers = list(dict.fromkeys(r["provider"] for r in records))
-    ds, ns, modes = (
-        sorted({r["d"] for r in records}) or [0],
-        sorted({r["N"] for r in records}),
-        _table_modes(records),
-    )
+    ds, ns = sorted({r["d"] for r in records}) or [0], sorted({r["N"] for r in records})
+    modes = _table_modes(records)
     panels = modes + (["mem"] if any(r.get("peak_gib") is not None for r in records) else [])
     fig, axes = common.subplots(len(ds), len(panels))
     for i, d in enumerate(ds):
@@ -430,23 +410,14 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
 # ---------------------------------------------------------------------------------------- --merge
 
 INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "modes", "torch", "triton", "gpu")
-MERGE_MUST_MATCH = (
-    "device",
-    "gpu",
-    "dtype",
-    "tokens",
-    "hidden",
-    "dry_run",
-    "softcap",
-)  # one table header holds them
+MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run", "softcap")  # in the table header
+# the types of what merging reads: a record's keys, the lists of the metadata and of each invocation
+RECORD_TYPES = dict(provider=str, mode=str, N=int, d=int)
+LIST_TYPES = dict(seqlens=int, headdims=int, providers=str, modes=str)
 
 
-def integers(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def strings(x) -> bool:
-    return isinstance(x, str)
+def _typed(x, t: type) -> bool:
+    return isinstance(x, t) and not isinstance(x, bool)
 
 
 def merge_records(old: Sequence[dict], new: Sequence[dict]) -> list[dict]:
@@ -467,27 +438,22 @@ def read_for_merge(path: Path) -> tuple[list[dict], dict]:
     if not isinstance(meta := data.get("metadata", {}), dict):
         raise ValueError('"metadata" must be an object')
     for r in data["records"]:
-        kinds = dict(provider=strings, mode=strings, N=integers, d=integers)
-        if not (isinstance(r, dict) and all(ok(r.get(key)) for key, ok in kinds.items())):
+        if not (isinstance(r, dict) and all(_typed(r.get(key), t) for key, t in RECORD_TYPES.items())):
             raise ValueError(f"a record needs provider, mode (strings), N, d (integers): {str(r)[:80]}")
     invocations = meta.get("invocations", [])
     if not isinstance(invocations, list) or not all(isinstance(i, dict) for i in invocations):
         raise ValueError('"metadata.invocations" must be a list of objects')
     for i in (meta, *invocations):
-        for key, ok in dict(seqlens=integers, headdims=integers, providers=strings, modes=strings).items():
-            if key in i and not (isinstance(i[key], list) and all(ok(x) for x in i[key])):
-                raise ValueError(f'metadata "{key}" must be a list of {ok.__name__}')
+        for key, t in LIST_TYPES.items():
+            if key in i and not (isinstance(i[key], list) and all(_typed(x, t) for x in i[key])):
+                raise ValueError(f'metadata "{key}" must be a list of {t.__name__}')
     return data["records"], meta
 
 
 def merge_clash(previous_meta: dict, meta: dict) -> str | None:
     """The table-wide settings that differ between an existing file and this invocation, or None."""
-    diffs = [
-        f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})"
-        for k in MERGE_MUST_MATCH
-        if k in previous_meta and previous_meta[k] != meta.get(k)
-    ]
-    return ", ".join(diffs) or None
+    diffs = [k for k in MERGE_MUST_MATCH if k in previous_meta and previous_meta[k] != meta.get(k)]
+    return ", ".join(f"{k}={previous_meta[k]!r} (now {meta.get(k)!r})" for k in diffs) or None
 
 
 def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
@@ -495,12 +461,8 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
     itself), less those whose every (N, d, provider, mode) this one measured again, then this one."""
 
     def cells(m: dict) -> set:
-        keys = ("seqlens", "headdims", "providers")
-        return {
-            (*c, mode)
-            for c in itertools.product(*(m.get(k) or () for k in keys))
-            for mode in m.get("modes") or MODES
-        }
+        lists = [m.get(k) or () for k in ("seqlens", "headdims", "providers")]
+        return set(itertools.product(*lists, m.get("modes") or MODES))
 
     earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
     kept = [m for m in earlier if not (cells(m) and cells(m) <= cells(meta))]
@@ -557,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--device cuda but no CUDA device; use --dry-run (CPU) or a CUDA machine")
     small = device.type != "cuda"  # CPU: tiny dry-run shapes unless given
     if small and not a.dry_run:
-        print("[bench] no CUDA device: running the CPU dry-run configuration", file=sys.stderr)
+        common.log("[bench] no CUDA device: running the CPU dry-run configuration")
     if small:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels/ is imported
     a.out = a.out or ("outputs/bench" if small else "bench/results")
@@ -591,33 +553,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             previous, previous_meta = read_for_merge(path)
         except (OSError, ValueError) as exc:
-            print(
-                f"error: --merge: cannot read {path} ({exc}); fix or move it, or run without --merge",
-                file=sys.stderr,
+            return common.error(
+                f"--merge: cannot read {path} ({exc}); fix or move it, or run without --merge"
             )
-            return 2
     from kernels import interpret_enabled
 
     meta = dict(benchmark="bench.attention", device=device.type, **common.environment(device), dry_run=small)
-    meta |= dict(
-        cudnn=torch.backends.cudnn.version(), dtype=str(dtype)[6:], triton_interpret=interpret_enabled()
-    )
-    meta |= {
-        k: getattr(a, k)
-        for k in ("tag", "tokens", "hidden", "seqlens", "headdims", "providers", "modes", "seed", "softcap")
-    }
+    meta |= dict(cudnn=torch.backends.cudnn.version(), dtype=str(dtype)[6:])
+    keys = ("tag", "tokens", "hidden", "seqlens", "headdims", "providers", "modes", "seed", "softcap")
+    meta |= {k: getattr(a, k) for k in keys} | dict(triton_interpret=interpret_enabled())
     meta |= gluon_routes() | dict(timing=timer.describe(), tolerance={"o_abs": tol[0], "grad_rel": tol[1]})
     meta["flops"] = "fwd = 2*B*H*N^2*d (causal half of 4*B*H*N^2*d); bwd = 2.5*fwd; fwdbwd = 3.5*fwd"
     meta["check"] = "O and dQ/dK/dV vs the float32 reference on (batch, head) pairs from check_pairs(B, H)"
     meta["naive_impl"] = "model.attention.attention(backend='naive')" if "naive" in a.providers else None
     meta |= dict(injected_failures=inject or None, merged_with_previous=bool(previous), complete=False)
     if previous and (clash := merge_clash(previous_meta, meta)):
-        print(
-            f"error: --merge: {path} was measured with {clash}; one table must hold comparable rows: use "
-            "another --tag (or the same settings)",
-            file=sys.stderr,
+        return common.error(
+            f"--merge: {path} was measured with {clash}; one table must hold comparable rows: use another "
+            "--tag (or the same settings)"
         )
-        return 2
     if previous:
         meta["invocations"] = merged_invocations(previous_meta, meta)
     results = common.Results(path, meta, markdown, meta_key="metadata", records=[])
@@ -627,11 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return results.save(complete)
 
     print(save(run_benchmark(meta, device, dtype, timer, tol, inject, on_shape_done=save), complete=True))
-    png = plot(
-        results.lists["records"],
-        path.with_suffix(".png"),
-        f"causal attention, {meta['gpu'] or meta['device']}, {meta['dtype']}",
-    )
+    title = f"causal attention, {meta['gpu'] or meta['device']}, {meta['dtype']}"
+    png = plot(results.lists["records"], path.with_suffix(".png"), title)
     print(f"wrote {path}, {path.with_suffix('.md')}, {png}")
     return 0
 

@@ -72,6 +72,17 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
 DTYPES |= {"fp32": torch.float32, "float32": torch.float32}
 
 
+def log(message: str) -> None:
+    """A line on stderr: progress, warnings and errors (stdout holds the records and tables)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def error(message: str, status: int = 2) -> int:
+    """Log "error: <message>" and return `status` (2: bad input or no GPU)."""
+    log(f"error: {message}")
+    return status
+
+
 def environment(device: torch.device) -> dict:
     """Versions and device facts of a results file (no hostname)."""
     import triton
@@ -149,15 +160,12 @@ class Timer:
     def __call__(self, fn: Callable[[], object], grad_to_none: Sequence[torch.Tensor] | None = None) -> float:
         cuda = self.device.type == "cuda"
         if not cuda or self.slow_ms is not None:
-            self._once(
-                fn, grad_to_none
-            )  # warm-up (compilation, allocator); do_bench makes the same first call
-            times = [self._once(fn, grad_to_none)]
+            once = lambda: self._once(fn, grad_to_none)
+            once()  # warm-up (compilation, allocator); do_bench makes the same first call
+            times = [once()]
             if not cuda or times[0] >= self.slow_ms:
-                reps = self.slow_reps if cuda else self.cpu_reps
-                return float(
-                    statistics.median(times + [self._once(fn, grad_to_none) for _ in range(reps - 1)])
-                )
+                times += [once() for _ in range((self.slow_reps if cuda else self.cpu_reps) - 1)]
+                return float(statistics.median(times))
         from triton.testing import do_bench
 
         kw = dict(warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=grad_to_none, return_mode="median")
@@ -228,9 +236,8 @@ def sdpa(backend: str | None, causal: bool = False) -> Callable:
 
     def call(q, k, v):
         with sdpa_kernel(pinned) if pinned else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            gqa = q.shape[1] != k.shape[1]  # fewer k, v heads
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
     return call
 
@@ -363,7 +370,7 @@ def read_metrics(run_dir: str | Path, *, required: bool = False) -> list[dict]:
         try:
             obj = json.loads(line) if line.strip() else None
         except json.JSONDecodeError:
-            print(f"warning: {path}:{lineno}: unparsable JSON line skipped", file=sys.stderr)
+            log(f"warning: {path}:{lineno}: unparsable JSON line skipped")
             continue
         if isinstance(obj, dict):
             rows.append(obj)

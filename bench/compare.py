@@ -242,13 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if len(args.runs) < 2:
-        print("error: give at least two runs (the first is the reference)", file=sys.stderr)
-        return 2
+        return common.error("give at least two runs (the first is the reference)")
     try:
         runs = [load_run(r) for r in args.runs]
     except common.RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return common.error(str(exc))
     labels = [r.label for r in runs]
     for r in runs:  # duplicate labels made unique with the folder name
         if labels.count(r.label) > 1:
@@ -261,10 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, diff in diffs.items():
         if diff:
             what = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in diff.items())
-            print(
+            common.log(
                 f"warning: {label} and the reference {ref.label} differ in config ({what}); the curves "
-                "differ for more than the attention backend",
-                file=sys.stderr,
+                "differ for more than the attention backend"
             )
     statuses, unfinished = {}, {}
     for r in runs:
@@ -273,19 +270,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if statuses[r.label] in common.UNFINISHED_STATUSES:
             unfinished[r.label] = note or "still running (a live process holds its run directory)"
         elif statuses[r.label] != "ok":  # diverged, oom or interrupted: it stops early
-            print(
-                f"warning: {r.label} ended with status {status!r}; only its logged steps are compared",
-                file=sys.stderr,
-            )
+            common.log(f"warning: {r.label} ended with status {status!r}; only its logged steps are compared")
     checked = args.tolerance is not None or args.val_tolerance is not None
     results, failures, not_checked = [], [], []
     for run in others:
         res = compare_pair(ref, run, args.window)
         pair = list(dict.fromkeys((ref.label, run.label)))
         early = [lab for lab in pair if statuses[lab] != "ok" and lab not in unfinished]
-        res |= dict(
-            config_differences={k: list(v) for k, v in diffs[run.label].items()}, tolerance_checked=checked
-        )
+        res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
+        res["tolerance_checked"] = checked
         res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
         res["failures"] += [
             f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early if checked
@@ -305,17 +298,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(f"\nwrote {plot(ref, others, png, args.window)}")
     except OSError as exc:  # a colleague's runs, a read-only mount: the table above is the result
-        print(
+        common.log(
             f"note: could not write {png} ({exc.strerror or exc}); the table above is the result; pass "
-            "--out PNG to write the plot elsewhere",
-            file=sys.stderr,
+            "--out PNG to write the plot elsewhere"
         )
     if args.json:
-        passed = not failures and not not_checked
         out = dict(reference=dict(label=ref.label, path=str(ref.path)), window=args.window)
-        out |= dict(
-            tolerance=args.tolerance, val_tolerance=args.val_tolerance, results=results, passed=passed
-        )
+        out |= dict(tolerance=args.tolerance, val_tolerance=args.val_tolerance, results=results)
+        out["passed"] = not failures and not not_checked
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(_jsonable(out), indent=1) + "\n")
         print(f"wrote {args.json}")

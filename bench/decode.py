@@ -173,7 +173,7 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
         copies[:] = copies or common.l2_copies(q, k, v)
         return common.graph_ms(fn, copies, timer)
 
-    records, seconds = [], []
+    records, seconds, graphs = [], [], graph_ms if args.graphs and device.type == "cuda" else None
     for p in args.providers:
         t0 = time.perf_counter()
         rec = dict(shape, provider=p, kv_bytes=kv_bytes)
@@ -185,19 +185,14 @@ def bench_shape(args, device, timer, dtype, d: int, group: int, b: int, ctx: int
             if err is not None and err > 2 * math_err + 1e-3:
                 rec["status"] = f"mismatch: {err:.3g} (sdpa-math {math_err:.3g})"
             else:
-                timed = time_call(
-                    fn, (q, k, v), timer, graph_ms if args.graphs and device.type == "cuda" else None
-                )
+                timed = time_call(fn, (q, k, v), timer, graphs)
                 rec.update(status="ok", **timed, gbs=kv_bytes / (timed["ms"] * 1e-3) / 1e9)
         except Exception as e:  # noqa: BLE001 - a backend that cannot run (or runs out of memory) is a result
             rec["status"] = common.failure(e)
         records.append(rec)
         seconds.append(f"{p} {time.perf_counter() - t0:.1f}")
         print(json.dumps(rec), flush=True)
-    print(
-        f"[bench.decode] d={d} group={group} batch={b} context={ctx}: seconds " + ", ".join(seconds),
-        file=sys.stderr,
-    )
+    common.log(f"[bench.decode] d={d} group={group} batch={b} context={ctx}: seconds {', '.join(seconds)}")
     return records
 
 
@@ -251,19 +246,16 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
             "",
         ]
     calls, ceiling = meta.get("graph_calls", 1), meta["copy_ceiling_gbs"]
-    eager_only = meta.get("eager_only_ms") if meta.get("graphs") else None
+    eager_only, tail = meta.get("eager_only_ms") if meta.get("graphs") else None, "."
+    if eager_only is not None:
+        tail = f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
+        tail += "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
     lines += [
         f"Copy ceiling: {ceiling:.0f} GB/s. Cells: ms / GB/s of K/V read (fraction of the ceiling). Where "
         f"the JSON's `timing` says cuda_graph, ms = replay time of one CUDA graph of {calls} back-to-back "
         f"calls / {calls} (kernel time, graph launch shared; the calls cycle through copies of the inputs "
         "spanning twice the L2 cache, so K/V come from HBM; `ms_eager` there: called from Python), else ms "
-        "of eager calls"
-        + (
-            f" (cells marked e: calls of {eager_only:g} ms or more eagerly are not also timed as a graph, "
-            "since launch overhead is then a few percent at most and the cache far bigger than the L2)."
-            if eager_only is not None
-            else "."
-        ),
+        f"of eager calls{tail}",
         "",
     ]
 
@@ -292,24 +284,17 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         ]
         rows = []
         for r in e2e:
-            cb, n = r.get("compile_backend"), r.get("recompiles")
+            cb, n, speed = r.get("compile_backend"), r.get("recompiles"), [r["status"], ""]
             note = (
-                [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
-                if cb not in (None, "inductor")
-                else []
+                [] if cb in (None, "inductor") else [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
             )
-            note = "; ".join(note + ([f"{n} graph(s) compiled inside the timed run"] if n else []))
-            ok = r["status"] == "ok"
-            speed = (
-                [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
-                if ok
-                else [r["status"], ""]
-            )
+            note += [f"{n} graph(s) compiled inside the timed run"] if n else []
+            if r["status"] == "ok":
+                speed = [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]
             mode = r.get("mode", "static" if r["static_decode"] else "eager")  # older files: no mode
-            rows.append([r["backend"], mode, r["batch"], *speed, note])
-        lines += common.md_table(
-            ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"], rows, "---"
-        )
+            rows.append([r["backend"], mode, r["batch"], *speed, "; ".join(note)])
+        head = ["backend", "mode", "batch", "prefill tok/s", "decode tok/s", "note"]
+        lines += common.md_table(head, rows, "---")
     return "\n".join(lines) + "\n"
 
 
@@ -370,8 +355,7 @@ def main(argv=None) -> int:
         try:
             print(rewrite_report(Path(args.report)))
         except ValueError as e:
-            print(f"error: --report: {e}", file=sys.stderr)
-            return 2
+            return common.error(f"--report: {e}")
         return 0
     for key, value in (DRY_GRID if args.dry_run else GPU_GRID).items():
         if getattr(args, key) is None:  # what the user did not give
@@ -382,10 +366,7 @@ def main(argv=None) -> int:
         args.copy_bytes = min(args.copy_bytes, 1 << 22)
         timer = Timer(device, cpu_reps=1)
     elif not torch.cuda.is_available():
-        print(
-            "error: bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU", file=sys.stderr
-        )
-        return 2
+        return common.error("bench.decode times CUDA kernels and needs a GPU; use --dry-run on a CPU")
     else:
         device, dtype = torch.device("cuda"), common.DTYPES[args.dtype]
         timer = Timer(device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, slow_ms=TIMER_SLOW_MS)
@@ -416,22 +397,13 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             results.add("e2e", [rec := e2e_record(args, device, dtype, backend, mode, b)])
             print(json.dumps(rec), flush=True)
-            print(
-                f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s",
-                file=sys.stderr,
-            )
+            common.log(f"[bench.decode] e2e {backend} {mode} batch={b}: {time.perf_counter() - t0:.1f} s")
     print(results.save(complete=True))
-    if args.dry_run:  # the plumbing check exists to run our kernel: its failure fails the check
-        bad = [
-            r for r in results.lists["kernel"] if r["provider"] == "flash-decode" and r.get("status") != "ok"
-        ]
-        bad += [r for r in results.lists["e2e"] if r.get("backend") == "flash" and r.get("status") != "ok"]
-        if bad:
-            print(
-                f"error: dry run: {len(bad)} flash record(s) failed, first: {bad[0].get('status')}",
-                file=sys.stderr,
-            )
-            return 1
+    # the plumbing check exists to run our kernel: its failure fails the check
+    ours = [r for r in results.lists["kernel"] if r["provider"] == "flash-decode"]
+    ours += [r for r in results.lists["e2e"] if r.get("backend") == "flash"]
+    if args.dry_run and (bad := [r for r in ours if r.get("status") != "ok"]):
+        return common.error(f"dry run: {len(bad)} flash record(s) failed, first: {bad[0].get('status')}", 1)
     return 0
 
 

@@ -17,9 +17,6 @@ steps. Writes OUT.json (after every cell), OUT.md and OUT.png.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pickle
 import re
 import shlex
@@ -88,12 +85,17 @@ def peer_folder(peer: Path, data_dir: Path, vocab_size: int, tokens: int, where:
     return where
 
 
-def peer_tokens_per_sec(log: str, tokens_per_iter: int, warmup: int) -> tuple[float, int]:
-    """(median tokens/sec, iterations timed) from the peer's per-iteration lines, the first `warmup` out."""
-    ms = [float(t) for i, t in ITER_LINE.findall(log) if int(i) >= warmup]
-    if not ms:
+def peer_tokens_per_sec(log: str, tokens_per_iter: int, warmup: int) -> dict:
+    """tokens_per_sec (over the median iteration time, the first `warmup` out), timed_steps and step_ms
+    (every iteration's) from the peer's per-iteration lines; ValueError when none is timed."""
+    iters = [(int(i), float(ms)) for i, ms in ITER_LINE.findall(log)]
+    if not (timed := [ms for i, ms in iters if i >= warmup]):
         raise ValueError(f"no 'iter N: loss ..., time ..ms' line after iteration {warmup - 1} in its output")
-    return tokens_per_iter / (statistics.median(ms) / 1000), len(ms)
+    return dict(
+        tokens_per_sec=tokens_per_iter / (statistics.median(timed) / 1000),
+        timed_steps=len(timed),
+        step_ms=[ms for _, ms in iters],
+    )
 
 
 def run_peer(a, cell: dict, run_dir: Path) -> dict:
@@ -102,27 +104,23 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
     d = cfg["derived"]
     rec = dict(who="peer", seq_len=cell["seq_len"], bias=cell["bias"])
     with tempfile.TemporaryDirectory(prefix="flashgpt-peer-") as tmp:
-        tokens_per_iter = d["tokens_per_step"]
-        keep = max(4 * tokens_per_iter, 2 * d["block_size"] + 2)  # nanoGPT draws random windows from these
+        # nanoGPT draws random windows from these tokens
+        keep = max(4 * d["tokens_per_step"], 2 * d["block_size"] + 2)
         data_dir = Path(d["cwd"]) / cfg["data"]["dir"]
         where = peer_folder(a.peer, data_dir, d["vocab_size"], keep, Path(tmp))
         cmd = peer_command(cfg, a.steps, Path(tmp) / "out")
-        rec["command"] = " ".join(shlex.quote(c) for c in [str(a.peer), *cmd[2:]])
+        rec["command"] = shlex.join([str(a.peer), *cmd[2:]])
         try:
             proc = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=a.timeout)
         except subprocess.TimeoutExpired:
             return rec | dict(status="error", error=f"timed out after {a.timeout:.0f} s")
     log = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        return rec | dict(status="error", error=throughput.error_excerpt(log[-3000:]))
     try:
-        tps, timed = peer_tokens_per_sec(log, tokens_per_iter, a.warmup)
+        if proc.returncode != 0:
+            raise ValueError(throughput.error_excerpt(log[-3000:]))
+        return rec | dict(status="ok", **peer_tokens_per_sec(log, d["tokens_per_step"], a.warmup))
     except ValueError as e:
         return rec | dict(status="error", error=str(e))
-    iters = ITER_LINE.findall(log)
-    return rec | dict(
-        status="ok", tokens_per_sec=tps, timed_steps=timed, step_ms=[float(t) for _, t in iters]
-    )
 
 
 def markdown(meta: dict, cells: list[dict]) -> str:
@@ -136,14 +134,8 @@ def markdown(meta: dict, cells: list[dict]) -> str:
             for c in (ours, peer)
         ]
         ok = all(c and c["status"] == "ok" for c in (ours, peer))
-        rows.append(
-            [
-                n,
-                "on" if bias else "off",
-                *fmt,
-                f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if ok else "—",
-            ]
-        )
+        ratio = f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if ok else "—"
+        rows.append([n, "on" if bias else "off", *fmt, ratio])
     lines = [
         f"# Training throughput against a peer: {meta['gpu']}, {meta['date']}",
         "",
@@ -162,26 +154,20 @@ def markdown(meta: dict, cells: list[dict]) -> str:
 
 def plot(path: Path, cells: list[dict]) -> None:
     fig, axes = common.subplots(1, 1)
-    ax = axes[0][0]
+    ax, ok = axes[0][0], [c for c in cells if c["status"] == "ok"]
     for who in ("flashgpt", "peer"):
         for bias, style in ((True, "-o"), (False, "--s")):
-            pts = sorted(
-                (c["seq_len"], c["tokens_per_sec"])
-                for c in cells
-                if c["who"] == who and c["bias"] == bias and c["status"] == "ok"
-            )
-            if pts:
+            if pts := sorted(
+                (c["seq_len"], c["tokens_per_sec"]) for c in ok if (c["who"], c["bias"]) == (who, bias)
+            ):
                 ax.plot(*zip(*pts, strict=True), style, label=f"{who}, biases {'on' if bias else 'off'}")
-    ax.set_xlabel("seq_len")
-    ax.set_ylabel("tokens/sec")
+    ax.set(xlabel="seq_len", ylabel="tokens/sec")
     common.finish_axes(ax, [c["seq_len"] for c in cells])
     common.save_figure(fig, path, "training throughput against a peer")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.peer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = throughput.cell_parser("peer", __doc__, timeout=900)
     p.add_argument("--peer", type=Path, required=True, help="the peer's train.py (nanoGPT's), run as it is")
     p.add_argument(
         "--seq-lens", type=common.ints(), default=[1024, 8192], help="comma list (default 1024,8192)"
@@ -190,83 +176,39 @@ def main(argv=None) -> int:
         "--bias", choices=("on", "off", "both"), default="both", help="model biases (default both)"
     )
     p.add_argument("--attention", default="flash", help="our backend (default flash)")
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per cell before it is stopped")
-    p.add_argument("--out", default="outputs/peer", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default="outputs/peer_runs", help="our run folders (%(default)s)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
-    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    p.set_defaults(profile_steps=0, log_interval=1)  # what bench.throughput's cell command reads
     a = p.parse_args(argv)
     a.peer = a.peer.expanduser().resolve()
     missing = [f for f in PEER_FILES if not (a.peer.parent / f).is_file()]
     if a.peer.name != "train.py" or missing:
         p.error(f"--peer {a.peer}: give nanoGPT's train.py, beside its {', '.join(PEER_FILES[1:])}")
-    if a.steps <= a.warmup:
-        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
+    if status := throughput.check_cells(p, a, try_out):
+        return status
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not a.allow_cpu:
-        p.exit(
-            2,
-            "error: bench.peer measures training on a CUDA GPU and none is visible; for a try-out on a "
-            "CPU pass --allow-cpu with tiny cells, e.g. --allow-cpu --attention sdpa --seq-lens 64 "
-            "--steps 4 --warmup 1 -- experiment=cpu_tiny\n",
-        )
-    a.profile_steps, a.log_interval = 0, 1  # what bench.throughput's cell command reads
     env = common.environment(torch.device(device))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    meta = dict(gpu=env["gpu"] or "cpu", torch=env["torch"], triton=env["triton"], date=env["date"])
-    meta |= dict(
-        commit=commit.stdout.strip() or "unknown",
-        peer=str(a.peer),
-        steps=a.steps,
-        warmup=a.warmup,
-        argv=sys.argv[1:] if argv is None else argv,
-        command=" ".join(
-            ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
-        ),
-    )
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = env | dict(gpu=env["gpu"] or "cpu", commit=commit.stdout.strip() or "unknown", peer=str(a.peer))
+    meta |= dict(steps=a.steps, warmup=a.warmup, argv=sys.argv[1:] if argv is None else list(argv))
+    ours = ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
+    meta["command"] = " ".join(ours)
+    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
-    a.overrides = [*a.overrides]
-    cells: list[dict] = []
     for n in a.seq_lens:
         for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
             run_dir = runs / f"n{n}_bias{int(bias)}"
-            cmd = throughput.cell_command(a.attention, n, a, run_dir)
-            cmd.insert(3, f"model.bias={str(bias).lower()}")
-            print(
-                f"== flashgpt seq_len={n} bias={bias}: {' '.join(shlex.quote(c) for c in cmd[1:])}",
-                flush=True,
-            )
-            t0 = time.time()
-            try:
-                proc = subprocess.run(
-                    cmd,
-                    cwd=REPO,
-                    capture_output=True,
-                    text=True,
-                    timeout=a.timeout,
-                    env=dict(os.environ, PYTHONUNBUFFERED="1"),
-                )
-                rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-            except subprocess.TimeoutExpired:
-                rc, tail = -1, f"timed out after {a.timeout:.0f} s"
-            rec = throughput.read_cell(a.attention, n, run_dir, rc, time.time() - t0, tail)
-            cells.append(ours := rec | dict(who="flashgpt", bias=bias))
+            rec, _ = throughput.run_cell(a.attention, n, a, run_dir, f"model.bias={str(bias).lower()}")
+            results.add("cells", [ours := rec | dict(who="flashgpt", bias=bias)])
             print(f"   {ours['status']}: {ours.get('tokens_per_sec', ours.get('error', ''))}", flush=True)
             if ours["status"] == "ok":
                 print(f"== peer seq_len={n} bias={bias}", flush=True)
-                cells.append(peer := run_peer(a, ours, run_dir))
+                results.add("cells", [peer := run_peer(a, ours, run_dir)])
                 print(f"   {peer['status']}: {peer.get('tokens_per_sec', peer.get('error', ''))}", flush=True)
-            out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(meta, cells))
-    plot(out.with_suffix(".png"), cells)
-    print(out.with_suffix(".md").read_text())
-    return 0 if all(c["status"] == "ok" for c in cells) else 1
+    print(results.save(complete=True))
+    plot(Path(a.out).with_suffix(".png"), results.lists["cells"])
+    return 0 if all(c["status"] == "ok" for c in results.lists["cells"]) else 1
 
 
 if __name__ == "__main__":

@@ -84,14 +84,9 @@ def main(argv=None) -> int:
                 f"workers={w}: {r['mb_per_s']:.2f} MB/s, {r['tokens_per_s'] / 1e6:.2f} M tokens/s, "
                 f"peak RSS {r['peak_rss_mb']:.0f} MB (corpus {size / 1e6:.0f} MB)"
             )
-    record = {
-        "corpus_mb": size / 1e6,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "shard_tokens": args.shard_tokens,
-        "command": "python -m bench.prepare " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "rows": rows,
-    }
+    cpu = dict(cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
+    command = "python -m bench.prepare " + " ".join(argv if argv is not None else sys.argv[1:])
+    record = dict(corpus_mb=size / 1e6, **cpu, shard_tokens=args.shard_tokens, command=command, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -62,11 +62,8 @@ def error_text(summary: dict, status: str) -> str | None:
 
 def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> dict:
     """One run's row: backend, seq_len, status and the figures of the module docstring."""
-    cfg, summary, rows = (
-        common.read_config(run_dir),
-        common.read_summary(run_dir),
-        common.read_metrics(run_dir),
-    )
+    cfg, summary = common.read_config(run_dir), common.read_summary(run_dir)
+    rows = common.read_metrics(run_dir)
     status = str(summary.get("status", "no summary" if not summary else "unknown"))
     true, killed_note = common.run_status(run_dir, summary)  # a dead "running" run is "killed"
     status = str(true) if killed_note is not None else status
@@ -75,21 +72,15 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     def figure(name: str, key: str, summary_key: str, fallback: str) -> float | None:
         """summary.json's figure (NaN kept: a non-finite run), else `fallback` of the logged values."""
         v = summary.get(summary_key)
-        if (
-            isinstance(v, (int, float))
-            and not isinstance(v, bool)
-            and (fallback != "max" or common.finite(v))
-        ):
+        if common.finite(v) or (fallback != "max" and isinstance(v, float)):  # NaN or inf: a float
             sources[name] = "summary.json"
             return float(v)
         logged = list(common.series(rows, key).values())
-        if fallback == "max":
-            logged = [v for v in logged if common.finite(v)]
-        value = {
-            "median": lambda: post_warmup_median(logged, warmup_frac),
-            "max": lambda: max(logged, default=None),
-            "last": lambda: logged[-1] if logged else None,
-        }[fallback]()
+        if fallback == "median":
+            value = post_warmup_median(logged, warmup_frac)
+        else:  # the largest finite value, or the last
+            logged = [v for v in logged if fallback == "last" or common.finite(v)]
+            value = (max(logged) if fallback == "max" else logged[-1]) if logged else None
         if value is not None:
             sources[name] = f"metrics.jsonl {fallback}"
         return value
@@ -172,16 +163,10 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
     head = ["run", "backend", "seq_len", "status", *(t for _, t, _ in METRICS), "final val loss", "steps"]
     lines += common.md_table(head, rows, "---")
     if failed := [r for r in runs if r["status"] != "ok"]:
-        rows = [
-            [r["run"], r["backend"], seq(r), r["status"], (r["error"] or "—").replace("|", "\\|")]
-            for r in failed
-        ]
-        lines += [
-            "",
-            "## Failed runs",
-            "",
-            *common.md_table(["run", "backend", "seq_len", "status", "error"], rows, "---"),
-        ]
+        error = lambda r: (r["error"] or "—").replace("|", "\\|")
+        rows = [[r["run"], r["backend"], seq(r), r["status"], error(r)] for r in failed]
+        head = ["run", "backend", "seq_len", "status", "error"]
+        lines += ["", "## Failed runs", "", *common.md_table(head, rows, "---")]
     backends, seqs = backends_of(runs), sorted({r["seq_len"] for r in runs if r["seq_len"] is not None})
     cell = lambda r, key, fmt: status(r) if r["status"] != "ok" else _fmt(r, key, fmt)
     for key, title, fmt in METRICS:
@@ -200,15 +185,13 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
 def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
     """tokens/sec, peak GiB and MFU % vs seq_len; failed runs as 'x' at the top of each panel."""
     backends = backends_of(runs)
+    known = sorted((r for r in runs if r["seq_len"] is not None), key=lambda r: r["seq_len"])
     fig, axes = common.subplots(1, 3, w=5.2, h=4.0)
     panels = (("tokens_per_sec", "tokens / sec"), ("peak_gib", "peak memory, GiB"), ("mfu_pct", "MFU, %"))
     for ax, (key, ylabel) in zip(axes[0], panels, strict=True):
         failed = []
         for c, b in enumerate(backends):
-            mine = sorted(
-                (r for r in runs if r["backend"] == b and r["seq_len"] is not None),
-                key=lambda r: r["seq_len"],
-            )
+            mine = [r for r in known if r["backend"] == b]
             if ok := [(r["seq_len"], r[key]) for r in mine if r["status"] == "ok" and common.finite(r[key])]:
                 ax.plot(*zip(*ok, strict=True), marker="o", ms=4, label=b, color=f"C{c % 10}")
             for st in dict.fromkeys(r["status"] for r in mine if r["status"] != "ok"):
@@ -216,7 +199,7 @@ def plot(runs: Sequence[dict], path: Path, title: str) -> Path:
                 failed.append((xs, f"{b} {'OOM' if st == 'oom' else st}", f"C{c % 10}"))
         ax.set(xlabel="seq_len (tokens)", ylabel=ylabel)
         ax.set_ylim(bottom=0)
-        common.finish_axes(ax, sorted({r["seq_len"] for r in runs if r["seq_len"] is not None}), failed)
+        common.finish_axes(ax, [r["seq_len"] for r in known], failed)
     return common.save_figure(fig, path, title)
 
 
@@ -274,8 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs = collect(sweep, args.warmup_frac)
     except common.RunDirError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return common.error(str(exc))
     md = markdown(runs, sweep, args.warmup_frac)
     print(md)
     report = (
@@ -290,10 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         written.append(plot(runs, png, title=f"sweep {sweep.resolve().name}"))
     except OSError as exc:
         left = [n for n in ("report.md", "report.json", png.name) if out / n not in written]
-        print(
+        common.log(
             f"note: could not write {', '.join(left)} in {out} ({exc.strerror or exc}); the report above is "
-            "complete; pass --out DIR to write the files elsewhere",
-            file=sys.stderr,
+            "complete; pass --out DIR to write the files elsewhere"
         )
     if written:
         print("wrote " + ", ".join(map(str, written)))

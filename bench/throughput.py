@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from bench import common
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,13 +44,29 @@ SUMMARY_KEYS = """perf/tokens_per_sec perf/mfu perf/step_ms mem/peak_gib perf/gp
 perf/timed_steps micro_batch_size grad_accum final/train_loss attention/backend_ran compile_mode""".split()
 
 
-def cell_command(backend: str, seq_len: int, a, out_dir: Path) -> list[str]:
-    """train.py command line of one cell: the user's command plus run-length and bookkeeping keys."""
+def cell_command(backend: str, seq_len: int, a, out_dir: Path, *extra: str) -> list[str]:
+    """train.py command line of one cell: the user's command plus run-length and bookkeeping keys (`extra`:
+    more keys of the caller's, before the user's)."""
     keys = f"max_steps={a.steps} perf.exclude_first_steps={a.warmup} perf.profile_steps={a.profile_steps} "
     keys += f"log_interval={a.log_interval} eval.interval=0 eval.at_start=false eval.batches=1 "
     keys += "checkpoint.interval=0 checkpoint.at_end=false oom_exit_code=0 wandb.mode=disabled"
-    args = [f"attention={backend}", f"seq_len={seq_len}", *keys.split(), f"out_dir={out_dir}", *a.overrides]
-    return [sys.executable, str(REPO / "train.py"), *args]
+    args = [f"attention={backend}", f"seq_len={seq_len}", *extra, *keys.split(), f"out_dir={out_dir}"]
+    return [sys.executable, str(REPO / "train.py"), *args, *a.overrides]
+
+
+def run_cell(backend: str, seq_len: int, a, run_dir: Path, *extra: str) -> tuple[dict, str]:
+    """Run one cell's train.py (its command printed first) in a fresh process, stopped after --timeout;
+    (its record, the end of its log)."""
+    cmd = cell_command(backend, seq_len, a, run_dir, *extra)
+    tqdm.write(f"== {backend} seq_len={seq_len}: {shlex.join(cmd[1:])}")
+    t0 = time.time()
+    try:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=env)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
+    return read_cell(backend, seq_len, run_dir, rc, time.time() - t0, tail), tail
 
 
 def error_excerpt(log_tail: str, limit: int = 600) -> str:
@@ -141,10 +159,8 @@ def gaps(events: list[dict], min_gap_us: float = 2.0) -> dict:
     """Gaps between device events and their host context (module docstring): span_us, busy_us, gap_us,
     host_caused_us, by_context [(outer, inner, us, count)], by_kernel [(name, us)], gaps [(us, at_us, next
     event, outer, inner, host_caused)], each largest first. ValueError when there are no device events."""
-    dev = sorted(
-        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
-        key=lambda e: e["ts"],
-    )
+    on_device = ("kernel", "gpu_memcpy", "gpu_memset")
+    dev = sorted((e for e in events if e.get("cat") in on_device and "dur" in e), key=lambda e: e["ts"])
     if not dev:
         raise ValueError("no device events in the trace (profiled on a CPU?)")
     runtime = ("cuda_runtime", "cuda_driver")
@@ -213,33 +229,58 @@ def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
     )
 
 
-def main(argv=None) -> int:
+def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:
+    """The arguments of the tools that run train.py cells (this one and bench.peer): run length, time limit,
+    where results and run folders go, the CPU opt-in and the user's train.py overrides (after --)."""
     p = argparse.ArgumentParser(
-        prog="python -m bench.throughput",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=f"python -m bench.{prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")
+    p.add_argument("--out", default=f"outputs/{prog}", help="results prefix: OUT.json, OUT.md, OUT.png")
+    p.add_argument("--runs-dir", default=f"outputs/{prog}_runs", help="run folders (%(default)s)")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
+    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    return p
+
+
+def check_cells(p: argparse.ArgumentParser, a, try_out: str) -> int | None:
+    """Usage errors (exit 2) for a --timeout or --steps that measures nothing; without CUDA and --allow-cpu,
+    2 with an error naming a CPU try-out (`try_out`: its arguments); else None."""
+    if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
+        p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
+    if a.steps <= a.warmup + a.profile_steps:
+        left_out = "--warmup + --profile-steps" if a.profile_steps else "--warmup"
+        p.error(f"--steps ({a.steps}) must exceed {left_out} ({a.warmup + a.profile_steps})")
+    import torch
+
+    if not a.allow_cpu and not torch.cuda.is_available():
+        tool = p.prog.removeprefix("python -m ")
+        return common.error(
+            f"{tool} measures training on a CUDA GPU and none is visible; its default cells train "
+            f"GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu with tiny "
+            f"cells, e.g. --allow-cpu {try_out}"
+        )
+    return None
+
+
+def main(argv=None) -> int:
+    p = cell_parser("throughput", __doc__, timeout=600)
     p.add_argument("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
     p.add_argument(
         "--seq-lens", type=common.ints(), default=[1024, 4096, 8192, 16384, 32768], help="comma list"
     )
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
     p.add_argument("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds per cell before it is stopped")
     p.add_argument(
         "--naive-up-to", type=int, help="naive only up to this seq_len (its N^2 scores run out of memory)"
     )
-    p.add_argument("--out", default="outputs/throughput", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default="outputs/throughput_runs", help="run folders (%(default)s)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
     p.add_argument("--gaps", nargs="+", type=Path, metavar="TRACE", help="analyse these traces instead")
     p.add_argument("--top", type=int, default=15, help="--gaps: rows per table (default 15)")
     p.add_argument(
         "--min-gap-us", type=float, default=2.0, help="--gaps: shorter gaps are ignored (default 2)"
     )
-    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
     a = p.parse_args(argv)
     if a.gaps:
         status = 0
@@ -247,70 +288,40 @@ def main(argv=None) -> int:
             try:
                 print(gaps_report(path, a.min_gap_us, a.top))
             except (OSError, ValueError) as e:  # includes json.JSONDecodeError and gzip's BadGzipFile
-                print(f"error: {path}: {e}", file=sys.stderr)
-                status = 2
+                status = common.error(f"{path}: {e}")
         return status
-    if not a.timeout > 0:  # else every cell is recorded as "timed out after -1 s"
-        p.error(f"--timeout must be a positive number of seconds, got {a.timeout:g}")
-    if a.steps <= a.warmup + a.profile_steps:
-        p.error(f"--steps ({a.steps}) must exceed --warmup + --profile-steps ({a.warmup + a.profile_steps})")
+    try_out = "--backends naive --seq-lens 64 --steps 4 --warmup 1 --profile-steps 0 -- experiment=cpu_tiny"
+    if status := check_cells(p, a, try_out):
+        return status
     import torch
 
-    if not a.allow_cpu and not torch.cuda.is_available():
-        print(
-            "error: bench.throughput measures training on a CUDA GPU and none is visible; its default "
-            "cells train GPT-2 124M (days on a CPU). For a try-out of the tool on a CPU pass --allow-cpu "
-            "with tiny cells, e.g. --allow-cpu --backends naive --seq-lens 64 --steps 4 --warmup 1 "
-            "--profile-steps 0 -- experiment=cpu_tiny",
-            file=sys.stderr,
-        )
-        return 2
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    command = "python train.py attention=A seq_len=N " + " ".join(shlex.quote(o) for o in a.overrides)
-    meta = dict(gpu=env["gpu"] or "cpu", torch=env["torch"], triton=env["triton"], date=env["date"])
-    meta |= dict(steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps, command=command.strip())
-    meta["argv"] = sys.argv[1:]
-    cells: list[dict] = []
-    from tqdm import tqdm
-
+    command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)
+    meta = env | dict(gpu=env["gpu"] or "cpu", steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps)
+    meta |= dict(command=command.strip(), argv=sys.argv[1:] if argv is None else list(argv))
+    # the results so far after every cell, so a stopped sweep keeps what it measured
+    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
-    bar = tqdm(
-        [(n, b) for n in a.seq_lens for b in a.backends],
-        desc="cells",
-        unit="cell",
-        file=sys.stderr,
-        disable=not sys.stderr.isatty(),
-    )
+    cells = [(n, b) for n in a.seq_lens for b in a.backends]
+    bar = tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty())
     for n, b in bar:
         bar.set_postfix_str(f"{b} seq_len={n}")
         if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            cells.append(
-                dict(backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}")
+            skip = dict(
+                backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}"
             )
+            results.add("cells", [skip])
             continue
-        cmd = cell_command(b, n, a, runs / f"{b}_n{n}")
-        tqdm.write(f"== {b} seq_len={n}: {' '.join(shlex.quote(c) for c in cmd[1:])}")
-        t0 = time.time()
-        try:
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.timeout, env=env)
-            rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
-        except subprocess.TimeoutExpired as e:
-            rc, tail = -1, f"timed out after {a.timeout:.0f} s: {str(e.stdout or '')[-500:]}"
-        cells.append(rec := read_cell(b, n, runs / f"{b}_n{n}", rc, time.time() - t0, tail))
+        rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
         tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
         if rec["status"] not in ("ok", "oom"):
             tqdm.write(tail[-1500:])
-        # results so far, so a stopped sweep keeps what it measured
-        out.with_suffix(".json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=1) + "\n")
+        results.add("cells", [rec])
     bar.close()
-    out.with_suffix(".md").write_text(markdown(meta, cells))
-    plot(out.with_suffix(".png"), meta, cells)
-    print(out.with_suffix(".md").read_text())
-    return 0 if any(c["status"] == "ok" for c in cells) else 1
+    print(results.save(complete=True))
+    plot(Path(a.out).with_suffix(".png"), meta, results.lists["cells"])
+    return 0 if any(c["status"] == "ok" for c in results.lists["cells"]) else 1
 
 
 if __name__ == "__main__":

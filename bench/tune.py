@@ -37,12 +37,11 @@ import importlib
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 
@@ -50,6 +49,29 @@ from bench import common
 
 PLAN_KEYS = {"fwd": "fwd", "dkdv": "bwd_dkdv", "dq": "bwd_dq"}
 SEARCH_KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+# The joint backward search (--kernels bwd): per key, lines "dK/dV tiles : dQ tiles", each the product of
+# its comma lists of BMxBNxWARPSxSTAGES tiles ('t': TMA loads, 't?': without and with). Pointer loads around
+# NOTES v1's optimum; with --tma the TMA pairs of NOTES v4, the same tiles with and without TMA per kernel.
+BWD_PLANS = {
+    "d128": [
+        "64x128x8x2 : 128x32x8x2, 128x64x8x2, 64x64x8x2",
+        "64x128x8x3 : 128x32x8x3, 128x64x8x3, 64x64x8x3",
+        "64x64x8x3 : 128x32x8x3, 64x64x8x3",
+        "32x128x8x3 : 128x32x8x3",
+    ],
+    "d64": [
+        "64x128x8x3, 64x64x8x3, 32x128x8x3, 128x64x8x3 : 128x64x8x3, 64x64x8x3, 128x32x8x3",
+        "64x64x4x3, 32x64x4x3, 32x128x4x3 : 64x64x4x3, 64x32x4x3",
+        "64x128x8x2 : 128x64x8x2",
+    ],
+    "tma d128": [
+        "64x128x8x3 : 128x64x8x3t, 128x64x8x3, 128x32x8x3t, 64x64x4x3t",
+        "64x128x8x3t : 128x64x8x3t",
+        "64x128x8x2 : 128x64x8x3t",
+    ],
+    "tma d64 N<=1024": ["32x64x4x3t?, 64x128x4x2t? : 64x32x4x3t?, 64x64x4x3t?"],
+    "tma d64": ["64x128x4x2t? : 128x64x8x3t?, 64x64x4x3t?"],
+}
 DECODE_SHAPES = ((128, 1, 8192), (128, 1, 32768), (128, 16, 8192), (128, 16, 32768), (64, 1, 8192))
 DECODE_SHAPES += ((64, 64, 8192), (64, 64, 32768))
 DRY_DECODE_SHAPES = ((16, 1, 40), (16, 2, 100))
@@ -64,11 +86,6 @@ def cfg_fields(cfg) -> list:
     return out + [cfg_fields(cfg.no_tma)] if cfg.no_tma is not None else out
 
 
-def _bad_input(message: str) -> NoReturn:
-    print(message, file=sys.stderr)
-    raise SystemExit(2)
-
-
 def parse_configs(text: str) -> list:
     """'BMxBNxWARPSxSTAGES[t],...' -> [TileConfig, ...]; exits 2 naming a malformed item."""
     from kernels import TileConfig
@@ -77,7 +94,8 @@ def parse_configs(text: str) -> list:
     for item in (x.strip() for x in text.split(",")):
         parts = item.removesuffix("t").split("x")
         if len(parts) != 4 or not all(x.isdigit() for x in parts):
-            _bad_input(f"error: tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)")
+            message = f"tile config {item!r} is not BMxBNxWARPSxSTAGES[t] (e.g. 128x64x8x3)"
+            raise SystemExit(common.error(message))
         cfgs.append(TileConfig(*map(int, parts), tma=item.endswith("t")))
     return cfgs
 
@@ -90,18 +108,15 @@ def parse_plan(text: str) -> dict:
     if text.startswith("provider:"):
         name = text.partition(":")[2]
         if not name or "+" in name or "=" in name:
-            _bad_input(
-                f"error: plan {text!r}: provider:NAME takes one provider of bench.attention and no tiles"
-            )
+            message = f"plan {text!r}: provider:NAME takes one provider of bench.attention and no tiles"
+            raise SystemExit(common.error(message))
         return {"provider": name}
     plan = {}
     for part in text.split("+"):
         key, _, cfg = part.partition("=")
         if key not in PLAN_KEYS or not cfg:
-            _bad_input(
-                f"error: plan part {part!r}: expected default, fwd=CFG, dkdv=CFG, dq=CFG (joined by '+') or "
-                "provider:NAME"
-            )
+            expected = "default, fwd=CFG, dkdv=CFG, dq=CFG (joined by '+') or provider:NAME"
+            raise SystemExit(common.error(f"plan part {part!r}: expected {expected}"))
         plan[PLAN_KEYS[key]] = parse_configs(cfg)[0]
     return plan
 
@@ -121,37 +136,10 @@ def candidates(kernel: str, d: int, explicit: list | None = None):
 
 
 def bwd_plans(d: int, n: int, tma: bool) -> list[tuple]:
-    """(dK/dV tile, dQ tile) pairs of the joint backward search: pointer loads around NOTES v1's optimum,
-    or (`tma`) the TMA pairs of NOTES v4, the same tiles with and without TMA per kernel."""
-    from kernels import TileConfig as T
-
-    if not tma and d >= 128:
-        plans = [(T(64, 128, 8, s), T(*dq, 8, s)) for s in (2, 3) for dq in ((128, 32), (128, 64), (64, 64))]
-        plans += [(T(64, 64, 8, 3), T(*dq, 8, 3)) for dq in ((128, 32), (64, 64))]
-        return plans + [(T(32, 128, 8, 3), T(128, 32, 8, 3))]
-    if not tma:
-        kv = ((64, 128), (64, 64), (32, 128), (128, 64))
-        plans = [(T(*a, 8, 3), T(*q, 8, 3)) for a in kv for q in ((128, 64), (64, 64), (128, 32))]
-        plans += [
-            (T(*a, 4, 3), T(*q, 4, 3)) for a in ((64, 64), (32, 64), (32, 128)) for q in ((64, 64), (64, 32))
-        ]
-        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 2))]
-    if d >= 128:
-        k1 = T(64, 128, 8, 3)
-        dqs = (
-            T(128, 64, 8, 3, tma=True),
-            T(128, 64, 8, 3),
-            T(128, 32, 8, 3, tma=True),
-            T(64, 64, 4, 3, tma=True),
-        )
-        plans = [(k1, dq) for dq in dqs] + [(replace(k1, tma=True), T(128, 64, 8, 3, tma=True))]
-        return plans + [(T(64, 128, 8, 2), T(128, 64, 8, 3, tma=True))]
-    if n <= 1024:
-        k1s, dqs = (T(32, 64, 4, 3), T(64, 128, 4, 2)), (T(64, 32, 4, 3), T(64, 64, 4, 3))
-    else:
-        k1s, dqs = (T(64, 128, 4, 2),), (T(128, 64, 8, 3), T(64, 64, 4, 3))
-    pairs = itertools.product(k1s, (False, True), dqs, (False, True))
-    return [(replace(k1, tma=t1), replace(dq, tma=t2)) for k1, t1, dq, t2 in pairs]
+    """(dK/dV tile, dQ tile) pairs of the joint backward search: BWD_PLANS' lines for d, N and `tma`."""
+    key = ("tma " if tma else "") + ("d128" if d >= 128 else "d64 N<=1024" if tma and n <= 1024 else "d64")
+    tiles = lambda text: parse_configs(re.sub(r"(\w+)t\?", r"\1,\1t", text))
+    return [p for line in BWD_PLANS[key] for p in itertools.product(*map(tiles, line.split(":")))]
 
 
 class Shape:
@@ -202,11 +190,12 @@ def _tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / ms / 1e9
 
 
-def _record(a, shape: Shape, **fields) -> dict:
-    date = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return dict(
-        d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__, date=date
-    )
+def _write(out, a, shape: Shape, **fields) -> None:
+    """One JSON line to `out`: the shape, `fields`, the GPU, torch and the time."""
+    rec = dict(d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__)
+    rec["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
 
 
 def _progress(items, desc: str):
@@ -244,14 +233,12 @@ def search(a, out) -> None:
                 else:
                     _, ms, err = time_plan(shape, a.timer, to_tiles(plan), fwd_ms=fwd_default)
                 tag = "default" if i == 0 else "candidate"
-                rec = _record(a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err)
-                rec["tflops"] = _tflops(flops, ms)
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+                tflops = _tflops(flops, ms)
+                _write(out, a, shape, kernel=kernel, plan=tag, **fields(plan), ms=ms, err=err, tflops=tflops)
                 if ms is not None:
                     rows.append((ms, i, plan))
                 if a.configs is not None or kernel == "bwd":
-                    result = f"{ms:.3f} ms ({rec['tflops']:.0f} TF/s)" if err is None else err
+                    result = f"{ms:.3f} ms ({tflops:.0f} TF/s)" if err is None else err
                     print(f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}")
             if not rows:
                 print(f"{kernel:8s} {shape.describe()}: no candidate ran")
@@ -299,9 +286,7 @@ def ab(a, out) -> None:
                 line += "  bwd      — (fwd+bwd not slower than fwd: timing noise)"
             print(line)
             if out is not None:
-                rec = _record(a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+                _write(out, a, shape, plan=text, rounds=a.rounds, fwd_tflops=fwd_tf, bwd_tflops=bwd_tf)
         del shape
         common.free_memory(a.device)
 
@@ -398,29 +383,21 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
         for key in sorted({(r["block_n"], r["warps"], r["stages"]) for r in sweep}):
             row = {r["splits_requested"]: r for r in sweep if (r["block_n"], r["warps"], r["stages"]) == key}
             rows.append([*key, *(cell(row.get(c), c) for c in cols)])
-        lines += [
-            *common.md_table(["block_n", "warps", "stages", *(f"s={c}" for c in cols)], rows, "---"),
-            "",
-        ]
+        head = ["block_n", "warps", "stages", *(f"s={c}" for c in cols)]
+        lines += [*common.md_table(head, rows, "---"), ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def decode_search(a) -> int:
     """The decode tile search over DECODE_SHAPES (or the product of --dims, --batches, --contexts)."""
-    default = DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES
-    shapes = list(default)
-    if (a.dims, a.batches, a.contexts) != (None, None, None):
-        first = default[0]
-        shapes = list(
-            itertools.product(a.dims or [first[0]], a.batches or [first[1]], a.contexts or [first[2]])
-        )
+    shapes = list(default := DRY_DECODE_SHAPES if a.dry_run else DECODE_SHAPES)
+    if (given := (a.dims, a.batches, a.contexts)) != (None, None, None):  # the first shape's for the others
+        shapes = list(itertools.product(*(x or [y] for x, y in zip(given, default[0], strict=True))))
     a.prune = a.splits is None and not a.dry_run  # splits given by the user are swept as given
     for key, value in (DRY_DECODE_GRID if a.dry_run else DECODE_GRID).items():
         setattr(a, key, getattr(a, key) or value)
     a.kv_heads = a.kv_heads or (2 if a.dry_run else 8)
-    a.timer = (
-        common.Timer(a.device, cpu_reps=1) if a.dry_run else common.Timer(a.device, warmup_ms=10, rep_ms=40)
-    )
+    a.timer = common.Timer(a.device, warmup_ms=10, rep_ms=40, cpu_reps=1)  # CPU (dry run): one timed call
     timing = "CPU dry run: median of 1 eager call after a warm-up"
     if not a.dry_run:
         timing = f"CUDA graph of {common.GRAPH_CALLS} calls cycling through L2-spanning K/V copies, "
@@ -438,18 +415,11 @@ def decode_search(a) -> int:
         t0 = time.perf_counter()
         results.add("records", decode_shape(a, d, b, ctx))
         common.free_memory(a.device)
-        print(
-            f"[bench.tune --decode] d={d} batch={b} context={ctx}: {time.perf_counter() - t0:.1f} s",
-            file=sys.stderr,
-        )
+        common.log(f"[bench.tune --decode] d={d} batch={b} context={ctx}: {time.perf_counter() - t0:.1f} s")
     print(results.save(complete=True))
     bad = [r for r in results.lists["records"] if r.get("status") != "ok"]
     if a.dry_run and bad:  # the plumbing check: every configuration must run and match
-        print(
-            f"error: dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}",
-            file=sys.stderr,
-        )
-        return 1
+        return common.error(f"dry run: {len(bad)} configuration(s) failed, first: {bad[0].get('status')}", 1)
     return 0
 
 
@@ -512,18 +482,15 @@ def main(argv=None) -> int:
             with override_tile_config(**{k: v for k, v in tiles.items() if k != "provider"}):
                 pass
         except ValueError as exc:
-            print(f"error: {text}: {exc}", file=sys.stderr)
-            return 2
+            return common.error(f"{text}: {exc}")
     if a.dry_run:
         a.device, a.dtype, a.gpu = torch.device("cpu"), torch.float32, None
     elif not torch.cuda.is_available():
-        print(
-            "error: python -m bench.tune times CUDA kernels and needs a CUDA GPU "
+        return common.error(
+            "python -m bench.tune times CUDA kernels and needs a CUDA GPU "
             "(torch.cuda.is_available() is False). On a CPU, `python -m bench.tune --dry-run ...` checks "
-            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline.",
-            file=sys.stderr,
+            "the plumbing and `python -m kernels.compile_report` compiles the kernels for sm_90 offline."
         )
-        return 2
     else:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
     if a.decode:
@@ -538,9 +505,8 @@ def main(argv=None) -> int:
         try:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    a.timer = common.Timer(a.device, cpu_reps=1) if small else common.Timer(a.device)
+            return common.error(str(exc))
+    a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
     out_path = a.out or (
         None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"

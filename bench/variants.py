@@ -51,13 +51,8 @@ def make_attention(provider: str, mask: str, n: int, doc_ids, device, b: int, co
     if provider == "flash":
         from kernels import flash_attention
 
-        kw = (
-            dict(window=int(mask[6:]))
-            if mask.startswith("window")
-            else dict(doc_ids=doc_ids)
-            if mask == "docs"
-            else {}
-        )
+        kw = dict(window=int(mask[6:])) if mask.startswith("window") else {}
+        kw |= dict(doc_ids=doc_ids) if mask == "docs" else {}
         return lambda q, k, v: flash_attention(q, k, v, causal=True, **kw)
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -168,11 +163,7 @@ def main(argv=None) -> int:
     if dry:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
-        print(
-            "error: bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run",
-            file=sys.stderr,
-        )
-        return 2
+        return common.error("bench.variants times CUDA kernels and needs a CUDA GPU; on a CPU use --dry-run")
     device = torch.device("cpu" if dry else "cuda")
     timer = common.Timer(device)
     masks = ["causal"] + [f"window{w}" for w in args.windows] + ["docs"]
