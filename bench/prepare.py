@@ -85,6 +85,8 @@ def main(argv=None) -> int:
                 f"peak RSS {r['peak_rss_mb']:.0f} MB (corpus {size / 1e6:.0f} MB)"
             )
     cpu = dict(cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    cpu |= dict(commit=git.stdout.strip() or None, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     command = "python -m bench.prepare " + " ".join(argv if argv is not None else sys.argv[1:])
     record = dict(corpus_mb=size / 1e6, **cpu, shard_tokens=args.shard_tokens, command=command, rows=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
