@@ -298,10 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(f"\nwrote {plot(ref, others, png, args.window)}")
     except OSError as exc:  # a colleague's runs, a read-only mount: the table above is the result
-        common.log(
-            f"note: could not write {png} ({exc.strerror or exc}); the table above is the result; pass "
-            "--out PNG to write the plot elsewhere"
-        )
+        common.log(f"note: could not write {png} ({exc.strerror or exc}); --out PNG writes it elsewhere")
     if args.json:
         out = dict(reference=dict(label=ref.label, path=str(ref.path)), window=args.window)
         out |= dict(tolerance=args.tolerance, val_tolerance=args.val_tolerance, results=results)
