@@ -285,8 +285,16 @@ def test_layer_matches_float64_reference(seed, monkeypatch, backend, key):
 # ------------------------------------------------------------------------------ generation
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("key", KEYS)
+# flash under the interpreter takes 20-40 s a key on 2 cores: "all" (every key at once) in the default set,
+# each key alone in the slow set
+DECODE_CASES = [
+    pytest.param(b, k, marks=[pytest.mark.slow] if b == "flash" and k != "all" else [])
+    for k in KEYS
+    for b in BACKENDS
+]
+
+
+@pytest.mark.parametrize(("backend", "key"), DECODE_CASES)
 def test_cached_decode_equals_uncached_forward(seed, monkeypatch, backend, key):
     """Prefill + growing decode steps and static decode steps give the uncached forward's logits at every
     position; greedy generation past block_size (the sliding recomputation) gives the same tokens with the
