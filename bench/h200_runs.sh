@@ -21,9 +21,9 @@ code=(data.source="$CODE" data.dir=data/code data.max_tokens=100000000 attention
 case "$PHASE" in
 kernels)  # the kernel benchmarks: attention, decode step and generation, attention variants (bench/results/*_h200*)
   python -m bench.attention --seqlens 1024,2048,4096,8192,16384 --headdims 64,128 \
-    --providers flash,flash-det,sdpa-cudnn,sdpa-flash,sdpa-efficient,flex --out "$OUT" --tag h200_s19
+    --providers flash,flash-det,sdpa-cudnn,sdpa-flash,sdpa-efficient,flex --out "$OUT" --tag h200
   python -m bench.decode --contexts 8192,16384,32768,65536,131072 --batches 1,16 --dims 64,128 --groups 1,4,8 \
-    --providers flash-decode,read-floor,sdpa-auto,sdpa-flash,sdpa-cudnn,sdpa-efficient --out "$OUT" --tag h200_s13
+    --providers flash-decode,read-floor,sdpa-auto,sdpa-flash,sdpa-cudnn,sdpa-efficient --out "$OUT" --tag h200
   python -m bench.decode --e2e-only --batches 1,16 --e2e-backends flash,sdpa --out "$OUT" --tag h200_e2e
   python -m bench.variants --modes fwd+bwd --out "$OUT"
   python -m bench.variants --modes fwd --out "$OUT" --tag h200_fwd ;;
@@ -31,7 +31,7 @@ throughput)  # the default command, flash and sdpa at seq_len 4096 and 8192 (ben
   # memory, GPU busy
   for n in 8192 4096; do
     python -m bench.throughput --backends flash,sdpa --seq-lens $n --steps 25 --warmup 8 \
-      --out "$OUT/throughput_h200_s19$([ $n = 4096 ] && echo _4096)" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC"
+      --out "$OUT/throughput_h200_$n" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC"
   done ;;
 compare)  # 500 steps of each backend at seq_len 1024 from the same seed; loss logged every step
   for a in flash sdpa naive; do

@@ -22,7 +22,7 @@ L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
 Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
 the cuda params of tests/kernels/test_flash_decode.py (bf16/fp16 FlashAttention accuracy rule; passed on
 the H200). Tile size and split count are chosen in ``kernels/flash_decode.py`` from H200 sweeps
-(bench/NOTES.md); speed figures are in bench/results/decode_h200_s13.md. On Hopper both kernels launch
+(bench/NOTES.md); speed figures are in bench/results/decode_h200.md. On Hopper both kernels launch
 with programmatic dependent launch (``_pdl_wait_and_release``).
 """
 

@@ -10,7 +10,7 @@ Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the 
 tests/kernels/test_flash_decode.py's cuda params (bf16/fp16 FlashAttention accuracy rule, the triton_op path:
 passed on the H200). GPU tiles (``plan.decode_block_n``) and split count (``plan.decode_splits``) come
 from H200 sweeps (bench/NOTES.md, "Decode tiles", "Decode splits" and "Decode splits, session 13"); the
-speed figures are in bench/results/decode_h200_s13.md (``python -m bench.decode``).
+speed figures are in bench/results/decode_h200.md (``python -m bench.decode``).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def _gpu_tile(kernel: str, block_d: int, dtype: torch.dtype, n: int) -> TileConf
     if kernel == "fwd":
         if block_d <= 64:
             return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 64, 8, 3)
-        if block_d <= 128:  # 64x64 at N <= 1024: bench/results/ab_tiles_h200.log (NOTES v5)
+        if block_d <= 128:  # 64x64 at N <= 1024: bench/NOTES.md v5 (measured A/B)
             return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 128, 8, 3)
         return TileConfig(64, 32, 8, 2)
     # Backward: tma=True streams the inner loop's tiles through tensor descriptors where the inputs
