@@ -10,6 +10,7 @@ exits with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,25 @@ __all__ = ["ConfigError", "Plan", "resolve_plan"]
 
 #: Model-shape keys that a resume may not change (they change parameter shapes).
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
+#: GPTConfig fields a resume must keep besides the shape, and their config keys
+ABLATION_KEYS = {
+    "n_kv_head": "model.n_kv_head",
+    "pos_emb": "model.pos_emb",
+    "rope_theta": "model.rope_theta",
+    "qk_norm": "model.qk_norm",
+    "softcap": "attention.softcap",
+}
+
+
+def _ablations(model_args: dict) -> dict:
+    """The ABLATION_KEYS of a checkpoint's model_args, defaults filled in (n_kv_head null = n_head)."""
+    from model.config import GPTConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    out = {k: model_args.get(k, defaults[k]) for k in ABLATION_KEYS}
+    out["n_kv_head"] = out["n_kv_head"] or model_args.get("n_head")
+    return out
+
 
 #: Dense bf16 tensor-core peak FLOP/s by GPU name fragment (vendor data sheets), for MFU.
 PEAK_FLOPS_BF16 = {
@@ -671,6 +691,10 @@ def check_resume_compatible(saved: dict, new: dict) -> list[str]:
         if a != b:
             hint = " (follows seq_len)" if key == "block_size" else ""
             diffs.append(f"model.{key}: {a} -> {b}{hint}")
+    # the ablation keys change the parameters or the function the weights were trained for; a checkpoint
+    # from before they existed has their defaults
+    old, now = (_ablations(d["model_args"]) for d in (saved, new))
+    diffs += [f"{ABLATION_KEYS[k]}: {old[k]} -> {now[k]}" for k in ABLATION_KEYS if old[k] != now[k]]
     for key in ("tokenizer", "vocab_size"):
         a, b = saved.get(key), new.get(key)
         if a != b:

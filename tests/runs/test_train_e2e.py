@@ -181,6 +181,11 @@ def test_resume_refuses_shape_and_tokenizer_change_allows_attention(reference_ru
     err = refused(model__n_layer=3, model__n_embd=96)
     assert "model.n_layer: 2 -> 3" in err and "model.n_embd: 128 -> 96" in err
     assert "model.block_size: 64 -> 32" in refused(seq_len=32)
+    # the ablation keys: other parameters (q/k norms, kv heads, positions) or another function (softcap)
+    assert "model.qk_norm: False -> True" in refused(model__qk_norm=True)
+    assert "model.pos_emb: learned -> rope" in refused(model__pos_emb="rope")
+    assert "model.n_kv_head: 4 -> 2" in refused(model__n_kv_head=2)
+    assert "attention.softcap: None -> 2.0" in refused(attention__softcap=2.0)
     # a refused resume touches none of the run's records
     assert not list(out.glob("wandb")) and not (out / "summary.json").exists()
 
