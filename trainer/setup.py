@@ -155,6 +155,13 @@ def load_resume(st: RunState) -> dict | None:
     changed = ckpt.tokenizer_difference(state["tokenizer"], st.meta)
     if changed:  # same name and size, but the ids would mean other tokens (re-mapped data)
         raise ConfigError(tokenizer_change_message(st, state, Path(path), changed))
+    if moved := data_difference(state.get("data") or {}, st.meta):
+        raise ConfigError(
+            f"resume=true refused: the data in data.dir={st.cfg.data.dir} are not the data the checkpoint "
+            f"{path} was trained on ({moved}): the corpus changed since, or its data dir was prepared again. "
+            f"A resume continues on the run's own data; nothing was changed in {st.out_dir}. Restore the "
+            "corpus (or its prepared data dir), or train on the new data in a new run (another out_dir)"
+        )
     st.resume_path, st.resume_notes = Path(path), notes
     resume_checks(st, state)
     return state
@@ -393,6 +400,15 @@ def no_checkpoint_message(st: RunState) -> str:
         f"resume=true but {st.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
         f"of the run to continue>{hint}, or resume=false to start a new run"
     )
+
+
+def data_difference(saved: dict, meta: dict) -> str | None:
+    """What differs between the data a checkpoint recorded (``state["data"]``; older checkpoints have none)
+    and a prepared data dir's meta: the corpus's identity (the text's SHA-256, or the files' fingerprint),
+    then the split's token counts."""
+    keys = [k for k in ("source_sha256", "train_tokens", "val_tokens") if saved.get(k) is not None]
+    diff = [f"{k} {saved[k]} -> {meta.get(k)}" for k in keys if saved[k] != meta.get(k)]
+    return "; ".join(diff) or None
 
 
 def tokenizer_change_message(st: RunState, state: dict, path: Path, changed: str) -> str:

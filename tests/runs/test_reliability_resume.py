@@ -114,6 +114,34 @@ def test_resume_onto_another_char_vocabulary_is_refused(tiny, tmp_path, shakespe
     assert _tree(out) == before
 
 
+@pytest.mark.slow
+def test_resume_onto_a_changed_corpus_is_refused_even_when_its_data_dir_is_prepared_again(
+    tiny, tmp_path, shakespeare_path
+):
+    """The corpus edited after the run (same length, same characters) and its data dir deleted, as the
+    prepare step's own message suggests: the resume prepares the new text, then refuses it (exit 2, the run
+    untouched); with the corpus restored it resumes."""
+    corpus, data = tmp_path / "corpus.txt", tmp_path / "data"
+    shutil.copy(shakespeare_path, corpus)
+    args = dict(data__source=corpus, data__dir=data, max_steps=4, checkpoint__interval=4, eval__interval=4)
+    out = tmp_path / "run"
+    proc = run_train(tiny(out, **args))
+    assert proc.returncode == 0, describe(proc)
+    before = _tree(out)
+    original = corpus.read_text(encoding="utf-8")
+    corpus.write_text(original.replace("ROMEO", "OMERO"), encoding="utf-8")
+    shutil.rmtree(data)
+    resumed = run_train(tiny(out, **{**args, "max_steps": 6}, resume=True))
+    assert resumed.returncode == 2, describe(resumed)
+    assert "are not the data the checkpoint" in resumed.stderr and "source_sha256" in resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert _tree(out) == before
+    corpus.write_text(original, encoding="utf-8")
+    shutil.rmtree(data)
+    resumed = run_train(tiny(out, **{**args, "max_steps": 6}, resume=True))
+    assert resumed.returncode == 0 and max(train_losses(out)) == 6, describe(resumed)
+
+
 # ------------------------------------------------------------------------------------------ 2. data race
 
 _PREPARE = """
