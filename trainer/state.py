@@ -123,7 +123,10 @@ class RunState:
         the run writes nothing but what ``rundir.discard_refused_run`` takes back; rank 0 only."""
         if self.runlog is None or self.runlog.held is None:
             return
-        write_hydra_files(self.out_dir, self.hydra_files)
+        if not (self.cfg.resume and (self.out_dir / ".hydra" / "config.yaml").is_file()):
+            # a resume keeps the launch's record: its own composition (the defaults under the resume's
+            # overrides) is not the run's config, which config.resolved.yaml holds
+            write_hydra_files(self.out_dir, self.hydra_files)
         if self.lock is not None:
             self.lock.write_holder()
         self.runlog.open()

@@ -140,6 +140,8 @@ def test_resume_onto_a_changed_corpus_is_refused_even_when_its_data_dir_is_prepa
     shutil.rmtree(data)
     resumed = run_train(tiny(out, **{**args, "max_steps": 6}, resume=True))
     assert resumed.returncode == 0 and max(train_losses(out)) == 6, describe(resumed)
+    # a resume keeps the launch's Hydra record (its own composition is the defaults under its overrides)
+    assert (out / ".hydra" / "config.yaml").read_bytes() == before[".hydra/config.yaml"]
 
 
 # ------------------------------------------------------------------------------------------ 2. data race
