@@ -873,6 +873,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: what is written stays; the next run resumes from it
+        print(
+            f"\ninterrupted: {out_dir} keeps the complete shards written so far; run the same command again "
+            "to continue from them",
+            file=sys.stderr,
+        )
+        return 130
     shards = sum(len(v) for v in meta["shards"].values())
     print(
         f"wrote {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "

@@ -397,3 +397,19 @@ def test_train_py_runs_on_every_source(tmp_path, gpt2_bpe, seed, kind, split):
     assert (meta["val_fraction"] is None) == bool(split), meta
     losses = [r["val/loss"] for r in read_jsonl(tmp_path / "run") if "val/loss" in r]
     assert losses and all(0 < v < 20 for v in losses), f"seed={seed}: {losses}"
+
+
+def test_ctrl_c_in_the_prepare_cli_says_how_to_continue(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in `python -m data.prepare`: no KeyboardInterrupt traceback, the note says that running the
+    command again continues from the shards written, exit 130."""
+    import data.prepare as dp
+
+    (src := tmp_path / "c.jsonl").write_text('{"text": "a b c"}\n' * 10)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dp, "prepare", interrupted)
+    assert dp.main(["--source", str(src), "--out-dir", str(tmp_path / "d"), "--tokenizer", "gpt2"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted:" in err and "run the same command again" in err and "Traceback" not in err
