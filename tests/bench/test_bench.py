@@ -919,3 +919,24 @@ def test_tune_without_cuda_exits_cleanly(tmp_path, monkeypatch, capsys, argv):
     monkeypatch.chdir(tmp_path)
     assert tune.main(argv) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+
+
+def test_report_keeps_the_runs_of_an_ablation_sweep_apart(tmp_path, seed):
+    """Four runs of one backend and seq_len that differ in model.pos_emb and model.qk_norm (the README's
+    ablation sweep): each gets the differing keys in its label, so the table has a column per run; keys
+    that differ only in bookkeeping (out_dir, wandb) do not count."""
+    rng = np.random.default_rng(seed)
+    for i, (pos, qk) in enumerate([("learned", False), ("learned", True), ("rope", False), ("rope", True)]):
+        d = make_run(tmp_path, f"{i}_sdpa_n128", "sdpa", 128, train={1: float(rng.normal())}, tps=[1e4])
+        with (d / ".hydra" / "config.yaml").open("a") as f:
+            f.write(f"model:\n  pos_emb: {pos}\n  qk_norm: {str(qk).lower()}\nout_dir: runs/{i}\n")
+    runs = br.collect(tmp_path)
+    labels = sorted(r["backend"] for r in runs)
+    assert labels == [
+        "sdpa (pos_emb=learned, qk_norm=False)",
+        "sdpa (pos_emb=learned, qk_norm=True)",
+        "sdpa (pos_emb=rope, qk_norm=False)",
+        "sdpa (pos_emb=rope, qk_norm=True)",
+    ], labels
+    md = br.markdown(runs, tmp_path, 0.1)
+    assert all(label in md for label in labels)
