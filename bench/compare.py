@@ -90,10 +90,10 @@ def load_run(path: str | Path) -> Run:
     return Run(run_dir, label, train, common.series(rows, "val/loss"), cfg)
 
 
-def _flatten(cfg: dict, prefix: str = "") -> dict:
+def flatten(cfg: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in cfg.items():
-        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
 
 
@@ -102,7 +102,7 @@ def config_differences(ref: dict, other: dict, ignored: Sequence[str] = CONFIG_K
     keys under an `ignored` prefix left out; {} when either config is unknown."""
     if not ref or not other:
         return {}
-    a, b = _flatten(ref), _flatten(other)
+    a, b = flatten(ref), flatten(other)
     # a bare `attention` leaf is the backend name of older configs (attention: flash)
     skip = lambda k: k == "attention" or any(k == p or k.startswith(p + ".") for p in ignored)
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if not skip(k) and a.get(k) != b.get(k)}

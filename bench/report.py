@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import common
+from bench.compare import config_differences, flatten
 
 METRICS = (
     ("tokens_per_sec", "tokens/sec", "{:,.0f}"),
@@ -119,40 +120,19 @@ def backends_of(runs: Sequence[dict]) -> list[str]:
     return sorted({r["backend"] for r in runs}, key=rank)
 
 
-#: config keys that tell nothing about what a run trained (where, how it was logged or launched)
-_BOOKKEEPING = (
-    "out_dir",
-    "run_name",
-    "resume",
-    "derived.",
-    "wandb.",
-    "hydra.",
-    "checkpoint.",
-    "log_interval",
-)
-
-
-def _leaves(node, prefix: str = "") -> dict:
-    if not isinstance(node, dict):
-        return {prefix[:-1]: node}
-    return {k: v for key, sub in node.items() for k, v in _leaves(sub, f"{prefix}{key}.").items()}
-
-
 def _label_variants(runs: list[dict], configs: list[dict]) -> None:
     """Runs of one (backend, seq_len) that differ in other keys (an ablation sweep, model.qk_norm=false,true)
-    get those keys in their backend label, ``sdpa (pos_emb=rope, qk_norm=true)``, so the tables keep them
-    apart instead of listing four runs in one cell."""
+    get those keys in their backend label, ``sdpa (pos_emb=rope, qk_norm=True)``, so the tables keep them
+    apart instead of listing four runs in one cell (the keys bench.compare warns about)."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(runs):
         groups.setdefault((r["backend"], r["seq_len"]), []).append(i)
-    for members in (m for m in groups.values() if len(m) > 1):
-        keys = sorted({k for i in members for k in configs[i]} - {"attention.name", "seq_len"})
-        keys = [k for k in keys if not k.startswith(_BOOKKEEPING)]
-        differ = [k for k in keys if len({str(configs[i].get(k)) for i in members}) > 1]
-        for i in members:
-            if differ:
-                shown = ", ".join(f"{k.split('.')[-1]}={configs[i].get(k)}" for k in differ)
-                runs[i]["backend"] = f"{runs[i]['backend']} ({shown})"
+    for first, *rest in (m for m in groups.values() if len(m) > 1):
+        keys = sorted({k for i in rest for k in config_differences(configs[first], configs[i])})
+        for i in (first, *rest) if keys else ():
+            flat = flatten(configs[i])
+            shown = ", ".join(f"{k.split('.')[-1]}={flat.get(k)}" for k in keys)
+            runs[i]["backend"] = f"{runs[i]['backend']} ({shown})"
 
 
 def collect(sweep_dir: str | Path, warmup_frac: float = 0.1) -> list[dict]:
@@ -163,7 +143,7 @@ def collect(sweep_dir: str | Path, warmup_frac: float = 0.1) -> list[dict]:
             f"no run directories (with summary.json, metrics.jsonl or .hydra/config.yaml) under {sweep_dir}"
         )
     runs = [summarize_run(d, sweep_dir, warmup_frac) for d in dirs]
-    _label_variants(runs, [_leaves(common.read_config(d)) for d in dirs])
+    _label_variants(runs, [common.read_config(d) for d in dirs])
     order = {b: i for i, b in enumerate(backends_of(runs))}
     return sorted(
         runs, key=lambda r: (order[r["backend"]], r["seq_len"] if r["seq_len"] is not None else -1, r["run"])
