@@ -156,9 +156,9 @@ def _data_changes(saved: dict, merged, keys: set[str]) -> list[str]:
     value than the run's (paths compared where they point: the run's relative to its own cwd)."""
     from omegaconf import OmegaConf
 
-    cwd, out = saved_cwd(saved), []
+    cwd, run, out = saved_cwd(saved), _leaves(saved), []
     for key in sorted(k for k in keys if k.startswith("data.") and k not in _DATA_KEYS_FREE):
-        old, new = OmegaConf.select(OmegaConf.create(saved), key), OmegaConf.select(merged, key)
+        old, new = run.get(key), OmegaConf.select(merged, key)
         if key in _CWD_PATHS and isinstance(old, str) and isinstance(new, str):
             same = Path(anchored(old, cwd)).expanduser().resolve() == Path(new).expanduser().resolve()
         else:
