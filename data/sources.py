@@ -11,7 +11,8 @@ A source string is one of:
   is read the same way. Its identity is the files' names, sizes and mtimes (hashing 50 GB on every
   launch costs minutes);
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split read with ``datasets`` in streaming mode
-  (NAME may be a hub name or a local dataset directory); its identity is the name and config.
+  (NAME may be a hub name or a local dataset directory). Its identity is the name and config, and for
+  a local directory also its files' names, sizes and mtimes (an edited local dataset is a changed source).
 
 ``open_source`` returns a ``Source`` whose ``pieces()`` yields its text in a fixed order (the same every
 time, so a prepare resumes by skipping pieces) and whose errors name the source. Every source streams: a
@@ -174,21 +175,23 @@ class Source:
     # ----------------------------------------------------------------------------------- identity
     def fingerprint(self) -> dict:
         """What identifies this source's content cheaply: {"files": [[name, size, mtime_ns], ...]} or
-        {"hf": name, "config": config}; the text kind's identity is its SHA-256 (``data.prepare``)."""
-        if self.hf_name is not None:
-            return {"hf": self.hf_name, "config": self.hf_config}
+        {"hf": name, "config": config} (with "files" for a local directory); the text kind's identity is its
+        SHA-256 (``data.prepare``)."""
+        hf = {"hf": self.hf_name, "config": self.hf_config} if self.hf_name is not None else {}
+        if hf and not self.files:  # a hub dataset: its name (its revision is the hub's)
+            return hf
         rows = []
         for p in self.files:
             st = p.stat()
             name = str(p.relative_to(self.root)) if self.root else str(p)
             rows.append([name, st.st_size, st.st_mtime_ns])
-        return {"files": rows}
+        return {**hf, "files": rows}
 
     # ---------------------------------------------------------------------------------- documents
     def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
         """Every non-empty document of the source in a fixed order, as pieces (``text_pieces``): a record,
         a text file of a directory, or a single text file's documents split on ``doc_separator``."""
-        if self.hf_name is not None:
+        if self.hf_name is not None:  # before the files: a local dataset's files are datasets' to read
             for text in self._hf_documents():
                 yield from text_pieces([text])
             return
@@ -323,11 +326,18 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
             raise SourceError(
                 f"{source!r} names no dataset; use hf:NAME[:CONFIG], e.g. hf:roneneldan/TinyStories"
             )
-        if name.startswith(("/", ".", "~")):
-            name = str(Path(name).expanduser().resolve())
+        local = Path(name).expanduser()
+        files, root = [], None
+        if name.startswith(("/", ".", "~")) or local.is_dir():  # a local dataset directory
+            name = str(local.resolve())
+            if local.is_dir():
+                root = Path(name)
+                files = _dir_files(root)  # its identity: these files' sizes and mtimes
         return Source(
             label=f"{HF_PREFIX}{name}" + (f":{config}" if config else ""),
             kind="docs",
+            files=files,
+            root=root,
             hf_name=name,
             hf_config=config or None,
             text_field=text_field,
@@ -383,4 +393,6 @@ def fingerprint_diff(old: dict, new: dict) -> str | None:
                 more = f" and {len(names) - 3} more" if len(names) > 3 else ""
                 parts.append(f"{what}: {', '.join(names[:3])}{more}")
         return "; ".join(parts) or "the file list differs"
+    if "hf" in old and "files" in new and {**old, "files": None} == {**new, "files": None}:
+        return "its files were not recorded when it was prepared, so an edit cannot be ruled out"
     return f"was {old}, now {new}"

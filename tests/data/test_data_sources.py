@@ -62,7 +62,13 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
         table = pa.table({"id": list(range(len(docs))), "text": docs})
         pq.write_table(table, tmp_path / "c.parquet", row_group_size=7)
         return str(tmp_path / "c.parquet")
-    pytest.importorskip("datasets")
+    datasets = pytest.importorskip("datasets")
+    if kind.startswith("hf_saved"):  # Dataset / DatasetDict.save_to_disk: read with load_from_disk
+        ds = datasets.Dataset.from_dict({"id": list(range(len(docs))), "text": docs})
+        if kind == "hf_saved_dict":
+            ds = datasets.DatasetDict({"train": ds, "validation": ds.select(range(2))})
+        ds.save_to_disk(str(tmp_path / "saved"))
+        return f"hf:{tmp_path / 'saved'}"
     (tmp_path / "ds" / "data").mkdir(parents=True)
     _write_jsonl(tmp_path / "ds" / "data" / "train.jsonl", docs)
     return f"hf:{tmp_path / 'ds'}"
@@ -87,6 +93,24 @@ def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind)
     assert np.array_equal(starts, np.concatenate([[0], np.flatnonzero(toks[:-1] == EOT) + 1]))
     x, y, doc = ds.batch(8, seed=1, step=0, with_doc_ids=True)  # documents cross the 97-token shards
     assert x.shape == (8, 16)
+
+
+@pytest.mark.parametrize("kind", ["hf"])
+def test_an_edited_local_hf_dataset_is_a_changed_source(tmp_path, gpt2_bpe, seed, kind):
+    """A local hf: directory is identified by its files (names, sizes, mtimes), not by its path only: after
+    an edit, the prepared data are stale and a trainer (keep_other) refuses to re-prepare them."""
+    from data.prepare import ensure_prepared, stale_reason
+
+    src = _corpus(tmp_path, kind, _docs(30, seed))
+    out = tmp_path / "out"
+    prepare(src, out, "gpt2", workers=1, progress=False)
+    assert stale_reason(src, out) is None and conflict_reason(src, out) is None
+    data = tmp_path / ("ds/data/train.jsonl" if kind == "hf" else "saved/state.json")
+    data.write_text(data.read_text() + "\n")
+    for why in (stale_reason(src, out), conflict_reason(src, out)):
+        assert why and "source changed" in why and data.name in why, why
+    with pytest.raises(ValueError, match="source changed"):
+        ensure_prepared(src, out, "gpt2", keep_other=True, workers=1, progress=False)
 
 
 def test_workers_uint32_and_reshard_give_the_same_tokens_and_windows(tmp_path, gpt2_bpe, seed):
