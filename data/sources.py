@@ -11,7 +11,8 @@ A source string is one of:
   is read the same way. Its identity is the files' names, sizes and mtimes (hashing 50 GB on every
   launch costs minutes);
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split read with ``datasets`` in streaming mode
-  (NAME may be a hub name or a local dataset directory). Its identity is the name and config, and for
+  (NAME may be a hub name or a local dataset directory; a directory written by ``save_to_disk`` is read
+  with ``load_from_disk``, a DatasetDict's ``train`` split). Its identity is the name and config, and for
   a local directory also its files' names, sizes and mtimes (an edited local dataset is a changed source).
 
 ``open_source`` returns a ``Source`` whose ``pieces()`` yields its text in a fixed order (the same every
@@ -285,6 +286,9 @@ def open_hf(name: str, config: str | None, label: str):
         import datasets
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise SourceError(f"{label} needs the datasets package: pip install datasets") from e
+    saved = _saved_to_disk(name)
+    if saved:
+        return _load_saved(datasets, name, saved, config, label)
     try:
         return datasets.load_dataset(name, config, split="train", streaming=True)
     except Exception as e:  # hub / network / not-found errors come in many classes
@@ -296,6 +300,39 @@ def open_hf(name: str, config: str | None, label: str):
             "into this machine's Hugging Face cache (HF_HOME), or download its .parquet / .jsonl files and "
             "pass them as data.source=DIR (or a glob)"
         ) from e
+
+
+def _saved_to_disk(name: str) -> str | None:
+    """ "dataset" / "dict" when ``name`` is a directory written by ``Dataset`` / ``DatasetDict.save_to_disk``
+    (``load_dataset`` refuses those), else None."""
+    root = Path(name)
+    if (root / "dataset_dict.json").is_file():
+        return "dict"
+    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+        return "dataset"
+    return None
+
+
+def _load_saved(datasets, name: str, kind: str, config: str | None, label: str):
+    """A ``save_to_disk`` directory with ``load_from_disk`` (memory-mapped Arrow files, nothing is copied):
+    the Dataset, or a DatasetDict's ``train`` split."""
+    if config:
+        raise SourceError(
+            f"{label}: {name} is a dataset saved with save_to_disk, which has no configs; pass hf:{name}"
+        )
+    try:
+        ds = datasets.load_from_disk(name)
+    except Exception as e:  # a corrupt or partial save: datasets raises several classes
+        raise SourceError(f"{label}: {name} does not load with datasets.load_from_disk ({e})") from e
+    if kind == "dict":
+        if "train" not in ds:
+            splits = ", ".join(ds) or "none"
+            raise SourceError(
+                f"{label} is a DatasetDict without a 'train' split (its splits: {splits}); save the split to "
+                f"read on its own (ds['{next(iter(ds), 'SPLIT')}'].save_to_disk(DIR)) and pass hf:DIR"
+            )
+        ds = ds["train"]
+    return ds
 
 
 def _expand(pattern: str) -> list[Path]:

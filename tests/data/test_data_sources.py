@@ -74,7 +74,7 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
     return f"hf:{tmp_path / 'ds'}"
 
 
-@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf"])
+@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf", "hf_saved", "hf_saved_dict"])
 def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
     docs = _docs(40, seed)
     out = tmp_path / "out"
@@ -95,7 +95,15 @@ def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind)
     assert x.shape == (8, 16)
 
 
-@pytest.mark.parametrize("kind", ["hf"])
+def test_saved_dataset_dict_without_train_split_names_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"text": ["a b", "c d"]})
+    datasets.DatasetDict({"validation": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"without a 'train' split \(its splits: validation\)"):
+        prepare(f"hf:{tmp_path / 'dd'}", tmp_path / "o", "gpt2", workers=1, progress=False)
+
+
+@pytest.mark.parametrize("kind", ["hf", "hf_saved"])
 def test_an_edited_local_hf_dataset_is_a_changed_source(tmp_path, gpt2_bpe, seed, kind):
     """A local hf: directory is identified by its files (names, sizes, mtimes), not by its path only: after
     an edit, the prepared data are stale and a trainer (keep_other) refuses to re-prepare them."""
