@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -237,6 +238,12 @@ def _split(result: tuple[np.ndarray, np.ndarray], batch: list) -> Iterator[tuple
         yield ids[a:b], start, end
 
 
+def _ignore_sigint() -> None:
+    """A tokenizer process leaves Ctrl-C to its parent, which stops the pool (else every worker prints a
+    KeyboardInterrupt traceback of its own)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def tokenized_pieces(pieces: Iterable, tokenizer, workers: int, skip: int = 0) -> Iterator[tuple]:
     """(token ids as uint32, starts a document, ends one) of each piece (``data.sources.Piece``) after the
     first ``skip``, in order, tokenized by ``workers`` spawned processes (inline when ``workers <= 1``).
@@ -247,7 +254,7 @@ def tokenized_pieces(pieces: Iterable, tokenizer, workers: int, skip: int = 0) -
         for batch in _batches(pieces, skip):
             yield from _split(encode_documents(tokenizer, [p[0] for p in batch]), batch)
         return
-    pool = mp.get_context("spawn").Pool(workers)
+    pool = mp.get_context("spawn").Pool(workers, initializer=_ignore_sigint)
     try:
         pending: deque = deque()
         for batch in _batches(pieces, skip):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +153,60 @@ def end_interrupted(st, s: int, signum: int):
     finish(st, "interrupted", {"signal": name, "resume_hint": hint}, exit_code=0)
     st.say(f"{name}: stopped after step {s}; checkpoint {st.last_ckpt}\nresume with:\n  {hint}")
     return Outcome("interrupted", 128 + signum)
+
+
+class SignalInterrupt(KeyboardInterrupt):
+    """SIGTERM during set-up, raised where the process is, as Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGTERM raises ``SignalInterrupt`` in the block (the default would kill the process without a
+    summary); SIGINT raises KeyboardInterrupt as always. The previous handler comes back after it."""
+
+    def interrupt(signum, frame):  # noqa: ARG001 - signal API
+        raise SignalInterrupt(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may install it
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def end_before_first_step(st, signum: int) -> Outcome:
+    """A signal during set-up (the data preparation, the model build): nothing was trained. A new run
+    records status "interrupted" (0 steps) and prints the command to start it again, into a new run
+    directory (this one holds the interrupted run's records); a resume leaves its run as it was. The
+    data preparation keeps its complete shards: the next launch continues from them. Exit 128 + signal."""
+    name, code = signal.Signals(signum).name, 128 + signum
+    data = f"the data preparation in data.dir={st.cfg.data.dir} continues from its complete shards"
+    if st.cfg.resume:
+        hint = resume_command(st)
+        st.say(
+            f"\n{name}: interrupted during set-up, before the first step of this resume; nothing was "
+            f"changed in {st.out_dir} and {data}. Resume with:\n  {hint}"
+        )
+        with contextlib.suppress(Exception):
+            st.log.close(exit_code=code)
+        return Outcome("interrupted", code)
+    hint = restart_command(st)
+    with contextlib.suppress(Exception):
+        st.record()
+    extra = {"signal": name, "interrupted_in": "set-up, before the first step", "restart_hint": hint}
+    finish(st, "interrupted", extra, exit_code=code)
+    st.say(
+        f"\n{name}: interrupted during set-up, before the first step: nothing was trained (its records "
+        f"stay in {st.out_dir}); {data}. Start the run again (in a new run directory) with:\n  {hint}"
+    )
+    return Outcome("interrupted", code)
 
 
 def record_exit_now(st, signum: int) -> None:

@@ -23,6 +23,7 @@ import contextlib
 import gc
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -349,7 +350,10 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             return endings.report_disk_full(e, out_dir)
         st.resume_intro, st.hydra_files, st.lock = intro, hydra_files, lock
         try:
-            setup.setup(st)
+            with endings.signals_interrupt():  # SIGTERM too stops a data preparation, as Ctrl-C does
+                setup.setup(st)
+        except KeyboardInterrupt as e:  # during the data preparation or the model build
+            return endings.end_before_first_step(st, getattr(e, "signum", signal.SIGINT))
         except ConfigError as e:
             st.log.close(exit_code=EXIT_CONFIG)
             return endings.report_config_error(e, out_dir, cfg, dist.is_main, multirun, hydra_files)
