@@ -69,6 +69,7 @@ from data.sources import (  # noqa: E402
     fingerprint_diff,
     fingerprint_sha256,
     open_source,
+    source_stem,
 )
 from data.tokenizer import MAX_VOCAB, TOKENIZERS, make_tokenizer  # noqa: E402
 
@@ -750,9 +751,10 @@ def ensure_prepared(
             return load_meta(out)
         held = _conflict(source, out, tokenizer, opts) if keep_other else None
         if held:
+            other = out.parent / f"{out.name}_{source_stem(source)}"
             raise ValueError(
                 f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
-                "its own"
+                f"its own, e.g. data.dir={other}"
             )
         logger.info("preparing data in %s: %s", out_dir, reason)
         return _prepare_into(out, source, tokenizer, opts, workers, progress=progress)
@@ -850,7 +852,9 @@ def main(argv: list[str] | None = None) -> int:
             args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator, **kw
         )
         if held and not args.force:
-            other = Path(out_dir).parent / f"{Path(out_dir).name}_{args.tokenizer}"
+            other_tok = load_meta(Path(out_dir)).get("tokenizer") != args.tokenizer
+            suffix = args.tokenizer if other_tok else source_stem(args.source)  # what differs
+            other = Path(out_dir).parent / f"{Path(out_dir).name}_{suffix}"
             print(
                 f"error: {out_dir} already holds {held}; preparing there would replace the token files and "
                 f"meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "

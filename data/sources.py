@@ -409,6 +409,19 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
     return Source(str(path), "text", [path], path.parent, text_field=text_field)
 
 
+def source_stem(source: str | os.PathLike | None) -> str:
+    """A readable folder-name part for a source (suggested ``data.dir`` names): its file or directory name
+    without the record / text suffixes; a glob's folder, a dataset's name ("corpus" when none is left)."""
+    text = str(source or "")
+    if is_hf(text):
+        text = text[len(HF_PREFIX) :].partition(":")[0]
+    parts = [p for p in Path(text.rstrip("/")).parts if not any(c in p for c in _GLOB_CHARS) and p != "/"]
+    name = parts[-1] if parts else ""
+    while Path(name).suffix.lower() in (".gz", ".jsonl", ".json", ".parquet", ".txt", ".text"):
+        name = Path(name).stem
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name).strip("_") or "corpus"
+
+
 def fingerprint_sha256(fp: dict, text_field: str) -> str:
     """SHA-256 of a fingerprint (and the text field read): meta["source_sha256"] of a docs source."""
     payload = json.dumps({"fingerprint": fp, "text_field": text_field}, sort_keys=True).encode()

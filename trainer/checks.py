@@ -480,8 +480,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
         except (OSError, ValueError) as e:
             raise ConfigError(f"data.source={src}: {e}") from e
         if held:
-            name = Path(str(src).rstrip("/*")).name.replace(":", "_") or "corpus"
-            raise ConfigError(f"data.dir={cfg.data.dir} holds {held}; {fix(name)}")
+            raise ConfigError(changed_source_message(cfg, held))
         return
     import hashlib
 
@@ -491,6 +490,35 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
             f"data.dir={cfg.data.dir} holds data prepared from {meta.get('source')}, which differs from "
             f"data.source={src} (sha256); {fix(Path(str(src)).stem)}"
         )
+
+
+def changed_source_message(cfg, held: str) -> str:
+    """The refusal of a data.dir that holds data of another (or a changed) corpus, with a way forward that
+    works: a new run prepares the corpus as it is now into a folder of its own; a resume continues on the
+    data it was trained on, so the corpus must be as it was (a directory is identified by its files'
+    names, sizes and mtimes), or the changed corpus goes to a new run."""
+    from data.sources import source_stem
+
+    given = Path(str(cfg.data.dir))
+    other = given.parent / f"{given.name or 'data'}_{source_stem(cfg.data.source)}"
+    n = 2
+    while other.exists():  # a folder of its own: never one that holds (other) data
+        other, n = given.parent / f"{given.name or 'data'}_{source_stem(cfg.data.source)}_{n}", n + 1
+    new_run = (
+        f"set data.dir={other} (prepared afresh from it; the runs that read {cfg.data.dir} keep their data)"
+    )
+    if not cfg.resume:
+        return (
+            f"data.dir={cfg.data.dir} holds {held}, which runs read, so it is not prepared again. To "
+            f"train on data.source={cfg.data.source} as it is now, {new_run}"
+        )
+    return (
+        f"resume=true refused: data.dir={cfg.data.dir} holds {held}. A resume continues on the data it was "
+        f"trained on: put data.source={cfg.data.source} back as it was (the same files with the same sizes "
+        "and modification times, e.g. restored with `cp -p` or `rsync -a` from a copy; editing a file back "
+        f"changes its time), or train on the changed corpus in a new run (resume=false, a new out_dir) and "
+        f"{new_run}"
+    )
 
 
 def effective_data_source(cfg) -> str | None:
