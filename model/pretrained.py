@@ -41,10 +41,16 @@ def _hf_files(init_from: str):
         source = str(path)
     elif init_from in GPT2_SIZES:
         source = f"openai-community/{init_from}"
+    elif init_from == "scratch":  # the trainer's "no weights": nothing to load
+        raise PretrainedError(
+            "init_from=scratch means no pretrained weights (a model trained from its random start), so "
+            f"there is nothing to load; pass a GPT-2 size ({', '.join(GPT2_SIZES)}), e.g. init_from=gpt2, "
+            "or a local Hugging Face GPT-2 checkpoint directory (config.json + weights)"
+        )
     else:
         raise PretrainedError(
-            f"init_from={init_from!r} is neither one of {INIT_FROM_CHOICES} nor a local Hugging Face GPT-2 "
-            "checkpoint directory (config.json + weights); e.g. init_from=gpt2"
+            f"init_from={init_from!r} is not a GPT-2 size ({', '.join(GPT2_SIZES)}) nor a local Hugging Face "
+            "GPT-2 checkpoint directory (config.json + weights); e.g. init_from=gpt2"
         )
     try:
         if not path.is_dir():

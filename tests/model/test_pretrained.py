@@ -89,6 +89,10 @@ def test_cached_greedy_generation_equals_transformers(hf_dir, backend, monkeypat
 def test_bad_init_from_is_named(tmp_path):
     with pytest.raises(PretrainedError, match=r"init_from='nope'.*gpt2"):
         load_gpt2("nope")
+    with pytest.raises(
+        PretrainedError, match=r"init_from=scratch means no pretrained weights.*init_from=gpt2"
+    ):
+        load_gpt2("scratch")  # sample.py / eval.py: not "neither one of ('scratch', ...)"
     (tmp_path / "empty").mkdir()
     with pytest.raises(PretrainedError, match=r"could not load GPT-2 weights.*huggingface-cli download"):
         load_gpt2(str(tmp_path / "empty"))
