@@ -320,7 +320,10 @@ def _options(
     if max_tokens is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2
     ):
-        raise ValueError(f"max_tokens={max_tokens!r} must be null or an integer >= 2, e.g. 1000000000")
+        raise ValueError(
+            f"max_tokens={max_tokens!r} (data.max_tokens, --max-tokens) must be null (all tokens) or an "
+            "integer >= 2, e.g. data.max_tokens=1000000000"
+        )
     return Options(val_fraction, parse_separator(doc_separator), text_field, max_tokens, val_docs)
 
 

@@ -624,6 +624,13 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
     n_val = size - split_point(size, fraction) + 1
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
+        if size <= 1 << 24:  # a small file (by this branch): not text at all is its first problem
+            from data.sources import decode_utf8
+
+            try:
+                decode_utf8(path.read_bytes(), f"data.source={src}")
+            except (OSError, ValueError) as e:
+                raise ConfigError(str(e)) from e
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
         default = DEFAULT_VAL_FRACTION
         if fraction < default and cfg.seq_len < size - split_point(size, default):

@@ -546,3 +546,16 @@ def test_bad_gluon_env_is_a_config_error(monkeypatch):
     monkeypatch.setenv("FLASHGPT_GLUON_BWD", "on")
     with pytest.raises(ConfigError, match="FLASHGPT_GLUON_BWD='on'.*unset it"):
         resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
+
+
+def test_a_tiny_non_utf8_source_is_reported_as_such_before_seq_len(expect_error, tmp_path):
+    """A small file that is not UTF-8 would also be too short for seq_len: its encoding is the problem to
+    fix first (a longer file of the same bytes would fail on it next)."""
+    (bad := tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    err = expect_error(**{"data.source": bad, "data.dir": tmp_path / "d", "seq_len": 64})
+    assert "is not UTF-8 text" in err and "offset 3" in err and "seq_len" not in err, err
+
+
+def test_max_tokens_below_two_names_the_key_and_a_value(expect_error, tmp_path):
+    err = expect_error(**{"data.max_tokens": 1, "data.dir": tmp_path / "d"})
+    assert "data.max_tokens" in err and "data.max_tokens=1000000000" in err, err
