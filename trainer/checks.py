@@ -298,17 +298,6 @@ def peak_flops_for(device_name: str | None) -> float:
     return PEAK_FLOPS_BF16["H100"]
 
 
-def _val_split(cfg) -> tuple[float | None, int | None]:
-    """(val_fraction, val_docs) as the prepare step reads them: one of them set, a null share is 0.1.
-    Raises ConfigError naming both keys when both are set."""
-    from data.prepare import val_split
-
-    try:
-        return val_split(cfg.data.val_fraction, cfg.data.val_docs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
 def check_data_source(cfg) -> None:
     """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent).
 
@@ -512,11 +501,15 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
     tokenizers) from a local source file otherwise; nothing to say before a download.
 
     Raises:
-        ConfigError from ``check_data_fits`` / ``seq_len_too_long``.
+        ConfigError from ``check_data_fits`` / ``seq_len_too_long``; naming data.val_fraction and
+            data.val_docs when both are set.
     """
-    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point
+    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point, val_split
 
-    fraction, docs = _val_split(cfg)
+    try:  # as the prepare step reads them: one of them set, a null share is 0.1
+        fraction, docs = val_split(cfg.data.val_fraction, cfg.data.val_docs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     data_dir = Path(str(cfg.data.dir)).expanduser()
     meta = _prepared_meta(data_dir)
     try:
