@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,26 +23,18 @@ from trainer.config import ConfigError
 
 __all__ = ["ConfigError", "Plan", "resolve_plan"]
 
-#: Model-shape keys that a resume may not change (they change parameter shapes).
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "bias")
-#: GPTConfig fields a resume must keep besides the shape, and their config keys
-ABLATION_KEYS = {
-    "n_kv_head": "model.n_kv_head",
-    "pos_emb": "model.pos_emb",
-    "rope_theta": "model.rope_theta",
-    "qk_norm": "model.qk_norm",
-    "softcap": "attention.softcap",
-}
-
-
-def _ablations(model_args: dict) -> dict:
-    """The ABLATION_KEYS of a checkpoint's model_args, defaults filled in (n_kv_head null = n_head)."""
-    from model.config import GPTConfig
-
-    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    out = {k: model_args.get(k, defaults[k]) for k in ABLATION_KEYS}
-    out["n_kv_head"] = out["n_kv_head"] or model_args.get("n_head")
-    return out
+#: GPTConfig fields a resume may change: the attention backend, its masks and dropout (an ablation may
+#: continue from a checkpoint). Every other field sets a parameter shape or the function the weights were
+#: trained for, and must match the checkpoint.
+RESUME_MAY_CHANGE = (
+    "attention",
+    "sdpa_backend",
+    "window",
+    "document_mask",
+    "dropout",
+    "attn_dropout",
+    "doc_separator_ids",
+)
 
 
 #: Dense bf16 tensor-core peak FLOP/s by GPU name fragment (vendor data sheets), for MFU.
@@ -305,17 +298,6 @@ def peak_flops_for(device_name: str | None) -> float:
     return PEAK_FLOPS_BF16["H100"]
 
 
-def _val_split(cfg) -> tuple[float | None, int | None]:
-    """(val_fraction, val_docs) as the prepare step reads them: one of them set, a null share is 0.1.
-    Raises ConfigError naming both keys when both are set."""
-    from data.prepare import val_split
-
-    try:
-        return val_split(cfg.data.val_fraction, cfg.data.val_docs)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-
-
 def check_data_source(cfg) -> None:
     """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent).
 
@@ -418,85 +400,39 @@ def _prepared_meta(data_dir: Path) -> dict | None:
 
 
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
-    """Refuse to re-prepare a data directory that holds another corpus, tokenizer, document separator or
-    train/val split: other runs (and their resumes) read it. The user points data.dir at a directory of its
-    own instead."""
-    meta = _prepared_meta(data_dir)
-    if meta is None:
-        return
+    """Refuse to re-prepare a data directory that holds other data (``data.prepare.conflict_reason``:
+    another corpus, tokenizer, document separator, split, text field or cap): other runs (and their
+    resumes) read it. ``ensure_prepared(keep_other=True)`` refuses the same later; here, before any work,
+    the message names a folder of its own to pass as typed."""
+    from data.prepare import conflict_reason
 
-    def fix(suffix: str) -> str:
-        # a sibling folder named after what differs: a real value the user can pass as typed
-        given = Path(str(cfg.data.dir))
-        other = given.parent / f"{given.name or 'data'}_{suffix}"
-        return f"set data.dir={other} (a folder of its own) or delete {data_dir} to re-prepare it"
-
-    if meta.get("tokenizer") != cfg.data.tokenizer:
-        raise ConfigError(
-            f"data.dir={cfg.data.dir} holds data tokenized with {meta.get('tokenizer')!r}, but "
-            f"data.tokenizer={cfg.data.tokenizer}; {fix(str(cfg.data.tokenizer))}"
+    src = effective_data_source(cfg)
+    try:
+        held = conflict_reason(
+            src,
+            data_dir,
+            cfg.data.tokenizer,
+            cfg.data.val_fraction,
+            cfg.data.doc_separator,
+            val_docs=cfg.data.val_docs,
+            text_field=cfg.data.text_field,
+            max_tokens=cfg.data.max_tokens,
         )
-    from data.docs import parse_separator
-
-    separator = cfg.data.doc_separator
-    if meta.get("doc_separator") != parse_separator(separator):
-        given = Path(str(cfg.data.dir))
-        other = given.parent / f"{given.name or 'data'}_{'docs' if separator is not None else 'nodocs'}"
-        raise ConfigError(
-            f"data.dir={cfg.data.dir} was prepared with data.doc_separator="
-            f"{meta.get('doc_separator')!r}, but data.doc_separator={separator!r}; set "
-            f"data.dir={other} (a folder of its own) or delete {cfg.data.dir} to re-prepare it"
-        )
-    fraction, docs = _val_split(cfg)
-    try:  # a count of documents: data.prepare compares it
-        same_split = docs is not None or abs(float(meta.get("val_fraction")) - fraction) < 1e-12
-    except (TypeError, ValueError):
-        same_split = True  # an older meta.json without val_fraction: data.prepare decides
-    if not same_split:
-        raise ConfigError(
-            f"data.dir={cfg.data.dir} was split with val_fraction={meta.get('val_fraction')}, but "
-            f"data.val_fraction={fraction}; "
-            f"use data.val_fraction={meta.get('val_fraction')} or {fix(f'val{fraction}')}"
-        )
-    src = cfg.data.source
-    if src is None or str(src).startswith(("http://", "https://")) or not meta.get("source_sha256"):
-        return
-    from data.sources import is_document_source
-
-    if is_document_source(src) or meta.get("source_kind") == "docs":
-        from data.prepare import conflict_reason
-
-        try:
-            held = conflict_reason(
-                src,
-                data_dir,
-                cfg.data.tokenizer,
-                cfg.data.val_fraction,
-                cfg.data.doc_separator,
-                val_docs=cfg.data.val_docs,
-                text_field=cfg.data.text_field,
-                max_tokens=cfg.data.max_tokens,
-            )
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"data.source={src}: {e}") from e
-        if held:
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"data.source={src}: {e}") from e
+    if held:
+        # prepare's arguments named as the keys that set them (doc_separator=... -> data.doc_separator=...)
+        held = re.sub(r"\b(doc_separator|val_fraction|val_docs|text_field|max_tokens)=", r"data.\1=", held)
+        if "as it was before" in held:  # files of a directory / record source changed: resume advice too
             raise ConfigError(changed_source_message(cfg, held))
-        return
-    import hashlib
-
-    digest = hashlib.sha256(Path(str(src)).expanduser().read_bytes()).hexdigest()
-    if digest != meta["source_sha256"]:
         raise ConfigError(
-            f"data.dir={cfg.data.dir} holds data prepared from {meta.get('source')}, which differs from "
-            f"data.source={src} (sha256); {fix(Path(str(src)).stem)}"
+            f"data.dir={cfg.data.dir} holds {held}; set data.dir={_own_folder(cfg)} (a folder of its own) or "
+            f"delete {cfg.data.dir} to re-prepare it"
         )
 
 
-def changed_source_message(cfg, held: str) -> str:
-    """The refusal of a data.dir that holds data of another (or a changed) corpus, with a way forward that
-    works: a new run prepares the corpus as it is now into a folder of its own; a resume continues on the
-    data it was trained on, so the corpus must be as it was (a directory is identified by its files'
-    names, sizes and mtimes), or the changed corpus goes to a new run."""
+def _own_folder(cfg) -> Path:
+    """A data.dir beside the given one, named after the corpus, that holds nothing yet."""
     from data.sources import source_stem
 
     given = Path(str(cfg.data.dir))
@@ -504,6 +440,15 @@ def changed_source_message(cfg, held: str) -> str:
     n = 2
     while other.exists():  # a folder of its own: never one that holds (other) data
         other, n = given.parent / f"{given.name or 'data'}_{source_stem(cfg.data.source)}_{n}", n + 1
+    return other
+
+
+def changed_source_message(cfg, held: str) -> str:
+    """The refusal of a data.dir that holds data of another (or a changed) corpus, with a way forward that
+    works: a new run prepares the corpus as it is now into a folder of its own; a resume continues on the
+    data it was trained on, so the corpus must be as it was (a directory is identified by its files'
+    names, sizes and mtimes), or the changed corpus goes to a new run."""
+    other = _own_folder(cfg)
     new_run = (
         f"set data.dir={other} (prepared afresh from it; the runs that read {cfg.data.dir} keep their data)"
     )
@@ -548,10 +493,6 @@ def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
         raise ConfigError(
             seq_len_too_long(cfg, f"data.dir={cfg.data.dir} holds {counts}", largest, world_size)
         )
-    if meta.get("tokenizer") != cfg.data.tokenizer:  # pragma: no cover - ensure_prepared re-prepares
-        raise ConfigError(
-            f"data.tokenizer={cfg.data.tokenizer} but {cfg.data.dir}/meta.json is for {meta.get('tokenizer')}"
-        )
 
 
 def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: bool = False) -> str:
@@ -592,11 +533,15 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
     tokenizers) from a local source file otherwise; nothing to say before a download.
 
     Raises:
-        ConfigError from ``check_data_fits`` / ``seq_len_too_long``.
+        ConfigError from ``check_data_fits`` / ``seq_len_too_long``; naming data.val_fraction and
+            data.val_docs when both are set.
     """
-    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point
+    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point, val_split
 
-    fraction, docs = _val_split(cfg)
+    try:  # as the prepare step reads them: one of them set, a null share is 0.1
+        fraction, docs = val_split(cfg.data.val_fraction, cfg.data.val_docs)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     data_dir = Path(str(cfg.data.dir)).expanduser()
     meta = _prepared_meta(data_dir)
     try:
@@ -720,20 +665,22 @@ def check_resume_compatible(saved: dict, new: dict) -> list[str]:
     Raises:
         ConfigError listing every model-shape or tokenizer key that differs (old -> new).
     """
-    diffs = []
-    for key in SHAPE_KEYS:
-        a, b = saved["model_args"].get(key), new["model_args"].get(key)
+    from model.config import GPTConfig, key
+
+    # a checkpoint from before a field existed has its default; n_kv_head null is n_head
+    defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
+    old, now = ({**defaults, **d["model_args"]} for d in (saved, new))
+    for args in (old, now):
+        args["n_kv_head"] = args["n_kv_head"] or args["n_head"]
+    diffs = [
+        f"{key(k)}: {old[k]} -> {now[k]}" + (" (follows seq_len)" if k == "block_size" else "")
+        for k in defaults
+        if k not in RESUME_MAY_CHANGE and old[k] != now[k]
+    ]
+    for name in ("tokenizer", "vocab_size"):
+        a, b = saved.get(name), new.get(name)
         if a != b:
-            hint = " (follows seq_len)" if key == "block_size" else ""
-            diffs.append(f"model.{key}: {a} -> {b}{hint}")
-    # the ablation keys change the parameters or the function the weights were trained for; a checkpoint
-    # from before they existed has their defaults
-    old, now = (_ablations(d["model_args"]) for d in (saved, new))
-    diffs += [f"{ABLATION_KEYS[k]}: {old[k]} -> {now[k]}" for k in ABLATION_KEYS if old[k] != now[k]]
-    for key in ("tokenizer", "vocab_size"):
-        a, b = saved.get(key), new.get(key)
-        if a != b:
-            diffs.append(f"data.{key}: {a} -> {b}")
+            diffs.append(f"data.{name}: {a} -> {b}")
     if diffs:
         raise ConfigError(
             "resume=true refused: the checkpoint was trained with a different model shape or tokenizer: "

@@ -328,8 +328,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             if given is not None:
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
-        rundir.check_new_run_dir(cfg, out_dir, multirun)  # before check_out_dir: the more specific message
-        rundir.check_out_dir(cfg, out_dir, multirun)
+        rundir.check_new_run_dir(cfg, out_dir, multirun)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
         check_data_source(cfg)
     except ConfigError as e:

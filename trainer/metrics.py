@@ -26,6 +26,8 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
+from data.meta import atomic_write
+
 WANDB_ID_FILE = "wandb_run_id.txt"
 # Room kept aside in the run directory while a run is live: when the disk fills, deleting it lets the run
 # still record its ending (summary.json, the last metrics.jsonl line). Removed when the run ends.
@@ -34,13 +36,12 @@ RESERVE_BYTES = 256 << 10
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def new_run_id() -> str:
-    """A fresh 8-character W&B run id (lowercase letters and digits, like wandb's own)."""
+def new_run_id(length: int = 8) -> str:
+    """A fresh W&B run id (lowercase letters and digits, like wandb's own; also the run folders' token)."""
     import secrets
     import string
 
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(8))
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
 
 
 def wandb_logged_in() -> bool:
@@ -131,36 +132,38 @@ class DiskFullError(Exception):
         self.path = Path(path)
 
 
-def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write ``obj`` as pretty JSON through a temp file + ``os.replace``; on a failed write the temp file
-    is removed and ``path`` is as it was (a full disk raises ``DiskFullError``)."""
-    text = json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n"
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+@contextlib.contextmanager
+def writing(path: Path, undo=None):
+    """Raise a full disk (or quota) met inside the block as ``DiskFullError(path)``, after ``undo()``: a
+    failed write's clean-up (remove what it created, truncate a torn line), run for any OSError."""
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        yield
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if undo is not None:
+            with contextlib.suppress(OSError):
+                undo()
         if e.errno in DISK_FULL_ERRNOS:
             raise DiskFullError(path, e) from e
         raise
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write ``obj`` as pretty JSON through a temp file + ``os.replace`` (``data.meta.atomic_write``); on
+    a failed write the temp file is removed and ``path`` is as it was (a full disk raises
+    ``DiskFullError``)."""
+    text = json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n"
+    with writing(path):
+        atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def append_whole(fd: int, data: bytes, path: Path) -> None:
     """Append ``data`` to the open file ``fd`` (opened for appending) as a whole or not at all: a write
     the disk cuts short is truncated back, so no torn line stays (a full disk raises ``DiskFullError``)."""
     start = os.fstat(fd).st_size
-    try:
+    with writing(path, undo=lambda: os.ftruncate(fd, start)):
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, start)
-        if e.errno in DISK_FULL_ERRNOS:
-            raise DiskFullError(path, e) from e
-        raise
 
 
 def append_line(path: Path, text: str) -> None:
@@ -220,28 +223,17 @@ class RunLogger:
 
     def _open_jsonl(self) -> None:
         path = self.out_dir / "metrics.jsonl"
-        try:
+        with writing(path):
             self._jsonl = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise DiskFullError(path, e) from e
-            raise
 
     def _keep_reserve(self) -> None:
         """Set ``RESERVE_BYTES`` aside in the run directory (``RESERVE_NAME``): written out, not sparse, so
         deleting it frees that room for the ending's records on a full disk (``release_reserve``)."""
         path = self.out_dir / RESERVE_NAME
-        try:
-            with open(path, "wb") as f:
-                f.write(b"\0" * RESERVE_BYTES)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                path.unlink()
-            if e.errno in DISK_FULL_ERRNOS:
-                raise DiskFullError(path, e) from e
-            raise
+        with writing(path, undo=path.unlink), open(path, "wb") as f:
+            f.write(b"\0" * RESERVE_BYTES)
+            f.flush()
+            os.fsync(f.fileno())
 
     def release_reserve(self) -> bool:
         """Delete the reserve (``_keep_reserve``); True when there was one."""
@@ -385,18 +377,11 @@ class RunLogger:
         if self._jsonl is not None:
             os.close(self._jsonl)
             self._jsonl = None
-        tmp = self.out_dir / f".metrics.tmp{os.getpid()}"
-        try:
-            tmp.write_text(payload)
-            os.replace(tmp, dest)
-            tmp.write_text("".join(raw + "\n" for raw in kept))
-            os.replace(tmp, self.out_dir / "metrics.jsonl")
-        except OSError as e:  # metrics.jsonl is whole either way (only os.replace changes it)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            if e.errno in DISK_FULL_ERRNOS:
-                raise DiskFullError(tmp, e) from e
-            raise
+        live = self.out_dir / "metrics.jsonl"
+        try:  # metrics.jsonl is whole either way (only atomic_write's os.replace changes it)
+            with writing(live):
+                atomic_write(dest, lambda f: f.write(payload.encode()))
+                atomic_write(live, lambda f: f.write("".join(raw + "\n" for raw in kept).encode()))
         finally:
             self._open_jsonl()
         wandb_steps = sum(1 for r, _ in gone if r is not None and not ({"event", "status"} & r.keys()))

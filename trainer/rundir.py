@@ -7,12 +7,12 @@
   so a second live process (same explicit ``out_dir``, or a token collision) is refused instead of
   writing into the same metrics.jsonl, W&B run and checkpoints. The kernel drops the lock when the
   process dies, so a crashed run never blocks its own resume.
-* ``check_new_run_dir``: a new run (resume=false) may reuse a directory only when the run there was
-  refused before training (status ``error`` and nothing trained).
+* ``check_new_run_dir``: a new run (resume=false) may reuse a directory only when it holds no run, or
+  only one refused before training (status ``error`` and nothing trained).
 * ``finished_message`` / ``max_steps_note``: what resume=true says for a run that already reached
   max_steps, and for a raised max_steps (the cosine schedule changes).
-* ``out_dir_problem`` / ``check_out_dir`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be
-  created or written, and a new run in a directory that already holds one, are config errors (exit 2).
+* ``out_dir_problem`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be created or written
+  is a config error (exit 2).
 * ``note_run_dir_before`` / ``discard_refused_run``: Hydra writes nothing into a run directory
   (``hydra.output_subdir: null``, console-only job logging: the trainer writes ``.hydra/`` and train.log
   once a run has passed its checks), so a single run refused by a config error only takes back the lock
@@ -27,16 +27,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import socket
-import string
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from hydra.experimental.callback import Callback as _HydraCallback
+
 from trainer.checkpoint import list_checkpoints, pid_alive
 from trainer.fields import ConfigError
+from trainer.metrics import new_run_id, read_metric_rows, step_of, write_json_atomic
 
 LOCK_NAME = ".flashgpt.lock"
 TOKEN_LEN = 6
@@ -48,8 +49,7 @@ def run_token() -> str:
     ``out_dir`` and Hydra's run dir, resolved at different times, name the same folder)."""
     global _token
     if _token is None:
-        alphabet = string.ascii_lowercase + string.digits
-        _token = "".join(secrets.choice(alphabet) for _ in range(TOKEN_LEN))
+        _token = new_run_id(TOKEN_LEN)
     return _token
 
 
@@ -63,15 +63,11 @@ def register_resolvers() -> None:
 
 register_resolvers()
 
-try:  # Hydra instantiates this callback before it resolves hydra.run.dir / hydra.sweep.dir
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover - hydra < 1.1
-    _HydraCallback = object
-
 
 class RegisterResolvers(_HydraCallback):
     """Hydra callback whose only job is that importing this module registers ``${run_token:}`` before
-    Hydra resolves the run directory (train.py imports the trainer only inside the task function)."""
+    Hydra resolves the run directory (Hydra instantiates its callbacks before it resolves hydra.run.dir
+    and hydra.sweep.dir; train.py imports the trainer only inside the task function)."""
 
 
 class RunDirBusy(ConfigError):
@@ -198,33 +194,48 @@ _NEW_DIR = {
 
 
 def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
-    """A new run (resume=false) may reuse a directory whose summary says ``error`` only when that run was
-    refused before training: it never got through set-up (no ``steps`` in its summary), logged nothing
-    and started no W&B run. A run that trained and then failed keeps its directory.
+    """A new run (resume=false) may only start in a directory that holds no run: no checkpoint, and no
+    summary.json but that of a run refused before training (status ``error`` with no ``steps``, nothing
+    in its metrics.jsonl, no W&B run). Starting afresh over a run would append a second curve to its
+    metrics.jsonl, overwrite its summary and mix two runs in one W&B run; a run that trained and then
+    failed keeps its directory too.
 
     Raises:
-        RunDirTaken naming out_dir, what the failed run did, and the fixes (resume=true, a new out_dir;
-        for a job of a -m sweep, ``multirun``: a new hydra.sweep.dir).
+        RunDirTaken naming out_dir, what it holds and the fixes (resume=true when there is something to
+        continue, a new out_dir; for a job of a -m sweep, ``multirun``: a new hydra.sweep.dir).
     """
     if cfg.resume:
         return
     out_dir = Path(out_dir)
     summary = read_summary(out_dir)
     status = summary.get("status")
-    if status not in FAILED_STATUSES:
-        return  # other statuses: check_out_dir's rule
     metrics = out_dir / "metrics.jsonl"
     logged = metrics.is_file() and metrics.stat().st_size > 0
-    started_wandb = (out_dir / "wandb_run_id.txt").exists()
-    if status == "error" and "steps" not in summary and not logged and not started_wandb:
-        return  # refused by a config error before training: free for a new run
-    steps = summary.get("steps", "?")
-    raise RunDirTaken(
-        f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
-        f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
-        f"resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}",
-        out_dir,
-    )
+    wandb = (out_dir / "wandb_run_id.txt").exists()
+    refused = status == "error" and "steps" not in summary and not logged and not wandb  # free for a new run
+    if status in FAILED_STATUSES and not refused:
+        steps = summary.get("steps", "?")
+        raise RunDirTaken(
+            f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
+            f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
+            f"resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}",
+            out_dir,
+        )
+    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
+    if not ckpts and status not in (None, "error"):
+        # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
+        raise RunDirTaken(
+            f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
+            f"resume=true has nothing to continue; {_NEW_DIR[multirun]}, or delete {out_dir} if its "
+            "records are not needed",
+            out_dir,
+        )
+    if ckpts:
+        raise RunDirTaken(
+            f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
+            f"continue it, or {_NEW_DIR[multirun]}",
+            out_dir,
+        )
 
 
 class RunFinished(Exception):
@@ -438,46 +449,6 @@ def discard_refused_run(out_dir) -> bool:
     return True
 
 
-def check_out_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
-    """Refuse an out_dir that cannot be written, and a new run (resume=false) in a directory that already
-    holds one.
-
-    A run directory holds a run once it has checkpoints or a summary.json of a run that trained (any
-    status but "error", which a refused config leaves); starting afresh there would
-    append a second curve to its metrics.jsonl, overwrite its summary and mix two runs in one W&B run.
-    Raises:
-        ConfigError naming out_dir and the fixes (a writable out_dir); RunDirTaken for a directory that
-        holds a run (resume=true, or another out_dir; for a job of a -m sweep, ``multirun``: a new
-        hydra.sweep.dir).
-    """
-    problem = out_dir_problem(out_dir)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.resume:
-        return
-    out_dir = Path(out_dir)
-    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
-    try:
-        status = json.loads((out_dir / "summary.json").read_text()).get("status")
-    except (OSError, ValueError):
-        status = None
-    # a directory whose only "run" was refused by a config error (status "error", nothing trained) is free
-    if not ckpts and status not in (None, "error"):
-        # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
-        raise RunDirTaken(
-            f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
-            f"resume=true has nothing to continue; {_NEW_DIR[multirun]}, or delete {out_dir} if its "
-            "records are not needed",
-            out_dir,
-        )
-    if ckpts or status not in (None, "error"):
-        raise RunDirTaken(
-            f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
-            f"continue it, or {_NEW_DIR[multirun]}",
-            out_dir,
-        )
-
-
 # ------------------------------------------------------------------------------------------ unfinished runs
 #: the status readers report for a summary that says "running" while no process runs it any more
 KILLED = "killed"
@@ -486,8 +457,6 @@ KILLED = "killed"
 def last_trained_step(run_dir: Path) -> int | None:
     """The highest step with a ``train/loss`` in ``<run_dir>/metrics.jsonl`` (None when there is none);
     unparsable lines (a killed run's truncated last line) are skipped."""
-    from trainer.metrics import read_metric_rows, step_of
-
     steps = [step_of(r) for r in read_metric_rows(Path(run_dir)) if "train/loss" in r]
     return max((s for s in steps if s is not None), default=None)
 
@@ -558,8 +527,6 @@ def mark_killed_on_resume(run_dir: Path) -> str | None:
     summary = read_summary(run_dir)
     if summary.get("status") != "running":
         return None
-    from trainer.metrics import write_json_atomic
-
     last = last_trained_step(run_dir)
     note = f"the previous process of this run was {unfinished_text(last)}; it is resumed now"
     write_json_atomic(

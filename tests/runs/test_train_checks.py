@@ -201,7 +201,7 @@ def test_compile_mode_key():
         ("optim.weight_decay", -5, "optim.weight_decay=-5.0 must be >= 0"),  # typed: a float
         ("optim.lr", True, "optim.lr=True is not a finite number"),
         ("seed", "abc", "seed='abc' must be a non-negative integer"),
-        ("data.val_fraction", 0.2, "was split with val_fraction=0.1, but data.val_fraction=0.2"),
+        ("data.val_fraction", 0.2, "holds data split with data.val_fraction=0.1, not 0.2; set data.dir="),
     ],
 )
 def test_enum_and_range_errors(expect_error, key, value, expected):
