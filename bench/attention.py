@@ -533,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.softcap and (sdpa := [q for q in a.providers if q.startswith("sdpa-")]):
         p.error(f"--softcap: {','.join(sdpa)} cannot soft-cap (SDPA has no score modifier); drop them")
     suffix = f"_softcap{a.softcap:g}" if a.softcap else ""  # its own file: not mixed with plain rows
-    a.modes, a.tag = [m for m in MODES if m in a.modes], a.tag or common.default_tag(device) + suffix
+    a.modes, a.tag = [m for m in MODES if m in a.modes], (a.tag or common.default_tag(device)) + suffix
     inject = {}
     for spec in a.inject_failure:
         prov, _, kind = spec.partition(":")

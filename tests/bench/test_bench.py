@@ -112,6 +112,12 @@ def test_attention_softcap_checks_every_provider_against_a_capped_reference(tmp_
     for r in data["records"]:
         assert r["status"] == "ok" and r["max_abs_err"] < 1e-3, r
     assert "c = 0.5" in (tmp_path / "attention_cpu_softcap0.5.md").read_text()
+    # a given --tag keeps the suffix: the capped rows never overwrite the plain rows of that tag
+    assert ba.main([*args, "--providers", "naive", "--tag", "t"]) == 0
+    assert ba.main([*args, "--providers", "naive", "--softcap", "0.5", "--tag", "t"]) == 0
+    plain_rows = json.loads((tmp_path / "attention_t.json").read_text())
+    assert plain_rows["metadata"].get("softcap") is None
+    assert json.loads((tmp_path / "attention_t_softcap0.5.json").read_text())["metadata"]["softcap"] == 0.5
     cpu = dict(device=torch.device("cpu"), dtype=torch.float32, seed=seed, need_grads=False)
     capped, plain = ba.make_inputs(2, 4, 32, 16, softcap=0.5, **cpu), ba.make_inputs(2, 4, 32, 16, **cpu)
     assert (capped.ref_o - plain.ref_o).abs().max() > 10 * ba.TOLERANCES[torch.float32][0]
