@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The H200 runs whose results are committed under bench/results/ (index: bench/results/README.md).
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: kernels | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | softcap | gqa | ablations | context)
+#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | softcap | gqa | ablations | context |
+#        redesign)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 # ablations and context train on $CODE (default: every .py file of the installed packages, a corpus of long
 # documents any GPU machine has), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context) ;;
-*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -143,7 +144,7 @@ softcap)  # the kernel cost of soft-capping: flash with c = 30 against plain cau
   done ;;
 gqa)  # training throughput with n_kv_head = 12 / 4 / 1 at seq_len 8192 (flash)
   for kv in 12 4 1; do
-    python -m bench.throughput --backends flash --seq-lens 8192 --steps 25 --warmup 8 \
+    python -m bench.throughput --backends flash --seq-lens 8192 --steps 16 --warmup 6 --profile-steps 0 \
       --out "$OUT/throughput_h200_gqa$kv" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC" model.n_kv_head=$kv
   done ;;
 ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at seq_len 1024 from one seed, then
@@ -164,5 +165,13 @@ context)  # loss by context length on the code corpus: seq_len 1024 / 4096 / 163
     hydra.sweep.dir="$OUT/context"
   python -m bench.compare "$OUT/context"/[0-9]* --window 20 --out "$OUT/context.png" --json "$OUT/context.json"
   python -m bench.report "$OUT/context" --out "$OUT/context" ;;
+redesign)  # bench.attention, this tree against OLD (a checkout of the tree before the redesign, 3f1c827), the
+  # two trees in turn per N in one invocation (bench/results/redesign_h200.md)
+  o=$(cd "$OUT" && pwd)
+  for n in 1024 8192; do for t in old new; do
+    d=.; [ $t = old ] && d=${OLD:?set OLD=path/to/old/checkout}
+    (cd "$d" && python -m bench.attention --seqlens $n --headdims 64,128 --providers flash,sdpa-cudnn \
+      --modes fwd,bwd,fwdbwd --out "$o/redesign_$t" --tag n$n)
+  done; done ;;
 *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
