@@ -171,7 +171,8 @@ def check_softcap(backend: str, softcap) -> None:
         )
         raise ValueError(
             f"attention.softcap={softcap} cannot run with attention={backend}: {why}; use attention=flash or "
-            "attention=naive, or attention.softcap=null"
+            "attention=naive (a model trained with the cap needs it; a new train.py run may drop it with "
+            "attention.softcap=null)"
         )
 
 

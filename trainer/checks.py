@@ -423,7 +423,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     if held:
         # prepare's arguments named as the keys that set them (doc_separator=... -> data.doc_separator=...)
         held = re.sub(r"\b(doc_separator|val_fraction|val_docs|text_field|max_tokens)=", r"data.\1=", held)
-        if "as it was before" in held:  # files of a directory / record source changed: resume advice too
+        if "as it was before" in held or cfg.resume:  # a changed corpus: a resume needs it back as it was
             raise ConfigError(changed_source_message(cfg, held))
         raise ConfigError(
             f"data.dir={cfg.data.dir} holds {held}; set data.dir={_own_folder(cfg)} (a folder of its own) or "

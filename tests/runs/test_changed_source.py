@@ -68,3 +68,22 @@ def test_changed_directory_source_message_gives_commands_that_work(tmp_path, gpt
     edited.write_bytes(original)
     os.utime(edited, ns=(st.st_atime_ns, st.st_mtime_ns))  # what `cp -p` from a copy restores
     assert run_inprocess(resume, run).exit_code == 0, capsys.readouterr().err
+
+
+def test_resume_after_an_edited_text_file_says_to_put_it_back_not_to_delete(tmp_path, gpt2_bpe, seed, capsys):
+    """A single text file (identified by its SHA-256) edited before a resume: the refusal is the resume's
+    (put the file back, or a new run), never "delete data.dir", which would destroy the run's own data."""
+    rng = np.random.default_rng(seed)
+    src = tmp_path / "corpus.txt"
+    original = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat"], size=2000))
+    src.write_text(original)
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert run_inprocess(_args(src, data, run), run).exit_code == 0
+    src.write_text("an edit " + original)
+    capsys.readouterr()
+    resume = _args(src, data, run, max_steps=4, resume="true")
+    assert run_inprocess(resume, run).exit_code == 2
+    err = capsys.readouterr().err
+    assert "resume=true refused" in err and "back as it was" in err and "delete" not in err, err
+    src.write_text(original)
+    assert run_inprocess(resume, run).exit_code == 0, capsys.readouterr().err
