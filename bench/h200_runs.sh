@@ -15,7 +15,7 @@ case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
-CODE=${CODE:-$(python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/**/*.py}
+CODE=${CODE:-$(python -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')/**/*.py}
 code=(data.source="$CODE" data.dir=data/code data.max_tokens=100000000 attention.document_mask=false
       wandb.mode=offline wandb.project=flashgpt-h200)
 
@@ -149,8 +149,8 @@ gqa)  # training throughput with n_kv_head = 12 / 4 / 1 at seq_len 8192 (flash)
   done ;;
 ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at seq_len 1024 from one seed, then
   # loss curves (bench.compare against the first run) and the sweep table (bench.report)
-  a=(-m attention=flash seq_len=1024 max_steps=300 log_interval=1 eval.interval=100 eval.batches=10
-     checkpoint.interval=0 checkpoint.at_end=false "${code[@]}")
+  a=(-m attention=flash seq_len=1024 max_steps=300 batch.tokens_per_step=16384 compile=false log_interval=1
+     eval.interval=100 eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false "${code[@]}")
   python train.py "${a[@]}" model.pos_emb=learned,rope model.qk_norm=false,true wandb.group=ablate_pos_qk \
     hydra.sweep.dir="$OUT/ablate_pos_qk"
   python train.py "${a[@]}" model.n_kv_head=12,4,1 wandb.group=ablate_kv hydra.sweep.dir="$OUT/ablate_kv"
@@ -158,9 +158,10 @@ ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at s
     python -m bench.compare "$OUT/$s"/[0-9]* --window 20 --out "$OUT/$s.png" --json "$OUT/$s.json"
     python -m bench.report "$OUT/$s" --out "$OUT/$s"
   done ;;
-context)  # loss by context length on the code corpus: seq_len 1024 / 4096 / 16384, the same 65,536 tokens per
-  # step and 600 steps (39M tokens) from one seed, flash
-  python train.py -m attention=flash seq_len=1024,4096,16384 max_steps=600 log_interval=1 eval.interval=100 \
+context)  # loss by context length on the code corpus: seq_len 1024 / 4096 / 16384, the same 32,768 tokens per
+  # step and 250 steps (8.2M tokens) from one seed, flash, eager
+  python train.py -m attention=flash seq_len=1024,4096,16384 max_steps=250 batch.tokens_per_step=32768 \
+    compile=false log_interval=1 eval.interval=100 \
     eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false wandb.group=context_code "${code[@]}" \
     hydra.sweep.dir="$OUT/context"
   python -m bench.compare "$OUT/context"/[0-9]* --window 20 --out "$OUT/context.png" --json "$OUT/context.json"
