@@ -246,7 +246,7 @@ def test_concurrent_train_launches_share_one_prepare(tmp_path, shakespeare_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["deleted", "corrupt"])
+@pytest.mark.parametrize("how", ["deleted", "corrupt", "shard"])
 def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
     out = tmp_path / "run"
     base = dict(max_steps=8, checkpoint__interval=4, eval__interval=4)
@@ -257,11 +257,14 @@ def test_lost_final_checkpoint_is_said_and_rebuilt(tiny, tmp_path, how):
     losses = train_losses(out)
     if how == "deleted":
         shutil.rmtree(final)
-    else:
+    elif how == "corrupt":
         record = final / ckpt.RECORD
         record.write_bytes(record.read_bytes()[:1000])  # truncated
+    else:  # a truncated DCP shard: only the record's list of file sizes and checksums tells
+        shard = final / "__0_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:1000])
 
-    tool = "eval.py" if how == "deleted" else "sample.py"
+    tool = "sample.py" if how == "corrupt" else "eval.py"
     extra = ["batches=1", "batch_size=2"] if tool == "eval.py" else ["max_new_tokens=4", "num_samples=1"]
     read = subprocess.run(
         [sys.executable, str(REPO / tool), f"run={out}", "device=cpu", *extra],
