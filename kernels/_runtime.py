@@ -73,11 +73,12 @@ def empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     Gradients (and o) in that same order make the model's transpose(1, 2).reshape and the backward's
     concatenation of dq, dk, dv into d(qkv) plain copies or free views; contiguous (B, H, N, d)
     results cost a transposing copy per layer (4.5 ms of a 68 ms GPT-2 step at B=32, N=1024 on the
-    H200, bench/NOTES.md v8). Dims with equal strides keep their order; the kernels take any strides.
+    H200, bench/NOTES.md v8). Dims with equal strides keep their order; the last dim stays innermost (unit
+    stride, which the kernels assume) even where t has a stride-0 (expanded) dim, which sorts after it.
     """
     shape = tuple(t.shape) if shape is None else tuple(shape)
-    strides = t.stride()
-    order = sorted(range(t.dim()), key=lambda i: -int(strides[i]))  # stable: ties keep dim order
+    strides, last = t.stride(), t.dim() - 1
+    order = sorted(range(last), key=lambda i: -int(strides[i])) + [last]  # stable: ties keep dim order
     if order == list(range(t.dim())):
         return torch.empty(shape, dtype=dtype or t.dtype, device=t.device)
     dense = torch.empty([shape[i] for i in order], dtype=dtype or t.dtype, device=t.device)

@@ -234,6 +234,28 @@ def test_non_unit_last_stride_is_copied(seed):
     assert rel_err(o, o_r) <= TOL[F32], f"seed={seed}"
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_expanded_inputs(seed, dim):
+    """Expanded (stride-0) batch or head dims, e.g. one query broadcast over heads: o and the gradients of
+    the unexpanded leaves match float64. o once came back with a stride-2 head dim (the layout put the
+    stride-0 dim innermost) that the kernels write as unit stride: a silent wrong o."""
+    g = torch.Generator().manual_seed(seed)
+    shape, one = [2, 2, 37, 16], [2, 2, 37, 16]
+    one[dim] = 1
+    leaves = [torch.randn(one, generator=g).requires_grad_() for _ in range(3)]
+    do = torch.randn(shape, generator=g)
+    q, k, v = (t.expand(shape) for t in leaves)
+    assert q.stride(dim) == 0
+    o = flash_attention(q, k, v, causal=True)
+    o.backward(do)
+    ref = [t.detach().double().requires_grad_() for t in leaves]
+    o_r, _ = reference(*(t.expand(shape) for t in ref), True, None)
+    o_r.backward(do.double())
+    assert o.stride(-1) == 1 and rel_err(o, o_r) <= TOL[F32], f"seed={seed} dim={dim}: o"
+    for name, t, r in zip("qkv", leaves, ref, strict=True):
+        assert rel_err(t.grad, r.grad) <= TOL[F32], f"seed={seed} dim={dim}: d{name}"
+
+
 def test_lse_gradient(seed):
     """return_lse=True: a loss that uses lse backpropagates through it (dS gets P * dlse)."""
     q, k, v, do = make_inputs(seed, 1, 4, 2, 40, 50, 16, F32)
