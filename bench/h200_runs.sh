@@ -4,8 +4,9 @@
 #        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | softcap | gqa | ablations | context |
 #        redesign)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
-# ablations and context train on $CODE (default: every .py file of the installed packages, a corpus of long
-# documents any GPU machine has), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
+# ablations and context train on $CODE (default: $OUT/code_src, every .py file of the installed packages that is
+# UTF-8 text copied into one folder, a corpus of long documents any GPU machine has; the prepare step refuses a
+# file that is not UTF-8), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
 PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign}
 OUT=${2:-runs/h200}
@@ -15,7 +16,26 @@ case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
-CODE=${CODE:-$(python -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')/**/*.py}
+CODE=${CODE:-$OUT/code_src}
+code_corpus() {  # copy the UTF-8 .py files of the installed packages (the folder of torch) into $CODE, once
+  [ -d "$CODE" ] && return
+  python - "$(python -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')" "$CODE" <<'PY'
+import pathlib, sys
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+kept = skipped = 0
+for p in sorted(src.rglob("*.py")):
+    raw = p.read_bytes() if p.is_file() else None
+    try:
+        raw.decode("utf-8")
+    except (AttributeError, UnicodeDecodeError):
+        skipped += raw is not None
+        continue
+    (dst / p.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+    (dst / p.relative_to(src)).write_bytes(raw)
+    kept += 1
+print(f"code corpus: {kept} .py files from {src} in {dst}; {skipped} not UTF-8 left out")
+PY
+}
 code=(data.source="$CODE" data.dir=data/code data.max_tokens=100000000 attention.document_mask=false
       wandb.mode=offline wandb.project=flashgpt-h200)
 
@@ -147,9 +167,10 @@ gqa)  # training throughput with n_kv_head = 12 / 4 / 1 at seq_len 8192 (flash)
     python -m bench.throughput --backends flash --seq-lens 8192 --steps 16 --warmup 6 --profile-steps 0 \
       --out "$OUT/throughput_h200_gqa$kv" --runs-dir "$OUT/throughput_runs" -- data.source="$SRC" model.n_kv_head=$kv
   done ;;
-ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at seq_len 1024 from one seed, then
+ablations)  # one Hydra multirun per ablation on the code corpus, 200 steps at seq_len 1024 from one seed, then
   # loss curves (bench.compare against the first run) and the sweep table (bench.report)
-  a=(-m attention=flash seq_len=1024 max_steps=300 batch.tokens_per_step=16384 compile=false log_interval=1
+  code_corpus
+  a=(-m attention=flash seq_len=1024 max_steps=200 batch.tokens_per_step=16384 compile=false log_interval=1
      eval.interval=100 eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false "${code[@]}")
   python train.py "${a[@]}" model.pos_emb=learned,rope model.qk_norm=false,true wandb.group=ablate_pos_qk \
     hydra.sweep.dir="$OUT/ablate_pos_qk"
@@ -159,8 +180,9 @@ ablations)  # one Hydra multirun per ablation on the code corpus, 300 steps at s
     python -m bench.report "$OUT/$s" --out "$OUT/$s"
   done ;;
 context)  # loss by context length on the code corpus: seq_len 1024 / 4096 / 16384, the same 32,768 tokens per
-  # step and 250 steps (8.2M tokens) from one seed, flash, eager
-  python train.py -m attention=flash seq_len=1024,4096,16384 max_steps=250 batch.tokens_per_step=32768 \
+  # step and 200 steps (6.6M tokens) from one seed, flash, eager
+  code_corpus
+  python train.py -m attention=flash seq_len=1024,4096,16384 max_steps=200 batch.tokens_per_step=32768 \
     compile=false log_interval=1 eval.interval=100 \
     eval.batches=10 checkpoint.interval=0 checkpoint.at_end=false wandb.group=context_code "${code[@]}" \
     hydra.sweep.dir="$OUT/context"
