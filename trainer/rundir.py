@@ -331,10 +331,10 @@ def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str 
                 f"(a copy keeps the files' read-only modes), then resume=true out_dir={copy}"
             )
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        example = "sweep1" if "sweep" in key else "run1"
+        example = writable_place("sweep1" if "sweep" in key else "run1")
         return (
             f"{key}={out_dir} {what} ({e.strerror}); set {key} to a directory you can write to, e.g. "
-            f"{key}=$HOME/flashgpt-runs/{example}"
+            f"{key}={example}"
         )
     return None
 
