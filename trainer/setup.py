@@ -320,9 +320,9 @@ def start_logging(st: RunState, state: dict | None) -> None:
         st.say(note)
     if st.device.type == "cpu" and d.is_main and n_params >= progress.CPU_WARN_PARAMS:
         per_token = st.raw_model.flops_per_token(int(cfg.seq_len))
-        steps_left = int(cfg.max_steps) - st.step
         flops = progress.matmul_flops(st.device)
-        st.say(progress.cpu_warning(n_params, per_token, int(cfg.batch.tokens_per_step), steps_left, flops))
+        tokens = int(cfg.batch.tokens_per_step)
+        st.say(progress.cpu_warning(n_params, per_token, tokens, int(cfg.max_steps), flops, st.step))
     if cfg.resume:
         st.say(f"resumed from {st.resume_path} at step {st.step}")
         for line in st.resume_intro + st.resume_notes:
