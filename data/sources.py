@@ -366,10 +366,15 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
         local = Path(name).expanduser()
         files, root = [], None
         if name.startswith(("/", ".", "~")) or local.is_dir():  # a local dataset directory
+            if not local.is_dir():  # a path, not a hub name: nothing to download
+                raise FileNotFoundError(
+                    f"{source!r} names a local dataset folder, and {local} does not exist (cwd: "
+                    f"{os.getcwd()}); pass an existing folder (one written by save_to_disk, or of .parquet / "
+                    ".jsonl files), or a hub dataset by its name, e.g. hf:roneneldan/TinyStories"
+                )
             name = str(local.resolve())
-            if local.is_dir():
-                root = Path(name)
-                files = _dir_files(root)  # its identity: these files' sizes and mtimes
+            root = Path(name)
+            files = _dir_files(root)  # its identity: these files' sizes and mtimes
         return Source(
             label=f"{HF_PREFIX}{name}" + (f":{config}" if config else ""),
             kind="docs",
