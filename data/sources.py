@@ -68,6 +68,12 @@ def _is_records(path: Path) -> bool:
 
 
 def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
+    if b"\0" in e.object:  # text has no NUL bytes; an image, archive or compiled file has many
+        return SourceError(
+            f"{where} looks binary (it holds NUL bytes; byte {e.object[e.start : e.start + 1]!r} at offset "
+            f"{offset} is not UTF-8), not text: leave it out of the corpus, e.g. move it away or pass a glob "
+            "of the text files only (data.source='DIR/**/*.txt', --source 'DIR/**/*.txt')"
+        )
     return SourceError(
         f"{where} is not UTF-8 text: byte {e.object[e.start : e.start + 1]!r} at offset {offset} is invalid "
         f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
