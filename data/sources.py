@@ -81,19 +81,25 @@ def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
     )
 
 
+#: the byte-order mark some editors (Notepad) write at the start of a UTF-8 file: a marker, not text
+BOM = "\ufeff"
+
+
 def decode_utf8(raw: bytes, where: str) -> str:
-    """``raw`` as UTF-8, or a ValueError naming ``where``, the bad byte and its offset."""
+    """``raw`` as UTF-8 without a leading byte-order mark, or a ValueError naming ``where``, the bad byte
+    and its offset."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix(BOM)
     except UnicodeDecodeError as e:
         raise _not_utf8(where, e, e.start) from e
 
 
 def read_blocks(path: Path) -> Iterator[str]:
-    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split); a bad
-    byte is a ValueError naming the file and its offset."""
+    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split), a leading
+    byte-order mark dropped (it would become a token of its own, a char-level vocabulary entry); a bad
+    byte is a ValueError naming the file and its offset (in the file's bytes, the mark's included)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    done = 0  # bytes decoded before this block
+    done, first = 0, True  # bytes decoded before this block; no text yielded yet
     with open(path, "rb") as f:
         while True:
             raw = f.read(BLOCK_BYTES)
@@ -103,6 +109,8 @@ def read_blocks(path: Path) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise _not_utf8(str(path), e, done - pending + e.start) from e
             done += len(raw)
+            if first and text:
+                text, first = text.removeprefix(BOM), False
             if text:
                 yield text
             if not raw:

@@ -368,7 +368,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
         if not src or str(src).startswith(("http://", "https://")):
             return
         try:
-            vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8"))
+            vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8-sig"))  # as data.prepare
         except (OSError, UnicodeDecodeError):
             return  # the data preparation reports an unreadable corpus
         where = f"data.source={src}"
