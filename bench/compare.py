@@ -10,7 +10,8 @@ For every run after the first (the reference), on the steps where both logged ``
 untrained model, equal for one seed whatever the backend), bounded by ``--val-tolerance``.
 
 Config keys that differ from the reference's (all but those that do not change a curve: backend, out_dir,
-W&B, checkpoints...) are named in a warning and in the JSON's ``config_differences``. A run that ended early
+W&B, checkpoints...) are named in a warning and in the JSON's ``config_differences``; a run without a
+config (a bare metrics.jsonl) is named in a warning, since nothing can be checked. A run that ended early
 (diverged, oom, interrupted) is compared over its logged steps and named in the check column; an unfinished
 run (summary "running": still training or killed) is never "ok" but "not checked". The check column: ok,
 FAIL, not checked, or "—" without tolerances.
@@ -256,6 +257,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.val = {s: v for s, v in r.val.items() if s <= args.max_step}
     ref, others = runs[0], runs[1:]
     diffs = {run.label: config_differences(ref.config, run.config) for run in others}
+    if unknown := [r for r in runs if not r.config]:  # a bare metrics.jsonl: nothing to compare it by
+        common.log(
+            f"warning: no config (config.resolved.yaml or .hydra/config.yaml) for "
+            f"{', '.join(f'{r.label} ({r.path})' for r in unknown)}: its tokenizer, max_steps and other "
+            "settings cannot be checked against the other runs'; the curves may not be comparable"
+        )
     for label, diff in diffs.items():
         if diff:
             what = "; ".join(f"{k}: {va!r} vs {vb!r}" for k, (va, vb) in diff.items())

@@ -68,6 +68,7 @@ from data.sources import (  # noqa: E402
     Source,
     fingerprint_diff,
     fingerprint_sha256,
+    is_hf,
     open_source,
     source_stem,
 )
@@ -665,7 +666,10 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
         return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
     if meta.get("max_tokens") != opts.max_tokens:
         return f"data capped at max_tokens={meta.get('max_tokens')}, not {opts.max_tokens}"
-    if meta["source"] != src.label and (src.kind == "docs" or _is_url(src.label) or _is_url(meta["source"])):
+    moved = src.kind == "docs" and _source_identity(src, opts)[0] == meta.get("source_sha256")
+    if meta["source"] != src.label and (
+        (src.kind == "docs" and not moved) or _is_url(src.label) or _is_url(meta["source"])
+    ):  # a directory moved or copied with its files' names, sizes and mtimes is the same corpus
         return f"data prepared from {meta['source']}, not {src.label}"
     if src.kind == "docs":
         old = meta.get("source_fingerprint")
@@ -710,14 +714,49 @@ def _stale(source, out: Path, tokenizer: str, opts: Options) -> str | None:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError) as e:
         return f"no usable {META_NAME} ({e})"
+    if broken := _shards_problem(out, meta):
+        return broken
+    diff = _compare(meta, src, tokenizer, opts)
+    return f"{META_NAME} holds {diff}" if diff else None
+
+
+def _shards_problem(out: Path, meta: dict) -> str | None:
+    """What is wrong with ``out``'s token files (missing, or another size than meta.json records)."""
     for split in SPLITS:
         for path, n, _ in split_shards(out, meta, split):
             try:
                 check_bin_file(path, n, token_dtype(meta))
             except (FileNotFoundError, ValueError) as e:
                 return str(e)
-    diff = _compare(meta, src, tokenizer, opts)
-    return f"{META_NAME} holds {diff}" if diff else None
+    return None
+
+
+def load_prepared(out_dir) -> dict:
+    """``out_dir``'s meta dict when its data is complete (meta.json loads, every token file has the size it
+    records), without reading the source it was prepared from: a resume whose corpus was moved or deleted
+    goes on with the tokens it trained on.
+
+    Raises:
+        FileNotFoundError / ValueError naming what is missing or broken.
+    """
+    out = Path(out_dir).expanduser()
+    meta = load_meta(out)
+    if broken := _shards_problem(out, meta):
+        raise ValueError(broken)
+    return meta
+
+
+def source_sha256(source, text_field: str = "text") -> str | None:
+    """``meta["source_sha256"]`` that preparing local ``source`` now would record (a text file's SHA-256,
+    a directory's or glob's fingerprint), or None for a URL, a dataset name or a source that names nothing:
+    a moved corpus is recognised by it."""
+    if source is None or _is_url(source) or is_hf(source):
+        return None
+    try:
+        src = open_source(source, text_field)
+        return _source_identity(src, Options(text_field=text_field))[0]
+    except (OSError, ValueError):
+        return None
 
 
 def ensure_prepared(

@@ -68,6 +68,12 @@ def _is_records(path: Path) -> bool:
 
 
 def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
+    if b"\0" in e.object:  # text has no NUL bytes; an image, archive or compiled file has many
+        return SourceError(
+            f"{where} looks binary (it holds NUL bytes; byte {e.object[e.start : e.start + 1]!r} at offset "
+            f"{offset} is not UTF-8), not text: leave it out of the corpus, e.g. move it away or pass a glob "
+            "of the text files only (data.source='DIR/**/*.txt', --source 'DIR/**/*.txt')"
+        )
     return SourceError(
         f"{where} is not UTF-8 text: byte {e.object[e.start : e.start + 1]!r} at offset {offset} is invalid "
         f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
@@ -75,19 +81,25 @@ def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
     )
 
 
+#: the byte-order mark some editors (Notepad) write at the start of a UTF-8 file: a marker, not text
+BOM = "\ufeff"
+
+
 def decode_utf8(raw: bytes, where: str) -> str:
-    """``raw`` as UTF-8, or a ValueError naming ``where``, the bad byte and its offset."""
+    """``raw`` as UTF-8 without a leading byte-order mark, or a ValueError naming ``where``, the bad byte
+    and its offset."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix(BOM)
     except UnicodeDecodeError as e:
         raise _not_utf8(where, e, e.start) from e
 
 
 def read_blocks(path: Path) -> Iterator[str]:
-    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split); a bad
-    byte is a ValueError naming the file and its offset."""
+    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split), a leading
+    byte-order mark dropped (it would become a token of its own, a char-level vocabulary entry); a bad
+    byte is a ValueError naming the file and its offset (in the file's bytes, the mark's included)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    done = 0  # bytes decoded before this block
+    done, first = 0, True  # bytes decoded before this block; no text yielded yet
     with open(path, "rb") as f:
         while True:
             raw = f.read(BLOCK_BYTES)
@@ -97,6 +109,8 @@ def read_blocks(path: Path) -> Iterator[str]:
             except UnicodeDecodeError as e:
                 raise _not_utf8(str(path), e, done - pending + e.start) from e
             done += len(raw)
+            if first and text:
+                text, first = text.removeprefix(BOM), False
             if text:
                 yield text
             if not raw:
@@ -366,10 +380,15 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
         local = Path(name).expanduser()
         files, root = [], None
         if name.startswith(("/", ".", "~")) or local.is_dir():  # a local dataset directory
+            if not local.is_dir():  # a path, not a hub name: nothing to download
+                raise FileNotFoundError(
+                    f"{source!r} names a local dataset folder, and {local} does not exist (cwd: "
+                    f"{os.getcwd()}); pass an existing folder (one written by save_to_disk, or of .parquet / "
+                    ".jsonl files), or a hub dataset by its name, e.g. hf:roneneldan/TinyStories"
+                )
             name = str(local.resolve())
-            if local.is_dir():
-                root = Path(name)
-                files = _dir_files(root)  # its identity: these files' sizes and mtimes
+            root = Path(name)
+            files = _dir_files(root)  # its identity: these files' sizes and mtimes
         return Source(
             label=f"{HF_PREFIX}{name}" + (f":{config}" if config else ""),
             kind="docs",

@@ -8,6 +8,8 @@ installs them in the test's own process); the product has no fault keys. Faults 
 - ``raise_oom_at_step``: update k raises ``torch.cuda.OutOfMemoryError`` (the OOM ending, on a CPU too);
 - ``step_sleep_s``: sleep this long after each step, before the stop-signal check (time to send signals);
 - ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it);
+- ``checkpoint_sleep_s``: sleep this long in each checkpoint save once its shards are in the temp folder,
+  before the rename (a signal during the save);
 - ``sigkill_at_finish``: SIGKILL this process as it starts its ending (after the last step and its final
   checkpoint, before the final summary is written): a run killed during its ending;
 - ``sigkill_at_step``: SIGKILL this process as update k ends (a run killed mid-training);
@@ -53,7 +55,7 @@ def install(faults: dict, setattr=setattr) -> None:
     their own (``helpers_train.run_train``)."""
     import torch
 
-    from trainer import endings, loop
+    from trainer import checkpoint, endings, loop
     from trainer.metrics import RunLogger
     from trainer.state import RunState
 
@@ -62,6 +64,7 @@ def install(faults: dict, setattr=setattr) -> None:
     nan_at, oom_at = faults.get("nan_at_step"), faults.get("raise_oom_at_step")
     kill_at = faults.get("sigkill_at_step")
     step_sleep, eval_sleep = float(faults.get("step_sleep_s", 0)), float(faults.get("eval_sleep_s", 0))
+    ckpt_sleep, file_table = float(faults.get("checkpoint_sleep_s", 0)), checkpoint._file_table
 
     def train_step(self, s):
         if oom_at is not None and s == int(oom_at):
@@ -88,6 +91,12 @@ def install(faults: dict, setattr=setattr) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return finish_fn(self, status, extra, exit_code)
 
+    def _file_table(tmp):
+        if ckpt_sleep:
+            time.sleep(ckpt_sleep)
+        return file_table(tmp)
+
+    setattr(checkpoint, "_file_table", _file_table)
     setattr(loop, "train_step", train_step)
     setattr(loop, "stop_requested", stop_requested)
     setattr(loop, "evaluate", evaluate)

@@ -95,6 +95,14 @@ def _prune(out_dir, keep: int) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
+def remove_own_temps(out_dir) -> None:
+    """Delete this process's temp checkpoint folders: a process that exits at once (a second signal, in
+    its handler) mid-save leaves no half-written checkpoint of its own behind (a later save would prune it
+    only if the run is ever resumed)."""
+    for tmp in ckpt_dir(out_dir).glob(f".tmp-{os.getpid()}-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _fsync_dir(d: Path) -> None:
     fd = os.open(d, os.O_RDONLY)
     try:

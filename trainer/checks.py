@@ -314,6 +314,8 @@ def check_data_source(cfg) -> None:
             raise ConfigError(
                 f"{key}= is empty (an unset shell variable?); pass a path, e.g. {key}={example}{null}"
             )
+    if resumes_without_source(cfg):  # the run's prepared tokens stand in for a moved corpus (setup says so)
+        return
     glob_like = src is not None and any(c in str(src) for c in "*?[") and not Path(str(src)).exists()
     if src is not None and not str(src).startswith(("http://", "https://", "hf:")) and not glob_like:
         p = Path(str(src)).expanduser()
@@ -366,7 +368,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
         if not src or str(src).startswith(("http://", "https://")):
             return
         try:
-            vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8"))
+            vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8-sig"))  # as data.prepare
         except (OSError, UnicodeDecodeError):
             return  # the data preparation reports an unreadable corpus
         where = f"data.source={src}"
@@ -464,6 +466,24 @@ def changed_source_message(cfg, held: str) -> str:
         f"changes its time), or train on the changed corpus in a new run (resume=false, a new out_dir) and "
         f"{new_run}"
     )
+
+
+def resumes_without_source(cfg) -> bool:
+    """A resume whose local ``data.source`` names nothing any more (a moved or deleted file, directory or
+    glob) while ``data.dir`` still holds the data prepared for the run: it continues on those tokens (the
+    checkpoint's recorded SHA-256 and token counts are checked against them in set-up), since nothing it
+    needs is gone. A source that exists is compared as for any run (a changed one is refused)."""
+    import glob
+
+    from data.sources import is_hf
+
+    src = cfg.data.source
+    if not cfg.resume or src is None or str(src).startswith(("http://", "https://")) or is_hf(src):
+        return False
+    path = os.path.expanduser(str(src))
+    if not str(src).strip() or os.path.exists(path) or glob.glob(path, recursive=True):
+        return False
+    return _prepared_meta(Path(str(cfg.data.dir)).expanduser()) is not None
 
 
 def effective_data_source(cfg) -> str | None:

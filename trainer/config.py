@@ -389,6 +389,14 @@ def notes(cfg: TrainConfig) -> list[str]:
             f"note: attention.window={a.window} >= seq_len={cfg.seq_len}: every token sees all earlier "
             "ones, the same as attention.window=null (full causal)"
         )
+    if cfg.optim.warmup_steps >= cfg.max_steps > 0:  # e.g. experiment=cpu_tiny (50) in a 10-step try-out
+        o, last = cfg.optim, cfg.optim.lr * cfg.max_steps / cfg.optim.warmup_steps
+        out.append(
+            f"warning: optim.warmup_steps={o.warmup_steps} >= max_steps={cfg.max_steps}: the learning rate "
+            f"only ramps up (to {last:.3g} at the last step, not optim.lr={o.lr:g}) and never decays; "
+            "for a run this short use e.g. "
+            f"optim.warmup_steps={cfg.max_steps // 10}"
+        )
     return out
 
 

@@ -215,6 +215,8 @@ def record_exit_now(st, signum: int) -> None:
     if not st.dist.is_main:
         return
     name = signal.Signals(signum).name
+    with contextlib.suppress(OSError):  # a checkpoint being saved: its temp folder goes, not the run
+        ckpt.remove_own_temps(st.out_dir)
     hint = resume_command(st) if st.last_ckpt else None
     try:
         figures = final_figures(st)

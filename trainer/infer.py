@@ -164,7 +164,7 @@ def read_prompt(prompt: str) -> str:
     if prompt.startswith("file:"):
         path = Path(os.path.expanduser(prompt[len("file:") :]))
         try:
-            return path.read_text(encoding="utf-8")
+            return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is no prompt text
         except (OSError, UnicodeDecodeError) as e:
             raise InferError(f"prompt=file:{path}: cannot read it as UTF-8 text ({e})") from e
     return prompt

@@ -306,7 +306,8 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     # stop with it (exit 2 on every rank) instead of waiting for it in init_process_group.
     problem, busy, lock = None, False, None
     if is_main:
-        problem = rundir.out_dir_problem(out_dir)  # the lock file needs a writable directory
+        # the lock file needs a writable directory
+        problem = rundir.out_dir_problem(out_dir, resume=cfg.resume is True)
         if not problem:
             try:  # one live process per run directory; the checks below hold only under this lock
                 lock = rundir.claim_run_dir(out_dir, is_main=True)

@@ -55,20 +55,32 @@ def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
 
 
 def cpu_warning(
-    n_params: int, flops_per_token: float, tokens_per_step: int, max_steps: int, flops_per_s: float
+    n_params: int,
+    flops_per_token: float,
+    tokens_per_step: int,
+    max_steps: int,
+    flops_per_s: float,
+    step: int = 0,
 ) -> str | None:
     """The warning for a model of ``n_params`` trained on the CPU, or None when it is small.
 
     Time per step is at least ``flops_per_token * tokens_per_step / flops_per_s`` (the model's training
-    FLOPs, PaLM appendix B, at the CPU's measured matmul speed); the run takes ``max_steps`` of them.
+    FLOPs, PaLM appendix B, at the CPU's measured matmul speed); the run takes the ``max_steps - step``
+    steps left of them (a resume at ``step`` has the others done).
     """
     if n_params < CPU_WARN_PARAMS:
         return None
     step_s = flops_per_token * tokens_per_step / flops_per_s
+    left = max(0, max_steps - step)
+    steps = (
+        f"max_steps={max_steps} takes"
+        if step == 0
+        else f"the {left} steps left of max_steps={max_steps} (resumed at step {step}) take"
+    )
     return (
         f"warning: a {n_params / 1e6:.0f}M-parameter model on the CPU: at least {format_duration(step_s)} "
         f"per step ({tokens_per_step:,} tokens at this CPU's measured {flops_per_s / 1e9:.0f} GFLOP/s), "
-        f"so max_steps={max_steps} takes at least {format_duration(step_s * max_steps)}. For a CPU try-out "
+        f"so {steps} at least {format_duration(step_s * left)}. For a CPU try-out "
         "use experiment=cpu_tiny (a 0.8M-parameter char-level GPT, about 4 minutes); train this model on a "
         "CUDA GPU"
     )

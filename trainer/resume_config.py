@@ -138,12 +138,15 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
             "overrides on the command line, or fix or delete that file"
         ) from e
     assert isinstance(merged, DictConfig)
-    if changed := _data_changes(saved, merged, keys):
+    changed, moved = _data_changes(saved, merged, keys)
+    if changed:
         raise ConfigError(
             f"resume=true refused: this command changes the run's data: {'; '.join(changed)}. A resume "
             "continues on the run's own data (one loss curve, one val split): drop those overrides, or "
             "start a new run (another out_dir) to train on other data"
         )
+    if moved:
+        given += f" (data.source holds the same data as the run's {_leaves(saved).get('data.source')}: moved)"
     return merged, given
 
 
@@ -151,21 +154,39 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
 _DATA_KEYS_FREE = ("data.workers",)
 
 
-def _data_changes(saved: dict, merged, keys: set[str]) -> list[str]:
+def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
     """``key (run's value -> this command's)`` for each ``data.*`` key the command line set to another
-    value than the run's (paths compared where they point: the run's relative to its own cwd)."""
+    value than the run's (paths compared where they point: the run's relative to its own cwd), and whether
+    data.source names another path that holds the run's corpus (``_same_corpus``: moved, not changed)."""
     from omegaconf import OmegaConf
 
-    cwd, run, out = saved_cwd(saved), _leaves(saved), []
+    cwd, run, out, moved = saved_cwd(saved), _leaves(saved), [], False
     for key in sorted(k for k in keys if k.startswith("data.") and k not in _DATA_KEYS_FREE):
         old, new = run.get(key), OmegaConf.select(merged, key)
         if key in _CWD_PATHS and isinstance(old, str) and isinstance(new, str):
             same = Path(anchored(old, cwd)).expanduser().resolve() == Path(new).expanduser().resolve()
         else:
             same = old == new
+        if not same and key == "data.source":
+            same = moved = _same_corpus(new, merged)  # the run's corpus moved (or copied) to another path
         if not same:
             out.append(f"{key} ({old!r} -> {new!r})")
-    return out
+    return out, moved
+
+
+def _same_corpus(source, merged) -> bool:
+    """``source`` (a local text file, directory or glob) holds what the run's data.dir was prepared from:
+    the SHA-256 its meta.json records (a text file's bytes; a directory's file names, sizes and mtimes)."""
+    import json
+
+    from data.prepare import source_sha256
+
+    try:
+        meta = json.loads((Path(str(merged.data.dir)).expanduser() / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    recorded = meta.get("source_sha256") if isinstance(meta, dict) else None
+    return recorded is not None and source_sha256(source, str(merged.data.text_field)) == recorded
 
 
 # ------------------------------------------------------------------------------------------ group choices

@@ -283,13 +283,27 @@ def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
 
 
 # ------------------------------------------------------------------------------------------ out_dir
-def out_dir_problem(out_dir, key: str = "out_dir") -> str | None:
+def writable_place(name: str) -> Path:
+    """A path ``name`` that does not exist yet, in a folder this process can write: ``~/flashgpt-runs``
+    (its nearest existing folder writable), else the temp folder (an unwritable or read-only $HOME)."""
+    for base in (Path("~/flashgpt-runs").expanduser(), Path(tempfile.gettempdir()) / "flashgpt-runs"):
+        existing = next((q for q in (base, *base.parents) if q.exists()), None)
+        if existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+            break
+    place, n = base / name, 2
+    while place.exists():
+        place, n = base / f"{name}-{n}", n + 1
+    return place
+
+
+def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str | None:
     """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can.
 
     Problems: a file at that path or at a folder above it, and a directory that cannot be written (or,
     when it does not exist yet, a nearest existing folder that cannot be written, so it cannot be created).
     Writing is tried for real (a temporary file, removed at once): permission bits say nothing for root,
-    and a read-only mount refuses everyone. Nothing is created otherwise.
+    and a read-only mount refuses everyone. Nothing is created otherwise. With ``resume`` a run directory
+    that cannot be written gets the way to continue it: a copy (``cp -rp``) resumed where it can be.
     """
     path = Path(str(out_dir)).expanduser()
     existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
@@ -308,11 +322,19 @@ def out_dir_problem(out_dir, key: str = "out_dir") -> str | None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
+        if resume and existing == path and list_checkpoints(path):
+            copy = writable_place(path.resolve().name)
+            return (
+                f"resume=true: the run directory {out_dir} is not writable ({e.strerror}), and a resume "
+                f"writes its checkpoints, metrics and log there; continue it from a copy in a folder you "
+                f"can write to: `mkdir -p {copy.parent} && cp -rp {path} {copy} && chmod -R u+w {copy}` "
+                f"(a copy keeps the files' read-only modes), then resume=true out_dir={copy}"
+            )
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        example = "sweep1" if "sweep" in key else "run1"
+        example = writable_place("sweep1" if "sweep" in key else "run1")
         return (
             f"{key}={out_dir} {what} ({e.strerror}); set {key} to a directory you can write to, e.g. "
-            f"{key}=$HOME/flashgpt-runs/{example}"
+            f"{key}={example}"
         )
     return None
 
@@ -349,7 +371,8 @@ class OutDirCheck(_HydraCallback):
             return None
         if path is None:
             return None
-        problem = out_dir_problem(path, key)
+        resume = key == "out_dir" and OmegaConf.select(config, "resume", default=False) is True
+        problem = out_dir_problem(path, key, resume=resume)
         if problem:
             print(f"config error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback

@@ -23,6 +23,7 @@ from trainer.checks import (
     effective_data_source,
     peak_flops_for,
     probe_attention,
+    resumes_without_source,
 )
 from trainer.compiling import compile_model, compile_options
 from trainer.config import gpt_config_for
@@ -62,7 +63,22 @@ def prepare_data(st: RunState) -> None:
     """Rank 0 prepares the data (the others wait and get its error, if any); the corpus must fit."""
     cfg = st.cfg
     err = None
-    if st.dist.is_main:
+    if st.dist.is_main and resumes_without_source(cfg):
+        from data.prepare import load_prepared
+
+        try:
+            sha = str(load_prepared(cfg.data.dir).get("source_sha256"))[:12]
+            st.say(
+                f"resume: data.source={cfg.data.source} no longer exists; continuing on the data prepared "
+                f"from it in data.dir={cfg.data.dir} (sha256 {sha}..., checked against the checkpoint)"
+            )
+        except (OSError, ValueError) as e:
+            err = (
+                f"data.source={cfg.data.source} no longer exists and data.dir={cfg.data.dir} does not hold "
+                f"the complete data prepared from it ({e}); put the corpus back at data.source, or pass "
+                "data.source=<where it is now>"
+            )
+    elif st.dist.is_main:
         try:
             from data.prepare import ensure_prepared
 
@@ -304,9 +320,9 @@ def start_logging(st: RunState, state: dict | None) -> None:
         st.say(note)
     if st.device.type == "cpu" and d.is_main and n_params >= progress.CPU_WARN_PARAMS:
         per_token = st.raw_model.flops_per_token(int(cfg.seq_len))
-        steps_left = int(cfg.max_steps) - st.step
         flops = progress.matmul_flops(st.device)
-        st.say(progress.cpu_warning(n_params, per_token, int(cfg.batch.tokens_per_step), steps_left, flops))
+        tokens = int(cfg.batch.tokens_per_step)
+        st.say(progress.cpu_warning(n_params, per_token, tokens, int(cfg.max_steps), flops, st.step))
     if cfg.resume:
         st.say(f"resumed from {st.resume_path} at step {st.step}")
         for line in st.resume_intro + st.resume_notes:

@@ -657,6 +657,19 @@ def test_compare_warns_when_configs_differ(tmp_path, seed, capsys):
     assert diffs == {"max_steps": [30, 60], "optim.decay_steps": [None, 30], "seq_len": [64, 128]}
 
 
+def test_compare_warns_when_a_run_has_no_config(tmp_path, seed, capsys):
+    """A bare metrics.jsonl (its run's config not beside it): its tokenizer or max_steps cannot be compared,
+    so a warning names it instead of mixing it in silently."""
+    base = dict(enumerate(_random_walk(np.random.default_rng(seed), 30).tolist(), 1))
+    ref, bare = make_run(tmp_path, "ref", "sdpa", 64, train=base), tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_bytes((ref / "metrics.jsonl").read_bytes())
+    assert bc.main([str(ref), str(bare), "--out", str(tmp_path / "c.png")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: no config (config.resolved.yaml or .hydra/config.yaml) for bare ({bare})" in err, err
+    assert "max_steps" in err and "ref (" not in err, err
+
+
 def test_compare_ignores_where_and_how_a_config_was_composed():
     """derived.cwd and derived.group_choices (attention=flash vs sdpa) are no config difference; a real key
     under derived (the micro-batch the plan chose) still is."""

@@ -320,6 +320,41 @@ def test_non_utf8_source_error(tmp_path):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
+def test_a_leading_byte_order_mark_is_not_text(tmp_path):
+    """A UTF-8 file saved with a byte-order mark (Notepad): the mark is no character of the vocabulary and
+    no token; a bad byte's offset still counts the file's bytes, the mark's 3 included."""
+    from data.sources import read_blocks
+
+    text = "To be, or not to be: that is the question.\n" * 20
+    src = tmp_path / "bom.txt"
+    src.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    meta = prepare(src, tmp_path / "out", tokenizer="char")
+    assert "\ufeff" not in meta["itos"] and sorted(meta["itos"]) == sorted(set(text)), meta["itos"]
+    assert meta["train_tokens"] + meta["val_tokens"] == len(text)
+    assert "".join(read_blocks(src)) == text
+    src.write_bytes(b"\xef\xbb\xbfcaf\xe9")
+    with pytest.raises(ValueError, match=r"bom\.txt is not UTF-8.*offset 6"):
+        "".join(read_blocks(src))
+
+
+def test_binary_file_in_a_corpus_is_named_as_binary(tmp_path, gpt2_bpe, seed):
+    """A binary file (NUL bytes) among the texts: named, said to look binary, with a glob that leaves it
+    out (no iconv advice, which fits a text in another encoding)."""
+    rng = np.random.default_rng(seed)
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "a.txt").write_text("one document about a cat")
+    (d / "b.txt").write_text("another document about a dog")
+    (d / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" + rng.bytes(200))
+    with pytest.raises(ValueError) as e:
+        prepare(str(d), tmp_path / "out", "gpt2", 0.5, workers=1, progress=False)
+    msg = str(e.value)
+    assert "logo.png looks binary (it holds NUL bytes" in msg and "iconv" not in msg, msg
+    glob = re.search(r"data\.source='(\S+)'", msg).group(1).replace("DIR", str(d))
+    meta = prepare(glob, tmp_path / "out", "gpt2", 0.5, workers=1, progress=False)  # the advice works
+    assert meta["train_docs"] + meta["val_docs"] == 2
+
+
 def test_missing_source_and_bad_arguments(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no_such\.txt.*does not exist"):
         prepare(tmp_path / "no_such.txt", tmp_path / "out")

@@ -6,6 +6,7 @@ The reference is tiktoken itself on each document the test wrote (and the EOT to
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +199,19 @@ def test_changed_source_and_bad_input_are_named(tmp_path, gpt2_bpe):
     pytest.importorskip("datasets")
     with pytest.raises(ValueError, match=r"hf:no-such-org-xyz/none.*Hugging Face"):
         prepare("hf:no-such-org-xyz/none", tmp_path / "o4", "gpt2", workers=1, progress=False)
+
+
+@pytest.mark.parametrize("name", ["/no/such/dataset", "./no_such_dataset", "~/no_such_dataset_xyz"])
+def test_a_local_hf_folder_that_does_not_exist_is_named_as_such(name, monkeypatch, tmp_path):
+    """hf:/path (or ./, ~) names a local folder, not a hub dataset: no download advice, the folder named."""
+    from data.sources import open_source
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        open_source(f"hf:{name}")
+    msg = str(e.value)
+    assert "does not exist" in msg and str(Path(name).expanduser()) in msg, msg
+    assert "huggingface-cli" not in msg and "hf:roneneldan/TinyStories" in msg, msg
 
 
 def test_max_tokens_caps_the_corpus(tmp_path, gpt2_bpe, seed):

@@ -63,6 +63,15 @@ def test_cpu_run_of_a_gpt2_sized_model_says_how_slow(tiny, tmp_path, capsys, mon
         assert "experiment=cpu_tiny" in line, line
 
 
+def test_cpu_warning_on_resume_counts_the_steps_left():
+    """A resume at step 300 of max_steps=1000: 700 steps of at least 1 s are left, named as such."""
+    args = dict(n_params=124_000_000, flops_per_token=1e9, tokens_per_step=1000, flops_per_s=1e12)
+    fresh = progress.cpu_warning(max_steps=1000, **args)
+    assert "so max_steps=1000 takes at least 16m" in fresh, fresh
+    resumed = progress.cpu_warning(max_steps=1000, step=300, **args)
+    assert "so the 700 steps left of max_steps=1000 (resumed at step 300) take at least 11m" in resumed
+
+
 def test_step_lines_show_elapsed_and_eta(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     outcome = run_inprocess(tiny(out, max_steps=4, **{"eval.interval": 0, "checkpoint.interval": 0}), out)

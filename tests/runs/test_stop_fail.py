@@ -199,6 +199,25 @@ def test_second_signal_records_interrupted_not_running(tiny, tmp_path):
     assert sorted(train_losses(out)) == list(range(1, 17)) and summary(out)["status"] == "ok"
 
 
+def test_second_signal_during_a_checkpoint_leaves_no_temp_folder(tiny, tmp_path):
+    """Signals during the first checkpoint's save: the first waits for it, the second exits at once; the
+    half-written temp folder (the size of a checkpoint) goes with the process, nothing stays in ckpt/."""
+    out = tmp_path / "run"
+    run = Train(tiny(out, checkpoint__interval=4, fault__checkpoint_sleep_s=3.0), out)
+    run.wait_for_log("step      4/16 | loss")
+    deadline = time.monotonic() + 60
+    while not list((out / "ckpt").glob(".tmp-*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list((out / "ckpt").glob(".tmp-*")), "the save never started"
+    run.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    run.signal(signal.SIGTERM)
+    code, stdout, stderr = run.finish()
+    assert code == 128 + signal.SIGTERM and "exiting now without a checkpoint" in stderr, f"{code}\n{stderr}"
+    assert summary(out)["status"] == "interrupted"
+    assert list((out / "ckpt").iterdir()) == [], list((out / "ckpt").iterdir())
+
+
 def _as_typed(command: str) -> list[str]:
     """A printed ``python train.py ...`` command as argv (this interpreter for ``python``)."""
     argv = shlex.split(command)

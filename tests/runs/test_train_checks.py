@@ -354,6 +354,22 @@ def test_an_eval_batch_beyond_the_machine_is_refused_and_a_window_past_seq_len_n
     assert any("attention.window=1000 >= seq_len=128" in n for n in plan.notes), plan.notes
 
 
+def test_warmup_longer_than_the_run_is_warned_with_a_value_that_fits():
+    """experiment=cpu_tiny (warmup 50) in the README's 10-step try-out: one warning naming both keys; the
+    suggested warmup gets no warning; the full 2000-step preset none either."""
+    import re
+
+    def warnings(overrides):
+        plan = resolve_plan(compose_cfg(overrides), world_size=1, cuda_available=False)
+        return [n for n in plan.notes if "optim.warmup_steps" in n]
+
+    (msg,) = warnings(["experiment=cpu_tiny", "max_steps=10"])
+    assert msg.startswith("warning: optim.warmup_steps=50 >= max_steps=10") and "never decays" in msg, msg
+    fix = re.search(r"use e\.g\. (optim\.warmup_steps=\d+)", msg).group(1)
+    assert warnings(["experiment=cpu_tiny", "max_steps=10", fix]) == []
+    assert warnings(["experiment=cpu_tiny"]) == []
+
+
 def test_token_budget_batch_hint_names_what_the_user_set():
     """With the micro-batch from the token budget (cpu_tiny), a tokens_per_step that does not split names
     batch.micro_tokens (not a micro_batch_size the user never set) and suggests steps that do split."""
