@@ -307,6 +307,18 @@ def end_nonfinite(st, e: NonFiniteError):
     return Outcome("nonfinite", EXIT_FAILED)
 
 
+def oom_advice(attention: str, micro_batch_size: int, seq_len: int) -> str:
+    """What to change after an out-of-memory step: a smaller micro-batch (the same tokens per step through
+    more accumulation), else a shorter seq_len; attention=flash only where another backend ran (flash holds
+    no N x N scores; suggesting it to a flash run sent users in a circle)."""
+    if micro_batch_size > 1:
+        half = micro_batch_size // 2
+        advice = f"Try batch.micro_batch_size={half} (the same tokens per step, more accumulation)"
+    else:
+        advice = f"The micro-batch is one sequence already: try seq_len={seq_len // 2}"
+    return advice + ("" if attention == "flash" else ", or attention=flash (no N x N scores in memory)")
+
+
 def end_oom(st, message: str):
     st.optimizer.zero_grad(set_to_none=True)
     gc.collect()
@@ -320,8 +332,7 @@ def end_oom(st, message: str):
         f"CUDA out of memory at step {s}: attention={st.cfg.attention.name} seq_len={st.cfg.seq_len} "
         f"micro_batch_size={mbs} peak {mem['mem/peak_gib']:.2f} GiB"
         + (f" of {mem['mem/total_gib']:.1f} GiB" if "mem/total_gib" in mem else "")
-        + f" ({message}). Lower batch.micro_batch_size / batch.micro_tokens or seq_len, "
-        "or use attention=flash"
+        + f" ({message}). {oom_advice(st.cfg.attention.name, mbs, st.cfg.seq_len)}"
     )
     print(f"oom: {text}", file=sys.stderr, flush=True)
     finish(st, "oom", {"error": text, "oom/step": s, "micro_batch_size": mbs, **mem}, exit_code=0)

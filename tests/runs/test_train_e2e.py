@@ -264,11 +264,25 @@ def test_simulated_oom_ends_cleanly(tiny, tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert (outcome.status, outcome.exit_code) == ("oom", 0), err  # oom_exit_code=0 by default
     assert "out of memory at step 3" in err and "Traceback" not in err
+    assert "batch.micro_batch_size=4" in err and "attention=flash" in err, err  # tiny: micro-batch 8, naive
+
     s = summary(out)
     assert s["status"] == "oom" and s["seq_len"] == 64 and s["attention"] == "naive" and s["oom/step"] == 3
     assert "mem/peak_gib" in s and s["steps"] == 2
     assert read_jsonl(out)[-1]["status"] == "oom"
     assert read_offline_run(out)["summary"]["status"] == "oom"
+
+
+def test_oom_advice_runs_as_typed():
+    """Halve the micro-batch (or seq_len at one sequence); never advise attention=flash to a flash run."""
+    from trainer.endings import oom_advice
+
+    assert "batch.micro_batch_size=16" in oom_advice("flash", 32, 1024)
+    assert "attention=flash" not in oom_advice("flash", 32, 1024)
+    assert "attention=flash" in oom_advice("sdpa", 32, 1024)
+    assert "seq_len=4096" in oom_advice("flash", 1, 8192) and "micro_batch_size" not in oom_advice(
+        "flash", 1, 8192
+    )
 
 
 def test_multirun_two_runs(tiny, tmp_path):
