@@ -141,7 +141,12 @@ def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:
             hint,
             f"resume with:\n  {hint}",
         )
-    return "", None, "start the run again (there is no checkpoint to resume from yet)"
+    # no checkpoint: resume=true would be refused, and this out_dir keeps the failed run's records
+    return (
+        "",
+        None,
+        f"start the run again in a new out_dir (no checkpoint to resume yet):\n  {restart_command(st)}",
+    )
 
 
 def end_interrupted(st, s: int, signum: int):

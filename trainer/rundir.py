@@ -213,15 +213,19 @@ def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     logged = metrics.is_file() and metrics.stat().st_size > 0
     wandb = (out_dir / "wandb_run_id.txt").exists()
     refused = status == "error" and "steps" not in summary and not logged and not wandb  # free for a new run
+    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
     if status in FAILED_STATUSES and not refused:
         steps = summary.get("steps", "?")
+        go_on = (  # resume=true only where there is a checkpoint to continue (else it is refused too)
+            f"Pass resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}"
+            if ckpts
+            else f"It has no checkpoint, so resume=true has nothing to continue: {_NEW_DIR[multirun]}"
+        )
         raise RunDirTaken(
             f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
-            f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. Pass "
-            f"resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}",
+            f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. {go_on}",
             out_dir,
         )
-    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
     if not ckpts and status not in (None, "error"):
         # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
         raise RunDirTaken(

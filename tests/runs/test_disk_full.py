@@ -170,3 +170,25 @@ def test_writes_on_a_full_disk_leave_no_torn_line_or_temp_file(small_disk, seed)
     log.log(2, {"status": "disk_full"})
     log.close()
     assert read_jsonl(run)[-1] == {"step": 2, "status": "disk_full"} and summary(run)["status"] == "disk_full"
+
+
+@pytest.mark.parametrize("with_checkpoint", [False, True])
+def test_failed_run_without_a_checkpoint_is_not_offered_resume(tmp_path, with_checkpoint):
+    """A run that filled the disk before its first checkpoint, launched again into the same out_dir: the
+    refusal offers resume=true only where a checkpoint exists (resume=true is refused without one)."""
+    import json
+    from types import SimpleNamespace
+
+    from trainer.checkpoint import ckpt_dir
+    from trainer.rundir import RunDirTaken, check_new_run_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"status": "disk_full", "steps": 4, "error": "disk full"}))
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 4.0}\n')
+    if with_checkpoint:
+        (ckpt_dir(out) / "step_4").mkdir(parents=True)
+    with pytest.raises(RunDirTaken) as e:
+        check_new_run_dir(SimpleNamespace(resume=False), out)
+    assert ("resume=true to continue" in str(e.value)) == with_checkpoint, str(e.value)
+    assert "new out_dir" in str(e.value), str(e.value)
