@@ -338,12 +338,14 @@ def check_data_source(cfg) -> None:
                 f.read(1)
         except OSError as e:
             raise ConfigError(f"data.source={src} is not readable ({e.strerror}); fix its permissions") from e
+    d = Path(str(cfg.data.dir)).expanduser()
     if is_document_source(src) and cfg.data.tokenizer == "char":
+        # one fix that runs as typed: a data.dir that holds (char) data would be refused next
+        own = f" data.dir={_own_folder(cfg)}" if d.is_dir() and any(d.iterdir()) else ""
         raise ConfigError(
             f"data.tokenizer=char reads a single text file (its vocabulary is the text's characters); "
-            f"data.source={src} is a list of documents: use data.tokenizer=gpt2"
+            f"data.source={src} is a list of documents: use data.tokenizer=gpt2{own}"
         )
-    d = Path(str(cfg.data.dir)).expanduser()
     if d.exists() and not d.is_dir():
         raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
     _check_separator_in_vocabulary(cfg)  # first: a data.dir of its own would not fix it

@@ -94,6 +94,18 @@ def test_missing_data_file(expect_error, tmp_path):
     )  # a directory is a corpus of documents now
 
 
+def test_documents_with_the_char_tokenizer_get_one_fix(expect_error, char_data, tmp_path):
+    """A directory source with the char tokenizer and a data.dir that holds char data (the default): the
+    first error names both changes, since data.tokenizer=gpt2 alone is refused next for that data.dir."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("one document")
+    err = expect_error(**{"data.source": docs, "data.dir": char_data})
+    fix = err.split("use ", 1)[1].split()
+    assert fix[0] == "data.tokenizer=gpt2" and fix[1].startswith("data.dir="), err
+    assert not os.path.exists(fix[1].split("=", 1)[1]), err  # a folder of its own
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
 def test_unreadable_data_file(expect_error, tmp_path):
     f = tmp_path / "secret.txt"
