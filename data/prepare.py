@@ -533,15 +533,17 @@ def _prepare_into(
 
 def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     """The error for a split that got no document (``n_docs`` in all)."""
+    # a value that runs as typed: hold out one whole document, or all but one (data.val_docs / --val-docs)
+    fix = f"val_docs={1 if split == 'val' else n_docs - 1}" if n_docs >= 2 else "a source with more documents"
     if opts.val_docs is not None:
         return (
             f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "
-            f"(the first {opts.val_docs} are held out): use a smaller val_docs or a larger source"
+            f"(the first {opts.val_docs} are held out): use {fix} (data.val_docs, --val-docs)"
         )
     return (
         f"{label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
-        f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use a "
-        f"{'larger' if split == 'val' else 'smaller'} val_fraction or a source with more documents"
+        f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use {fix} "
+        "(data.val_docs, --val-docs; it replaces val_fraction) or a source with more documents"
     )
 
 

@@ -377,7 +377,7 @@ def test_val_docs_holds_out_the_first_documents(tmp_path, gpt2_bpe, seed):
     assert meta["val_docs"] == 3 and meta["train_docs"] == 27
     with pytest.raises(ValueError, match=r"val_docs=3 holds out whole documents.*doc_separator"):
         prepare(str(txt), tmp_path / "t2", "gpt2", val_docs=3, workers=1, progress=False)
-    with pytest.raises(ValueError, match=r"none for the train split at val_docs=30"):
+    with pytest.raises(ValueError, match=r"none for the train split at val_docs=30.*use val_docs=29"):
         prepare(str(src), tmp_path / "t3", "gpt2", val_docs=30, workers=1, progress=False)
     assert not (tmp_path / "t2").exists() and not (tmp_path / "t3").exists()
 
@@ -459,3 +459,18 @@ def test_ctrl_c_in_the_prepare_cli_says_how_to_continue(tmp_path, monkeypatch, c
     assert dp.main(["--source", str(src), "--out-dir", str(tmp_path / "d"), "--tokenizer", "gpt2"]) == 130
     err = capsys.readouterr().err
     assert "interrupted:" in err and "run the same command again" in err and "Traceback" not in err
+
+
+def test_few_documents_get_a_val_docs_that_runs(tmp_path, seed):
+    """4 documents at val_fraction=0.1 give none for the val split: the error's val_docs=1 then prepares."""
+    rng = np.random.default_rng(seed)
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(4):
+        (src / f"{i}.txt").write_text(" ".join(rng.choice(["a", "cat", "sat", "on", "mat"], size=50)))
+    with pytest.raises(ValueError, match="none for the val split") as e:
+        prepare(str(src), tmp_path / "o", "gpt2", val_fraction=0.1, workers=1, progress=False)
+    fix = str(e.value).split("use ", 1)[1].split()[0]
+    assert fix == "val_docs=1", f"seed={seed}: {e.value}"
+    meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=1, workers=1, progress=False)
+    assert meta["val_docs"] == 1 and meta["train_docs"] == 3, f"seed={seed}"
