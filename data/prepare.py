@@ -668,10 +668,12 @@ def _compare(meta: dict, src: Source, tokenizer: str, opts: Options, *, hash_tex
         return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
     if meta.get("max_tokens") != opts.max_tokens:
         return f"data capped at max_tokens={meta.get('max_tokens')}, not {opts.max_tokens}"
-    moved = src.kind == "docs" and _source_identity(src, opts)[0] == meta.get("source_sha256")
     if meta["source"] != src.label and (
-        (src.kind == "docs" and not moved) or _is_url(src.label) or _is_url(meta["source"])
-    ):  # a directory moved or copied with its files' names, sizes and mtimes is the same corpus
+        _is_url(src.label)
+        or _is_url(meta["source"])
+        # a directory moved or copied with its files' names, sizes and mtimes is the same corpus
+        or (src.kind == "docs" and _source_identity(src, opts)[0] != meta.get("source_sha256"))
+    ):
         return f"data prepared from {meta['source']}, not {src.label}"
     if src.kind == "docs":
         old = meta.get("source_fingerprint")
