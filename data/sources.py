@@ -58,12 +58,12 @@ def is_document_source(source: str | os.PathLike | None) -> bool:
     if source is None or str(source).lower().startswith(("http://", "https://")):
         return False
     text = str(source)
-    if is_hf(text) or _is_records(Path(text)) or Path(text).expanduser().is_dir():
+    if is_hf(text) or is_records(Path(text)) or Path(text).expanduser().is_dir():
         return True
     return any(c in text for c in _GLOB_CHARS) and not Path(text).expanduser().exists()
 
 
-def _is_records(path: Path) -> bool:
+def is_records(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
 
@@ -211,7 +211,7 @@ class Source:
                 yield from text_pieces([text])
             return
         for path in self.files:
-            if _is_records(path):
+            if is_records(path):
                 for text in self._record_documents(path):
                     yield from text_pieces([text])
             else:
@@ -423,7 +423,7 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
         return Source(str(path), "docs", files, path, text_field=text_field)
     if not path.is_file():
         raise IsADirectoryError(f"source {str(path)!r} is not a regular file or directory")
-    if _is_records(path):
+    if is_records(path):
         return Source(str(path), "docs", [path], path.parent, text_field=text_field)
     return Source(str(path), "text", [path], path.parent, text_field=text_field)
 

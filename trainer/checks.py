@@ -105,8 +105,9 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         ConfigError: naming the key and a valid value: any check of ``validate``; device=cuda without
             CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with a bad
             FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD; wandb.mode=online without a login;
-            compile_mode=reduce-overhead with several ranks; a seq_len the data cannot hold; a batch split
-            that does not divide (``split_batch``); an evaluation batch beyond this machine's memory.
+            compile_mode=reduce-overhead with several ranks; the data source (``check_data_source``); a
+            seq_len the data cannot hold; a batch split that does not divide (``split_batch``); an
+            evaluation batch beyond this machine's memory.
     """
     cfg, gpt = C.validate(cfg)
     if cfg.device == "cuda" and not cuda_available:
@@ -145,6 +146,7 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             f"{world_size} ranks ({cfg.parallel.upper()}'s gradient hooks and collectives run outside the "
             "graphs); use compile_mode=default"
         )
+    check_data_source(cfg)  # what the data is, before how much of it there is
     check_seq_len_fits_data(cfg, world_size)  # before the batch split: the data's limit is the message
     micro_batch_size, grad_accum = split_batch(cfg, world_size)
     notes = C.notes(cfg)
@@ -588,14 +590,20 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         size = 0
     if size < 2 or docs is not None:  # a count of documents: the prepare step names a split too small
         return
+    if path.name.lower().endswith((".gz", ".parquet")):  # compressed: its text can outgrow its bytes
+        return
     n_val = size - split_point(size, fraction) + 1
     largest = min(n_val, size) - 1
     if cfg.seq_len > largest:
-        if size <= 1 << 24:  # a small file (by this branch): not text at all is its first problem
-            from data.sources import decode_utf8
+        if size <= 1 << 24:  # a small file (by this branch): unreadable content is its first problem
+            from data.sources import decode_utf8, is_records, open_source
 
             try:
-                decode_utf8(path.read_bytes(), f"data.source={src}")
+                if is_records(path):  # JSON Lines / Parquet: each record's text field
+                    for _ in open_source(path, cfg.data.text_field).pieces():
+                        pass
+                else:
+                    decode_utf8(path.read_bytes(), f"data.source={src}")
             except (OSError, ValueError) as e:
                 raise ConfigError(str(e)) from e
         what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"

@@ -34,7 +34,7 @@ from omegaconf import open_dict
 from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import endings, resume_config, rundir, setup
-from trainer.checks import ConfigError, check_data_source, resolve_plan
+from trainer.checks import ConfigError, resolve_plan
 from trainer.dist import broadcast_obj, global_micro_index, init_distributed, local_norm, rank0_verdict
 from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome
 from trainer.metrics import DiskFullError, disk_full_in, first_line
@@ -331,7 +331,6 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir, multirun)
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
-        check_data_source(cfg)
     except ConfigError as e:
         lock.release()
         return endings.report_config_error(e, out_dir, cfg, is_main, multirun, hydra_files)

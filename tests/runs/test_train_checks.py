@@ -106,6 +106,21 @@ def test_documents_with_the_char_tokenizer_get_one_fix(expect_error, char_data, 
     assert not os.path.exists(fix[1].split("=", 1)[1]), err  # a folder of its own
 
 
+def test_small_record_file_names_its_content_before_its_size(expect_error, tmp_path):
+    """A JSON Lines file too small for seq_len whose records lack the text field, or that the char
+    tokenizer cannot read: the first error is the one a bigger file would hit too, not seq_len."""
+    jl = tmp_path / "tiny.jsonl"
+    jl.write_text('{"body": "hello world"}\n{"body": "more text"}\n')
+    args = {"data.source": jl, "data.dir": tmp_path / "jl", "seq_len": 256, "batch.micro_batch_size": 4}
+    err = expect_error(**args)  # the char tokenizer (tiny_overrides): it reads text files only
+    assert "data.tokenizer=char reads a single text file" in err and "seq_len" not in err, err
+    err = expect_error(**args, **{"data.tokenizer": "gpt2"})
+    assert "has no field 'text' (its fields: body)" in err and "data.text_field" in err, err
+    err = expect_error(**args, **{"data.tokenizer": "gpt2", "data.text_field": "body"})
+    assert err.startswith("config error: seq_len=256 is longer than the data allows"), err
+    assert not (tmp_path / "jl").exists()  # all before preparing
+
+
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
 def test_unreadable_data_file(expect_error, tmp_path):
     f = tmp_path / "secret.txt"
