@@ -99,7 +99,8 @@ def fmt_cell(rec: dict | None) -> str:
     if rec["status"] != "ok":
         return "not run" if rec["status"] == "not_run" else rec["status"].upper()
     busy = f", busy {100 * rec['gpu_busy']:.0f}%" if "gpu_busy" in rec else ""
-    return f"{rec['tokens_per_sec']:,.0f} ({100 * rec['mfu']:.1f}% MFU, {rec['peak_gib']:.1f} GiB{busy})"
+    mfu = f"{100 * rec['mfu']:.1f}% MFU, " if "mfu" in rec else ""  # none on a CPU
+    return f"{rec['tokens_per_sec']:,.0f} ({mfu}{rec['peak_gib']:.1f} GiB{busy})"
 
 
 def markdown(meta: dict, cells: list[dict]) -> str:

@@ -293,7 +293,7 @@ def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
 
 
 def peak_flops_for(device_name: str | None) -> float:
-    """bf16 dense peak FLOP/s for a GPU name (``torch.cuda.get_device_name()``); 989e12 when unknown/CPU."""
+    """bf16 dense peak FLOP/s for a GPU name (``torch.cuda.get_device_name()``); 989e12 when unknown."""
     for frag, flops in PEAK_FLOPS_BF16.items():
         if device_name and frag in device_name:
             return flops
@@ -463,12 +463,19 @@ def changed_source_message(cfg, held: str) -> str:
             f"data.dir={cfg.data.dir} holds {held}, which runs read, so it is not prepared again. To "
             f"train on data.source={cfg.data.source} as it is now, {new_run}"
         )
+    from data.sources import is_document_source
+
+    if is_document_source(cfg.data.source):  # identified by its files' names, sizes and mtimes
+        as_was = (
+            "the same files with the same sizes and modification times, e.g. restored with `cp -p` or "
+            "`rsync -a` from a copy; editing a file back changes its time"
+        )
+    else:  # a text file: by its SHA-256
+        as_was = "the same bytes, e.g. restored from a copy; its modification time does not matter"
     return (
         f"resume=true refused: data.dir={cfg.data.dir} holds {held}. A resume continues on the data it was "
-        f"trained on: put data.source={cfg.data.source} back as it was (the same files with the same sizes "
-        "and modification times, e.g. restored with `cp -p` or `rsync -a` from a copy; editing a file back "
-        f"changes its time), or train on the changed corpus in a new run (resume=false, a new out_dir) and "
-        f"{new_run}"
+        f"trained on: put data.source={cfg.data.source} back as it was ({as_was}), or train on the changed "
+        f"corpus in a new run (resume=false, a new out_dir) and {new_run}"
     )
 
 

@@ -170,7 +170,9 @@ class ParityConfig:
 class PerfConfig:
     """``perf.*``: throughput and MFU accounting."""
 
-    peak_flops: Any = spec("auto", "FLOP/s per device for MFU: auto (from the GPU name) or a number")
+    peak_flops: Any = spec(
+        "auto", "FLOP/s per device for MFU: auto (from the GPU name; no MFU on a CPU) or a number"
+    )
     exclude_first_steps: int = spec(
         2, "steps (compile warm-up) left out of the median tokens/sec", NONNEG_INT, 2
     )

@@ -60,9 +60,10 @@ def final_figures(st) -> dict:
         tps = statistics.median(st.step_tps)
         out["perf/tokens_per_sec"] = tps
         out["perf/step_ms"] = statistics.median(st.step_ms)
-        out["perf/mfu"] = st.raw_model.estimate_mfu(
-            tps / st.dist.world_size, int(st.cfg.seq_len), st.peak_flops
-        )
+        if st.peak_flops:
+            out["perf/mfu"] = st.raw_model.estimate_mfu(
+                tps / st.dist.world_size, int(st.cfg.seq_len), st.peak_flops
+            )
         out["perf/timed_steps"] = len(st.step_tps)
     out.update(st.gpu_busy.summary())
     return out

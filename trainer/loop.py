@@ -252,23 +252,20 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
         metrics: dict = {}
         if s % int(cfg.log_interval) == 0 or s == max_steps or not finite:
             tps, ms = win_tokens / win_time, 1e3 * win_time / win_steps
-            mfu = st.raw_model.estimate_mfu(tps / st.dist.world_size, int(cfg.seq_len), st.peak_flops)
             metrics.update(
-                {
-                    "lr": lr,
-                    "perf/tokens_per_sec": tps,
-                    "perf/mfu": mfu,
-                    "perf/step_ms": ms,
-                    "mem/peak_gib": st.peak_gib(),
-                }
+                {"lr": lr, "perf/tokens_per_sec": tps, "perf/step_ms": ms, "mem/peak_gib": st.peak_gib()}
             )
+            mfu_text = ""
+            if st.peak_flops:
+                mfu = st.raw_model.estimate_mfu(tps / st.dist.world_size, int(cfg.seq_len), st.peak_flops)
+                metrics["perf/mfu"], mfu_text = mfu, f"mfu {100 * mfu:.2f}% | "
             if finite:
                 metrics.update({"train/loss": loss, "train/grad_norm": grad_norm})
             if cfg.nonfinite == "skip":
                 metrics["train/skipped_steps"] = st.skipped
             st.say(
                 f"step {s:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
-                f"mfu {100 * mfu:.2f}% | {ms:.1f} ms/step | peak {st.peak_gib():.2f} GiB | "
+                f"{mfu_text}{ms:.1f} ms/step | peak {st.peak_gib():.2f} GiB | "
                 f"{clock.text(s, max_steps)}" + ("" if finite else f" | skipped (total {st.skipped})")
             )
             win_tokens, win_time, win_steps = 0, 0.0, 0

@@ -250,8 +250,9 @@ def build_model(st: RunState, state: dict | None) -> None:
     st.train_ds = BinDataset(cfg.data.dir, "train", int(cfg.seq_len))
     val_ds = BinDataset(cfg.data.dir, "val", int(cfg.seq_len))
     st.eval_batches = val_ds.eval_batches(int(cfg.eval.batches), plan.eval_batch_size, int(cfg.seed))
-    st.peak_flops = plan.peak_flops or peak_flops_for(
-        torch.cuda.get_device_name(st.device) if plan.device_type == "cuda" else None
+    # MFU against a GPU's peak; a CPU has no table entry, so none unless perf.peak_flops says it
+    st.peak_flops = plan.peak_flops or (
+        peak_flops_for(torch.cuda.get_device_name(st.device)) if plan.device_type == "cuda" else None
     )
     st.backend_ran = backend_that_ran(st)
     st.kernel_plan = kernel_plan(st)

@@ -80,3 +80,36 @@ def test_step_lines_show_elapsed_and_eta(tiny, tmp_path, capsys):
     lines = [x for x in text.splitlines() if re.match(r"step +\d+/4 \| loss", x)]
     assert len(lines) == 4 and all(re.search(r"\| elapsed \S+ \| eta \S+$", x) for x in lines), text
     assert lines[-1].endswith("eta 0s"), lines[-1]
+
+
+@pytest.mark.parametrize("peak", [None, 3e9])
+def test_mfu_only_against_a_peak_the_machine_has(tiny, tmp_path, capsys, peak):
+    """A CPU has no entry in the GPU peak table: no MFU unless perf.peak_flops gives one, and then it is
+    tokens/sec x FLOPs per token / peak (the GPU's H100 default made CPU runs read ~0%)."""
+    import json
+
+    out = tmp_path / "run"
+    extra = {"eval.interval": 0, "checkpoint.interval": 0, **({"perf.peak_flops": peak} if peak else {})}
+    outcome = run_inprocess(tiny(out, max_steps=4, **extra), out)
+    text = capsys.readouterr().out
+    assert outcome.exit_code == 0, text
+    lines = [x for x in text.splitlines() if re.match(r"step +\d+/4 \| loss", x)]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "perf/tokens_per_sec" in r]
+    summary = json.loads((out / "summary.json").read_text())
+    if peak is None:
+        assert not any("mfu" in x for x in lines) and not any("perf/mfu" in r for r in rows), text
+        assert "perf/mfu" not in summary
+        return
+    from omegaconf import OmegaConf
+
+    from model.gpt import GPT
+    from trainer.config import gpt_config_for
+
+    run_cfg = OmegaConf.load(out / "config.resolved.yaml")
+    flops = GPT(gpt_config_for(run_cfg, summary["vocab_size"])).flops_per_token(64)
+    for r in rows:
+        assert r["perf/mfu"] == pytest.approx(r["perf/tokens_per_sec"] * flops / peak, rel=1e-9)
+    assert summary["perf/mfu"] == pytest.approx(summary["perf/tokens_per_sec"] * flops / peak, rel=1e-9)
+    shown = float(re.search(r"mfu ([\d.]+)%", lines[-1]).group(1))
+    assert shown == pytest.approx(100 * rows[-1]["perf/mfu"], abs=0.006)
