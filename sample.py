@@ -106,7 +106,7 @@ def _sample(cfg: DictConfig) -> int:
     except (ValueError, RuntimeError) as e:
         raise InferError(f"tokenizer of {path}: {e}") from e
     try:
-        ids = tok.encode(text)
+        ids = tok.encode_prompt(text)
     except ValueError as e:
         raise InferError(f"prompt cannot be encoded by the run's {tok.name} tokenizer: {e}") from e
     model = build_model(state, cfg.attention.name, cfg.attention.sdpa_backend, device, dtype)

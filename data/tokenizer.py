@@ -68,6 +68,11 @@ class GPT2Tokenizer:
         """str -> list of token ids in [0, 50257)."""
         return self._enc.encode_ordinary(text)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt: as ``encode``, except that "<|endoftext|>" is the end-of-text token (50256), the
+        separator between documents, as a user who writes it means (a corpus's text keeps it as text)."""
+        return self._enc.encode(text, allowed_special={"<|endoftext|>"})
+
     def encode_array(self, text: str) -> np.ndarray:
         """str -> int64 array of shape (n_tokens,)."""
         return np.asarray(self.encode(text), dtype=np.int64)
@@ -147,6 +152,8 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         """str -> list of ids (same errors as ``encode_array``)."""
         return self.encode_array(text).tolist()
+
+    encode_prompt = encode  # no special tokens: every character is one of the corpus's
 
     def decode(self, ids: Iterable[int]) -> str:
         """Token ids (list, 1-D numpy array or 1-D torch tensor) -> str.

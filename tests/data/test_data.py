@@ -587,3 +587,27 @@ def test_loader_argument_errors(distinct_dir):
     with pytest.raises(ValueError, match="batch_size"):
         ds.batch(0, seed=0, step=0)
     assert ds.batch(1, seed=np.int64(5), step=np.int32(1))[0].shape == (1, 8)
+
+
+def test_prompt_end_of_text_is_the_separator_token(gpt2_bpe, seed):
+    """In a prompt, "<|endoftext|>" is token 50256 (what the prepare step puts between documents), at
+    every place it occurs; a corpus's text (``encode``) keeps it as the characters it is."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["ROMEO:", " hello", "\n", " world", "def f():", " <|end", "oftext|"]
+    parts = [[rng.choice(words) for _ in range(rng.randrange(0, 5))] for _ in range(3)]
+    texts = ["".join(p) for p in parts]
+    ids = gpt2_bpe.encode_prompt("<|endoftext|>".join(texts))
+    eot = gpt2_bpe.encode_prompt("<|endoftext|>")
+    assert eot == [50256], eot
+    expect = [
+        *gpt2_bpe.encode(texts[0]),
+        50256,
+        *gpt2_bpe.encode(texts[1]),
+        50256,
+        *gpt2_bpe.encode(texts[2]),
+    ]
+    assert ids == expect, (seed, texts)
+    assert 50256 not in gpt2_bpe.encode("a<|endoftext|>b"), seed
+    assert gpt2_bpe.decode(ids) == "<|endoftext|>".join(texts)
