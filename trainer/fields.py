@@ -10,6 +10,7 @@ the bad value and a valid value (the words of ``model.config.problem_with``). Fi
 from __future__ import annotations
 
 import difflib
+import re
 from dataclasses import MISSING, field, fields, is_dataclass
 
 from model.config import (
@@ -100,6 +101,7 @@ def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
 
 # ------------------------------------------------------------------------------ composition errors
 SUGGEST_CUTOFF = 0.75  # difflib ratio a key needs to be offered as "did you mean"
+GLOBAL_GROUPS = ("trainer", "experiment")  # configs/<group>/*.yaml are `@package _global_` presets
 
 
 def _field_of(key: str, schema: type):
@@ -114,9 +116,15 @@ def _field_of(key: str, schema: type):
     return f
 
 
-def unknown_key(key: str, schema: type) -> str:
+def unknown_key(key: str, schema: type, value: str = "VALUE") -> str:
     """Message for ``key``, which ``schema`` does not have: the closest valid key and those beside it."""
     parent, _, name = key.rpartition(".")
+    group, _, rest = key.partition(".")
+    if group in GLOBAL_GROUPS and rest and _field_of(rest, schema) is not None:
+        return (
+            f"{key} is not a config key: {group} is a group of presets ({group}=NAME) that set top-level "
+            f"keys; set the key itself: {rest}={value}"
+        )
     if parent:
         f = _field_of(parent, schema)
         schema = dataclass_type(f) if f is not None else None
@@ -156,7 +164,12 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
         ):
             key = str(e.full_key)
             if not isinstance(e, ValidationError):
-                return ConfigError(unknown_key(key, schema))
+                # Hydra names the first part the schema lacks; the override's whole key says more
+                given = re.search(r"Could not override '([^']+)'", str(exc))
+                value = re.search(r"use \+\S+?=(\S+)", str(exc))
+                if given and given.group(1).startswith(key + "."):
+                    key = given.group(1)
+                return ConfigError(unknown_key(key, schema, value.group(1) if value else "VALUE"))
             f = _field_of(key, schema)
             msg = field_problem(f, key, e.value) if f is not None else None
             return ConfigError(msg or f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}")
