@@ -33,7 +33,7 @@ def small_disk(tmp_path):
     mnt = tmp_path / "disk"
     _mount_tmpfs(mnt, "size=8m")
     yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    subprocess.run(["umount", "--lazy", str(mnt)], check=False)  # a lingering wandb process may hold it
 
 
 def _fill(disk: Path) -> None:
