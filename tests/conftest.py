@@ -12,6 +12,7 @@
 
 import importlib.util
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,55 @@ def killed_run(session_dir, tiny) -> Path:
     out = session_dir / "killed_run"
     args = tiny(out, checkpoint__interval=4, wandb__mode="offline", fault__sigkill_at_step=KILLED_AFTER + 1)
     return _train_once(out, args, -9, "running")
+
+
+# ------------------------------------------------------------------------------------ mounts (as root)
+def _mount(args: list[str], what: str) -> None:
+    """Run ``mount ARGS`` or skip (with the reason) where mounting is not allowed."""
+    r = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot {what} here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+
+
+def _unmount(where: Path) -> None:
+    subprocess.run(["umount", "--lazy", str(where)], check=False)  # a lingering wandb process may hold it
+
+
+def _tmpfs(where: Path, options: str):
+    where.mkdir(parents=True, exist_ok=True)
+    _mount(["-t", "tmpfs", "-o", options, "tmpfs", str(where)], "mount a tmpfs")
+    yield where
+    _unmount(where)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """An 8 MiB tmpfs (a real full disk): room for one checkpoint of the tiny model (~4.9 MiB), not two."""
+    yield from _tmpfs(tmp_path / "disk", "size=8m")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty read-only tmpfs."""
+    yield from _tmpfs(tmp_path / "ro", "ro,size=1m")
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """Factory: ``make(src)`` is a read-only bind mount of folder ``src`` (a colleague's runs, a read-only
+    share; as root, permission bits do not stop writes, a read-only mount does). Skips where refused."""
+    views: list[Path] = []
+
+    def make(src: Path) -> Path:
+        view = tmp_path / f"ro_{src.name}"
+        view.mkdir()
+        _mount(["--bind", str(src), str(view)], "bind-mount")
+        views.append(view)
+        _mount(["-o", "remount,ro,bind", str(view)], "remount read-only")
+        with pytest.raises(OSError):
+            (view / "probe").write_text("x")
+        return view
+
+    yield make
+    for view in reversed(views):
+        _unmount(view)

@@ -454,24 +454,10 @@ def test_eval_caps_batches_and_batch_size_to_the_split(trained, tmp_path):
 
 
 @pytest.fixture
-def read_only_run(trained, tmp_path):
+def read_only_run(trained, read_only_view):
     """The trained run seen through a read-only bind mount (a colleague's runs, a read-only share): as
     root, permission bits do not stop writes, a read-only mount does. Skips where mounting is refused."""
-    run, data = trained
-    view = tmp_path / "ro_run"
-    view.mkdir()
-    r = subprocess.run(["mount", "--bind", str(run), str(view)], capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot bind-mount here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot remount read-only here: {r.stderr.strip()}")
-        with pytest.raises(OSError):
-            (view / "probe").write_text("x")
-        yield view
-    finally:
-        subprocess.run(["umount", str(view)], check=False)
+    return read_only_view(trained[0])
 
 
 @pytest.mark.slow

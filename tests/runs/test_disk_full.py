@@ -18,24 +18,6 @@ from tests.faulty_train import FILLER, PAD
 from tests.helpers_train import describe, read_jsonl, run_train, summary, train_losses
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """An 8 MiB tmpfs: room for one checkpoint of the tiny model (~4.9 MiB)."""
-    mnt = tmp_path / "disk"
-    _mount_tmpfs(mnt, "size=8m")
-    yield mnt
-    subprocess.run(["umount", "--lazy", str(mnt)], check=False)  # a lingering wandb process may hold it
-
-
 def _fill(disk: Path) -> None:
     with open(disk / FILLER, "ab", buffering=0) as f:
         for chunk in (1 << 20, 4096, 1):

@@ -324,36 +324,26 @@ def test_out_dir_hints_are_accepted(tmp_path):
     assert out_dir_problem(tmp_path / "new" / "run") is None and not (tmp_path / "new").exists()
 
 
-def test_out_dir_hint_with_an_unwritable_home_names_a_writable_folder(tmp_path, monkeypatch):
+def test_out_dir_hint_with_an_unwritable_home_names_a_writable_folder(tmp_path, monkeypatch, read_only_view):
     """$HOME read-only (a shared account, a read-only home mount): the suggested out_dir is not under it
     (it could not be created there) but under the temp folder, and it passes the out_dir check."""
     import os
-    import subprocess
     import tempfile
 
-    home, ro = tmp_path / "home", tmp_path / "ro_home"
+    home = tmp_path / "home"
     home.mkdir()
     if os.geteuid() != 0:
         home.chmod(0o555)
         ro = home
     else:  # root writes past permission bits; a read-only bind mount stops it
-        ro.mkdir()
-        r = subprocess.run(["mount", "--bind", str(home), str(ro)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot bind-mount here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
-    try:
-        if ro != home:
-            subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
-        monkeypatch.setenv("HOME", str(ro))
-        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-        (tmp_path / "tmp").mkdir()
-        msg = out_dir_problem(ro / "run")
-        (value,) = hints(msg, "out_dir", ro / "run")
-        assert Path(value).parent == tmp_path / "tmp" / "flashgpt-runs", msg
-        assert out_dir_problem(value) is None
-    finally:
-        if ro != home:
-            subprocess.run(["umount", str(ro)], check=False)
+        ro = read_only_view(home)
+    monkeypatch.setenv("HOME", str(ro))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    msg = out_dir_problem(ro / "run")
+    (value,) = hints(msg, "out_dir", ro / "run")
+    assert Path(value).parent == tmp_path / "tmp" / "flashgpt-runs", msg
+    assert out_dir_problem(value) is None
 
 
 # ------------------------------------------------------------------------------------------ TRITON_INTERPRET

@@ -13,30 +13,6 @@ import pytest
 from tests.helpers_train import KILLED_AFTER, copy_run, describe, run_train, summary, train_env
 
 
-@pytest.fixture
-def read_only_view(tmp_path):
-    """Factory: a read-only bind mount of a folder (as root, permission bits do not stop writes; a
-    read-only mount does). Skips where mounting is refused."""
-    views: list[Path] = []
-
-    def make(src: Path) -> Path:
-        view = tmp_path / f"ro_{src.name}"
-        view.mkdir()
-        r = subprocess.run(["mount", "--bind", str(src), str(view)], capture_output=True, text=True)
-        if r.returncode == 0:
-            views.append(view)
-            r = subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount read-only here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
-        with pytest.raises(OSError):
-            (view / "probe").write_text("x")
-        return view
-
-    yield make
-    for view in reversed(views):
-        subprocess.run(["umount", str(view)], check=False)
-
-
 @pytest.mark.slow  # three train.py processes (one resumes 10 steps), ~15 s on 2 shared cores
 def test_resume_of_a_read_only_run_names_the_cause_and_a_copy_that_resumes(
     killed_run, tmp_path, read_only_view

@@ -33,32 +33,6 @@ from trainer.rundir import LOCK_NAME
 pytestmark = pytest.mark.slow
 
 
-def _mount_tmpfs(where: Path, options: str) -> None:
-    """Mount a tmpfs at ``where`` or skip (with the reason) where mounting is not allowed."""
-    where.mkdir(parents=True, exist_ok=True)
-    cmd = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """An 8 MiB tmpfs: room for one checkpoint of the tiny model (~4.9 MiB) but not two."""
-    mnt = tmp_path / "disk"
-    _mount_tmpfs(mnt, "size=8m")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    mnt = tmp_path / "ro"
-    _mount_tmpfs(mnt, "ro,size=1m")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
-
-
 class Train:
     """``python train.py ARGS`` as a background process whose train.log we can watch."""
 
