@@ -23,6 +23,10 @@ Conventions shared by every kernel
 * No atomics: every output element is written by exactly one program -> deterministic backward.
 * Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
   built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
+* Arguments: the launched kernels take every stride and runtime scalar as an argument of its own, since
+  torch.compile (torch 2.13) cannot emit a captured launch (`wrap_triton`) whose argument is a tuple of
+  runtime values (Inductor's `signature_of` compares the tuple with the int32 range and fails). The inner
+  loops get them grouped in tuples: `variant` / `VARIANT_FLAGS`, and the backward's `*_src` operands.
 
 Interpreter or compiler: `@triton.jit` decides when this module is imported, from TRITON_INTERPRET then.
 The launchers (`kernels/_launch.py`) import it at the first launch, not at package import, so a process that
