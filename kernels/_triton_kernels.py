@@ -23,6 +23,10 @@ Conventions shared by every kernel
 * No atomics: every output element is written by exactly one program -> deterministic backward.
 * Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
   built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
+* Arguments: the launched kernels take every stride and runtime scalar as an argument of its own, since
+  torch.compile (torch 2.13) cannot emit a captured launch (`wrap_triton`) whose argument is a tuple of
+  runtime values (Inductor's `signature_of` compares the tuple with the int32 range and fails). The inner
+  loops get them grouped in tuples: `variant` / `VARIANT_FLAGS`, and the backward's `*_src` operands.
 
 Interpreter or compiler: `@triton.jit` decides when this module is imported, from TRITON_INTERPRET then.
 The launchers (`kernels/_launch.py`) import it at the first launch, not at package import, so a process that
@@ -81,31 +85,27 @@ def _fwd_inner(
     EVEN_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    mask_lo=0,
-    doc_lo=None,
-    doc_hi=None,
-    window=0,
-    seed_lo=None,
-    seed_hi=None,
-    bh=None,
-    dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
-    softcap=None,
-    SOFTCAP: tl.constexpr = False,
+    variant,
+    VARIANT_FLAGS: tl.constexpr,
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
-    Variants: blocks before `mask_lo` are masked too (window / document start); the keep tile is
-    `_score_keep`; HAS_DROPOUT drops P after the row sums (the normaliser and the LSE are the undropped
-    ones) with `_dropout_keep` and scales the kept weights by 1 / (1 - dropout_p).
+    Variants: `variant` holds their per-program values (mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh,
+    dropout_p, softcap), VARIANT_FLAGS the switches (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP); a value
+    whose switch is off is an unused placeholder. Blocks before `mask_lo` are masked too (window / document
+    start); the keep tile is `_score_keep`; HAS_DROPOUT drops P after the row sums (the normaliser and the
+    LSE are the undropped ones) with `_dropout_keep` and scales the kept weights by 1 / (1 - dropout_p).
 
     MASKED: blocks starting at or after `mask_from` (the diagonal and sequence-end blocks) get the
     causal / sequence-end mask; the blocks before it skip the mask arithmetic. One loop, not one loop
     per part: with two pipelined loops carrying the accumulator, ptxas serialises every wgmma of the
     kernel (warning C7515, one wait after each wgmma; bench/NOTES.md v5).
     """
+    mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
+    HAS_WINDOW: tl.constexpr = VARIANT_FLAGS[0]
+    HAS_DOC: tl.constexpr = VARIANT_FLAGS[1]
+    HAS_DROPOUT: tl.constexpr = VARIANT_FLAGS[2]
+    SOFTCAP: tl.constexpr = VARIANT_FLAGS[3]
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         col_ok = cols < N_K
@@ -270,19 +270,8 @@ def _fwd_kernel(
         EVEN_N,
         EVEN_D,
         DOT_PRECISION,
-        full_lo,
-        doc_lo,
-        doc_hi,
-        window,
-        seed_lo,
-        seed_hi,
-        b * H_Q + h,
-        dropout_p,
-        HAS_WINDOW,
-        HAS_DOC,
-        HAS_DROPOUT,
-        softcap,
-        SOFTCAP,
+        (full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p, softcap),
+        (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP),
     )
 
     has_key = l_i > 0.0
@@ -326,8 +315,8 @@ def _bwd_dkdv_inner(
     dv,
     k,
     v,
-    q_base,
-    do_base,
+    q_src,
+    do_src,
     stat_base,
     LSE,
     DELTA,
@@ -341,49 +330,41 @@ def _bwd_dkdv_inner(
     N_Q,
     N_K,
     scale_log2,
-    stride_qm,
-    stride_dom,
-    QD,
-    DOD,
-    q_row,
-    q_col,
-    do_row,
-    do_col,
     MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    mask_from=0,
-    Q_DOC_LO=None,
-    Q_DOC_HI=None,
-    window=0,
-    seed_lo=None,
-    seed_hi=None,
-    bh=None,
-    dropout_p=0.0,
-    CAUSAL: tl.constexpr = True,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
-    softcap=None,
-    SOFTCAP: tl.constexpr = False,
+    variant,
+    VARIANT_FLAGS: tl.constexpr,
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
     MASKED: query blocks starting before `mask_to` (those on the diagonal) get the causal mask; the
     later ones skip the mask arithmetic. One loop for both parts: with two pipelined loops carrying
     dK / dV, ptxas serialises every wgmma of the kernel (see `_fwd_inner`).
-    USE_TMA: q and dO tiles come through the 2-D tensor descriptors QD / DOD (Hopper TMA) at rows
-    q_row + start_m / do_row + start_m and columns q_col / do_col. Only with EVEN_M: past N_Q a
+    q_src / do_src: where the q / dO tiles come from, (base pointer of this query head, row stride, 2-D
+    tensor descriptor, row and column of this query head in it). USE_TMA: the tiles come through the
+    descriptors QD / DOD (Hopper TMA) at rows q_row + start_m / do_row + start_m and columns q_col / do_col;
+    else pointer loads, and the descriptors are None. TMA only with EVEN_M: past N_Q a
     descriptor would read another head's (or batch element's) data, and a non-finite value there
     would reach this head through 0 * inf in the dots; the pointer loads read zeros instead.
-    Variants: query blocks starting at or after `mask_from` are masked too (window / document end), with
+    Variants: `variant` holds their values (mask_from, Q_DOC_LO, Q_DOC_HI, window, seed_lo, seed_hi, bh,
+    dropout_p, softcap), VARIANT_FLAGS the switches (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP), as in
+    `_fwd_inner`. Query blocks starting at or after `mask_from` are masked too (window / document end), with
     the keep tile of `_score_keep` (Q_DOC_LO / Q_DOC_HI: base pointers of the rows' document key ranges);
     HAS_DROPOUT regenerates the forward's keep mask: dV uses the dropped, scaled P and
     dS = P * (Z dP / (1 - p) - Delta).
     """
+    q_base, stride_qm, QD, q_row, q_col = q_src
+    do_base, stride_dom, DOD, do_row, do_col = do_src
+    mask_from, Q_DOC_LO, Q_DOC_HI, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
+    HAS_WINDOW: tl.constexpr = VARIANT_FLAGS[0]
+    HAS_DOC: tl.constexpr = VARIANT_FLAGS[1]
+    HAS_DROPOUT: tl.constexpr = VARIANT_FLAGS[2]
+    SOFTCAP: tl.constexpr = VARIANT_FLAGS[3]
     tl.static_assert(EVEN_M or not USE_TMA, "TMA loads need N_Q % BLOCK_M == 0")
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
@@ -635,9 +616,9 @@ def _bwd_dkdv_kernel(
         DOD, row_dob, row_doh, col_doh = _tma_operand(
             DO, stride_doh, stride_dom, H_Q, N_Q, TMA_DO, BLOCK_M, BLOCK_D
         )
-    else:
-        QD = None
-        DOD = None
+    else:  # pointer loads, no descriptors: constexpr None (a tuple cannot hold an assigned, plain None)
+        QD: tl.constexpr = None
+        DOD: tl.constexpr = None
         row_qb, row_qh, col_qh, row_dob, row_doh, col_doh = 0, 0, 0, 0, 0, 0
     for g in range(GROUP):
         h = hk * GROUP + g
@@ -656,8 +637,8 @@ def _bwd_dkdv_kernel(
             dv,
             k,
             v,
-            q_base,
-            do_base,
+            (q_base, stride_qm, QD, q_row, q_col),
+            (do_base, stride_dom, DOD, do_row, do_col),
             stat_base,
             LSE,
             DELTA,
@@ -671,34 +652,15 @@ def _bwd_dkdv_kernel(
             N_Q,
             N_K,
             scale_log2,
-            stride_qm,
-            stride_dom,
-            QD,
-            DOD,
-            q_row,
-            q_col,
-            do_row,
-            do_col,
             CAUSAL or HAS_WINDOW or HAS_DOC,
+            CAUSAL,
             BLOCK_M,
             EVEN_M,
             EVEN_D,
             DOT_PRECISION,
             TMA_Q > 0,
-            full_end,
-            q_doc_lo,
-            q_doc_hi,
-            window,
-            seed_lo,
-            seed_hi,
-            b * H_Q + h,
-            dropout_p,
-            CAUSAL,
-            HAS_WINDOW,
-            HAS_DOC,
-            HAS_DROPOUT,
-            softcap,
-            SOFTCAP,
+            (full_end, q_doc_lo, q_doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p, softcap),
+            (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP),
         )
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
@@ -728,8 +690,8 @@ def _bwd_dq_inner(
     do,
     lse2,
     delta,
-    k_base,
-    v_base,
+    k_src,
+    v_src,
     lo,
     hi,
     mask_from,
@@ -740,14 +702,6 @@ def _bwd_dq_inner(
     N_Q,
     N_K,
     scale_log2,
-    stride_kn,
-    stride_vn,
-    KD,
-    VD,
-    k_row,
-    k_col,
-    v_row,
-    v_col,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -755,29 +709,27 @@ def _bwd_dq_inner(
     EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,
-    mask_lo=0,
-    doc_lo=None,
-    doc_hi=None,
-    window=0,
-    seed_lo=None,
-    seed_hi=None,
-    bh=None,
-    dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
-    softcap=None,
-    SOFTCAP: tl.constexpr = False,
+    variant,
+    VARIANT_FLAGS: tl.constexpr,
 ):
     """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
 
-    Variants as in `_fwd_inner`; with dropout dS = P * (Z dP / (1 - p) - Delta).
+    Variants (`variant`, VARIANT_FLAGS) as in `_fwd_inner`; with dropout dS = P * (Z dP / (1 - p) - Delta).
 
     MASKED: key blocks starting at or after `mask_from` get the causal / sequence-end mask (one loop;
     see `_fwd_inner` for why not two).
-    USE_TMA: k and v tiles come through the 2-D tensor descriptors KD / VD; only with EVEN_N (see
-    `_bwd_dkdv_inner`).
+    k_src / v_src: where the k / v tiles come from, (base pointer of this kv head, row stride, 2-D tensor
+    descriptor, row and column of this kv head in it). USE_TMA: the tiles come through the descriptors
+    KD / VD (Hopper TMA) at rows k_row + start_n / v_row + start_n and columns k_col / v_col, only with EVEN_N
+    (see `_bwd_dkdv_inner`); else pointer loads, and the descriptors are None.
     """
+    k_base, stride_kn, KD, k_row, k_col = k_src
+    v_base, stride_vn, VD, v_row, v_col = v_src
+    mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
+    HAS_WINDOW: tl.constexpr = VARIANT_FLAGS[0]
+    HAS_DOC: tl.constexpr = VARIANT_FLAGS[1]
+    HAS_DROPOUT: tl.constexpr = VARIANT_FLAGS[2]
+    SOFTCAP: tl.constexpr = VARIANT_FLAGS[3]
     tl.static_assert(EVEN_N or not USE_TMA, "TMA loads need N_K % BLOCK_N == 0")
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -953,9 +905,9 @@ def _bwd_dq_kernel(
         H_KV = H_Q // GROUP
         KD, row_kb, row_kh, col_kh = _tma_operand(K, stride_kh, stride_kn, H_KV, N_K, TMA_K, BLOCK_N, BLOCK_D)
         VD, row_vb, row_vh, col_vh = _tma_operand(V, stride_vh, stride_vn, H_KV, N_K, TMA_V, BLOCK_N, BLOCK_D)
-    else:
-        KD = None
-        VD = None
+    else:  # pointer loads, no descriptors: constexpr None (a tuple cannot hold an assigned, plain None)
+        KD: tl.constexpr = None
+        VD: tl.constexpr = None
         row_kb, row_kh, col_kh, row_vb, row_vh, col_vh = 0, 0, 0, 0, 0, 0
     # descriptor coordinates (int32; only used when USE_TMA)
     k_row = (b * row_kb + hk * row_kh).to(tl.int32)
@@ -975,8 +927,8 @@ def _bwd_dq_kernel(
         do,
         lse2,
         delta,
-        k_base,
-        v_base,
+        (k_base, stride_kn, KD, k_row, k_col),
+        (v_base, stride_vn, VD, v_row, v_col),
         lo,
         hi,
         full_end,
@@ -987,14 +939,6 @@ def _bwd_dq_kernel(
         N_Q,
         N_K,
         scale_log2,
-        stride_kn,
-        stride_vn,
-        KD,
-        VD,
-        k_row,
-        k_col,
-        v_row,
-        v_col,
         CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC,
         CAUSAL,
         BLOCK_N,
@@ -1002,19 +946,8 @@ def _bwd_dq_kernel(
         EVEN_D,
         DOT_PRECISION,
         TMA_K > 0,
-        full_lo,
-        doc_lo,
-        doc_hi,
-        window,
-        seed_lo,
-        seed_hi,
-        b * H_Q + h,
-        dropout_p,
-        HAS_WINDOW,
-        HAS_DOC,
-        HAS_DROPOUT,
-        softcap,
-        SOFTCAP,
+        (full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p, softcap),
+        (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP),
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
