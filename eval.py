@@ -100,6 +100,7 @@ def _eval(cfg: DictConfig) -> int:
     import torch
 
     from data.loader import BinDataset
+    from trainer.checkpoint import tokenizer_difference
     from trainer.infer import (
         build_model,
         claim_new_file,
@@ -138,10 +139,13 @@ def _eval(cfg: DictConfig) -> int:
         ds = BinDataset(data_dir, split, seq_len)
     except (OSError, ValueError) as e:
         raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
-    if ds.vocab_size != int(state["tokenizer"]["vocab_size"]):
+    # what defines the ids (char list, BPE name and vocabulary), not only the vocabulary size: 65 other
+    # characters would score each id as another character without a word
+    changed = tokenizer_difference(state["tokenizer"], ds.meta)
+    if changed:
         raise InferError(
-            f"data.dir={data_dir} holds a {ds.vocab_size}-token vocabulary, the checkpoint was "
-            f"trained on {state['tokenizer']['vocab_size']}; pass the run's own data.dir"
+            f"data.dir={data_dir} was tokenized unlike the checkpoint's training data ({changed}), so its ids"
+            " mean other tokens; pass the run's own data.dir, or data prepared with the same tokenizer"
         )
     # the run's own values are kept (its val/loss batches) unless this command changed the batch shape
     own_bs = run_bs if cfg.seq_len is None else None

@@ -374,6 +374,26 @@ def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     assert _tree(run) == before and list(tmp_path.iterdir()) == []
 
 
+def test_eval_refuses_char_data_of_the_same_size_with_other_characters(trained, tmp_path, shakespeare_path):
+    """Another char corpus with as many characters (65) but another set maps each id to another character:
+    eval.py refuses it (exit 2, naming data.dir and the characters), where comparing sizes alone scored it."""
+    from data.prepare import ensure_prepared
+
+    run, _ = trained
+    text = shakespeare_path.read_text()
+    assert "Z" in text and "#" not in text
+    source = tmp_path / "other.txt"
+    source.write_text(text.replace("Z", "#"))
+    other = tmp_path / "other_char"
+    ensure_prepared(str(source), str(other), "char", 0.1)
+    before = _tree(run)
+    proc = _run(EVAL, [f"run={run}", f"data.dir={other}"], tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, describe(proc)
+    assert f"data.dir={other} was tokenized unlike the checkpoint's" in proc.stderr, describe(proc)
+    assert "not in the new data: 'Z'" in proc.stderr and "new: '#'" in proc.stderr, describe(proc)
+    assert _tree(run) == before
+
+
 def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_path):
     """A run trained with a relative data.dir (from its start directory, derived.cwd) is evaluated, and an
     older checkpoint of it (vocabulary only in meta.json) sampled, from another directory; a data.dir given
