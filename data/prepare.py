@@ -534,7 +534,9 @@ def _prepare_into(
 def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     """The error for a split that got no document (``n_docs`` in all)."""
     # a value that runs as typed: hold out one whole document, or all but one (data.val_docs / --val-docs)
-    fix = f"val_docs={1 if split == 'val' else n_docs - 1}" if n_docs >= 2 else "a source with more documents"
+    if n_docs < 2:  # no split of one document holds a document on both sides
+        return f"{label} gave {n_docs} document(s): a val split needs one of its own; use a source with more"
+    fix = f"val_docs={1 if split == 'val' else n_docs - 1}"
     if opts.val_docs is not None:
         return (
             f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "

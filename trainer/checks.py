@@ -428,7 +428,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
         raise ConfigError(f"data.source={src}: {e}") from e
     if held:
         # prepare's arguments named as the keys that set them (doc_separator=... -> data.doc_separator=...)
-        held = re.sub(r"\b(doc_separator|val_fraction|val_docs|text_field|max_tokens)=", r"data.\1=", held)
+        held = _as_keys(held)
         if "as it was before" in held or cfg.resume:  # a changed corpus: a resume needs it back as it was
             raise ConfigError(changed_source_message(cfg, held))
         raise ConfigError(
@@ -511,6 +511,48 @@ def effective_data_source(cfg) -> str | None:
     return None
 
 
+EXACT_BYTES = 1 << 24  # a source up to 16 MiB whose bytes cannot hold seq_len is tokenized to say exactly
+
+
+def _trial_prepare(cfg, src) -> dict:
+    """The meta.json that preparing ``src`` with the run's data keys would write, prepared into a temporary
+    folder (one tokenizer process, no progress bar) that is removed after.
+
+    Raises:
+        ConfigError with the prepare step's message (an empty corpus, a split without documents, a file
+        that is not UTF-8), its arguments named as the keys that set them.
+    """
+    import tempfile
+
+    from data.prepare import prepare
+
+    with tempfile.TemporaryDirectory(prefix="flashgpt-seq-len-check-") as tmp:
+        try:
+            return prepare(
+                src,
+                Path(tmp) / "data",
+                cfg.data.tokenizer,
+                cfg.data.val_fraction,
+                cfg.data.doc_separator,
+                val_docs=cfg.data.val_docs,
+                text_field=cfg.data.text_field,
+                max_tokens=cfg.data.max_tokens,
+                workers=1,
+                progress=False,
+            )
+        except (OSError, ValueError) as e:
+            msg = _as_keys(str(e))
+            raise ConfigError(msg if str(src) in msg else f"data.source={src}: {msg}") from e
+
+
+_PREPARE_ARGS = r"(?<![.\w-])(doc_separator|val_fraction|val_docs|text_field|max_tokens)="
+
+
+def _as_keys(text: str) -> str:
+    """prepare's arguments in a message named as the keys that set them (val_docs=1 -> data.val_docs=1)."""
+    return re.sub(_PREPARE_ARGS, r"data.\1=", text)
+
+
 def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
     """The prepared corpus must hold at least seq_len + 1 tokens in each split (one window + its target).
 
@@ -567,7 +609,7 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         ConfigError from ``check_data_fits`` / ``seq_len_too_long``; naming data.val_fraction and
             data.val_docs when both are set.
     """
-    from data.prepare import DEFAULT_VAL_FRACTION, meta_split, split_point, val_split
+    from data.prepare import meta_split, split_point, val_split
 
     try:  # as the prepare step reads them: one of them set, a null share is 0.1
         fraction, docs = val_split(cfg.data.val_fraction, cfg.data.val_docs)
@@ -595,34 +637,41 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         size = path.stat().st_size if path is not None and path.is_file() else 0
     except OSError:
         size = 0
-    if size < 2 or docs is not None:  # a count of documents: the prepare step names a split too small
+    if size < 2:
         return
-    if path.name.lower().endswith((".gz", ".parquet")):  # compressed: its text can outgrow its bytes
+    n_val = size if docs is not None else size - split_point(size, fraction) + 1
+    largest = min(n_val, size) - 1  # tokens <= bytes for both tokenizers
+    if cfg.seq_len <= largest:
         return
-    n_val = size - split_point(size, fraction) + 1
-    largest = min(n_val, size) - 1
-    if cfg.seq_len > largest:
-        if size <= 1 << 24:  # a small file (by this branch): unreadable content is its first problem
-            from data.sources import decode_utf8, is_records, open_source
+    if size <= EXACT_BYTES:
+        # a small corpus is tokenized here (into a folder that goes away), so the first error is the one
+        # the prepared data would give: what is wrong with its content, or its exact token counts
+        meta = _trial_prepare(cfg, str(path) if src is None else src)
+        n_val, n_train = int(meta["val_tokens"]), int(meta["train_tokens"])
+        if cfg.seq_len > min(n_val, n_train) - 1:
+            what = f"{path} gives {n_val:,} validation and {n_train:,} training tokens"
+            raise _too_long(cfg, what, min(n_val, n_train) - 1, n_val + n_train, fraction, world_size)
+        return
+    if docs is not None or path.name.lower().endswith((".gz", ".parquet")):
+        return  # a count of documents, or compressed text that can outgrow its bytes: prepare tells
+    what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
+    raise _too_long(cfg, what, largest, size, fraction, world_size, about=True)
 
-            try:
-                if is_records(path):  # JSON Lines / Parquet: each record's text field
-                    for _ in open_source(path, cfg.data.text_field).pieces():
-                        pass
-                else:
-                    decode_utf8(path.read_bytes(), f"data.source={src}")
-            except (OSError, ValueError) as e:
-                raise ConfigError(str(e)) from e
-        what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
-        default = DEFAULT_VAL_FRACTION
-        if fraction < default and cfg.seq_len < size - split_point(size, default):
-            # the split is the cause: a seq_len this corpus holds fits with the usual validation share
-            raise ConfigError(
-                f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
-                f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} "
-                f"(or {seq_len_too_long(cfg, what, largest, world_size, about=True).split('; use ', 1)[1]})"
-            )
-        raise ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=True))
+
+def _too_long(cfg, what: str, largest: int, total: int, fraction, world_size: int, about: bool = False):
+    """The error for a seq_len the data cannot hold (``total`` tokens, at most): when a validation share
+    below the usual one is the cause (the corpus holds seq_len at that share), data.val_fraction is named
+    first; else ``seq_len_too_long``."""
+    from data.prepare import DEFAULT_VAL_FRACTION as default
+    from data.prepare import split_point
+
+    if fraction is not None and fraction < default and cfg.seq_len < total - split_point(total, default):
+        rest = seq_len_too_long(cfg, what, largest, world_size, about=about).split("; use ", 1)[1]
+        return ConfigError(
+            f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
+            f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} (or {rest})"
+        )
+    return ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=about))
 
 
 def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:

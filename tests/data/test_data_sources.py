@@ -474,3 +474,15 @@ def test_few_documents_get_a_val_docs_that_runs(tmp_path, seed):
     assert fix == "val_docs=1", f"seed={seed}: {e.value}"
     meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=1, workers=1, progress=False)
     assert meta["val_docs"] == 1 and meta["train_docs"] == 3, f"seed={seed}"
+
+
+def test_one_document_names_the_source_once(tmp_path):
+    """One document cannot give both splits: one fix (a source with more documents), said once."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    (src / "only.txt").write_text("a cat sat on the mat " * 20)
+    for split in ({"val_fraction": 0.1}, {"val_docs": 1}):
+        with pytest.raises(ValueError) as e:
+            prepare(str(src), tmp_path / "o", "gpt2", workers=1, progress=False, **split)
+        msg = str(e.value)
+        assert "gave 1 document(s)" in msg and msg.count("more") == 1 and "val_docs=0" not in msg, msg
