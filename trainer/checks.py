@@ -438,14 +438,15 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
 
 
 def _own_folder(cfg) -> Path:
-    """A data.dir beside the given one, named after the corpus, that holds nothing yet."""
+    """A data.dir beside the given one that holds nothing yet, named after the corpus and the tokenizer
+    (``other_char``, ``fineweb_gpt2``), as nanoGPT's data/<corpus>/ folders."""
     from data.sources import source_stem
 
     given = Path(str(cfg.data.dir))
-    other = given.parent / f"{given.name or 'data'}_{source_stem(cfg.data.source)}"
-    n = 2
+    name = f"{source_stem(cfg.data.source)}_{cfg.data.tokenizer}"
+    other, n = given.parent / name, 2
     while other.exists():  # a folder of its own: never one that holds (other) data
-        other, n = given.parent / f"{given.name or 'data'}_{source_stem(cfg.data.source)}_{n}", n + 1
+        other, n = given.parent / f"{name}_{n}", n + 1
     return other
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import socket
 from pathlib import Path
@@ -94,7 +95,16 @@ def prepare_data(st: RunState) -> None:
                 max_tokens=cfg.data.max_tokens,
                 workers=cfg.data.workers,
             )
-        except (OSError, ValueError, RuntimeError) as e:
+        except OSError as e:
+            err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # where the data would be prepared
+                home = Path("~/flashgpt-data") / (Path(str(cfg.data.dir)).name or "data")
+                err = (
+                    f"data.dir={cfg.data.dir} cannot be written ({e.strerror}: {e.filename}), and the data "
+                    f"is prepared there; pass a folder you can write, e.g. data.dir={home} (data already "
+                    "prepared is only read: a read-only data.dir works once it holds the data)"
+                )
+        except (ValueError, RuntimeError) as e:
             err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
     err = st.broadcast(err)
     if err:

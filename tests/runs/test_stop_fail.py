@@ -21,6 +21,7 @@ from tests.helpers_train import (
     run_inprocess,
     run_train,
     summary,
+    tiny_overrides,
     train_command,
     train_env,
     train_losses,
@@ -405,3 +406,19 @@ def test_sweep_exit_code_rules(capsys):
     assert train.sweep_exit_code([cfg_err, cfg_err]) == 2
     assert train.sweep_exit_code([cfg_err, nan]) == 1
     assert "all 2 jobs failed" in capsys.readouterr().err
+
+
+def test_read_only_data_dir_names_a_writable_one(
+    char_data, shakespeare_path, read_only_dir, read_only_view, capsys
+):
+    """Data prepared on a read-only file system: a config error naming data.dir and a folder to use (no
+    bare errno); data already prepared there is only read, so a read-only copy of it trains."""
+    out = read_only_dir.parent / "run"
+    outcome = run_inprocess(tiny_overrides(read_only_dir / "d", shakespeare_path, out, max_steps=1), out)
+    err = capsys.readouterr().err
+    assert (outcome.status, outcome.exit_code) == ("error", 2), err
+    assert f"data.dir={read_only_dir / 'd'} cannot be written (Read-only file system" in err, err
+    assert "pass a folder you can write, e.g. data.dir=~/flashgpt-data/d" in err and "Traceback" not in err
+    view, out = read_only_view(char_data), read_only_dir.parent / "run2"
+    outcome = run_inprocess(tiny_overrides(view, shakespeare_path, out, max_steps=1), out)
+    assert (outcome.status, outcome.exit_code) == ("ok", 0), capsys.readouterr().err

@@ -361,7 +361,7 @@ def test_data_dir_holding_another_corpus_is_not_overwritten(expect_error, char_d
     before = (char_data / "meta.json").read_text()
     err = expect_error(**{"data.source": other})
     assert f"data.dir={char_data} holds data prepared from" in err
-    assert f"set data.dir={char_data.parent / 'shakespeare_char_other'} (a folder of its own)" in err
+    assert f"set data.dir={char_data.parent / 'other_char'} (a folder of its own)" in err
     assert (char_data / "meta.json").read_text() == before  # the shared data were not re-prepared
 
 
