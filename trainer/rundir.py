@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -53,12 +54,38 @@ def run_token() -> str:
     return _token
 
 
+_NAMED = {"attention", "attention.name", "seq_len"}  # already in a sweep job's folder name
+_SWEEP_VALUE = re.compile(r"^\s*(range|choice|glob|interval|tag|sort|shuffle)\(|,")
+
+
+def swept(_root_) -> str:
+    """``_key=value`` for each key this multirun sweeps (a ``,`` list or a sweep function on the command
+    line) besides attention and seq_len, with this job's value (``hydra.overrides.task``): the folder
+    ``3_flash_n1024_pos_emb=rope_qk_norm=true`` says which job it is. Nothing outside a multirun."""
+
+    keys = []
+    for arg in sys.argv[1:]:
+        key, eq, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if eq and not key.startswith("hydra.") and key not in _NAMED and _SWEEP_VALUE.search(value):
+            keys.append(key)
+    try:
+        task = dict(o.partition("=")[::2] for o in _root_.hydra.overrides.task)
+    except Exception:  # noqa: BLE001 - no Hydra config here (a composed config): no sweep to name
+        return ""
+    task = {k.lstrip("+~"): v for k, v in task.items()}
+    safe = re.compile(r"[^A-Za-z0-9._=+-]")
+    return "".join(safe.sub("-", f"_{k.rsplit('.', 1)[-1]}={task[k]}") for k in keys if k in task)
+
+
 def register_resolvers() -> None:
-    """Register ``${run_token:}`` with OmegaConf (idempotent)."""
+    """Register ``${run_token:}`` and ``${swept:}`` with OmegaConf (idempotent)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("run_token"):
         OmegaConf.register_new_resolver("run_token", run_token)
+    if not OmegaConf.has_resolver("swept"):
+        OmegaConf.register_new_resolver("swept", swept)
 
 
 register_resolvers()

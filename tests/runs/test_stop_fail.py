@@ -81,15 +81,15 @@ def test_signal_to_a_sweep_says_which_jobs_did_not_run(tiny, tmp_path):
     sweep stops (exit 143), and stderr says that the jobs after job 0 did not run; job 1 has no folder."""
     sweep = tmp_path / "sw"
     args = [a for a in tiny(None, fault__step_sleep_s=0.2) if not a.startswith(("seed=", "out_dir="))]
-    run = Train(["-m", *args, "seed=1,2", f"hydra.sweep.dir={sweep}"], sweep / "0_naive_n64")
+    run = Train(["-m", *args, "seed=1,2", f"hydra.sweep.dir={sweep}"], sweep / "0_naive_n64_seed=1")
     run.wait_for_log("step      2/16 | loss")
     run.signal(signal.SIGTERM)
     code, stdout, stderr = run.finish()
     assert code == 128 + signal.SIGTERM, f"{code}\n{stdout[-2000:]}\n{stderr[-2000:]}"
     assert "sweep stopped by a signal in job 0" in stderr, stderr
     assert "the jobs after it did not run" in stderr, stderr
-    assert summary(sweep / "0_naive_n64")["status"] == "interrupted"
-    assert not (sweep / "1_naive_n64").exists()
+    assert summary(sweep / "0_naive_n64_seed=1")["status"] == "interrupted"
+    assert not (sweep / "1_naive_n64_seed=2").exists()
 
 
 def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
