@@ -326,7 +326,7 @@ def test_context_sweep_fixes_tokens_per_step(seq_len):
     assert cfg.batch.tokens_per_step == 131072 and cfg.model.name == "gpt2"
     sweep = cfg.hydra.sweep
     assert "context_sweep" in sweep.dir
-    assert sweep._get_node("subdir")._value() == "${hydra.job.num}_${attention.name}_n${seq_len}"
+    assert sweep._get_node("subdir")._value() == "${hydra.job.num}_${attention.name}_n${seq_len}${swept:}"
 
 
 def test_block_size_follows_seq_len_and_presets_compose():
