@@ -577,12 +577,21 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _describe_pass(
-    op: str, d: int, n: int, dtype: torch.dtype, sm90: bool, interp: bool, variants: bool, deterministic: bool
+    op: str,
+    d: int,
+    n: int,
+    dtype: torch.dtype,
+    sm90: bool,
+    interp: bool,
+    variants: bool,
+    deterministic: bool,
+    mha: bool = True,
 ) -> str:
-    """What one pass of a causal self-attention (Nq = Nk = n, MHA, TMA-friendly layouts) runs, as text."""
+    """What one pass of a causal self-attention (Nq = Nk = n, TMA-friendly layouts; `mha`: one query head per
+    KV head) runs, as text."""
     env = ENV if op == "fwd" else ENV_BWD
     if sm90 and not interp and not (op == "bwd" and deterministic):
-        if use_gluon(op, mode(env), d, n, n, dtype, not variants, True):
+        if use_gluon(op, mode(env), d, n, n, dtype, not variants, mha):
             return "Gluon FA3 (sm_90)"
     if op == "fwd":
         return "Triton FA2 " + tile_size("fwd", d, dtype, n, n, interp).short()
@@ -608,12 +617,14 @@ def describe(
     documents: bool = False,
     dropout_p: float = 0.0,
     softcap=None,
+    kv_group: int = 1,
 ) -> str:
     """One line saying which kernels a run of attention=flash launches: forward, backward and decode, for a
     causal self-attention of head dim `head_dim` over `seq_len` tokens in `dtype` on `device` (a CUDA
     device's capability decides the Gluon kernels; CPU: the interpreter), with the variants given (window,
-    documents, dropout, softcap: the Triton kernels, said in the line). Assumes the trainer's layouts
-    (16-byte aligned, TMA-friendly).
+    documents, dropout, softcap: the Triton kernels, said in the line) and `kv_group` query heads per KV
+    head (grouped-query attention: the Gluon backward takes one). Assumes the trainer's layouts (16-byte
+    aligned, TMA-friendly).
     Raises ValueError for a bad FLASHGPT_GLUON_FWD / _BWD."""
     mode(ENV), mode(ENV_BWD)  # a bad value is an error here too, not only at the first call
     device = torch.device(device)
@@ -629,10 +640,13 @@ def describe(
     interp = device.type != "cuda"
     variants = bool(window) or documents or bool(dropout_p) or bool(softcap)
     fwd = _describe_pass("fwd", head_dim, seq_len, dtype, sm90, interp, variants, deterministic)
-    bwd = _describe_pass("bwd", head_dim, seq_len, dtype, sm90, interp, variants, deterministic)
+    bwd = _describe_pass(
+        "bwd", head_dim, seq_len, dtype, sm90, interp, variants, deterministic, kv_group == 1
+    )
     dec = decode_block_n(head_dim, dtype, interp)
     where = "interpreter" if interp else ("sm_90" if sm90 else "cuda")
     cap = f" softcap={softcap:g} (Triton: the Gluon kernels take none)" if softcap else ""
+    cap += f" kv_group={kv_group}" if kv_group != 1 else ""
     return (
         f"d={head_dim} N={seq_len} {_dtype_name(dtype)} {where}{cap}: fwd {fwd} | bwd {bwd} | "
         f"decode split-K {_pow2(head_dim)}x{dec}"

@@ -361,7 +361,8 @@ def kernel_plan(st: RunState) -> str | None:
     dtype = torch.bfloat16 if st.plan.autocast_dtype == "bfloat16" else torch.float32
     return describe_plan(
         g.n_embd // g.n_head, int(st.cfg.seq_len), dtype, st.device, bool(st.cfg.deterministic),
-        window=g.window, documents=g.document_mask, dropout_p=g.attn_dropout,
+        window=g.window, documents=g.document_mask, dropout_p=g.attn_dropout, softcap=g.softcap,
+        kv_group=g.n_head // g.kv_heads,
     )  # fmt: skip
 
 

@@ -97,6 +97,37 @@ def test_softcap_runs_the_triton_kernels_and_the_plan_says_so(monkeypatch):
     assert "Gluon FA3" not in capped and "bwd Triton FA2 split" in capped, capped
     assert "softcap=30 (Triton: the Gluon kernels take none)" in capped and "fwd Triton FA2" in capped
     assert "soft-capping (`softcap`) always run the Triton kernels" in plan.table()
+    grouped = plan.describe(64, 8192, torch.bfloat16, "cuda", kv_group=4)  # the Gluon backward is MHA only
+    assert "fwd Gluon FA3" in grouped and "bwd Triton FA2 split" in grouped and "kv_group=4" in grouped, (
+        grouped
+    )
+
+
+def test_the_run_logs_the_kernels_of_its_own_model(monkeypatch):
+    """The trainer's kernel line (setup.kernel_plan) passes the model's soft-cap and KV grouping: a capped
+    or grouped run on an sm_90 does not claim the Gluon kernels that its calls cannot take."""
+    from types import SimpleNamespace
+
+    from model.config import GPTConfig
+    from trainer.setup import kernel_plan
+
+    monkeypatch.delenv(plan.ENV, raising=False)
+    monkeypatch.delenv(plan.ENV_BWD, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+    def line(**model):
+        cfg = SimpleNamespace(attention=SimpleNamespace(name="flash"), seq_len=8192, deterministic=False)
+        g = GPTConfig(n_layer=1, n_head=12, n_embd=768, block_size=8192, attention="flash", **model)
+        st = SimpleNamespace(cfg=cfg, gpt_config=g, plan=SimpleNamespace(autocast_dtype="bfloat16"))
+        st.device = torch.device("cuda")
+        return kernel_plan(st)
+
+    assert "bwd Gluon FA3" in line(), line()
+    assert "Gluon FA3" not in line(softcap=30.0) and "softcap=30" in line(softcap=30.0), line(softcap=30.0)
+    assert "bwd Triton FA2 split" in line(n_kv_head=4) and "kv_group=3" in line(n_kv_head=4), line(
+        n_kv_head=4
+    )
 
 
 def test_kernels_import_graph_has_no_cycle():
