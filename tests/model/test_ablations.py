@@ -272,11 +272,23 @@ def test_layer_matches_float64_reference(seed, monkeypatch, backend, key):
         if cfg.pos_emb == "rope"
         else None
     )
+    x.requires_grad_(True)
     y = attn(
         x, rope=None if rope is None else tuple(t.to(torch.promote_types(dtype, torch.float32)) for t in rope)
     )
-    err = (y.double() - ref_layer(attn, cfg, x)).abs().max().item()
-    assert err < (1e-4 if dtype == torch.float32 else 1e-10), f"seed={seed} {backend} {key}: err {err:.3g}"
+    ref = ref_layer(attn, cfg, x)
+    err = (y.double() - ref).abs().max().item()
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    assert err < tol, f"seed={seed} {backend} {key}: err {err:.3g}"
+    # gradients of x and of every weight of the layer (projections, QK-norm scales) through the same keys
+    dy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    params = [x, *attn.parameters()]
+    ours = torch.autograd.grad((y.double() * dy).sum(), params)
+    theirs = torch.autograd.grad((ref * dy).sum(), params)
+    names = ["x", *(n for n, _ in attn.named_parameters())]
+    for name, a, b in zip(names, ours, theirs, strict=True):
+        gerr = (a.double() - b).abs().max().item() / max(1.0, b.abs().max().item())
+        assert gerr < 10 * tol, f"seed={seed} {backend} {key}: d{name} err {gerr:.3g}"
     assert attn.c_attn.weight.shape == ((4 + 2 * cfg.kv_heads) * 8, 32)
     assert ("wpe" in model.transformer) == (cfg.pos_emb == "learned")
     assert (attn.q_norm is not None) == cfg.qk_norm
