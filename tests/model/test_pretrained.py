@@ -181,3 +181,54 @@ def test_init_from_errors_exit_2(hf_dir, hf_bpe_dir, tmp_path, script, args, mes
     assert proc.returncode == 2, describe(proc)
     assert re.search(message, proc.stderr), describe(proc)
     assert [p.name for p in tmp_path.iterdir()] in ([], ["hf"])
+
+
+def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
+    """train.py init_from=<checkpoint dir>: the model takes the checkpoint's shape (biases on) and its
+    weights, so the step-0 validation loss is transformers' loss on the same evaluation batches."""
+    from data.loader import BinDataset
+
+    d, hf = hf_bpe_dir
+    words = np.random.default_rng(seed).choice(
+        ["the", "cat", "sat", "on", "a", "mat", "and", "ran", "."], 4000
+    )
+    (tmp_path / "c.txt").write_text(" ".join(words))
+    run = tmp_path / "run"
+    args = [
+        "experiment=cpu_tiny",
+        f"init_from={d}",
+        f"data.source={tmp_path / 'c.txt'}",
+        f"data.dir={tmp_path / 'data'}",
+        "data.tokenizer=gpt2",
+        "seq_len=32",
+        "batch.tokens_per_step=64",
+        "batch.micro_batch_size=2",
+        "max_steps=1",
+        "eval.at_start=true",
+        "eval.interval=0",
+        "eval.batches=3",
+        "eval.batch_size=2",
+        "seed=7",
+        "model.dropout=0.0",
+        "wandb.mode=disabled",
+        f"out_dir={run}",
+    ]
+    proc = _cli("train.py", args, tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ours = next(r["val/loss"] for r in rows if r.get("step") == 0 and "val/loss" in r)
+    saved = yaml_load(run / "config.resolved.yaml")["model"]
+    assert (saved["n_layer"], saved["n_head"], saved["n_embd"], saved["bias"]) == (2, 2, 32, True), saved
+    losses = []
+    with torch.no_grad():
+        for x, y in BinDataset(tmp_path / "data", "val", 32).eval_batches(3, 2, 7):
+            logits = hf(x).logits.double()
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    ref = sum(losses) / len(losses)
+    assert abs(ours - ref) < 1e-4, f"seed={seed}: train.py step 0 {ours} vs transformers {ref}"
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())
