@@ -56,6 +56,20 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
     if kind == "jsonl":
         _write_jsonl(tmp_path / "c.jsonl", docs)
         return str(tmp_path / "c.jsonl")
+    if kind == "json_gz":  # gzip-compressed JSON Lines
+        import gzip
+
+        _write_jsonl(tmp_path / "c.jsonl", docs)
+        (tmp_path / "c.json.gz").write_bytes(gzip.compress((tmp_path / "c.jsonl").read_bytes()))
+        (tmp_path / "c.jsonl").unlink()
+        return str(tmp_path / "c.json.gz")
+    if kind == "glob":  # a glob of JSON Lines files, read in name order
+        (tmp_path / "parts").mkdir()
+        third = -(-len(docs) // 3)
+        for i in range(3):
+            _write_jsonl(tmp_path / "parts" / f"part{i}.jsonl", docs[i * third : (i + 1) * third])
+        (tmp_path / "parts" / "notes.md").write_text("not matched by the glob")
+        return str(tmp_path / "parts" / "part*.jsonl")
     if kind == "parquet":
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
@@ -75,7 +89,9 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
     return f"hf:{tmp_path / 'ds'}"
 
 
-@pytest.mark.parametrize("kind", ["dir", "jsonl", "parquet", "hf", "hf_saved", "hf_saved_dict"])
+@pytest.mark.parametrize(
+    "kind", ["dir", "jsonl", "json_gz", "glob", "parquet", "hf", "hf_saved", "hf_saved_dict"]
+)
 def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
     docs = _docs(40, seed)
     out = tmp_path / "out"
@@ -409,7 +425,8 @@ def test_val_docs_and_val_fraction_together_are_refused_naming_both(tmp_path, ch
 
 @pytest.mark.slow  # a train.py process each, ~11 s on 2 shared cores
 @pytest.mark.parametrize(
-    "kind,split", [("dir", []), ("jsonl", ["data.val_docs=6"]), ("parquet", []), ("hf", [])]
+    "kind,split",
+    [("dir", []), ("jsonl", ["data.val_docs=6"]), ("json_gz", []), ("glob", []), ("parquet", []), ("hf", [])],
 )
 def test_train_py_runs_on_every_source(tmp_path, gpt2_bpe, seed, kind, split):
     """python train.py on a corpus of each kind (GPT-2 BPE, document masking on): it prepares the data
