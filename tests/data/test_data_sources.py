@@ -202,19 +202,25 @@ def test_changed_source_and_bad_input_are_named(tmp_path, gpt2_bpe):
     with pytest.raises(ValueError, match=r"c\.txt is not UTF-8.*offset 3"):
         prepare(str(d), out, "gpt2", 0.5, workers=1, progress=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing prepared was touched
+    # each bad source prepared into the folder that holds data: refused naming the source, the data untouched
     j = tmp_path / "c.jsonl"
     _write_jsonl(j, ["x", "y"], field="body")
     with pytest.raises(
         ValueError, match=r"c\.jsonl:1 has no field 'text' \(its fields: body, id\).*text_field"
     ):
-        prepare(str(j), tmp_path / "o2", "gpt2", workers=1, progress=False)
+        prepare(str(j), out, "gpt2", workers=1, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     _write_jsonl(j, ["", ""])
     with pytest.raises(ValueError, match=r"c\.jsonl holds no non-empty document"):
+        prepare(str(j), out, "gpt2", workers=1, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    with pytest.raises(ValueError, match=r"c\.jsonl holds no non-empty document"):
         prepare(str(j), tmp_path / "o3", "gpt2", workers=1, progress=False)
-    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+    assert not (tmp_path / "o3").exists()  # a folder it created is taken back
     pytest.importorskip("datasets")
     with pytest.raises(ValueError, match=r"hf:no-such-org-xyz/none.*Hugging Face"):
-        prepare("hf:no-such-org-xyz/none", tmp_path / "o4", "gpt2", workers=1, progress=False)
+        prepare("hf:no-such-org-xyz/none", out, "gpt2", workers=1, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 @pytest.mark.parametrize("name", ["/no/such/dataset", "./no_such_dataset", "~/no_such_dataset_xyz"])
