@@ -294,6 +294,51 @@ def test_layer_matches_float64_reference(seed, monkeypatch, backend, key):
     assert (attn.q_norm is not None) == cfg.qk_norm
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", KEYS)
+def test_gpu_layer_flash_attention_rule(seed, monkeypatch, key):
+    """On the GPU in bfloat16 (d = 64, N = 256): the flash layer with each key against the float64
+    reference layer, within the FlashAttention rule set by naive in bfloat16 with the same weights:
+    err(flash) <= 2 * err(naive) + 1e-5, for the output and the gradients of x and every weight."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    keys = {**KEYS[key], **({"window": 100} if "window" in KEYS[key] else {})}
+    shape = dict(n_layer=1, n_head=4, n_embd=256, block_size=256, vocab_size=37)
+    layers = {}
+    for backend in ("flash", "naive"):
+        model = _model(seed, GPTConfig(**shape, attention=backend, **keys))
+        layers[backend] = model.transformer.h[0].attn.cuda()
+    cfg = GPTConfig(**shape, attention="naive", **keys)
+    x = torch.randn(2, 256, 256, generator=torch.Generator().manual_seed(seed)).cuda()
+    dy = torch.randn(
+        2, 256, 256, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    ).cuda()
+    rope = (
+        rope_cos_sin(torch.arange(256), 64, cfg.rope_theta, torch.float64) if cfg.pos_emb == "rope" else None
+    )
+    rope = None if rope is None else tuple(t.float().cuda() for t in rope)
+
+    def grads(attn, y):
+        params = [xs, *attn.parameters()]
+        return [y.detach().double(), *torch.autograd.grad((y.double() * dy).sum(), params)]
+
+    results = {}
+    for backend, attn in layers.items():
+        xs = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", torch.bfloat16):
+            y = attn(xs, rope=rope)
+        results[backend] = grads(attn, y)
+    xs = x.double().requires_grad_(True)
+    results["ref"] = grads(layers["naive"], ref_layer(layers["naive"], cfg, xs))
+    names = ["y", "x", *(n for n, _ in layers["naive"].named_parameters())]
+    for i, name in enumerate(names):
+        ref = results["ref"][i]
+        err = (results["flash"][i] - ref).abs().max().item()
+        bound = 2 * (results["naive"][i] - ref).abs().max().item() + 1e-5
+        assert err <= bound, f"seed={seed} {key}: {name} err {err:.3g} > {bound:.3g}"
+
+
 # ------------------------------------------------------------------------------ generation
 
 
