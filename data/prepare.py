@@ -599,9 +599,13 @@ def _prepare_stream(
         disable=None if progress else True,  # None: only on a terminal (no bar in logs, pipes)
         mininterval=1.0,
     )
+    # without max_tokens the bar's total (and ETA) is an estimate: the source's text size times the tokens
+    # per character tokenized so far
+    size = src.text_size()
+    chars = new_tokens = 0
     try:
         pieces = tokenized_pieces(src.pieces(sep, keep_separator=not eot), spec, workers, skip=done)
-        for k, (ids, start, end) in enumerate(pieces, start=done):
+        for k, (ids, start, end, n_chars) in enumerate(pieces, start=done):
             doc += start
             if end and eot:
                 ids = np.append(ids, np.uint32(GPT2_EOT))
@@ -609,6 +613,9 @@ def _prepare_stream(
                 ids = ids[: opts.max_tokens - total]
             writers["val" if by_doc and opts.is_val(doc) else "train"].add(ids, start)
             total += len(ids)
+            chars, new_tokens = chars + n_chars, new_tokens + len(ids)
+            if opts.max_tokens is None and size and chars:
+                bar.total = max(total, int(size * new_tokens / chars))
             bar.update(len(ids))
             if any(w.completed for w in writers.values()):
                 save_state(stage, key, k + 1, doc, writers)

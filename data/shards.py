@@ -234,8 +234,8 @@ def _batches(pieces: Iterable, skip: int) -> Iterator[list]:
 def _split(result: tuple[np.ndarray, np.ndarray], batch: list) -> Iterator[tuple]:
     ids, lens = result
     ends = np.cumsum(lens)
-    for a, b, (_, start, end) in zip(ends - lens, ends, batch, strict=True):
-        yield ids[a:b], start, end
+    for a, b, (text, start, end) in zip(ends - lens, ends, batch, strict=True):
+        yield ids[a:b], start, end, len(text)
 
 
 def _ignore_sigint() -> None:
@@ -245,8 +245,9 @@ def _ignore_sigint() -> None:
 
 
 def tokenized_pieces(pieces: Iterable, tokenizer, workers: int, skip: int = 0) -> Iterator[tuple]:
-    """(token ids as uint32, starts a document, ends one) of each piece (``data.sources.Piece``) after the
-    first ``skip``, in order, tokenized by ``workers`` spawned processes (inline when ``workers <= 1``).
+    """(token ids as uint32, starts a document, ends one, its characters) of each piece
+    (``data.sources.Piece``) after the first ``skip``, in order, tokenized by ``workers`` spawned processes
+    (inline when ``workers <= 1``).
     ``tokenizer``: ``data.tokenizer.encode_documents``'s spec ("gpt2", or ("char", characters))."""
     from data.tokenizer import encode_documents
 

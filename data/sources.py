@@ -225,6 +225,26 @@ class Source:
                 chars.update(block)
         return chars
 
+    def text_size(self) -> int:
+        """About how many characters of text the source holds, for the progress bar's estimate: a text
+        file's bytes; JSON Lines' bytes times the share of text in the first MB of the first file's records
+        (the rest is keys and metadata); 0 (unknown) for compressed files, Parquet and hub datasets."""
+        if self.hf_name is not None or any(p.name.lower().endswith((".gz", ".parquet")) for p in self.files):
+            return 0
+        size = sum(p.stat().st_size for p in self.files)
+        records = [p for p in self.files if is_records(p)]
+        if not records:
+            return size
+        with open(records[0], "rb") as f:
+            head = f.read(1 << 20).rsplit(b"\n", 1)[0]
+        text = 0
+        for line in head.splitlines():
+            try:
+                text += len(str(json.loads(line).get(self.text_field, "")))
+            except (ValueError, AttributeError):
+                return 0  # the prepare reports a bad record
+        return int(size * text / len(head)) if head else 0
+
     def _field(self, record, where: str) -> str:
         if not isinstance(record, dict):
             raise SourceError(f"{where} holds a {type(record).__name__}, not a JSON object with a text field")

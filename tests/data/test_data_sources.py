@@ -536,3 +536,29 @@ def test_one_document_names_the_source_once(tmp_path):
             prepare(str(src), tmp_path / "o", "gpt2", workers=1, progress=False, **split)
         msg = str(e.value)
         assert "gave 1 document(s)" in msg and msg.count("more") == 1 and "val_docs=0" not in msg, msg
+
+
+def test_progress_bar_estimates_the_total_for_an_eta(tmp_path, gpt2_bpe, seed, monkeypatch):
+    """Without max_tokens the bar's total (what tqdm's ETA needs) is estimated from the source's bytes and
+    the tokens per character so far: within 20% of the final count once a tenth is read, exact at the end."""
+    import io
+
+    import tqdm
+
+    totals = []
+
+    class Recording(tqdm.tqdm):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **{**kw, "disable": False, "file": io.StringIO(), "mininterval": 0})
+
+        def update(self, n=1):
+            totals.append((self.n, self.total))
+            return super().update(n)
+
+    monkeypatch.setattr(tqdm, "tqdm", Recording)
+    src = tmp_path / "c.jsonl"
+    _write_jsonl(src, _docs(400, seed))
+    meta = prepare(str(src), tmp_path / "o", "gpt2", 0.1, workers=1, progress=True)
+    final = meta["train_tokens"] + meta["val_tokens"]
+    later = [t for n, t in totals if n >= final / 10]
+    assert later and all(abs(t - final) <= 0.2 * final for t in later), f"seed={seed}: {later[:5]} vs {final}"
