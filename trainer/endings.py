@@ -9,6 +9,7 @@ import gc
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -123,7 +124,18 @@ def resume_command(st) -> str:
         launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
         if local != world:
             launcher = f"torchrun --nnodes={world // local} --nproc_per_node={local} <rendezvous> train.py"
-    return " ".join([*env, launcher, *keep, "resume=true", f"out_dir={st.out_dir}"])
+    return " ".join([*env, launcher, *keep, "resume=true", hydra_arg("out_dir", st.out_dir)])
+
+
+def hydra_arg(key: str, value) -> str:
+    """``key=value`` as one shell word that Hydra parses back to ``value``: plain where Hydra's unquoted
+    value grammar takes it, else Hydra-quoted (a path with ``=``, spaces or brackets) and shell-quoted."""
+    import shlex
+
+    text = str(value)
+    if re.fullmatch(r"[\w./:+-]*", text):
+        return f"{key}={text}"
+    return shlex.quote(f"{key}='{text}'")
 
 
 def restart_command(st) -> str:

@@ -59,9 +59,9 @@ _SWEEP_VALUE = re.compile(r"^\s*(range|choice|glob|interval|tag|sort|shuffle)\(|
 
 
 def swept(_root_) -> str:
-    """``_key=value`` for each key this multirun sweeps (a ``,`` list or a sweep function on the command
+    """``_key-value`` for each key this multirun sweeps (a ``,`` list or a sweep function on the command
     line) besides attention and seq_len, with this job's value (``hydra.overrides.task``): the folder
-    ``3_flash_n1024_pos_emb=rope_qk_norm=true`` says which job it is. Nothing outside a multirun."""
+    ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is. Nothing outside a multirun."""
 
     keys = []
     for arg in sys.argv[1:]:
@@ -74,8 +74,11 @@ def swept(_root_) -> str:
     except Exception:  # noqa: BLE001 - no Hydra config here (a composed config): no sweep to name
         return ""
     task = {k.lstrip("+~"): v for k, v in task.items()}
-    safe = re.compile(r"[^A-Za-z0-9._=+-]")
-    return "".join(safe.sub("-", f"_{k.rsplit('.', 1)[-1]}={task[k]}") for k in keys if k in task)
+    # key-value with a '-': a '=' in a folder name would break the out_dir= of a printed resume command
+    safe = re.compile(r"[^A-Za-z0-9._+-]")
+    shown = {"True": "true", "False": "false"}
+    parts = (f"_{k.rsplit('.', 1)[-1]}-{shown.get(task[k], task[k])}" for k in keys if k in task)
+    return "".join(safe.sub("-", p) for p in parts)
 
 
 def register_resolvers() -> None:

@@ -152,7 +152,7 @@ def test_multirun_launches_get_their_own_sweep_dirs(tiny, tmp_path):
     assert len(sweeps) == 2 and all(re.fullmatch(r"[\d_-]+_[a-z0-9]{6}", p.name) for p in sweeps), sweeps
     for sw in sweeps:
         jobs = sorted(p.name for p in sw.iterdir() if p.is_dir() and not p.name.startswith("."))
-        assert jobs == ["0_naive_n32_seed=1", "1_naive_n32_seed=2"], jobs  # what the sweep varies
+        assert jobs == ["0_naive_n32_seed-1", "1_naive_n32_seed-2"], jobs  # what the sweep varies
         for j in jobs:
             _assert_one_clean_run((sw / j).resolve(), 2)
             assert read_offline_run(sw / j)["group"] == sw.name

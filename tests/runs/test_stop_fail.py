@@ -81,15 +81,15 @@ def test_signal_to_a_sweep_says_which_jobs_did_not_run(tiny, tmp_path):
     sweep stops (exit 143), and stderr says that the jobs after job 0 did not run; job 1 has no folder."""
     sweep = tmp_path / "sw"
     args = [a for a in tiny(None, fault__step_sleep_s=0.2) if not a.startswith(("seed=", "out_dir="))]
-    run = Train(["-m", *args, "seed=1,2", f"hydra.sweep.dir={sweep}"], sweep / "0_naive_n64_seed=1")
+    run = Train(["-m", *args, "seed=1,2", f"hydra.sweep.dir={sweep}"], sweep / "0_naive_n64_seed-1")
     run.wait_for_log("step      2/16 | loss")
     run.signal(signal.SIGTERM)
     code, stdout, stderr = run.finish()
     assert code == 128 + signal.SIGTERM, f"{code}\n{stdout[-2000:]}\n{stderr[-2000:]}"
     assert "sweep stopped by a signal in job 0" in stderr, stderr
     assert "the jobs after it did not run" in stderr, stderr
-    assert summary(sweep / "0_naive_n64_seed=1")["status"] == "interrupted"
-    assert not (sweep / "1_naive_n64_seed=2").exists()
+    assert summary(sweep / "0_naive_n64_seed-1")["status"] == "interrupted"
+    assert not (sweep / "1_naive_n64_seed-2").exists()
 
 
 def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
@@ -418,7 +418,8 @@ def test_read_only_data_dir_names_a_writable_one(
     err = capsys.readouterr().err
     assert (outcome.status, outcome.exit_code) == ("error", 2), err
     assert f"data.dir={read_only_dir / 'd'} cannot be written (Read-only file system" in err, err
-    assert "pass a folder you can write, e.g. data.dir=~/flashgpt-data/d" in err and "Traceback" not in err
+    assert f"pass a folder you can write, e.g. data.dir={Path.home() / 'flashgpt-data' / 'd'} " in err
+    assert "Traceback" not in err
     view, out = read_only_view(char_data), read_only_dir.parent / "run2"
     outcome = run_inprocess(tiny_overrides(view, shakespeare_path, out, max_steps=1), out)
     assert (outcome.status, outcome.exit_code) == ("ok", 0), capsys.readouterr().err

@@ -498,14 +498,18 @@ def test_typed_config_errors_name_the_full_key(expect_error, key, value, expecte
     assert expected in expect_error(**{key: value})
 
 
-@pytest.mark.parametrize(("key", "value"), [("trainer.max_steps", 3), ("experiment.batch.micro_batch_size", 4)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("trainer.max_steps", 3), ("experiment.batch.micro_batch_size", 4)]
+)
 def test_a_preset_groups_key_names_the_top_level_key_that_runs(expect_error, key, value):
     """trainer= and experiment= are presets of top-level keys: ``trainer.max_steps=3`` gets the key that
     means it, with the value given, and that override then runs (no "trainer is not a config key")."""
     err = expect_error(**{key: value})
     rest = key.partition(".")[2]
     assert f"{key} is not a config key" in err and f"set the key itself: {rest}={value}" in err, err
-    plan = resolve_plan(compose_cfg(["experiment=cpu_tiny", f"{rest}={value}"]), world_size=1, cuda_available=False)
+    plan = resolve_plan(
+        compose_cfg(["experiment=cpu_tiny", f"{rest}={value}"]), world_size=1, cuda_available=False
+    )
     assert plan is not None
 
 

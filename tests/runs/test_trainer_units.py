@@ -561,3 +561,20 @@ def test_trainer_import_graph_has_no_circle():
     for m in sorted(graph):
         visit(m)
     assert {"loop", "setup", "endings", "checkpoint", "rundir", "state"} <= done
+
+
+@pytest.mark.parametrize(
+    "path", ["runs/a_1", "/x/multirun/1_sdpa_n128_qk_norm=False", "/x/my run [2]", "~/r"]
+)
+def test_resume_command_out_dir_parses_back_as_typed(path):
+    """The out_dir= of a printed resume command is one shell word that Hydra parses back to the path (a
+    sweep job folder with '=' in its name, spaces, brackets): a command that works as typed."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from trainer.endings import hydra_arg
+
+    (word,) = shlex.split(hydra_arg("out_dir", path))
+    (override,) = OverridesParser.create().parse_overrides([word])
+    assert override.key_or_group == "out_dir" and override.value() == path
