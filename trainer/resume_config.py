@@ -155,13 +155,15 @@ _DATA_KEYS_FREE = ("data.workers",)
 
 
 def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
-    """``key (run's value -> this command's)`` for each ``data.*`` key the command line set to another
-    value than the run's (paths compared where they point: the run's relative to its own cwd), and whether
-    data.source names another path that holds the run's corpus (``_same_corpus``: moved, not changed)."""
+    """``key (run's value -> this command's)`` for each ``data.*`` key (and ``seed``) the command line set to
+    another value than the run's (paths compared where they point: the run's relative to its own cwd), and
+    whether data.source names another path that holds the run's corpus (``_same_corpus``: moved, not
+    changed)."""
     from omegaconf import OmegaConf
 
     cwd, run, out, moved = saved_cwd(saved), _leaves(saved), [], False
-    for key in sorted(k for k in keys if k.startswith("data.") and k not in _DATA_KEYS_FREE):
+    # seed too: it draws the training windows and picks the validation batches (one val set per run)
+    for key in sorted(k for k in keys if (k.startswith("data.") or k == "seed") and k not in _DATA_KEYS_FREE):
         old, new = run.get(key), OmegaConf.select(merged, key)
         if key in _CWD_PATHS and isinstance(old, str) and isinstance(new, str):
             same = Path(anchored(old, cwd)).expanduser().resolve() == Path(new).expanduser().resolve()

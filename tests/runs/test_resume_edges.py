@@ -191,3 +191,24 @@ def test_resume_line_names_a_preset_instead_of_its_keys():
     got = line(["resume=true", "attention=flash", "model.n_layer=2"], {"attention": "sdpa"})
     assert got == "attention=flash (attention.name), model.n_layer"
     assert line(["resume=true"]) == "nothing"
+
+
+@pytest.mark.parametrize("extra,refused", [(["seed=12345"], True), (["max_steps=40"], False)])
+def test_resume_refuses_another_seed(killed_in_ending, extra, refused):
+    """The seed draws the training windows and picks the validation batches: a resume with another seed
+    would switch the val set mid-curve, so it is refused naming seed; max_steps may change."""
+    from hydra import compose, initialize_config_dir
+
+    import trainer.config  # noqa: F401 - the schema and model presets in the ConfigStore
+    from trainer.config import ConfigError
+    from trainer.resume_config import resume_config
+
+    overrides = ["resume=true", f"out_dir={killed_in_ending}", *extra]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        fresh = compose("config", overrides=overrides)
+    if refused:
+        with pytest.raises(ConfigError, match=r"resume=true refused: .*seed \(\d+ -> 12345\)"):
+            resume_config(fresh, killed_in_ending, overrides)
+    else:
+        merged, _ = resume_config(fresh, killed_in_ending, overrides)
+        assert merged.max_steps == 40
