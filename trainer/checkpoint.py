@@ -342,7 +342,10 @@ def save(st, s: int) -> Path:
             "model_args": dataclasses.asdict(st.gpt_config),
             "tokenizer": tokenizer_record(st.meta),
             # which corpus and split the run trains on: a resume refuses data prepared from another
-            "data": {k: st.meta.get(k) for k in ("source", "source_sha256", "train_tokens", "val_tokens")},
+            "data": {
+                **{k: st.meta.get(k) for k in ("source", "source_sha256", "train_tokens", "val_tokens")},
+                "tokens_digest": st.tokens_digest,  # data.meta.tokens_digest: the token files themselves
+            },
             "attention": st.attention_id(),
             "wandb_run_id": st.log.wandb_id,
             "skipped_steps": st.skipped,

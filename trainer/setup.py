@@ -71,7 +71,8 @@ def prepare_data(st: RunState) -> None:
             sha = str(load_prepared(cfg.data.dir).get("source_sha256"))[:12]
             st.say(
                 f"resume: data.source={cfg.data.source} no longer exists; continuing on the data prepared "
-                f"from it in data.dir={cfg.data.dir} (sha256 {sha}..., checked against the checkpoint)"
+                f"from it in data.dir={cfg.data.dir} (sha256 {sha}...; the checkpoint's record of them is "
+                "checked next)"
             )
         except (OSError, ValueError) as e:
             err = (
@@ -111,8 +112,10 @@ def prepare_data(st: RunState) -> None:
     if err:
         raise ConfigError(err)
     from data.loader import load_meta
+    from data.meta import tokens_digest
 
     st.meta = load_meta(cfg.data.dir)
+    st.tokens_digest = tokens_digest(cfg.data.dir, st.meta)
     check_data_fits(cfg, st.meta, st.dist.world_size)
     if cfg.attention.document_mask and st.meta.get("train_docs") == 1:
         st.say(
@@ -187,7 +190,7 @@ def load_resume(st: RunState) -> dict | None:
     changed = ckpt.tokenizer_difference(state["tokenizer"], st.meta)
     if changed:  # same name and size, but the ids would mean other tokens (re-mapped data)
         raise ConfigError(tokenizer_change_message(st, state, Path(path), changed))
-    if moved := data_difference(state.get("data") or {}, st.meta):
+    if moved := data_difference(state.get("data") or {}, st.meta, st.tokens_digest):
         raise ConfigError(
             f"resume=true refused: the data in data.dir={st.cfg.data.dir} are not the data the checkpoint "
             f"{path} was trained on ({moved}): the corpus changed since, or its data dir was prepared again. "
@@ -436,12 +439,15 @@ def no_checkpoint_message(st: RunState) -> str:
     )
 
 
-def data_difference(saved: dict, meta: dict) -> str | None:
+def data_difference(saved: dict, meta: dict, digest: str | None = None) -> str | None:
     """What differs between the data a checkpoint recorded (``state["data"]``; older checkpoints have none)
     and a prepared data dir's meta: the corpus's identity (the text's SHA-256, or the files' fingerprint),
-    then the split's token counts."""
+    then the split's token counts, then (``digest``: ``data.meta.tokens_digest`` of the data dir) the token
+    files themselves."""
     keys = [k for k in ("source_sha256", "train_tokens", "val_tokens") if saved.get(k) is not None]
     diff = [f"{k} {saved[k]} -> {meta.get(k)}" for k in keys if saved[k] != meta.get(k)]
+    if not diff and saved.get("tokens_digest") and saved["tokens_digest"] != digest:
+        diff = ["the token files (.bin) differ from those it trained on, under the same meta.json"]
     return "; ".join(diff) or None
 
 

@@ -86,6 +86,7 @@ class RunState:
     device: torch.device = torch.device("cpu")
     autocast: Any = field(default_factory=contextlib.nullcontext)
     meta: dict = field(default_factory=dict)
+    tokens_digest: str | None = None  # data.meta.tokens_digest of data.dir (recorded in checkpoints)
     gpt_config: Any = None
     raw_model: Any = None  # the GPT itself (sharded in place under FSDP2)
     fwd_model: Any = None  # compiled

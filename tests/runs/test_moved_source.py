@@ -99,3 +99,27 @@ def test_resume_after_the_directory_was_moved_continues(tmp_path, gpt2_bpe, seed
     resume = _resume(data, run, 4, source=moved)
     assert run_inprocess(resume, run).exit_code == 0, capsys.readouterr().err
     assert "data.source holds the same data as the run's" in capsys.readouterr().out
+
+
+def test_resume_onto_token_files_replaced_behind_their_meta_is_refused(tmp_path, seed, capsys):
+    """The corpus is gone and data.dir's .bin files were replaced by other tokens of the same size (its
+    meta.json left as it was): the checkpoint's digest of the token files tells, and the resume is refused
+    (exit 2, naming the token files), the run untouched. The same files put back resume."""
+    rng = np.random.default_rng(seed)
+    src = tmp_path / "corpus.txt"
+    src.write_text("".join(rng.choice(list("abcdefgh \n"), size=4000)))
+    data, run = tmp_path / "data", tmp_path / "run"
+    assert run_inprocess(_args(src, data, run, **{"data.tokenizer": "char"}), run).exit_code == 0
+    src.unlink()
+    shutil.copytree(data, tmp_path / "kept")
+    for f in data.glob("*.bin"):  # the same ids in another order: same size, same vocabulary
+        f.write_bytes(np.random.default_rng(seed).permutation(np.fromfile(f, dtype=np.uint16)).tobytes())
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*"))
+    capsys.readouterr()
+    assert run_inprocess(_resume(data, run, 4), run).exit_code == 2
+    err = capsys.readouterr().err
+    assert "resume=true refused" in err and "the token files (.bin) differ" in err, err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+    shutil.rmtree(data)
+    shutil.copytree(tmp_path / "kept", data)
+    assert run_inprocess(_resume(data, run, 4), run).exit_code == 0, capsys.readouterr().err
