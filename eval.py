@@ -122,7 +122,9 @@ def _eval(cfg: DictConfig) -> int:
     block = int(state["model_args"]["block_size"])
     seq_len = _pick(cfg.seq_len, rc.get("seq_len", block), "seq_len")
     if seq_len > block:
-        raise InferError(f"seq_len={seq_len} exceeds the model's block size {block}; use seq_len<={block}")
+        raise InferError(
+            f"seq_len={seq_len} exceeds the model's block size {block}; use seq_len={block} or less"
+        )
     # the trainer's evaluation batch: eval.batch_size, else the micro-batch (set or from micro_tokens)
     budget = min(
         int(run_batch.get("micro_tokens") or seq_len), int(run_batch.get("tokens_per_step") or seq_len)

@@ -18,7 +18,7 @@ Public API:
   and `..._cpu` (custom ops, interpreter)
 
 Files:
-* `plan.py`            which kernel runs with which tiles, TMA and splits, per call (`python -m kernels.plan`
+* `plan.py`            which kernel runs with which tiles, TMA and splits, per call (`python -m kernels`
                        prints the rule); reads FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD
 * `flash_attn.py`      argument validation, the ops (one factory for plain and packed qkv), public API
 * `_launch.py`         the launchers: execute a plan

@@ -12,7 +12,7 @@ heuristics.h (a short rule for the run-time choices). The launchers in `kernels/
 * Decode: the key tile and split count of flash-decoding (`decode_block_n`, `decode_splits`).
 
 Environment (read here only, on every call): FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD = auto (default: the
-crossovers decide), 1 (the Gluon kernel wherever it can run), 0 (never). `python -m kernels.plan` prints the
+crossovers decide), 1 (the Gluon kernel wherever it can run), 0 (never). `python -m kernels` prints the
 rule as the markdown table of the README; `describe(...)` says in one line what a training run will run.
 
 Plain torch: importing this module imports no triton (the CPU tests check the rules without it).
@@ -671,7 +671,7 @@ def _ranges(d: int) -> list[tuple[str, int]]:
 def table() -> str:
     """The rule as markdown (README, "The kernel"): what attention=flash runs on an H200 / H100 (sm_90) for a
     causal self-attention by head dim, sequence length, dtype and determinism, with FLASHGPT_GLUON_FWD / _BWD
-    at their default (auto). Printed by ``python -m kernels.plan``."""
+    at their default (auto). Printed by ``python -m kernels``."""
     saved = {e: os.environ.pop(e, None) for e in (ENV, ENV_BWD)}
     try:
         rows = ["| d | N | dtype | deterministic | forward | backward |", "|---|---|---|---|---|---|"]
@@ -703,7 +703,3 @@ def table() -> str:
         "on / off."
     )
     return "\n".join(rows) + "\n\n" + notes
-
-
-if __name__ == "__main__":
-    print(table())

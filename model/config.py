@@ -150,7 +150,8 @@ class GPTConfig:
         backend = BACKENDS.get(self.attention)
         if used and backend is not None and not backend.variants:
             return (
-                f"{' and '.join(used)} need a backend registered with variants=True, and attention="
+                f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} a backend registered with "
+                f"variants=True, and attention="
                 f"{self.attention} was registered without it (model/attention.py); use attention=naive, sdpa "
                 f"or flash, or drop {used[0]}"
             )

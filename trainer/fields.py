@@ -118,6 +118,8 @@ def _field_of(key: str, schema: type):
 
 def unknown_key(key: str, schema: type, value: str = "VALUE") -> str:
     """Message for ``key``, which ``schema`` does not have: the closest valid key and those beside it."""
+    lister = {"SampleConfig": "trainer.infer_config sample", "EvalConfig": "trainer.infer_config eval"}
+    lister = f"`python -m {lister.get(schema.__name__, 'trainer.config')}` lists the keys"
     parent, _, name = key.rpartition(".")
     group, _, rest = key.partition(".")
     if group in GLOBAL_GROUPS and rest and _field_of(rest, schema) is not None:
@@ -129,7 +131,7 @@ def unknown_key(key: str, schema: type, value: str = "VALUE") -> str:
         f = _field_of(parent, schema)
         schema = dataclass_type(f) if f is not None else None
     if schema is None:
-        return f"{key} is not a config key (nor is {parent}); `python -m trainer.config` lists the keys"
+        return f"{key} is not a config key (nor is {parent}); {lister}"
     names = [f.name for f in fields(schema)]
     # only a close match (a letter or two off: temprature, sq_len, bathces, all >= 0.85): difflib's
     # default cutoff 0.6 suggested dtype for +typo=1 (0.67), a guess that misleads more than it helps

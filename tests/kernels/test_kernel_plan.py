@@ -17,16 +17,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_readme_table_is_the_plan():
-    """README.md between the kernel-plan markers holds exactly what `python -m kernels.plan` prints."""
+    """README.md between the kernel-plan markers holds exactly what `python -m kernels` prints."""
     out = subprocess.run(
-        [sys.executable, "-m", "kernels.plan"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kernels"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-2000:]
     readme = (REPO / "README.md").read_text()
     m = re.search(r"<!-- kernel-plan:begin -->\n(.*?)\n<!-- kernel-plan:end -->", readme, re.S)
     assert m, "README.md has no <!-- kernel-plan:begin --> ... <!-- kernel-plan:end --> block"
     assert m.group(1).strip() == out.stdout.strip(), (
-        "README's kernel table differs: paste `python -m kernels.plan`"
+        "README's kernel table differs: paste `python -m kernels`"
     )
 
 

@@ -72,7 +72,7 @@ def test_a_backend_registered_without_capabilities_is_refused_naming_the_key():
         (dict(document_mask=True), "attention.document_mask"),
         (dict(attn_dropout=0.1), "model.attn_dropout"),
     ):
-        with pytest.raises(ValueError, match=f"{key} need a backend registered with variants=True"):
+        with pytest.raises(ValueError, match=f"{key} needs a backend registered with variants=True"):
             GPTConfig(**shape, **kw)
     GPTConfig(**shape)  # without them it is fine
 

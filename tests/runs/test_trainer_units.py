@@ -578,3 +578,14 @@ def test_resume_command_out_dir_parses_back_as_typed(path):
     (word,) = shlex.split(hydra_arg("out_dir", path))
     (override,) = OverridesParser.create().parse_overrides([word])
     assert override.key_or_group == "out_dir" and override.value() == path
+
+
+def test_an_unknown_key_points_to_the_lister_of_its_own_script():
+    """sample.py / eval.py keys are listed by trainer.infer_config, train.py's by trainer.config."""
+    from trainer.config import TrainConfig
+    from trainer.fields import unknown_key
+    from trainer.infer_config import EvalConfig, SampleConfig
+
+    assert "`python -m trainer.infer_config sample` lists" in unknown_key("data.dir", SampleConfig)
+    assert "`python -m trainer.infer_config eval` lists" in unknown_key("foo.bar", EvalConfig)
+    assert "`python -m trainer.config` lists" in unknown_key("foo.bar", TrainConfig)
