@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,27 +42,13 @@ def peer_command(cfg: dict, steps: int, out_dir: Path) -> list[str]:
     batch split, seq_len, dtype and compile; evaluation only at its iteration 0 (one batch: nanoGPT always
     evaluates there), no checkpoint, no W&B."""
     m, d = cfg["model"], cfg["derived"]
-    args = dict(
-        dataset="flashgpt",
-        out_dir=str(out_dir),
-        n_layer=m["n_layer"],
-        n_head=m["n_head"],
-        n_embd=m["n_embd"],
-        bias=bool(m["bias"]),
-        dropout=0.0,
-        block_size=d["block_size"],
-        batch_size=d["micro_batch_size"],
-        gradient_accumulation_steps=d["grad_accum"],
-        max_iters=steps - 1,  # nanoGPT runs iterations 0..max_iters
-        eval_interval=steps + 1,
-        eval_iters=1,
-        log_interval=1,
-        always_save_checkpoint=False,
-        wandb_log=False,
-        compile=bool(d["compile"]),
-        dtype=d["dtype"],  # bfloat16 autocast or float32, as nanoGPT names them
-        device=d["device"],
-    )
+    args = dict(dataset="flashgpt", out_dir=str(out_dir), n_layer=m["n_layer"], n_head=m["n_head"])
+    args |= dict(n_embd=m["n_embd"], bias=bool(m["bias"]), dropout=0.0, block_size=d["block_size"])
+    args |= dict(batch_size=d["micro_batch_size"], gradient_accumulation_steps=d["grad_accum"])
+    # nanoGPT runs iterations 0..max_iters; dtype: bfloat16 autocast or float32, as nanoGPT names them
+    args |= dict(max_iters=steps - 1, eval_interval=steps + 1, eval_iters=1)
+    args |= dict(log_interval=1, always_save_checkpoint=False, wandb_log=False, compile=bool(d["compile"]))
+    args |= dict(dtype=d["dtype"], device=d["device"])
     return [sys.executable, "train.py", *(f"--{k}={v}" for k, v in args.items())]
 
 
@@ -91,11 +76,8 @@ def peer_tokens_per_sec(log: str, tokens_per_iter: int, warmup: int) -> dict:
     iters = [(int(i), float(ms)) for i, ms in ITER_LINE.findall(log)]
     if not (timed := [ms for i, ms in iters if i >= warmup]):
         raise ValueError(f"no 'iter N: loss ..., time ..ms' line after iteration {warmup - 1} in its output")
-    return dict(
-        tokens_per_sec=tokens_per_iter / (statistics.median(timed) / 1000),
-        timed_steps=len(timed),
-        step_ms=[ms for _, ms in iters],
-    )
+    tokens_per_sec = tokens_per_iter / (statistics.median(timed) / 1000)
+    return dict(tokens_per_sec=tokens_per_sec, timed_steps=len(timed), step_ms=[ms for _, ms in iters])
 
 
 def run_peer(a, cell: dict, run_dir: Path) -> dict:
@@ -185,17 +167,11 @@ def main(argv=None) -> int:
     try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
     if status := throughput.check_cells(p, a, try_out):
         return status
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    env = common.environment(torch.device(device))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    meta = env | dict(gpu=env["gpu"] or "cpu", commit=commit.stdout.strip() or "unknown", peer=str(a.peer))
-    meta |= dict(steps=a.steps, warmup=a.warmup, argv=sys.argv[1:] if argv is None else list(argv))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    meta = dict(commit=git.stdout.strip() or "unknown", peer=str(a.peer), steps=a.steps, warmup=a.warmup)
+    runs, results = throughput.start_cells(a, argv, markdown, **meta)
     ours = ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
-    meta["command"] = " ".join(ours)
-    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
-    runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
+    results.meta["command"] = " ".join(ours)
     for n in a.seq_lens:
         for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
             run_dir = runs / f"n{n}_bias{int(bias)}"

@@ -266,6 +266,18 @@ def check_cells(p: argparse.ArgumentParser, a, try_out: str) -> int | None:
     return None
 
 
+def start_cells(a, argv, markdown, **meta) -> tuple[Path, common.Results]:
+    """The folder of this sweep's run folders (--runs-dir/<date-time>) and its results (OUT.json, rewritten
+    after every cell so that a stopped sweep keeps what it measured): versions, GPU ("cpu" without CUDA),
+    `meta` and the command line."""
+    import torch
+
+    env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    meta = env | dict(gpu=env["gpu"] or "cpu", **meta, argv=sys.argv[1:] if argv is None else list(argv))
+    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
+    return Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S"), results
+
+
 def main(argv=None) -> int:
     p = cell_parser("throughput", __doc__, timeout=600)
     p.add_argument("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
@@ -294,25 +306,17 @@ def main(argv=None) -> int:
     try_out = "--backends naive --seq-lens 64 --steps 4 --warmup 1 --profile-steps 0 -- experiment=cpu_tiny"
     if status := check_cells(p, a, try_out):
         return status
-    import torch
-
-    runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
-    env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)
-    meta = env | dict(gpu=env["gpu"] or "cpu", steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps)
-    meta |= dict(command=command.strip(), argv=sys.argv[1:] if argv is None else list(argv))
-    # the results so far after every cell, so a stopped sweep keeps what it measured
-    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
+    command = ("python train.py attention=A seq_len=N " + shlex.join(a.overrides)).strip()
+    meta = dict(steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps, command=command)
+    runs, results = start_cells(a, argv, markdown, **meta)
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
     cells = [(n, b) for n in a.seq_lens for b in a.backends]
     bar = tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty())
     for n, b in bar:
         bar.set_postfix_str(f"{b} seq_len={n}")
         if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            skip = dict(
-                backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}"
-            )
-            results.add("cells", [skip])
+            why = f"not run: --naive-up-to {a.naive_up_to}"
+            results.add("cells", [dict(backend=b, seq_len=n, status="not_run", error=why)])
             continue
         rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
         tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
@@ -321,7 +325,7 @@ def main(argv=None) -> int:
         results.add("cells", [rec])
     bar.close()
     print(results.save(complete=True))
-    plot(Path(a.out).with_suffix(".png"), meta, results.lists["cells"])
+    plot(Path(a.out).with_suffix(".png"), results.meta, results.lists["cells"])
     return 0 if any(c["status"] == "ok" for c in results.lists["cells"]) else 1
 
 
