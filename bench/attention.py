@@ -210,9 +210,7 @@ def bench_provider(
     return records
 
 
-def run_benchmark(
-    run: dict, device, dtype, timer, tol, inject=None, log=print, on_shape_done=None
-) -> list[dict]:
+def run_benchmark(run: dict, device, dtype, timer, tol, inject=None, on_shape_done=None) -> list[dict]:
     """Every (d, N, provider) of `run` (seqlens, headdims, providers, modes, tokens, hidden, seed): inputs and
     reference built once per shape; an allocation that fails marks every provider of the shape.
     `on_shape_done(records)` after each shape (partial results are saved)."""
@@ -220,7 +218,7 @@ def run_benchmark(
     kw = dict(device=device, dtype=dtype, need_grads=any(m != "fwd" for m in modes))
     for d, n in ((d, n) for d in run["headdims"] for n in run["seqlens"]):
         b, h = shape_for(run["tokens"], run["hidden"], n, d)
-        log(f"[bench] N={n} d={d} B={b} H={h}")
+        print(f"[bench] N={n} d={d} B={b} H={h}")
         try:
             inp = make_inputs(b, h, n, d, seed=run["seed"] + 7919 * n + d, softcap=softcap, **kw)
         except Exception as exc:
@@ -237,7 +235,7 @@ def run_benchmark(
                 recs = bench_provider(p, factory, inp, modes=modes, timer=timer, tol=tol)
                 for r in recs:
                     t = f"{r['tflops']:.2f} TFLOP/s" if r["tflops"] is not None else "-"
-                    log(f"  {p:15s} {r['mode']:7s} {t:>18s}  {r['status'][:90]}")
+                    print(f"  {p:15s} {r['mode']:7s} {t:>18s}  {r['status'][:90]}")
                 records += recs
             del inp
         common.free_memory(device)
@@ -248,11 +246,9 @@ def run_benchmark(
 
 def gluon_routes() -> dict:
     """Which forward and backward `flash` runs on sm_90 at long N: the Gluon kernels' shortest N per d and
-    their environment switches (kernels/plan.py); {} where that module is not there."""
-    try:
-        from kernels.plan import MIN_N, MIN_N_BWD
-    except ImportError:
-        return {}
+    their environment switches (kernels/plan.py)."""
+    from kernels.plan import MIN_N, MIN_N_BWD
+
     return dict(
         flash_gluon_fwd=os.environ.get("FLASHGPT_GLUON_FWD", "auto"),
         flash_gluon_min_n={str(d): n for d, n in MIN_N.items()},
@@ -385,10 +381,8 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
             ax, failures = axes[i][j], []
             for c, p in enumerate(providers):
                 rs = [r for n in ns if (r := idx.get((p, n, d, modes[0] if m == "mem" else m)))]
-                ys = [r.get("peak_gib") if m == "mem" else r["tflops"] for r in rs]
-                ok = [
-                    (r["N"], y) for r, y in zip(rs, ys, strict=True) if r["status"] == "ok" and y is not None
-                ]
+                pts = [(r, r.get("peak_gib") if m == "mem" else r["tflops"]) for r in rs]
+                ok = [(r["N"], y) for r, y in pts if r["status"] == "ok" and y is not None]
                 if ok:
                     ax.plot(*zip(*ok, strict=True), marker="o", ms=3, label=p, color=f"C{c % 10}")
                 if bad := [r for r in rs if r["status"] != "ok"]:
@@ -502,11 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", action="store_true", help="merge into attention_<tag>.json (same cells replaced)"
     )
-    p.add_argument(
-        "--softcap",
-        type=float,
-        help="logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)",
-    )
+    softcap = "logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)"
+    p.add_argument("--softcap", type=float, help=softcap)
     p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
     return p
 
