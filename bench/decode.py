@@ -309,19 +309,15 @@ def rewrite_report(path: Path) -> str:
     try:
         report = markdown(data["meta"], data["kernel"], data["e2e"])
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(
-            f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
-        ) from e
+        message = f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
+        raise ValueError(message) from e
     common.write_text(path.with_suffix(".md"), report)
     return report
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.decode",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__, formatter_class=raw)
     ap.add_argument("--contexts", type=common.ints(), help="comma list (GPU default: 1024 .. 131072)")
     ap.add_argument("--batches", type=common.ints(), help="comma list (GPU default: 1,16,64)")
     ap.add_argument("--dims", type=common.ints(), help="comma list of d (GPU default: 64,128)")
@@ -377,9 +373,8 @@ def main(argv=None) -> int:
     src = dst = None  # 2 GiB on the GPU: gone before the sweep
     meta = dict(device=env["gpu"] or platform.processor() or "cpu", dtype=str(dtype)[6:], torch=env["torch"])
     meta |= dict(triton=env["triton"], time=env["date"], argv=sys.argv[1:] if argv is None else list(argv))
-    meta |= dict(
-        copy_ceiling_gbs=ceiling, graph_calls=GRAPH_CALLS, graphs=bool(args.graphs and device.type == "cuda")
-    )
+    graphs = bool(args.graphs and device.type == "cuda")
+    meta |= dict(copy_ceiling_gbs=ceiling, graph_calls=GRAPH_CALLS, graphs=graphs)
     meta |= dict(eager_only_ms=EAGER_ONLY_MS, timer=timer.describe(), complete=False)
     # an --e2e-only run has its own default file: it must not replace the kernel sweep's results
     tag = args.tag or ("dryrun" if args.dry_run else "h200") + ("_e2e" if args.e2e_only else "")

@@ -233,9 +233,8 @@ def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
 def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:
     """The arguments of the tools that run train.py cells (this one and bench.peer): run length, time limit,
     where results and run folders go, the CPU opt-in and the user's train.py overrides (after --)."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m bench.{prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    p = argparse.ArgumentParser(prog=f"python -m bench.{prog}", description=doc, formatter_class=raw)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")

@@ -425,9 +425,8 @@ def decode_search(a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ints = common.ints()
-    p = argparse.ArgumentParser(
-        prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__, formatter_class=raw)
     p.add_argument("--seqlens", type=ints, help="N (default 1024,4096,16384; --plans 4096,16384; dry run 32)")
     p.add_argument("--headdims", "--d", dest="headdims", type=ints, help="d (default 64,128; dry run 16)")
     p.add_argument(
