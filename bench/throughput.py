@@ -76,16 +76,11 @@ def error_excerpt(log_tail: str, limit: int = 600) -> str:
     return (named[-1] if named else log_tail[-limit:])[:limit]
 
 
-def read_cell(
-    backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s: float, log_tail: str
-) -> dict:
-    """One record from the run's summary.json (status, medians, memory, GPU busy)."""
-    rec = dict(backend=backend, seq_len=seq_len, returncode=returncode, wall_s=round(wall_s, 1))
-    s = common.read_summary(run_dir)
-    if not s:
-        return rec | dict(
-            status="error", error=error_excerpt(log_tail) or f"exit {returncode}, no summary.json"
-        )
+def read_cell(backend: str, seq_len: int, run_dir: Path, rc: int, wall_s: float, log_tail: str) -> dict:
+    """One record from the run's summary.json (status, medians, memory, GPU busy); `rc`: its exit status."""
+    rec = dict(backend=backend, seq_len=seq_len, returncode=rc, wall_s=round(wall_s, 1))
+    if not (s := common.read_summary(run_dir)):
+        return rec | dict(status="error", error=error_excerpt(log_tail) or f"exit {rc}, no summary.json")
     rec["status"] = s.get("status", "unknown")
     rec |= {k.replace("final/", "final_").split("/")[-1]: s[k] for k in SUMMARY_KEYS if s.get(k) is not None}
     if rec["status"] != "ok":
@@ -143,10 +138,8 @@ def plot(path: Path, meta: dict, cells: list[dict]) -> None:
     ns = sorted({c["seq_len"] for c in cells})
     for b in BACKENDS:
         pts = sorted((c["seq_len"], c) for c in cells if c["backend"] == b and c["status"] == "ok")
-        if pts:
-            axes[0][0].plot(
-                *zip(*((n, c["tokens_per_sec"] / 1e3) for n, c in pts), strict=True), marker="o", label=b
-            )
+        if tps := [(n, c["tokens_per_sec"] / 1e3) for n, c in pts]:
+            axes[0][0].plot(*zip(*tps, strict=True), marker="o", label=b)
         if busy := [(n, 100 * c["gpu_busy"]) for n, c in pts if "gpu_busy" in c]:
             axes[0][1].plot(*zip(*busy, strict=True), marker="o", label=b)
     for ax, ylabel in zip(axes[0], ("tokens/sec (thousands)", "GPU busy (% of step wall time)"), strict=True):
