@@ -64,9 +64,8 @@ def label_of(cfg: dict, summary: dict) -> str | None:
         return None
     label = backend + (f" N={n}" if (n := common.seq_len_of(cfg, summary)) is not None else "")
     if (dtype := common.cfg_get(cfg, "dtype")) in ("float32", "bfloat16"):
-        label += f" {dtype}" + (
-            " no-TF32" if dtype == "float32" and common.cfg_get(cfg, "tf32") is False else ""
-        )
+        no_tf32 = dtype == "float32" and common.cfg_get(cfg, "tf32") is False
+        label += f" {dtype}" + (" no-TF32" if no_tf32 else "")
     label += f" w={w}" if common.plain(w := common.cfg_get(cfg, "attention.window")) else ""
     label += " doc-mask" if common.cfg_get(cfg, "attention.document_mask") is True else ""
     p = common.cfg_get(cfg, "model.attn_dropout")
@@ -204,10 +203,8 @@ def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
         bottom.plot(steps, b - a, color=color, lw=0.6, alpha=0.6, label=f"{run.label} − ref (per step)")
         w = min(max(1, window), len(steps))
         centers = [steps[j * w + w // 2] for j in range(len(steps) // w)]
-        wd = window_means(b, window) - window_means(a, window)
-        bottom.step(
-            centers, wd, where="mid", color=color, lw=2.0, label=f"{run.label} − ref ({w}-pt windows)"
-        )
+        wd, label = window_means(b, window) - window_means(a, window), f"{run.label} − ref ({w}-pt windows)"
+        bottom.step(centers, wd, where="mid", color=color, lw=2.0, label=label)
     bottom.axhline(0.0, color="k", lw=0.5)
     top.set(ylabel="loss", title=f"loss curves (reference: {ref.label})")
     bottom.set(ylabel="loss − reference", xlabel="step")

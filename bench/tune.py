@@ -507,9 +507,8 @@ def main(argv=None) -> int:
             return common.error(str(exc))
     a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
-    out_path = a.out or (
-        None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
-    )
+    default = None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
+    out_path = a.out or default
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") if out_path else contextlib.nullcontext() as out:
