@@ -122,9 +122,8 @@ def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool, softc
     pairs = check_pairs(b, h)
     picked = [take_pairs(t, pairs) for t in (q, k, v, do)]
     chunk = max(1, min(1024, (1 << 26) // max(1, len(pairs) * n)))  # float32 scores of 256 MiB at most
-    ref_o, ref_grads = chunked_causal_reference(
-        *picked[:3], picked[3] if need_grads else None, chunk=chunk, softcap=softcap
-    )
+    grad_out = picked[3] if need_grads else None
+    ref_o, ref_grads = chunked_causal_reference(*picked[:3], grad_out, chunk=chunk, softcap=softcap)
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
 
 

@@ -283,16 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         early = [lab for lab in pair if statuses[lab] != "ok" and lab not in unfinished]
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["tolerance_checked"] = checked
-        res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
-        res["failures"] += [
-            f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early if checked
-        ]
+        incomplete = [f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early if checked]
+        res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance) + incomplete
         # with or without tolerances: a curve that is still growing (or was cut off) cannot pass
-        res["not_checked"] = [
-            f"{lab}: {unfinished[lab]}; the run is unfinished, so its comparison is not meaningful"
-            for lab in pair
-            if lab in unfinished
-        ]
+        why = "the run is unfinished, so its comparison is not meaningful"
+        res["not_checked"] = [f"{lab}: {unfinished[lab]}; {why}" for lab in pair if lab in unfinished]
         res["ended_early"] = ", ".join(f"{lab} {statuses[lab]}" for lab in early) or None
         failures += res["failures"]
         not_checked += [m for m in res["not_checked"] if m not in not_checked]

@@ -127,9 +127,7 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         f"{meta['warmup']}).",
         "",
         *common.md_table(["seq_len", "biases", "flashgpt", "peer", "flashgpt / peer"], rows),
-    ]
-    lines += [
-        f"- {c['who']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in cells if c["status"] != "ok"
+        *(f"- {c['who']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in cells if c["status"] != "ok"),
     ]
     return "\n".join(lines) + "\n"
 

@@ -186,15 +186,10 @@ def gaps(events: list[dict], min_gap_us: float = 2.0) -> dict:
             count[ctx] += 1
             found.append((gap, e["ts"] - t0, e["name"][:50], *ctx, caused))
         end = max(end, e["ts"] + e["dur"])
-    return dict(
-        span_us=end - t0,
-        busy_us=sum(e["dur"] for e in dev),
-        gap_us=sum(by_ctx.values()),
-        host_caused_us=host_caused,
-        by_context=[(o, i, us, count[(o, i)]) for (o, i), us in by_ctx.most_common()],
-        by_kernel=kernels.most_common(),
-        gaps=sorted(found, reverse=True),
-    )
+    by_context = [(o, i, us, count[(o, i)]) for (o, i), us in by_ctx.most_common()]
+    out = dict(span_us=end - t0, busy_us=sum(e["dur"] for e in dev), gap_us=sum(by_ctx.values()))
+    out |= dict(host_caused_us=host_caused, by_context=by_context, by_kernel=kernels.most_common())
+    return out | dict(gaps=sorted(found, reverse=True))
 
 
 def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
@@ -204,23 +199,20 @@ def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
     if not events:
         raise ValueError("no traceEvents (not a torch.profiler Chrome trace?)")
     r, ms = gaps(events, min_gap_us), 1e-3
-    return "\n".join(
-        [
-            f"{path}: span {r['span_us'] * ms:.2f} ms, device busy {r['busy_us'] * ms:.2f} ms "
-            f"({100 * r['busy_us'] / r['span_us']:.1f}%)",
-            f"gaps: {r['gap_us'] * ms:.2f} ms, of which the launch came after the device went idle: "
-            f"{r['host_caused_us'] * ms:.2f} ms",
-            *(f"  {us * ms:8.3f} ms  n={n:5d}  {o} > {i}" for o, i, us, n in r["by_context"][:top]),
-            "device time by kernel:",
-            *(f"  {us * ms:8.3f} ms  {name}" for name, us in r["by_kernel"][:top]),
-            "largest gaps:",
-            *(
-                f"  {g * ms:7.3f} ms at {at * ms:9.3f} ms before {name} | {o} > {i}"
-                + (" | host" if c else "")
-                for g, at, name, o, i, c in r["gaps"][:top]
-            ),
-        ]
-    )
+    lines = [
+        f"{path}: span {r['span_us'] * ms:.2f} ms, device busy {r['busy_us'] * ms:.2f} ms "
+        f"({100 * r['busy_us'] / r['span_us']:.1f}%)",
+        f"gaps: {r['gap_us'] * ms:.2f} ms, of which the launch came after the device went idle: "
+        f"{r['host_caused_us'] * ms:.2f} ms",
+        *(f"  {us * ms:8.3f} ms  n={n:5d}  {o} > {i}" for o, i, us, n in r["by_context"][:top]),
+        "device time by kernel:",
+        *(f"  {us * ms:8.3f} ms  {name}" for name, us in r["by_kernel"][:top]),
+        "largest gaps:",
+    ]
+    for g, at, name, o, i, host in r["gaps"][:top]:
+        where = f"{o} > {i}" + (" | host" if host else "")  # host: launched after the device went idle
+        lines.append(f"  {g * ms:7.3f} ms at {at * ms:9.3f} ms before {name} | {where}")
+    return "\n".join(lines)
 
 
 def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:

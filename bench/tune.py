@@ -151,9 +151,8 @@ class Shape:
         self.n, self.d = n, d
         self.b, self.h = shape_for(a.tokens, a.hidden, n, d)
         gen = torch.Generator(device=a.device).manual_seed(n * 1000 + d)
-        q, k, v, self.do = (
-            torch.randn(self.b, self.h, n, d, device=a.device, dtype=a.dtype, generator=gen) for _ in range(4)
-        )
+        kw = dict(device=a.device, dtype=a.dtype, generator=gen)
+        q, k, v, self.do = (torch.randn(self.b, self.h, n, d, **kw) for _ in range(4))
         self.leaves = [t.requires_grad_() for t in (q, k, v)]
         self.fwd_flops = 2.0 * self.b * self.h * n * n * d  # causal forward; backward is 2.5x
 
@@ -367,10 +366,8 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
             "",
         ]
         if bad := [r for r in sweep if r["status"] != "ok"]:
-            lines += [
-                f"Not timed: {len(bad)} ({'; '.join(label(r) + ' ' + r['status'] for r in bad[:4])})",
-                "",
-            ]
+            not_timed = "; ".join(label(r) + " " + r["status"] for r in bad[:4])
+            lines += [f"Not timed: {len(bad)} ({not_timed})", ""]
         if not sweep:
             continue
 
