@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.common import md_table
+from bench.common import PROVIDERS, md_table
 from kernels.reference import chunked_causal_reference
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -465,15 +465,12 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
 # -------------------------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--seqlens", type=common.ints(), help="comma list of N (default 512 .. 32768; dry run 16,32)"
-    )
-    p.add_argument("--headdims", type=common.ints(), help="comma list of d (default 64,128; dry run 16)")
-    p.add_argument(
-        "--providers", type=common.choices(common.PROVIDERS), help=f"from {','.join(common.PROVIDERS)}"
-    )
+    ints = common.ints()
+    p.add_argument("--seqlens", type=ints, help="comma list of N (default 512 .. 32768; dry run 16,32)")
+    p.add_argument("--headdims", type=ints, help="comma list of d (default 64,128; dry run 16)")
+    p.add_argument("--providers", type=common.choices(PROVIDERS), help=f"from {','.join(PROVIDERS)}")
     p.add_argument("--modes", type=common.choices(MODES), default=list(MODES), help="default fwd,bwd,fwdbwd")
     p.add_argument("--dtype", choices=sorted(common.DTYPES), help="default bfloat16 (dry run float32)")
     p.add_argument("--tokens", type=int, help="B*N tokens per shape (default 16384; dry run 64)")
@@ -498,11 +495,6 @@ def build_parser() -> argparse.ArgumentParser:
     softcap = "logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)"
     p.add_argument("--softcap", type=float, help=softcap)
     p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = build_parser()
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -527,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inject = {}
     for spec in a.inject_failure:
         prov, _, kind = spec.partition(":")
-        if prov not in common.PROVIDERS or (kind or "error") not in INJECT_KINDS:
+        if prov not in PROVIDERS or (kind or "error") not in INJECT_KINDS:
             p.error(f"--inject-failure {spec!r}: expected PROVIDER[:{'|'.join(INJECT_KINDS)}]")
         inject[prov] = kind or "error"
     for d in a.headdims:

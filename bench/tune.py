@@ -420,7 +420,12 @@ def decode_search(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
+    """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
+    message naming the fix and nothing written."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     ints = common.ints()
     raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
     p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__, formatter_class=raw)
@@ -454,16 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="search: JSON lines appended (outputs/tune.jsonl); A/B: none; decode: a folder"
     )
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (float32)")
-    return p
-
-
-def main(argv=None) -> int:
-    """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
-    message naming the fix and nothing written."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    p = build_parser()
     a = p.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, also into a pipe or a log
     a.argv, a.kernels = argv, [k.strip() for k in a.kernels.split(",") if k.strip()]
