@@ -45,8 +45,7 @@ import torch
 from bench import common
 from bench.common import GRAPH_CALLS, Timer, free_memory
 
-PROVIDERS = ("flash-decode", "read-floor", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-PROVIDERS += ("sdpa-math",)
+PROVIDERS = ("flash-decode", "read-floor", "naive", *(f"sdpa-{b}" for b in ("auto", *common.SDPA_BACKENDS)))
 EAGER_ONLY_MS = 1.0  # eager medians this long are not also timed as a graph
 TIMER_SLOW_MS = 10.0  # Timer.slow_ms of the kernel sweep: such calls are timed as the median of 3
 E2E_MODES = ("eager", "static", "compiled", "graph", "compiled-graph")

@@ -124,11 +124,8 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         ),
     ]
     if failed := [c for c in cells if c["status"] not in ("ok", "oom", "not_run")]:
-        lines += [
-            "",
-            "Failed cells:",
-            *(f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in failed),
-        ]
+        lines += ["", "Failed cells:"]
+        lines += [f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in failed]
     return "\n".join(lines) + "\n"
 
 
