@@ -86,9 +86,8 @@ def environment(device: torch.device) -> dict:
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return dict(
-        date=date, gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda
-    )
+    versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
+    return dict(date=date, gpu=gpu, **versions)
 
 
 def default_tag(device: torch.device, cpu: str = "cpu") -> str:
@@ -434,10 +433,8 @@ def seq_len_of(cfg: dict, summary: dict) -> int | None:
     """Sequence length: config seq_len (or data.seq_len, model.block_size), else the summary's."""
     for v in (cfg_get(cfg, "seq_len"), cfg_get(cfg, "data.seq_len"), cfg_get(cfg, "model.block_size")):
         if plain(v):
-            try:
+            with contextlib.suppress(TypeError, ValueError):  # not a number: the next key
                 return int(v)
-            except (TypeError, ValueError):
-                pass
     return int(summary["seq_len"]) if isinstance(summary.get("seq_len"), int) else None
 
 
@@ -446,11 +443,9 @@ def series(rows: list[dict], key: str) -> dict[int, float]:
     non-numeric values skipped, NaN kept."""
     out: dict[int, float] = {}
     for r in rows:
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # a non-numeric step or value: skipped
             if key in r and "step" in r:
                 out[int(r["step"])] = float(r[key])
-        except (TypeError, ValueError):
-            continue
     return dict(sorted(out.items()))
 
 
