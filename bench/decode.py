@@ -28,6 +28,7 @@ shape and e2e record (``complete`` False until the end); ``--report JSON`` rewri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -60,33 +61,31 @@ DRY_GRID |= dict(new_tokens=3)
 # harness is a floor for the attention providers. 2048 programs of 8 warps, BLOCK 2048 were the fastest at
 # every decode shape of a sweep on the H200 (bench/NOTES.md, "Decode floor").
 FLOOR_PROGRAMS, FLOOR_BLOCK, FLOOR_WARPS = 2048, 2048, 8
-_FLOOR_KERNEL: list = []
 
 
+@functools.cache
 def _floor_kernel():
     """Built at first use, so that TRITON_INTERPRET set by a dry run is honoured."""
-    if not _FLOOR_KERNEL:
-        import triton
-        import triton.language as tl
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-        @triton.jit
-        def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-            if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
-                gdc_wait()
-                gdc_launch_dependents()
-            lo = tl.program_id(0).to(tl.int64) * chunk
-            # tl.full / tl.reduce: tl.zeros / tl.sum are compiled-mode functions when triton was imported
-            # before TRITON_INTERPRET=1 was set
-            acc = tl.full([BLOCK], 0.0, tl.float32)
-            for start in range(0, chunk, BLOCK):
-                offs = lo + start + tl.arange(0, BLOCK)
-                acc += tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
-                acc += tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
-            tl.store(OUT + tl.program_id(0), tl.reduce(acc, 0, tl.standard._sum_combine))
+    @triton.jit
+    def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
+            gdc_wait()
+            gdc_launch_dependents()
+        lo = tl.program_id(0).to(tl.int64) * chunk
+        # tl.full / tl.reduce: tl.zeros / tl.sum are compiled-mode functions when triton was imported
+        # before TRITON_INTERPRET=1 was set
+        acc = tl.full([BLOCK], 0.0, tl.float32)
+        for start in range(0, chunk, BLOCK):
+            offs = lo + start + tl.arange(0, BLOCK)
+            acc += tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc += tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(OUT + tl.program_id(0), tl.reduce(acc, 0, tl.standard._sum_combine))
 
-        _FLOOR_KERNEL.append(read_kernel)
-    return _FLOOR_KERNEL[0]
+    return read_kernel
 
 
 def read_floor(q, k, v) -> torch.Tensor:
@@ -259,10 +258,8 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     ]
 
     def cell(r: dict | None) -> str:
-        if r is None:
-            return "-"
-        if r.get("status") != "ok":
-            return r["status"].split(":")[0]
+        if r is None or r.get("status") != "ok":
+            return "-" if r is None else r["status"].split(":")[0]
         text = f"{r['ms']:.3f} / {r['gbs']:.0f} ({r['gbs'] / ceiling:.0%})"
         return text + (" e" if eager_only and r.get("timing") == "eager" else "")
 
