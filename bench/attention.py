@@ -149,10 +149,8 @@ def bench_provider(
     need_bwd = any(m != "fwd" for m in modes)
     status, ms, errors, peak, fn = dict.fromkeys(MODES, "ok"), dict.fromkeys(MODES), {}, (None, None), None
 
-    def fail(which: Sequence[str], value: str) -> None:
-        for m in which:
-            if status[m] == "ok":
-                status[m] = value
+    def fail(which: Sequence[str], value: str) -> None:  # the first failure of a mode is its status
+        status.update({m: value for m in which if status[m] == "ok"})
 
     def attempt(which: Sequence[str], step: Callable):
         """step() with a failure recorded on the modes `which`; gradients and cached memory freed after."""
@@ -535,9 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             previous, previous_meta = read_for_merge(path)
         except (OSError, ValueError) as exc:
-            return common.error(
-                f"--merge: cannot read {path} ({exc}); fix or move it, or run without --merge"
-            )
+            fix = "fix or move it, or run without --merge"
+            return common.error(f"--merge: cannot read {path} ({exc}); {fix}")
     from kernels import interpret_enabled
 
     meta = dict(benchmark="bench.attention", device=device.type, **common.environment(device), dry_run=small)

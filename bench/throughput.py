@@ -89,10 +89,8 @@ def read_cell(backend: str, seq_len: int, run_dir: Path, rc: int, wall_s: float,
 
 
 def fmt_cell(rec: dict | None) -> str:
-    if rec is None:
-        return "—"
-    if rec["status"] != "ok":
-        return "not run" if rec["status"] == "not_run" else rec["status"].upper()
+    if rec is None or rec["status"] != "ok":
+        return "—" if rec is None else "not run" if rec["status"] == "not_run" else rec["status"].upper()
     busy = f", busy {100 * rec['gpu_busy']:.0f}%" if "gpu_busy" in rec else ""
     mfu = f"{100 * rec['mfu']:.1f}% MFU, " if "mfu" in rec else ""  # none on a CPU
     return f"{rec['tokens_per_sec']:,.0f} ({mfu}{rec['peak_gib']:.1f} GiB{busy})"
