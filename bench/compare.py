@@ -226,10 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference"
     )
-    p.add_argument(
-        "--tolerance", type=float, help="max windowed train-loss difference (exit 1 when exceeded)"
-    )
-    p.add_argument("--val-tolerance", type=float, help="max final val-loss difference (exit 1 when exceeded)")
+    exceeded = "(exit 1 when exceeded)"
+    p.add_argument("--tolerance", type=float, help=f"max windowed train-loss difference {exceeded}")
+    p.add_argument("--val-tolerance", type=float, help=f"max final val-loss difference {exceeded}")
     p.add_argument(
         "--window", type=common.positive, default=20, help="points per averaging window (default 20)"
     )
@@ -309,11 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nFAILED:\n  " + "\n  ".join(failures))
     if not_checked:
         print("\nNOT CHECKED (unfinished runs):\n  " + "\n  ".join(not_checked))
-    if failures or not_checked:
-        return 1
-    if checked:
+    if checked and not failures and not not_checked:
         print("\nall within tolerance")
-    return 0
+    return 1 if failures or not_checked else 0
 
 
 if __name__ == "__main__":

@@ -65,8 +65,7 @@ def peer_folder(peer: Path, data_dir: Path, vocab_size: int, tokens: int, where:
         if np.dtype(ds.dtype).itemsize != 2:
             raise SystemExit(f"error: {data_dir} holds {ds.dtype} tokens; nanoGPT reads uint16 only")
         ds._read(0, min(tokens, ds.num_tokens)).astype(np.uint16).tofile(out / f"{split}.bin")
-    with open(out / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": vocab_size}, f)
+    (out / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": vocab_size}))
     return where
 
 
@@ -108,16 +107,13 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
 def markdown(meta: dict, cells: list[dict]) -> str:
     """One row per seq_len and bias: ours, the peer's, ours / peer."""
     by = {(c["who"], c["seq_len"], c["bias"]): c for c in cells}
+    done = lambda c: c is not None and c["status"] == "ok"
+    cell = lambda c: f"{c['tokens_per_sec']:,.0f}" if done(c) else (c or {}).get("status", "—")
     rows = []
     for n, bias in sorted({(c["seq_len"], c["bias"]) for c in cells}):
         ours, peer = by.get(("flashgpt", n, bias)), by.get(("peer", n, bias))
-        fmt = [
-            f"{c['tokens_per_sec']:,.0f}" if c and c["status"] == "ok" else (c or {}).get("status", "—")
-            for c in (ours, peer)
-        ]
-        ok = all(c and c["status"] == "ok" for c in (ours, peer))
-        ratio = f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if ok else "—"
-        rows.append([n, "on" if bias else "off", *fmt, ratio])
+        ratio = f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if done(ours) and done(peer) else "—"
+        rows.append([n, "on" if bias else "off", cell(ours), cell(peer), ratio])
     lines = [
         f"# Training throughput against a peer: {meta['gpu']}, {meta['date']}",
         "",
@@ -137,9 +133,8 @@ def plot(path: Path, cells: list[dict]) -> None:
     ax, ok = axes[0][0], [c for c in cells if c["status"] == "ok"]
     for who in ("flashgpt", "peer"):
         for bias, style in ((True, "-o"), (False, "--s")):
-            if pts := sorted(
-                (c["seq_len"], c["tokens_per_sec"]) for c in ok if (c["who"], c["bias"]) == (who, bias)
-            ):
+            mine = [c for c in ok if (c["who"], c["bias"]) == (who, bias)]
+            if pts := sorted((c["seq_len"], c["tokens_per_sec"]) for c in mine):
                 ax.plot(*zip(*pts, strict=True), style, label=f"{who}, biases {'on' if bias else 'off'}")
     ax.set(xlabel="seq_len", ylabel="tokens/sec")
     common.finish_axes(ax, [c["seq_len"] for c in cells])
