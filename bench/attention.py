@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from bench import common
-from bench.common import md_table
+from bench.common import PROVIDERS, md_table
 from kernels.reference import chunked_causal_reference
 
 MODES = ("fwd", "bwd", "fwdbwd")
@@ -122,9 +122,8 @@ def make_inputs(b, h, n, d, *, device, dtype, seed: int, need_grads: bool, softc
     pairs = check_pairs(b, h)
     picked = [take_pairs(t, pairs) for t in (q, k, v, do)]
     chunk = max(1, min(1024, (1 << 26) // max(1, len(pairs) * n)))  # float32 scores of 256 MiB at most
-    ref_o, ref_grads = chunked_causal_reference(
-        *picked[:3], picked[3] if need_grads else None, chunk=chunk, softcap=softcap
-    )
+    grad_out = picked[3] if need_grads else None
+    ref_o, ref_grads = chunked_causal_reference(*picked[:3], grad_out, chunk=chunk, softcap=softcap)
     return ShapeInputs(q, k, v, do, pairs, ref_o, ref_grads)
 
 
@@ -150,10 +149,8 @@ def bench_provider(
     need_bwd = any(m != "fwd" for m in modes)
     status, ms, errors, peak, fn = dict.fromkeys(MODES, "ok"), dict.fromkeys(MODES), {}, (None, None), None
 
-    def fail(which: Sequence[str], value: str) -> None:
-        for m in which:
-            if status[m] == "ok":
-                status[m] = value
+    def fail(which: Sequence[str], value: str) -> None:  # the first failure of a mode is its status
+        status.update({m: value for m in which if status[m] == "ok"})
 
     def attempt(which: Sequence[str], step: Callable):
         """step() with a failure recorded on the modes `which`; gradients and cached memory freed after."""
@@ -210,9 +207,7 @@ def bench_provider(
     return records
 
 
-def run_benchmark(
-    run: dict, device, dtype, timer, tol, inject=None, log=print, on_shape_done=None
-) -> list[dict]:
+def run_benchmark(run: dict, device, dtype, timer, tol, inject=None, on_shape_done=None) -> list[dict]:
     """Every (d, N, provider) of `run` (seqlens, headdims, providers, modes, tokens, hidden, seed): inputs and
     reference built once per shape; an allocation that fails marks every provider of the shape.
     `on_shape_done(records)` after each shape (partial results are saved)."""
@@ -220,7 +215,7 @@ def run_benchmark(
     kw = dict(device=device, dtype=dtype, need_grads=any(m != "fwd" for m in modes))
     for d, n in ((d, n) for d in run["headdims"] for n in run["seqlens"]):
         b, h = shape_for(run["tokens"], run["hidden"], n, d)
-        log(f"[bench] N={n} d={d} B={b} H={h}")
+        print(f"[bench] N={n} d={d} B={b} H={h}")
         try:
             inp = make_inputs(b, h, n, d, seed=run["seed"] + 7919 * n + d, softcap=softcap, **kw)
         except Exception as exc:
@@ -237,7 +232,7 @@ def run_benchmark(
                 recs = bench_provider(p, factory, inp, modes=modes, timer=timer, tol=tol)
                 for r in recs:
                     t = f"{r['tflops']:.2f} TFLOP/s" if r["tflops"] is not None else "-"
-                    log(f"  {p:15s} {r['mode']:7s} {t:>18s}  {r['status'][:90]}")
+                    print(f"  {p:15s} {r['mode']:7s} {t:>18s}  {r['status'][:90]}")
                 records += recs
             del inp
         common.free_memory(device)
@@ -248,11 +243,9 @@ def run_benchmark(
 
 def gluon_routes() -> dict:
     """Which forward and backward `flash` runs on sm_90 at long N: the Gluon kernels' shortest N per d and
-    their environment switches (kernels/plan.py); {} where that module is not there."""
-    try:
-        from kernels.plan import MIN_N, MIN_N_BWD
-    except ImportError:
-        return {}
+    their environment switches (kernels/plan.py)."""
+    from kernels.plan import MIN_N, MIN_N_BWD
+
     return dict(
         flash_gluon_fwd=os.environ.get("FLASHGPT_GLUON_FWD", "auto"),
         flash_gluon_min_n={str(d): n for d, n in MIN_N.items()},
@@ -385,10 +378,8 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
             ax, failures = axes[i][j], []
             for c, p in enumerate(providers):
                 rs = [r for n in ns if (r := idx.get((p, n, d, modes[0] if m == "mem" else m)))]
-                ys = [r.get("peak_gib") if m == "mem" else r["tflops"] for r in rs]
-                ok = [
-                    (r["N"], y) for r, y in zip(rs, ys, strict=True) if r["status"] == "ok" and y is not None
-                ]
+                pts = [(r, r.get("peak_gib") if m == "mem" else r["tflops"]) for r in rs]
+                ok = [(r["N"], y) for r, y in pts if r["status"] == "ok" and y is not None]
                 if ok:
                     ax.plot(*zip(*ok, strict=True), marker="o", ms=3, label=p, color=f"C{c % 10}")
                 if bad := [r for r in rs if r["status"] != "ok"]:
@@ -472,15 +463,12 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
 # -------------------------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--seqlens", type=common.ints(), help="comma list of N (default 512 .. 32768; dry run 16,32)"
-    )
-    p.add_argument("--headdims", type=common.ints(), help="comma list of d (default 64,128; dry run 16)")
-    p.add_argument(
-        "--providers", type=common.choices(common.PROVIDERS), help=f"from {','.join(common.PROVIDERS)}"
-    )
+    ints = common.ints()
+    p.add_argument("--seqlens", type=ints, help="comma list of N (default 512 .. 32768; dry run 16,32)")
+    p.add_argument("--headdims", type=ints, help="comma list of d (default 64,128; dry run 16)")
+    p.add_argument("--providers", type=common.choices(PROVIDERS), help=f"from {','.join(PROVIDERS)}")
     p.add_argument("--modes", type=common.choices(MODES), default=list(MODES), help="default fwd,bwd,fwdbwd")
     p.add_argument("--dtype", choices=sorted(common.DTYPES), help="default bfloat16 (dry run float32)")
     p.add_argument("--tokens", type=int, help="B*N tokens per shape (default 16384; dry run 64)")
@@ -502,17 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--merge", action="store_true", help="merge into attention_<tag>.json (same cells replaced)"
     )
-    p.add_argument(
-        "--softcap",
-        type=float,
-        help="logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)",
-    )
+    softcap = "logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)"
+    p.add_argument("--softcap", type=float, help=softcap)
     p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = build_parser()
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -537,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     inject = {}
     for spec in a.inject_failure:
         prov, _, kind = spec.partition(":")
-        if prov not in common.PROVIDERS or (kind or "error") not in INJECT_KINDS:
+        if prov not in PROVIDERS or (kind or "error") not in INJECT_KINDS:
             p.error(f"--inject-failure {spec!r}: expected PROVIDER[:{'|'.join(INJECT_KINDS)}]")
         inject[prov] = kind or "error"
     for d in a.headdims:
@@ -553,9 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             previous, previous_meta = read_for_merge(path)
         except (OSError, ValueError) as exc:
-            return common.error(
-                f"--merge: cannot read {path} ({exc}); fix or move it, or run without --merge"
-            )
+            fix = "fix or move it, or run without --merge"
+            return common.error(f"--merge: cannot read {path} ({exc}); {fix}")
     from kernels import interpret_enabled
 
     meta = dict(benchmark="bench.attention", device=device.type, **common.environment(device), dry_run=small)

@@ -56,13 +56,10 @@ def choices(valid: Sequence[str], unique: bool = False) -> Callable[[str], list[
 
     def parse(text: str) -> list[str]:
         vals = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [x for x in vals if x not in valid] or (
-            unique and len(set(vals)) != len(vals) and "a name given twice"
-        )
-        if bad or not vals:
-            raise argparse.ArgumentTypeError(
-                f"{text!r}: each once, from {', '.join(valid)} (bad: {bad or text!r})"
-            )
+        twice = unique and len(set(vals)) != len(vals) and "a name given twice"
+        if (bad := [x for x in vals if x not in valid] or twice) or not vals:
+            message = f"{text!r}: each once, from {', '.join(valid)} (bad: {bad or text!r})"
+            raise argparse.ArgumentTypeError(message)
         return vals
 
     return parse
@@ -89,9 +86,8 @@ def environment(device: torch.device) -> dict:
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return dict(
-        date=date, gpu=gpu, torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda
-    )
+    versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
+    return dict(date=date, gpu=gpu, **versions)
 
 
 def default_tag(device: torch.device, cpu: str = "cpu") -> str:
@@ -180,12 +176,9 @@ GRAPH_CALLS = 20
 
 def decode_inputs(batch: int, kv_heads: int, group: int, context: int, d: int, dtype, device, seed: int):
     """q (B, Hkv * group, 1, d) and a full cache k, v (B, Hkv, context, d), standard normal from `seed`."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(batch, kv_heads * group, 1, d, device=device, dtype=dtype, generator=gen)
-    k, v = (
-        torch.randn(batch, kv_heads, context, d, device=device, dtype=dtype, generator=gen) for _ in range(2)
-    )
-    return q, k, v
+    kw = dict(device=device, dtype=dtype, generator=torch.Generator(device=device).manual_seed(seed))
+    q = torch.randn(batch, kv_heads * group, 1, d, **kw)
+    return q, *(torch.randn(batch, kv_heads, context, d, **kw) for _ in range(2))
 
 
 def l2_copies(q, k, v) -> list[tuple]:
@@ -257,9 +250,8 @@ def build_provider(name: str, *, n: int, device: torch.device, softcap: float | 
         import kernels
 
         kernels.check_flash_available(device)
-        return lambda q, k, v: kernels.flash_attention(
-            q, k, v, causal=True, deterministic=name == "flash-det", softcap=softcap
-        )
+        kw = dict(causal=True, deterministic=name == "flash-det", softcap=softcap)
+        return lambda q, k, v: kernels.flash_attention(q, k, v, **kw)
     if name == "naive":
         from model.attention import attention
 
@@ -441,10 +433,8 @@ def seq_len_of(cfg: dict, summary: dict) -> int | None:
     """Sequence length: config seq_len (or data.seq_len, model.block_size), else the summary's."""
     for v in (cfg_get(cfg, "seq_len"), cfg_get(cfg, "data.seq_len"), cfg_get(cfg, "model.block_size")):
         if plain(v):
-            try:
+            with contextlib.suppress(TypeError, ValueError):  # not a number: the next key
                 return int(v)
-            except (TypeError, ValueError):
-                pass
     return int(summary["seq_len"]) if isinstance(summary.get("seq_len"), int) else None
 
 
@@ -453,11 +443,9 @@ def series(rows: list[dict], key: str) -> dict[int, float]:
     non-numeric values skipped, NaN kept."""
     out: dict[int, float] = {}
     for r in rows:
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # a non-numeric step or value: skipped
             if key in r and "step" in r:
                 out[int(r["step"])] = float(r[key])
-        except (TypeError, ValueError):
-            continue
     return dict(sorted(out.items()))
 
 

@@ -64,9 +64,8 @@ def label_of(cfg: dict, summary: dict) -> str | None:
         return None
     label = backend + (f" N={n}" if (n := common.seq_len_of(cfg, summary)) is not None else "")
     if (dtype := common.cfg_get(cfg, "dtype")) in ("float32", "bfloat16"):
-        label += f" {dtype}" + (
-            " no-TF32" if dtype == "float32" and common.cfg_get(cfg, "tf32") is False else ""
-        )
+        no_tf32 = dtype == "float32" and common.cfg_get(cfg, "tf32") is False
+        label += f" {dtype}" + (" no-TF32" if no_tf32 else "")
     label += f" w={w}" if common.plain(w := common.cfg_get(cfg, "attention.window")) else ""
     label += " doc-mask" if common.cfg_get(cfg, "attention.document_mask") is True else ""
     p = common.cfg_get(cfg, "model.attn_dropout")
@@ -204,10 +203,8 @@ def plot(ref: Run, runs: Sequence[Run], path: Path, window: int) -> Path:
         bottom.plot(steps, b - a, color=color, lw=0.6, alpha=0.6, label=f"{run.label} − ref (per step)")
         w = min(max(1, window), len(steps))
         centers = [steps[j * w + w // 2] for j in range(len(steps) // w)]
-        wd = window_means(b, window) - window_means(a, window)
-        bottom.step(
-            centers, wd, where="mid", color=color, lw=2.0, label=f"{run.label} − ref ({w}-pt windows)"
-        )
+        wd, label = window_means(b, window) - window_means(a, window), f"{run.label} − ref ({w}-pt windows)"
+        bottom.step(centers, wd, where="mid", color=color, lw=2.0, label=label)
     bottom.axhline(0.0, color="k", lw=0.5)
     top.set(ylabel="loss", title=f"loss curves (reference: {ref.label})")
     bottom.set(ylabel="loss − reference", xlabel="step")
@@ -229,10 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference"
     )
-    p.add_argument(
-        "--tolerance", type=float, help="max windowed train-loss difference (exit 1 when exceeded)"
-    )
-    p.add_argument("--val-tolerance", type=float, help="max final val-loss difference (exit 1 when exceeded)")
+    exceeded = "(exit 1 when exceeded)"
+    p.add_argument("--tolerance", type=float, help=f"max windowed train-loss difference {exceeded}")
+    p.add_argument("--val-tolerance", type=float, help=f"max final val-loss difference {exceeded}")
     p.add_argument(
         "--window", type=common.positive, default=20, help="points per averaging window (default 20)"
     )
@@ -286,16 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         early = [lab for lab in pair if statuses[lab] != "ok" and lab not in unfinished]
         res["config_differences"] = {k: list(v) for k, v in diffs[run.label].items()}
         res["tolerance_checked"] = checked
-        res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance)
-        res["failures"] += [
-            f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early if checked
-        ]
+        incomplete = [f"{lab}: status {statuses[lab]!r} (not a complete run)" for lab in early if checked]
+        res["failures"] = check_tolerances(res, args.tolerance, args.val_tolerance) + incomplete
         # with or without tolerances: a curve that is still growing (or was cut off) cannot pass
-        res["not_checked"] = [
-            f"{lab}: {unfinished[lab]}; the run is unfinished, so its comparison is not meaningful"
-            for lab in pair
-            if lab in unfinished
-        ]
+        why = "the run is unfinished, so its comparison is not meaningful"
+        res["not_checked"] = [f"{lab}: {unfinished[lab]}; {why}" for lab in pair if lab in unfinished]
         res["ended_early"] = ", ".join(f"{lab} {statuses[lab]}" for lab in early) or None
         failures += res["failures"]
         not_checked += [m for m in res["not_checked"] if m not in not_checked]
@@ -317,11 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\nFAILED:\n  " + "\n  ".join(failures))
     if not_checked:
         print("\nNOT CHECKED (unfinished runs):\n  " + "\n  ".join(not_checked))
-    if failures or not_checked:
-        return 1
-    if checked:
+    if checked and not failures and not not_checked:
         print("\nall within tolerance")
-    return 0
+    return 1 if failures or not_checked else 0
 
 
 if __name__ == "__main__":

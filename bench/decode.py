@@ -28,6 +28,7 @@ shape and e2e record (``complete`` False until the end); ``--report JSON`` rewri
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -45,8 +46,7 @@ import torch
 from bench import common
 from bench.common import GRAPH_CALLS, Timer, free_memory
 
-PROVIDERS = ("flash-decode", "read-floor", "naive", "sdpa-auto", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
-PROVIDERS += ("sdpa-math",)
+PROVIDERS = ("flash-decode", "read-floor", "naive", *(f"sdpa-{b}" for b in ("auto", *common.SDPA_BACKENDS)))
 EAGER_ONLY_MS = 1.0  # eager medians this long are not also timed as a graph
 TIMER_SLOW_MS = 10.0  # Timer.slow_ms of the kernel sweep: such calls are timed as the median of 3
 E2E_MODES = ("eager", "static", "compiled", "graph", "compiled-graph")
@@ -61,33 +61,31 @@ DRY_GRID |= dict(new_tokens=3)
 # harness is a floor for the attention providers. 2048 programs of 8 warps, BLOCK 2048 were the fastest at
 # every decode shape of a sweep on the H200 (bench/NOTES.md, "Decode floor").
 FLOOR_PROGRAMS, FLOOR_BLOCK, FLOOR_WARPS = 2048, 2048, 8
-_FLOOR_KERNEL: list = []
 
 
+@functools.cache
 def _floor_kernel():
     """Built at first use, so that TRITON_INTERPRET set by a dry run is honoured."""
-    if not _FLOOR_KERNEL:
-        import triton
-        import triton.language as tl
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-        @triton.jit
-        def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-            if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
-                gdc_wait()
-                gdc_launch_dependents()
-            lo = tl.program_id(0).to(tl.int64) * chunk
-            # tl.full / tl.reduce: tl.zeros / tl.sum are compiled-mode functions when triton was imported
-            # before TRITON_INTERPRET=1 was set
-            acc = tl.full([BLOCK], 0.0, tl.float32)
-            for start in range(0, chunk, BLOCK):
-                offs = lo + start + tl.arange(0, BLOCK)
-                acc += tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
-                acc += tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
-            tl.store(OUT + tl.program_id(0), tl.reduce(acc, 0, tl.standard._sum_combine))
+    @triton.jit
+    def read_kernel(K, V, OUT, n, chunk, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+        if USE_PDL:  # wait for the previous kernel, then let the next one launch (as flash_decode)
+            gdc_wait()
+            gdc_launch_dependents()
+        lo = tl.program_id(0).to(tl.int64) * chunk
+        # tl.full / tl.reduce: tl.zeros / tl.sum are compiled-mode functions when triton was imported
+        # before TRITON_INTERPRET=1 was set
+        acc = tl.full([BLOCK], 0.0, tl.float32)
+        for start in range(0, chunk, BLOCK):
+            offs = lo + start + tl.arange(0, BLOCK)
+            acc += tl.load(K + offs, mask=offs < n, other=0.0).to(tl.float32)
+            acc += tl.load(V + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(OUT + tl.program_id(0), tl.reduce(acc, 0, tl.standard._sum_combine))
 
-        _FLOOR_KERNEL.append(read_kernel)
-    return _FLOOR_KERNEL[0]
+    return read_kernel
 
 
 def read_floor(q, k, v) -> torch.Tensor:
@@ -260,10 +258,8 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
     ]
 
     def cell(r: dict | None) -> str:
-        if r is None:
-            return "-"
-        if r.get("status") != "ok":
-            return r["status"].split(":")[0]
+        if r is None or r.get("status") != "ok":
+            return "-" if r is None else r["status"].split(":")[0]
         text = f"{r['ms']:.3f} / {r['gbs']:.0f} ({r['gbs'] / ceiling:.0%})"
         return text + (" e" if eager_only and r.get("timing") == "eager" else "")
 
@@ -309,19 +305,15 @@ def rewrite_report(path: Path) -> str:
     try:
         report = markdown(data["meta"], data["kernel"], data["e2e"])
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as e:
-        raise ValueError(
-            f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
-        ) from e
+        message = f"{path}: records or meta not as bench.decode writes them ({type(e).__name__}: {e})"
+        raise ValueError(message) from e
     common.write_text(path.with_suffix(".md"), report)
     return report
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.decode",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__, formatter_class=raw)
     ap.add_argument("--contexts", type=common.ints(), help="comma list (GPU default: 1024 .. 131072)")
     ap.add_argument("--batches", type=common.ints(), help="comma list (GPU default: 1,16,64)")
     ap.add_argument("--dims", type=common.ints(), help="comma list of d (GPU default: 64,128)")
@@ -377,9 +369,8 @@ def main(argv=None) -> int:
     src = dst = None  # 2 GiB on the GPU: gone before the sweep
     meta = dict(device=env["gpu"] or platform.processor() or "cpu", dtype=str(dtype)[6:], torch=env["torch"])
     meta |= dict(triton=env["triton"], time=env["date"], argv=sys.argv[1:] if argv is None else list(argv))
-    meta |= dict(
-        copy_ceiling_gbs=ceiling, graph_calls=GRAPH_CALLS, graphs=bool(args.graphs and device.type == "cuda")
-    )
+    graphs = bool(args.graphs and device.type == "cuda")
+    meta |= dict(copy_ceiling_gbs=ceiling, graph_calls=GRAPH_CALLS, graphs=graphs)
     meta |= dict(eager_only_ms=EAGER_ONLY_MS, timer=timer.describe(), complete=False)
     # an --e2e-only run has its own default file: it must not replace the kernel sweep's results
     tag = args.tag or ("dryrun" if args.dry_run else "h200") + ("_e2e" if args.e2e_only else "")

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,27 +42,13 @@ def peer_command(cfg: dict, steps: int, out_dir: Path) -> list[str]:
     batch split, seq_len, dtype and compile; evaluation only at its iteration 0 (one batch: nanoGPT always
     evaluates there), no checkpoint, no W&B."""
     m, d = cfg["model"], cfg["derived"]
-    args = dict(
-        dataset="flashgpt",
-        out_dir=str(out_dir),
-        n_layer=m["n_layer"],
-        n_head=m["n_head"],
-        n_embd=m["n_embd"],
-        bias=bool(m["bias"]),
-        dropout=0.0,
-        block_size=d["block_size"],
-        batch_size=d["micro_batch_size"],
-        gradient_accumulation_steps=d["grad_accum"],
-        max_iters=steps - 1,  # nanoGPT runs iterations 0..max_iters
-        eval_interval=steps + 1,
-        eval_iters=1,
-        log_interval=1,
-        always_save_checkpoint=False,
-        wandb_log=False,
-        compile=bool(d["compile"]),
-        dtype=d["dtype"],  # bfloat16 autocast or float32, as nanoGPT names them
-        device=d["device"],
-    )
+    args = dict(dataset="flashgpt", out_dir=str(out_dir), n_layer=m["n_layer"], n_head=m["n_head"])
+    args |= dict(n_embd=m["n_embd"], bias=bool(m["bias"]), dropout=0.0, block_size=d["block_size"])
+    args |= dict(batch_size=d["micro_batch_size"], gradient_accumulation_steps=d["grad_accum"])
+    # nanoGPT runs iterations 0..max_iters; dtype: bfloat16 autocast or float32, as nanoGPT names them
+    args |= dict(max_iters=steps - 1, eval_interval=steps + 1, eval_iters=1)
+    args |= dict(log_interval=1, always_save_checkpoint=False, wandb_log=False, compile=bool(d["compile"]))
+    args |= dict(dtype=d["dtype"], device=d["device"])
     return [sys.executable, "train.py", *(f"--{k}={v}" for k, v in args.items())]
 
 
@@ -80,8 +65,7 @@ def peer_folder(peer: Path, data_dir: Path, vocab_size: int, tokens: int, where:
         if np.dtype(ds.dtype).itemsize != 2:
             raise SystemExit(f"error: {data_dir} holds {ds.dtype} tokens; nanoGPT reads uint16 only")
         ds._read(0, min(tokens, ds.num_tokens)).astype(np.uint16).tofile(out / f"{split}.bin")
-    with open(out / "meta.pkl", "wb") as f:
-        pickle.dump({"vocab_size": vocab_size}, f)
+    (out / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": vocab_size}))
     return where
 
 
@@ -91,11 +75,8 @@ def peer_tokens_per_sec(log: str, tokens_per_iter: int, warmup: int) -> dict:
     iters = [(int(i), float(ms)) for i, ms in ITER_LINE.findall(log)]
     if not (timed := [ms for i, ms in iters if i >= warmup]):
         raise ValueError(f"no 'iter N: loss ..., time ..ms' line after iteration {warmup - 1} in its output")
-    return dict(
-        tokens_per_sec=tokens_per_iter / (statistics.median(timed) / 1000),
-        timed_steps=len(timed),
-        step_ms=[ms for _, ms in iters],
-    )
+    tokens_per_sec = tokens_per_iter / (statistics.median(timed) / 1000)
+    return dict(tokens_per_sec=tokens_per_sec, timed_steps=len(timed), step_ms=[ms for _, ms in iters])
 
 
 def run_peer(a, cell: dict, run_dir: Path) -> dict:
@@ -126,16 +107,13 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
 def markdown(meta: dict, cells: list[dict]) -> str:
     """One row per seq_len and bias: ours, the peer's, ours / peer."""
     by = {(c["who"], c["seq_len"], c["bias"]): c for c in cells}
+    done = lambda c: c is not None and c["status"] == "ok"
+    cell = lambda c: f"{c['tokens_per_sec']:,.0f}" if done(c) else (c or {}).get("status", "—")
     rows = []
     for n, bias in sorted({(c["seq_len"], c["bias"]) for c in cells}):
         ours, peer = by.get(("flashgpt", n, bias)), by.get(("peer", n, bias))
-        fmt = [
-            f"{c['tokens_per_sec']:,.0f}" if c and c["status"] == "ok" else (c or {}).get("status", "—")
-            for c in (ours, peer)
-        ]
-        ok = all(c and c["status"] == "ok" for c in (ours, peer))
-        ratio = f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if ok else "—"
-        rows.append([n, "on" if bias else "off", *fmt, ratio])
+        ratio = f"{ours['tokens_per_sec'] / peer['tokens_per_sec']:.3f}" if done(ours) and done(peer) else "—"
+        rows.append([n, "on" if bias else "off", cell(ours), cell(peer), ratio])
     lines = [
         f"# Training throughput against a peer: {meta['gpu']}, {meta['date']}",
         "",
@@ -145,9 +123,7 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         f"{meta['warmup']}).",
         "",
         *common.md_table(["seq_len", "biases", "flashgpt", "peer", "flashgpt / peer"], rows),
-    ]
-    lines += [
-        f"- {c['who']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in cells if c["status"] != "ok"
+        *(f"- {c['who']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in cells if c["status"] != "ok"),
     ]
     return "\n".join(lines) + "\n"
 
@@ -157,9 +133,8 @@ def plot(path: Path, cells: list[dict]) -> None:
     ax, ok = axes[0][0], [c for c in cells if c["status"] == "ok"]
     for who in ("flashgpt", "peer"):
         for bias, style in ((True, "-o"), (False, "--s")):
-            if pts := sorted(
-                (c["seq_len"], c["tokens_per_sec"]) for c in ok if (c["who"], c["bias"]) == (who, bias)
-            ):
+            mine = [c for c in ok if (c["who"], c["bias"]) == (who, bias)]
+            if pts := sorted((c["seq_len"], c["tokens_per_sec"]) for c in mine):
                 ax.plot(*zip(*pts, strict=True), style, label=f"{who}, biases {'on' if bias else 'off'}")
     ax.set(xlabel="seq_len", ylabel="tokens/sec")
     common.finish_axes(ax, [c["seq_len"] for c in cells])
@@ -185,17 +160,11 @@ def main(argv=None) -> int:
     try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
     if status := throughput.check_cells(p, a, try_out):
         return status
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    env = common.environment(torch.device(device))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    meta = env | dict(gpu=env["gpu"] or "cpu", commit=commit.stdout.strip() or "unknown", peer=str(a.peer))
-    meta |= dict(steps=a.steps, warmup=a.warmup, argv=sys.argv[1:] if argv is None else list(argv))
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    meta = dict(commit=git.stdout.strip() or "unknown", peer=str(a.peer), steps=a.steps, warmup=a.warmup)
+    runs, results = throughput.start_cells(a, argv, markdown, **meta)
     ours = ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
-    meta["command"] = " ".join(ours)
-    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
-    runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
+    results.meta["command"] = " ".join(ours)
     for n in a.seq_lens:
         for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
             run_dir = runs / f"n{n}_bias{int(bias)}"

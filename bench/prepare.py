@@ -44,13 +44,10 @@ def run_one(src: Path, out: Path, workers: int, shard_tokens: int) -> dict:
     """One prepare in a subprocess: wall time, tokens, peak RSS (MB) of its main process and of its largest
     tokenizer worker (0 with one worker: it tokenizes inline)."""
     cmd = [sys.executable, "-c", _CHILD, str(src), str(out), str(workers), str(shard_tokens)]
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()}
-    )
+    env, t0 = {**os.environ, "PYTHONPATH": os.getcwd()}, time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     wall = time.perf_counter() - t0
-    child = json.loads(res.stdout.strip().splitlines()[-1])
-    return {"workers": workers, "wall_s": wall, **child}
+    return {"workers": workers, "wall_s": wall, **json.loads(res.stdout.strip().splitlines()[-1])}
 
 
 _CHILD = """

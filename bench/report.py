@@ -97,21 +97,13 @@ def summarize_run(run_dir: Path, sweep_dir: Path, warmup_frac: float = 0.1) -> d
     if final_val is not None and val_steps and max(val_steps) == 0 and (steps or 0) > 0:
         # the only eval was the untrained model's (eval.at_start; stopped before its first interval)
         final_val, sources["final_val_loss"] = None, "left out: the only eval was at step 0 (untrained)"
-    return dict(
-        run=str(run_dir.relative_to(sweep_dir)) if run_dir != sweep_dir else ".",
-        backend=common.attention_label(cfg, summary) or "?",
-        seq_len=common.seq_len_of(cfg, summary),
-        status=status,
-        tokens_per_sec=tps,
-        mfu_pct=None if mfu is None else 100.0 * mfu,
-        peak_gib=peak,
-        final_train_loss=figure("final_train_loss", "train/loss", "final/train_loss", "last"),
-        final_val_loss=final_val,
-        steps=steps,
-        sources=sources,
-        error=killed_note or error_text(summary, status),
-        **{f"wandb_{k}": common.cfg_get(cfg, f"wandb.{k}") for k in ("group", "project", "entity")},
-    )
+    row = dict(run=str(run_dir.relative_to(sweep_dir)) if run_dir != sweep_dir else ".")
+    row |= dict(backend=common.attention_label(cfg, summary) or "?", seq_len=common.seq_len_of(cfg, summary))
+    row |= dict(status=status, tokens_per_sec=tps, mfu_pct=None if mfu is None else 100.0 * mfu)
+    final_train = figure("final_train_loss", "train/loss", "final/train_loss", "last")
+    row |= dict(peak_gib=peak, final_train_loss=final_train, final_val_loss=final_val, steps=steps)
+    row |= dict(sources=sources, error=killed_note or error_text(summary, status))
+    return row | {f"wandb_{k}": common.cfg_get(cfg, f"wandb.{k}") for k in ("group", "project", "entity")}
 
 
 def backends_of(runs: Sequence[dict]) -> list[str]:
@@ -145,9 +137,8 @@ def collect(sweep_dir: str | Path, warmup_frac: float = 0.1) -> list[dict]:
     runs = [summarize_run(d, sweep_dir, warmup_frac) for d in dirs]
     _label_variants(runs, [common.read_config(d) for d in dirs])
     order = {b: i for i, b in enumerate(backends_of(runs))}
-    return sorted(
-        runs, key=lambda r: (order[r["backend"]], r["seq_len"] if r["seq_len"] is not None else -1, r["run"])
-    )
+    key = lambda r: (order[r["backend"]], r["seq_len"] if r["seq_len"] is not None else -1, r["run"])
+    return sorted(runs, key=key)
 
 
 def _fmt(run: dict, key: str, fmt: str) -> str:
@@ -232,18 +223,12 @@ def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path
     first = lambda key: next((r[key] for r in runs if r.get(key)), None)
     group, project = first("wandb_group") or sweep_dir.resolve().name, first("wandb_project") or "flashgpt"
     columns, notes = list(COLUMNS), []
+    init = dict(project=project, entity=first("wandb_entity"), group=group, job_type="report")
+    init |= dict(name=f"report-{sweep_dir.resolve().name}", dir=str(out_dir))
+    init["config"] = {"sweep_dir": str(sweep_dir), "n_runs": len(runs)}
     for attempt in (mode, "offline") if mode == "online" else (mode,):
         try:
-            run = wandb.init(
-                project=project,
-                entity=first("wandb_entity"),
-                group=group,
-                job_type="report",
-                mode=attempt,
-                name=f"report-{sweep_dir.resolve().name}",
-                dir=str(out_dir),
-                config={"sweep_dir": str(sweep_dir), "n_runs": len(runs)},
-            )
+            run = wandb.init(**init, mode=attempt)
             table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in runs])
             run.log({"report/table": table, "report/plots": wandb.Image(str(png))})
             run_dir = Path(run.dir).parent  # .../wandb/offline-run-<time>-<id>
@@ -252,9 +237,8 @@ def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path
             notes.append(f"W&B {attempt} run failed ({type(exc).__name__}: {exc})")
             continue
         text = f"W&B: logged report to project {project!r}, group {group!r} (mode {attempt})"
-        return "; ".join(
-            [*notes, text + (f"; upload it later with: wandb sync {run_dir}" if attempt == "offline" else "")]
-        )
+        sync = f"; upload it later with: wandb sync {run_dir}" if attempt == "offline" else ""
+        return "; ".join([*notes, text + sync])
     return "; ".join(notes) + "; the local report files are complete"
 
 
@@ -277,9 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return common.error(str(exc))
     md = markdown(runs, sweep, args.warmup_frac)
     print(md)
-    report = (
-        json.dumps({"sweep_dir": str(sweep), "warmup_frac": args.warmup_frac, "runs": runs}, indent=1) + "\n"
-    )
+    record = dict(sweep_dir=str(sweep), warmup_frac=args.warmup_frac, runs=runs)
+    report = json.dumps(record, indent=1) + "\n"
     written, png = [], out / "report_sweep.png"
     try:  # a folder that cannot be written (read-only, full) costs only the files: the report is printed
         out.mkdir(parents=True, exist_ok=True)
@@ -295,12 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if written:
         print("wrote " + ", ".join(map(str, written)))
-    if args.wandb:
-        print(
-            log_to_wandb(runs, png, sweep, out)
-            if png in written
-            else "W&B logging skipped: no figure written"
-        )
+    if args.wandb and png not in written:
+        print("W&B logging skipped: no figure written")
+    elif args.wandb:
+        print(log_to_wandb(runs, png, sweep, out))
     return 0
 
 

@@ -76,16 +76,11 @@ def error_excerpt(log_tail: str, limit: int = 600) -> str:
     return (named[-1] if named else log_tail[-limit:])[:limit]
 
 
-def read_cell(
-    backend: str, seq_len: int, run_dir: Path, returncode: int, wall_s: float, log_tail: str
-) -> dict:
-    """One record from the run's summary.json (status, medians, memory, GPU busy)."""
-    rec = dict(backend=backend, seq_len=seq_len, returncode=returncode, wall_s=round(wall_s, 1))
-    s = common.read_summary(run_dir)
-    if not s:
-        return rec | dict(
-            status="error", error=error_excerpt(log_tail) or f"exit {returncode}, no summary.json"
-        )
+def read_cell(backend: str, seq_len: int, run_dir: Path, rc: int, wall_s: float, log_tail: str) -> dict:
+    """One record from the run's summary.json (status, medians, memory, GPU busy); `rc`: its exit status."""
+    rec = dict(backend=backend, seq_len=seq_len, returncode=rc, wall_s=round(wall_s, 1))
+    if not (s := common.read_summary(run_dir)):
+        return rec | dict(status="error", error=error_excerpt(log_tail) or f"exit {rc}, no summary.json")
     rec["status"] = s.get("status", "unknown")
     rec |= {k.replace("final/", "final_").split("/")[-1]: s[k] for k in SUMMARY_KEYS if s.get(k) is not None}
     if rec["status"] != "ok":
@@ -94,10 +89,8 @@ def read_cell(
 
 
 def fmt_cell(rec: dict | None) -> str:
-    if rec is None:
-        return "—"
-    if rec["status"] != "ok":
-        return "not run" if rec["status"] == "not_run" else rec["status"].upper()
+    if rec is None or rec["status"] != "ok":
+        return "—" if rec is None else "not run" if rec["status"] == "not_run" else rec["status"].upper()
     busy = f", busy {100 * rec['gpu_busy']:.0f}%" if "gpu_busy" in rec else ""
     mfu = f"{100 * rec['mfu']:.1f}% MFU, " if "mfu" in rec else ""  # none on a CPU
     return f"{rec['tokens_per_sec']:,.0f} ({mfu}{rec['peak_gib']:.1f} GiB{busy})"
@@ -129,11 +122,8 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         ),
     ]
     if failed := [c for c in cells if c["status"] not in ("ok", "oom", "not_run")]:
-        lines += [
-            "",
-            "Failed cells:",
-            *(f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in failed),
-        ]
+        lines += ["", "Failed cells:"]
+        lines += [f"- {c['backend']} N={c['seq_len']}: {c.get('error', '')[:300]}" for c in failed]
     return "\n".join(lines) + "\n"
 
 
@@ -143,10 +133,8 @@ def plot(path: Path, meta: dict, cells: list[dict]) -> None:
     ns = sorted({c["seq_len"] for c in cells})
     for b in BACKENDS:
         pts = sorted((c["seq_len"], c) for c in cells if c["backend"] == b and c["status"] == "ok")
-        if pts:
-            axes[0][0].plot(
-                *zip(*((n, c["tokens_per_sec"] / 1e3) for n, c in pts), strict=True), marker="o", label=b
-            )
+        if tps := [(n, c["tokens_per_sec"] / 1e3) for n, c in pts]:
+            axes[0][0].plot(*zip(*tps, strict=True), marker="o", label=b)
         if busy := [(n, 100 * c["gpu_busy"]) for n, c in pts if "gpu_busy" in c]:
             axes[0][1].plot(*zip(*busy, strict=True), marker="o", label=b)
     for ax, ylabel in zip(axes[0], ("tokens/sec (thousands)", "GPU busy (% of step wall time)"), strict=True):
@@ -193,15 +181,10 @@ def gaps(events: list[dict], min_gap_us: float = 2.0) -> dict:
             count[ctx] += 1
             found.append((gap, e["ts"] - t0, e["name"][:50], *ctx, caused))
         end = max(end, e["ts"] + e["dur"])
-    return dict(
-        span_us=end - t0,
-        busy_us=sum(e["dur"] for e in dev),
-        gap_us=sum(by_ctx.values()),
-        host_caused_us=host_caused,
-        by_context=[(o, i, us, count[(o, i)]) for (o, i), us in by_ctx.most_common()],
-        by_kernel=kernels.most_common(),
-        gaps=sorted(found, reverse=True),
-    )
+    by_context = [(o, i, us, count[(o, i)]) for (o, i), us in by_ctx.most_common()]
+    out = dict(span_us=end - t0, busy_us=sum(e["dur"] for e in dev), gap_us=sum(by_ctx.values()))
+    out |= dict(host_caused_us=host_caused, by_context=by_context, by_kernel=kernels.most_common())
+    return out | dict(gaps=sorted(found, reverse=True))
 
 
 def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
@@ -211,31 +194,27 @@ def gaps_report(path: Path, min_gap_us: float, top: int) -> str:
     if not events:
         raise ValueError("no traceEvents (not a torch.profiler Chrome trace?)")
     r, ms = gaps(events, min_gap_us), 1e-3
-    return "\n".join(
-        [
-            f"{path}: span {r['span_us'] * ms:.2f} ms, device busy {r['busy_us'] * ms:.2f} ms "
-            f"({100 * r['busy_us'] / r['span_us']:.1f}%)",
-            f"gaps: {r['gap_us'] * ms:.2f} ms, of which the launch came after the device went idle: "
-            f"{r['host_caused_us'] * ms:.2f} ms",
-            *(f"  {us * ms:8.3f} ms  n={n:5d}  {o} > {i}" for o, i, us, n in r["by_context"][:top]),
-            "device time by kernel:",
-            *(f"  {us * ms:8.3f} ms  {name}" for name, us in r["by_kernel"][:top]),
-            "largest gaps:",
-            *(
-                f"  {g * ms:7.3f} ms at {at * ms:9.3f} ms before {name} | {o} > {i}"
-                + (" | host" if c else "")
-                for g, at, name, o, i, c in r["gaps"][:top]
-            ),
-        ]
-    )
+    lines = [
+        f"{path}: span {r['span_us'] * ms:.2f} ms, device busy {r['busy_us'] * ms:.2f} ms "
+        f"({100 * r['busy_us'] / r['span_us']:.1f}%)",
+        f"gaps: {r['gap_us'] * ms:.2f} ms, of which the launch came after the device went idle: "
+        f"{r['host_caused_us'] * ms:.2f} ms",
+        *(f"  {us * ms:8.3f} ms  n={n:5d}  {o} > {i}" for o, i, us, n in r["by_context"][:top]),
+        "device time by kernel:",
+        *(f"  {us * ms:8.3f} ms  {name}" for name, us in r["by_kernel"][:top]),
+        "largest gaps:",
+    ]
+    for g, at, name, o, i, host in r["gaps"][:top]:
+        where = f"{o} > {i}" + (" | host" if host else "")  # host: launched after the device went idle
+        lines.append(f"  {g * ms:7.3f} ms at {at * ms:9.3f} ms before {name} | {where}")
+    return "\n".join(lines)
 
 
 def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:
     """The arguments of the tools that run train.py cells (this one and bench.peer): run length, time limit,
     where results and run folders go, the CPU opt-in and the user's train.py overrides (after --)."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m bench.{prog}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    p = argparse.ArgumentParser(prog=f"python -m bench.{prog}", description=doc, formatter_class=raw)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
     p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
     p.add_argument("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")
@@ -266,6 +245,18 @@ def check_cells(p: argparse.ArgumentParser, a, try_out: str) -> int | None:
     return None
 
 
+def start_cells(a, argv, markdown, **meta) -> tuple[Path, common.Results]:
+    """The folder of this sweep's run folders (--runs-dir/<date-time>) and its results (OUT.json, rewritten
+    after every cell so that a stopped sweep keeps what it measured): versions, GPU ("cpu" without CUDA),
+    `meta` and the command line."""
+    import torch
+
+    env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    meta = env | dict(gpu=env["gpu"] or "cpu", **meta, argv=sys.argv[1:] if argv is None else list(argv))
+    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
+    return Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S"), results
+
+
 def main(argv=None) -> int:
     p = cell_parser("throughput", __doc__, timeout=600)
     p.add_argument("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
@@ -294,25 +285,17 @@ def main(argv=None) -> int:
     try_out = "--backends naive --seq-lens 64 --steps 4 --warmup 1 --profile-steps 0 -- experiment=cpu_tiny"
     if status := check_cells(p, a, try_out):
         return status
-    import torch
-
-    runs = Path(a.runs_dir) / time.strftime("%Y%m%d-%H%M%S")
-    env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    command = "python train.py attention=A seq_len=N " + shlex.join(a.overrides)
-    meta = env | dict(gpu=env["gpu"] or "cpu", steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps)
-    meta |= dict(command=command.strip(), argv=sys.argv[1:] if argv is None else list(argv))
-    # the results so far after every cell, so a stopped sweep keeps what it measured
-    results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
+    command = ("python train.py attention=A seq_len=N " + shlex.join(a.overrides)).strip()
+    meta = dict(steps=a.steps, warmup=a.warmup, profile_steps=a.profile_steps, command=command)
+    runs, results = start_cells(a, argv, markdown, **meta)
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
     cells = [(n, b) for n in a.seq_lens for b in a.backends]
     bar = tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty())
     for n, b in bar:
         bar.set_postfix_str(f"{b} seq_len={n}")
         if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            skip = dict(
-                backend=b, seq_len=n, status="not_run", error=f"not run: --naive-up-to {a.naive_up_to}"
-            )
-            results.add("cells", [skip])
+            why = f"not run: --naive-up-to {a.naive_up_to}"
+            results.add("cells", [dict(backend=b, seq_len=n, status="not_run", error=why)])
             continue
         rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
         tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
@@ -321,7 +304,7 @@ def main(argv=None) -> int:
         results.add("cells", [rec])
     bar.close()
     print(results.save(complete=True))
-    plot(Path(a.out).with_suffix(".png"), meta, results.lists["cells"])
+    plot(Path(a.out).with_suffix(".png"), results.meta, results.lists["cells"])
     return 0 if any(c["status"] == "ok" for c in results.lists["cells"]) else 1
 
 

@@ -151,9 +151,8 @@ class Shape:
         self.n, self.d = n, d
         self.b, self.h = shape_for(a.tokens, a.hidden, n, d)
         gen = torch.Generator(device=a.device).manual_seed(n * 1000 + d)
-        q, k, v, self.do = (
-            torch.randn(self.b, self.h, n, d, device=a.device, dtype=a.dtype, generator=gen) for _ in range(4)
-        )
+        kw = dict(device=a.device, dtype=a.dtype, generator=gen)
+        q, k, v, self.do = (torch.randn(self.b, self.h, n, d, **kw) for _ in range(4))
         self.leaves = [t.requires_grad_() for t in (q, k, v)]
         self.fwd_flops = 2.0 * self.b * self.h * n * n * d  # causal forward; backward is 2.5x
 
@@ -367,10 +366,8 @@ def decode_markdown(meta: dict, records: list[dict]) -> str:
             "",
         ]
         if bad := [r for r in sweep if r["status"] != "ok"]:
-            lines += [
-                f"Not timed: {len(bad)} ({'; '.join(label(r) + ' ' + r['status'] for r in bad[:4])})",
-                "",
-            ]
+            not_timed = "; ".join(label(r) + " " + r["status"] for r in bad[:4])
+            lines += [f"Not timed: {len(bad)} ({not_timed})", ""]
         if not sweep:
             continue
 
@@ -423,11 +420,15 @@ def decode_search(a) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv=None) -> int:
+    """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
+    message naming the fix and nothing written."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     ints = common.ints()
-    p = argparse.ArgumentParser(
-        prog="python -m bench.tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
+    p = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__, formatter_class=raw)
     p.add_argument("--seqlens", type=ints, help="N (default 1024,4096,16384; --plans 4096,16384; dry run 32)")
     p.add_argument("--headdims", "--d", dest="headdims", type=ints, help="d (default 64,128; dry run 16)")
     p.add_argument(
@@ -458,16 +459,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="search: JSON lines appended (outputs/tune.jsonl); A/B: none; decode: a folder"
     )
     p.add_argument("--dry-run", action="store_true", help="tiny CPU run under TRITON_INTERPRET=1 (float32)")
-    return p
-
-
-def main(argv=None) -> int:
-    """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
-    message naming the fix and nothing written."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--dry-run" in argv:  # before kernels/ is imported (by --configs parsing too)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    p = build_parser()
     a = p.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # each result as it comes, also into a pipe or a log
     a.argv, a.kernels = argv, [k.strip() for k in a.kernels.split(",") if k.strip()]
@@ -508,9 +499,8 @@ def main(argv=None) -> int:
             return common.error(str(exc))
     a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
-    out_path = a.out or (
-        None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
-    )
+    default = None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
+    out_path = a.out or default
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "a") if out_path else contextlib.nullcontext() as out:
