@@ -59,7 +59,8 @@ class Run:
 
 def label_of(cfg: dict, summary: dict) -> str | None:
     """'<backend> N=<seq_len>', plus an explicit dtype (compared: float32 / bfloat16) and the attention
-    variants (' w=<window>', ' doc-mask', ' attn-drop=<p>'); None when the config names no backend."""
+    variants (' w=<window>', ' doc-mask', ' attn-drop=<p>') and ablation keys (' kv=<n_kv_head>', ' rope',
+    ' qk-norm', ' cap=<softcap>'); None when the config names no backend."""
     if (backend := common.attention_label(cfg, summary)) is None:
         return None
     label = backend + (f" N={n}" if (n := common.seq_len_of(cfg, summary)) is not None else "")
@@ -69,7 +70,13 @@ def label_of(cfg: dict, summary: dict) -> str | None:
     label += f" w={w}" if common.plain(w := common.cfg_get(cfg, "attention.window")) else ""
     label += " doc-mask" if common.cfg_get(cfg, "attention.document_mask") is True else ""
     p = common.cfg_get(cfg, "model.attn_dropout")
-    return label + (f" attn-drop={p:g}" if isinstance(p, (int, float)) and p > 0 else "")
+    label += f" attn-drop={p:g}" if isinstance(p, (int, float)) and p > 0 else ""
+    # the ablation keys, so a sweep's curves say which run is which
+    label += f" kv={h}" if common.plain(h := common.cfg_get(cfg, "model.n_kv_head")) else ""
+    label += " rope" if common.cfg_get(cfg, "model.pos_emb") == "rope" else ""
+    label += " qk-norm" if common.cfg_get(cfg, "model.qk_norm") is True else ""
+    c = common.cfg_get(cfg, "attention.softcap")
+    return label + (f" cap={c:g}" if isinstance(c, (int, float)) and not isinstance(c, bool) else "")
 
 
 def load_run(path: str | Path) -> Run:

@@ -979,3 +979,12 @@ def test_prepare_bench_records_speed_memory_and_provenance(tmp_path, gpt2_bpe):
         assert r["tokens"] > 10_000 and r["mb_per_s"] > 0 and r["peak_rss_mb"] > 50, r
     assert record["rows"][0]["worker_peak_rss_mb"] == 0 and record["rows"][1]["worker_peak_rss_mb"] > 50
     assert record["command"].startswith("python -m bench.prepare --mb 0.3") and record["date"]
+
+
+def test_compare_labels_name_the_ablation_keys():
+    """A sweep over the ablation keys gives curves whose labels say which run is which."""
+    base = {"attention": {"name": "flash", "window": None}, "seq_len": 1024, "model": {}}
+    assert bc.label_of(base, {}) == "flash N=1024"
+    cfg = {**base, "model": {"n_kv_head": 4, "pos_emb": "rope", "qk_norm": True}}
+    cfg["attention"] = {"name": "flash", "softcap": 30.0}
+    assert bc.label_of(cfg, {}) == "flash N=1024 kv=4 rope qk-norm cap=30"
