@@ -405,6 +405,19 @@ def _prepared_meta(data_dir: Path) -> dict | None:
         return None
 
 
+def _prepare_args(cfg) -> dict:
+    """The data keys as ``data.prepare``'s arguments (what the prepared data is made of)."""
+    d = cfg.data
+    return dict(
+        tokenizer=d.tokenizer,
+        val_fraction=d.val_fraction,
+        doc_separator=d.doc_separator,
+        val_docs=d.val_docs,
+        text_field=d.text_field,
+        max_tokens=d.max_tokens,
+    )
+
+
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
     """Refuse to re-prepare a data directory that holds other data (``data.prepare.conflict_reason``:
     another corpus, tokenizer, document separator, split, text field or cap): other runs (and their
@@ -414,16 +427,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
 
     src = effective_data_source(cfg)
     try:
-        held = conflict_reason(
-            src,
-            data_dir,
-            cfg.data.tokenizer,
-            cfg.data.val_fraction,
-            cfg.data.doc_separator,
-            val_docs=cfg.data.val_docs,
-            text_field=cfg.data.text_field,
-            max_tokens=cfg.data.max_tokens,
-        )
+        held = conflict_reason(src, data_dir, **_prepare_args(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source={src}: {e}") from e
     if held:
@@ -529,18 +533,7 @@ def _trial_prepare(cfg, src) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="flashgpt-seq-len-check-") as tmp:
         try:
-            return prepare(
-                src,
-                Path(tmp) / "data",
-                cfg.data.tokenizer,
-                cfg.data.val_fraction,
-                cfg.data.doc_separator,
-                val_docs=cfg.data.val_docs,
-                text_field=cfg.data.text_field,
-                max_tokens=cfg.data.max_tokens,
-                workers=1,
-                progress=False,
-            )
+            return prepare(src, Path(tmp) / "data", **_prepare_args(cfg), workers=1, progress=False)
         except (OSError, ValueError) as e:
             msg = _as_keys(str(e))
             raise ConfigError(msg if str(src) in msg else f"data.source={src}: {msg}") from e

@@ -131,8 +131,19 @@ def test_sample_init_from_greedy_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "s.txt"]
 
 
-def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
+def _hf_val_loss(hf, data_dir) -> float:
+    """transformers' mean loss over eval.py's / the trainer's val batches (3 of 2 x 32 tokens, seed 7)."""
     from data.loader import BinDataset
+
+    losses = []
+    with torch.no_grad():
+        for x, y in BinDataset(data_dir, "val", 32).eval_batches(3, 2, 7):
+            logits = hf(x).logits.double()
+            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
     from data.prepare import prepare
 
     d, hf = hf_bpe_dir
@@ -152,12 +163,7 @@ def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path,
     proc = _cli("eval.py", [*args, "device=cpu", f"out={tmp_path}/e.json"], tmp_path)
     assert proc.returncode == 0, describe(proc)
     ours = json.loads((tmp_path / "e.json").read_text())
-    losses = []
-    with torch.no_grad():
-        for x, y in BinDataset(tmp_path / "data", "val", 32).eval_batches(3, 2, 7):
-            logits = hf(x).logits.double()
-            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
-    ref = sum(losses) / len(losses)
+    ref = _hf_val_loss(hf, tmp_path / "data")
     assert abs(ours["loss"] - ref) < 1e-5, f"seed={seed}: eval.py {ours['loss']} vs transformers {ref}"
     assert ours["step"] == 0 and ours["checkpoint"] == str(d)
 
@@ -186,7 +192,6 @@ def test_init_from_errors_exit_2(hf_dir, hf_bpe_dir, tmp_path, script, args, mes
 def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
     """train.py init_from=<checkpoint dir>: the model takes the checkpoint's shape (biases on) and its
     weights, so the step-0 validation loss is transformers' loss on the same evaluation batches."""
-    from data.loader import BinDataset
 
     d, hf = hf_bpe_dir
     words = np.random.default_rng(seed).choice(
@@ -219,12 +224,7 @@ def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_p
     ours = next(r["val/loss"] for r in rows if r.get("step") == 0 and "val/loss" in r)
     saved = yaml_load(run / "config.resolved.yaml")["model"]
     assert (saved["n_layer"], saved["n_head"], saved["n_embd"], saved["bias"]) == (2, 2, 32, True), saved
-    losses = []
-    with torch.no_grad():
-        for x, y in BinDataset(tmp_path / "data", "val", 32).eval_batches(3, 2, 7):
-            logits = hf(x).logits.double()
-            losses.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item())
-    ref = sum(losses) / len(losses)
+    ref = _hf_val_loss(hf, tmp_path / "data")
     assert abs(ours - ref) < 1e-4, f"seed={seed}: train.py step 0 {ours} vs transformers {ref}"
 
 

@@ -41,12 +41,18 @@ def _resume(data, run, max_steps, source=None) -> list[str]:
     return [a for a in args if source is not None or not a.startswith("data.source=")]
 
 
-def test_resume_after_the_text_file_was_moved_continues_on_the_prepared_data(tmp_path, seed, capsys):
+def _trained_char_run(tmp_path, seed):
+    """(corpus, data dir, run dir) of a finished 2-step char run on a random 4000-character corpus."""
     rng = np.random.default_rng(seed)
     src = tmp_path / "corpus.txt"
     src.write_text("".join(rng.choice(list("abcdefgh \n"), size=4000)))
     data, run = tmp_path / "data", tmp_path / "run"
     assert run_inprocess(_args(src, data, run, **{"data.tokenizer": "char"}), run).exit_code == 0
+    return src, data, run
+
+
+def test_resume_after_the_text_file_was_moved_continues_on_the_prepared_data(tmp_path, seed, capsys):
+    src, data, run = _trained_char_run(tmp_path, seed)
     moved = tmp_path / "elsewhere.txt"
     shutil.move(src, moved)
     capsys.readouterr()
@@ -71,11 +77,7 @@ def test_resume_after_the_text_file_was_moved_continues_on_the_prepared_data(tmp
 
 def test_resume_with_the_source_gone_and_its_tokens_broken_is_refused(tmp_path, seed, capsys):
     """No corpus and no complete prepared data: nothing to continue on, said with data.source named."""
-    rng = np.random.default_rng(seed)
-    src = tmp_path / "corpus.txt"
-    src.write_text("".join(rng.choice(list("abcdefgh \n"), size=4000)))
-    data, run = tmp_path / "data", tmp_path / "run"
-    assert run_inprocess(_args(src, data, run, **{"data.tokenizer": "char"}), run).exit_code == 0
+    src, data, run = _trained_char_run(tmp_path, seed)
     src.unlink()
     next(data.glob("train_*.bin")).write_bytes(b"")
     capsys.readouterr()
@@ -105,11 +107,7 @@ def test_resume_onto_token_files_replaced_behind_their_meta_is_refused(tmp_path,
     """The corpus is gone and data.dir's .bin files were replaced by other tokens of the same size (its
     meta.json left as it was): the checkpoint's digest of the token files tells, and the resume is refused
     (exit 2, naming the token files), the run untouched. The same files put back resume."""
-    rng = np.random.default_rng(seed)
-    src = tmp_path / "corpus.txt"
-    src.write_text("".join(rng.choice(list("abcdefgh \n"), size=4000)))
-    data, run = tmp_path / "data", tmp_path / "run"
-    assert run_inprocess(_args(src, data, run, **{"data.tokenizer": "char"}), run).exit_code == 0
+    src, data, run = _trained_char_run(tmp_path, seed)
     src.unlink()
     shutil.copytree(data, tmp_path / "kept")
     for f in data.glob("*.bin"):  # the same ids in another order: same size, same vocabulary
