@@ -56,7 +56,7 @@ def test_changed_directory_source_message_gives_commands_that_work(tmp_path, gpt
     err = capsys.readouterr().err
     assert "source changed" in err and "03.txt" in err, err
     other = re.search(r"set data\.dir=(\S+)", err)
-    assert other and other.group(1) == str(tmp_path / "data_texts"), err
+    assert other and other.group(1) == str(tmp_path / "texts_gpt2"), err
     run2 = tmp_path / "run2"
     assert run_inprocess(_args(src, other.group(1), run2), run2).exit_code == 0
 
