@@ -153,10 +153,8 @@ def build_model_config(st: RunState) -> None:
             )
         shape = {k: getattr(pre, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")}
         st.gpt_config = dataclasses.replace(st.gpt_config, **shape)
-        for (
-            key,
-            value,
-        ) in shape.items():  # the run's records (config.resolved.yaml, W&B) say the model it trains
+        # the run's records (config.resolved.yaml, W&B) say the model it trains
+        for key, value in shape.items():
             setattr(cfg.model, key, value)
     probe_attention(cfg, st.plan, st.device, st.gpt_config.n_head)
 
