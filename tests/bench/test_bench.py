@@ -961,6 +961,7 @@ def test_report_keeps_the_runs_of_an_ablation_sweep_apart(tmp_path, seed):
     assert all(label in md for label in labels)
 
 
+@pytest.mark.slow  # two prepare processes with a spawned pool, ~8 s
 def test_prepare_bench_records_speed_memory_and_provenance(tmp_path, gpt2_bpe):
     """bench.prepare on a small corpus: a row per worker count with MB/s, tokens/s, the main process's and
     the largest worker's peak RSS, and the command, commit and date in the results file."""

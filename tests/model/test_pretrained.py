@@ -189,6 +189,7 @@ def test_init_from_errors_exit_2(hf_dir, hf_bpe_dir, tmp_path, script, args, mes
     assert [p.name for p in tmp_path.iterdir()] in ([], ["hf"])
 
 
+@pytest.mark.slow  # a train.py process, ~17 s on 2 cores
 def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
     """train.py init_from=<checkpoint dir>: the model takes the checkpoint's shape (biases on) and its
     weights, so the step-0 validation loss is transformers' loss on the same evaluation batches."""

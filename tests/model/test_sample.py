@@ -374,6 +374,7 @@ def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
     assert _tree(run) == before and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # prepares a second corpus and runs eval.py, ~8 s
 def test_eval_refuses_char_data_of_the_same_size_with_other_characters(trained, tmp_path, shakespeare_path):
     """Another char corpus with as many characters (65) but another set maps each id to another character:
     eval.py refuses it (exit 2, naming data.dir and the characters), where comparing sizes alone scored it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import pytest
 
 from tests.helpers_train import run_inprocess
 
@@ -103,6 +104,7 @@ def test_resume_after_the_directory_was_moved_continues(tmp_path, gpt2_bpe, seed
     assert "data.source holds the same data as the run's" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # three tiny runs in-process, ~5 s
 def test_resume_onto_token_files_replaced_behind_their_meta_is_refused(tmp_path, seed, capsys):
     """The corpus is gone and data.dir's .bin files were replaced by other tokens of the same size (its
     meta.json left as it was): the checkpoint's digest of the token files tells, and the resume is refused
