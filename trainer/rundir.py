@@ -55,30 +55,25 @@ def run_token() -> str:
 
 
 _NAMED = {"attention", "attention.name", "seq_len"}  # already in a sweep job's folder name
-_SWEEP_VALUE = re.compile(r"^\s*(range|choice|glob|interval|tag|sort|shuffle)\(|,")
 
 
 def swept(_root_) -> str:
-    """``_key-value`` for each key this multirun sweeps (a ``,`` list or a sweep function on the command
-    line) besides attention and seq_len, with this job's value (``hydra.overrides.task``): the folder
-    ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is. Nothing outside a multirun."""
+    """``_key-value`` for each key this multirun sweeps (Hydra's own parse of the command line,
+    ``is_sweep_override``) besides attention and seq_len, with this job's value (``hydra.overrides.task``):
+    the folder ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is. Nothing outside a
+    multirun."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    keys = []
-    for arg in sys.argv[1:]:
-        key, eq, value = arg.partition("=")
-        key = key.lstrip("+~")
-        if eq and not key.startswith("hydra.") and key not in _NAMED and _SWEEP_VALUE.search(value):
-            keys.append(key)
     try:
         task = dict(o.partition("=")[::2] for o in _root_.hydra.overrides.task)
-    except Exception:  # noqa: BLE001 - no Hydra config here (a composed config): no sweep to name
+        parsed = OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+    except Exception:  # noqa: BLE001 - no Hydra config (a composed config) or no Hydra command line
         return ""
-    task = {k.lstrip("+~"): v for k, v in task.items()}
+    keys = [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in _NAMED]
     # key-value with a '-': a '=' in a folder name would break the out_dir= of a printed resume command
-    safe = re.compile(r"[^A-Za-z0-9._+-]")
     shown = {"True": "true", "False": "false"}
     parts = (f"_{k.rsplit('.', 1)[-1]}-{shown.get(task[k], task[k])}" for k in keys if k in task)
-    return "".join(safe.sub("-", p) for p in parts)
+    return "".join(re.sub(r"[^A-Za-z0-9._+-]", "-", p) for p in parts)
 
 
 def register_resolvers() -> None:
