@@ -36,8 +36,8 @@ def ref_attention(q, k, v, softcap=None, window=None, doc_ids=None):
     q, k, v = q.double(), k.double(), v.double()
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    i = torch.arange(Nq)[:, None] + (Nk - Nq)  # each query's absolute position
-    j = torch.arange(Nk)[None, :]
+    i = torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq)  # each query's absolute position
+    j = torch.arange(Nk, device=q.device)[None, :]
     keep = (j <= i).expand(B, Nq, Nk)
     if window is not None:
         keep = keep & (j > i - window)
@@ -58,7 +58,7 @@ def ref_rope(x, pos, theta):
     """x (B, T, H, d) rotated as complex numbers z_m = x[m] + i x[m + d/2] times exp(i pos theta^(-2m/d))."""
     d = x.shape[-1]
     z = torch.complex(x[..., : d // 2].double(), x[..., d // 2 :].double())
-    m = torch.arange(d // 2, dtype=torch.float64)
+    m = torch.arange(d // 2, dtype=torch.float64, device=x.device)
     angle = pos.double()[:, None] * theta ** (-2 * m / d)  # (T, d/2)
     z = z * torch.polar(torch.ones_like(angle), angle)[:, None, :]  # (T, 1, d/2): broadcast over heads
     return torch.cat((z.real, z.imag), dim=-1)
@@ -80,7 +80,7 @@ def ref_layer(attn, cfg: GPTConfig, x):
             normed = t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-6) * g
             q, k = (normed, k) if name == "q" else (q, normed)
     if cfg.pos_emb == "rope":
-        pos = torch.arange(T)
+        pos = torch.arange(T, device=x.device)
         q, k = ref_rope(q, pos, cfg.rope_theta), ref_rope(k, pos, cfg.rope_theta)
     y = ref_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cfg.softcap, cfg.window)
     y = y.transpose(1, 2).reshape(B, T, C)
