@@ -8,11 +8,11 @@
 # UTF-8 text copied into one folder, a corpus of long documents any GPU machine has; the prepare step refuses a
 # file that is not UTF-8), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign) ;;
-*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|gqa|ablations|context|redesign)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -161,6 +161,11 @@ softcap)  # the kernel cost of soft-capping: flash with c = 30 against plain cau
   for cap in "" 30; do
     python -m bench.attention --providers flash,flex --seqlens 4096,8192,16384 --headdims 64,128 \
       --out "$OUT" --tag h200_causal ${cap:+--softcap $cap}
+  done ;;
+softcap_triton)  # the cap's own cost: capped vs uncapped, both on the Triton kernels (the Gluon ones take no cap)
+  for cap in "" 30; do
+    FLASHGPT_GLUON_FWD=0 FLASHGPT_GLUON_BWD=0 python -m bench.attention --providers flash --seqlens 4096,8192,16384 \
+      --headdims 64,128 --modes fwd,bwd --out "$OUT" --tag h200_triton_causal ${cap:+--softcap $cap}
   done ;;
 gqa)  # training throughput with n_kv_head = 12 / 4 / 1 at seq_len 8192 (flash)
   for kv in 12 4 1; do
