@@ -176,20 +176,20 @@ class Source:
     def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
         """Every non-empty document in a fixed order, as pieces (``text_pieces``)."""
         if self.hf_name is not None:  # before the files: a local dataset's files are datasets' to read
-            records = ((r, f"{self.label} record {i}") for i, r in enumerate(open_hf(self)))
-            for record, where in records:
-                yield from text_pieces([self._field(record, where)])
+            yield from self._documents((r, f"{self.label} record {i}") for i, r in enumerate(open_hf(self)))
             return
         for path in self.files:
             if path.name.lower().endswith(".parquet"):
-                docs = _parquet_documents(path, self.text_field)
+                yield from self._documents(_parquet_records(path, self.text_field))
             elif is_records(path):
-                docs = (self._field(r, where) for r, where in _json_records(path))
+                yield from self._documents(_json_records(path))
             else:
                 yield from text_pieces(read_blocks(path), doc_separator, keep_separator)
-                continue
-            for text in docs:
-                yield from text_pieces([text])
+
+    def _documents(self, records: Iterable[tuple[object, str]]) -> Iterator[Piece]:
+        """The pieces of each record's text field; ``records`` are (record, where it is) pairs."""
+        for record, where in records:
+            yield from text_pieces([self._field(record, where)])
 
     def characters(self) -> set[str]:
         """The distinct characters of the text files (the char tokenizer's vocabulary)."""
@@ -251,7 +251,8 @@ def _json_records(path: Path) -> Iterator[tuple[object, str]]:
         raise SourceError(f"{path} is not a readable gzip file ({e})") from e
 
 
-def _parquet_documents(path: Path, column: str) -> Iterator[str]:
+def _parquet_records(path: Path, column: str) -> Iterator[tuple[dict, str]]:
+    """({column: value}, "path row i") of a Parquet file, read 1024 rows at a time."""
     import pyarrow.parquet as pq
 
     try:
@@ -264,14 +265,11 @@ def _parquet_documents(path: Path, column: str) -> Iterator[str]:
             f"{path} has no column {column!r} (its columns: {', '.join(names[:8])}); set "
             "data.text_field (--text-field) to the column that holds the text"
         )
-    for batch in pf.iter_batches(batch_size=1024, columns=[column]):
-        for i, text in enumerate(batch.column(0).to_pylist()):
-            if text is not None and not isinstance(text, str):
-                raise SourceError(
-                    f"{path}: column {column!r} holds {type(text).__name__} values (row {i}), "
-                    "not text; set data.text_field (--text-field) to a string column"
-                )
-            yield text or ""
+    rows = itertools.chain.from_iterable(
+        b.column(0).to_pylist() for b in pf.iter_batches(1024, columns=[column])
+    )
+    for i, value in enumerate(rows):
+        yield {column: value}, f"{path} row {i}"
 
 
 def open_hf(src: Source):
