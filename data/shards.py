@@ -217,17 +217,17 @@ def _batches(pieces: Iterable, skip: int) -> Iterator[list]:
 def tokenized_pieces(pieces: Iterable, tok, workers: int, skip: int = 0) -> Iterator[tuple]:
     """(token ids as uint32, starts a document, ends one, its characters) of each piece after the first
     ``skip``, in order. ``workers`` threads tokenize batches (tiktoken releases the GIL) while this one
-    reads the source, with at most ``2 * workers`` batches in flight: memory holds batches, not the corpus."""
+    reads the source, with ``workers`` batches in flight: memory holds a few batches, not the corpus."""
 
     def encode(batch: list) -> list[np.ndarray]:
-        return [np.asarray(tok.encode_array(text), dtype=np.uint32) for text, _, _ in batch]
+        return [tok.encode_array(text, np.uint32) for text, _, _ in batch]
 
     pool, pending = ThreadPoolExecutor(workers, thread_name_prefix="tokenize"), deque()
     try:
         for batch in itertools.chain(_batches(pieces, skip), [None]):
             if batch is not None:
                 pending.append((pool.submit(encode, batch), batch))
-            while pending and (batch is None or len(pending) > 2 * workers):
+            while pending and (batch is None or len(pending) > workers):
                 task, done = pending.popleft()
                 for ids, (text, start, end) in zip(task.result(), done, strict=True):
                     yield ids, start, end, len(text)

@@ -60,8 +60,8 @@ class GPT2Tokenizer:
         between documents, as a user who writes it in a prompt means."""
         return self._enc.encode(text, allowed_special={"<|endoftext|>"})
 
-    def encode_array(self, text: str) -> np.ndarray:
-        return np.asarray(self.encode(text), dtype=np.int64)
+    def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
+        return np.array(self.encode(text), dtype=dtype)
 
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes that are not valid UTF-8 (a window cut inside a character) decode to U+FFFD."""
@@ -95,10 +95,10 @@ class CharTokenizer:
         self._order = np.argsort(codes)  # a vectorised lookup: code points sorted, and their ids
         self._sorted_codes = codes[self._order]
 
-    def encode_array(self, text: str) -> np.ndarray:
+    def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
         """ValueError naming the first character outside the vocabulary."""
         if not text:
-            return np.zeros(0, dtype=np.int64)
+            return np.zeros(0, dtype=dtype)
         if self.vocab_size == 0:
             raise ValueError("the char vocabulary is empty; it cannot encode any text")
         codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4").astype(np.int64)
@@ -111,7 +111,7 @@ class CharTokenizer:
                 f"{self.vocab_size}-character vocabulary; char-level data must be encoded with the "
                 "vocabulary of its own corpus"
             )
-        return self._order[pos].astype(np.int64)
+        return self._order[pos].astype(dtype)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
