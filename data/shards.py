@@ -223,13 +223,18 @@ def tokenized_pieces(pieces: Iterable, tok, workers: int, skip: int = 0) -> Iter
         return [tok.encode_array(text, np.uint32) for text, _, _ in batch]
 
     pool, pending = ThreadPoolExecutor(workers, thread_name_prefix="tokenize"), deque()
+
+    def oldest() -> Iterator[tuple]:
+        task, batch = pending.popleft()
+        for ids, (text, start, end) in zip(task.result(), batch, strict=True):
+            yield ids, start, end, len(text)
+
     try:
-        for batch in itertools.chain(_batches(pieces, skip), [None]):
-            if batch is not None:
-                pending.append((pool.submit(encode, batch), batch))
-            while pending and (batch is None or len(pending) > workers):
-                task, done = pending.popleft()
-                for ids, (text, start, end) in zip(task.result(), done, strict=True):
-                    yield ids, start, end, len(text)
+        for batch in _batches(pieces, skip):
+            pending.append((pool.submit(encode, batch), batch))
+            if len(pending) > workers:  # one more is read while these are tokenized
+                yield from oldest()
+        while pending:
+            yield from oldest()
     finally:
         pool.shutdown(cancel_futures=True)
