@@ -50,8 +50,24 @@ from data.meta import (  # noqa: E402
     token_dtype,
     write_json,
 )
-from data.shards import ShardWriter, install, is_val_doc, load_state, save_state, stage_dir, tokenized_pieces  # noqa: E402
-from data.sources import Source, fingerprint_diff, fingerprint_sha256, is_hf, open_source, source_stem  # noqa: E402
+from data.shards import (  # noqa: E402
+    ShardWriter,
+    install,
+    is_val_doc,
+    load_state,
+    save_state,
+    stage_dir,
+    tokenized_pieces,
+)
+from data.sources import (  # noqa: E402
+    Source,
+    fingerprint_diff,
+    fingerprint_sha256,
+    is_hf,
+    is_url,
+    open_source,
+    source_stem,
+)
 from data.tokenizer import MAX_VOCAB, TOKENIZERS, make_tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -68,10 +84,6 @@ DEFAULT_VAL_FRACTION = 0.1
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _is_url(source) -> bool:
-    return isinstance(source, str) and source.lower().startswith(("http://", "https://"))
-
-
 def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float | None, int | None]:
     """The val split as (val_fraction, None) or (None, val_docs); neither set means the default share."""
     if val_docs is not None:
@@ -142,7 +154,7 @@ def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "te
     (``fetch``) into ``out_dir/input.txt``, unless that file is there and meta.json names no other URL."""
     if isinstance(source, str) and not source.strip():
         source = None  # an empty config value means "the default corpus"
-    if source is not None and not _is_url(source):
+    if source is not None and not is_url(source):
         return open_source(source, text_field)
     url = TINY_SHAKESPEARE_URL if source is None else str(source)
     dest = out_dir / DOWNLOAD_NAME
@@ -316,7 +328,7 @@ def _prepare_into(
         raise ValueError(
             f"shard_tokens={shard_tokens!r} must be a positive integer, e.g. {DEFAULT_SHARD_TOKENS}"
         )
-    workers = os.cpu_count() or 1 if workers is None else int(workers)
+    workers = (os.cpu_count() or 1) if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1 (default: the CPU count)")
     src = _resolve_source(source, out, fetch=True, text_field=opts.text_field)
@@ -500,8 +512,8 @@ def _compare(meta: dict, src: Source, opts: Options) -> str | None:
     if meta.get("max_tokens") != opts.max_tokens:
         return f"data capped at max_tokens={meta.get('max_tokens')}, not {opts.max_tokens}"
     if meta["source"] != src.label and (
-        _is_url(src.label)
-        or _is_url(meta["source"])
+        is_url(src.label)
+        or is_url(meta["source"])
         # a directory moved or copied with its files' names, sizes and mtimes is the same corpus
         or (src.kind == "docs" and _source_identity(src)[0] != meta.get("source_sha256"))
     ):
@@ -570,7 +582,7 @@ def load_prepared(out_dir) -> dict:
 def source_sha256(source, text_field: str = "text") -> str | None:
     """The ``source_sha256`` preparing local ``source`` now would record, or None (a URL, a dataset name,
     a source that names nothing): a moved corpus is recognised by it."""
-    if source is None or _is_url(source) or is_hf(source):
+    if source is None or is_url(source) or is_hf(source):
         return None
     try:
         return _source_identity(open_source(source, text_field))[0]

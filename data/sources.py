@@ -43,6 +43,10 @@ def is_hf(source) -> bool:
     return isinstance(source, str) and source.startswith(HF_PREFIX)
 
 
+def is_url(source) -> bool:
+    return isinstance(source, str) and source.lower().startswith(("http://", "https://"))
+
+
 def is_records(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
@@ -53,7 +57,7 @@ def _is_glob(text: str) -> bool:
 
 def is_document_source(source) -> bool:
     """Whether ``source`` is read as a list of documents (hf:, a directory, a glob, a record file); cheap."""
-    if source is None or str(source).lower().startswith(("http://", "https://")):
+    if source is None or is_url(source):
         return False
     text = str(source)
     return is_hf(text) or is_records(Path(text)) or Path(text).expanduser().is_dir() or _is_glob(text)
