@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `data` package from the repo root
@@ -673,11 +673,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
-    kw = {"text_field": args.text_field, "max_tokens": args.max_tokens, "val_docs": args.val_docs}
+    data = {f.name: getattr(args, f.name) for f in fields(Options)}  # the flags named as Options' fields
     try:
-        held = conflict_reason(
-            args.source, out_dir, args.tokenizer, args.val_fraction, args.doc_separator, **kw
-        )
+        held = conflict_reason(args.source, out_dir, **data)
         if held and not args.force:
             other_tok = load_meta(Path(out_dir)).get("tokenizer") != args.tokenizer
             suffix = args.tokenizer if other_tok else source_stem(args.source)  # what differs
@@ -689,18 +687,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        meta = prepare(
-            args.source,
-            out_dir,
-            args.tokenizer,
-            args.val_fraction,
-            args.doc_separator,
-            workers=args.workers,
-            shard_tokens=args.shard_tokens,
-            dtype=args.dtype,
-            progress=not args.no_progress,
-            **kw,
-        )
+        run = {"workers": args.workers, "shard_tokens": args.shard_tokens, "dtype": args.dtype}
+        meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress)
     except (OSError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
