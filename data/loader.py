@@ -126,24 +126,16 @@ class BinDataset:
         self._data = self._open()
 
     def _check_ids(self) -> None:
-        top, where = -1, self.data_dir
+        k = _PARTIAL_ID_CHECK_TOKENS
         for data, (path, n, _) in zip(self._data, self.shards, strict=True):
-            if n == 0:
-                continue
-            k = _PARTIAL_ID_CHECK_TOKENS
-            t = (
-                int(data.max())
-                if n <= _FULL_ID_CHECK_TOKENS
-                else max(int(data[:k].max()), int(data[-k:].max()))
-            )
-            if t > top:
-                top, where = t, path
-        if top >= self.vocab_size:
-            raise ValueError(
-                f"{where} holds token id {top}, but {self.data_dir / 'meta.json'} says "
-                f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
-                f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
-            )
+            ids = data if n <= _FULL_ID_CHECK_TOKENS else np.concatenate([data[:k], data[-k:]])
+            top = int(ids.max()) if n else -1
+            if top >= self.vocab_size:
+                raise ValueError(
+                    f"{path} holds token id {top}, but {self.data_dir / 'meta.json'} says "
+                    f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
+                    f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
+                )
 
     # -- documents
     def doc_starts(self) -> np.ndarray:
