@@ -295,8 +295,9 @@ def open_hf(src: Source):
             raise SourceError(f"{label}: {name} does not load with datasets.load_from_disk ({e})") from e
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
+                splits = ", ".join(ds) or "none"
                 raise SourceError(
-                    f"{label} is a DatasetDict without a 'train' split (its splits: {', '.join(ds)}); "
+                    f"{label} is a DatasetDict without a 'train' split (its splits: {splits}); "
                     f"save the split to read on its own (ds['{next(iter(ds), 'SPLIT')}'].save_to_disk(DIR)) "
                     "and pass hf:DIR"
                 )
