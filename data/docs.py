@@ -1,19 +1,18 @@
-"""Documents in a token stream: where they start, and per-token document ids (for document masking).
+"""Documents in a token stream: the separator between them, and per-token document ids (document masking).
 
-A corpus prepared with ``data.doc_separator`` (``python -m data.prepare --doc-separator``) is a sequence of
-documents, each followed by a separator token sequence ``sep`` recorded in ``meta["doc_separator_ids"]``:
-the GPT-2 BPE writes one end-of-text token (``<|endoftext|>``, id 50256) between documents instead of the
-separator text; the char tokenizer (which has no end-of-text token) keeps the separator's characters.
-The rule, the same everywhere (prepare, loader, model): a separator ends at token t when
-``tokens[t - L + 1 : t + 1] == sep`` (L = len(sep)); the next document starts at t + 1. The separator belongs
-to the document it ends.
+A corpus prepared with ``data.doc_separator`` is a sequence of documents, each followed by the separator
+token sequence ``sep`` (``meta["doc_separator_ids"]``): one end-of-text token (50256) for the GPT-2 BPE,
+the separator's characters for the char tokenizer. A separator ends at token t when
+``tokens[t - L + 1 : t + 1] == sep``; the next document starts at t + 1 (prepare, loader and model agree).
 
-Per-token ids inside a window are relative: id 0 for the window's first token, +1 after every separator end.
-The loader (which sees the whole split) and the model (which sees the window only) give the same ids except
-when a multi-token separator straddles the window's first position (the model cannot see its first part).
+Per-token ids inside a window are relative: 0 for the window's first token, +1 after every separator end.
+The loader (whole split) and the model (the window only) differ only when a multi-token separator
+straddles the window's first position.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
@@ -21,30 +20,19 @@ import torch
 __all__ = ["GPT2_EOT", "doc_ids_from_tokens", "parse_separator", "separator_ends", "separator_ids"]
 
 GPT2_EOT = 50256  # <|endoftext|> of the GPT-2 BPE
+_ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 
 
 def parse_separator(separator: str | None) -> str | None:
-    """The separator as typed on a command line or in YAML, with the escapes \\n, \\t and \\\\ turned into
-    a newline, a tab and a backslash (Hydra passes ``data.doc_separator='\\n\\n'`` through literally)."""
-    if separator is None or "\\" not in separator:
-        return separator
-    out, i = [], 0
-    while i < len(separator):
-        c = separator[i]
-        if c == "\\" and i + 1 < len(separator) and separator[i + 1] in "nt\\":
-            out.append({"n": "\n", "t": "\t", "\\": "\\"}[separator[i + 1]])
-            i += 2
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    """The separator with the escapes \\n, \\t and \\\\ turned into their characters (Hydra passes
+    ``data.doc_separator='\\n\\n'`` through literally)."""
+    if separator is None:
+        return None
+    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], separator)
 
 
 def separator_ids(tokenizer_name: str, separator: str, tok) -> list[int]:
-    """Token ids written between documents: [GPT2_EOT] for "gpt2", the separator's characters for "char".
-
-    Raises ValueError for an empty separator or one the char vocabulary cannot encode.
-    """
+    """Token ids written between documents: [GPT2_EOT] for "gpt2", the separator's characters for "char"."""
     if not isinstance(separator, str) or not separator:
         raise ValueError(f"doc_separator must be a non-empty string, got {separator!r}")
     if tokenizer_name == "gpt2":
@@ -52,33 +40,25 @@ def separator_ids(tokenizer_name: str, separator: str, tok) -> list[int]:
     return [int(t) for t in tok.encode(separator)]
 
 
-def separator_ends(tokens: np.ndarray, sep: list[int] | tuple[int, ...]) -> np.ndarray:
-    """Bool array like ``tokens`` (1-D): True at each position t where a separator ends (see module doc)."""
-    tokens = np.asarray(tokens)
+def _ends(tokens, sep, ends):
+    """``ends`` (zeros like ``tokens``, numpy or torch) set True where a separator ends, on the last axis."""
     n, length = tokens.shape[-1], len(sep)
-    ends = np.zeros(tokens.shape, dtype=bool)
-    if n < length:
-        return ends
-    hit = np.ones(tokens[..., length - 1 :].shape, dtype=bool)
-    for k, s in enumerate(sep):
-        hit &= tokens[..., k : n - length + 1 + k] == s
-    ends[..., length - 1 :] = hit
+    if n >= length:
+        hit = tokens[..., length - 1 :] == sep[-1]
+        for k, s in enumerate(sep[:-1]):
+            hit &= tokens[..., k : n - length + 1 + k] == s
+        ends[..., length - 1 :] = hit
     return ends
 
 
-def doc_ids_from_tokens(idx: torch.Tensor, sep: list[int] | tuple[int, ...]) -> torch.Tensor:
-    """Relative document ids (B, N) int32 of a batch of token windows (B, N), from the tokens alone.
+def separator_ends(tokens: np.ndarray, sep: list[int] | tuple[int, ...]) -> np.ndarray:
+    """Bool array like ``tokens``: True at each position where a separator ends."""
+    tokens = np.asarray(tokens)
+    return _ends(tokens, sep, np.zeros(tokens.shape, dtype=bool))
 
-    id[t] = number of separator ends at positions < t: non-decreasing, 0 at t = 0 (what the flash kernels
-    need). Runs on idx's device; traceable (no data-dependent shapes).
-    """
-    length = len(sep)
-    n = idx.shape[-1]
-    ends = torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)
-    if n >= length:
-        hit = torch.ones(idx[..., length - 1 :].shape, dtype=torch.bool, device=idx.device)
-        for k, s in enumerate(sep):
-            hit &= idx[..., k : n - length + 1 + k] == s
-        ends[..., length - 1 :] = hit
-    ends = ends.to(torch.int32)
+
+def doc_ids_from_tokens(idx: torch.Tensor, sep: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """Relative document ids (B, N) int32 of token windows (B, N): the number of separator ends before
+    each position (0 at t = 0, non-decreasing, as the flash kernels need). Traceable, on idx's device."""
+    ends = _ends(idx, sep, torch.zeros(idx.shape, dtype=torch.bool, device=idx.device)).to(torch.int32)
     return (torch.cumsum(ends, dim=-1, dtype=torch.int32) - ends).to(torch.int32)

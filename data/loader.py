@@ -1,15 +1,9 @@
 """Read a prepared data directory: meta, tokenizer, and deterministic random-window batches.
 
-Batches follow nanoGPT's ``get_batch``: ``batch_size`` windows of ``seq_len + 1`` consecutive tokens
-at random offsets of a split's token stream (its shards memory-mapped and read as one stream, so a window
-may span two shards and the windows do not depend on the shard size); inputs are a window's first ``seq_len``
-tokens, targets the same window shifted by one. Unlike nanoGPT the offsets come from a NumPy
-``Generator`` seeded with ``[seed, split_id, step, micro_step, rank]``, so a batch depends on those
-numbers only (identical across attention backends, restarts and resumes).
-
-Document masking: for a corpus prepared with a ``doc_separator`` (``meta["doc_separator_ids"]``),
-``batch(..., with_doc_ids=True)`` / ``eval_batches(..., with_doc_ids=True)`` also return per-token document
-ids (B, seq_len) int32, relative to each window (0 at its first token; rule in ``data.docs``).
+Batches follow nanoGPT's ``get_batch``: ``batch_size`` windows of ``seq_len + 1`` consecutive tokens at
+random offsets of a split's stream (its shards memory-mapped and read as one, so the windows do not depend
+on the shard size). The offsets come from ``np.random.default_rng([seed, split_id, step, micro_step, rank])``,
+so a batch depends on those numbers only (the same across attention backends, restarts and resumes).
 """
 
 from __future__ import annotations
@@ -35,21 +29,14 @@ from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 __all__ = ["BinDataset", "load_meta", "tokenizer_from_meta", "SPLITS", "FORMAT_VERSION"]
 
 SPLIT_IDS = {"train": 0, "val": 1}
-# Marks eval_batches' seed sequences [seed, split_id, _EVAL_STREAM, i]; 4 entries, so they can never
-# equal batch()'s 5-entry sequences.
+# eval_batches' seed sequences [seed, split_id, _EVAL_STREAM, i] have 4 entries: never batch()'s 5
 _EVAL_STREAM = 0x6576616C  # "eval"
-_FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of files up to 32 MB ...
+_FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of shards up to 16M tokens ...
 _PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
 
 
 def tokenizer_from_meta(meta: dict) -> GPT2Tokenizer | CharTokenizer:
-    """Tokenizer of a prepared directory (from ``load_meta``): ``.encode(str) -> list[int]``,
-    ``.decode(ids) -> str``, ``.vocab_size``, ``.name``.
-
-    Raises:
-        ValueError: unknown tokenizer name, or a char ``itos`` inconsistent with ``vocab_size``.
-        RuntimeError: tiktoken's GPT-2 files cannot be loaded (offline without ``TIKTOKEN_CACHE_DIR``).
-    """
+    """The tokenizer of a prepared directory (``load_meta``'s dict)."""
     tok = make_tokenizer(meta["tokenizer"], itos=meta.get("itos"))
     if tok.vocab_size != meta["vocab_size"]:
         raise ValueError(
@@ -73,25 +60,11 @@ def _nonneg_int(name: str, value) -> int:
 
 
 class BinDataset:
-    """One split of a prepared data directory, served as random windows.
+    """One split (``"train"`` / ``"val"``) of a prepared data directory, served as random windows of
+    ``seq_len`` tokens.
 
-    Args:
-        data_dir: a directory written by ``data.prepare.prepare`` (``meta.json``, ``train.bin``, ``val.bin``).
-        split: ``"train"`` or ``"val"``.
-        seq_len: tokens per sample (model context length), >= 1.
-        check_ids: verify that token ids are < ``vocab_size`` (all ids of files up to 16M tokens, else the
-            first and last 1M); catches a ``.bin`` paired with the wrong ``meta.json``.
-
-    Attributes:
-        num_tokens (int): tokens in this split. ``vocab_size`` (int), ``meta`` (dict), ``path`` (Path).
-
-    Raises:
-        ValueError: unknown split, seq_len < 1, bad meta (see ``load_meta``), ``.bin`` size != 2 * tokens
-            (names the file, says to delete it and re-prepare), token id >= vocab_size, or a split
-            shorter than ``seq_len + 1`` tokens (message gives both numbers and the fixes).
-        FileNotFoundError: ``meta.json`` or the ``.bin`` file is missing.
-
-    Keeps one read-only ``np.memmap`` of the file; pickling (e.g. to DataLoader workers) re-opens it.
+    ``check_ids`` verifies that token ids are < ``vocab_size`` (catches shards paired with another
+    meta.json). Keeps read-only ``np.memmap``s of the shards; pickling (DataLoader workers) re-opens them.
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int, *, check_ids: bool = True):
@@ -101,14 +74,11 @@ class BinDataset:
         if seq_len < 1:
             raise ValueError("seq_len must be >= 1")
         self.data_dir = Path(data_dir)
-        self.split = split
-        self.split_id = SPLIT_IDS[split]
-        self.seq_len = seq_len
+        self.split, self.split_id, self.seq_len = split, SPLIT_IDS[split], seq_len
         self.meta = load_meta(self.data_dir)
         self.vocab_size: int = self.meta["vocab_size"]
         self.dtype = token_dtype(self.meta)
         self.shards = split_shards(self.data_dir, self.meta, split)  # [(file, tokens, index file)]
-        self.path = self.shards[0][0] if len(self.shards) == 1 else self.data_dir
         self.num_tokens: int = self.meta[f"{split}_tokens"]
         for path, n, _ in self.shards:
             check_bin_file(path, n, self.dtype)
@@ -126,7 +96,6 @@ class BinDataset:
         if check_ids:
             self._check_ids()
 
-    # -- file handling
     def _open(self) -> list[np.ndarray]:
         # np.memmap refuses an empty file: an empty shard is an empty array
         return [
@@ -136,21 +105,16 @@ class BinDataset:
 
     def _read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's stream (a view within one shard, else a copy)."""
-        start, stop = max(0, start), min(self.num_tokens, stop)
-        if stop <= start:
-            return np.zeros(0, self.dtype)
-        k = int(np.searchsorted(self._offsets, start, side="right")) - 1
-        lo = start - int(self._offsets[k])
-        if stop <= self._offsets[k + 1]:
-            return self._data[k][lo : lo + stop - start]
-        parts, pos = [], start
+        parts, pos = [], max(0, start)
+        stop = min(self.num_tokens, stop)
         while pos < stop:
             k = int(np.searchsorted(self._offsets, pos, side="right")) - 1
-            off = int(self._offsets[k])
-            end = min(stop, int(self._offsets[k + 1]))
+            off, end = int(self._offsets[k]), min(stop, int(self._offsets[k + 1]))
             parts.append(self._data[k][pos - off : end - off])
             pos = end
-        return np.concatenate(parts)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -162,51 +126,37 @@ class BinDataset:
         self._data = self._open()
 
     def _check_ids(self) -> None:
-        top, where = -1, self.path
+        k = _PARTIAL_ID_CHECK_TOKENS
         for data, (path, n, _) in zip(self._data, self.shards, strict=True):
-            if n == 0:
-                continue
-            if n <= _FULL_ID_CHECK_TOKENS:
-                t = int(data.max())
-            else:
-                k = _PARTIAL_ID_CHECK_TOKENS
-                t = max(int(data[:k].max()), int(data[-k:].max()))
-            if t > top:
-                top, where = t, path
-        if top >= self.vocab_size:
-            raise ValueError(
-                f"{where} holds token id {top}, but {self.data_dir / 'meta.json'} says "
-                f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
-                f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
-            )
+            ids = data if n <= _FULL_ID_CHECK_TOKENS else np.concatenate([data[:k], data[-k:]])
+            top = int(ids.max()) if n else -1
+            if top >= self.vocab_size:
+                raise ValueError(
+                    f"{path} holds token id {top}, but {self.data_dir / 'meta.json'} says "
+                    f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
+                    f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
+                )
 
     # -- documents
     def doc_starts(self) -> np.ndarray:
-        """Sorted int64 positions where a document starts in this split (0 and every position after a
-        separator end), computed once from the tokens. Raises ValueError for a corpus prepared without
-        a doc_separator."""
+        """Sorted int64 positions where a document starts in this split (0 and each start the shards'
+        indexes record); ValueError for a corpus prepared without a doc_separator."""
         if getattr(self, "_doc_starts", None) is None:
-            sep = self.meta.get("doc_separator_ids")
-            if not sep:
+            if not self.meta.get("doc_separator_ids"):
                 raise ValueError(
                     f"{self.data_dir} was prepared without a document separator; set data.doc_separator "
                     "(e.g. data.doc_separator='\n\n' for Tiny Shakespeare) with a data.dir of its own"
                 )
-            if all(idx is not None for _, _, idx in self.shards):  # format 2: the prepared index
-                parts = [np.zeros(1, np.int64)]
-                for off, (_, _, idx) in zip(self._offsets, self.shards, strict=False):
-                    parts.append(np.fromfile(idx, dtype="<i8") + off)
-                starts = np.unique(np.concatenate(parts))
-                self._doc_starts = starts[starts < self.num_tokens].astype(np.int64)
-            else:
-                from data.docs import separator_ends
-
-                ends = np.flatnonzero(separator_ends(self._read(0, self.num_tokens), sep)) + 1
-                self._doc_starts = np.concatenate([[0], ends[ends < self.num_tokens]]).astype(np.int64)
+            parts = [np.zeros(1, np.int64)]
+            for off, (_, _, idx) in zip(self._offsets, self.shards, strict=False):
+                parts.append(np.fromfile(idx, dtype="<i8") + off)
+            starts = np.unique(np.concatenate(parts))
+            self._doc_starts = starts[starts < self.num_tokens].astype(np.int64)
         return self._doc_starts
 
     def window_doc_ids(self, starts: np.ndarray) -> torch.Tensor:
-        """Relative document ids (len(starts), seq_len) int32 of the windows beginning at ``starts``."""
+        """Relative document ids (len(starts), seq_len) int32 of the windows beginning at ``starts``
+        (0 at a window's first token, rule in ``data.docs``)."""
         doc = self.doc_starts()
         pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len)[None, :]
         ids = np.searchsorted(doc, pos, side="right") - np.searchsorted(doc, pos[:, :1], side="right")
@@ -220,9 +170,7 @@ class BinDataset:
         win = np.stack([self._read(s, s + span) for s in starts.tolist()]).astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
-        if with_doc_ids:
-            return x, y, self.window_doc_ids(starts)
-        return x, y
+        return (x, y, self.window_doc_ids(starts)) if with_doc_ids else (x, y)
 
     def batch(
         self,
@@ -234,21 +182,8 @@ class BinDataset:
         rank: int = 0,
         with_doc_ids: bool = False,
     ) -> tuple[torch.Tensor, ...]:
-        """Random windows for one (micro-)batch.
-
-        Start offsets are ``np.random.default_rng([seed, split_id, step, micro_step, rank]).integers(
-        0, num_tokens - seq_len, size=batch_size)`` (split_id: train 0, val 1), uniform over all windows;
-        the batch depends on these numbers and the data only.
-
-        Returns:
-            (x, y): int64 CPU tensors of shape (batch_size, seq_len); ``y[:, t] == x[:, t + 1]`` for
-            t < seq_len - 1 and ``y[:, -1]`` is the token after ``x[:, -1]``. With ``with_doc_ids``:
-            (x, y, doc_ids), doc_ids int32 (batch_size, seq_len), see ``window_doc_ids`` (same windows).
-
-        Raises:
-            TypeError / ValueError: a non-int or negative argument, or batch_size < 1; with_doc_ids on a
-            corpus prepared without a doc_separator.
-        """
+        """(x, y) int64 (batch_size, seq_len), y shifted by one (with ``with_doc_ids`` also the windows'
+        document ids), drawn with ``default_rng([seed, split_id, step, micro_step, rank])``."""
         batch_size = _nonneg_int("batch_size", batch_size)
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
@@ -264,17 +199,8 @@ class BinDataset:
     def eval_batches(
         self, n_batches: int, batch_size: int, seed: int, with_doc_ids: bool = False
     ) -> list[tuple[torch.Tensor, ...]]:
-        """A fixed list of ``n_batches`` (x, y) batches, for evaluation.
-
-        Batch ``i`` uses ``np.random.default_rng([seed, split_id, EVAL_STREAM, i])``: deterministic,
-        independent of ``batch()``'s stream, and the first k batches do not depend on ``n_batches``.
-
-        Returns:
-            list of (x, y), each int64 of shape (batch_size, seq_len) (as in ``batch``).
-
-        Raises:
-            TypeError / ValueError: a non-int or negative argument, or batch_size < 1.
-        """
+        """A fixed list of batches for evaluation: batch ``i`` uses ``default_rng([seed, split_id,
+        _EVAL_STREAM, i])``, independent of ``batch()``'s and of ``n_batches``."""
         n_batches = _nonneg_int("n_batches", n_batches)
         batch_size = _nonneg_int("batch_size", batch_size)
         if batch_size < 1:

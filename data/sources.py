@@ -1,25 +1,16 @@
 r"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
 
-A source string is one of:
+- a UTF-8 text file: kind ``"text"``, one document or documents split on ``data.doc_separator``;
+- a directory (its non-hidden files, sorted), a glob, or one ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` /
+  ``.parquet`` file: kind ``"docs"``; a text file is one document, a record file one per line / row (its
+  ``text_field``). Identified by the files' names, sizes and mtimes (hashing 50 GB per launch costs minutes);
+- ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split (``datasets``, streaming; a folder written
+  by ``save_to_disk`` through ``load_from_disk``), identified by name, config and a local folder's files.
 
-- a UTF-8 text file (``corpus.txt``): kind ``"text"``, one document, or documents split on
-  ``data.doc_separator``; its identity is the SHA-256 of its bytes;
-- a directory (every regular, non-hidden file under it, sorted) or a glob (``shards/*.jsonl``,
-  ``books/**/*.txt``): kind ``"docs"``; a text file is one document, a ``.jsonl`` / ``.jsonl.gz`` /
-  ``.json.gz`` file one document per line, a ``.parquet`` file one document per row, the document being
-  the record's ``text_field`` (default ``text``); a single ``.jsonl`` / ``.json.gz`` / ``.parquet`` file
-  is read the same way. Its identity is the files' names, sizes and mtimes (hashing 50 GB on every
-  launch costs minutes);
-- ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split read with ``datasets`` in streaming mode
-  (NAME may be a hub name or a local dataset directory; a directory written by ``save_to_disk`` is read
-  with ``load_from_disk``, a DatasetDict's ``train`` split). Its identity is the name and config, and for
-  a local directory also its files' names, sizes and mtimes (an edited local dataset is a changed source).
-
-``open_source`` returns a ``Source`` whose ``pieces()`` yields its text in a fixed order (the same every
-time, so a prepare resumes by skipping pieces) and whose errors name the source. Every source streams: a
-file is read in blocks of ``BLOCK_BYTES`` and a document longer than ``PIECE_CHARS`` is cut into pieces at
-a space between two words, where GPT-2's pre-tokenizer starts a new word anyway (`` ?\p{L}+``), so its
-tokens are those of the whole text; memory holds a few pieces, never a file.
+``Source.pieces()`` yields the text in a fixed order (a prepare resumes by skipping pieces). A file is read
+in ``BLOCK_BYTES`` blocks and a document longer than ``PIECE_CHARS`` is cut at a space between two words,
+where GPT-2's pre-tokenizer starts a word anyway (`` ?\p{L}+``), so the tokens are those of the whole text
+and memory holds a few pieces, never a file.
 """
 
 from __future__ import annotations
@@ -28,7 +19,6 @@ import codecs
 import glob
 import gzip
 import hashlib
-import io
 import itertools
 import json
 import os
@@ -40,7 +30,8 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 HF_PREFIX = "hf:"
 _GLOB_CHARS = "*?["
 BLOCK_BYTES = 1 << 20  # a text file is read in blocks of 1 MB
-PIECE_CHARS = 1 << 16  # a document is tokenized in pieces of about 64k characters (a token list of 16k ints)
+PIECE_CHARS = 1 << 16  # a document is tokenized in pieces of about 64k characters
+BOM = "\ufeff"  # the byte-order mark some editors write at the start of a UTF-8 file: a marker, not text
 Piece = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 
 
@@ -48,56 +39,47 @@ class SourceError(ValueError):
     """A source that cannot be read as documents (the message names it and a fix)."""
 
 
-def is_hf(source: str | os.PathLike | None) -> bool:
+def is_hf(source) -> bool:
     return isinstance(source, str) and source.startswith(HF_PREFIX)
 
 
-def is_document_source(source: str | os.PathLike | None) -> bool:
-    """Whether ``source`` is read as a list of documents (end-of-text between them, documents recorded):
-    ``hf:``, a directory, a glob or a record file; cheap (no file is read)."""
-    if source is None or str(source).lower().startswith(("http://", "https://")):
-        return False
-    text = str(source)
-    if is_hf(text) or is_records(Path(text)) or Path(text).expanduser().is_dir():
-        return True
-    return any(c in text for c in _GLOB_CHARS) and not Path(text).expanduser().exists()
+def is_url(source) -> bool:
+    return isinstance(source, str) and source.lower().startswith(("http://", "https://"))
 
 
 def is_records(path: Path) -> bool:
     return path.name.lower().endswith(RECORD_SUFFIXES)
 
 
+def _is_glob(text: str) -> bool:
+    return any(c in text for c in _GLOB_CHARS) and not Path(text).expanduser().exists()
+
+
+def is_document_source(source) -> bool:
+    """Whether ``source`` is read as a list of documents (hf:, a directory, a glob, a record file); cheap."""
+    if source is None or is_url(source):
+        return False
+    text = str(source)
+    return is_hf(text) or is_records(Path(text)) or Path(text).expanduser().is_dir() or _is_glob(text)
+
+
 def _not_utf8(where: str, e: UnicodeDecodeError, offset: int) -> SourceError:
+    byte = e.object[e.start : e.start + 1]
     if b"\0" in e.object:  # text has no NUL bytes; an image, archive or compiled file has many
         return SourceError(
-            f"{where} looks binary (it holds NUL bytes; byte {e.object[e.start : e.start + 1]!r} at offset "
-            f"{offset} is not UTF-8), not text: leave it out of the corpus, e.g. move it away or pass a glob "
-            "of the text files only (data.source='DIR/**/*.txt', --source 'DIR/**/*.txt')"
+            f"{where} looks binary (it holds NUL bytes; byte {byte!r} at offset {offset} is not UTF-8), not "
+            "text: leave it out of the corpus, e.g. move it away or pass a glob of the text files only "
+            "(data.source='DIR/**/*.txt', --source 'DIR/**/*.txt')"
         )
     return SourceError(
-        f"{where} is not UTF-8 text: byte {e.object[e.start : e.start + 1]!r} at offset {offset} is invalid "
-        f"({e.reason}). Convert the file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and "
-        "pass the converted file."
+        f"{where} is not UTF-8 text: byte {byte!r} at offset {offset} is invalid ({e.reason}). Convert the "
+        "file to UTF-8 first (e.g. `iconv -f latin1 -t utf-8 IN > OUT`) and pass the converted file."
     )
 
 
-#: the byte-order mark some editors (Notepad) write at the start of a UTF-8 file: a marker, not text
-BOM = "\ufeff"
-
-
-def decode_utf8(raw: bytes, where: str) -> str:
-    """``raw`` as UTF-8 without a leading byte-order mark, or a ValueError naming ``where``, the bad byte
-    and its offset."""
-    try:
-        return raw.decode("utf-8").removeprefix(BOM)
-    except UnicodeDecodeError as e:
-        raise _not_utf8(where, e, e.start) from e
-
-
 def read_blocks(path: Path) -> Iterator[str]:
-    """The text of a UTF-8 file in blocks of about ``BLOCK_BYTES`` (a character is never split), a leading
-    byte-order mark dropped (it would become a token of its own, a char-level vocabulary entry); a bad
-    byte is a ValueError naming the file and its offset (in the file's bytes, the mark's included)."""
+    """A UTF-8 file's text in blocks of about ``BLOCK_BYTES``, a leading byte-order mark dropped; a bad byte
+    is an error naming the file and its offset in the file's bytes."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     done, first = 0, True  # bytes decoded before this block; no text yielded yet
     with open(path, "rb") as f:
@@ -118,9 +100,8 @@ def read_blocks(path: Path) -> Iterator[str]:
 
 
 def _cut(buf: str, lo: int, hi: int, end: int) -> int:
-    r"""Where to cut ``buf`` after ``lo``: the last space between two non-spaces before ``hi``, else the
-    first one before ``end``; 0 for none. GPT-2's pre-tokenizer starts a word there (`` ?\p{L}+`` and its
-    kin begin with the space, no pattern crosses it), so the tokens of the parts are those of the whole."""
+    """Where to cut ``buf`` after ``lo``: the last space between two non-spaces before ``hi``, else the
+    first one before ``end``; 0 for none. No GPT-2 pre-tokenizer pattern crosses such a space."""
     end = min(end, len(buf) - 1)
 
     def word_start(p: int) -> bool:
@@ -138,13 +119,11 @@ def _cut(buf: str, lo: int, hi: int, end: int) -> int:
 
 
 def text_pieces(blocks: Iterable[str], sep: str | None = None, keep_sep: bool = False) -> Iterator[Piece]:
-    """The documents of a stream of text ``blocks``: one, or separated by ``sep``, as pieces of about
-    ``PIECE_CHARS`` at most (cut where the tokens stay those of the whole text, ``_cut``; up to 8 pieces
-    without a word boundary are read before cutting anyway). Empty documents are skipped.
+    """The non-empty documents of a stream of text ``blocks`` (one, or separated by ``sep``) as pieces of
+    about ``PIECE_CHARS`` (``_cut``; up to 8 pieces without a word boundary are read before cutting anyway).
 
-    ``keep_sep`` (the char tokenizer, which keeps the separator's characters): a document ends after every
-    occurrence of ``sep``, overlapping ones too (``data.docs.separator_ends``'s rule). Otherwise the
-    separator is dropped and the documents are those of ``str.split(sep)``.
+    ``keep_sep`` (the char tokenizer): a document ends after every occurrence of ``sep``, overlapping ones
+    too (``data.docs``'s rule); otherwise the documents are those of ``str.split(sep)``.
     """
     n = len(sep) if sep else 1
     buf, pos, find_from, start = "", 0, 0, True  # buf[pos:] is not yielded yet
@@ -176,8 +155,8 @@ def text_pieces(blocks: Iterable[str], sep: str | None = None, keep_sep: bool = 
 
 @dataclass
 class Source:
-    """A parsed source: ``label`` (stored in meta["source"]), ``kind`` ("text" | "docs"), the files it
-    reads (text / docs kinds) or the Hugging Face name and config."""
+    """A parsed source: ``label`` (meta["source"]), ``kind`` ("text" | "docs"), the files it reads, and for
+    ``hf:`` the dataset's name and config."""
 
     label: str
     kind: str
@@ -187,48 +166,42 @@ class Source:
     hf_config: str | None = None
     text_field: str = "text"
 
-    # ----------------------------------------------------------------------------------- identity
     def fingerprint(self) -> dict:
-        """What identifies this source's content cheaply: {"files": [[name, size, mtime_ns], ...]} or
-        {"hf": name, "config": config} (with "files" for a local directory); the text kind's identity is its
-        SHA-256 (``data.prepare``)."""
+        """{"files": [[name, size, mtime_ns], ...]} and for hf: {"hf": name, "config": config}."""
         hf = {"hf": self.hf_name, "config": self.hf_config} if self.hf_name is not None else {}
         if hf and not self.files:  # a hub dataset: its name (its revision is the hub's)
             return hf
         rows = []
         for p in self.files:
             st = p.stat()
-            name = str(p.relative_to(self.root)) if self.root else str(p)
-            rows.append([name, st.st_size, st.st_mtime_ns])
+            rows.append([str(p.relative_to(self.root)) if self.root else str(p), st.st_size, st.st_mtime_ns])
         return {**hf, "files": rows}
 
-    # ---------------------------------------------------------------------------------- documents
     def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
-        """Every non-empty document of the source in a fixed order, as pieces (``text_pieces``): a record,
-        a text file of a directory, or a single text file's documents split on ``doc_separator``."""
+        """Every non-empty document in a fixed order, as pieces (``text_pieces``)."""
         if self.hf_name is not None:  # before the files: a local dataset's files are datasets' to read
-            for text in self._hf_documents():
-                yield from text_pieces([text])
+            yield from self._documents((r, f"{self.label} record {i}") for i, r in enumerate(open_hf(self)))
             return
         for path in self.files:
-            if is_records(path):
-                for text in self._record_documents(path):
-                    yield from text_pieces([text])
+            if path.name.lower().endswith(".parquet"):
+                yield from self._documents(_parquet_records(path, self.text_field))
+            elif is_records(path):
+                yield from self._documents(_json_records(path))
             else:
                 yield from text_pieces(read_blocks(path), doc_separator, keep_separator)
 
+    def _documents(self, records: Iterable[tuple[object, str]]) -> Iterator[Piece]:
+        """The pieces of each record's text field; ``records`` are (record, where it is) pairs."""
+        for record, where in records:
+            yield from text_pieces([self._field(record, where)])
+
     def characters(self) -> set[str]:
-        """The distinct characters of the text files (the char tokenizer's vocabulary), read in blocks."""
-        chars: set[str] = set()
-        for path in self.files:
-            for block in read_blocks(path):
-                chars.update(block)
-        return chars
+        """The distinct characters of the text files (the char tokenizer's vocabulary)."""
+        return {c for path in self.files for block in read_blocks(path) for c in set(block)}
 
     def text_size(self) -> int:
-        """About how many characters of text the source holds, for the progress bar's estimate: a text
-        file's bytes; JSON Lines' bytes times the share of text in the first MB of the first file's records
-        (the rest is keys and metadata); 0 (unknown) for compressed files, Parquet and hub datasets."""
+        """About how many characters the source holds, for the progress bar's estimate: the text files'
+        bytes, JSON Lines' bytes times the share of text in the first MB of records; 0 when unknown."""
         if self.hf_name is not None or any(p.name.lower().endswith((".gz", ".parquet")) for p in self.files):
             return 0
         size = sum(p.stat().st_size for p in self.files)
@@ -237,12 +210,10 @@ class Source:
             return size
         with open(records[0], "rb") as f:
             head = f.read(1 << 20).rsplit(b"\n", 1)[0]
-        text = 0
-        for line in head.splitlines():
-            try:
-                text += len(str(json.loads(line).get(self.text_field, "")))
-            except (ValueError, AttributeError):
-                return 0  # the prepare reports a bad record
+        try:
+            text = sum(len(str(json.loads(line).get(self.text_field, ""))) for line in head.splitlines())
+        except (ValueError, AttributeError):
+            return 0  # the prepare reports a bad record
         return int(size * text / len(head)) if head else 0
 
     def _field(self, record, where: str) -> str:
@@ -255,76 +226,85 @@ class Source:
                 "(--text-field) to the field that holds the text"
             )
         text = record[self.text_field]
-        if text is None:
-            return ""
-        if not isinstance(text, str):
+        if text is not None and not isinstance(text, str):
             raise SourceError(
                 f"{where}: field {self.text_field!r} holds a {type(text).__name__}, not text; set "
                 "data.text_field (--text-field) to a string field"
             )
-        return text
+        return text or ""
 
-    def _record_documents(self, path: Path) -> Iterator[str]:
-        if path.name.lower().endswith(".parquet"):
-            yield from self._parquet_documents(path)
-            return
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
-        try:
-            with opener(path, "rb") as raw:
-                for lineno, line in enumerate(io.BufferedReader(raw), 1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{lineno}"
-                    try:
-                        record = json.loads(decode_utf8(line, where))
-                    except json.JSONDecodeError as e:
-                        raise SourceError(
-                            f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files"
-                        ) from e
-                    yield self._field(record, where)
-        except (gzip.BadGzipFile, EOFError) as e:
-            raise SourceError(f"{path} is not a readable gzip file ({e})") from e
 
-    def _parquet_documents(self, path: Path) -> Iterator[str]:
-        import pyarrow.parquet as pq
-
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
-            raise SourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
-        names = pf.schema_arrow.names
-        if self.text_field not in names:
-            raise SourceError(
-                f"{path} has no column {self.text_field!r} (its columns: {', '.join(names[:8])}); set "
-                "data.text_field (--text-field) to the column that holds the text"
-            )
-        for batch in pf.iter_batches(batch_size=1024, columns=[self.text_field]):
-            col = batch.column(0)
-            for i, text in enumerate(col.to_pylist()):
-                if text is not None and not isinstance(text, str):
+def _json_records(path: Path) -> Iterator[tuple[object, str]]:
+    """(record, "path:line") of a JSON Lines file, gzip-compressed or not."""
+    opener = gzip.open if path.name.lower().endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    yield json.loads(line.decode("utf-8").removeprefix(BOM)), where
+                except UnicodeDecodeError as e:
+                    raise _not_utf8(where, e, e.start) from e
+                except json.JSONDecodeError as e:
                     raise SourceError(
-                        f"{path}: column {self.text_field!r} holds {type(text).__name__} values (row {i}), "
-                        "not text; set data.text_field (--text-field) to a string column"
-                    )
-                yield text or ""
-
-    def _hf_documents(self) -> Iterator[str]:
-        ds = open_hf(self.hf_name, self.hf_config, self.label)
-        for i, record in enumerate(ds):
-            yield self._field(record, f"{self.label} record {i}")
+                        f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files"
+                    ) from e
+    except (gzip.BadGzipFile, EOFError) as e:
+        raise SourceError(f"{path} is not a readable gzip file ({e})") from e
 
 
-def open_hf(name: str, config: str | None, label: str):
-    """``datasets.load_dataset(name, config, split="train", streaming=True)``, errors naming ``label``."""
+def _parquet_records(path: Path, column: str) -> Iterator[tuple[dict, str]]:
+    """({column: value}, "path row i") of a Parquet file, read 1024 rows at a time."""
+    import pyarrow.parquet as pq
+
     try:
-        import datasets
-    except ImportError as e:  # pragma: no cover - a declared dependency
-        raise SourceError(f"{label} needs the datasets package: pip install datasets") from e
-    saved = _saved_to_disk(name)
-    if saved:
-        return _load_saved(datasets, name, saved, config, label)
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
+        raise SourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise SourceError(
+            f"{path} has no column {column!r} (its columns: {', '.join(names[:8])}); set "
+            "data.text_field (--text-field) to the column that holds the text"
+        )
+    rows = itertools.chain.from_iterable(
+        b.column(0).to_pylist() for b in pf.iter_batches(1024, columns=[column])
+    )
+    for i, value in enumerate(rows):
+        yield {column: value}, f"{path} row {i}"
+
+
+def open_hf(src: Source):
+    """The ``train`` split of an ``hf:`` source: ``load_from_disk`` for a ``save_to_disk`` folder (which
+    ``load_dataset`` refuses), else ``load_dataset(..., streaming=True)``; errors name the source."""
+    import datasets
+
+    name, label = src.hf_name, src.label
+    root = Path(name)
+    saved_dict = (root / "dataset_dict.json").is_file()
+    if saved_dict or ((root / "state.json").is_file() and (root / "dataset_info.json").is_file()):
+        if src.hf_config:
+            raise SourceError(
+                f"{label}: {name} is a dataset saved with save_to_disk, which has no configs; pass hf:{name}"
+            )
+        try:
+            ds = datasets.load_from_disk(name)
+        except Exception as e:  # a corrupt or partial save: datasets raises several classes
+            raise SourceError(f"{label}: {name} does not load with datasets.load_from_disk ({e})") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                splits = ", ".join(ds) or "none"
+                raise SourceError(
+                    f"{label} is a DatasetDict without a 'train' split (its splits: {splits}); "
+                    f"save the split to read on its own (ds['{next(iter(ds), 'SPLIT')}'].save_to_disk(DIR)) "
+                    "and pass hf:DIR"
+                )
+            ds = ds["train"]
+        return ds
     try:
-        return datasets.load_dataset(name, config, split="train", streaming=True)
+        return datasets.load_dataset(name, src.hf_config, split="train", streaming=True)
     except Exception as e:  # hub / network / not-found errors come in many classes
         offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
         raise SourceError(
@@ -336,99 +316,54 @@ def open_hf(name: str, config: str | None, label: str):
         ) from e
 
 
-def _saved_to_disk(name: str) -> str | None:
-    """ "dataset" / "dict" when ``name`` is a directory written by ``Dataset`` / ``DatasetDict.save_to_disk``
-    (``load_dataset`` refuses those), else None."""
-    root = Path(name)
-    if (root / "dataset_dict.json").is_file():
-        return "dict"
-    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
-        return "dataset"
-    return None
-
-
-def _load_saved(datasets, name: str, kind: str, config: str | None, label: str):
-    """A ``save_to_disk`` directory with ``load_from_disk`` (memory-mapped Arrow files, nothing is copied):
-    the Dataset, or a DatasetDict's ``train`` split."""
-    if config:
-        raise SourceError(
-            f"{label}: {name} is a dataset saved with save_to_disk, which has no configs; pass hf:{name}"
-        )
-    try:
-        ds = datasets.load_from_disk(name)
-    except Exception as e:  # a corrupt or partial save: datasets raises several classes
-        raise SourceError(f"{label}: {name} does not load with datasets.load_from_disk ({e})") from e
-    if kind == "dict":
-        if "train" not in ds:
-            splits = ", ".join(ds) or "none"
-            raise SourceError(
-                f"{label} is a DatasetDict without a 'train' split (its splits: {splits}); save the split to "
-                f"read on its own (ds['{next(iter(ds), 'SPLIT')}'].save_to_disk(DIR)) and pass hf:DIR"
-            )
-        ds = ds["train"]
-    return ds
-
-
-def _expand(pattern: str) -> list[Path]:
-    return sorted(
-        Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if Path(p).is_file()
-    )
-
-
-def _dir_files(root: Path) -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        out += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
-    return sorted(p for p in out if p.is_file())
+def list_files(where: str | Path) -> list[Path]:
+    """The regular files under a directory (hidden ones and hidden folders left out) or matched by a glob
+    (resolved), sorted."""
+    if not Path(where).is_dir():
+        found = sorted(Path(p) for p in glob.glob(os.path.expanduser(str(where)), recursive=True))
+        return [p.resolve() for p in found if p.is_file()]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(where):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        found += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
+    return sorted(p for p in found if p.is_file())
 
 
 def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
     """Parse a local or Hugging Face ``source`` (URLs and None are ``data.prepare``'s).
 
     Raises:
-        FileNotFoundError: a path or glob that names no file.
-        SourceError: ``hf:`` without a name.
+        FileNotFoundError: a path or glob that names no file. SourceError: ``hf:`` without a name.
     """
+    text = str(source)
     if is_hf(source):
-        rest = str(source)[len(HF_PREFIX) :]
-        name, _, config = rest.partition(":")  # NAME may be a local directory (without a colon)
+        name, _, config = text[len(HF_PREFIX) :].partition(":")  # NAME may be a local folder (no colon)
         if not name:
             raise SourceError(
                 f"{source!r} names no dataset; use hf:NAME[:CONFIG], e.g. hf:roneneldan/TinyStories"
             )
-        local = Path(name).expanduser()
-        files, root = [], None
-        if name.startswith(("/", ".", "~")) or local.is_dir():  # a local dataset directory
+        local, files, root = Path(name).expanduser(), [], None
+        if name.startswith(("/", ".", "~")) or local.is_dir():  # a local dataset folder
             if not local.is_dir():  # a path, not a hub name: nothing to download
                 raise FileNotFoundError(
                     f"{source!r} names a local dataset folder, and {local} does not exist (cwd: "
                     f"{os.getcwd()}); pass an existing folder (one written by save_to_disk, or of .parquet / "
                     ".jsonl files), or a hub dataset by its name, e.g. hf:roneneldan/TinyStories"
                 )
-            name = str(local.resolve())
-            root = Path(name)
-            files = _dir_files(root)  # its identity: these files' sizes and mtimes
-        return Source(
-            label=f"{HF_PREFIX}{name}" + (f":{config}" if config else ""),
-            kind="docs",
-            files=files,
-            root=root,
-            hf_name=name,
-            hf_config=config or None,
-            text_field=text_field,
-        )
-    text = str(source)
+            root = local.resolve()
+            name, files = str(root), list_files(root)  # its identity: these files' sizes and mtimes
+        label = f"{HF_PREFIX}{name}" + (f":{config}" if config else "")
+        return Source(label, "docs", files, root, name, config or None, text_field)
     path = Path(text).expanduser()
-    if any(c in text for c in _GLOB_CHARS) and not path.exists():
-        files = _expand(text)
+    if _is_glob(text):
+        files = list_files(text)
         if not files:
             raise FileNotFoundError(
                 f"source glob {text!r} matches no file (cwd: {os.getcwd()}); pass a pattern that matches "
                 "text / .jsonl / .json.gz / .parquet files, e.g. data.source='corpus/*.jsonl'"
             )
-        root = Path(os.path.commonpath([str(p.resolve().parent) for p in files]))
-        return Source(text, "docs", [p.resolve() for p in files], root, text_field=text_field)
+        root = Path(os.path.commonpath([str(p.parent) for p in files]))
+        return Source(text, "docs", files, root, text_field=text_field)
     if not path.exists():
         raise FileNotFoundError(
             f"source {str(path)!r} does not exist (cwd: {os.getcwd()}). Pass an existing UTF-8 text file, a "
@@ -437,20 +372,19 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
         )
     path = path.resolve()
     if path.is_dir():
-        files = _dir_files(path)
+        files = list_files(path)
         if not files:
             raise FileNotFoundError(f"source directory {str(path)!r} holds no (non-hidden) file")
         return Source(str(path), "docs", files, path, text_field=text_field)
     if not path.is_file():
         raise IsADirectoryError(f"source {str(path)!r} is not a regular file or directory")
-    if is_records(path):
-        return Source(str(path), "docs", [path], path.parent, text_field=text_field)
-    return Source(str(path), "text", [path], path.parent, text_field=text_field)
+    kind = "docs" if is_records(path) else "text"
+    return Source(str(path), kind, [path], path.parent, text_field=text_field)
 
 
-def source_stem(source: str | os.PathLike | None) -> str:
-    """A readable folder-name part for a source (suggested ``data.dir`` names): its file or directory name
-    without the record / text suffixes; a glob's folder, a dataset's name ("corpus" when none is left)."""
+def source_stem(source) -> str:
+    """A folder-name part for a source (suggested ``data.dir`` names): its file or folder name without
+    the record / text suffixes, a glob's folder, a dataset's name ("corpus" when none is left)."""
     text = str(source or "")
     if is_hf(text):
         text = text[len(HF_PREFIX) :].partition(":")[0]
@@ -462,7 +396,7 @@ def source_stem(source: str | os.PathLike | None) -> str:
 
 
 def fingerprint_sha256(fp: dict, text_field: str) -> str:
-    """SHA-256 of a fingerprint (and the text field read): meta["source_sha256"] of a docs source."""
+    """meta["source_sha256"] of a docs source: SHA-256 of its fingerprint and the text field read."""
     payload = json.dumps({"fingerprint": fp, "text_field": text_field}, sort_keys=True).encode()
     return hashlib.sha256(payload).hexdigest()
 
@@ -472,11 +406,10 @@ def fingerprint_diff(old: dict, new: dict) -> str | None:
     if old == new:
         return None
     if "files" in old and "files" in new:
-        a = {r[0]: r[1:] for r in old["files"]}
-        b = {r[0]: r[1:] for r in new["files"]}
-        gone, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+        a, b = ({r[0]: r[1:] for r in fp["files"]} for fp in (old, new))
         changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])
         parts = []
+        gone, added = sorted(set(a) - set(b)), sorted(set(b) - set(a))
         for what, names in (("removed", gone), ("added", added), ("changed (size or mtime)", changed)):
             if names:
                 more = f" and {len(names) - 3} more" if len(names) > 3 else ""

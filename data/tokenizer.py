@@ -1,35 +1,31 @@
-"""Tokenizers of the data step: OpenAI's GPT-2 BPE (via tiktoken) and a character-level vocabulary.
+"""Tokenizers of the data step: OpenAI's GPT-2 BPE (tiktoken) and a character-level vocabulary.
 
-Both expose ``name``, ``vocab_size``, ``encode(text) -> list[int]``,
-``encode_array(text) -> np.ndarray`` (int64, shape (n,)) and ``decode(ids) -> str``.
+Both expose ``name``, ``vocab_size``, ``encode(text) -> list[int]``, ``encode_prompt``,
+``encode_array(text) -> np.ndarray`` (int64) and ``decode(ids) -> str``.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import tiktoken
 
 TOKENIZERS = ("gpt2", "char")
 GPT2_VOCAB_SIZE = 50257
-MAX_VOCAB = 2**16  # ids are stored as uint16
+MAX_VOCAB = 2**16  # ids fit uint16 token files
 
 
 def _as_int_list(ids: Iterable[int]) -> list[int]:
-    """Token ids given as list / tuple / 1-D numpy array / 1-D torch tensor -> list of Python ints."""
-    if hasattr(ids, "tolist"):
-        ids = ids.tolist()
-    return [int(i) for i in ids]
+    """Token ids as list / tuple / 1-D numpy array / 1-D torch tensor -> list of Python ints."""
+    return [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
 
 
 @functools.lru_cache(maxsize=1)
 def _gpt2_encoding():
-    try:
-        import tiktoken
-    except ImportError as e:  # pragma: no cover - tiktoken is a declared dependency
-        raise RuntimeError("tokenizer 'gpt2' needs the tiktoken package: pip install tiktoken") from e
     try:
         return tiktoken.get_encoding("gpt2")
     except Exception as e:  # tiktoken raises requests/urllib/OSError variants when offline
@@ -43,14 +39,7 @@ def _gpt2_encoding():
 
 
 class GPT2Tokenizer:
-    """GPT-2 byte-level BPE (tiktoken ``gpt2``, vocab 50257), without special tokens.
-
-    ``encode`` uses ``encode_ordinary``: text such as ``"<|endoftext|>"`` is encoded as plain text.
-    Lossless: ``decode(encode(t)) == t`` for any str ``t``.
-
-    Raises:
-        RuntimeError (on construction): tiktoken cannot load its BPE files (offline without cache).
-    """
+    """GPT-2 byte-level BPE without special tokens: ``encode`` reads "<|endoftext|>" as plain text."""
 
     name = "gpt2"
 
@@ -60,29 +49,22 @@ class GPT2Tokenizer:
         self.encoding: str = self._enc.name  # tiktoken's name of the BPE ("gpt2")
 
     def vocab_sha256(self) -> str:
-        """SHA-256 of the BPE vocabulary: every token id's bytes, in id order (what the ids mean). Two
-        encodings that share a name and size but not their tokens differ here."""
+        """What the ids mean: two encodings that share a name and size but not their tokens differ here."""
         return vocab_sha256(self._enc.decode_single_token_bytes(i) for i in range(self.vocab_size))
 
     def encode(self, text: str) -> list[int]:
-        """str -> list of token ids in [0, 50257)."""
         return self._enc.encode_ordinary(text)
 
     def encode_prompt(self, text: str) -> list[int]:
-        """A prompt: as ``encode``, except that "<|endoftext|>" is the end-of-text token (50256), the
-        separator between documents, as a user who writes it means (a corpus's text keeps it as text)."""
+        """As ``encode``, except that "<|endoftext|>" is the end-of-text token (50256), the separator
+        between documents, as a user who writes it in a prompt means."""
         return self._enc.encode(text, allowed_special={"<|endoftext|>"})
 
-    def encode_array(self, text: str) -> np.ndarray:
-        """str -> int64 array of shape (n_tokens,)."""
-        return np.asarray(self.encode(text), dtype=np.int64)
+    def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
+        return np.array(self.encode(text), dtype=dtype)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Token ids (list, 1-D numpy array or 1-D torch tensor) -> str.
-
-        A byte sequence that is not valid UTF-8 (e.g. a window cut inside a multi-byte character)
-        decodes with U+FFFD replacement characters.
-        """
+        """Bytes that are not valid UTF-8 (a window cut inside a character) decode to U+FFFD."""
         return self._enc.decode(_as_int_list(ids))
 
     def __repr__(self) -> str:
@@ -90,15 +72,7 @@ class GPT2Tokenizer:
 
 
 class CharTokenizer:
-    """Character-level tokenizer: id ``i`` <-> ``itos[i]`` (one Unicode code point each).
-
-    Args:
-        itos: the distinct characters; ``prepare`` uses ``sorted(set(text))`` (code point order).
-
-    Raises:
-        ValueError: ``itos`` holds something other than single characters, repeats one, or has
-            more than 65536 entries (ids must fit in uint16).
-    """
+    """Character-level tokenizer: id ``i`` <-> ``itos[i]`` (``prepare``: the corpus's sorted characters)."""
 
     name = "char"
 
@@ -116,28 +90,18 @@ class CharTokenizer:
                 "with a data.dir of its own; python -m data.prepare --tokenizer gpt2)"
             )
         self.itos: list[str] = itos
-        self.stoi: dict[str, int] = {c: i for i, c in enumerate(itos)}
         self.vocab_size: int = len(itos)
         codes = np.array([ord(c) for c in itos], dtype=np.int64)
-        self._order = np.argsort(codes)
+        self._order = np.argsort(codes)  # a vectorised lookup: code points sorted, and their ids
         self._sorted_codes = codes[self._order]
 
-    @classmethod
-    def from_text(cls, text: str) -> CharTokenizer:
-        """Vocabulary = the sorted distinct characters of ``text``."""
-        return cls(sorted(set(text)))
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """str -> int64 array of shape (len(text),) (vectorised lookup of the code points).
-
-        Raises:
-            ValueError: ``text`` has a character outside the vocabulary (names it).
-        """
+    def encode_array(self, text: str, dtype=np.int64) -> np.ndarray:
+        """ValueError naming the first character outside the vocabulary."""
         if not text:
-            return np.zeros(0, dtype=np.int64)
-        codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4").astype(np.int64)
+            return np.zeros(0, dtype=dtype)
         if self.vocab_size == 0:
             raise ValueError("the char vocabulary is empty; it cannot encode any text")
+        codes = np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4").astype(np.int64)
         pos = np.minimum(np.searchsorted(self._sorted_codes, codes), self.vocab_size - 1)
         unknown = self._sorted_codes[pos] != codes
         if unknown.any():
@@ -147,20 +111,14 @@ class CharTokenizer:
                 f"{self.vocab_size}-character vocabulary; char-level data must be encoded with the "
                 "vocabulary of its own corpus"
             )
-        return self._order[pos].astype(np.int64)
+        return self._order[pos].astype(dtype)
 
     def encode(self, text: str) -> list[int]:
-        """str -> list of ids (same errors as ``encode_array``)."""
         return self.encode_array(text).tolist()
 
     encode_prompt = encode  # no special tokens: every character is one of the corpus's
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Token ids (list, 1-D numpy array or 1-D torch tensor) -> str.
-
-        Raises:
-            ValueError: an id outside [0, vocab_size).
-        """
         ids = _as_int_list(ids)
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
@@ -173,8 +131,6 @@ class CharTokenizer:
 
 def vocab_sha256(tokens: Iterable[bytes | str]) -> str:
     """SHA-256 identifying a vocabulary: each token's bytes (str as UTF-8), length-prefixed, in id order."""
-    import hashlib
-
     h = hashlib.sha256()
     for t in tokens:
         b = t.encode("utf-8", "surrogatepass") if isinstance(t, str) else bytes(t)
@@ -182,35 +138,12 @@ def vocab_sha256(tokens: Iterable[bytes | str]) -> str:
     return h.hexdigest()
 
 
-def make_tokenizer(name: str, *, text: str | None = None, itos: Sequence[str] | None = None):
-    """Build tokenizer ``name``: ``"gpt2"``, or ``"char"`` from ``itos`` or else from ``text``'s characters.
-
-    Raises:
-        ValueError: unknown name, or ``"char"`` without ``itos`` / ``text``.
-        RuntimeError: GPT-2 BPE files cannot be loaded (see ``GPT2Tokenizer``).
-    """
+def make_tokenizer(name: str, *, itos: Sequence[str] | None = None):
+    """Tokenizer ``name``: ``"gpt2"``, or ``"char"`` with its characters ``itos``."""
     if name == "gpt2":
         return GPT2Tokenizer()
     if name == "char":
-        if itos is not None:
-            return CharTokenizer(itos)
-        if text is not None:
-            return CharTokenizer.from_text(text)
-        raise ValueError("the char tokenizer needs its vocabulary: pass itos=... or text=...")
+        if itos is None:
+            raise ValueError("the char tokenizer needs its vocabulary: pass itos=...")
+        return CharTokenizer(itos)
     raise ValueError(f"unknown tokenizer {name!r}; use one of {TOKENIZERS}")
-
-
-_WORKER_TOKENIZERS: dict = {}
-
-
-def encode_documents(spec, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize a batch of texts (a prepare worker's task): (all ids concatenated as uint32, the token
-    count of each text as int64). ``spec``: "gpt2", or ("char", its characters in id order); the
-    tokenizer is built once per process."""
-    tok = _WORKER_TOKENIZERS.get(spec)
-    if tok is None:
-        name, chars = (spec, None) if isinstance(spec, str) else spec
-        tok = _WORKER_TOKENIZERS[spec] = make_tokenizer(name, itos=chars and list(chars))
-    parts = [np.asarray(tok.encode_array(t), dtype=np.uint32) for t in texts]
-    lens = np.array([len(p) for p in parts], dtype=np.int64)
-    return (np.concatenate(parts) if parts else np.zeros(0, np.uint32)), lens

@@ -567,6 +567,10 @@ def test_truncated_bin_and_mismatched_meta_errors(tmp_path):
     (out / "meta.json").write_text(json.dumps(dict(meta, format_version=3)))
     with pytest.raises(ValueError, match=r"format_version=3.*re-run"):
         BinDataset(out, "train", 8)
+    # an older flashgpt's train.bin / val.bin: one error, naming both ways to prepare the corpus again
+    (out / "meta.json").write_text(json.dumps(dict(meta, format_version=1)))
+    with pytest.raises(ValueError, match=r"prepared with an older flashgpt.*delete .*data\.dir="):
+        BinDataset(out, "train", 8)
 
     (out / "val_000000.bin").unlink()
     (out / "meta.json").write_text(json.dumps(meta))

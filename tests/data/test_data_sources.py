@@ -245,9 +245,9 @@ def test_max_tokens_caps_the_corpus(tmp_path, gpt2_bpe, seed):
 
 _MEM_CHILD = """
 import os, sys, threading, time
-from data.tokenizer import encode_documents
+from data.tokenizer import make_tokenizer
 from data.prepare import prepare
-encode_documents("gpt2", ["warm up the tokenizer " * 1000])  # the BPE tables are loaded: the baseline
+make_tokenizer("gpt2").encode("warm up the tokenizer " * 1000)  # the BPE tables are loaded: the baseline
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():  # resident set now, kB (ru_maxrss would hide growth under the imports' high-water mark)
     with open("/proc/self/statm") as f:

@@ -30,7 +30,7 @@ CHARS = list("\n !,.:;?ABCabc")
 
 def _char_meta(itos=CHARS) -> dict:
     return {
-        "format_version": 1,
+        "format_version": 2,
         "tokenizer": "char",
         "vocab_size": len(itos),
         "train_tokens": 0,
@@ -38,6 +38,8 @@ def _char_meta(itos=CHARS) -> dict:
         "source": "x",
         "source_sha256": "0",
         "dtype": "uint16",
+        "shard_tokens": 1,
+        "shards": {"train": [], "val": []},
         "itos": list(itos),
     }
 
