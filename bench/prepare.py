@@ -2,8 +2,8 @@
 
 Writes a JSONL corpus of ``--mb`` MB of synthetic English-like documents (a fixed seed), prepares it
 with each worker count in a fresh subprocess (``python -m data.prepare``, GPT-2 BPE) and records MB/s,
-tokens/s and peak RSS: the preparing process's own, and the largest tokenizer worker's (``ru_maxrss`` of
-its children), so the memory of a prepare is about main + workers x worker. Results go to ``bench/results/``.
+tokens/s and the process's peak RSS (the tokenizer workers are threads of it: tiktoken releases the GIL).
+Results go to ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def write_corpus(path: Path, mb: float, seed: int = 0) -> int:
 
 
 def run_one(src: Path, out: Path, workers: int, shard_tokens: int) -> dict:
-    """One prepare in a subprocess: wall time, tokens, peak RSS (MB) of its main process and of its largest
-    tokenizer worker (0 with one worker: it tokenizes inline)."""
+    """One prepare in a subprocess: wall time, tokens, peak RSS (MB)."""
     cmd = [sys.executable, "-c", _CHILD, str(src), str(out), str(workers), str(shard_tokens)]
     env, t0 = {**os.environ, "PYTHONPATH": os.getcwd()}, time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
@@ -59,8 +58,7 @@ meta = prepare(src, out, "gpt2", 0.01, workers=workers, shard_tokens=shard, prog
 dt = time.perf_counter() - t0
 tokens = meta["train_tokens"] + meta["val_tokens"]
 print(json.dumps({"prepare_s": dt, "tokens": tokens,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  "worker_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -81,8 +79,7 @@ def main(argv=None) -> int:
             rows.append(r)
             print(
                 f"workers={w}: {r['mb_per_s']:.2f} MB/s, {r['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                f"peak RSS {r['peak_rss_mb']:.0f} MB + {w if w > 1 else 0} x "
-                f"{r['worker_peak_rss_mb']:.0f} MB (corpus {size / 1e6:.0f} MB)"
+                f"peak RSS {r['peak_rss_mb']:.0f} MB (corpus {size / 1e6:.0f} MB)"
             )
     cpu = dict(cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count())
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
