@@ -215,26 +215,14 @@ def _type_name(x) -> str:
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _prepare_call(
-    q,
-    k,
-    v,
-    causal,
-    softmax_scale,
-    window,
-    doc_ids,
-    dropout_p,
-    dropout_seed,
-    deterministic=False,
-    softcap=None,
-):
+def _prepare(q, k, v, causal, scale, window, doc_ids, dropout_p, dropout_seed, deterministic, softcap):
     """Validate a call (raising as `flash_attention` says); (softmax scale, the ops' variant arguments)."""
-    _validate(q, k, v, causal, softmax_scale)
+    _validate(q, k, v, causal, scale)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {_type_name(deterministic)}")
     cap = check_softcap(softcap)
     docs = _check_variants(q, k, causal, window, doc_ids, dropout_p, dropout_seed)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     q_doc, k_doc = document_ranges(*docs) if docs is not None else (None, None)
     p = float(dropout_p)
     seed = _seed_tensor(dropout_seed, q.device) if p > 0.0 else None
@@ -483,8 +471,9 @@ def flash_attention(
         FlashAttentionUnavailableError (RuntimeError and ValueError): CPU tensors without
         TRITON_INTERPRET=1, no CUDA, or no triton.
     """
-    scale, variants = _prepare_call(q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed,
-                                    deterministic, softcap)  # fmt: skip
+    scale, variants = _prepare(
+        q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic, softcap
+    )
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     o, lse = PLAIN(q, k, v, causal, scale, *variants)
     return (o, lse) if return_lse else o
@@ -530,16 +519,9 @@ def flash_attention_qkvpacked(
         raise TypeError(f"return_lse must be a bool, got {_type_name(return_lse)}")
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
-    scale, variants = _prepare_call(
-        *packed_views(qkv),
-        causal,
-        softmax_scale,
-        window,
-        doc_ids,
-        dropout_p,
-        dropout_seed,
-        deterministic,
-        softcap,
+    q, k, v = packed_views(qkv)
+    scale, variants = _prepare(
+        q, k, v, causal, softmax_scale, window, doc_ids, dropout_p, dropout_seed, deterministic, softcap
     )
     o, lse = PACKED(qkv, causal, scale, *variants)
     return (o, lse) if return_lse else o

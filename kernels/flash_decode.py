@@ -141,45 +141,16 @@ def _launch_decode(
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     with device_ctx(q):
         launcher(kernels._decode_split_kernel, (splits, Hkv, B), traced)(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            o_part,
-            lse_part,
-            *strides(q, k_cache, v_cache),
-            Hq,
-            Hq // Hkv,
-            Nq,
-            d,
-            p.split_len,
-            splits,
-            n_max,
-            _scale_log2(scale, softcap),
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_D=p.block_d,
-            DOT_PRECISION=dot_precision(q.dtype),
+            q, k_cache, v_cache, cache_seqlens, o_part, lse_part, *strides(q, k_cache, v_cache),
+            Hq, Hq // Hkv, Nq, d, p.split_len, splits, n_max, _scale_log2(scale, softcap),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=p.block_d, USE_PDL=pdl,
+            DOT_PRECISION=dot_precision(q.dtype), **_softcap_kwargs(softcap), **launch_opts,
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
-            USE_PDL=pdl,
-            **_softcap_kwargs(softcap),
-            **launch_opts,
-        )
+        )  # fmt: skip
         launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
-            o_part,
-            lse_part,
-            o,
-            lse,
-            *strides(o),
-            Hq,
-            Nq,
-            d,
-            splits,
-            BLOCK_S=kplan._pow2(splits, low=2),
-            BLOCK_D=p.block_d,
-            USE_PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+            o_part, lse_part, o, lse, *strides(o), Hq, Nq, d, splits, BLOCK_S=kplan._pow2(splits, low=2),
+            BLOCK_D=p.block_d, USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
     return o, lse
 
 
