@@ -94,60 +94,58 @@ def block_d_for(head_dim: int) -> int:
     return _pow2(head_dim)
 
 
-def _gpu_tile(kernel: str, block_d: int, dtype: torch.dtype, n: int) -> TileConfig:
-    """Hopper tiles (n = max(Nq, Nk)). `python -m kernels.compile_report` (sm_90): every fp16/bf16 tile fits
-    shared memory without spills except the d = 128 dK/dV pointer-load 64x128x8x2 (4 bytes at whole blocks,
-    28 otherwise), and the d <= 128 ones keep wgmma asynchronous. float32 (IEEE FMA, a correctness path):
-    small tiles against spills."""
-    if dtype == torch.float32:
-        if kernel == "fwd":
-            return TileConfig(32, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
-        if kernel == "bwd_dkdv":
-            if block_d <= 64:
-                return TileConfig(32, 32, 8, 1)
-            return TileConfig(64, 32, 8, 1) if block_d <= 128 else TileConfig(16, 16, 4, 1)
-        return TileConfig(32, 32, 8, 1) if block_d <= 64 else TileConfig(16, 16, 4, 1)
-    # fp16 / bf16: tuned on the H200 (`python -m bench.tune`, causal bf16, B*N = 16384, H*d = 2048; NOTES):
-    # short sequences (N <= 1024) prefer smaller tiles (more programs in flight).
-    short = n <= 1024
-    if kernel == "fwd":
-        if block_d <= 64:
-            return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 64, 8, 3)
-        if block_d <= 128:  # 64x64 at N <= 1024: bench/NOTES.md v5 (measured A/B)
-            return TileConfig(64, 64, 4, 3) if short else TileConfig(128, 128, 8, 3)
-        return TileConfig(64, 32, 8, 2)
-    # Backward (`bench.tune --kernels bwd --tma`, NOTES v4). dK/dV re-tuned after the one-loop change (NOTES
-    # v5): the 64x128 d=64 tile spills ~900 bytes there.
-    if kernel == "bwd_dkdv":
-        if block_d <= 64:
-            return TileConfig(32, 64, 4, 3)
-        if block_d <= 128:
-            # one warpgroup, 96.5 KiB: two programs per SM, one's exponentials overlap the other's
-            # wgmmas (NOTES v6). With pointer loads this tile spills 116 bytes: then 64x128x8x2.
-            return TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2))
-        return TileConfig(32, 32, 8, 1)
-    # bwd_dq
-    if block_d <= 64:
-        return TileConfig(64, 64, 4, 3, tma=True) if short else TileConfig(128, 64, 8, 3, tma=True)
-    if block_d <= 128:
-        return TileConfig(128, 64, 8, 3, tma=True)
-    return TileConfig(32, 32, 8, 1)
+# Hopper tiles of fp16 / bf16 per kernel and head-dim class (BLOCK_D <= 64, <= 128, 256): (the tile at
+# N <= 1024, above: short sequences prefer more programs in flight). H200-tuned (`python -m bench.tune`,
+# causal bf16, B*N = 16384, H*d = 2048; bench/NOTES.md v4-v6). `python -m kernels.compile_report` (sm_90):
+# each fits shared memory without spills except the d = 128 dK/dV pointer-load 64x128x8x2 (4 bytes at whole
+# blocks, 28 otherwise), and the d <= 128 ones keep wgmma asynchronous.
+_TILES = {
+    "fwd": (
+        (TileConfig(64, 64, 4, 3), TileConfig(128, 64, 8, 3)),
+        (TileConfig(64, 64, 4, 3), TileConfig(128, 128, 8, 3)),  # 64x64 at N <= 1024: NOTES v5 (A/B)
+        (TileConfig(64, 32, 8, 2),) * 2,
+    ),
+    # re-tuned after the one-loop change (NOTES v5): 64x128 at d = 64 spills ~900 bytes there. d = 128: one
+    # warpgroup, 96.5 KiB, two programs per SM, one's exponentials under the other's wgmmas (NOTES v6); it
+    # spills 116 bytes with pointer loads, which take 64x128x8x2 instead
+    "bwd_dkdv": (
+        (TileConfig(32, 64, 4, 3),) * 2,
+        (TileConfig(64, 64, 4, 2, tma=True, no_tma=TileConfig(64, 128, 8, 2)),) * 2,
+        (TileConfig(32, 32, 8, 1),) * 2,
+    ),
+    "bwd_dq": (
+        (TileConfig(64, 64, 4, 3, tma=True), TileConfig(128, 64, 8, 3, tma=True)),
+        (TileConfig(128, 64, 8, 3, tma=True),) * 2,
+        (TileConfig(32, 32, 8, 1),) * 2,
+    ),
+}
+# float32 runs the IEEE FMA path (a correctness path, not a fast one): small tiles against spills
+_TILES_FP32 = {
+    "fwd": (TileConfig(32, 32, 8, 1), TileConfig(32, 32, 8, 1), TileConfig(16, 16, 4, 1)),
+    "bwd_dkdv": (TileConfig(32, 32, 8, 1), TileConfig(64, 32, 8, 1), TileConfig(16, 16, 4, 1)),
+    "bwd_dq": (TileConfig(32, 32, 8, 1), TileConfig(16, 16, 4, 1), TileConfig(16, 16, 4, 1)),
+}
+# the interpreter: small asymmetric blocks, so quick CPU tests see several blocks, the diagonal and the end
+_TILES_INTERPRETER = {
+    "fwd": TileConfig(32, 16, 4, 1),
+    "bwd_dkdv": TileConfig(16, 32, 4, 1),
+    "bwd_dq": TileConfig(32, 16, 4, 1),
+}
 
 
 @functools.lru_cache(maxsize=1024)
 def tile_size(
     kernel: str, head_dim: int, dtype: torch.dtype, n_q: int, n_k: int, interpret: bool = False
 ) -> TileConfig:
-    """The default tile of `kernel` (cached: at short sequences a call's host time shows, NOTES v6), blocks
-    capped at _pow2(n). The interpreter's small asymmetric blocks give quick CPU tests several blocks."""
+    """The default tile of `kernel` from the tables above, blocks capped at _pow2(n) (cached: at short
+    sequences a call's host time shows, NOTES v6)."""
     if interpret:
-        cfg = {
-            "fwd": TileConfig(32, 16, 4, 1),
-            "bwd_dkdv": TileConfig(16, 32, 4, 1),
-            "bwd_dq": TileConfig(32, 16, 4, 1),
-        }[kernel]
+        cfg = _TILES_INTERPRETER[kernel]
     else:
-        cfg = _gpu_tile(kernel, block_d_for(head_dim), dtype, max(n_q, n_k))
+        block_d = block_d_for(head_dim)
+        size = 0 if block_d <= 64 else 1 if block_d <= 128 else 2
+        fp32 = dtype == torch.float32
+        cfg = _TILES_FP32[kernel][size] if fp32 else _TILES[kernel][size][max(n_q, n_k) > 1024]
     return _capped(cfg, n_q, n_k)
 
 
