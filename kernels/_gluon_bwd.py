@@ -1,12 +1,9 @@
 """Hopper (sm_90) causal FlashAttention backward in Gluon: one pass over the key blocks, dQ by TMA reduce-add.
 
-`_launch.launch_bwd` runs it instead of the split Triton backward (`_triton_kernels._bwd_dq_kernel`, then
-`_bwd_dkdv_kernel`: 7 matrix products per tile, no atomics) where `plan.plan_bwd` allows: sm_90,
-causal, Nq == Nk a multiple of 128, one query head per KV head, d 64 / 128, bf16 / fp16, no variants,
-TMA-compatible strides, and determinism not asked for. The float32 dQ accumulator is summed in the
-order the key-block programs reach the L2, so dQ is not bitwise reproducible run to run (dK and dV are: one
-program owns each key block); `torch.use_deterministic_algorithms(True)` or `flash_attention(...,
-deterministic=True)` keeps the split Triton backward.
+It replaces the split Triton backward (7 matrix products per tile, no atomics) where `plan.plan_bwd` allows
+(sm_90, causal, Nq == Nk a multiple of 128, MHA, d 64 / 128, 16-bit, no variants, TMA-able strides) and
+determinism is not asked for: dQ is summed in the order the key-block programs reach the L2, so it is not
+bitwise reproducible run to run (dK and dV are: one program owns each key block).
 
 Algorithm: FlashAttention-2's backward with the key block outer (Dao 2023, section 3.2, Algorithm 2), dQ added
 across key blocks into a float32 buffer instead of recomputed by a second kernel, scheduled as
