@@ -1,29 +1,16 @@
-"""Triton kernels of flash-decoding: split-K attention of a few query rows to a long KV cache.
-
-Algorithm: Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference" (2023). With 1 to 16
-query rows per sequence, FlashAttention's parallelism over query blocks gives one program per (sequence,
-head), too few to fill a GPU, so the keys are split as well:
+"""Triton kernels of flash-decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference",
+2023): with 1 to 16 query rows per sequence, one program per (sequence, head) cannot fill a GPU, so the keys
+are split as well.
 
 1. ``_decode_split_kernel``, grid (num_splits, Hkv, B): program (s, hk, b) streams keys
-   [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, L_b)) of KV head hk of sequence b through the online softmax,
-   for all GROUP * Nq query rows of that KV head's query heads at once (GQA: one read of each K/V tile
-   serves the whole group; rows are r = g * Nq + i for query head hk * GROUP + g and query row i). It
-   writes the normalised partial output and its base-2 LSE; a split past the sequence's length L_b
-   writes o = 0, lse = -inf.
-2. ``_decode_combine_kernel``, grid (B * Hq * Nq,): o = sum_s w_s o_s with w_s = 2^(lse_s - lse),
-   lse = log2 sum_s 2^lse_s; LSE is returned in natural-log units like the forward kernel's.
+   [s * SPLIT_LEN, min((s + 1) * SPLIT_LEN, L_b)) of KV head hk through the online softmax for all
+   GROUP * Nq query rows of its query heads at once (row r = g * Nq + i: one read of each K/V tile serves the
+   GQA group), and writes the normalised partial output and its base-2 LSE (o = 0, lse = -inf past L_b).
+2. ``_decode_combine_kernel``, grid (B * Hq * Nq,): o = sum_s 2^(lse_s - lse) o_s, lse = log2 sum_s 2^lse_s,
+   returned in natural-log units.
 
-Causal masking is bottom-right per sequence: query row i of Nq sees keys j <= L_b - Nq + i (the new
-rows' own keys are the last Nq cached ones). Cache lengths come from a device tensor, so the grid
-depends only on the static cache size (CUDA-graph friendly); without one (``HAS_SEQLENS`` False) every
-L_b is the cache size Nmax, a kernel argument. Scores are in base-2 units as in
-``_triton_kernels`` (scale * log2 e folded into the scale).
-
-Status: verified against float64 PyTorch on the CPU under TRITON_INTERPRET=1 and on the GPU by
-the cuda params of tests/kernels/test_flash_decode.py (bf16/fp16 FlashAttention accuracy rule; passed on
-the H200). Tile size and split count are chosen in ``kernels/flash_decode.py`` from H200 sweeps
-(bench/NOTES.md); speed figures are in bench/results/decode_h200.md. On Hopper both kernels launch
-with programmatic dependent launch (``_pdl_wait_and_release``).
+Causal bottom-right per sequence: row i of Nq sees keys j <= L_b - Nq + i. The lengths are read on the
+device, so the grid depends only on the cache size (CUDA-graph friendly).
 """
 
 import triton
@@ -35,11 +22,8 @@ from ._triton_common import _row_max, _row_sum, _softcap
 
 @triton.jit
 def _pdl_wait_and_release():
-    """Programmatic dependent launch (Hopper; CUDA's griddepcontrol): wait until the previous kernel in the
-    stream has finished and its writes are visible, before this program touches memory at all (so no
-    read-after-write or write-after-read hazard with it), then let the next PDL-launched kernel be
-    scheduled: its launch and prologue overlap this kernel, instead of starting after the last program
-    exits. Both are no-ops in a launch without the PDL attribute."""
+    """Programmatic dependent launch (griddepcontrol): wait for the previous kernel's writes before touching
+    memory, then let the next kernel launch under this one. No-ops in a launch without the PDL attribute."""
     gdc_wait()
     gdc_launch_dependents()
 

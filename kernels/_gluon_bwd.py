@@ -1,12 +1,9 @@
 """Hopper (sm_90) causal FlashAttention backward in Gluon: one pass over the key blocks, dQ by TMA reduce-add.
 
-`_launch.launch_bwd` runs it instead of the split Triton backward (`_triton_kernels._bwd_dq_kernel`, then
-`_bwd_dkdv_kernel`: 7 matrix products per tile, no atomics) where `plan.plan_bwd` allows: sm_90,
-causal, Nq == Nk a multiple of 128, one query head per KV head, d 64 / 128, bf16 / fp16, no variants,
-TMA-compatible strides, and determinism not asked for. The float32 dQ accumulator is summed in the
-order the key-block programs reach the L2, so dQ is not bitwise reproducible run to run (dK and dV are: one
-program owns each key block); `torch.use_deterministic_algorithms(True)` or `flash_attention(...,
-deterministic=True)` keeps the split Triton backward.
+It replaces the split Triton backward (7 matrix products per tile, no atomics) where `plan.plan_bwd` allows
+(sm_90, causal, Nq == Nk a multiple of 128, MHA, d 64 / 128, 16-bit, no variants, TMA-able strides) and
+determinism is not asked for: dQ is summed in the order the key-block programs reach the L2, so it is not
+bitwise reproducible run to run (dK and dV are: one program owns each key block).
 
 Algorithm: FlashAttention-2's backward with the key block outer (Dao 2023, section 3.2, Algorithm 2), dQ added
 across key blocks into a float32 buffer instead of recomputed by a second kernel, scheduled as
@@ -49,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._gluon_fwd import _barriers
-from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator, packed_views
+from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator, packed_views, strides
 
 LOG2E = 1.4426950408889634
 
@@ -85,10 +82,7 @@ def _desc(
 
 @gluon.jit
 def _bwd_loader(
-    k_desc,
-    v_desc,
-    q_desc,
-    do_desc,
+    descs,
     k_smem,
     v_smem,
     q_bufs,
@@ -102,6 +96,7 @@ def _bwd_loader(
 ):
     """Producer (1 warp): K and V of the 128 keys once (two 64-row boxes each), then Q_i and dO_i of query
     block i (rows n0 + 64 i ..) into ring slot i % STAGES as both consumers free it."""
+    k_desc, v_desc, q_desc, do_desc = descs
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [n0 + 64 * w, 0], kv_bar, k_smem.slice(64 * w, 64))
@@ -136,32 +131,11 @@ def _dq_reduce(dq, dq_smem, dq_desc, m, WG: gl.constexpr, HEAD_D: gl.constexpr):
 @gluon.jit
 def _bwd_step(
     i,
-    k_w,
-    v_w,
-    k_half,
-    q_bufs,
-    do_bufs,
-    p_smem,
-    ds_bufs,
-    dq_smem,
-    ready,
-    empty,
-    ds_full,
-    ds_empty,
-    dq_desc,
-    LSE,
-    DELTA,
-    stat_off,
-    N,
+    step,
     lse2,
     delta,
     dk,
     dv,
-    s_zero,
-    dq_zero,
-    n0,
-    softmax_scale,
-    scale_log2,
     WG: gl.constexpr,
     MASK: gl.constexpr,
     FIRST: gl.constexpr,
@@ -174,7 +148,13 @@ def _bwd_step(
     half added to the float32 buffer (dQ_i, or with DEFER dQ_{i-1}, issued behind S_i and dP_i so that the
     other warpgroup has a step longer to deliver its half of dS). lse2, delta: LSE_i (base 2) and Delta_i,
     loaded one step ahead; returns the next block's. MASK: a block straddling the diagonal (key c is
-    visible to query r iff c <= r). FIRST: i == 0."""
+    visible to query r iff c <= r). FIRST: i == 0. `step`: what every step of the warpgroup reads."""
+    w_smem, bars, dq_desc, stats, zeros, n0, scales = step
+    k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem = w_smem
+    ready, empty, ds_full, ds_empty = bars
+    LSE, DELTA, stat_off, N = stats
+    s_zero, dq_zero = zeros
+    softmax_scale, scale_log2 = scales
     slot = i % STAGES
     m = n0 + i * 64
     q_smem = q_bufs.index(slot)
@@ -235,39 +215,13 @@ def _bwd_step(
 
 @gluon.jit
 def _bwd_consumer(
-    k_smem,
-    v_smem,
-    q_bufs,
-    do_bufs,
-    p_bufs,
-    ds_bufs,
-    dq_bufs,
-    kv_bar,
-    ready,
-    empty,
-    ds_full,
-    ds_empty,
-    dq_desc,
-    LSE,
-    DELTA,
-    DK,
-    DV,
-    stat_off,
-    dk_off,
-    dv_off,
-    stride_dkn,
-    stride_dvn,
-    n0,
-    n_q,
-    N,
-    softmax_scale,
-    scale_log2,
-    WG: gl.constexpr,
-    HEAD_D: gl.constexpr,
-    STAGES: gl.constexpr,
-    DEFER: gl.constexpr,
+    smem, gmem, WG: gl.constexpr, HEAD_D: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr
 ):
     """Consumer warpgroup WG (4 warps): keys n0 + 64 WG .. + 63; dK, dV in registers, dQ halves reduced."""
+    k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, bars, dq_desc = smem
+    LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn, n0, n_q, N, scales = gmem
+    ready, empty, ds_full, ds_empty = bars
+    stats = (LSE, DELTA, stat_off, N)
     HALF: gl.constexpr = HEAD_D // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
@@ -292,115 +246,18 @@ def _bwd_consumer(
     lse2 = gl.load(LSE + stat_off + rows) * 1.4426950408889634
     delta = gl.load(DELTA + stat_off + rows)
     mbarrier.wait(kv_bar, 0)
+    w_smem = (k_w, v_w, k_half, q_bufs, do_bufs, p_smem, ds_bufs, dq_smem)
+    step = (w_smem, bars, dq_desc, stats, (s_zero, dq_zero), n0, scales)
     # -- query blocks 0 and 1 straddle the diagonal of the 128 keys: masked, outside the loop
     dk, dv, lse2, delta = _bwd_step(
-        0,
-        k_w,
-        v_w,
-        k_half,
-        q_bufs,
-        do_bufs,
-        p_smem,
-        ds_bufs,
-        dq_smem,
-        ready,
-        empty,
-        ds_full,
-        ds_empty,
-        dq_desc,
-        LSE,
-        DELTA,
-        stat_off,
-        N,
-        lse2,
-        delta,
-        dk,
-        dv,
-        s_zero,
-        dq_zero,
-        n0,
-        softmax_scale,
-        scale_log2,
-        WG,
-        True,
-        True,
-        DEFER,
-        HEAD_D,
-        STAGES,
-        s_layout,
+        0, step, lse2, delta, dk, dv, WG, True, True, DEFER, HEAD_D, STAGES, s_layout
     )
     dk, dv, lse2, delta = _bwd_step(
-        1,
-        k_w,
-        v_w,
-        k_half,
-        q_bufs,
-        do_bufs,
-        p_smem,
-        ds_bufs,
-        dq_smem,
-        ready,
-        empty,
-        ds_full,
-        ds_empty,
-        dq_desc,
-        LSE,
-        DELTA,
-        stat_off,
-        N,
-        lse2,
-        delta,
-        dk,
-        dv,
-        s_zero,
-        dq_zero,
-        n0,
-        softmax_scale,
-        scale_log2,
-        WG,
-        True,
-        False,
-        DEFER,
-        HEAD_D,
-        STAGES,
-        s_layout,
+        1, step, lse2, delta, dk, dv, WG, True, False, DEFER, HEAD_D, STAGES, s_layout
     )
     for i in range(2, n_q):
         dk, dv, lse2, delta = _bwd_step(
-            i,
-            k_w,
-            v_w,
-            k_half,
-            q_bufs,
-            do_bufs,
-            p_smem,
-            ds_bufs,
-            dq_smem,
-            ready,
-            empty,
-            ds_full,
-            ds_empty,
-            dq_desc,
-            LSE,
-            DELTA,
-            stat_off,
-            N,
-            lse2,
-            delta,
-            dk,
-            dv,
-            s_zero,
-            dq_zero,
-            n0,
-            softmax_scale,
-            scale_log2,
-            WG,
-            False,
-            False,
-            DEFER,
-            HEAD_D,
-            STAGES,
-            s_layout,
+            i, step, lse2, delta, dk, dv, WG, False, False, DEFER, HEAD_D, STAGES, s_layout
         )
     if DEFER:  # dQ of the last query block
         last = n_q - 1
@@ -491,99 +348,16 @@ def _bwd_ws_kernel(
     stat_off = bh * N
     dk_off = b * stride_dkb + h * stride_dkh
     dv_off = b * stride_dvb + h * stride_dvh
+    descs = (k_desc, v_desc, q_desc, do_desc)
+    bars = (ready, empty, ds_full, ds_empty)
+    smem = (k_smem, v_smem, q_bufs, do_bufs, p_bufs, ds_bufs, dq_bufs, kv_bar, bars, dq_desc)
+    scales = (softmax_scale, scale_log2)
+    gmem = (LSE, DELTA, DK, DV, stat_off, dk_off, dv_off, stride_dkn, stride_dvn, n0, n_q, N, scales)
     gl.warp_specialize(
         [
-            (
-                _bwd_consumer,
-                (
-                    k_smem,
-                    v_smem,
-                    q_bufs,
-                    do_bufs,
-                    p_bufs,
-                    ds_bufs,
-                    dq_bufs,
-                    kv_bar,
-                    ready,
-                    empty,
-                    ds_full,
-                    ds_empty,
-                    dq_desc,
-                    LSE,
-                    DELTA,
-                    DK,
-                    DV,
-                    stat_off,
-                    dk_off,
-                    dv_off,
-                    stride_dkn,
-                    stride_dvn,
-                    n0,
-                    n_q,
-                    N,
-                    softmax_scale,
-                    scale_log2,
-                    0,
-                    HEAD_D,
-                    STAGES,
-                    DEFER,
-                ),
-            ),
-            (
-                _bwd_consumer,
-                (
-                    k_smem,
-                    v_smem,
-                    q_bufs,
-                    do_bufs,
-                    p_bufs,
-                    ds_bufs,
-                    dq_bufs,
-                    kv_bar,
-                    ready,
-                    empty,
-                    ds_full,
-                    ds_empty,
-                    dq_desc,
-                    LSE,
-                    DELTA,
-                    DK,
-                    DV,
-                    stat_off,
-                    dk_off,
-                    dv_off,
-                    stride_dkn,
-                    stride_dvn,
-                    n0,
-                    n_q,
-                    N,
-                    softmax_scale,
-                    scale_log2,
-                    1,
-                    HEAD_D,
-                    STAGES,
-                    DEFER,
-                ),
-            ),
-            (
-                _bwd_loader,
-                (
-                    k_desc,
-                    v_desc,
-                    q_desc,
-                    do_desc,
-                    k_smem,
-                    v_smem,
-                    q_bufs,
-                    do_bufs,
-                    kv_bar,
-                    ready,
-                    empty,
-                    n0,
-                    n_q,
-                    STAGES,
-                ),
-            ),
+            (_bwd_consumer, (smem, gmem, 0, HEAD_D, STAGES, DEFER)),
+            (_bwd_consumer, (smem, gmem, 1, HEAD_D, STAGES, DEFER)),
+            (_bwd_loader, (descs, k_smem, v_smem, q_bufs, do_bufs, kv_bar, ready, empty, n0, n_q, STAGES)),
         ],
         [4, 1],
         [240, 24],
@@ -634,132 +408,48 @@ DEFER = {64: True, 128: False}
 NUM_WARPS, MAXNREG = 4, 168
 
 
-def bwd_launch(do, q, k, v, o, lse, dq, dk, dv, softmax_scale: float, dlse=None) -> None:
-    """Launch the one-pass backward: fills dq, dk, dv (shapes of q, k, v; any strides with unit last stride).
-
-    q, k, v, do, o (B, H, N, d) bf16 / fp16 on a CUDA sm_90 device, N % 128 == 0, d in STAGES, TMA-aligned
-    strides; lse and dlse (None: no LSE gradient) (B, H, N) float32 contiguous (natural log). The caller
-    checks these (`plan.plan_bwd`) and sets Triton's scratch allocator; this only launches (3
-    kernels: Delta, the backward, dQ's cast).
-    """
+def bwd_launch(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv) -> None:
+    """Fill dq, dk, dv (any strides with a unit last one) for inputs `plan.plan_bwd` accepts (sm_90, N % 128
+    == 0, d in STAGES, TMA-aligned strides): three kernels, Delta, the backward, dQ's cast."""
+    ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
     B, H, N, d = (int(x) for x in q.shape)
+    lse = lse.contiguous()
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     dq_acc = torch.zeros((B, H, N, d), dtype=torch.float32, device=q.device)
-    _bwd_prep_kernel[(N // 64, B * H)](
-        o,
-        do,
-        dlse,
-        delta,
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        do.stride(0),
-        do.stride(1),
-        do.stride(2),
-        H,
-        N,
-        HEAD_D=d,
-        BLOCK=64,
-        HAS_DLSE=dlse is not None,
-        num_warps=4,
-    )
-    _bwd_ws_kernel[(N // 128, B * H)](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        delta,
-        dq_acc,
-        dk,
-        dv,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        k.stride(2),
-        v.stride(0),
-        v.stride(1),
-        v.stride(2),
-        do.stride(0),
-        do.stride(1),
-        do.stride(2),
-        dk.stride(0),
-        dk.stride(1),
-        dk.stride(2),
-        dv.stride(0),
-        dv.stride(1),
-        dv.stride(2),
-        H,
-        N,
-        softmax_scale,
-        softmax_scale * LOG2E,
-        HEAD_D=d,
-        STAGES=STAGES[d],
-        DEFER=DEFER[d],
-        num_warps=NUM_WARPS,
-        maxnreg=MAXNREG,
-    )
-    dq.copy_(dq_acc)
-
-
-def _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv) -> None:
-
-    ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
-    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     with device_ctx(q):
-        bwd_launch(do, q, k, v, o, lse.contiguous(), dq, dk, dv, softmax_scale, dlse)
+        _bwd_prep_kernel[(N // 64, B * H)](
+            o, do, dlse, delta, *strides(o, do), H, N, HEAD_D=d, BLOCK=64, HAS_DLSE=dlse is not None,
+            num_warps=4,
+        )  # fmt: skip
+        _bwd_ws_kernel[(N // 128, B * H)](
+            q, k, v, do, lse, delta, dq_acc, dk, dv, *strides(q, k, v, do, dk, dv), H, N, softmax_scale,
+            softmax_scale * LOG2E, HEAD_D=d, STAGES=STAGES[d], DEFER=DEFER[d], num_warps=NUM_WARPS,
+            maxnreg=MAXNREG,
+        )  # fmt: skip
+        dq.copy_(dq_acc)
 
 
 def run(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    dlse: Tensor | None,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
     softmax_scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv), new tensors laid out as q, k, v, for inputs that `plan.plan_bwd` accepts
-    (dlse: the LSE output's gradient or None; a compiled graph passes zeros for an unused LSE)."""
-
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dq, dk, dv), new tensors laid out as q, k, v (dlse: the LSE output's gradient or None)."""
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
-    _run(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv)
+    bwd_launch(do, q, k, v, o, lse, dlse, softmax_scale, dq, dk, dv)
     return dq, dk, dv
 
 
 def run_packed(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    dlse: Tensor | None,
-    softmax_scale: float,
-    dqkv: Tensor,
-) -> None:
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dlse: Tensor | None,
+    softmax_scale: float, dqkv: Tensor,
+) -> None:  # fmt: skip
     """As `run`, writing into the three slices of dqkv (B, N, 3, H, d) (the packed entry point)."""
-    _run(do, q, k, v, o, lse, dlse, softmax_scale, *packed_views(dqkv))
+    bwd_launch(do, q, k, v, o, lse, dlse, softmax_scale, *packed_views(dqkv))
 
 
-def call(
-    do: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    lse: Tensor,
-    dlse: Tensor | None,
-    softmax_scale: float,
-    traced: bool,
-    dqkv: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`_launch.launch_bwd`'s Gluon path: (dq, dk, dv) as new tensors, or views of dqkv (B, N, 3, H, d)
-    that the kernels filled; through the custom ops below when `traced` (inside a compiled graph)."""
-
+def call(do, q, k, v, o, lse, dlse, softmax_scale: float, traced: bool, dqkv):
+    """`_launch.launch_bwd`'s Gluon path: (dq, dk, dv), new or views of dqkv; through the ops when traced."""
     if dqkv is None:
         return (backward if traced else run)(do, q, k, v, o, lse, dlse, softmax_scale)
     (backward_packed if traced else run_packed)(do, q, k, v, o, lse, dlse, softmax_scale, dqkv)
@@ -768,17 +458,15 @@ def call(
 
 # Opaque custom ops for compiled graphs (Inductor cannot trace a Gluon kernel: NOTES v9)
 backward = torch.library.custom_op("flashgpt::flash_attn_bwd_sm90", run, mutates_args=())
-backward_packed = torch.library.custom_op(
-    "flashgpt::flash_attn_bwd_sm90_packed", run_packed, mutates_args=("dqkv",)
-)
+packed_name = "flashgpt::flash_attn_bwd_sm90_packed"
+backward_packed = torch.library.custom_op(packed_name, run_packed, mutates_args=("dqkv",))
 
 
 @backward.register_fake
-def _backward_fake(do, q, k, v, o, lse, dlse, softmax_scale):
-
+def _backward_fake(do, q, k, v, *_):
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 
 @backward_packed.register_fake
-def _backward_packed_fake(do, q, k, v, o, lse, dlse, softmax_scale, dqkv):
+def _backward_packed_fake(*_):
     return None

@@ -1,38 +1,22 @@
 """Hopper (sm_90) causal FlashAttention forward in Gluon: persistent, a TMA producer warp, NC consumers.
 
-`_launch.launch_fwd` runs it instead of the Triton forward (`_triton_kernels._fwd_kernel`) where it
-was measured faster: `kernels.plan.plan_fwd` says when (sm_90, causal, Nq == Nk, d 64 / 128, bf16 /
-fp16, no variants, TMA-compatible strides, N from MIN_N up). The Triton kernel stays the one of the CPU
-interpreter (Gluon's warp specialisation and asynchronous wgmma have none), other GPUs, other shapes and
-the variants. o and LSE are written as `_fwd_kernel` writes them, so either backward can follow.
+`plan.plan_fwd` sends it what it was measured faster on (sm_90, causal, Nq == Nk, d 64 / 128, 16-bit, no
+variants, TMA-able strides, N from MIN_N); o and LSE are written as the Triton forward writes them.
+Schedule after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, sections 3.1-3.2):
+- warp specialisation: one producer warp (24 registers) TMA-loads the tile's Q parts and a ring of K / V
+  tiles; NC consumer warpgroups own 64 query rows each and share every K / V tile. NC = `CONSUMERS[d]`: 2 at
+  d = 128, 3 at d = 64 (FlashAttention-3's 192 x 128 tiles: one warpgroup's softmax runs under two others'
+  matrix products). In a 192-row tile a warpgroup releases the key blocks above its own diagonal unread;
+- intra-warpgroup overlap: S_j = Q K_j^T and O += P_{j-1} V_{j-1} issued together, the softmax of S_j
+  under the latter; P goes to the tensor cores from registers;
+- causal: BLOCK_N = 128, and a warpgroup's diagonal key block is visited first, so the loop has no mask;
+- persistent, dynamic schedule: one program per SM; the producer claims tiles from a counter in a plain
+  grid's order and hands them over in shared memory, so the next tile's loads run under this one's end.
+Measured and not kept (bench/NOTES.md v13, v15): FlashAttention-3's warpgroup ping-pong gave nothing; a
+static round-robin of the tiles ran 7-13% below the dynamic schedule at N = 4k-8k.
 
-Schedule, after FlashAttention-3 (Shah et al. 2024, arXiv:2407.08608, section 3.1-3.2):
-- warp specialisation: one producer warp (24 registers) issues the TMA loads of the tile's Q parts and of
-  a ring of K and V tiles; NC consumer warpgroups of 4 warps own 64 query rows each of the tile's 64 NC
-  and share every K / V tile. NC = `CONSUMERS[d]`: 2 at d = 128 (240 registers each), 3 at d = 64 (160
-  each; FlashAttention-3's 192 x 128 causal tiles at d = 64, its hopper/tile_size.h): with three
-  warpgroups the softmax of one runs under the matrix products of two, which is what a d = 64 step, short
-  on tensor-core work, needs. In a 192-row tile a warpgroup's diagonal 128-key block may lie below the
-  tile's last (the producer loads up to the last row's diagonal): it releases the blocks above its own
-  unread, and skips rows past N;
-- intra-warpgroup overlap (section 3.2): step j issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together,
-  waits for S_j only, runs the softmax of S_j under P_{j-1} V_{j-1}, then waits for it and rescales O.
-  Nothing stays in flight across the loop's back edge, and P goes to the tensor cores from registers;
-- causal: BLOCK_N = 128, a multiple of a warpgroup's 64 rows, so only a warpgroup's diagonal key block is
-  masked, and it is visited first (keys walk down to block 0, as in FlashAttention-3), which leaves the
-  loop without a mask or a branch;
-- persistent, dynamic schedule (FlashAttention-3's tile scheduler for causal masks): one program per SM;
-  the producer claims tiles from a counter in the order a plain grid would start them (head by head,
-  the longest query block first) and hands each tile id to the consumers through shared memory; the K / V
-  ring and the Q sets carry over from tile to tile, so the next tile's loads run under this tile's last
-  steps and epilogue instead of after the program's exit.
-Measured and not kept (bench/NOTES.md v13, v15): FlashAttention-3's ping-pong of the two warpgroups (an
-mbarrier pair ordering their matrix products) gave nothing here; a static round-robin of the tiles over
-the persistent programs ran 7-13% below the dynamic schedule at N = 4k-8k (0-4% at 16k).
-
-Layouts: q (B, Hq, N, d), k and v (B, Hkv, N, d) with any strides whose last is 1 (4D TMA descriptors
-over (batch, head, position, d), so views of a packed qkv work); o in q's layout; LSE (B, Hq, N) float32
-in natural-log units.
+Layouts: q (B, Hq, N, d), k and v (B, Hkv, N, d), any strides with a unit last one (4D TMA descriptors);
+o in q's layout; LSE (B, Hq, N) float32 natural log. `bufs` below: the shared buffers and barriers.
 """
 
 from __future__ import annotations
@@ -49,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator
+from ._runtime import device_ctx, empty_like_layout, ensure_scratch_allocator, strides
 
 
 @gluon.jit
@@ -100,40 +84,14 @@ def _load_q(q_desc, q_bufs, q_bars, qi, b, h, row):
 
 
 @gluon.jit
-def _loader(
-    q_desc,
-    k_desc,
-    v_desc,
-    q_bufs,
-    k_bufs,
-    v_bufs,
-    q_bars,
-    q_empty,
-    k_ready,
-    k_empty,
-    v_ready,
-    v_empty,
-    tile_smem,
-    tile_ready,
-    tile_empty,
-    counter,
-    pid,
-    G,
-    T,
-    n_mb,
-    H_Q,
-    GROUP,
-    N,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    Q_BUFS: gl.constexpr,
-    NC: gl.constexpr,
-):
-    """Producer (1 warp): takes tiles (the first is pid, then the next unclaimed one from `counter`, so
-    programs that finish early take more: a dynamic schedule in the plain grid's order) and hands each to
-    the consumers; per tile, K of the last key block it needs, the NC 64-row Q parts into Q set
-    n % Q_BUFS once their warpgroups are done with that set, then V and the next K blocks, down to block 0,
-    into the ring (slot g % STAGES for the program's g-th key block) as all consumers free it."""
+def _loader(args, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_BUFS: gl.constexpr, NC: gl.constexpr):
+    """Producer (1 warp): takes tiles (pid, then the next unclaimed one from `counter`: programs that finish
+    early take more) and hands each to the consumers; per tile, K of the last key block it needs, the NC
+    64-row Q parts into Q set n % Q_BUFS once free, then V and the next K blocks down to block 0 into the
+    ring (slot g % STAGES for the program's g-th key block) as all consumers free it."""
+    q_desc, k_desc, v_desc, bufs, counter, pid, G, T, n_mb, H_Q, GROUP, N = args
+    q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tiles = bufs
+    tile_smem, tile_ready, tile_empty = tiles
     TM: gl.constexpr = 64 * NC
     n_kb = gl.cdiv(N, BLOCK_N)
     g = 0
@@ -222,12 +180,7 @@ def _softmax_step(
 @gluon.jit
 def _kv_step(
     q_smem,
-    k_bufs,
-    v_bufs,
-    k_ready,
-    k_empty,
-    v_ready,
-    v_empty,
+    ring,
     acc,
     p,
     m_i,
@@ -244,6 +197,7 @@ def _kv_step(
 ):
     """Step j >= 1 of a tile (a full key block; j counts the program's key blocks, its ring position): S_j
     and P_{j-1} V_{j-1} issued together, the softmax of S_j under the latter."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = ring
     slot = j % STAGES
     prev = (j - 1) % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -265,28 +219,7 @@ def _kv_step(
 
 @gluon.jit
 def _consumer(
-    q_bufs,
-    k_bufs,
-    v_bufs,
-    q_bars,
-    q_empty,
-    k_ready,
-    k_empty,
-    v_ready,
-    v_empty,
-    tile_smem,
-    tile_ready,
-    tile_empty,
-    O,
-    LSE,
-    stride_ob,
-    stride_oh,
-    stride_on,
-    T,
-    n_mb,
-    H_Q,
-    N,
-    qk_scale,
+    args,
     WG: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_D: gl.constexpr,
@@ -297,6 +230,11 @@ def _consumer(
     """Consumer warpgroup WG (4 warps) of NC: per tile, query rows 64 (NC mb + WG) .. + 63; S = Q K^T,
     online softmax, O += P V over key blocks r0 // 128 (its diagonal) down to 0. The tile's blocks above
     its diagonal (loaded for the tile's later rows when NC = 3) it releases unread; rows past N it skips."""
+    bufs, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb, H_Q, N, qk_scale = args
+    q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tiles = bufs
+    tile_smem, tile_ready, tile_empty = tiles
+    ring = (k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty)
+    out = (O, LSE, stride_ob, stride_oh, stride_on)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -319,18 +257,9 @@ def _consumer(
             mbarrier.wait(q_bars.index(qi), (n // Q_BUFS) & 1)
             g = _consume_rows(
                 q_smem,
-                k_bufs,
-                v_bufs,
+                ring,
                 q_empty.index(qi),
-                k_ready,
-                k_empty,
-                v_ready,
-                v_empty,
-                O,
-                LSE,
-                stride_ob,
-                stride_oh,
-                stride_on,
+                out,
                 b,
                 h,
                 H_Q,
@@ -363,18 +292,9 @@ def _consumer(
             if n_blocks > 0:
                 g = _consume_rows(
                     q_smem,
-                    k_bufs,
-                    v_bufs,
+                    ring,
                     q_empty.index(qi),
-                    k_ready,
-                    k_empty,
-                    v_ready,
-                    v_empty,
-                    O,
-                    LSE,
-                    stride_ob,
-                    stride_oh,
-                    stride_on,
+                    out,
                     b,
                     h,
                     H_Q,
@@ -399,18 +319,9 @@ def _consumer(
 @gluon.jit
 def _consume_rows(
     q_smem,
-    k_bufs,
-    v_bufs,
+    ring,
     q_free,
-    k_ready,
-    k_empty,
-    v_ready,
-    v_empty,
-    O,
-    LSE,
-    stride_ob,
-    stride_oh,
-    stride_on,
+    out,
     b,
     h,
     H_Q,
@@ -429,6 +340,8 @@ def _consume_rows(
     """One warpgroup's 64 query rows r0 .. r0 + 63 of one (batch, head) over key blocks n_blocks - 1 (the
     diagonal) down to 0, ring positions g .. g + n_blocks - 1 (Q resident in q_smem, released through
     q_free after the last Q K^T); stores O and LSE. Returns the ring position after."""
+    k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty = ring
+    O, LSE, stride_ob, stride_oh, stride_on = out
     dtype: gl.constexpr = q_smem.dtype
     s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
     m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -450,12 +363,7 @@ def _consume_rows(
     for j in range(1, n_blocks):
         acc, p, m_i, l_i = _kv_step(
             q_smem,
-            k_bufs,
-            v_bufs,
-            k_ready,
-            k_empty,
-            v_ready,
-            v_empty,
+            ring,
             acc,
             p,
             m_i,
@@ -568,143 +476,20 @@ def _fwd_ws_kernel(
     tile_ready, tile_empty = _barriers(2, 1), _barriers(2, NC)
 
     GROUP = H_Q // H_KV
-    # the default partition is consumer 0; then the other consumers and the producer warp. One call per
-    # consumer count: the partition list must be a literal, and argument tuples built beforehand lose the
-    # constexpr-ness of BLOCK_N, HEAD_D, ... (triton 3.6)
+    tiles = (tile_smem, tile_ready, tile_empty)
+    bufs = (q_bufs, k_bufs, v_bufs, q_bars, q_empty, k_ready, k_empty, v_ready, v_empty, tiles)
+    consumer = (bufs, O, LSE, stride_ob, stride_oh, stride_on, T, n_mb, H_Q, N, qk_scale)
+    loader = (q_desc, k_desc, v_desc, bufs, COUNTER, pid, G, T, n_mb, H_Q, GROUP, N)
+    # the default partition is consumer 0, then the other consumers and the producer warp. The partition
+    # list must be a literal, and the constexprs must be passed in it (a tuple built beforehand loses their
+    # constexpr-ness, triton 3.6): one call per consumer count
     if NC == 3:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        O,
-                        LSE,
-                        stride_ob,
-                        stride_oh,
-                        stride_on,
-                        T,
-                        n_mb,
-                        H_Q,
-                        N,
-                        qk_scale,
-                        0,
-                        BLOCK_N,
-                        HEAD_D,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        O,
-                        LSE,
-                        stride_ob,
-                        stride_oh,
-                        stride_on,
-                        T,
-                        n_mb,
-                        H_Q,
-                        N,
-                        qk_scale,
-                        1,
-                        BLOCK_N,
-                        HEAD_D,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        O,
-                        LSE,
-                        stride_ob,
-                        stride_oh,
-                        stride_on,
-                        T,
-                        n_mb,
-                        H_Q,
-                        N,
-                        qk_scale,
-                        2,
-                        BLOCK_N,
-                        HEAD_D,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
-                (
-                    _loader,
-                    (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        COUNTER,
-                        pid,
-                        G,
-                        T,
-                        n_mb,
-                        H_Q,
-                        GROUP,
-                        N,
-                        BLOCK_N,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
+                (_consumer, (consumer, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (consumer, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (consumer, 2, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_loader, (loader, BLOCK_N, STAGES, Q_BUFS, NC)),
             ],
             [4, 4, 1],
             [REGS, REGS, 24],
@@ -712,104 +497,9 @@ def _fwd_ws_kernel(
     else:
         gl.warp_specialize(
             [
-                (
-                    _consumer,
-                    (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        O,
-                        LSE,
-                        stride_ob,
-                        stride_oh,
-                        stride_on,
-                        T,
-                        n_mb,
-                        H_Q,
-                        N,
-                        qk_scale,
-                        0,
-                        BLOCK_N,
-                        HEAD_D,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
-                (
-                    _consumer,
-                    (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        O,
-                        LSE,
-                        stride_ob,
-                        stride_oh,
-                        stride_on,
-                        T,
-                        n_mb,
-                        H_Q,
-                        N,
-                        qk_scale,
-                        1,
-                        BLOCK_N,
-                        HEAD_D,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
-                (
-                    _loader,
-                    (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_bars,
-                        q_empty,
-                        k_ready,
-                        k_empty,
-                        v_ready,
-                        v_empty,
-                        tile_smem,
-                        tile_ready,
-                        tile_empty,
-                        COUNTER,
-                        pid,
-                        G,
-                        T,
-                        n_mb,
-                        H_Q,
-                        GROUP,
-                        N,
-                        BLOCK_N,
-                        STAGES,
-                        Q_BUFS,
-                        NC,
-                    ),
-                ),
+                (_consumer, (consumer, 0, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_consumer, (consumer, 1, BLOCK_N, HEAD_D, STAGES, Q_BUFS, NC)),
+                (_loader, (loader, BLOCK_N, STAGES, Q_BUFS, NC)),
             ],
             [4, 1],
             [REGS, 24],
@@ -839,51 +529,22 @@ def _tma_strides(t: Tensor) -> list[int]:
 
 
 def fwd_launch(q, k, v, o, lse, softmax_scale: float) -> None:
-    """Launch the causal forward: fills o (q's shape; any strides) and lse (B, Hq, N) float32
-    contiguous, natural log. One persistent program per SM (or per tile, if fewer).
-
-    q (B, Hq, N, d), k and v (B, Hkv, N, d) with Hq % Hkv == 0, bf16 or fp16 on a CUDA sm_90 device,
-    d in STAGES, last stride 1 and the other strides and the base addresses 16-byte aligned (TMA). The
-    caller checks these (`plan.plan_fwd`) and sets Triton's scratch allocator (the device-side
-    descriptors live there); this only launches.
-    """
+    """Fill o (laid out as q) and lse (B, Hq, N) float32 natural log for inputs `plan.plan_fwd` accepts: one
+    persistent program per SM (or per tile, if fewer)."""
     B, Hq, N, d = (int(x) for x in q.shape)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count  # torch caches the properties
     nc = CONSUMERS[d]
     grid = (min(sms, triton.cdiv(N, 64 * nc) * B * Hq),)
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)
     _fwd_ws_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        lse,
-        counter,
-        *_tma_strides(q),
-        *_tma_strides(k),
-        *_tma_strides(v),
-        o.stride(0),
-        o.stride(1),
-        o.stride(2),
-        B,
-        Hq,
-        int(k.shape[1]),
-        N,
-        softmax_scale * 1.4426950408889634,
-        HEAD_D=d,
-        STAGES=STAGES[d],
-        Q_BUFS=Q_BUFS[d],
-        NC=nc,
-        REGS=REGS[nc],
-        num_warps=NUM_WARPS,
-        maxnreg=MAXNREG[nc],
-    )
+        q, k, v, o, lse, counter, *_tma_strides(q), *_tma_strides(k), *_tma_strides(v), *strides(o),
+        B, Hq, int(k.shape[1]), N, softmax_scale * 1.4426950408889634, HEAD_D=d, STAGES=STAGES[d],
+        Q_BUFS=Q_BUFS[d], NC=nc, REGS=REGS[nc], num_warps=NUM_WARPS, maxnreg=MAXNREG[nc],
+    )  # fmt: skip
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
-    """(o, lse) of the causal forward for inputs that `plan.plan_fwd` accepts: o like q (its dim order),
-    lse float32 (B, Hq, N) natural log. Eager calls launch through this; traced ones go through `forward`."""
-
+def run(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float) -> tuple[Tensor, Tensor]:
+    """(o, lse) of the causal forward; eager calls launch through this, traced ones through `forward`."""
     ensure_scratch_allocator()  # the device-side TMA descriptors live in Triton's global scratch
     o = empty_like_layout(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -899,5 +560,4 @@ forward = torch.library.custom_op("flashgpt::flash_attn_fwd_sm90", run, mutates_
 
 @forward.register_fake
 def _forward_fake(q, k, v, softmax_scale):
-
     return empty_like_layout(q), q.new_empty(q.shape[:3], dtype=torch.float32)

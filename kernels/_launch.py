@@ -1,9 +1,7 @@
 """Launchers of the FlashAttention kernels: they execute a `kernels.plan.Plan` and decide nothing themselves.
 
-`launch_fwd` / `launch_bwd` run the Gluon kernels (`_gluon_fwd.py`, `_gluon_bwd.py`) or the Triton ones
-(`_triton_kernels.py`) with the plan's tiles and TMA choice; `dropout_mask` writes the kernels' dropout keep
-mask (tests). Inputs are validated by `flash_attn`. `traced`: called inside a `triton_op` body, so the
-launches go through `torch.library.wrap_triton` (torch.compile records them in the graph).
+Inputs are validated by `flash_attn`. `traced`: called inside a `triton_op` body, so the launches go through
+`torch.library.wrap_triton` (torch.compile records them in the graph).
 """
 
 import importlib
@@ -13,19 +11,17 @@ import torch
 from . import plan as kplan
 from ._runtime import (
     FlashAttentionUnavailableError,
+    cdiv,
     device_ctx,
     empty_like_layout,
     ensure_scratch_allocator,
     interpret_enabled,
     packed_views,
+    strides,
     unit_last_stride,
 )
 
 LOG2E = 1.4426950408889634
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def dot_precision(dtype: torch.dtype):
@@ -34,13 +30,9 @@ def dot_precision(dtype: torch.dtype):
 
 
 def kernel_module(interpret: bool, name: str = "_triton_kernels"):
-    """The module of Triton kernels `name` (`_triton_kernels`, `_triton_common`, `_decode_kernels`),
-    imported at the first launch: its `@triton.jit` kernels are compiled, or interpreted when
-    TRITON_INTERPRET was set then.
-
-    Raises FlashAttentionUnavailableError when this call needs the other mode than the one the process is in:
-    compiled kernels after triton was imported with TRITON_INTERPRET=1 (Triton's standard library is then
-    interpreter-only), or a call of either mode after the kernels were imported for the other one."""
+    """The Triton kernel module `name`, imported at the first launch (compiled, or interpreted when
+    TRITON_INTERPRET was set then). FlashAttentionUnavailableError when this call needs the other mode than
+    the one the process is in."""
     import triton
     import triton.language as tl
 
@@ -63,26 +55,26 @@ def kernel_module(interpret: bool, name: str = "_triton_kernels"):
 
 
 def launcher(kernel, grid, traced: bool):
-    """kernel[grid], or `torch.library.wrap_triton(kernel)[grid]` inside the triton ops, so that
-    torch.compile (make_fx / AOTAutograd) records the launch itself and Inductor emits it in the
-    generated code, instead of calling back into Python for every attention call."""
+    """kernel[grid], or `wrap_triton(kernel)[grid]` inside the triton ops: Inductor then emits the launch in
+    its generated code instead of calling back into Python per attention call."""
     if traced and not interpret_enabled():  # interpreter kernels are not JIT functions: launch directly
         return torch.library.wrap_triton(kernel)[grid]
     return kernel[grid]
 
 
 def _scale_log2(softmax_scale: float, softcap: float) -> float:
-    """The kernels' score multiplier: scale * log2(e) (base-2 scores), or scale / c with soft-capping, whose
-    kernels then take c * tanh(.) in base 2 (`_triton_common._softcap`)."""
+    """The kernels' score multiplier: scale * log2(e) (base-2 scores), or scale / c with soft-capping."""
     return softmax_scale / softcap if softcap else softmax_scale * LOG2E
 
 
+def _softcap_kwargs(softcap: float) -> dict:
+    return dict(softcap=softcap * LOG2E if softcap else None, SOFTCAP=bool(softcap))
+
+
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap: float) -> dict:
-    """Kernel keyword arguments of the variants (window, documents, dropout, soft-capping); all off gives the
-    plain causal kernels (softcap None: a constexpr, so the plain kernels compile exactly as without it)."""
+    """Kernel keywords of the variants; all off compiles the plain kernels (softcap None is a constexpr)."""
     return dict(
-        softcap=softcap * LOG2E if softcap else None,
-        SOFTCAP=bool(softcap),
+        **_softcap_kwargs(softcap),
         Q_DOC=q_doc,
         SEED=dropout_seed,
         window=int(window),
@@ -91,12 +83,6 @@ def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap:
         HAS_DOC=q_doc is not None,
         HAS_DROPOUT=dropout_p > 0.0,
     )
-
-
-def _strides(*tensors) -> list:
-    """The (B, H, N) strides of each tensor: the kernels take no head-dim stride, it is 1 for every operand
-    (`unit_last_stride` for the inputs; the outputs are made dense with a unit last stride)."""
-    return [s for t in tensors for s in t.stride()[:3]]
 
 
 def _options(cfg) -> dict:
@@ -109,28 +95,25 @@ def launch_fwd(
     v,
     causal: bool,
     softmax_scale: float,
-    traced: bool = False,
     window: int = 0,
     q_doc=None,
     k_doc=None,
     dropout_p: float = 0.0,
     dropout_seed=None,
+    deterministic: bool = False,
     softcap: float = 0.0,
+    *,
+    traced: bool = False,
 ):
-    """Forward: (o, lse). Variants (validated by `flash_attention`): window w >= 1 (0: none), q_doc int32
-    (2, B, Nq) document key ranges of the query rows (k_doc: unused here), dropout_p with its int64 (1,)
-    seed, softcap c > 0 (0: none)."""
-    if q.dtype == torch.bfloat16 and interpret_enabled():
-        # numpy (the interpreter) has no bfloat16: compute in float32, return bfloat16
-        o, lse = launch_fwd(
-            q.float(), k.float(), v.float(), causal, softmax_scale, False, window, q_doc, k_doc, dropout_p,
-            dropout_seed, softcap,
-        )  # fmt: skip
+    """Forward: (o, lse); the arguments of the forward op (k_doc and deterministic unused here)."""
+    if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16: compute in float32
+        variants = (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap)
+        o, lse = launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale, *variants)
         return o.to(torch.bfloat16), lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     p = kplan.plan_fwd(q, k, v, causal, softmax_scale, window, q_doc, dropout_p, softcap)
     if p.backend == "gluon":  # sm_90 from plan.MIN_N: the Gluon forward
-        g = kplan.gluon_fwd()
+        g = kplan.gluon("fwd")
         return (g.forward if traced else g.run)(q, k, v, softmax_scale)
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, Nk = int(k.shape[1]), int(k.shape[2])
@@ -139,9 +122,9 @@ def launch_fwd(
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     kern = kernel_module(interpret_enabled())._fwd_kernel
     with device_ctx(q):
-        launcher(kern, (_cdiv(Nq, cfg.block_m), Hq, B), traced)(
+        launcher(kern, (cdiv(Nq, cfg.block_m), Hq, B), traced)(
             q, k, v, o, lse,
-            *_strides(q, k, v, o),
+            *strides(q, k, v, o),
             Hq, Hq // Hkv, Nq, Nk, d, _scale_log2(softmax_scale, softcap),
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == p.block_d,
@@ -161,25 +144,25 @@ def launch_bwd(
     causal: bool,
     softmax_scale: float,
     dlse=None,
-    traced: bool = False,
     window: int = 0,
     q_doc=None,
     k_doc=None,
     dropout_p: float = 0.0,
     dropout_seed=None,
-    dqkv=None,
     deterministic: bool = False,
     softcap: float = 0.0,
+    *,
+    traced: bool = False,
+    dqkv=None,
 ):
-    """Backward: (dq, dk, dv), new tensors laid out as q, k, v (`empty_like_layout`); with `dqkv` (a
-    (B, N, 3, H, d) tensor, the packed entry point) the kernels write its three slices and the views of
-    them are returned. The kernels then get dqkv itself, never the views: a compiled graph may clone an
-    argument a kernel writes, and a clone of a view with gaps would not keep the strides the launch passes."""
+    """Backward: (dq, dk, dv), new tensors laid out as q, k, v; the arguments of the backward op. With `dqkv`
+    (B, N, 3, H, d) the kernels write its three slices and the views are returned. The kernels get dqkv
+    itself, never the views: a compiled graph may clone a written argument, and a clone of a view with
+    gaps would not keep the strides the launch passes."""
     if q.dtype == torch.bfloat16 and interpret_enabled():
-        grads = launch_bwd(
-            do.float(), q.float(), k.float(), v.float(), o.float(), lse, causal, softmax_scale, dlse, False,
-            window, q_doc, k_doc, dropout_p, dropout_seed, None, deterministic, softcap,
-        )  # fmt: skip
+        variants = (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap)
+        inputs = (t.float() for t in (do, q, k, v, o))
+        grads = launch_bwd(*inputs, lse, causal, softmax_scale, dlse, *variants)
         if dqkv is not None:
             dqkv.copy_(torch.stack(grads, dim=1).permute(0, 3, 1, 2, 4))  # (B, 3, H, N, d) -> (B, N, 3, H, d)
             return packed_views(dqkv)
@@ -191,7 +174,7 @@ def launch_bwd(
         do, q, k, v, o, causal, softmax_scale, window, q_doc, dropout_p, deterministic, softcap
     )
     if p.backend == "gluon":  # sm_90: the one-pass Gluon backward (dQ by TMA reduce-add)
-        return kplan.gluon_bwd().call(do, q, k, v, o, lse, dlse, softmax_scale, traced, dqkv)
+        return kplan.gluon("bwd").call(do, q, k, v, o, lse, dlse, softmax_scale, traced, dqkv)
     B, Hq, Nq, d = (int(x) for x in q.shape)
     Hkv, Nk = int(k.shape[1]), int(k.shape[2])
     c_dq, c_dkdv = p.tiles
@@ -215,18 +198,18 @@ def launch_bwd(
     with device_ctx(q):
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
-        launcher(kern._bwd_dq_kernel, (_cdiv(Nq, c_dq.block_m), Hq, B), traced)(
+        launcher(kern._bwd_dq_kernel, (cdiv(Nq, c_dq.block_m), Hq, B), traced)(
             q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: HAS_DLSE=False, never read
-            *_strides(q, k, v, do, dq, o),
+            *strides(q, k, v, do, dq, o),
             *scale_args, TMA_K=(tma_dq or (0, 0))[0], TMA_V=(tma_dq or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dq.block_m, BLOCK_N=c_dq.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dq.block_m == 0, EVEN_N=Nk % c_dq.block_n == 0, EVEN_D=even_d,
             DOT_PRECISION=prec, HAS_DLSE=dlse is not None,
             **_options(c_dq), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
-        launcher(kern._bwd_dkdv_kernel, (_cdiv(Nk, c_dkdv.block_n), Hkv, B), traced)(
+        launcher(kern._bwd_dkdv_kernel, (cdiv(Nk, c_dkdv.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk_arg, dv_arg,
-            *_strides(q, k, v, do, dk, dv),
+            *strides(q, k, v, do, dk, dv),
             *scale_args, TMA_Q=(tma_dkdv or (0, 0))[0], TMA_DO=(tma_dkdv or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dkdv.block_m, BLOCK_N=c_dkdv.block_n, BLOCK_D=p.block_d,
             EVEN_M=Nq % c_dkdv.block_m == 0, EVEN_N=Nk % c_dkdv.block_n == 0, EVEN_D=even_d,
@@ -240,10 +223,9 @@ def launch_bwd(
 def dropout_mask(
     dropout_seed: torch.Tensor, B: int, Hq: int, Nq: int, Nk: int, dropout_p: float
 ) -> torch.Tensor:
-    """The kernels' own dropout keep mask, bool (B, Hq, Nq, Nk) on the seed's device (a test helper: the
-    attention kernels never store it, they regenerate it). dropout_seed: int64 (1,) tensor."""
+    """The kernels' own dropout keep mask, bool (B, Hq, Nq, Nk) on the int64 (1,) seed's device (tests)."""
     out = torch.empty((B, Hq, Nq, Nk), dtype=torch.int8, device=dropout_seed.device)
     kern = kernel_module(interpret_enabled(), "_triton_common")._dropout_mask_kernel
     with device_ctx(out):
-        kern[(_cdiv(Nq, 16), Hq, B)](dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
+        kern[(cdiv(Nq, 16), Hq, B)](dropout_seed, out, Hq, Nq, Nk, float(dropout_p), BLOCK_M=16, BLOCK_N=16)
     return out.bool()

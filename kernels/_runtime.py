@@ -1,7 +1,4 @@
-"""What every launcher shares: the interpreter / device checks and the tensor helpers of the launches.
-
-A leaf module (plain torch, no triton import): `plan`, the launchers and the Gluon kernels import it.
-"""
+"""What every launcher shares: the interpreter / device checks and tensor helpers (plain torch, a leaf)."""
 
 import contextlib
 import importlib.util
@@ -11,11 +8,8 @@ import torch
 
 
 class FlashAttentionUnavailableError(RuntimeError, ValueError):
-    """Flash attention cannot run on this device (no CUDA / no Triton / CPU without TRITON_INTERPRET).
-
-    Subclasses both RuntimeError (what `check_flash_available` documents) and ValueError (the
-    argument-validation errors of `flash_attention`), so either `except` clause catches it.
-    """
+    """Flash attention cannot run on this device (no CUDA / no Triton / CPU without TRITON_INTERPRET); a
+    RuntimeError and a ValueError (like `flash_attention`'s argument errors): either `except` catches it."""
 
 
 def interpret_enabled() -> bool:
@@ -49,16 +43,20 @@ def _device_problem(device: torch.device) -> str | None:
 
 
 def check_flash_available(device) -> None:
-    """Raise if flash attention cannot run on `device` (str or torch.device); return None otherwise.
-
-    Runs on: CUDA devices (with triton installed), and CPU when TRITON_INTERPRET=1 (slow, testing).
-    Raises:
-        FlashAttentionUnavailableError (a RuntimeError): the message says flash needs a CUDA GPU, or
-        TRITON_INTERPRET=1 for slow testing, and that attention=sdpa is the portable choice.
-    """
+    """Raise FlashAttentionUnavailableError unless flash attention runs on `device`: CUDA with triton, or the
+    CPU under TRITON_INTERPRET=1."""
     problem = _device_problem(torch.device(device))
     if problem is not None:
         raise FlashAttentionUnavailableError(problem)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def strides(*tensors) -> list:
+    """The (B, H, N) strides of each tensor (the kernels assume a unit head-dim stride)."""
+    return [s for t in tensors for s in t.stride()[:3]]
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -67,15 +65,10 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def empty_like_layout(t: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
-    """An empty dense tensor of `shape` (default t's) whose dims lie in memory in the order of t's strides.
-
-    Why: the trainer's q, k, v are (B, N, H, d) memory (a fused qkv projection) viewed as (B, H, N, d).
-    Gradients (and o) in that same order make the model's transpose(1, 2).reshape and the backward's
-    concatenation of dq, dk, dv into d(qkv) plain copies or free views; contiguous (B, H, N, d)
-    results cost a transposing copy per layer (4.5 ms of a 68 ms GPT-2 step at B=32, N=1024 on the
-    H200, bench/NOTES.md v8). Dims with equal strides keep their order; the last dim stays innermost (unit
-    stride, which the kernels assume) even where t has a stride-0 (expanded) dim, which sorts after it.
-    """
+    """An empty dense tensor of `shape` (default t's) whose dims lie in memory in the order of t's strides
+    (ties keep their order; the last dim stays innermost). The trainer's q, k, v are (B, N, H, d) memory
+    viewed as (B, H, N, d): contiguous results would cost a transposing copy per layer (4.5 ms of a 68 ms
+    GPT-2 step at B=32, N=1024 on the H200, bench/NOTES.md v8)."""
     shape = tuple(t.shape) if shape is None else tuple(shape)
     strides, last = t.stride(), t.dim() - 1
     order = sorted(range(last), key=lambda i: -int(strides[i])) + [last]  # stable: ties keep dim order
@@ -92,8 +85,7 @@ def packed_views(qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def device_ctx(t: torch.Tensor):
-    """Triton launches on the current CUDA device: make it the tensor's device (no switch, and no
-    host time spent, when it already is)."""
+    """Triton launches on the current CUDA device: make it the tensor's (no switch when it already is)."""
     if not t.is_cuda or t.get_device() == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(t.device)
@@ -103,22 +95,15 @@ _SCRATCH_ALLOCATOR_READY = False
 
 
 def _scratch_alloc(size: int, alignment: int, stream):
-    """Global scratch for the device-side tensor descriptors: a torch CUDA allocation, so it comes
-    from the caching allocator on the current stream (and from the graph's pool under CUDA graphs)."""
+    """Scratch of the device-side tensor descriptors, from torch's caching allocator (and graph pools)."""
     del alignment, stream  # torch allocations are 512-byte aligned and stream-ordered
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def ensure_scratch_allocator() -> None:
-    """Make Triton's global-scratch allocator available in every thread (idempotent).
-
-    Kernels that build tensor descriptors on the device (`tl.make_tensor_descriptor`) need Triton to
-    allocate 128 bytes per descriptor and program at launch, through the allocator given to
-    `triton.set_allocator`. That one is a ContextVar: set in one thread it is missing in autograd's
-    device thread, where the backward kernels launch (eagerly and from Inductor's compiled backward).
-    So, unless an allocator is already set, ours becomes the variable's default for every thread.
-    Falls back to `triton.set_allocator` (this thread only) if Triton's internals differ.
-    """
+    """Make Triton's global-scratch allocator (device-side tensor descriptors) available in every thread.
+    `triton.set_allocator` sets a ContextVar, missing in autograd's device thread where the backward kernels
+    launch, so ours becomes the variable's default unless one is set (else set_allocator, this thread)."""
     global _SCRATCH_ALLOCATOR_READY
     if _SCRATCH_ALLOCATOR_READY:
         return

@@ -1,45 +1,33 @@
-"""Triton helpers shared by the FlashAttention kernels of `_triton_kernels.py`, and the dropout test kernel.
-
-`@triton.jit` functions like the kernels: compiled, or interpreted when TRITON_INTERPRET was set at this
-module's import (see `_triton_kernels`).
-"""
+"""Triton helpers of the FlashAttention kernels (`_triton_kernels.py`), and the dropout test kernel."""
 
 import triton
 import triton.language as tl
 
-# ---------------------------------------------------------------------------------------------
-# small helpers (inlined by Triton)
-# ---------------------------------------------------------------------------------------------
-
 
 @triton.jit
 def _row_max(x):
-    """max over axis 1. tl.reduce with Triton's combine function rather than tl.max: tl.max is a JIT function
-    of Triton's standard library, built in the mode of triton's own import, so an interpreted kernel of a
-    process that imported triton before TRITON_INTERPRET=1 could not call it; tl.reduce is a builtin that
-    both modes run (the same reduction as tl.max of a float32 tile)."""
+    """max over axis 1 by tl.reduce, not tl.max: tl.max is built in the mode of triton's own import, so an
+    interpreted kernel of a process that imported triton before TRITON_INTERPRET=1 could not call it."""
     return tl.reduce(x, 1, tl.standard._elementwise_max)
 
 
 @triton.jit
 def _row_sum(x):
-    """sum over axis 1 (tl.reduce, as `_row_max`: the same reduction as tl.sum of a float32 tile)."""
+    """sum over axis 1 (tl.reduce, as `_row_max`)."""
     return tl.reduce(x, 1, tl.standard._sum_combine)
 
 
 @triton.jit
 def _tanh(x):
-    """tanh(x) = 2 / (1 + e^(-2x)) - 1 from exp2 (no libdevice: the interpreter has none); absolute error
-    about 1 ulp of 1. x is clamped to [-10, 10] first, where float32 tanh is already +-1, so e^(-2x) stays
-    finite (no inf, no overflow warning of the interpreter's numpy)."""
+    """tanh(x) = 2 / (1 + e^(-2x)) - 1 from exp2 (the interpreter has no libdevice), about 1 ulp; x clamped
+    to [-10, 10] (where float32 tanh is +-1) so e^(-2x) stays finite."""
     x = tl.minimum(tl.maximum(x, -10.0), 10.0)
     return 2.0 / (1.0 + tl.math.exp2(x * -2.8853900817779268)) - 1.0
 
 
 @triton.jit
 def _softcap(qk, cap):
-    """Soft-capped scores in base 2 and tanh itself: qk = (q . k) * scale / c arrives, c * log2(e) * tanh(qk)
-    leaves (cap = c * log2(e)); the backward multiplies dS by 1 - tanh^2."""
+    """(cap * tanh(qk), tanh(qk)) for qk = (q . k) * scale / c, cap = c * log2(e): capped base-2 scores."""
     t = _tanh(qk)
     return t * cap, t
 
@@ -77,12 +65,8 @@ def _store_tile(ptrs, x, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COL
 
 @triton.jit
 def _key_block_bounds(m0, N_Q, N_K, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key range of the query block starting at row m0: returns (full_end, hi).
-
-    Key blocks [0, full_end) need no mask at all; blocks [full_end, hi) need the causal and/or the
-    sequence-end mask; keys >= hi are invisible to every row of the block (skipped).
-    All quantities are clamped to >= 0 before any division (Triton integer division truncates).
-    """
+    """(full_end, hi) of the query block at row m0: key blocks before full_end need no mask, keys >= hi are
+    invisible to the whole block. Clamped to >= 0 before dividing (Triton's division truncates)."""
     if CAUSAL:
         delta = N_K - N_Q
         # last row of the block (m0 + BLOCK_M - 1) sees keys < m0 + BLOCK_M + delta
@@ -110,14 +94,9 @@ def _key_block_range(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Key range of the query block starting at row m0 with the variants: (lo, full_lo, full_end, hi).
-
-    Key blocks starting in [lo, hi) are visited; those in [full_lo, full_end) need no mask, the others
-    (window edge, document edges, diagonal, sequence end) do. Keys outside [lo, hi) are invisible to every
-    row of the block and skipped, so a window costs O(N * w) and documents O(sum of their squared lengths).
-    Window w: row i sees keys j > i + (N_K - N_Q) - w. Documents: row i sees keys [DOC_LO[i], DOC_HI[i])
-    (its document's key range; the ranges are non-decreasing in i, so the block's first / last row bound it).
-    """
+    """(lo, full_lo, full_end, hi) of the query block at row m0 with the variants: key blocks in [lo, hi) are
+    visited (a window costs O(N * w)), those in [full_lo, full_end) unmasked. Documents: row i sees keys
+    [DOC_LO[i], DOC_HI[i]), non-decreasing in i, so the block's first and last rows bound it."""
     full_end, hi = _key_block_bounds(m0, N_Q, N_K, CAUSAL, BLOCK_M, BLOCK_N)
     lo = 0
     full_lo = 0
@@ -151,13 +130,9 @@ def _query_block_range(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Query range of the key block starting at n0 (dK/dV): (start_m, full_start, full_end, hi).
-
-    start_m / full_start: the causal bounds of `_bwd_dkdv_kernel`. Query blocks starting in [start_m, hi)
-    are visited; those in [full_start, full_end) need no mask. Window w: query i sees key j iff
-    i < j - (N_K - N_Q) + w. Documents: key j is seen by queries [DOC_LO[j], DOC_HI[j]) (non-decreasing in j).
-    Query rows past N_Q need no mask (their LSE reads +inf, so P = 0).
-    """
+    """(start_m, full_start, full_end, hi) of the key block at n0 (dK/dV) from its causal bounds: query blocks
+    in [start_m, hi) are visited, those in [full_start, full_end) unmasked. Documents: key j is seen by
+    queries [DOC_LO[j], DOC_HI[j]). Rows past N_Q need no mask (their LSE reads +inf, so P = 0)."""
     hi = N_Q
     full_end = ((N_Q + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
     if HAS_WINDOW:
@@ -175,10 +150,7 @@ def _query_block_range(
 @triton.jit
 def _edge_block(start, full_lo, full_end, LO_EDGE: tl.constexpr, HI_EDGE: tl.constexpr):
     """Does the block at `start` need the mask: start < full_lo (LO_EDGE) or start >= full_end (HI_EDGE).
-
-    The plain causal kernels enable one edge only (the forward / dQ the high one, dK/dV the low one), so
-    they compile to one comparison as before the variants (no extra live register: the d = 128 dK/dV
-    tile spills otherwise); window / documents enable both."""
+    The plain kernels test one edge only: an extra live register spills the d = 128 dK/dV tile."""
     if LO_EDGE:
         if HI_EDGE:
             return (start < full_lo) | (start >= full_end)
@@ -200,14 +172,9 @@ def _score_keep(
     HAS_DOC: tl.constexpr,
     CHECK_COLS: tl.constexpr = True,
 ):
-    """Boolean keep tile of the scores: key `cols` in range, causal, inside the window and the document.
-
-    rows / cols: query / key indices as broadcastable tiles ((M, 1) and (1, N), or transposed for dK/dV);
-    doc_lo / doc_hi: each row's document key range, shaped like rows (ignored unless HAS_DOC).
-    CHECK_COLS=False leaves out `cols < N_K` (dK/dV: rows of keys past N_K are never stored).
-    The one place where every mask of the kernels is decided (`kernels.reference.attention_mask` is the
-    same function in PyTorch).
-    """
+    """Keep tile of the scores, the one place every mask is decided (`reference.attention_mask` in PyTorch):
+    rows / cols broadcastable index tiles, doc_lo / doc_hi each row's document key range. CHECK_COLS=False
+    leaves out `cols < N_K` (dK/dV: rows of keys past N_K are never stored)."""
     if CHECK_COLS:
         keep = cols < N_K
         if CAUSAL:
@@ -225,9 +192,8 @@ def _score_keep(
 def _variant_args(
     DOC, SEED, b, offs_rows, mask_rows, N_ROWS, dropout_p, HAS_DOC: tl.constexpr, HAS_DROPOUT: tl.constexpr
 ):
-    """Per-program inputs of the variants: the document ranges of rows offs_rows of batch element b
-    (DOC int32 (2, B, N_ROWS): lo, then hi; (BLOCK, 1) tiles and base pointers), the Philox key, and
-    dropout_p as fp32."""
+    """Per-program variant inputs: the document ranges of rows offs_rows of batch element b (DOC int32
+    (2, B, N_ROWS); (BLOCK, 1) tiles and base pointers), the Philox key, dropout_p as fp32."""
     if HAS_DOC:
         lo_ptr = DOC + b * N_ROWS
         hi_ptr = DOC + (tl.num_programs(2) + b) * N_ROWS
@@ -256,17 +222,10 @@ def _philox_seed(SEED):
 
 @triton.jit
 def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
-    """Dropout keep tile: True with probability 1 - dropout_p, a pure function of (seed, b*Hq + h, i, j).
-
-    Counter-based: Philox4x32-10 (Salmon, Moraes, Dror & Shaw, "Parallel random numbers: as easy as 1, 2, 3",
-    SC 2011) of the counter (key j, query i, b * Hq + h, 0) under the key (seed_lo, seed_hi); the top 24 bits
-    of the first output word give u in [0, 1), kept iff u >= dropout_p. Every element has its own counter,
-    so the forward and both backward kernels regenerate the same mask in any tile shape or orientation
-    (rows / cols are broadcastable index tiles) and nothing is stored. Written from the paper's round
-    function (multipliers 0xD2511F53, 0xCD9E8D57, Weyl key increments 0x9E3779B9, 0xBB67AE85); our own
-    helper rather than tl.rand so it also runs in interpreted kernels and the counter carries i, j and the
-    head without a 32-bit overflow.
-    """
+    """Dropout keep tile, True with probability 1 - dropout_p: Philox4x32-10 (Salmon et al., SC 2011) of the
+    counter (j, i, b * Hq + h, 0) under the key (seed_lo, seed_hi), u = top 24 bits, kept iff u >= p. Each
+    element has its own counter, so every kernel regenerates the same mask in any tile shape; our own rather
+    than tl.rand so it runs interpreted and the counter holds i, j and the head without overflow."""
     c0 = (cols + 0 * rows).to(tl.uint32)
     c1 = (rows + 0 * cols).to(tl.uint32)
     c2 = c0 * 0 + bh.to(tl.uint32)
@@ -286,18 +245,10 @@ def _dropout_keep(seed_lo, seed_hi, rows, cols, bh, dropout_p):
     return u >= dropout_p
 
 
-# ---------------------------------------------------------------------------------------------
-# test helper: the dropout keep mask itself
-# ---------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _dropout_mask_kernel(SEED, OUT, H_Q, N_Q, N_K, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Test helper: write the attention kernels' dropout keep mask, int8 (B, Hq, Nq, Nk) contiguous, 1 = kept.
-
-    Grid: (cdiv(Nq, BLOCK_M), Hq, B). Same `_dropout_keep` as the forward and backward kernels, so a
-    reference attention with this mask reproduces their output and gradients.
-    """
+    """Test helper: the kernels' `_dropout_keep` mask, int8 (B, Hq, Nq, Nk) contiguous, 1 = kept.
+    Grid (cdiv(Nq, BLOCK_M), Hq, B)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)

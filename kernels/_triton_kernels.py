@@ -1,44 +1,23 @@
-"""Triton kernels of our FlashAttention-2 (forward; backward: dQ with Delta, then dK/dV).
+"""Triton kernels of our FlashAttention-2 (Dao 2023, section 3.1 forward, 3.2 backward: dQ with Delta, then
+dK/dV), with the online softmax of Milakov & Gimelshein (2018). Written from the papers.
 
-Algorithm: Tri Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-Partitioning" (2023), section 3.1 (forward) and section 3.2 (backward), with the online softmax of
-Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018). Written from the papers.
-
-Conventions shared by every kernel
-----------------------------------
-* Layout: q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any strides (last one 1 is checked by the wrapper,
-  the kernels only need the four strides). LSE and Delta are contiguous float32 (B, Hq, Nq).
-* GQA/MQA: query head h reads key/value head h // GROUP with GROUP = Hq // Hkv (no k/v copies).
-* Scores are kept in base-2 units: s2 = (q . k) * softmax_scale * log2(e), so exp(x) becomes
-  exp2(x2). LSE is stored in natural-log units: lse = ln(sum_j exp(softmax_scale * q_i . k_j)).
-* Soft-capping (SOFTCAP, constexpr): the launcher passes scale_log2 = scale / c and softcap = c * log2(e),
-  so the scores become c * tanh(s / c) in base 2 before the mask; dS takes the factor 1 - tanh^2.
-* Causal masking is bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq).
-  A query row that sees no key (possible when Nq > Nk) gets o = 0, lse = -inf and zero gradients.
-* Causal key blocks wholly above the diagonal are skipped through the loop bounds; the remaining
-  key blocks are split into "full" blocks (no mask computed at all) and "masked" blocks (diagonal
-  and/or sequence-end blocks).
-* Head dim d is padded to BLOCK_D = max(16, next_pow2(d)) with masked loads/stores (EVEN_D skips it).
-* Batch/head indices are int64 before multiplying by strides; the block start offsets are too.
-* No atomics: every output element is written by exactly one program -> deterministic backward.
-* Hopper TMA (backward, 16-bit, whole blocks): the streamed tiles come through 2-D tensor descriptors
-  built on the device (`tl.make_tensor_descriptor`), so launches need no host-side descriptor objects.
-* Arguments: the launched kernels take every stride and runtime scalar as an argument of its own, since
-  torch.compile (torch 2.13) cannot emit a captured launch (`wrap_triton`) whose argument is a tuple of
-  runtime values (Inductor's `signature_of` compares the tuple with the int32 range and fails). The inner
-  loops get them grouped in tuples: `variant` / `VARIANT_FLAGS`, and the backward's `*_src` operands.
-
-Interpreter or compiler: `@triton.jit` decides when this module is imported, from TRITON_INTERPRET then.
-The launchers (`kernels/_launch.py`) import it at the first launch, not at package import, so a process that
-sets TRITON_INTERPRET=1 before its first flash call runs the interpreter whatever it imported before; the
-helpers avoid Triton's standard-library JIT functions (`_triton_common._row_max`), which are built when
-triton itself is imported.
+Conventions of every kernel:
+* q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any strides with a unit last one; LSE and Delta contiguous float32
+  (B, Hq, Nq). GQA: query head h reads KV head h // GROUP.
+* Scores in base 2: s2 = (q . k) * scale * log2(e), exp2 throughout; LSE stored in natural-log units.
+  Soft-capping: scale_log2 = scale / c and softcap = c * log2(e), dS takes 1 - tanh^2.
+* Causal bottom-right: query i sees key j iff j <= i + (Nk - Nq); a row that sees no key gets o = 0,
+  lse = -inf and zero gradients. Blocks above the diagonal are skipped by the loop bounds; only the
+  diagonal and sequence-end blocks compute a mask.
+* d padded to BLOCK_D with masked loads (EVEN_D skips it); batch/head offsets in int64.
+* No atomics: each output element has one writer, so the backward is deterministic.
+* The launched kernels take every stride and scalar as an argument of its own: torch.compile (2.13) cannot
+  emit a captured launch (`wrap_triton`) with a tuple of runtime values. The inner loops get them grouped.
 """
 
 import triton
 import triton.language as tl
 
-# shared helpers (tile loads/stores, block ranges, variant masks, Philox dropout) and the dropout test kernel
 from ._triton_common import (
     _dropout_keep,
     _edge_block,
@@ -90,16 +69,11 @@ def _fwd_inner(
 ):
     """Stream key/value blocks [lo, hi) through the online softmax of one query block.
 
-    Variants: `variant` holds their per-program values (mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh,
-    dropout_p, softcap), VARIANT_FLAGS the switches (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP); a value
-    whose switch is off is an unused placeholder. Blocks before `mask_lo` are masked too (window / document
-    start); the keep tile is `_score_keep`; HAS_DROPOUT drops P after the row sums (the normaliser and the
-    LSE are the undropped ones) with `_dropout_keep` and scales the kept weights by 1 / (1 - dropout_p).
-
-    MASKED: blocks starting at or after `mask_from` (the diagonal and sequence-end blocks) get the
-    causal / sequence-end mask; the blocks before it skip the mask arithmetic. One loop, not one loop
-    per part: with two pipelined loops carrying the accumulator, ptxas serialises every wgmma of the
-    kernel (warning C7515, one wait after each wgmma; bench/NOTES.md v5).
+    `variant`: (mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap), placeholders where
+    VARIANT_FLAGS (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP) is off. MASKED: blocks from `mask_from` (and
+    before `mask_lo`) are masked. Dropout acts after the row sums (the LSE is the undropped one). One loop,
+    not one per part: two pipelined loops carrying the accumulator make ptxas serialise every wgmma (C7515,
+    bench/NOTES.md v5).
     """
     mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
     HAS_WINDOW: tl.constexpr = VARIANT_FLAGS[0]
@@ -197,11 +171,8 @@ def _fwd_kernel(
     softcap=None,
     SOFTCAP: tl.constexpr = False,
 ):
-    """FlashAttention-2 forward (paper section 3.1). Grid: (cdiv(Nq, BLOCK_M), Hq, B).
-
-    Variants: window (HAS_WINDOW), documents (HAS_DOC: Q_DOC int32 (2, B, Nq) holds each query row's document
-    key range [lo, hi)), dropout (HAS_DROPOUT: SEED int64 (1,), dropout_p in (0, 1)).
-    """
+    """FlashAttention-2 forward (section 3.1). Grid (cdiv(Nq, BLOCK_M), Hq, B). Q_DOC int32 (2, B, Nq): each
+    query row's document key range; SEED int64 (1,)."""
     scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
     if SOFTCAP:
         softcap = tl.cast(softcap, tl.float32)
@@ -220,14 +191,8 @@ def _fwd_kernel(
     mask_d = offs_d < HEAD_DIM
 
     m0_64 = tl.cast(m0, tl.int64)
-    q_ptrs = (
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + m0_64 * stride_qm
-        + tl.arange(0, BLOCK_M)[:, None] * stride_qm
-        + offs_d[None, :]
-    )
+    q_base = Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm
+    q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]
     q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
 
     k_base = K + b * stride_kb + hk * stride_kh
@@ -277,14 +242,8 @@ def _fwd_kernel(
     has_key = l_i > 0.0
     l_safe = tl.where(has_key, l_i, 1.0)
     o = acc / l_safe[:, None]
-    o_ptrs = (
-        O
-        + b * stride_ob
-        + h * stride_oh
-        + m0_64 * stride_om
-        + tl.arange(0, BLOCK_M)[:, None] * stride_om
-        + offs_d[None, :]
-    )
+    o_base = O + b * stride_ob + h * stride_oh + m0_64 * stride_om
+    o_ptrs = o_base + tl.arange(0, BLOCK_M)[:, None] * stride_om + offs_d[None, :]
     _store_tile(o_ptrs, o.to(O.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)
     # natural-log LSE: (m + log2 l) * ln 2 ; -inf for rows that see no key
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -342,21 +301,11 @@ def _bwd_dkdv_inner(
 ):
     """Accumulate dV += P^T dO and dK += dS^T Q over query blocks [lo, hi) of one query head.
 
-    MASKED: query blocks starting before `mask_to` (those on the diagonal) get the causal mask; the
-    later ones skip the mask arithmetic. One loop for both parts: with two pipelined loops carrying
-    dK / dV, ptxas serialises every wgmma of the kernel (see `_fwd_inner`).
-    q_src / do_src: where the q / dO tiles come from, (base pointer of this query head, row stride, 2-D
-    tensor descriptor, row and column of this query head in it). USE_TMA: the tiles come through the
-    descriptors QD / DOD (Hopper TMA) at rows q_row + start_m / do_row + start_m and columns q_col / do_col;
-    else pointer loads, and the descriptors are None. TMA only with EVEN_M: past N_Q a
-    descriptor would read another head's (or batch element's) data, and a non-finite value there
-    would reach this head through 0 * inf in the dots; the pointer loads read zeros instead.
-    Variants: `variant` holds their values (mask_from, Q_DOC_LO, Q_DOC_HI, window, seed_lo, seed_hi, bh,
-    dropout_p, softcap), VARIANT_FLAGS the switches (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP), as in
-    `_fwd_inner`. Query blocks starting at or after `mask_from` are masked too (window / document end), with
-    the keep tile of `_score_keep` (Q_DOC_LO / Q_DOC_HI: base pointers of the rows' document key ranges);
-    HAS_DROPOUT regenerates the forward's keep mask: dV uses the dropped, scaled P and
-    dS = P * (Z dP / (1 - p) - Delta).
+    MASKED: blocks before `mask_to` (the diagonal) and from `variant`'s mask_from (window / document end)
+    are masked; one loop, as `_fwd_inner`. q_src / do_src: (base pointer, row stride, tensor descriptor or
+    None, its row and column of this head). USE_TMA only with EVEN_M: past N_Q a descriptor reads the next
+    head's data, whose non-finite values would leak in through 0 * inf. `variant` as in `_fwd_inner`, with
+    the rows' document range pointers; with dropout dV uses the dropped P, dS = P (Z dP / (1 - p) - Delta).
     """
     q_base, stride_qm, QD, q_row, q_col = q_src
     do_base, stride_dom, DOD, do_row, do_col = do_src
@@ -374,20 +323,10 @@ def _bwd_dkdv_inner(
             do = DOD.load([do_row + start_m, do_col])
         else:
             start_64 = tl.cast(start_m, tl.int64)
-            q = _load_tile(
-                q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask_r,
-                mask_d,
-                not EVEN_M,
-                not EVEN_D,
-            )
-            do = _load_tile(
-                do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :],
-                mask_r,
-                mask_d,
-                not EVEN_M,
-                not EVEN_D,
-            )
+            q_ptrs = q_base + start_64 * stride_qm + offs_m[:, None] * stride_qm + offs_d[None, :]
+            q = _load_tile(q_ptrs, mask_r, mask_d, not EVEN_M, not EVEN_D)
+            do_ptrs = do_base + start_64 * stride_dom + offs_m[:, None] * stride_dom + offs_d[None, :]
+            do = _load_tile(do_ptrs, mask_r, mask_d, not EVEN_M, not EVEN_D)
         lse2, delta = _load_row_stats(LSE, DELTA, stat_base + rows, mask_r)
         # transposed scores: (BLOCK_N keys, BLOCK_M queries)
         qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * scale_log2
@@ -439,13 +378,8 @@ def _bwd_dkdv_inner(
 def _tma_operand(
     base, stride_h, stride_n, H, N, LAYOUT: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr
 ):
-    """A (B, H, N, d) operand as one 2-D tensor descriptor (Hopper TMA): (descriptor, row_b, row_h, col_h);
-    row n of head h in batch b is descriptor row b * row_b + h * row_h + n, column h * col_h.
-
-    LAYOUT (`kernels.plan.tma_operand`): 1, heads contiguous (rows b*H*N + h*N + n, d columns); 2, the
-    (B, N, H, d) memory of a fused qkv projection (rows b*N + n, the heads side by side in a row). d ==
-    BLOCK_D (the plan's condition). Derived here from the strides, so the launch passes no extents.
-    """
+    """A (B, H, N, d) operand as one 2-D tensor descriptor: (descriptor, row_b, row_h, col_h) as in
+    `plan.tma_operand`; LAYOUT 1: heads contiguous, 2: a fused qkv projection's (B, N, H, d) memory."""
     if LAYOUT == 1:
         rows = tl.num_programs(2) * H * N
         cols = BLOCK_D
@@ -463,12 +397,8 @@ def _tma_operand(
 
 @triton.jit
 def _tma_descriptor(base, rows, cols, row_stride, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """2-D tensor descriptor (Hopper TMA) over `rows` x `cols` elements from `base`, built on the device.
-
-    Built inside the kernel (not on the host) so a launch costs no host work for it and the launch
-    can be captured by torch.compile (`wrap_triton`) and CUDA graphs; it needs the global-scratch
-    allocator that `kernels.flash_attn` installs (128 bytes per descriptor and program).
-    """
+    """2-D tensor descriptor over `rows` x `cols` from `base`, built on the device: no host work per launch,
+    and capturable by torch.compile and CUDA graphs (it needs the scratch allocator `_runtime` installs)."""
     return tl.make_tensor_descriptor(
         base, shape=[rows, cols], strides=[row_stride, 1], block_shape=[BLOCK_ROWS, BLOCK_D]
     )
@@ -532,16 +462,10 @@ def _bwd_dkdv_kernel(
     softcap=None,
     SOFTCAP: tl.constexpr = False,
 ):
-    """dK, dV of one key/value block (paper section 3.2, Algorithm 2 with K/V as the outer loop).
-
-    Grid: (cdiv(Nk, BLOCK_N), Hkv, B). Loops over the GROUP query heads that share this kv head and
-    over the query blocks that can see this key block; P is recomputed from q, k and LSE.
-    TMA_Q / TMA_DO: 0, pointer loads of q / dO; 1 or 2, tensor descriptors built here (`_tma_operand`'s
-    layouts; both 0 or both not).
-    Variants as in `_fwd_kernel`; K_DOC int32 (2, B, Nk) holds each key's document query range [lo, hi).
-    Packed d(qkv) (`flash_attention_qkvpacked`): DV is None and dK, dV are written dk_offset / dv_offset
-    elements past DK's start (the slices of one buffer, passed as one tensor: a compiled graph may clone a
-    written argument, and two views of one buffer would be cloned apart).
+    """dK, dV of one key block (section 3.2, Algorithm 2), over the GROUP query heads of its KV head and
+    the query blocks that see it. Grid (cdiv(Nk, BLOCK_N), Hkv, B). TMA_Q / TMA_DO: 0 pointer loads, else
+    `_tma_operand`'s layout. K_DOC int32 (2, B, Nk): each key's document query range. Packed d(qkv): DV is
+    None and dK, dV go dk_offset / dv_offset past DK (one buffer, which a compiled graph clones whole).
     """
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -563,20 +487,10 @@ def _bwd_dkdv_kernel(
 
     # -- load K_j, V_j of this block once; dK_j, dV_j accumulate in float32 registers
     tile_n = tl.arange(0, BLOCK_N)[:, None]
-    k = _load_tile(
-        K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn + tile_n * stride_kn + offs_d[None, :],
-        mask_n,
-        mask_d,
-        not EVEN_N,
-        not EVEN_D,
-    )
-    v = _load_tile(
-        V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn + tile_n * stride_vn + offs_d[None, :],
-        mask_n,
-        mask_d,
-        not EVEN_N,
-        not EVEN_D,
-    )
+    k_ptrs = K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn + tile_n * stride_kn + offs_d[None, :]
+    k = _load_tile(k_ptrs, mask_n, mask_d, not EVEN_N, not EVEN_D)
+    v_ptrs = V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn + tile_n * stride_vn + offs_d[None, :]
+    v = _load_tile(v_ptrs, mask_n, mask_d, not EVEN_N, not EVEN_D)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
 
@@ -665,22 +579,10 @@ def _bwd_dkdv_kernel(
 
     # -- write dK_j (scaled: S = scale * Q K^T) and dV_j
     dk = dk * softmax_scale
-    _store_tile(
-        DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn + tile_n * stride_dkn + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask_n,
-        mask_d,
-        not EVEN_N,
-        not EVEN_D,
-    )
-    _store_tile(
-        DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn + tile_n * stride_dvn + offs_d[None, :],
-        dv.to(DV.dtype.element_ty),
-        mask_n,
-        mask_d,
-        not EVEN_N,
-        not EVEN_D,
-    )
+    dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn + tile_n * stride_dkn
+    _store_tile(dk_ptrs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
+    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn + tile_n * stride_dvn
+    _store_tile(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
 
 
 @triton.jit
@@ -712,17 +614,8 @@ def _bwd_dq_inner(
     variant,
     VARIANT_FLAGS: tl.constexpr,
 ):
-    """Accumulate dQ += dS K over key blocks [lo, hi) (scale applied by the caller).
-
-    Variants (`variant`, VARIANT_FLAGS) as in `_fwd_inner`; with dropout dS = P * (Z dP / (1 - p) - Delta).
-
-    MASKED: key blocks starting at or after `mask_from` get the causal / sequence-end mask (one loop;
-    see `_fwd_inner` for why not two).
-    k_src / v_src: where the k / v tiles come from, (base pointer of this kv head, row stride, 2-D tensor
-    descriptor, row and column of this kv head in it). USE_TMA: the tiles come through the descriptors
-    KD / VD (Hopper TMA) at rows k_row + start_n / v_row + start_n and columns k_col / v_col, only with EVEN_N
-    (see `_bwd_dkdv_inner`); else pointer loads, and the descriptors are None.
-    """
+    """Accumulate dQ += dS K over key blocks [lo, hi) (scaled by the caller). MASKED and `variant` as in
+    `_fwd_inner`, k_src / v_src and USE_TMA (only with EVEN_N) as q_src in `_bwd_dkdv_inner`."""
     k_base, stride_kn, KD, k_row, k_col = k_src
     v_base, stride_vn, VD, v_row, v_col = v_src
     mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
@@ -833,15 +726,9 @@ def _bwd_dq_kernel(
     softcap=None,
     SOFTCAP: tl.constexpr = False,
 ):
-    """dQ of one query block (paper section 3.2), and Delta of its rows. Grid: (cdiv(Nq, BLOCK_M), Hq, B).
-
-    Computed by its own program (not accumulated from the dK/dV programs), so no atomics are needed;
-    it loops over the visible key blocks like the forward. It also computes Delta = rowsum(dO * O)
-    (- dLSE when HAS_DLSE) and stores it for `_bwd_dkdv_kernel`, which is launched after it (one
-    launch and one pass over O and dO fewer than a separate preprocess kernel).
-    TMA_K / TMA_V: 0, pointer loads of k / v; 1 or 2, tensor descriptors built here (`_tma_operand`'s
-    layouts; both 0 or both not).
-    """
+    """dQ of one query block (section 3.2) by its own program (no atomics), and Delta = rowsum(dO * O)
+    (- dLSE) of its rows for `_bwd_dkdv_kernel`, launched after it (no separate preprocess pass). Grid
+    (cdiv(Nq, BLOCK_M), Hq, B). TMA_K / TMA_V as TMA_Q in `_bwd_dkdv_kernel`."""
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
     scale_log2 = tl.cast(scale_log2, tl.float32)
     if SOFTCAP:
@@ -862,32 +749,12 @@ def _bwd_dq_kernel(
     mask_d = offs_d < HEAD_DIM
 
     # -- load Q_i, dO_i, O_i; Delta_i = rowsum(dO_i * O_i); LSE_i in base 2
-    q = _load_tile(
-        Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm + tile_m[:, None] * stride_qm + offs_d[None, :],
-        mask_m,
-        mask_d,
-        not EVEN_M,
-        not EVEN_D,
-    )
-    do = _load_tile(
-        DO
-        + b * stride_dob
-        + h * stride_doh
-        + m0_64 * stride_dom
-        + tile_m[:, None] * stride_dom
-        + offs_d[None, :],
-        mask_m,
-        mask_d,
-        not EVEN_M,
-        not EVEN_D,
-    )
-    o = _load_tile(
-        O + b * stride_ob + h * stride_oh + m0_64 * stride_om + tile_m[:, None] * stride_om + offs_d[None, :],
-        mask_m,
-        mask_d,
-        not EVEN_M,
-        not EVEN_D,
-    )
+    q_ptrs = Q + b * stride_qb + h * stride_qh + m0_64 * stride_qm + tile_m[:, None] * stride_qm
+    q = _load_tile(q_ptrs + offs_d[None, :], mask_m, mask_d, not EVEN_M, not EVEN_D)
+    do_ptrs = DO + b * stride_dob + h * stride_doh + m0_64 * stride_dom + tile_m[:, None] * stride_dom
+    do = _load_tile(do_ptrs + offs_d[None, :], mask_m, mask_d, not EVEN_M, not EVEN_D)
+    o_ptrs = O + b * stride_ob + h * stride_oh + m0_64 * stride_om + tile_m[:, None] * stride_om
+    o = _load_tile(o_ptrs + offs_d[None, :], mask_m, mask_d, not EVEN_M, not EVEN_D)
     row_ptr = (b * H_Q + h) * N_Q + offs_m
     delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
     if HAS_DLSE:
@@ -951,16 +818,5 @@ def _bwd_dq_kernel(
     )
     # -- write dQ_i (scaled: S = scale * Q K^T)
     dq = dq * softmax_scale
-    _store_tile(
-        DQ
-        + b * stride_dqb
-        + h * stride_dqh
-        + m0_64 * stride_dqm
-        + tile_m[:, None] * stride_dqm
-        + offs_d[None, :],
-        dq.to(DQ.dtype.element_ty),
-        mask_m,
-        mask_d,
-        not EVEN_M,
-        not EVEN_D,
-    )
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + m0_64 * stride_dqm + tile_m[:, None] * stride_dqm
+    _store_tile(dq_ptrs + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask_m, mask_d, not EVEN_M, not EVEN_D)

@@ -1,15 +1,9 @@
 """Offline sm_90 compile report of the kernels -- no GPU needed; the CPU tests' guard of the Hopper paths.
 
-Triton ships ptxas, so the full pipeline (Triton IR -> PTX -> cubin) runs on any machine. For each
-(kernel, dtype, head dim) and its tile config from `kernels.plan.get_tile_config` (or explicit blocks) this
-prints shared memory, registers per thread, spill bytes, whether Hopper wgmma and TMA are used, and
-whether ptxas serialised the wgmmas (warnings C7513-C7515: each waits for the previous one; removing it
-gave +2-12% on the H200 at d = 128, bench/NOTES.md v5).
-
-The compile mimics a real launch: pointers and strides divisible by 16 (true when d % 16 == 0 for
-contiguous/fused layouts), last-dim strides == 1, GROUP == 1 unless --gqa (Triton specializes integer
-arguments equal to 1), sequence lengths not multiples of the blocks (EVEN_M/EVEN_N False; --even for
-multiples).
+Triton ships ptxas, so the whole pipeline runs anywhere. Per (kernel, dtype, head dim) and tile this prints
+shared memory, registers, spills, whether wgmma and TMA are used, and whether ptxas serialised the wgmmas
+(C7513-C7515; removing it gave +2-12% on the H200 at d = 128, bench/NOTES.md v5). As a real launch:
+16-divisible pointers and strides, GROUP == 1 unless --gqa, ragged lengths unless --even.
 
 Usage:  python -m kernels.compile_report --dtype bf16 fp16 --d 64 128 [--gqa] [--even] [--inductor]
         python -m kernels.compile_report --kernel bwd_dkdv --d 128 --blocks 64 64 --warps 8 --stages 2
@@ -66,8 +60,7 @@ def _sm90(source, **options):
 
 
 def _wgmma_serialized(ptxas_log: str) -> bool:
-    """ptxas warnings C7513-C7515: wgmma instructions made to wait for each other (a register operand
-    defined inside the pipeline stage, an accumulator live across it, ...)."""
+    """ptxas warnings C7513-C7515: wgmma instructions made to wait for each other."""
     return any(code in ptxas_log for code in ("C7513", "C7514", "C7515"))
 
 
@@ -103,25 +96,16 @@ def compile_kernel(
     inductor: bool = False,
     variants: tuple[str, ...] = (),
 ) -> CompileInfo:
-    """Compile one Triton attention kernel (one of KERNEL_NAMES) for sm_90 without a GPU and report it.
+    """Compile one Triton attention kernel (of KERNEL_NAMES) for sm_90 without a GPU and report it.
 
-    config: the tile, default `get_tile_config`'s (its `no_tma` alternative where TMA is off, as the
-        launcher runs it).
-    tma: "bwd_dkdv" / "bwd_dq" with (True) or without (False) tensor-descriptor (TMA) loads; None: as the
-        launcher would (`TileConfig.tma`, 16-bit dtype, d a power of two, `even`). With TMA the streamed
-        length is compiled as a multiple of the block (the launcher's condition). ValueError for
-        tma=True where the launcher never uses TMA.
-    even: sequence lengths multiples of the blocks (EVEN_M / EVEN_N), the case of every benchmark shape;
-        default False (the masked loads of ragged lengths).
-    inductor: as torch.compile's Inductor compiles a user kernel (the triton ops' launches): Python float
-        arguments typed fp64, and debug=True (int32 overflow checks as device asserts).
-    variants: any of VARIANTS, switched on (the window, the document ranges as int32 pointers, attention
-        dropout with an int64 seed pointer, soft-capping).
-    Raises ValueError for an unknown kernel or variant, triton.CompilationError when it does not compile.
+    config: default `get_tile_config`'s (its `no_tma` where TMA is off). tma: the backward kernels with /
+    without TMA loads; None: as the launcher would. even: lengths multiples of the blocks. inductor: as
+    Inductor compiles a user kernel (fp64 float arguments, debug=True). variants: any of VARIANTS on.
+    ValueError for an unknown kernel or variant or an impossible tma=True; triton.CompilationError.
     """
     from triton.compiler import ASTSource
 
-    from ._launch import kernel_module
+    from ._launch import dot_precision, kernel_module
 
     if kernel not in KERNEL_NAMES:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNEL_NAMES}")
@@ -137,19 +121,14 @@ def compile_kernel(
             "TMA loads are used only by bwd_dkdv / bwd_dq with a 16-bit dtype and a power-of-two head dim "
             f">= 16 (got {kernel}, {dtype}, d={head_dim}); these run with pointer loads"
         )
-    if not tma and cfg.no_tma is not None:
-        cfg = cfg.no_tma
+    cfg = cfg.launched(tma)
     fn = getattr(kernel_module(False), f"_{kernel}_kernel")
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even)
     values |= dict(EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False)
-    values |= dict(DOT_PRECISION="ieee" if dtype == torch.float32 else None)
-    values |= {
-        f"TMA_{x}": int(tma) for x in ("Q", "DO", "K", "V")
-    }  # layout 1: heads contiguous (plan.tma_operand)
-    values |= dict(
-        HAS_WINDOW="window" in variants, HAS_DOC="doc" in variants, HAS_DROPOUT="dropout" in variants
-    )
-    values["SOFTCAP"] = "softcap" in variants
+    values["DOT_PRECISION"] = dot_precision(dtype)
+    values |= {f"TMA_{x}": int(tma) for x in ("Q", "DO", "K", "V")}  # layout 1: heads contiguous
+    values |= dict(HAS_WINDOW="window" in variants, HAS_DOC="doc" in variants)
+    values |= dict(HAS_DROPOUT="dropout" in variants, SOFTCAP="softcap" in variants)
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
@@ -182,21 +161,9 @@ def compile_kernel(
     )
 
 
-def compile_gluon_fwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
-    """Compile the sm_90 Gluon forward (kernels/_gluon_fwd.py) without a GPU, as `fwd_launch` launches it;
-    `registers` is the kernel-wide budget (the consumer warpgroups raise theirs to 240 with setmaxnreg).
-    ValueError for a head dim other than 64 / 128 or a dtype other than bf16 / fp16 (what `plan.plan_fwd`
-    sends to it), triton.CompilationError when it does not compile."""
-    return _compile_gluon("fwd", head_dim, dtype)
-
-
-def compile_gluon_bwd(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
-    """Compile the sm_90 Gluon one-pass backward (kernels/_gluon_bwd.py) as `bwd_launch` launches it;
-    otherwise as `compile_gluon_fwd` (same errors)."""
-    return _compile_gluon("bwd", head_dim, dtype)
-
-
-def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo:
+def compile_gluon(which: str, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> CompileInfo:
+    """Compile the sm_90 Gluon kernel of `which` ("fwd" / "bwd") as its module launches it (`registers`: the
+    kernel-wide budget). ValueError for what `plan` never sends it (d not 64 / 128, not bf16 / fp16)."""
     if head_dim not in MIN_N or dtype not in (torch.bfloat16, torch.float16):  # before Gluon is imported
         raise ValueError(
             f"the Gluon kernels take d in {sorted(MIN_N)} and bf16 / fp16, got d={head_dim}, {dtype}"
@@ -207,11 +174,8 @@ def _compile_gluon(which: str, head_dim: int, dtype: torch.dtype) -> CompileInfo
         from . import _gluon_fwd as g
 
         nc = g.CONSUMERS[head_dim]  # one 64-row part per consumer warpgroup
-        fn, cfg, maxnreg = (
-            g._fwd_ws_kernel,
-            TileConfig(64 * nc, 128, g.NUM_WARPS, g.STAGES[head_dim]),
-            g.MAXNREG[nc],
-        )
+        fn, maxnreg = g._fwd_ws_kernel, g.MAXNREG[nc]
+        cfg = TileConfig(64 * nc, 128, g.NUM_WARPS, g.STAGES[head_dim])
         knobs = dict(Q_BUFS=g.Q_BUFS[head_dim], NC=nc, REGS=g.REGS[nc])
     else:
         from . import _gluon_bwd as g
@@ -247,23 +211,16 @@ def compile_decode_kernel(
     pdl: bool = False,
     softcap: bool = False,
 ):
-    """Compile a flash-decoding kernel (``"split"`` or ``"combine"``, kernels/_decode_kernels.py) for sm_90
-    without a GPU, as ``kernels.flash_decode`` launches it on the GPU (its tile, 4 warps; has_seqlens False:
-    the split kernel of cache_seqlens=None; pdl: with the programmatic-dependent-launch wait, as on Hopper);
-    returns the compiled kernel (``.metadata.shared``, ``.asm["ptx"]``). Raises triton.CompilationError
-    when it does not compile."""
+    """Compile the decode kernel "split" or "combine" for sm_90 as `flash_decode` launches it; the compiled
+    kernel (``.metadata.shared``, ``.asm["ptx"]``)."""
     from triton.compiler import ASTSource
 
-    from ._launch import kernel_module
+    from ._launch import dot_precision, kernel_module
     from .plan import _pow2, decode_block_n
 
     fn = getattr(kernel_module(False, "_decode_kernels"), f"_decode_{kernel}_kernel")
-    values = dict(
-        BLOCK_M=_pow2(group * n_q), BLOCK_N=decode_block_n(head_dim, dtype), BLOCK_D=_pow2(head_dim)
-    )
-    values |= dict(
-        BLOCK_S=8, DOT_PRECISION="ieee" if dtype == torch.float32 else None, HAS_SEQLENS=has_seqlens
-    )
+    values = dict(BLOCK_M=_pow2(group * n_q), BLOCK_N=decode_block_n(head_dim, dtype), BLOCK_S=8)
+    values |= dict(BLOCK_D=_pow2(head_dim), DOT_PRECISION=dot_precision(dtype), HAS_SEQLENS=has_seqlens)
     values |= dict(USE_PDL=pdl, SOFTCAP=softcap)
     signature, constants = {}, {}
     for name in fn.arg_names:
@@ -293,15 +250,9 @@ def main(argv=None) -> None:
     p.add_argument("--blocks", nargs=2, type=int, metavar=("BLOCK_M", "BLOCK_N"))
     p.add_argument("--warps", type=int, default=4)
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument(
-        "--even", action="store_true", help="sequence lengths multiples of the blocks (benchmarks)"
-    )
-    p.add_argument(
-        "--inductor", action="store_true", help="as Inductor compiles (fp64 scalars, overflow checks)"
-    )
-    p.add_argument(
-        "--tma", action=argparse.BooleanOptionalAction, help="bwd kernels with / without TMA loads"
-    )
+    p.add_argument("--even", action="store_true", help="sequence lengths multiples of the blocks")
+    p.add_argument("--inductor", action="store_true", help="as Inductor compiles (fp64 scalars, debug)")
+    p.add_argument("--tma", action=argparse.BooleanOptionalAction, help="bwd kernels with / without TMA")
     a = p.parse_args(argv)
     cfg = TileConfig(*a.blocks, a.warps, a.stages) if a.blocks else None
     for dt in a.dtype:
@@ -311,10 +262,8 @@ def main(argv=None) -> None:
                     kw = dict(config=cfg, gqa=a.gqa, tma=a.tma, even=a.even, inductor=a.inductor)
                     print(compile_kernel(kernel, DTYPES[dt], d, **kw).line(), flush=True)
                 except Exception as err:  # report and continue with the other configs
-                    print(
-                        f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {type(err).__name__}: {str(err)[-800:]}",
-                        flush=True,
-                    )
+                    error = f"{type(err).__name__}: {str(err)[-800:]}"
+                    print(f"{kernel:9s} {dt:5s} d={d:<4d} FAILED: {error}", flush=True)
 
 
 if __name__ == "__main__":

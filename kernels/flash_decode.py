@@ -1,16 +1,8 @@
 """Flash-decoding: attention of 1..16 new query rows per sequence to a KV cache, split over the keys.
 
-``flash_decode(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None, num_splits=None,
-return_lse=False, softcap=None)``; the algorithm and kernels are in ``kernels/_decode_kernels.py``.
-
-Inference only (no autograd). In plain eager mode the kernels launch directly; under torch.compile,
-fake tensors and the like through the op ``flashgpt::flash_decode`` (a ``triton_op``, traced into the
-compiled graph on CUDA) or ``flashgpt::flash_decode_cpu`` (opaque, with a fake, for the interpreter).
-Verified on the CPU under TRITON_INTERPRET=1 against float64 PyTorch and on the GPU in
-tests/kernels/test_flash_decode.py's cuda params (bf16/fp16 FlashAttention accuracy rule, the triton_op path:
-passed on the H200). GPU tiles (``plan.decode_block_n``) and split count (``plan.decode_splits``) come
-from H200 sweeps (bench/NOTES.md, "Decode tiles", "Decode splits" and "Decode splits, session 13"); the
-speed figures are in bench/results/decode_h200.md (``python -m bench.decode``).
+The kernels are in `_decode_kernels.py`, the tile and split rule in `plan.py` (H200 sweeps, bench/NOTES.md).
+Inference only (no autograd): plain eager calls launch directly; torch.compile and fake tensors go through
+the op `flashgpt::flash_decode` (a triton_op, traced on CUDA) or `flashgpt::flash_decode_cpu` (interpreter).
 """
 
 from __future__ import annotations
@@ -20,8 +12,8 @@ import math
 import torch
 
 from . import plan as kplan
-from ._launch import LOG2E, _scale_log2, _strides, dot_precision, kernel_module, launcher
-from ._runtime import check_flash_available, device_ctx, interpret_enabled
+from ._launch import _scale_log2, _softcap_kwargs, dot_precision, kernel_module, launcher
+from ._runtime import check_flash_available, device_ctx, interpret_enabled, strides
 from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call, check_softcap
 from .plan import MAX_DECODE_ROWS
 
@@ -96,8 +88,7 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
 
 
 def _check_overrides(tile_n, num_warps, num_stages) -> None:
-    """``_launch_decode``'s private overrides: a bad one is a clear ValueError here, not a Triton error
-    deep in the launch (or, for a tile of 0, a ZeroDivisionError in ``plan.split_layout``)."""
+    """A bad private override of `_launch_decode`: a ValueError here, not a Triton error in the launch."""
 
     def bad(value, low: int, pow2: bool) -> bool:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -128,16 +119,10 @@ def _launch_decode(
     _num_stages: int | None = None,
     _pdl: bool | None = None,
 ):
-    """Allocate the partial buffers and launch the split and combine kernels; (o, lse). The inputs are not
-    validated (``flash_decode`` does that); the private overrides below are.
-    cache_seqlens None: every sequence fills the cache (the kernel's HAS_SEQLENS=False; no lengths tensor
-    is built, so no fill kernel runs per call).
-
-    ``_tile_n``, ``_num_warps``, ``_num_stages``: private overrides of the split kernel's key tile (a power
-    of two >= 16) and Triton launch options, for the tile sweep ``python -m bench.decode_tiles``; None
-    keeps the automatic tile (``plan.decode_block_n``) and Triton's defaults (no option passed).
-    ``_pdl``: launch both kernels with programmatic dependent launch (``plan.use_pdl``);
-    None: the default rule."""
+    """Launch the split and combine kernels on inputs `flash_decode` validated; (o, lse). cache_seqlens None:
+    every sequence fills the cache (no lengths tensor, no fill kernel per call). The private overrides
+    (the split kernel's key tile and launch options, PDL; None: `plan`'s choice) serve the decode tile search
+    (`python -m bench.tune --decode`)."""
     _check_overrides(_tile_n, _num_warps, _num_stages)
     kernels = kernel_module(interpret_enabled(), "_decode_kernels")
     p = kplan.plan_decode(q, k_cache, num_splits, traced, _tile_n, _num_warps, _num_stages, _pdl)
@@ -156,46 +141,16 @@ def _launch_decode(
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     with device_ctx(q):
         launcher(kernels._decode_split_kernel, (splits, Hkv, B), traced)(
-            q,
-            k_cache,
-            v_cache,
-            cache_seqlens,
-            o_part,
-            lse_part,
-            *_strides(q, k_cache, v_cache),
-            Hq,
-            Hq // Hkv,
-            Nq,
-            d,
-            p.split_len,
-            splits,
-            n_max,
-            _scale_log2(scale, softcap),
-            BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n,
-            BLOCK_D=p.block_d,
-            DOT_PRECISION=dot_precision(q.dtype),
+            q, k_cache, v_cache, cache_seqlens, o_part, lse_part, *strides(q, k_cache, v_cache),
+            Hq, Hq // Hkv, Nq, d, p.split_len, splits, n_max, _scale_log2(scale, softcap),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=p.block_d, USE_PDL=pdl,
+            DOT_PRECISION=dot_precision(q.dtype), **_softcap_kwargs(softcap), **launch_opts,
             HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
-            USE_PDL=pdl,
-            softcap=softcap * LOG2E if softcap else None,
-            SOFTCAP=bool(softcap),
-            **launch_opts,
-        )
+        )  # fmt: skip
         launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
-            o_part,
-            lse_part,
-            o,
-            lse,
-            *_strides(o),
-            Hq,
-            Nq,
-            d,
-            splits,
-            BLOCK_S=kplan._pow2(splits, low=2),
-            BLOCK_D=p.block_d,
-            USE_PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),
-        )
+            o_part, lse_part, o, lse, *strides(o), Hq, Nq, d, splits, BLOCK_S=kplan._pow2(splits, low=2),
+            BLOCK_D=p.block_d, USE_PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
     return o, lse
 
 
@@ -208,9 +163,7 @@ def _decode_op_body(
     num_splits: int,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op: o (B, Hq, Nq, d) in q's dtype and lse (B, Hq, Nq) float32; validated by flash_decode.
-    cache_seqlens None: all sequences fill the cache (as flash_attn's ops take q_doc=None); softcap 0:
-    none."""
+    """The op (validated by flash_decode): o (B, Hq, Nq, d) in q's dtype, lse (B, Hq, Nq) float32."""
     return _launch_decode(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, True, softcap)
 
 
@@ -218,7 +171,6 @@ def _decode_fake(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, 
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-# as flash_attn's ops: traced into the compiled graph on CUDA (triton_op), opaque with a fake on the CPU
 flash_decode_op = torch.library.triton_op("flashgpt::flash_decode", _decode_op_body, mutates_args=())
 flash_decode_cpu_op = torch.library.custom_op("flashgpt::flash_decode_cpu", _decode_op_body, mutates_args=())
 flash_decode_cpu_op.register_fake(_decode_fake)
@@ -239,49 +191,29 @@ def flash_decode(
     """Attention of the newest query rows of each sequence to its KV cache (split-K flash-decoding).
 
     Args:
-        q: (B, Hq, Nq, d), 1 <= Nq <= 16, the queries of positions L_b - Nq .. L_b - 1 of sequence b.
-        k_cache, v_cache: (B, Hkv, Nmax, d), Hq a multiple of Hkv (GQA/MQA: no copies); keys/values of
-            positions 0 .. L_b - 1 in slots [0, L_b) (the new rows' own keys included); slots past L_b
-            are never read. Any strides with a unit last stride (e.g. a view of a bigger cache).
-        cache_seqlens: (B,) int32/int64 L_b on q's device, Nq <= L_b <= Nmax; None = Nmax for all.
-        softmax_scale: None = 1/sqrt(d).
-        num_splits: key splits per (sequence, KV head); None chooses from the grid size.
+        q: (B, Hq, Nq, d), 1 <= Nq <= 16, the queries of positions L_b - Nq .. L_b - 1 of sequence b; row i
+            sees keys j <= L_b - Nq + i.
+        k_cache, v_cache: (B, Hkv, Nmax, d), Hq a multiple of Hkv; positions 0 .. L_b - 1 in slots [0, L_b)
+            (the new rows' keys included), later slots never read. Any strides with a unit last one.
+            One dtype among float16, bfloat16 (float32 under the interpreter), float32; one device.
+        cache_seqlens: (B,) int32/int64 L_b on q's device, Nq <= L_b <= Nmax; None: Nmax for all.
+        softmax_scale: None = 1/sqrt(d). num_splits: key splits per (sequence, KV head); None: automatic.
         return_lse: also return the natural-log LSE (B, Hq, Nq) float32.
-        check_lengths: in eager mode, read cache_seqlens on the host to range-check them (one device
-            synchronisation per call). False skips the read, for a caller that keeps the lengths in range
-            itself (the model's KV cache: 12 layers would otherwise synchronise 12 times per token); the
-            kernel clamps each length to [0, Nmax] either way, so no slot outside the cache is read, but an
-            out-of-range length then gives that clamped length's result instead of an error.
-        softcap: None, or c > 0: scores c * tanh(s / c) before the mask and softmax (as `flash_attention`).
-
-    q, k_cache, v_cache share one dtype among float16, bfloat16, float32 (bfloat16 runs in float32 under
-    the interpreter) and one device. Row i of sequence b attends to keys j <= L_b - Nq + i.
-
-    Returns:
-        o (B, Hq, Nq, d) in q.dtype, and lse when ``return_lse``.
-
-    Raises:
-        ValueError: bad shapes, dtypes, devices, lengths out of range (checked in eager mode only, with
-            check_lengths, not under CUDA-graph capture, torch.compile or fake tensors), Nq outside
-            1..16, head dim outside 8..256, bad softmax_scale / num_splits, check_lengths not a bool, softcap
-            not None or a finite number > 0.
-        FlashAttentionUnavailableError (a RuntimeError): no CUDA and no TRITON_INTERPRET=1, or no Triton.
+        check_lengths: range-check cache_seqlens on the host in eager mode (one device sync per call). False
+            skips it (the model's KV cache: 12 layers would sync 12 times per token); the kernel clamps each
+            length to [0, Nmax] either way, so an out-of-range length gives the clamped length's result.
+        softcap: None, or c > 0: scores c * tanh(s / c) before the mask and softmax.
+    Returns o (B, Hq, Nq, d) in q.dtype, and lse with return_lse.
+    Raises ValueError for bad arguments (lengths only where checked: eager, not under CUDA-graph capture,
+    torch.compile or fake tensors); FlashAttentionUnavailableError without CUDA or TRITON_INTERPRET=1.
     """
     _validate(q, k_cache, v_cache, cache_seqlens, softmax_scale, num_splits, check_lengths)
     cap = check_softcap(softcap)
     check_flash_available(q.device)
     if q.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16
-        out = flash_decode(
-            q.float(),
-            k_cache.float(),
-            v_cache.float(),
-            cache_seqlens,
-            softmax_scale=softmax_scale,
-            num_splits=num_splits,
-            return_lse=return_lse,
-            check_lengths=False,  # checked above
-            softcap=softcap,
-        )
+        kw = dict(softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse, softcap=softcap)
+        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
+        out = flash_decode(q, k_cache, v_cache, cache_seqlens, check_lengths=False, **kw)  # checked above
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     scale = 1.0 / math.sqrt(int(q.shape[3])) if softmax_scale is None else float(softmax_scale)
     splits = num_splits or kplan.decode_num_splits(q, k_cache)

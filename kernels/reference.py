@@ -8,20 +8,14 @@ It computes, per batch element b and query head h (GQA: kv head h // (Hq // Hkv)
     p_ij   = exp(s_ij - lse_i)
     o_i    = sum_j p_ij * z_ij / (1 - p_drop) * v_j     (z: optional dropout keep mask; z = 1 without dropout)
 
-in float64 by default (Vaswani et al. 2017, eq. 1; dropout on the attention weights as in their section 5.4
-and FlashAttention's `dropout_p`: the normaliser and the LSE are those of the undropped weights). A row that
-keeps no key gets o = 0, lse = -inf and zero gradients (no NaN).
+in float64 by default (Vaswani et al. 2017, eq. 1; the normaliser and the LSE are those of the undropped
+weights, as in FlashAttention). A row that keeps no key gets o = 0, lse = -inf and zero gradients.
 
-The mask (`attention_mask`) is the conjunction of:
-* causal, bottom-right aligned: query i sees key j iff j <= i + (Nk - Nq) (FlashAttention >= 2.1);
-* window w (needs causal): additionally j > i + (Nk - Nq) - w, i.e. each query sees its w most recent keys
-  including itself (FlashAttention-2's ``window_size=(w - 1, 0)``);
-* documents: query i sees key j only when doc_q[b, i] == doc_k[b, j].
-
-Document ids: ``doc_ids`` is either one integer tensor (B, Nk), in which case query row i sits at key
-position i + Nk - Nq and takes that position's id (bottom-right alignment, like the causal mask), or a pair
-``(doc_q (B, Nq), doc_k (B, Nk))``. The reference accepts any ids; `kernels.flash_attention` needs them
-non-decreasing along each row (packed documents), see its docstring.
+The mask (`attention_mask`) is the conjunction of: causal, bottom-right aligned, j <= i + (Nk - Nq); a window
+w (needs causal), j > i + (Nk - Nq) - w (FlashAttention-2's ``window_size=(w - 1, 0)``); documents,
+doc_q[b, i] == doc_k[b, j]. ``doc_ids``: one integer tensor (B, Nk), query row i taking position
+i + Nk - Nq's id, or a pair ``(doc_q (B, Nq), doc_k (B, Nk))``; any ids here (the kernels need them
+non-decreasing).
 """
 
 from __future__ import annotations
@@ -34,12 +28,7 @@ __all__ = ["attention_mask", "attention_reference", "split_doc_ids"]
 
 
 def split_doc_ids(doc_ids, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(doc_q (B, Nq), doc_k (B, Nk)) from ``doc_ids`` as documented in the module docstring.
-
-    Raises:
-        TypeError: doc_ids is neither a tensor nor a pair of tensors, or not of an integer dtype.
-        ValueError: wrong rank or length (a single tensor must be (B, Nk) with Nk >= Nq), or B differs.
-    """
+    """(doc_q (B, Nq), doc_k (B, Nk)) from ``doc_ids`` (module docstring); TypeError / ValueError."""
     if isinstance(doc_ids, torch.Tensor):
         if doc_ids.dim() != 2 or doc_ids.shape[1] != n_k:
             raise ValueError(
@@ -81,19 +70,8 @@ def split_doc_ids(doc_ids, n_q: int, n_k: int) -> tuple[torch.Tensor, torch.Tens
 def attention_mask(
     n_q: int, n_k: int, *, causal: bool = True, window: int | None = None, doc_ids=None, device=None
 ) -> torch.Tensor:
-    """Boolean keep mask, True where query i may attend to key j.
-
-    Args:
-        n_q, n_k: query / key lengths.
-        causal: bottom-right aligned causal mask (j <= i + n_k - n_q).
-        window: None, or w >= 1 (requires causal): also j > i + n_k - n_q - w.
-        doc_ids: None, a (B, Nk) tensor or a pair (doc_q (B, Nq), doc_k (B, Nk)); see the module docstring.
-        device: where to build the mask (default: the doc ids' device, else CPU).
-    Returns:
-        bool tensor (Nq, Nk) without doc_ids, else (B, 1, Nq, Nk) (broadcasts over heads).
-    Raises:
-        ValueError: window < 1, or a window without causal; bad doc_ids (see `split_doc_ids`).
-    """
+    """Boolean keep mask (module docstring), True where query i may attend to key j: (Nq, Nk), or with
+    doc_ids (B, 1, Nq, Nk). device: default the doc ids', else CPU. ValueError for a bad window / doc_ids."""
     if window is not None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be None or an int >= 1, got {window!r}")
@@ -130,23 +108,13 @@ def attention_reference(
     dtype: torch.dtype | None = torch.float64,
     softcap: float | None = None,
 ):
-    """Attention with an explicit boolean mask and softmax, differentiable (autograd), for tests.
+    """(o (B, Hq, Nq, d), lse (B, Hq, Nq)) with an explicit mask and softmax, differentiable, for tests.
 
-    Args:
-        q: (B, Hq, Nq, d); k, v: (B, Hkv, Nk, d) with Hq a multiple of Hkv (GQA).
-        causal, window, doc_ids: the mask, see `attention_mask`.
-        dropout_keep: None, or a bool tensor broadcastable to (B, Hq, Nq, Nk): True keeps the weight,
-            kept weights are scaled by 1 / (1 - dropout_p).
-        dropout_p: the dropout probability that `dropout_keep` was drawn with, in [0, 1).
-        softmax_scale: multiplier of q k^T; default 1 / sqrt(d).
-        mask: an explicit keep mask broadcastable to (B, Hq, Nq, Nk), ANDed with the one above.
-        dtype: compute dtype (default float64, the tests' reference); None computes in q's dtype (the
-            "same low precision" reference of the FlashAttention test rule).
-        softcap: None, or c > 0: logit soft-capping, scores c * tanh(s / c) before the mask.
-    Returns:
-        (o (B, Hq, Nq, d), lse (B, Hq, Nq)) in the compute dtype; fully masked rows: o = 0, lse = -inf.
-    Raises:
-        ValueError: bad shapes (Hq not a multiple of Hkv), dropout_p outside [0, 1), bad window / doc ids.
+    q (B, Hq, Nq, d), k / v (B, Hkv, Nk, d) (GQA); causal, window, doc_ids: `attention_mask`. dropout_keep:
+    None or a bool mask broadcastable to (B, Hq, Nq, Nk), kept weights scaled by 1 / (1 - dropout_p). mask:
+    a keep mask ANDed with the rest. dtype: default float64; None computes in q's dtype (the "same low
+    precision" reference of the FlashAttention test rule). softcap c: scores c * tanh(s / c) before the mask.
+    ValueError for bad shapes, dropout_p outside [0, 1), a bad window or doc ids.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or q.shape[1] % k.shape[1]:
         raise ValueError(
@@ -191,20 +159,11 @@ def chunked_causal_reference(
     dtype: torch.dtype = torch.float32,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
-    """Causal self-attention and its exact backward in `dtype`, chunk by chunk of query rows (for large N).
-    ``softcap`` c: scores s become c * tanh(s / c) before the mask, and dS is multiplied by 1 - tanh^2.
-
-    The memory-bounded form of `attention_reference` (same function, causal, Nq == Nk, no variants),
-    used by `bench.attention` to check every provider at N up to 32k+ where an N x N mask does not fit.
-
-    q, k, v: (..., N, d) of any float dtype on any device (copied to `dtype`); do: dL/dO of q's shape
-    or None. Returns ``(o, None)`` or ``(o, (dq, dk, dv))``, all in `dtype`, shaped like q/k/v.
-    Memory is O(chunk * N) per leading index instead of O(N^2): for rows [s, e) only keys [0, e) can be
-    attended. Algorithm: the definition O = softmax(scale * Q K^T + causal mask) V and its textbook
-    gradient (as written in the FlashAttention-2 paper, Dao 2023, Alg. 2, without tiling of keys):
-    dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K,
-    dK = scale dS^T Q. Raises ValueError when q and k lengths differ (the causal mask here assumes
-    self-attention).
+    """Causal self-attention (..., N, d) and its exact backward in `dtype`, chunk by chunk of query rows:
+    the O(chunk * N)-memory form of `attention_reference`, with which `bench.attention` checks every provider
+    at N of 32k+. do: dL/dO or None; returns (o, None) or (o, (dq, dk, dv)). The textbook gradient (Dao 2023,
+    Alg. 2 without key tiling): dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale
+    dS^T Q; softcap c: scores c * tanh(s / c), dS times 1 - tanh^2. ValueError for unequal q / k lengths.
     """
     n, d = q.shape[-2], q.shape[-1]
     if k.shape[-2] != n or v.shape[-2] != n:

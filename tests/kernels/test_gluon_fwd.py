@@ -9,19 +9,19 @@ import torch
 
 _COMPILE_ALL = """
 import dataclasses, json, torch
-from kernels.compile_report import compile_gluon_bwd, compile_gluon_fwd
+from kernels.compile_report import compile_gluon
 out = []
-for fn in (compile_gluon_fwd, compile_gluon_bwd):
+for which in ("fwd", "bwd"):
     for d in (64, 128):
         for dtype in (torch.bfloat16, torch.float16):
-            info = fn(d, dtype)
+            info = compile_gluon(which, d, dtype)
             out.append(dict(dataclasses.asdict(info), config=None, line=info.line()))
 print(json.dumps(out))
 """
 
 
 def test_gluon_kernels_compile_for_sm90():
-    """Forward and backward, d 64 / 128 x bf16 / fp16, as fwd_launch / bwd_launch launch them. In a fresh
+    """Forward and backward, d 64 / 128 x bf16 / fp16, as `run` launches them. In a fresh
     process: the Triton interpreter, which other tests run in this one, patches triton's math functions that
     Gluon's call too. The backward at d = 128 may spill a few registers (NOTES v14: 36 / 56 bytes, measured
     at 1.03-1.06x cuDNN), never more than 64 bytes."""
@@ -45,14 +45,14 @@ def test_gluon_kernels_compile_for_sm90():
 
 
 def test_gluon_compile_rejects_what_the_route_never_sends():
-    from kernels.compile_report import compile_gluon_bwd, compile_gluon_fwd
+    from kernels.compile_report import compile_gluon
 
     with pytest.raises(ValueError, match="d in \\[64, 128\\]"):
-        compile_gluon_fwd(96)
+        compile_gluon("fwd", 96)
     with pytest.raises(ValueError, match="d in \\[64, 128\\]"):
-        compile_gluon_bwd(80)
+        compile_gluon("bwd", 80)
     with pytest.raises(ValueError, match="bf16 / fp16"):
-        compile_gluon_fwd(64, torch.float32)
+        compile_gluon("fwd", 64, torch.float32)
 
 
 def test_serialization_warnings_are_recognised():
