@@ -61,10 +61,8 @@ class KVCache:
     def append(self, idx: torch.Tensor):
         """Take idx (B, T) as slots [length, length + T): their positions (T,) and document ids, a pair
         (doc_q (B, T), doc_k (B, length + T)), or None without document masks."""
-        B, T = idx.shape
+        T = idx.shape[1]
         start, end = self.length, self.length + T
-        if B != self.batch_size:
-            raise ValueError(f"the KV cache holds {self.batch_size} sequences, idx has {B}")
         if end > self.max_len:
             raise ValueError(
                 f"sequence length {T} at cache position {start} exceeds block_size={self.max_len} (no "
@@ -133,8 +131,6 @@ def forward_cached(model, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
 def decode_step(model, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One static decode step of idx (B, 1): logits (B, V) float32. Its tensor work is
     ``model._decode_static``, which may be replaced by its compiled self or captured as a CUDA graph."""
-    if idx.shape != (cache.batch_size, 1):
-        raise ValueError(f"decode_step takes idx of shape ({cache.batch_size}, 1), got {tuple(idx.shape)}")
     if cache.length >= cache.max_len:
         raise ValueError(
             f"the KV cache is full (block_size={cache.max_len}); reset it and prefill the last "
@@ -304,12 +300,6 @@ class DecodeGraph:
     def step(self, idx: torch.Tensor) -> torch.Tensor:
         """One decode step of idx (B, 1), as ``decode_step``; returns the graph's logits buffer (B, V), which
         the next step overwrites (clone it to keep it)."""
-        if idx.shape != self.idx.shape:
-            raise ValueError(
-                f"DecodeGraph.step takes idx of shape {tuple(self.idx.shape)}, got {tuple(idx.shape)}"
-            )
-        if self.cache.length >= self.cache.max_len:
-            raise ValueError(f"the KV cache is full (max_len={self.cache.max_len}); reset it and prefill")
         self.idx.copy_(idx)
         with torch.cuda.device(self.idx.device):
             self.graph.replay()
