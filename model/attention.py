@@ -339,13 +339,9 @@ def _sdpa_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None):
 
 
 def sdpa_backend_that_ran(q, k, v, sdpa_backend: str, dropout_p: float = 0.0) -> str:
-    """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` uses, for logs.
-
-    A pinned kernel is itself (``attention`` raises if it cannot run). For ``"auto"``, PyTorch's private
-    dispatcher helper ``torch._fused_sdp_choice`` answers (is_causal=True; with ``dropout_p`` kernels
-    without dropout are not chosen); on the CPU ``"flash"`` is PyTorch's C++ CPU kernel. If the helper
-    fails: ``"math"`` on the CPU, ``"unknown"`` elsewhere.
-    """
+    """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` runs, for logs:
+    for ``"auto"`` PyTorch's private dispatcher helper answers (on the CPU ``"flash"`` is PyTorch's C++
+    kernel); if it fails, ``"math"`` on the CPU and ``"unknown"`` elsewhere."""
     if sdpa_backend not in SDPA_BACKENDS:
         raise ValueError(f"unknown sdpa_backend {sdpa_backend!r}; valid names: {', '.join(SDPA_BACKENDS)}")
     if sdpa_backend != "auto":

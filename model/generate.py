@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from data.docs import doc_ids_from_tokens
+
 from .sampling import check_sampling_args, sample_next
 
 __all__ = ["DecodeGraph", "KVCache", "StaticStep", "decode_graph", "generate", "release"]
@@ -54,8 +56,6 @@ class KVCache:
         self.lengths.zero_()
 
     def doc_ids(self, end: int) -> torch.Tensor:
-        from data.docs import doc_ids_from_tokens
-
         return doc_ids_from_tokens(self.tokens[:, :end], self.separator)  # (B, end)
 
     def append(self, idx: torch.Tensor):

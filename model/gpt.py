@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.docs import doc_ids_from_tokens
+
 from . import generate as gen
 from .attention import attention
 from .config import PRESETS, GPTConfig
@@ -172,16 +174,10 @@ class GPT(nn.Module):
         ``config.doc_separator_ids`` (data/docs.py); None when the mask is off or no separator is known."""
         if not self.config.document_mask:
             return None
-        if doc_ids is not None:
-            if doc_ids.shape != idx.shape:
-                raise ValueError(
-                    f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}"
-                )
+        if doc_ids is not None:  # attention() checks its shape
             return doc_ids.to(idx.device)
         if self.config.doc_separator_ids is None:
             return None
-        from data.docs import doc_ids_from_tokens
-
         return doc_ids_from_tokens(idx, self.config.doc_separator_ids)
 
     def set_attention_backend(self, name: str, sdpa_backend: str | None = None) -> None:
