@@ -36,19 +36,12 @@ class KVCache:
         self.k = w.new_zeros((c.n_layer, batch_size, c.kv_heads, c.block_size, c.head_dim))
         self.v = torch.zeros_like(self.k)
         self.lengths = torch.zeros(batch_size, dtype=torch.int64, device=w.device)
+        self.batch_size, self.max_len = batch_size, c.block_size
         self.length = self.start = 0  # slots [start, length): the forward in progress
         self.separator = c.doc_separator_ids if c.document_mask else None
         self.tokens = None
         if self.separator:
             self.tokens = torch.zeros(batch_size, c.block_size, dtype=torch.int64, device=w.device)
-
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
 
     def reset(self) -> None:
         """Forget every position (the buffers stay, overwritten by the next prefill)."""
