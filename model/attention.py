@@ -1,31 +1,17 @@
 """Causal self-attention: one function, ``attention``, over interchangeable backends.
 
-Every backend computes the same function (Vaswani et al. 2017, eq. 1, with GPT-2's causal mask):
+Every backend computes o = softmax(q k^T / sqrt(d), over the keys each query may see) v. "May see" is the
+mask of ``kernels.reference.attention_mask``: causal aligned bottom-right (query i of Nq sees key
+j <= i + Nk - Nq, so Nq < Nk are the newest rows of a KV cache), and the variants
 
-    o[b, h, i] = sum_j softmax_j(q[b, h, i] . k[b, h, j] / sqrt(d), over the keys j that i may see) v[b, h, j]
-
-"May see" is the mask of ``kernels.reference.attention_mask`` (the float64 reference of the tests builds
-the same one): causal aligned bottom-right, query i of Nq sees key j <= i + Nk - Nq, so Nq < Nk is the
-newest rows of a KV cache; and the variants
-
-* ``window=w``: also j > i + Nk - Nq - w, the w most recent keys (FlashAttention-2's window_size=(w-1, 0));
+* ``window=w``: only the w most recent keys (FlashAttention-2's window_size=(w-1, 0));
 * ``doc_ids``: only keys of the query's own document ((B, Nk) ids, or a pair (doc_q (B, Nq), doc_k (B, Nk)));
-* ``lengths`` (B,): one query row per sequence against a whole preallocated cache buffer, keys j <
-  lengths[b] only (FlashAttention's cache_seqlens; static shapes, so one CUDA graph serves every position);
-* ``dropout_p``: dropout on the attention weights (training; each backend draws its own mask);
-* ``softcap=c``: the scores s = q . k / sqrt(d) become c * tanh(s / c) before the mask and softmax (Gemma 2's
-  logit soft-capping): naive and flash; sdpa refuses it (``check_softcap``, docs/ablations.md).
+* ``lengths`` (B,): one query row per sequence against a whole cache buffer, keys j < lengths[b] only
+  (FlashAttention's cache_seqlens: static shapes, so one CUDA graph serves every position);
+* ``dropout_p``: dropout on the attention weights (training);
+* ``softcap=c``: scores s become c * tanh(s / c) before the mask (Gemma 2); naive and flash only.
 
-k and v may have fewer heads than q (grouped-query attention): Hq a multiple of Hkv, query head h reads kv
-head h // (Hq // Hkv). naive and flash read the shared heads without copies, sdpa passes ``enable_gqa``,
-and a backend registered without ``gqa=True`` gets k and v repeated to Hq heads.
-
-A backend is a ``Backend`` record (``BACKENDS``): ``full`` attention, optionally the same on a fused
-projection's packed qkv, optionally the static decode step, and the flags saying what it supports. The
-built-ins: ``naive`` (materialised scores, float32 softmax), ``sdpa`` (PyTorch's
-``scaled_dot_product_attention``; ``sdpa_backend`` pins one of its kernels) and ``flash`` (our Triton
-kernels: ``kernels.flash_attention``, its packed-qkv entry and ``kernels.flash_decode``). What a call asks
-for is checked once, in ``_resolve``, with errors that name the config key to change.
+k and v may have fewer heads than q (grouped-query attention): query head h reads kv head h // (Hq // Hkv).
 """
 
 from __future__ import annotations
@@ -44,8 +30,6 @@ __all__ = [
     "Backend",
     "attention",
     "available_attention_backends",
-    "check_attention_backend",
-    "check_sdpa_backend",
     "check_softcap",
     "register_attention_backend",
     "sdpa_backend_that_ran",
@@ -62,20 +46,12 @@ SDPA_BACKENDS: tuple[str, ...] = ("auto", "flash", "cudnn", "efficient", "math")
 class Backend:
     """One attention implementation; all its functions compute the function of the module docstring.
 
-    Attributes:
-        name: the name ``GPTConfig.attention`` uses.
-        full: ``full(q, k, v, sdpa_backend, **variants) -> o``: q (B, H, Nq, d), k, v (B, H, Nk, d), any
-            strides; o (B, H, Nq, d) in v.dtype.
-        packed: ``packed(qkv, sdpa_backend, **variants) -> o`` on a fused projection's qkv (B, N, 3, H, d),
-            o (B, N, H, d) (flash: the backward writes d(qkv) whole, autograd concatenates nothing); None:
-            ``full`` gets the three (B, H, N, d) views.
-        decode: ``decode(q, k, v, lengths, sdpa_backend, window=, doc_ids=) -> o``: q (B, H, 1, d) against
-            whole cache buffers k, v (B, H, T, d), keys [0, lengths[b]) visible; None: no static decoding.
-        kv_cache: ``full`` accepts Nq < Nk (bottom-right mask): generation with a KV cache.
-        variants: the functions take the keywords ``window``, ``doc_ids`` and ``dropout_p``.
-        gqa: the functions take k, v with fewer heads than q (Hkv dividing Hq); else ``attention`` repeats
-            them to Hq heads first.
-        softcap: the functions take the keyword ``softcap`` (c * tanh(s / c) on the scores).
+    ``full(q, k, v, sdpa_backend, **variants)``: q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d) -> (B, Hq, Nq, d).
+    ``packed(qkv, sdpa_backend, **variants)``: a fused projection's qkv (B, N, 3, H, d) -> (B, N, H, d)
+    (flash: the backward writes d(qkv) whole); None: ``full`` gets the three views.
+    ``decode(q, k, v, lengths, sdpa_backend, window=, doc_ids=)``: the static decode step; None: none.
+    The flags say what the functions take: Nq < Nk (``kv_cache``), the keywords window, doc_ids and
+    dropout_p (``variants``), fewer kv heads (``gqa``; else k, v are repeated to Hq heads), ``softcap``.
     """
 
     name: str
@@ -103,18 +79,8 @@ def register_attention_backend(
     gqa: bool = False,
     softcap: bool = False,
 ) -> Backend:
-    """Add backend ``name`` (``Backend(name, fn, qkvpacked, decode, kv_cache, variants, gqa, softcap)``) and
-    return it.
-
-    ``fn`` must compute causal attention with scale 1/sqrt(d) and no dropout unless asked, so that every
-    backend is the same function (the loss-parity checks rely on it).
-
-    Raises:
-        ValueError: ``name`` is empty or already registered without ``overwrite=True``.
-        TypeError: ``fn``, ``qkvpacked`` or ``decode`` is not callable.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"attention backend name must be a non-empty string, got {name!r}")
+    """Add backend ``name`` and return its ``Backend``. ``fn`` must compute causal attention with scale
+    1/sqrt(d) and no dropout unless asked, so that every backend is the same function."""
     for what, f in (("fn", fn), ("qkvpacked", qkvpacked), ("decode", decode)):
         if (f is not None or what == "fn") and not callable(f):
             raise TypeError(
@@ -134,30 +100,11 @@ def available_attention_backends() -> tuple[str, ...]:
     return tuple(BACKENDS)
 
 
-def check_attention_backend(name: str) -> None:
-    """Raise ValueError naming the valid choices if ``name`` is not a registered attention backend."""
-    if name not in BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; valid names: {', '.join(BACKENDS)} "
-            "(set attention=<one of these>)"
-        )
-
-
-def check_sdpa_backend(name: str) -> None:
-    """Raise ValueError naming the valid choices if ``name`` is not one of ``SDPA_BACKENDS``."""
-    if name not in SDPA_BACKENDS:
-        raise ValueError(
-            f"unknown sdpa_backend {name!r}; valid names: {', '.join(SDPA_BACKENDS)} "
-            "(set attention.sdpa_backend=auto to let PyTorch choose)"
-        )
-
-
 def check_softcap(backend: str, softcap) -> None:
     """Raise ValueError unless ``softcap`` is None or a finite number > 0 that ``backend`` can run.
 
     sdpa cannot: PyTorch's scaled_dot_product_attention has no soft-cap, and FlexAttention's ``score_mod``,
-    which could add one, has no backward on the CPU in PyTorch 2.13, no dropout and compiles per shape; so
-    the error points at flash (the same function, fused) or naive instead (docs/ablations.md)."""
+    which could add one, has no backward on the CPU in PyTorch 2.13, no dropout and compiles per shape."""
     if softcap is None:
         return
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 < softcap < math.inf:
@@ -190,28 +137,14 @@ def attention(
     lengths: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal scaled dot-product attention (scale 1/sqrt(d)) on ``backend``, with its variants.
+    """Causal attention (scale 1/sqrt(d)) on ``backend`` with the variants of the module docstring.
 
-    Args:
-        q, k, v: (B, Hq, Nq, d) and (B, Hkv, Nk, d), Nq <= Nk, Hkv dividing Hq, one dtype and device, any
-            strides.
-        backend: one of ``available_attention_backends()``; sdpa_backend: one of ``SDPA_BACKENDS``.
-        qkv: instead of q, k, v: a fused projection's output (B, N, 3, H, d); the result is then (B, N, H, d).
-        window, doc_ids, dropout_p, lengths: the variants of the module docstring (window None or an int
-            >= 1; dropout_p in [0, 1), training only, Nq == Nk; lengths (B,) int64 on q's device with Nq == 1,
-            1 <= lengths[b] <= Nk, not checked on the device: the KV cache keeps it so); softcap None or
-            c > 0.
-
-    Returns:
-        o: (B, Hq, Nq, d) in v.dtype, or (B, N, H, d) for ``qkv``.
-
-    Raises:
-        ValueError: unknown backend / sdpa_backend, bad shapes or variant values, or something the backend
-            does not support (see ``Backend``); each message names the config key to change.
-        RuntimeError: a pinned sdpa_backend cannot run these inputs; the flash kernels are unavailable.
+    q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d), Nq <= Nk, any strides -> (B, Hq, Nq, d) in v.dtype; or ``qkv``
+    (B, N, 3, H, d), a fused projection's output -> (B, N, H, d). ``lengths`` (int64 on q's device, Nq = 1,
+    1 <= lengths[b] <= Nk) is not checked on the device: the KV cache keeps it so. Errors name the config
+    key to change.
     """
     if qkv is None:
-        _check_tensors(q, k, v)
         q_shape, k_shape = tuple(q.shape), tuple(k.shape)
     else:
         if q is not None or k is not None or v is not None or lengths is not None:
@@ -248,42 +181,32 @@ def attention(
     return o
 
 
-def _check_tensors(q, k, v) -> None:
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-        raise TypeError(
-            f"attention expects q, k, v (or qkv=) as tensors, got {[type(t).__name__ for t in (q, k, v)]}"
-        )
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(
-            f"attention expects q (B, Hq, Nq, d) and k, v (B, Hkv, Nk, d); got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(
-            "attention expects q, k, v with one dtype and device; got "
-            f"{q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}"
-        )
-
-
 def _resolve(
     backend, sdpa_backend, q_shape, k_shape, window, doc_ids, dropout_p, lengths, softcap
 ) -> Backend:
-    """The ``Backend`` for a call of these shapes and variants: every check of ``attention`` on what it
-    asks for, in one place, each error naming the config key to change."""
-    check_attention_backend(backend)
-    check_sdpa_backend(sdpa_backend)
+    """The ``Backend`` for a call of these shapes and variants, after every check of what the call asks."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {backend!r}; valid names: {', '.join(BACKENDS)} "
+            "(set attention=<one of these>)"
+        )
+    if sdpa_backend not in SDPA_BACKENDS:
+        raise ValueError(
+            f"unknown sdpa_backend {sdpa_backend!r}; valid names: {', '.join(SDPA_BACKENDS)} "
+            "(set attention.sdpa_backend=auto to let PyTorch choose)"
+        )
     check_softcap(backend, softcap)
     b = BACKENDS[backend]
-    (nb, nh, nq, d), (nkv, nk) = q_shape, k_shape[1:3]
-    if (k_shape[0], k_shape[3]) != (nb, d) or nh % nkv or nq > nk:
+    qs, ks = q_shape, k_shape
+    if len(qs) != 4 or len(ks) != 4 or (ks[0], ks[3]) != (qs[0], qs[3]) or qs[1] % ks[1] or qs[2] > ks[2]:
         raise ValueError(
-            f"attention needs k, v of shape (B, Hkv dividing Hq, Nk >= Nq, d) for q {q_shape}; "
-            f"got k {k_shape}"
+            f"attention needs q (B, Hq, Nq, d) and k, v (B, Hkv dividing Hq, Nk >= Nq, d); got q {qs}, k {ks}"
         )
+    (nb, _, nq, _), nk = qs, ks[2]
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(
-            f"window must be None or an int >= 1 (keys per query, itself included; "
-            f"attention.window), got {window!r}"
+            f"window must be None or an int >= 1 (keys per query, itself included; attention.window), "
+            f"got {window!r}"
         )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(
@@ -327,21 +250,30 @@ def _resolve(
 
 
 def _mask(n_q: int, n_k: int, window, doc_ids, device) -> torch.Tensor:
-    """The causal + window + document keep mask (kernels/reference.py; imported on first use, so that
-    importing the model does not import the kernels package and triton)."""
+    # imported on first use: importing the model does not import the kernels package and triton
     from kernels.reference import attention_mask
 
     return attention_mask(n_q, n_k, causal=True, window=window, doc_ids=doc_ids, device=device)
 
 
+def _decode_mask(lengths, n_k: int, window=None, doc_ids=None) -> torch.Tensor:
+    """(B, 1, 1, Nk) keep mask of one query row at position lengths[b] - 1 of a whole cache buffer."""
+    slots = torch.arange(n_k, device=lengths.device)
+    keep = slots < lengths[:, None]  # (B, Nk)
+    if window is not None:
+        keep = keep & (slots >= lengths[:, None] - window)
+    if doc_ids is not None:  # (doc_q (B, 1), doc_k (B, Nk)): the query's document only
+        keep = keep & (doc_ids[1] == doc_ids[0])
+    return keep[:, None, None, :]
+
+
 def _softmax_attention(q, k, v, keep, dropout_p: float = 0.0, softcap=None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) [soft-capped], masked to ``keep``) v, scores and softmax in >= float32
-    (float64 stays). k, v may have fewer heads than q (GQA): the group's query heads share one kv head
-    through a broadcast matmul, with no copy of k and v."""
+    """Scores and softmax in float32 (float64 stays); a GQA group's query heads share their kv head through
+    a broadcast matmul, with no copy of k and v."""
     (B, Hq, Nq, d), Hkv = q.shape, k.shape[1]
-    compute_dtype = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(compute_dtype).reshape(B, Hkv, Hq // Hkv * Nq, d)  # a group's query rows side by side
-    scores = torch.matmul(qg, k.to(compute_dtype).transpose(-2, -1)).view(B, Hq, Nq, -1)  # (B, Hq, Nq, Nk)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qg = q.to(dtype).reshape(B, Hkv, Hq // Hkv * Nq, d)  # a group's query rows side by side
+    scores = torch.matmul(qg, k.to(dtype).transpose(-2, -1)).view(B, Hq, Nq, -1)  # (B, Hq, Nq, Nk)
     # in place is safe: matmul's backward needs its inputs, masked_fill_'s only the mask
     scores.mul_(1.0 / math.sqrt(d))
     if softcap is not None:  # tanh's backward needs its output, so not in place
@@ -354,19 +286,7 @@ def _softmax_attention(q, k, v, keep, dropout_p: float = 0.0, softcap=None) -> t
     return o.view(B, Hq, Nq, d)
 
 
-def _decode_mask(lengths, n_k: int, window=None, doc_ids=None) -> torch.Tensor:
-    """(B, 1, 1, T) keep mask of one query row at position lengths[b] - 1 of a whole cache buffer."""
-    slots = torch.arange(n_k, device=lengths.device)
-    keep = slots < lengths[:, None]  # (B, T)
-    if window is not None:
-        keep = keep & (slots >= lengths[:, None] - window)
-    if doc_ids is not None:  # (doc_q (B, 1), doc_k (B, T)): the query's document only
-        keep = keep & (doc_ids[1] == doc_ids[0])
-    return keep[:, None, None, :]
-
-
 def _naive(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
-    """Materialised attention: one (B, H, Nq, Nk) float32 score buffer, masked in place."""
     keep = _mask(q.shape[-2], k.shape[-2], window, doc_ids, q.device)
     return _softmax_attention(q, k, v, keep, dropout_p, softcap)
 
@@ -377,7 +297,7 @@ def _naive_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None, 
 
 # ---------------------------------------------------------------------------------------- sdpa
 
-_SDPA_HINTS = {
+_SDPA_NEEDS = {
     "flash": "needs float16/bfloat16 on a CUDA GPU (sm80+), head_dim <= 256 and no attention mask (on CPU, "
     "PyTorch's own CPU flash kernel runs in most builds)",
     "cudnn": "needs a CUDA GPU (sm80+) with cuDNN >= 9, float16/bfloat16 and no attention mask",
@@ -386,74 +306,44 @@ _SDPA_HINTS = {
 }
 
 
-def _sdpa_call(q, k, v, window=None, doc_ids=None, dropout_p=0.0, keep=None):
+def _sdpa(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, keep=None):
     nq, nk = q.shape[-2], k.shape[-2]
-    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # only then: older kernels lack it
-    if keep is None and (window is not None or doc_ids is not None or (nq != nk and nq > 1)):
-        # explicit mask (True = attend): SDPA's is_causal aligns top-left when Nq != Nk, a cache needs
-        # bottom-right
+    if keep is None and (window is not None or doc_ids is not None or 1 < nq != nk):
+        # an explicit mask: SDPA's is_causal aligns top-left when Nq != Nk, a cache needs bottom-right
         keep = _mask(nq, nk, window, doc_ids, q.device)
-    if keep is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, **gqa)
     # no mask tensor: Nq == Nk is plain causal, one decode row sees the whole prefix
-    return F.scaled_dot_product_attention(q, k, v, is_causal=nq == nk, dropout_p=dropout_p, **gqa)
-
-
-def _sdpa_pinned(sdpa_backend, q, *args, **kw):
-    """``_sdpa_call`` with only PyTorch's ``sdpa_backend`` kernel allowed; a clear error if it cannot run."""
+    kw = dict(is_causal=nq == nk) if keep is None else dict(attn_mask=keep)
+    if q.shape[1] != k.shape[1]:
+        kw["enable_gqa"] = True  # only then: older kernels lack it
+    if sdpa_backend == "auto":  # the training path: no context manager for torch.compile to trace
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kw)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     kernel = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
     try:
         with sdpa_kernel([getattr(SDPBackend, kernel.get(sdpa_backend, "MATH"))]):
-            return _sdpa_call(q, *args, **kw)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, **kw)
     except RuntimeError as err:
         others = ", ".join(b for b in SDPA_BACKENDS if b not in ("auto", sdpa_backend))
         raise RuntimeError(
             f"attention.sdpa_backend={sdpa_backend} was pinned, but PyTorch's {sdpa_backend!r} SDPA kernel "
             f"cannot run for q/k/v of shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device} "
-            f"({sdpa_backend} {_SDPA_HINTS[sdpa_backend]}). "
+            f"({sdpa_backend} {_SDPA_NEEDS[sdpa_backend]}). "
             f"Fix: set attention.sdpa_backend=auto to let PyTorch choose, or pin another of: {others}. "
             f"PyTorch said: {err}"
         ) from err
 
 
-def _sdpa(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0):
-    if sdpa_backend == "auto":  # the training path: no context manager for torch.compile to trace
-        return _sdpa_call(q, k, v, window, doc_ids, dropout_p)
-    return _sdpa_pinned(sdpa_backend, q, k, v, window, doc_ids, dropout_p)
-
-
 def _sdpa_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None):
-    keep = _decode_mask(lengths, k.shape[-2], window, doc_ids)
-    if sdpa_backend == "auto":
-        return _sdpa_call(q, k, v, keep=keep)
-    return _sdpa_pinned(sdpa_backend, q, k, v, keep=keep)
-
-
-_ENUM_TO_NAME = {
-    "MATH": "math",
-    "FLASH_ATTENTION": "flash",
-    "EFFICIENT_ATTENTION": "efficient",
-    "CUDNN_ATTENTION": "cudnn",
-    "OVERRIDEABLE": "overrideable",
-    "ERROR": "error",
-}
+    return _sdpa(q, k, v, sdpa_backend, keep=_decode_mask(lengths, k.shape[-2], window, doc_ids))
 
 
 def sdpa_backend_that_ran(q, k, v, sdpa_backend: str, dropout_p: float = 0.0) -> str:
-    """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` uses, for logs.
-
-    A pinned ``sdpa_backend`` is returned as is (if it could not run, ``attention`` raises instead). For
-    ``"auto"`` this asks PyTorch's private dispatcher helper ``torch._fused_sdp_choice`` (same inputs,
-    is_causal=True, ``dropout_p``: kernels without dropout are not chosen) and returns ``"flash"``,
-    ``"efficient"``, ``"cudnn"``, ``"math"`` or ``"overrideable"``. On the CPU ``"flash"`` means PyTorch's C++
-    CPU kernel. If the helper is missing or fails: ``"math"`` on CPU, ``"unknown"`` elsewhere.
-
-    Raises:
-        ValueError: unknown ``sdpa_backend``.
-    """
-    check_sdpa_backend(sdpa_backend)
+    """Best-effort name of the SDPA kernel that ``attention(q, k, v, "sdpa", sdpa_backend)`` runs, for logs:
+    for ``"auto"`` PyTorch's private dispatcher helper answers (on the CPU ``"flash"`` is PyTorch's C++
+    kernel); if it fails, ``"math"`` on the CPU and ``"unknown"`` elsewhere."""
+    if sdpa_backend not in SDPA_BACKENDS:
+        raise ValueError(f"unknown sdpa_backend {sdpa_backend!r}; valid names: {', '.join(SDPA_BACKENDS)}")
     if sdpa_backend != "auto":
         return sdpa_backend
     try:
@@ -461,7 +351,7 @@ def sdpa_backend_that_ran(q, k, v, sdpa_backend: str, dropout_p: float = 0.0) ->
 
         choice = torch._fused_sdp_choice(q, k, v, dropout_p=float(dropout_p), is_causal=True)
         member = choice if isinstance(choice, SDPBackend) else SDPBackend(int(choice))
-        return _ENUM_TO_NAME.get(member.name, member.name.lower())
+        return member.name.lower().removesuffix("_attention")  # FLASH_ATTENTION -> flash, MATH -> math
     except Exception:  # private API: any failure means "we don't know"
         return "math" if q.device.type == "cpu" else "unknown"
 
@@ -470,7 +360,7 @@ def sdpa_backend_that_ran(q, k, v, sdpa_backend: str, dropout_p: float = 0.0) ->
 
 
 def _kernels():
-    """The ``kernels`` package, imported on first use; a clear error if it (or triton) cannot be imported."""
+    """The ``kernels`` package, imported on first use, with a clear error if it (or triton) cannot be."""
     try:
         import kernels
     except ImportError as err:
@@ -481,36 +371,28 @@ def _kernels():
     return kernels
 
 
-def _cap(softcap) -> dict:
-    """The kernels' ``softcap`` keyword, only when set (the plain call stays what it was)."""
-    return {} if softcap is None else {"softcap": softcap}
-
-
 def _flash(q, k, v, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
     kernels = _kernels()
     plain = window is None and doc_ids is None and not dropout_p
-    nq, nk = q.shape[-2], k.shape[-2]
     grad = q.requires_grad or k.requires_grad or v.requires_grad
-    if plain and nq < nk and nq <= kernels.MAX_DECODE_ROWS and not grad:
-        # KV-cache decode step: the keys split over programs
-        return kernels.flash_decode(q, k, v, **_cap(softcap))
+    if plain and q.shape[-2] < k.shape[-2] and q.shape[-2] <= kernels.MAX_DECODE_ROWS and not grad:
+        return kernels.flash_decode(q, k, v, softcap=softcap)  # a KV-cache step: keys split over programs
     return kernels.flash_attention(
-        q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, **_cap(softcap)
+        q, k, v, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, softcap=softcap
     )
 
 
 def _flash_packed(qkv, sdpa_backend, *, window=None, doc_ids=None, dropout_p=0.0, softcap=None):
     return _kernels().flash_attention_qkvpacked(
-        qkv, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, **_cap(softcap)
+        qkv, causal=True, window=window, doc_ids=doc_ids, dropout_p=dropout_p, softcap=softcap
     )
 
 
 def _flash_decode(q, k, v, lengths, sdpa_backend, *, window=None, doc_ids=None, softcap=None):
-    if window is None and doc_ids is None:
-        # the KV cache keeps 1 <= lengths <= T: no host read of the lengths (a device sync per layer/token)
-        return _kernels().flash_decode(q, k, v, lengths, check_lengths=False, **_cap(softcap))
-    # no masks in flash_decode
-    return _naive_decode(q, k, v, lengths, sdpa_backend, window=window, doc_ids=doc_ids, softcap=softcap)
+    if window is not None or doc_ids is not None:  # flash_decode has no masks
+        return _naive_decode(q, k, v, lengths, sdpa_backend, window=window, doc_ids=doc_ids, softcap=softcap)
+    # the KV cache keeps 1 <= lengths <= Nk: no host read of the lengths (a device sync per layer and token)
+    return _kernels().flash_decode(q, k, v, lengths, check_lengths=False, softcap=softcap)
 
 
 register_attention_backend(

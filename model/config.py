@@ -1,9 +1,8 @@
 """``GPTConfig``: the model's hyper-parameters, their one validation, and the size ``PRESETS``.
 
-GPTConfig is also the schema of train.py's ``model.*`` and ``attention.*`` keys: trainer/config.py builds
-those groups from its fields and the docs of its docstring (``key`` names the key of each field), so a
-bad value from the command line and a bad argument from Python meet the same check, ``__post_init__``,
-whose messages name the key, the value and one that works.
+GPTConfig is also the schema of train.py's ``model.*`` and ``attention.*`` keys (trainer/config.py builds
+those groups from its fields and docstring), so the command line and Python meet the same check, whose
+messages name the key, the bad value and one that works.
 """
 
 from __future__ import annotations
@@ -94,29 +93,30 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            msg = problem(f.name, getattr(self, f.name))
-            if msg:
+            if msg := problem(f.name, getattr(self, f.name)):
                 raise ValueError(msg)
         if self.doc_separator_ids is not None:
             self.doc_separator_ids = tuple(self.doc_separator_ids)  # lists from a checkpoint's model_args
-        msg = self._shape_problem()
-        if msg:
+        if msg := self._shape_problem():
             raise ValueError(msg)
 
     def _shape_problem(self) -> str | None:
-        """Rules between fields: n_embd divisible by n_head (with widths and head counts that work), the
-        flash kernel's head-dim range, and SDPA's pinned flash / cuDNN kernels, which take no mask."""
-        n_head, n_embd = self.n_head, self.n_embd
+        """Rules between fields, each message naming a change that works."""
         from kernels.flash_attn import MAX_HEAD_DIM as hi
         from kernels.flash_attn import MIN_HEAD_DIM as lo
 
-        flash = self.attention == "flash"
-        if n_embd % n_head:  # smaller heads than the kernel's are no use to any backend
-            heads = _head_counts(n_embd, n_head, lo, hi if flash else None)[:3]
-            embds = " or ".join(f"model.n_embd={e}" for e in _embd_near(n_embd, n_head, lo))
-            by_head = ", ".join(f"model.n_head={h}" for h in heads)
-            by_head = f" or a model.n_head dividing it: {by_head}" if heads else ""
-            return f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use {embds}{by_head}"
+        n_head, n_embd, flash = self.n_head, self.n_embd, self.attention == "flash"
+        if n_embd % n_head:  # smaller heads than the flash kernel's are no use to any backend
+            below = n_embd // n_head * n_head
+            embds = [e for e in (below, below + n_head) if e // n_head >= lo] or [lo * n_head]
+            heads = ", ".join(
+                f"model.n_head={h}" for h in _head_counts(n_embd, n_head, lo, hi if flash else None)[:3]
+            )
+            return (
+                f"model.n_embd={n_embd} is not divisible by model.n_head={n_head}; use "
+                + " or ".join(f"model.n_embd={e}" for e in embds)
+                + (f" or a model.n_head dividing it: {heads}" if heads else "")
+            )
         if flash and not lo <= self.head_dim <= hi:
             heads = _head_counts(n_embd, n_embd // 64 or 1, lo, hi)  # closest to head dim 64 first
             change = (
@@ -128,10 +128,9 @@ class GPTConfig:
                 f"attention=flash supports head dims {lo}..{hi}, but model.n_embd={n_embd} / model.n_head="
                 f"{n_head} gives head_dim={self.head_dim}; {change} or use attention=sdpa"
             )
-        kv = self.n_kv_head
-        if kv is not None and n_head % kv:
+        if self.n_kv_head is not None and n_head % self.n_kv_head:
             ok = ", ".join(f"model.n_kv_head={h}" for h in range(1, n_head + 1) if n_head % h == 0)
-            return f"model.n_kv_head={kv} does not divide model.n_head={n_head}; use {ok}"
+            return f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={n_head}; use {ok}"
         if self.pos_emb == "rope" and self.head_dim % 2:
             return (
                 f"model.pos_emb=rope rotates pairs of features, but model.n_embd={n_embd} / model.n_head="
@@ -147,13 +146,11 @@ class GPTConfig:
             "model.attn_dropout": self.attn_dropout > 0,
         }
         used = [k for k, on in variants.items() if on]
-        backend = BACKENDS.get(self.attention)
-        if used and backend is not None and not backend.variants:
+        if used and not BACKENDS[self.attention].variants:
             return (
                 f"{' and '.join(used)} {'need' if len(used) > 1 else 'needs'} a backend registered with "
-                f"variants=True, and attention="
-                f"{self.attention} was registered without it (model/attention.py); use attention=naive, sdpa "
-                f"or flash, or drop {used[0]}"
+                f"variants=True, and attention={self.attention} was registered without it "
+                f"(model/attention.py); use attention=naive, sdpa or flash, or drop {used[0]}"
             )
         masked = self.window is not None or self.document_mask
         if self.attention == "sdpa" and self.sdpa_backend in ("flash", "cudnn") and masked:
@@ -166,22 +163,15 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        """Per-head width d = n_embd // n_head."""
         return self.n_embd // self.n_head
 
     @property
     def kv_heads(self) -> int:
-        """Key/value heads: ``n_kv_head``, or n_head when it is None."""
         return self.n_kv_head or self.n_head
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> GPTConfig:
-        """Config for preset ``name`` (a key of ``PRESETS``) with keyword ``overrides`` applied on top.
-
-        Raises:
-            ValueError: unknown preset (lists the valid ones) or an invalid resulting config.
-            TypeError: an override that is not a GPTConfig field.
-        """
+        """Config for preset ``name`` (a key of ``PRESETS``) with keyword ``overrides`` on top."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; valid presets: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -196,31 +186,30 @@ def field_docs() -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------ the checks
 POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
+POSITIVE = "float>0"
 OPEN_UNIT = "(0,1)"  # strictly between 0 and 1 (a share that must leave something on both sides)
 _WHAT = {
     POS_INT: "must be a positive integer",
     NONNEG_INT: "must be a non-negative integer",
     NONNEG: "must be >= 0",
+    POSITIVE: "must be > 0",
     UNIT: "must be in [0, 1)",
     OPEN_UNIT: "must be in (0, 1), strictly",
 }
 
-#: Fields that take null (window: full causal; n_kv_head: n_head; softcap: off).
-NULLABLE = ("window", "n_kv_head", "softcap")
 #: Each field's check and a value that works, for ``problem`` (attention: the registry's names).
 CHECKS = dict(
     block_size=(POS_INT, 1024), vocab_size=(POS_INT, 50304), n_layer=(POS_INT, 12), n_head=(POS_INT, 12),
     n_embd=(POS_INT, 768), dropout=(UNIT, 0.0), bias=(BOOL, None), sdpa_backend=(SDPA_BACKENDS, "auto"),
     window=(POS_INT, 256), document_mask=(BOOL, None), attn_dropout=(UNIT, 0.1), n_kv_head=(POS_INT, 1),
-    pos_emb=(("learned", "rope"), "learned"), rope_theta=(FINITE, 10000.0), qk_norm=(BOOL, None),
-    softcap=(FINITE, 30.0),
+    pos_emb=(("learned", "rope"), "learned"), rope_theta=(POSITIVE, 10000.0), qk_norm=(BOOL, None),
+    softcap=(POSITIVE, 30.0),
 )  # fmt: skip
 
 
 def problem(name: str, value) -> str | None:
-    """Why ``value`` cannot be GPTConfig field ``name``, as a message naming its key and a value that
-    works, or None. The one check of each field: ``GPTConfig.__post_init__`` runs it, and the trainer
-    words a value OmegaConf refused (``attention.window=true``) with it too."""
+    """Why ``value`` cannot be GPTConfig field ``name``, naming its key and a value that works, or None:
+    the one check of each field (the trainer words a value OmegaConf refused with it too)."""
     if name == "attention":
         return problem_with("attention.name (attention=...)", value, available_attention_backends(), "sdpa")
     if name == "doc_separator_ids":
@@ -233,14 +222,10 @@ def problem(name: str, value) -> str | None:
         return (
             None if ok else f"doc_separator_ids must be None or a non-empty list of token ids, got {value!r}"
         )
-    nullable = name in NULLABLE
+    (check, example), nullable = CHECKS[name], "None" in GPTConfig.__dataclass_fields__[name].type
     if value is None and not nullable:
-        return f"{key(name)}=null is not valid here; e.g. {key(name)}={fmt(CHECKS[name][1])}"
-    check, example = CHECKS[name]
-    msg = problem_with(key(name), value, check, example, nullable=nullable)
-    if msg is None and name in ("rope_theta", "softcap") and value is not None and not float(value) > 0:
-        msg = f"{key(name)}={value!r} must be > 0, e.g. {key(name)}={fmt(example)}"
-    return msg
+        return f"{key(name)}=null is not valid here; e.g. {key(name)}={fmt(example)}"
+    return problem_with(key(name), value, check, example, nullable=nullable)
 
 
 def fmt(v) -> str:
@@ -253,13 +238,8 @@ def fmt(v) -> str:
 
 
 def problem_with(key: str, value, check, example=None, nullable: bool = False) -> str | None:
-    """Why ``value`` fails ``check`` as a message naming ``key`` and a valid value (``example``), or None.
-
-    Args:
-        check: POS_INT | NONNEG_INT | FINITE | NONNEG | UNIT | OPEN_UNIT | BOOL, a tuple of the valid
-            values, or None (no check).
-        nullable: the key also takes null (null passes; the message says "must be null or ...").
-    """
+    """Why ``value`` fails ``check`` (a constant above, a tuple of the valid values, or None: no check), as
+    a message naming ``key`` and a valid ``example``, or None; with ``nullable`` null passes too."""
     if value is None or check is None:
         return None
     if isinstance(check, tuple):
@@ -281,6 +261,7 @@ def problem_with(key: str, value, check, example=None, nullable: bool = False) -
         return f"{key}={value!r} is not a finite number, e.g. {key}={fmt(example)}"
     if (
         (check == NONNEG and x < 0)
+        or (check == POSITIVE and not x > 0)
         or (check == UNIT and not 0 <= x < 1)
         or (check == OPEN_UNIT and not 0 < x < 1)
     ):
@@ -293,10 +274,3 @@ def _head_counts(n_embd: int, near: int, lo: int, hi: int | None = None) -> list
     (ties: the larger head dim)."""
     ok = [h for h in range(1, n_embd + 1) if n_embd % h == 0 and lo <= n_embd // h <= (hi or n_embd)]
     return sorted(ok, key=lambda h: (abs(h - near), h))
-
-
-def _embd_near(n_embd: int, n_head: int, lo: int) -> list[int]:
-    """Multiples of ``n_head`` next to ``n_embd`` whose head dim is at least ``lo`` (n_embd fixes)."""
-    below = (n_embd // n_head) * n_head
-    picks = [c for c in (below, below + n_head) if c // n_head >= lo]
-    return picks or [lo * n_head]

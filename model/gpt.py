@@ -1,25 +1,17 @@
-"""GPT-2 language model with a swappable attention backend.
+"""GPT-2 language model (Radford et al. 2019) with a swappable attention backend, laid out as nanoGPT's.
 
-As in GPT-2 (Radford et al. 2019, section 2.3) and nanoGPT: learned token and position embeddings,
-pre-LayerNorm blocks (x + attn(ln_1(x)), then x + mlp(ln_2(x))), a final LayerNorm and an lm_head tied to
-the token embedding; GPT-2's initialisation. Parameter names match nanoGPT's
-(``transformer.h.0.attn.c_attn`` ...).
-
-Attention (model/attention.py) runs on naive, sdpa or flash, which compute the same function, so a model
-can switch backend on the same weights. Its variants: ``GPTConfig.window`` (sliding window),
-``GPTConfig.document_mask`` (a token sees only its own document: ids from ``forward(doc_ids=)`` or from
-the tokens, see data/docs.py) and ``GPTConfig.attn_dropout``. Generation and its KV cache: model/generate.py.
-
-Ablation keys (docs/ablations.md), each off by default, so the default model is GPT-2's: ``n_kv_head``
-(grouped-query attention), ``pos_emb="rope"`` (rotary q, k instead of wpe; model/rope.py), ``qk_norm``
-(RMSNorm of each head's q and k) and ``softcap`` (c * tanh(s / c) on the scores, in model/attention.py).
+Learned token and position embeddings, pre-LayerNorm blocks, a final LayerNorm and an lm_head tied to the
+token embedding; GPT-2's initialisation and parameter names (``transformer.h.0.attn.c_attn`` ...). Attention
+runs on naive, sdpa or flash (model/attention.py), the same function, so a model can switch backend on the
+same weights. The ablation keys (docs/ablations.md) are off by default, so the default model is GPT-2's:
+``n_kv_head`` (grouped-query attention), ``pos_emb="rope"`` (model/rope.py), ``qk_norm``, ``softcap``.
+Generation and its KV cache: model/generate.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 from collections.abc import Iterator
 
@@ -27,13 +19,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from data.docs import doc_ids_from_tokens
+
 from . import generate as gen
 from .attention import attention
 from .config import PRESETS, GPTConfig
-from .generate import KVCache
 from .rope import apply_rope, rope_cos_sin
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "PRESETS"]
 
 
 class CausalSelfAttention(nn.Module):
@@ -49,29 +42,31 @@ class CausalSelfAttention(nn.Module):
         self.layer = layer  # this layer's slice of a KV cache
         self.attention_backend = config.attention
         self.sdpa_backend = config.sdpa_backend
-        self.variants = dict(window=config.window, softcap=config.softcap)  # what every call passes
-        self.attn_dropout = float(config.attn_dropout)
-        # q, k, v straight from the projection (no norm, rotation or kv groups) go to attention packed
+        self.variants = dict(window=config.window, softcap=config.softcap)
+        self.attn_dropout = config.attn_dropout
+        # q, k, v straight from the projection go to attention packed: flash's backward then writes d(qkv)
+        # in one buffer, with no concatenation
         self.packed = self.n_kv_head == self.n_head and not config.qk_norm and config.pos_emb == "learned"
 
     def forward(self, x: torch.Tensor, cache=None, doc_ids=None, rope=None) -> torch.Tensor:
         B, T, C = x.size()  # batch size, sequence length, embedding dimensionality (n_embd)
         nh, nkv = self.n_head, self.n_kv_head
         qkv = self.c_attn(x).view(B, T, nh + 2 * nkv, C // nh)  # (B, T, nh + 2 nkv, hs)
-        q, k, v = qkv.split([nh, nkv, nkv], dim=2)  # (B, T, nh, hs), (B, T, nkv, hs) x 2
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:  # rotary positions: (cos, sin) of this forward's positions
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        p = self.attn_dropout if self.training and cache is None else 0.0
-        kw = dict(backend=self.attention_backend, sdpa_backend=self.sdpa_backend, **self.variants)
-        if cache is not None:  # generation: this layer's k, v go into the cache and q attends to it
-            y = cache.attend(self.layer, q, k, v, doc_ids=doc_ids, **kw)
-        elif self.packed:  # qkv whole: flash's backward then writes d(qkv) in one buffer, no concatenation
-            y = attention(qkv=qkv.view(B, T, 3, nh, C // nh), doc_ids=doc_ids, dropout_p=p, **kw)
+        kw = dict(backend=self.attention_backend, sdpa_backend=self.sdpa_backend, doc_ids=doc_ids)
+        kw.update(self.variants, dropout_p=self.attn_dropout if self.training and cache is None else 0.0)
+        if self.packed and cache is None:
+            y = attention(qkv=qkv.view(B, T, 3, nh, C // nh), **kw)  # (B, T, nh, hs)
         else:
+            q, k, v = qkv.split([nh, nkv, nkv], dim=2)  # (B, T, nh, hs), (B, T, nkv, hs) x 2
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if rope is not None:  # (cos, sin) of this forward's positions
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, nh|nkv, T, hs)
-            y = attention(q, k, v, doc_ids=doc_ids, dropout_p=p, **kw).transpose(1, 2)  # (B, T, nh, hs)
+            lengths = None
+            if cache is not None:  # generating: k, v go into the cache, q attends to what it holds
+                k, v, lengths = cache.update(self.layer, k, v)
+            y = attention(q, k, v, lengths=lengths, **kw).transpose(1, 2)  # (B, T, nh, hs)
         y = y.reshape(B, T, C)  # re-assemble all head outputs side by side
         return self.resid_dropout(self.c_proj(y))
 
@@ -103,11 +98,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        if not isinstance(config, GPTConfig):
-            raise TypeError(f"GPT expects a GPTConfig, got {type(config).__name__}")
         self.config = config
         emb = dict(wte=nn.Embedding(config.vocab_size, config.n_embd))
-        if config.pos_emb == "learned":  # else rotary q and k (model/rope.py); kept 2nd: parameter order
+        if config.pos_emb == "learned":  # else rotary q and k; kept 2nd: the parameter order
             emb["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
             dict(
@@ -134,22 +127,12 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None):
-        """Logits (B, T, vocab_size) and the mean next-token cross-entropy over targets != -1 (or None).
-
-        idx, targets: (B, T) integer ids, T <= block_size. doc_ids: optional (B, T) non-decreasing document
-        ids for ``config.document_mask`` (default: derived from idx). cache: a ``KVCache`` (or its
-        ``StaticStep``) to generate with (model/generate.py): logits of the last position only. Logits are
-        float32 when the model runs in float16/bfloat16.
-
-        Raises:
-            ValueError: idx not 2-D, T > block_size, targets or doc_ids of another shape. TypeError: idx
-                not integer.
-        """
+        """Logits (B, T, vocab_size), float32 also for a float16/bfloat16 model, and the mean cross-entropy
+        over targets != -1 (or None). doc_ids: (B, T) document ids for ``config.document_mask`` (default:
+        from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``: the last position's logits only."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
-        if idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-            raise TypeError(f"idx must hold integer token ids (e.g. torch.int64), got dtype {idx.dtype}")
-        B, T = idx.size()
+        T = idx.size(1)
         if cache is None:
             if T > self.config.block_size:
                 raise ValueError(
@@ -162,7 +145,7 @@ class GPT(nn.Module):
         else:  # the new tokens continue the cached positions and documents
             pos, doc_ids = cache.append(idx)
 
-        x, rope, cfg = self.transformer.wte(idx), None, self.config  # (B, T, n_embd)
+        cfg, x, rope = self.config, self.transformer.wte(idx), None  # (B, T, n_embd)
         if cfg.pos_emb == "rope":
             dtype = torch.promote_types(x.dtype, torch.float32)
             rope = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, dtype)  # (T | B, 1, 1, hs/2) x 2
@@ -183,41 +166,27 @@ class GPT(nn.Module):
                 raise ValueError(
                     f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
                 )
-            loss = F.cross_entropy(
-                logits.reshape(-1, logits.size(-1)), targets.reshape(-1).long(), ignore_index=-1
-            )
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long(), ignore_index=-1)
         return logits, loss
 
     def document_ids(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Document ids (B, T) for the document mask: ``doc_ids`` when given, else derived from the tokens
-        with ``config.doc_separator_ids`` (data/docs.py); None (no mask) when ``config.document_mask`` is off
-        or no separator is known. Raises ValueError for doc_ids of another shape than idx."""
+        """Document ids (B, T) for the document mask: ``doc_ids``, else derived from the tokens with
+        ``config.doc_separator_ids`` (data/docs.py); None when the mask is off or no separator is known."""
         if not self.config.document_mask:
             return None
-        if doc_ids is not None:
-            if doc_ids.shape != idx.shape:
-                raise ValueError(
-                    f"doc_ids shape {tuple(doc_ids.shape)} must equal idx shape {tuple(idx.shape)}"
-                )
+        if doc_ids is not None:  # attention() checks its shape
             return doc_ids.to(idx.device)
         if self.config.doc_separator_ids is None:
             return None
-        from data.docs import doc_ids_from_tokens
-
         return doc_ids_from_tokens(idx, self.config.doc_separator_ids)
 
-    # ------------------------------------------------------------------ attention backend
-
     def set_attention_backend(self, name: str, sdpa_backend: str | None = None) -> None:
-        """Switch every block to backend ``name`` (and ``sdpa_backend``; None keeps it) on the same weights.
-
-        Raises ValueError (nothing changed) for an unknown name / sdpa_backend or a head_dim flash lacks.
-        """
-        new_sdpa = self.config.sdpa_backend if sdpa_backend is None else sdpa_backend
-        self.config = dataclasses.replace(self.config, attention=name, sdpa_backend=new_sdpa)  # validates
+        """Switch every block to backend ``name`` (and ``sdpa_backend``; None keeps it) on the same weights;
+        GPTConfig's check raises ValueError, changing nothing, for a choice it refuses."""
+        sdpa_backend = self.config.sdpa_backend if sdpa_backend is None else sdpa_backend
+        self.config = dataclasses.replace(self.config, attention=name, sdpa_backend=sdpa_backend)
         for block in self.transformer.h:
-            block.attn.attention_backend = name
-            block.attn.sdpa_backend = new_sdpa
+            block.attn.attention_backend, block.attn.sdpa_backend = name, sdpa_backend
 
     @contextlib.contextmanager
     def use_attention_backend(self, name: str, sdpa_backend: str | None = None) -> Iterator[GPT]:
@@ -233,10 +202,8 @@ class GPT(nn.Module):
     def attention_backend(self) -> str:
         return self.config.attention
 
-    # ------------------------------------------------------------------ accounting
-
     def num_params(self, non_embedding: bool = True) -> int:
-        """Parameters (the tied lm_head/wte weight once); ``non_embedding`` subtracts the position embedding
+        """Parameters (the tied lm_head/wte weight once); ``non_embedding`` leaves out the position embedding
         (nanoGPT's convention; wte stays: as lm_head its matmul costs real FLOPs)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding and "wpe" in self.transformer:
@@ -244,34 +211,25 @@ class GPT(nn.Module):
         return n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token, PaLM (Chowdhery et al. 2022) appendix B, 6N + 12 L H Q T, with the
-        attention term halved for the causal mask: 6 * num_params() + 6 * n_layer * n_embd * seq_len."""
+        """Training FLOPs per token, PaLM (Chowdhery et al. 2022) appendix B, 6N + 12 L H Q T, the attention
+        term halved for the causal mask."""
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
             raise ValueError(f"seq_len must be a positive int (tokens), got {seq_len!r}")
-        cfg = self.config
-        return float(6 * self.num_params(non_embedding=True) + 6 * cfg.n_layer * cfg.n_embd * seq_len)
+        return float(6 * self.num_params() + 6 * self.config.n_layer * self.config.n_embd * seq_len)
 
     def estimate_mfu(self, tokens_per_sec: float, seq_len: int, peak_flops: float = 989e12) -> float:
-        """Model FLOPs utilisation tokens_per_sec * flops_per_token(seq_len) / peak_flops; the default peak is
-        one H100/H200 SXM's dense BF16 (multiply by the GPUs that tokens_per_sec covers)."""
-        if tokens_per_sec < 0:
-            raise ValueError(f"tokens_per_sec must be >= 0, got {tokens_per_sec!r}")
-        if peak_flops <= 0:
-            raise ValueError(f"peak_flops must be > 0 (FLOP/s), got {peak_flops!r}")
-        return float(tokens_per_sec) * self.flops_per_token(seq_len) / float(peak_flops)
+        """Model FLOPs utilisation; the default peak is one H100/H200 SXM's dense BF16 (multiply it by the
+        GPUs that tokens_per_sec covers)."""
+        return tokens_per_sec * self.flops_per_token(seq_len) / peak_flops
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
-        """AdamW, param_groups [decay (dim >= 2: matmul and embedding weights), no decay (biases, norms)];
-        fused on CUDA when this PyTorch has it."""
+        """AdamW with weight decay on the matmul and embedding weights (dim >= 2) only; fused on CUDA."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        return torch.optim.AdamW(
-            groups, lr=learning_rate, betas=tuple(betas), **({"fused": True} if fused else {})
-        )
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), fused=device_type == "cuda")
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the maximum sequence length to ``block_size`` in place (keeps the first position rows)."""
@@ -285,60 +243,6 @@ class GPT(nn.Module):
             wpe.weight = nn.Parameter(wpe.weight.detach()[:block_size].clone())
             wpe.num_embeddings = block_size
 
-    # ------------------------------------------------------------------ generation (model/generate.py)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        idx,
-        max_new_tokens,
-        temperature=1.0,
-        top_k=None,
-        generator=None,
-        top_p=None,
-        use_cache=True,
-        timings=None,
-        vocab_size=None,
-        static_decode=False,
-        cuda_graph=False,
-    ):
-        """Append ``max_new_tokens`` sampled tokens to idx (B, T); the context is the last block_size tokens.
-
-        With ``use_cache`` the prompt is prefilled once into a ``KVCache`` and each step feeds only the new
-        token; once the window slides past block_size the cache is refilled, so the tokens equal the uncached
-        path's (which runs the whole context through ``forward`` at every step). temperature 0 is greedy;
-        top_k, top_p filter (``model.sampling.sample_next``); ``generator`` seeds the sampling; ``timings``
-        (a dict) gets prefill_s, prefill_tokens, decode_s, decode_tokens; ``vocab_size`` keeps the ids below
-        it (the tokenizer's); ``static_decode`` runs ``decode_step``; ``cuda_graph`` replays it as one CUDA
-        graph (kept on the model; CUDA only). Call ``model.eval()`` first if the model has dropout.
-
-        Raises:
-            ValueError: bad sampling arguments, an empty prompt, a backend without KV-cache support, or
-                cuda_graph without the cache or off CUDA.
-        """
-        return gen.generate(
-            self,
-            idx,
-            max_new_tokens,
-            temperature,
-            top_k,
-            generator,
-            top_p,
-            use_cache,
-            timings,
-            vocab_size,
-            static_decode,
-            cuda_graph,
-        )
-
-    def make_kv_cache(self, batch_size: int, dtype=None, device=None) -> KVCache:
-        return gen.make_kv_cache(self, batch_size, dtype, device)
-
-    def forward_cached(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return gen.forward_cached(self, idx, cache)
-
-    def decode_step(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return gen.decode_step(self, idx, cache)
-
-    def _decode_static(self, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        return gen.decode_static(self, idx, cache)  # the tensor work of decode_step: compile or graph this
+    # generation and its KV cache: model/generate.py
+    generate = gen.generate
+    _decode_static = gen.decode_static  # the tensor work of one static decode step: compile or graph this

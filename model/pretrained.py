@@ -1,23 +1,23 @@
 """GPT-2's released weights (or any Hugging Face GPT-2 checkpoint directory) in our ``GPT``.
 
-``init_from``: ``scratch`` (no weights), a GPT-2 size (``gpt2``, ``gpt2-medium``, ``gpt2-large``,
-``gpt2-xl``: read through ``transformers`` from its cache, downloaded when online) or a local directory
-saved by ``GPT2LMHeadModel.save_pretrained``. Parameter names match (nanoGPT's layout is GPT-2's);
-GPT-2's ``Conv1D`` stores its weight as (in, out), ``nn.Linear`` as (out, in), so the four projection
-weights are transposed. The model shape comes from the checkpoint, with biases on.
+``init_from``: a GPT-2 size (from the Hugging Face cache, downloaded when online) or a local directory
+saved by ``GPT2LMHeadModel.save_pretrained``. Parameter names match (nanoGPT's layout is GPT-2's), but
+GPT-2's ``Conv1D`` stores its weight as (in, out), ``nn.Linear`` as (out, in): four projections are
+transposed. The model shape comes from the checkpoint, with biases on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import torch
 
 from .config import GPTConfig
+from .gpt import GPT
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-INIT_FROM_CHOICES = ("scratch", *GPT2_SIZES)
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -26,10 +26,8 @@ class PretrainedError(ValueError):
 
 
 def _hf_files(init_from: str):
-    """(transformers' GPT2Config, raw state dict) of a local checkpoint directory or a GPT-2 size from the
-    Hugging Face cache (downloaded when online). The weights are read from the files (safetensors, else
-    pytorch_model.bin) rather than through GPT2LMHeadModel.from_pretrained, whose hub-kernel hook takes
-    this repository's ``kernels`` package for Hugging Face's."""
+    """(transformers' GPT2Config, raw state dict). The weights are read from the files, not through
+    GPT2LMHeadModel.from_pretrained, whose hub-kernel hook takes our ``kernels`` for Hugging Face's."""
     try:
         from transformers import GPT2Config
     except ImportError as e:
@@ -77,25 +75,21 @@ def _hf_files(init_from: str):
 
 
 def load_gpt2(init_from: str, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """(GPTConfig with the checkpoint's shape, state dict in our layout) of a GPT-2 checkpoint.
-
-    ``overrides``: other GPTConfig fields (attention, dropout, window ...); ``block_size`` may be smaller
-    than the checkpoint's n_positions (the position table is cut).
-
-    Raises:
-        PretrainedError: unknown name, transformers missing, weights not found (names what to fetch), or a
-            checkpoint whose architecture differs from GPT-2's (activation, attention scaling).
-    """
+    """(GPTConfig with the checkpoint's shape, state dict in our layout) of a GPT-2 checkpoint; ``overrides``
+    are other GPTConfig fields, and ``block_size`` may cut the checkpoint's position table."""
     c, raw = _hf_files(init_from)
-    if c.activation_function not in ("gelu_new", "gelu_pytorch_tanh") or not c.scale_attn_weights:
+    if (
+        c.activation_function not in ("gelu_new", "gelu_pytorch_tanh")
+        or not c.scale_attn_weights
+        or getattr(c, "scale_attn_by_inverse_layer_idx", False)
+        or getattr(c, "reorder_and_upcast_attn", False)
+        or abs(float(c.layer_norm_epsilon) - 1e-5) > 1e-12
+    ):
         raise PretrainedError(
-            f"init_from={init_from}: activation {c.activation_function!r} / scale_attn_weights="
-            f"{c.scale_attn_weights} is not GPT-2's (tanh GELU, 1/sqrt(head_dim) scaling)"
+            f"init_from={init_from}: a GPT-2 variant (activation {c.activation_function!r}, attention "
+            f"scaling, layer_norm_epsilon={c.layer_norm_epsilon}), not GPT-2's tanh GELU, 1/sqrt(head_dim) "
+            "scaling and 1e-5"
         )
-    if getattr(c, "scale_attn_by_inverse_layer_idx", False) or getattr(c, "reorder_and_upcast_attn", False):
-        raise PretrainedError(f"init_from={init_from}: a GPT-2 variant with another attention scaling")
-    if abs(float(c.layer_norm_epsilon) - 1e-5) > 1e-12:
-        raise PretrainedError(f"init_from={init_from}: layer_norm_epsilon={c.layer_norm_epsilon}, not 1e-5")
     block_size = int(overrides.pop("block_size", None) or c.n_positions)
     if block_size > c.n_positions:
         raise PretrainedError(
@@ -127,11 +121,7 @@ def load_gpt2(init_from: str, **overrides) -> tuple[GPTConfig, dict[str, torch.T
 
 
 def load_into(model, sd: dict[str, torch.Tensor], init_from: str) -> None:
-    """Load ``load_gpt2``'s state dict into our ``GPT`` built from its config (in place).
-
-    Raises:
-        PretrainedError: names of the checkpoint that do not fit our layout.
-    """
+    """Load ``load_gpt2``'s state dict into our ``GPT`` built from its config, in place."""
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]  # tied to wte
     if missing or unexpected:
@@ -143,8 +133,6 @@ def load_into(model, sd: dict[str, torch.Tensor], init_from: str) -> None:
 
 def gpt_from_pretrained(init_from: str, **overrides):
     """Our ``GPT`` with the weights of ``init_from`` (see ``load_gpt2``)."""
-    from .gpt import GPT
-
     config, sd = load_gpt2(init_from, **overrides)
     model = GPT(config)
     load_into(model, sd, init_from)
@@ -152,16 +140,8 @@ def gpt_from_pretrained(init_from: str, **overrides):
 
 
 def inference_record(init_from: str, run: str | None = None, ckpt: str | None = None) -> dict:
-    """What sample.py and eval.py read from a run's checkpoint, for released weights without a run:
-    ``model_args`` (the checkpoint's shape), the GPT-2 BPE tokenizer, step 0, no run config, and the
-    weights in our layout (``weights``, loaded by ``trainer.infer.build_model`` through ``load_into``).
-
-    Raises:
-        PretrainedError: ``run`` or ``ckpt`` set too (two models), as ``load_gpt2``, or a vocabulary smaller
-            than GPT-2's BPE (its ids would not fit).
-    """
-    import dataclasses
-
+    """What sample.py and eval.py read from a run's checkpoint, for released weights without a run: its
+    ``model_args``, the GPT-2 BPE tokenizer, step 0, no run config, and ``weights`` (for ``load_into``)."""
     from data.tokenizer import GPT2_VOCAB_SIZE
 
     if run or ckpt:

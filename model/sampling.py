@@ -12,10 +12,7 @@ __all__ = ["check_sampling_args", "sample_next"]
 
 
 def check_sampling_args(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError naming the key and a valid value for an invalid sampling setting.
-
-    Valid: temperature >= 0 (0 = greedy), top_k None or an int >= 1, top_p None or in (0, 1].
-    """
+    """Raise ValueError naming the key and a valid value for an invalid sampling setting."""
     if not float(temperature) >= 0.0:  # also catches NaN
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature!r}; e.g. temperature=0.8")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
@@ -31,21 +28,8 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of ``logits``.
-
-    Args:
-        logits: (B, V) float logits of the next position (float32 recommended).
-        temperature: 0 = greedy (argmax; top_k/top_p ignored), else logits are divided by it.
-        top_k: keep only the top_k largest logits (ties at the k-th value are kept).
-        top_p: keep the smallest set of most likely tokens whose probability sums to >= top_p (at least one).
-        generator: torch.Generator on logits.device, for reproducible sampling.
-
-    Returns:
-        (B, 1) int64 token ids.
-
-    Raises:
-        ValueError: invalid temperature / top_k / top_p (see ``check_sampling_args``).
-    """
+    """One token id per row of logits (B, V): (B, 1) int64. temperature 0 is greedy (top_k / top_p then
+    ignored); top_k keeps the k largest logits (ties at the k-th kept), top_p the nucleus."""
     check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)

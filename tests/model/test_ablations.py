@@ -21,6 +21,7 @@ import torch
 
 from model import GPT, GPTConfig
 from model.attention import attention
+from model.generate import KVCache, decode_step, forward_cached
 from model.rope import apply_rope, rope_cos_sin
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
@@ -367,12 +368,12 @@ def test_cached_decode_equals_uncached_forward(seed, monkeypatch, backend, key):
     with torch.no_grad():
         full, _ = model(idx)  # (B, T, V)
         for static in (False, True):
-            cache = model.make_kv_cache(2)
+            cache = KVCache(model, 2)
             assert cache.k.shape[2] == cfg.kv_heads
-            got = [model.forward_cached(idx[:, :6], cache)]
+            got = [forward_cached(model, idx[:, :6], cache)]
             for t in range(6, 14):
-                step = model.decode_step if static else model.forward_cached
-                got.append(step(idx[:, t : t + 1], cache))
+                step = decode_step if static else forward_cached
+                got.append(step(model, idx[:, t : t + 1], cache))
             err = (torch.stack(got, 1) - full[:, 5:]).abs().max().item()
             assert err < 1e-4, f"seed={seed} {backend} {key} static={static}: logits err {err:.3g}"
     prompt = idx[:, :5]

@@ -8,6 +8,7 @@ import torch
 from kernels.reference import attention_reference
 from model import GPT, GPTConfig
 from model.attention import attention, register_attention_backend
+from model.generate import KVCache, decode_step, forward_cached
 from model.sampling import sample_next
 
 BACKENDS = [("naive", "auto"), ("sdpa", "auto"), ("sdpa", "math"), ("flash", "auto")]
@@ -98,22 +99,22 @@ def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backe
     model.set_attention_backend(backend, sdpa_backend)
     idx = torch.randint(0, 61, (3, 16))
     full, _ = model(idx)
-    cache = model.make_kv_cache(3)
-    got = [model.forward_cached(idx[:, :5], cache)]
+    cache = KVCache(model, 3)
+    got = [forward_cached(model, idx[:, :5], cache)]
     for t in range(5, 16):
-        got.append(model.forward_cached(idx[:, t : t + 1], cache))
+        got.append(forward_cached(model, idx[:, t : t + 1], cache))
     assert cache.length == 16 and cache.k.shape == (2, 3, 2, 16, 16)
     torch.testing.assert_close(
         torch.stack(got, 1), full[:, 4:], rtol=1e-5, atol=1e-5, msg=lambda m: f"seed={seed} {backend}: {m}"
     )
     with pytest.raises(ValueError, match="at cache position 16"):
-        model.forward_cached(idx[:, :1], cache)
+        forward_cached(model, idx[:, :1], cache)
 
     # static decode steps: whole-buffer length mask, same logits
     cache.reset()
-    got = [model.forward_cached(idx[:, :5], cache)]
+    got = [forward_cached(model, idx[:, :5], cache)]
     for t in range(5, 16):
-        got.append(model.decode_step(idx[:, t : t + 1], cache))
+        got.append(decode_step(model, idx[:, t : t + 1], cache))
     assert cache.length == 16 and cache.lengths.tolist() == [16, 16, 16]
     torch.testing.assert_close(
         torch.stack(got, 1),
@@ -123,7 +124,7 @@ def test_cached_logits_equal_full_forward(seed, monkeypatch, backend, sdpa_backe
         msg=lambda m: f"seed={seed} {backend} static: {m}",
     )
     with pytest.raises(ValueError, match="KV cache is full"):
-        model.decode_step(idx[:, :1], cache)
+        decode_step(model, idx[:, :1], cache)
 
 
 @pytest.mark.parametrize("backend,sdpa_backend", BACKENDS)
@@ -177,12 +178,12 @@ def test_document_mask_cached_logits_equal_full_forward(seed, monkeypatch, backe
         unmasked, _ = model(idx)
         model.config.document_mask = True
     assert (unmasked[:, 4:] - full[:, 4:]).abs().max() > 1e-3, f"seed={seed}"
-    cache = model.make_kv_cache(3)
+    cache = KVCache(model, 3)
     for step in ("growing", "static"):
         cache.reset()
-        got = [model.forward_cached(idx[:, :5], cache)]
-        decode = model.decode_step if step == "static" else model.forward_cached
-        got += [decode(idx[:, t : t + 1], cache) for t in range(5, 16)]
+        got = [forward_cached(model, idx[:, :5], cache)]
+        decode = decode_step if step == "static" else forward_cached
+        got += [decode(model, idx[:, t : t + 1], cache) for t in range(5, 16)]
         torch.testing.assert_close(
             torch.stack(got, 1),
             full[:, 4:],
@@ -272,7 +273,7 @@ def test_cuda_graph_decoding_needs_cuda_and_the_cache():
         with pytest.raises(ValueError, match="cuda_graph=True needs use_cache=True and a CUDA device"):
             model.generate(idx, 3, cuda_graph=True, **kwargs)
     with pytest.raises(ValueError, match="needs the model and its KV cache on a CUDA device"):
-        DecodeGraph(model, model.make_kv_cache(1))
+        DecodeGraph(model, KVCache(model, 1))
     from model.generate import decode_graph
 
     model.train()  # a graph kept from an eval-mode capture must not replay for a training-mode model
@@ -399,9 +400,9 @@ def test_compiled_static_decode_writes_the_cache_in_place(backend):
 
     torch._dynamo.reset()
     model = _model(backend)
-    cache = model.make_kv_cache(3)
+    cache = KVCache(model, 3)
     with torch.no_grad():
-        model.forward_cached(torch.randint(0, 61, (3, 4)), cache)
+        forward_cached(model, torch.randint(0, 61, (3, 4)), cache)
         step = torch.compile(model._decode_static)
         _, codes = run_and_get_code(step, torch.randint(0, 61, (3, 1)), cache)
     layer = math.prod(cache.k.shape[1:])  # B * H * max_len * d
