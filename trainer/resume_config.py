@@ -1,13 +1,6 @@
-"""The config of ``resume=true``: a run continues with its own saved config, not the defaults.
-
-``resume_config(cfg, run_dir, overrides)`` loads ``<run_dir>/config.resolved.yaml`` (written at every start
-of the run by trainer/setup.py) and puts on top only what the resume command line changes, before any
-check or data preparation, so ``python train.py resume=true out_dir=RUN`` prepares no data of its own and
-rebuilds the same model. What the command changes is Hydra's answer, not ours: the config composed from
-the run's own group options (``derived.group_choices``) is compared with the one composed from those
-options plus this command's overrides (Hydra's compose API), so a ``_global_`` preset
-(``experiment=cpu_tiny``), a group swapped on resume (``trainer=cpu`` -> ``trainer=gpu``) and ``+``/``~``
-overrides mean exactly what they mean to Hydra.
+"""The config of ``resume=true``: the run's own saved config (config.resolved.yaml) with only what the
+resume command line changes on top, as Hydra's compose API composes it (presets and swapped group options
+included), so a resume prepares no data of its own and rebuilds the same model.
 """
 
 from __future__ import annotations
@@ -62,11 +55,11 @@ def _leaves(node, prefix: str = "") -> dict:
 
 
 def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str], str]:
-    """What this command line sets over a run composed from the group options ``choices``: the dotted
-    keys (those it names, and every key whose composed value it changes, e.g. those a preset or a swapped
-    group option sets), and their description for the start-up line: the options chosen with the keys
-    they changed in parentheses, then the keys named (``experiment=cpu_tiny (batch.micro_tokens, ...,
-    seq_len), max_steps``; "nothing" for none)."""
+    """What this command line sets over a run composed from the group options ``choices``: the dotted keys
+    (those it names, and every key whose composed value it changes, e.g. those a preset or a swapped group
+    option sets), and their description for the start-up line: the options chosen with the keys they changed
+    in parentheses, then the keys named (``experiment=cpu_tiny (batch.micro_tokens, ..., seq_len),
+    max_steps``; "nothing" for none)."""
     from hydra import compose
     from omegaconf import OmegaConf
 
@@ -106,17 +99,8 @@ def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
 
 
 def resume_config(cfg, run_dir: Path, overrides: list[str]):
-    """The config of ``resume=true``: the run's own resolved config (``<run_dir>/config.resolved.yaml``),
-    with only what this command line changes on top (``changed_keys``). So ``python train.py resume=true
-    out_dir=RUN`` continues the run with its data source, data dir, model and schedule, and prepares no
-    data of its own (the defaults, e.g. a Tiny Shakespeare download, never come into play). Returns
-    ``(cfg, description)``: the merged DictConfig and what the command line set, for the start-up line;
-    ``(cfg, None)`` unchanged for a new run or a run directory without a saved config (it never got
-    through set-up).
-
-    Raises:
-        ConfigError when config.resolved.yaml cannot be read or no longer fits the schema.
-    """
+    """The config of ``resume=true``: the run's own resolved config (``<run_dir>/config.resolved.yaml``), with
+    only what this command line changes on top (``changed_keys``)."""
     from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / RESOLVED_CONFIG
@@ -157,8 +141,8 @@ _DATA_KEYS_FREE = ("data.workers",)
 def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
     """``key (run's value -> this command's)`` for each ``data.*`` key (and ``seed``) the command line set to
     another value than the run's (paths compared where they point: the run's relative to its own cwd), and
-    whether data.source names another path that holds the run's corpus (``_same_corpus``: moved, not
-    changed)."""
+    whether data.source names another path that holds the run's corpus (``_same_corpus``: moved, not changed).
+    """
     from omegaconf import OmegaConf
 
     cwd, run, out, moved = saved_cwd(saved), _leaves(saved), [], False
@@ -199,9 +183,8 @@ def _saved_choices(saved: dict) -> dict:
 
 
 def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, str]:
-    """This run's config-group options, for config.resolved.yaml: Hydra's runtime choices (its own
-    ``hydra/*`` groups left out; {} outside a Hydra app). On resume the run's recorded options stay for
-    the groups this command line does not choose (Hydra's choices there are the defaults, not the run's)."""
+    """This run's config-group options, for config.resolved.yaml: Hydra's runtime choices (its own ``hydra/*``
+    groups left out; {} outside a Hydra app)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -235,9 +218,9 @@ def run_cwd(run_dir: Path) -> str | None:
 
 
 def anchored(value: str, cwd: str | None) -> str:
-    """A run's saved path ``value`` as it meant it: relative to ``cwd``, the directory it started in, when
-    it is relative and ``cwd`` is not this process's working directory; an empty value, a URL, an absolute
-    or ``~`` path, and any path with no ``cwd`` on record come back as they are."""
+    """A run's saved path ``value`` as it meant it: relative to ``cwd``, the directory it started in, when it
+    is relative and ``cwd`` is not this process's working directory; an empty value, a URL, an absolute or
+    ``~`` path, and any path with no ``cwd`` on record come back as they are."""
     if not value or cwd is None or "://" in value or os.path.isabs(os.path.expanduser(value)):
         return value
     if Path(cwd) == Path.cwd():
@@ -247,8 +230,8 @@ def anchored(value: str, cwd: str | None) -> str:
 
 def _anchor_relative_paths(merged, saved: dict, set_here: set[str]) -> None:
     """A relative data.dir / data.source taken from the saved config means what it meant in the run's own
-    working directory (``derived.cwd``), not in the resume's: a resume from elsewhere would otherwise
-    prepare (or download) the data again in a new place. Keys this command line set keep their value."""
+    working directory (``derived.cwd``), not in the resume's: a resume from elsewhere would otherwise prepare
+    (or download) the data again in a new place."""
     from omegaconf import OmegaConf
 
     cwd = saved_cwd(saved)
