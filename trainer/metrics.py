@@ -284,20 +284,16 @@ class RunLogger:
             )
 
     def _init_fork(self, wandb, common: dict, config: dict, parent: str, step: int):
-        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) when this
-        wandb or its server cannot fork."""
-        import inspect
-
-        if "fork_from" in inspect.signature(wandb.init).parameters:
-            try:
-                fork = f"{parent}?_step={step}"
-                return wandb.init(**common, config=config, id=new_run_id(), fork_from=fork)
-            except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
-                print(
-                    f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
-                    "run linked to it in the config (wandb_parent)",
-                    flush=True,
-                )
+        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) where the server
+        cannot fork."""
+        try:
+            return wandb.init(**common, config=config, id=new_run_id(), fork_from=f"{parent}?_step={step}")
+        except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
+            print(
+                f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
+                "run linked to it in the config (wandb_parent)",
+                flush=True,
+            )
         return wandb.init(**common, config=config, id=new_run_id())
 
     @property

@@ -70,12 +70,6 @@ def register_resolvers() -> None:
 register_resolvers()
 
 
-class RegisterResolvers(_HydraCallback):
-    """Hydra callback whose only job is that importing this module registers ``${run_token:}`` before Hydra
-    resolves the run directory (Hydra instantiates its callbacks before it resolves hydra.run.dir and
-    hydra.sweep.dir; train.py imports the trainer only inside the task function)."""
-
-
 class RunDirBusy(ConfigError):
     """Another live process holds the run directory's lock."""
 
