@@ -7,7 +7,7 @@
     python sample.py init_from=gpt2 prompt="Hello" out=gpt2.txt     # GPT-2's released weights, no run
 
 Model and tokenizer come from the checkpoint alone (model_args, weights, tokenizer with its char
-vocabulary; older checkpoints fall back to the data directory's meta.json). The prompt is prefilled into a
+vocabulary). The prompt is prefilled into a
 KV cache with the chosen backend, then one token per sample per step is decoded (``GPT.generate``). Samples
 are printed and written to ``<run>/samples/<time>_<ckpt>.txt`` with a ``.json`` of the settings, token ids
 and prefill / decode tokens per second (``out=PATH.txt``: there). Where they cannot be written (a
@@ -68,7 +68,6 @@ def _sample(cfg: DictConfig) -> int:
         read_prompt,
         resolve_device,
         resolve_dtype,
-        run_data_dir,
     )
 
     # settings first: a bad key costs no checkpoint load
@@ -101,8 +100,7 @@ def _sample(cfg: DictConfig) -> int:
     else:
         path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
     try:
-        # an older checkpoint's vocabulary is in its run's data dir (relative to where the run started)
-        tok = tokenizer_from_checkpoint(state, run_data_dir(state, run_dir))
+        tok = tokenizer_from_checkpoint(state)
     except (ValueError, RuntimeError) as e:
         raise InferError(f"tokenizer of {path}: {e}") from e
     try:

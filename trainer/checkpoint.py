@@ -1,16 +1,9 @@
-"""Checkpoints: one format, ``torch.distributed.checkpoint`` (DCP), for one process, DDP and FSDP2 alike.
+"""Checkpoints: ``torch.distributed.checkpoint`` (DCP) for one process, DDP and FSDP2 alike.
 
-``<out_dir>/ckpt/step_00000100/`` (``step`` = optimizer updates completed) holds DCP's shards of the model
-and optimizer (``__<rank>_0.distcp``, ``.metadata``) and ``flashgpt.pt``, rank 0's record of everything
-else (step, RNG states of every rank, config, model_args, tokenizer, W&B id; ``torch.load(weights_only=True)``
-loads it). DCP stores each tensor with its global shape, so a checkpoint saved at one world size loads at
-any other, into a sharded or a plain model, and without a process group (sample.py, eval.py). One file:
-``python -m torch.distributed.checkpoint.format_utils dcp_to_torch DIR OUT.pt``.
-
-A save writes ``.tmp-<pid>-step_N/`` and renames it when complete: a save that dies midway (kill -9, a
-full disk) leaves only that temp directory, never read and removed by a later save once <pid> is gone; the
-earlier checkpoints are untouched. The record carries the tokenizer (``tokenizer_record``; the char
-tokenizer's ``itos``), so a checkpoint stands alone for sampling.
+``<out_dir>/ckpt/step_00000100/`` holds DCP's shards (global shapes: they load at any world size, or without
+a process group) and ``flashgpt.pt``, rank 0's record (step, every rank's RNG states, config, model_args,
+tokenizer, W&B id). A save is written to ``.tmp-<pid>-step_N/`` and renamed when complete, so a save that
+dies midway never touches the earlier checkpoints.
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data.prepare import atomic_write
-from trainer.metrics import first_line
+from trainer.metrics import first_line, os_error_in
 
 CKPT_DIR_NAME = "ckpt"
 RECORD = "flashgpt.pt"  # rank 0's record inside a checkpoint directory
@@ -96,9 +89,9 @@ def _prune(out_dir, keep: int) -> None:
 
 
 def remove_own_temps(out_dir) -> None:
-    """Delete this process's temp checkpoint folders: a process that exits at once (a second signal, in
-    its handler) mid-save leaves no half-written checkpoint of its own behind (a later save would prune it
-    only if the run is ever resumed)."""
+    """Delete this process's temp checkpoint folders: a process that exits at once (a second signal, in its
+    handler) mid-save leaves no half-written checkpoint of its own behind (a later save would prune it only if
+    the run is ever resumed)."""
     for tmp in ckpt_dir(out_dir).glob(f".tmp-{os.getpid()}-*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -163,16 +156,7 @@ def _verify_files(p: Path, files: dict) -> None:
 
 
 def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, keep: int) -> Path:
-    """Save ``<out_dir>/ckpt/step_{step:08d}/`` atomically; collective (every rank calls it).
-
-    Rank 0 picks ``.tmp-<its pid>-step_N`` (broadcast), every rank ``dcp.save``s its shards into it (DCP
-    fsyncs each file and returns once the coordinator wrote ``.metadata``, so every rank's shards are
-    complete), rank 0 writes ``record`` (None elsewhere) with ``"files"``, the size and CRC-32 of each of
-    the folder's other files, so ``load_checkpoint`` detects a truncated or overwritten shard (DCP itself
-    raises EOFError or loads garbage), fsyncs, and renames the folder onto ``step_N`` (an older one of an
-    abandoned branch is moved aside first), then prunes beyond ``keep``. A failure before the rename
-    removes the temp folder and re-raises (rank 0's own errors only on rank 0: the caller tells the
-    others)."""
+    """Save ``<out_dir>/ckpt/step_{step:08d}/`` atomically; collective (every rank calls it)."""
     main = not _dist() or tdist.get_rank() == 0
     d, final = ckpt_dir(out_dir), ckpt_path(out_dir, step)
     tmp_name = f".tmp-{os.getpid()}-{final.name}"
@@ -210,9 +194,8 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
 
 
 def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
-    """Load a checkpoint's model (and optimizer) state into ``model`` (sharded or plain, the unwrapped
-    module) in place, at any world size; collective under a process group. A fresh optimizer has no
-    state yet: ``get_state_dict`` initialises it so DCP knows what to read."""
+    """Load a checkpoint's model (and optimizer) state into ``model`` (sharded or plain, the unwrapped module)
+    in place, at any world size; collective under a process group."""
     no_dist = not _dist()
     with _no_dist_quiet():
         if optimizer is None:
@@ -226,10 +209,7 @@ def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
 
 
 def load_checkpoint(path) -> dict:
-    """A checkpoint's record, with ``"path"`` set to its directory. ValueError for an incomplete or
-    foreign directory, or one whose files differ from the sizes and checksums the record lists (a
-    truncated or overwritten shard; records written before they were listed are not checked);
-    torch.load's errors for a corrupt record."""
+    """A checkpoint's record, with ``"path"`` set to its directory."""
     p = Path(path)
     if not (p / ".metadata").is_file() or not (p / RECORD).is_file():
         raise ValueError(f"{p} is not a complete checkpoint (no .metadata or {RECORD})")
@@ -254,8 +234,7 @@ def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
 
 def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str | None:
     """How a run's weights newer than its loadable step-``k`` checkpoint were lost, or None: a newer
-    checkpoint that does not load, or summary.json's ``last_checkpoint`` of a higher step that is gone.
-    ``all_newer``: the replay reason's wording (every newer checkpoint named)."""
+    checkpoint that does not load, or summary.json's ``last_checkpoint`` of a higher step that is gone."""
     newer = [p for s, p in list_checkpoints(run_dir) if s > k]
     lc = str(summary.get("last_checkpoint") or "")
     if newer and all_newer:
@@ -279,21 +258,6 @@ class CheckpointSaveError(Exception):
     def __init__(self, message: str, step: int, disk_full: bool, need_bytes: int, free_bytes: int | None):
         super().__init__(message)
         self.step, self.disk_full, self.need_bytes, self.free_bytes = step, disk_full, need_bytes, free_bytes
-
-
-def os_error_in(e: BaseException | None) -> OSError | None:
-    """The OSError behind ``e``: itself, in its cause/context chain, or in a DCP failure of some rank."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, OSError):
-            return e
-        seen.add(id(e))
-        for inner in (getattr(e, "failures", None) or {}).values():  # DCP's: (exception, traceback)
-            found = os_error_in(inner[0] if isinstance(inner, tuple) else inner)
-            if found is not None:
-                return found
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _nbytes(module_or_opt) -> int:
@@ -370,10 +334,10 @@ def save(st, s: int) -> Path:
 
 
 def tokenizer_record(meta: dict) -> dict:
-    """``state["tokenizer"]`` for a data directory's ``meta`` (``data.meta.load_meta``):
-    ``{"name", "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer, and
-    for the BPE its ``"encoding"`` and ``"vocab_sha256"`` when the meta.json has them (data prepared
-    before they were recorded has not)."""
+    """``state["tokenizer"]`` for a data directory's ``meta`` (``data.meta.load_meta``): ``{"name",
+    "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer, and for the BPE its
+    ``"encoding"`` and ``"vocab_sha256"`` when the meta.json has them (data prepared before they were recorded
+    has not)."""
     record = {"name": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
     if meta["tokenizer"] == "char":
         record["itos"] = list(meta["itos"])
@@ -389,13 +353,8 @@ def _chars(cs) -> str:
 
 
 def tokenizer_difference(record: dict, meta: dict) -> str | None:
-    """What differs between the tokenizer a checkpoint was trained with (``state["tokenizer"]``) and the
-    one of a prepared data directory (its ``meta``), as text, or None when the ids mean the same tokens.
-
-    Compared is what defines the ids: the tokenizer's name and vocab size; for the char tokenizer its
-    character list (the same size with other characters, or the same characters in another order, maps
-    the ids to other characters); for the BPE the encoding's name and its vocabulary's SHA-256 (each
-    compared only when both sides recorded it)."""
+    """What differs between the tokenizer a checkpoint was trained with (``state["tokenizer"]``) and the one
+    of a prepared data directory (its ``meta``), as text, or None when the ids mean the same tokens."""
     name, new_name = record.get("name"), meta.get("tokenizer")
     if name != new_name:
         sizes = f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}"
@@ -424,20 +383,13 @@ def tokenizer_difference(record: dict, meta: dict) -> str | None:
     return "; ".join(diffs) or None
 
 
-def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = None):
-    """The tokenizer a checkpoint's tokens were made with (``.encode``, ``.decode``, ``.vocab_size``).
-
-    Uses ``state["tokenizer"]`` when it is complete (GPT-2: the name; char: the name and ``itos``). An
-    older checkpoint without ``itos`` falls back to ``<data_dir>/meta.json``, where ``data_dir`` defaults to
-    the ``data.dir`` of the checkpoint's resolved config (relative to the current directory).
+def tokenizer_from_checkpoint(state: dict):
+    """The tokenizer a checkpoint's tokens were made with, from its record alone.
 
     Raises:
-        ValueError: the checkpoint names no tokenizer, or its char vocabulary is in neither the checkpoint
-            nor a readable ``meta.json`` (the message names both places), or the meta.json's tokenizer or
-            vocab size differs from the checkpoint's.
+        ValueError: the record names no tokenizer, or not a complete one.
         RuntimeError: tiktoken's GPT-2 files cannot be loaded (offline without ``TIKTOKEN_CACHE_DIR``).
     """
-    from data.meta import load_meta
     from data.tokenizer import make_tokenizer
 
     record = state.get("tokenizer")
@@ -446,44 +398,12 @@ def tokenizer_from_checkpoint(state: dict, data_dir: str | os.PathLike | None = 
             "the checkpoint names no tokenizer (no state['tokenizer']['name']); it was not "
             "written by flashgpt's trainer"
         )
-    name, vocab = record["name"], record.get("vocab_size")
+    name = record["name"]
     if name == "gpt2":
-        tok = make_tokenizer("gpt2")
-    elif name == "char" and record.get("itos") is not None:
-        tok = make_tokenizer("char", itos=record["itos"])
-    elif name == "char":
-        # written before checkpoints carried the vocabulary: only the data directory has it
-        if data_dir is None:
-            data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
-        if data_dir is None:
-            raise ValueError(
-                "the checkpoint's char vocabulary is not in the checkpoint (an older one) and "
-                "its config names no data.dir; pass the data directory it was trained on"
-            )
-        try:
-            meta = load_meta(data_dir)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"the checkpoint's char vocabulary is not in the checkpoint (written before checkpoints held "
-                f"it) and the data directory's meta.json cannot be read: {e}. Point data_dir at the data "
-                "directory the run was trained on (train.py data.dir=...), or re-save the checkpoint with "
-                "this trainer (resume it)"
-            ) from e
-        if meta["tokenizer"] != "char":
-            raise ValueError(
-                f"{data_dir}/meta.json is for tokenizer {meta['tokenizer']!r}, but the "
-                "checkpoint was trained with 'char'; point data_dir at the run's own data dir"
-            )
-        tok = make_tokenizer("char", itos=meta["itos"])
-    else:
-        raise ValueError(f"the checkpoint names unknown tokenizer {name!r}")
-    if vocab is not None and tok.vocab_size != int(vocab):
-        raise ValueError(
-            f"the checkpoint's tokenizer has vocab_size={vocab}, but the rebuilt {name} "
-            f"tokenizer has {tok.vocab_size}: the data directory's vocabulary is not the one "
-            "it trained on"
-        )
-    return tok
+        return make_tokenizer("gpt2")
+    if name == "char" and record.get("itos") is not None:
+        return make_tokenizer("char", itos=record["itos"])
+    raise ValueError(f"the checkpoint's tokenizer record {record!r} is incomplete or unknown")
 
 
 # ------------------------------------------------------------------------------------------- RNG state

@@ -1,11 +1,9 @@
 """Plan a run from its validated config, and the checks that need the machine or the files.
 
-``resolve_plan`` validates the config once (``trainer.config.validate``: pure), then plans once: devices,
-dtype, compile, the batch split, the data fit (``check_seq_len_fits_data``) and the evaluation batch
-against this machine's memory. After it, ``check_data_source`` (files), ``check_data_fits`` (the prepared
-data), ``probe_attention`` (the backend on a tiny tensor) and, on resume, ``check_resume_compatible``.
-Every error is a ``ConfigError`` naming the key, the bad value and a valid value; train.py prints it and
-exits with status 2.
+``resolve_plan`` validates once (``trainer.config.validate``), then derives devices, dtype, compile and the
+batch split; the data checks (``check_data_source``, ``check_data_fits``), ``probe_attention`` and
+``check_resume_compatible`` follow. Every error is a ``ConfigError`` naming the key and a valid value
+(train.py: exit 2).
 """
 
 from __future__ import annotations
@@ -94,21 +92,7 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
 
 
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
-    """Validate the config (``trainer.config.validate``), then derive devices, dtype and the batch split.
-
-    Args:
-        cfg: the composed train.py config (DictConfig of ``TrainConfig``, or a TrainConfig).
-        world_size: DDP processes (1 without torchrun).
-        cuda_available: ``torch.cuda.is_available()`` (a parameter so tests can pretend).
-
-    Raises:
-        ConfigError: naming the key and a valid value: any check of ``validate``; device=cuda without
-            CUDA; attention=flash without CUDA (unless TRITON_INTERPRET=1), or with a bad
-            FLASHGPT_GLUON_FWD / FLASHGPT_GLUON_BWD; wandb.mode=online without a login;
-            compile_mode=reduce-overhead with several ranks; the data source (``check_data_source``); a
-            seq_len the data cannot hold; a batch split that does not divide (``split_batch``); an
-            evaluation batch beyond this machine's memory.
-    """
+    """Validate the config (``trainer.config.validate``), then derive devices, dtype and the batch split."""
     cfg, gpt = C.validate(cfg)
     if cfg.device == "cuda" and not cuda_available:
         raise ConfigError("device=cuda but no CUDA GPU is visible to torch; use device=auto or device=cpu")
@@ -193,15 +177,7 @@ def _micro_batch(b, seq_len: int, world_size: int) -> int | None:
 
 
 def split_batch(cfg, world_size: int) -> tuple[int, int]:
-    """(micro_batch_size, grad_accum) of one rank for ``world_size`` ranks.
-
-    A token budget per micro-batch (``micro_tokens``), so every seq_len runs without a batch override;
-    never more than one rank's share of the step, at least one sequence.
-
-    Raises:
-        ConfigError: micro_tokens not a multiple of seq_len, both sizes null, or tokens_per_step not a
-            multiple of micro_batch_size x seq_len x world_size (the hint names the key the user set).
-    """
+    """(micro_batch_size, grad_accum) of one rank for ``world_size`` ranks."""
     b, seq_len = cfg.batch, cfg.seq_len
     tokens_per_step = b.tokens_per_step
     micro_batch_size = _micro_batch(b, seq_len, world_size)
@@ -255,9 +231,9 @@ def split_batch(cfg, world_size: int) -> tuple[int, int]:
 
 
 def _valid(cfg, world_size: int, key: str, values, **changed) -> list[int]:
-    """The one nearest-valid-value search behind the batch and seq_len suggestions: the ``values`` of
-    ``key`` (seq_len or a batch.* key), in their order, with which cfg's batch splits into whole
-    micro-batches (``split_batch``; with ``changed`` keys changed too), so each suggestion runs as typed."""
+    """The one nearest-valid-value search behind the batch and seq_len suggestions: the ``values`` of ``key``
+    (seq_len or a batch.* key), in their order, with which cfg's batch splits into whole micro-batches
+    (``split_batch``; with ``changed`` keys changed too), so each suggestion runs as typed."""
     keys = ("tokens_per_step", "micro_tokens", "micro_batch_size")
     out = []
     for v in values:
@@ -270,9 +246,9 @@ def _valid(cfg, world_size: int, key: str, values, **changed) -> list[int]:
 
 
 def _whole_micro_tokens(cfg, world_size: int) -> str:
-    """The fix for a batch.micro_tokens that is not a multiple of seq_len, as overrides that pass the
-    batch checks as typed: the largest multiple below it, with a tokens_per_step near the current one
-    when the current one does not split into it."""
+    """The fix for a batch.micro_tokens that is not a multiple of seq_len, as overrides that pass the batch
+    checks as typed: the largest multiple below it, with a tokens_per_step near the current one when the
+    current one does not split into it."""
     b, seq_len = cfg.batch, cfg.seq_len
     micro = max(seq_len, (b.micro_tokens // seq_len) * seq_len)
     fix = f"batch.micro_tokens={micro}"
@@ -301,11 +277,7 @@ def peak_flops_for(device_name: str | None) -> float:
 
 
 def check_data_source(cfg) -> None:
-    """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent).
-
-    Raises:
-        ConfigError naming data.source / data.dir and the fix.
-    """
+    """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent)."""
     from data.sources import is_document_source
 
     src = cfg.data.source
@@ -355,10 +327,9 @@ def check_data_source(cfg) -> None:
 
 
 def _check_separator_in_vocabulary(cfg) -> None:
-    """A char-level corpus can only separate documents with its own characters (its vocabulary is the
-    set of characters of the text): name data.doc_separator and a separator it can encode, before the
-    data is prepared. Nothing to check for the GPT-2 BPE (a separator is its end-of-text token) or a
-    corpus not read yet (a download)."""
+    """A char-level corpus can only separate documents with its own characters (its vocabulary is the set of
+    characters of the text): name data.doc_separator and a separator it can encode, before the data is
+    prepared."""
     from data.docs import parse_separator
 
     sep = parse_separator(cfg.data.doc_separator)
@@ -405,7 +376,7 @@ def _prepared_meta(data_dir: Path) -> dict | None:
         return None
 
 
-def _prepare_args(cfg) -> dict:
+def prepare_args(cfg) -> dict:
     """The data keys as ``data.prepare``'s arguments (what the prepared data is made of)."""
     d = cfg.data
     return dict(
@@ -419,20 +390,19 @@ def _prepare_args(cfg) -> dict:
 
 
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
-    """Refuse to re-prepare a data directory that holds other data (``data.prepare.conflict_reason``:
-    another corpus, tokenizer, document separator, split, text field or cap): other runs (and their
-    resumes) read it. ``ensure_prepared(keep_other=True)`` refuses the same later; here, before any work,
-    the message names a folder of its own to pass as typed."""
+    """Refuse to re-prepare a data directory that holds other data (``data.prepare.conflict_reason``: another
+    corpus, tokenizer, document separator, split, text field or cap): other runs (and their resumes) read it.
+    """
     from data.prepare import conflict_reason
 
     src = effective_data_source(cfg)
     try:
-        held = conflict_reason(src, data_dir, **_prepare_args(cfg))
+        held = conflict_reason(src, data_dir, **prepare_args(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source={src}: {e}") from e
     if held:
         # prepare's arguments named as the keys that set them (doc_separator=... -> data.doc_separator=...)
-        held = _as_keys(held)
+        held = as_keys(held)
         if "as it was before" in held or cfg.resume:  # a changed corpus: a resume needs it back as it was
             raise ConfigError(changed_source_message(cfg, held))
         raise ConfigError(
@@ -456,9 +426,9 @@ def _own_folder(cfg) -> Path:
 
 def changed_source_message(cfg, held: str) -> str:
     """The refusal of a data.dir that holds data of another (or a changed) corpus, with a way forward that
-    works: a new run prepares the corpus as it is now into a folder of its own; a resume continues on the
-    data it was trained on, so the corpus must be as it was (a directory is identified by its files'
-    names, sizes and mtimes), or the changed corpus goes to a new run."""
+    works: a new run prepares the corpus as it is now into a folder of its own; a resume continues on the data
+    it was trained on, so the corpus must be as it was (a directory is identified by its files' names, sizes
+    and mtimes), or the changed corpus goes to a new run."""
     other = _own_folder(cfg)
     new_run = (
         f"set data.dir={other} (prepared afresh from it; the runs that read {cfg.data.dir} keep their data)"
@@ -487,8 +457,8 @@ def changed_source_message(cfg, held: str) -> str:
 def resumes_without_source(cfg) -> bool:
     """A resume whose local ``data.source`` names nothing any more (a moved or deleted file, directory or
     glob) while ``data.dir`` still holds the data prepared for the run: it continues on those tokens (the
-    checkpoint's recorded SHA-256 and token counts are checked against them in set-up), since nothing it
-    needs is gone. A source that exists is compared as for any run (a changed one is refused)."""
+    checkpoint's recorded SHA-256 and token counts are checked against them in set-up), since nothing it needs
+    is gone."""
     import glob
 
     from data.sources import is_hf
@@ -503,9 +473,9 @@ def resumes_without_source(cfg) -> bool:
 
 
 def effective_data_source(cfg) -> str | None:
-    """``data.source``; when it is null (download) and ``data.dir`` already holds data prepared from a
-    local file that still exists, that file (so a resume or a rerun needs neither the network nor the
-    original ``data.source=`` override)."""
+    """``data.source``; when it is null (download) and ``data.dir`` already holds data prepared from a local
+    file that still exists, that file (so a resume or a rerun needs neither the network nor the original
+    ``data.source=`` override)."""
     if cfg.data.source is not None:
         return cfg.data.source
     meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
@@ -516,62 +486,41 @@ def effective_data_source(cfg) -> str | None:
     return None
 
 
-EXACT_BYTES = 1 << 24  # a source up to 16 MiB whose bytes cannot hold seq_len is tokenized to say exactly
-
-
-def _trial_prepare(cfg, src) -> dict:
-    """The meta.json that preparing ``src`` with the run's data keys would write, prepared into a temporary
-    folder (one tokenizer process, no progress bar) that is removed after.
-
-    Raises:
-        ConfigError with the prepare step's message (an empty corpus, a split without documents, a file
-        that is not UTF-8), its arguments named as the keys that set them.
-    """
-    import tempfile
-
-    from data.prepare import prepare
-
-    with tempfile.TemporaryDirectory(prefix="flashgpt-seq-len-check-") as tmp:
-        try:
-            return prepare(src, Path(tmp) / "data", **_prepare_args(cfg), workers=1, progress=False)
-        except (OSError, ValueError) as e:
-            msg = _as_keys(str(e))
-            raise ConfigError(msg if str(src) in msg else f"data.source={src}: {msg}") from e
-
-
 _PREPARE_ARGS = r"(?<![.\w-])(doc_separator|val_fraction|val_docs|text_field|max_tokens)="
 
 
-def _as_keys(text: str) -> str:
+def as_keys(text: str) -> str:
     """prepare's arguments in a message named as the keys that set them (val_docs=1 -> data.val_docs=1)."""
     return re.sub(_PREPARE_ARGS, r"data.\1=", text)
 
 
 def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
     """The prepared corpus must hold at least seq_len + 1 tokens in each split (one window + its target).
+    When a validation share below the usual one is the cause, data.val_fraction is named first."""
+    from data.prepare import DEFAULT_VAL_FRACTION as default
+    from data.prepare import split_point
 
-    Raises:
-        ConfigError naming seq_len, the split's token count, the largest valid seq_len and a seq_len that
-        fits the batch too (``seq_len_too_long``).
-    """
-    largest = min(int(meta["train_tokens"]), int(meta["val_tokens"])) - 1  # fits both splits
-    if cfg.seq_len > largest:
-        counts = f"{int(meta['val_tokens']):,} validation and {int(meta['train_tokens']):,} training tokens"
+    n_val, n_train = int(meta["val_tokens"]), int(meta["train_tokens"])
+    largest, total, fraction = min(n_val, n_train) - 1, n_val + n_train, cfg.data.val_fraction
+    if cfg.seq_len <= largest:
+        return
+    what = f"data.dir={cfg.data.dir} holds {n_val:,} validation and {n_train:,} training tokens"
+    if fraction is not None and fraction < default and cfg.seq_len < total - split_point(total, default):
+        rest = seq_len_too_long(cfg, what, largest, world_size).split("; use ", 1)[1]
         raise ConfigError(
-            seq_len_too_long(cfg, f"data.dir={cfg.data.dir} holds {counts}", largest, world_size)
+            f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
+            f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} (or {rest})"
         )
+    raise ConfigError(seq_len_too_long(cfg, what, largest, world_size))
 
 
-def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: bool = False) -> str:
-    """The one message for a seq_len longer than the data allows: ``what`` holds (e.g. "data.dir=X holds
-    N validation and M training tokens"), the limit ``largest`` (``about``: an upper bound, the corpus is
-    not tokenized yet) and one fix that gets past every check: the longest power of two within the limit
-    when it fits the batch too, else the longest one that fits the current batch, with the batch change
-    that the longer one needs."""
-    limit = f"at most about {largest:,}" if about else f"at most {largest:,}"
+def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1) -> str:
+    """The one message for a seq_len longer than the data allows (``largest``), with one fix that gets past
+    every check: the longest power of two within the limit when it fits the batch too, else the longest
+    one that fits the current batch, with the batch change that the longer one needs."""
     head = (
         f"seq_len={cfg.seq_len} is longer than the data allows: {what}, and one training or validation "
-        f"window needs seq_len + 1 tokens, so seq_len can be {limit}"
+        f"window needs seq_len + 1 tokens, so seq_len can be at most {largest:,}"
     )
     corpus = "a larger corpus (data.source=PATH with a data.dir of its own)"
     if largest < 1:
@@ -579,14 +528,11 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
     best = 1 << (largest.bit_length() - 1)  # a power of two divides the usual batch sizes
     fitting = (_valid(cfg, world_size, "seq_len", [best >> i for i in range(best.bit_length())]) or [None])[0]
     if fitting == best:
-        upto = "" if about else f" (or any value up to {largest})"
-        return f"{head}; use seq_len={best}{upto}, or {corpus}"
+        return f"{head}; use seq_len={best} (or any value up to {largest}), or {corpus}"
     # the longer one with the smallest batch.tokens_per_step from the current one up that it splits into
     unit = best * world_size
     first = -(-int(cfg.batch.tokens_per_step) // unit) * unit
-    tokens = _valid(cfg, world_size, "tokens_per_step", range(first, first + 512 * unit, unit), seq_len=best)[
-        :1
-    ]
+    tokens = _valid(cfg, world_size, "tokens_per_step", range(first, first + 512 * unit, unit), seq_len=best)
     longer = f"seq_len={best} " + (f"batch.tokens_per_step={tokens[0]}" if tokens else "and a batch it fits")
     if fitting is None:
         return f"{head}; use {longer}, or {corpus}"
@@ -594,23 +540,16 @@ def seq_len_too_long(cfg, what: str, largest: int, world_size: int = 1, about: b
 
 
 def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
-    """Before the batch checks: a seq_len longer than the data can hold is the error to report, whatever
-    else it breaks (the batch split), so the user gets one message with the real limit. Exact when
-    data.dir is already prepared for this tokenizer and split; an upper bound (tokens <= bytes, for both
-    tokenizers) from a local source file otherwise; nothing to say before a download.
-
-    Raises:
-        ConfigError from ``check_data_fits`` / ``seq_len_too_long``; naming data.val_fraction and
-            data.val_docs when both are set.
-    """
-    from data.prepare import meta_split, split_point, val_split
+    """Before the batch checks, where data.dir already holds this tokenizer and split: a seq_len longer
+    than the data is the one message to give (the batch's own hint would lead to it next). Data not
+    prepared yet are checked exactly once they are (``check_data_fits`` in set-up)."""
+    from data.prepare import meta_split, val_split
 
     try:  # as the prepare step reads them: one of them set, a null share is 0.1
         fraction, docs = val_split(cfg.data.val_fraction, cfg.data.val_docs)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    data_dir = Path(str(cfg.data.dir)).expanduser()
-    meta = _prepared_meta(data_dir)
+    meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
     try:
         same = (
             meta is not None
@@ -622,64 +561,10 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         same = False
     if same and "train_tokens" in meta and "val_tokens" in meta:
         check_data_fits(cfg, meta, world_size)
-        return
-    src = effective_data_source(cfg)
-    path = Path(str(src)).expanduser() if src and not str(src).startswith(("http://", "https://")) else None
-    if path is None and src is None:
-        path = data_dir / "input.txt"  # a download kept from an earlier prepare
-    try:
-        size = path.stat().st_size if path is not None and path.is_file() else 0
-    except OSError:
-        size = 0
-    if size < 2:
-        return
-    n_val = size if docs is not None else size - split_point(size, fraction) + 1
-    largest = min(n_val, size) - 1  # tokens <= bytes for both tokenizers
-    if cfg.seq_len <= largest:
-        return
-    if size <= EXACT_BYTES:
-        # a small corpus is tokenized here (into a folder that goes away), so the first error is the one
-        # the prepared data would give: what is wrong with its content, or its exact token counts
-        meta = _trial_prepare(cfg, str(path) if src is None else src)
-        n_val, n_train = int(meta["val_tokens"]), int(meta["train_tokens"])
-        if cfg.seq_len > min(n_val, n_train) - 1:
-            what = f"{path} gives {n_val:,} validation and {n_train:,} training tokens"
-            raise _too_long(cfg, what, min(n_val, n_train) - 1, n_val + n_train, fraction, world_size)
-        return
-    if docs is not None or path.name.lower().endswith((".gz", ".parquet")):
-        return  # a count of documents, or compressed text that can outgrow its bytes: prepare tells
-    what = f"{path} ({size:,} bytes) gives at most about {n_val:,} validation tokens"
-    raise _too_long(cfg, what, largest, size, fraction, world_size, about=True)
-
-
-def _too_long(cfg, what: str, largest: int, total: int, fraction, world_size: int, about: bool = False):
-    """The error for a seq_len the data cannot hold (``total`` tokens, at most): when a validation share
-    below the usual one is the cause (the corpus holds seq_len at that share), data.val_fraction is named
-    first; else ``seq_len_too_long``."""
-    from data.prepare import DEFAULT_VAL_FRACTION as default
-    from data.prepare import split_point
-
-    if fraction is not None and fraction < default and cfg.seq_len < total - split_point(total, default):
-        rest = seq_len_too_long(cfg, what, largest, world_size, about=about).split("; use ", 1)[1]
-        return ConfigError(
-            f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
-            f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} (or {rest})"
-        )
-    return ConfigError(seq_len_too_long(cfg, what, largest, world_size, about=about))
 
 
 def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
-    """Try the configured attention on a tiny tensor of the real head dim and dtype on ``device``.
-
-    For attention=flash: ``kernels.check_flash_available(device)`` when present. For a pinned SDPA backend
-    (attention.sdpa_backend != auto): a (1, min(2, n_head), min(seq_len, 128), head_dim) causal forward and
-    backward, with the run's ``model.attn_dropout``, under ``sdpa_kernel([that backend])``; if it
-    raises, the other SDPA backends are tried too so
-    the error can list the ones that do run.
-
-    Raises:
-        ConfigError naming attention / attention.sdpa_backend, the shapes, and a backend that runs.
-    """
+    """Try the configured attention on a tiny tensor of the real head dim and dtype on ``device``."""
     import torch
 
     name = cfg.attention.name
@@ -733,18 +618,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
 
 
 def check_resume_compatible(saved: dict, new: dict) -> list[str]:
-    """Compare a checkpoint's model/tokenizer settings with the new run's.
-
-    Args:
-        saved / new: dicts with "model_args" (GPTConfig fields), "tokenizer" (name) and "vocab_size" (of the
-            tokenizer), and "attention" (name, sdpa_backend).
-
-    Returns:
-        Human-readable notes about allowed changes (attention backend), to log.
-
-    Raises:
-        ConfigError listing every model-shape or tokenizer key that differs (old -> new).
-    """
+    """Compare a checkpoint's model/tokenizer settings with the new run's."""
     from model.config import GPTConfig, key
 
     # a checkpoint from before a field existed has its default; n_kv_head null is n_head

@@ -1,12 +1,8 @@
-"""Typed configs of train.py: one dataclass per config group, registered in Hydra's ConfigStore.
+"""Typed configs of train.py: one dataclass per config group, stored in Hydra's ConfigStore.
 
-Hydra composes ``configs/config.yaml`` on top of ``TrainConfig`` (stored as ``flashgpt_schema``), so
-OmegaConf refuses a wrong type (``seq_len=abc``) or an unknown key (``sq_len=1``, ``model.n_heads=4``)
-while composing; ``validate`` then checks the typed config once, without I/O: each field's ``spec`` check,
-the model through ``GPTConfig`` itself, and the rules between keys. The groups ``model`` and ``attention``
-are made from ``GPTConfig``'s fields and docs (model/config.py), so the model has one schema and one
-validation. Every mistake is a ``ConfigError`` naming the key and a valid value (train.py: ``config
-error: ...``, exit 2). ``python -m trainer.config`` lists every key, its default and its doc.
+OmegaConf refuses a wrong type or an unknown key while composing; ``validate`` then checks the typed config
+once, without I/O. The ``model`` and ``attention`` groups are made from ``GPTConfig`` (model/config.py), so
+the model has one schema and one validation. ``python -m trainer.config`` lists every key and its doc.
 """
 
 from __future__ import annotations
@@ -45,8 +41,8 @@ FOLLOWS = ("block_size", "vocab_size")
 
 def _group_of_gpt(cls_name: str, names: dict[str, str], preset: str | None = None) -> type:
     """A Hydra group's dataclass made from GPTConfig's fields ``names`` ({key: field}; with ``preset``, a
-    ``name`` key for the records first): each keeps its type, default and doc (``FOLLOWS``: also null)
-    and names its GPTConfig field (metadata ``gpt``), whose check is GPTConfig's."""
+    ``name`` key for the records first): each keeps its type, default and doc (``FOLLOWS``: also null) and
+    names its GPTConfig field (metadata ``gpt``), whose check is GPTConfig's."""
     hints, docs, default = typing.get_type_hints(GPTConfig), gpt_docs(), GPTConfig()
     rows = [("name", str, spec(preset, "preset name (for records; the sizes below are what counts)"))]
     for key, name in names.items():
@@ -305,11 +301,7 @@ def typed(cfg) -> TrainConfig:
 def gpt_config_for(cfg, vocab_size: int | None = None, doc_separator_ids=None) -> GPTConfig:
     """The run's ``GPTConfig`` from its ``model.*`` and ``attention.*`` keys (fields of metadata ``gpt``),
     ``model.block_size`` (null: ``seq_len``) and ``vocab_size`` (null: ``model.vocab_size``, else GPT-2's
-    padded 50304 until the data are known).
-
-    Raises:
-        ValueError: GPTConfig's check, naming the key.
-    """
+    padded 50304 until the data are known)."""
     args = {"doc_separator_ids": doc_separator_ids}
     for schema, group in ((ModelConfig, cfg.model), (AttentionConfig, cfg.attention)):
         args.update(
@@ -322,17 +314,7 @@ def gpt_config_for(cfg, vocab_size: int | None = None, doc_separator_ids=None) -
 
 
 def validate(cfg) -> tuple[TrainConfig, GPTConfig]:
-    """All static checks of a composed train.py config, once, before any data, model or GPU work; no I/O.
-
-    Order: keys outside the schema, every field's ``spec`` check, the model (``GPTConfig``: shapes,
-    backends, masks), then the rules between keys.
-
-    Returns:
-        The typed config and its GPTConfig (vocab_size provisional until the data are read).
-
-    Raises:
-        ConfigError: naming the key and a valid value.
-    """
+    """All static checks of a composed train.py config, once, before any data, model or GPU work; no I/O."""
     t = typed(cfg)
     check_fields(t, TrainConfig)
     try:

@@ -49,10 +49,7 @@ def broadcast_obj(obj):
 
 def global_micro_index(micro: int, grad_accum: int, rank: int, world_size: int) -> int:
     """Index of rank ``rank``'s micro-batch ``micro`` in the step's global batch, in [0, grad_accum x
-    world_size): ``micro * world_size + rank``. The data of a micro-batch are drawn from this index alone
-    (``BinDataset.batch(micro_step=index, rank=0)``), so a step's global batch is the same set of windows
-    at every world size with the same micro-batch size (one process: the index is ``micro``, as before),
-    and a run resumed at another world size sees the data it would have seen."""
+    world_size): ``micro * world_size + rank``."""
     if not 0 <= micro < grad_accum or not 0 <= rank < world_size:
         raise ValueError(f"micro={micro} / rank={rank} outside grad_accum={grad_accum} / world={world_size}")
     return micro * world_size + rank
@@ -60,24 +57,7 @@ def global_micro_index(micro: int, grad_accum: int, rank: int, world_size: int) 
 
 def shard_model(model, device_type: str, world_size: int, bf16: bool, compile_options: dict | None):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ranks: each transformer block, then the root
-    (embeddings, final LayerNorm, the tied lm_head). In place; returns ``model`` (now an ``FSDPModule``).
-
-    Args:
-        model: a ``model.GPT`` with its weights in place (they are sharded as they are: rank r keeps
-            dim-0 shard r of every parameter, as a DTensor).
-        device_type: "cuda" or "cpu" (the 1-D device mesh; NCCL or gloo underneath).
-        world_size: ranks of the default process group (the mesh's size).
-        bf16: mixed precision ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the
-            all-gathered parameters and the gradients are bfloat16, the reduce-scatter and the sharded
-            master weights (what the optimizer updates) float32. False: float32 throughout.
-        compile_options: torch.compile options (``trainer.compiling.compile_options``) to compile each
-            block before it is sharded (``Block.compile``, in place, so parameter names do not change);
-            None: eager. Per block, not the whole model: FSDP2's hooks run between the compiled blocks.
-
-    Blocks reshard after forward (their parameters are gathered again in backward: memory per rank ~
-    one block's full parameters at a time); the root keeps its parameters gathered after forward,
-    since backward needs the lm_head first.
-    """
+    (embeddings, final LayerNorm, the tied lm_head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -102,9 +82,9 @@ def local_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_store(timeout_s: float):
-    """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT),
-    or None outside torchrun or without the agent store (another launcher: a store of our own at that port
-    would take the one ``init_process_group`` opens there)."""
+    """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT), or
+    None outside torchrun or without the agent store (another launcher: a store of our own at that port would
+    take the one ``init_process_group`` opens there)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
         return None
@@ -135,11 +115,7 @@ _VERDICTS = [0]
 
 def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
     """Rank 0's ``problem`` (None: none) on every rank, before any process group exists: rank 0 publishes it
-    on the launch's store, the other ranks wait for it (at most ``timeout_s``; then None). For the checks
-    only rank 0 makes (its run directory's lock, whether out_dir is writable; Hydra's out_dir callback
-    runs on rank 0 only): without this the other ranks would go on into ``init_process_group`` and wait
-    there for a rank 0 that has exited. A rank waiting here also stops (with a problem) once another rank
-    is in ``exit_together``. Outside torchrun: ``problem`` as it is."""
+    on the launch's store, the other ranks wait for it (at most ``timeout_s``; then None)."""
     _VERDICTS[0] += 1
     try:
         store = _launch_store(timeout_s)
@@ -168,15 +144,7 @@ def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
 
 
 def exit_together(code: int, timeout_s: float = 30.0) -> None:
-    """Under torchrun, wait until every rank of this launch reaches here, then exit with ``code``.
-
-    For config errors, which every rank finds alike (the same argv and config): without this, the first
-    rank to exit makes torchrun's agent SIGTERM the others, which then end with -15 instead of ``code``.
-    The ranks meet on the launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT; no
-    process group needed: composition errors happen before there is one), ignoring SIGTERM from arrival
-    on, and exit. A rank that does not arrive within ``timeout_s`` seconds (an error only one rank saw) is
-    not waited for. No-op (returns) without torchrun; otherwise never returns.
-    """
+    """Under torchrun, wait until every rank of this launch reaches here, then exit with ``code``."""
     import signal
     import time
 

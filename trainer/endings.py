@@ -71,9 +71,7 @@ def final_figures(st) -> dict:
 
 
 def finish(st, status: str, extra: dict, exit_code: int) -> None:
-    """Write the final summary (summary.json + W&B) and a last metrics.jsonl line, close W&B. On a full
-    disk: "ok" raises ``DiskFullError`` (the run then ends as disk_full); any other ending frees the run's
-    reserve, writes its records once more and, where they still do not fit, says so."""
+    """Write the final summary (summary.json + W&B) and a last metrics.jsonl line, close W&B."""
     st.ending = True
     try:
         figures = final_figures(st)
@@ -200,10 +198,7 @@ def signals_interrupt():
 
 
 def end_before_first_step(st, signum: int) -> Outcome:
-    """A signal during set-up (the data preparation, the model build): nothing was trained. A new run
-    records status "interrupted" (0 steps) and prints the command to start it again, into a new run
-    directory (this one holds the interrupted run's records); a resume leaves its run as it was. The
-    data preparation keeps its complete shards: the next launch continues from them. Exit 128 + signal."""
+    """A signal during set-up (the data preparation, the model build): nothing was trained."""
     name, code = signal.Signals(signum).name, 128 + signum
     data = f"the data preparation in data.dir={st.cfg.data.dir} continues from its complete shards"
     if st.cfg.resume:
@@ -327,8 +322,8 @@ def end_nonfinite(st, e: NonFiniteError):
 
 def oom_advice(attention: str, micro_batch_size: int, seq_len: int) -> str:
     """What to change after an out-of-memory step: a smaller micro-batch (the same tokens per step through
-    more accumulation), else a shorter seq_len; attention=flash only where another backend ran (flash holds
-    no N x N scores; suggesting it to a flash run sent users in a circle)."""
+    more accumulation), else a shorter seq_len; attention=flash only where another backend ran (flash holds no
+    N x N scores; suggesting it to a flash run sent users in a circle)."""
     if micro_batch_size > 1:
         half = micro_batch_size // 2
         advice = f"Try batch.micro_batch_size={half} (the same tokens per step, more accumulation)"
@@ -359,8 +354,7 @@ def end_oom(st, message: str):
 
 def _quiet_logging_errors() -> None:
     """On a full disk every logging handler writing a file (Hydra's train.log, W&B's debug logs) fails;
-    logging would print a traceback for each record (and W&B's console capture logs those again). The
-    run's own message says what happened."""
+    logging would print a traceback for each record (and W&B's console capture logs those again)."""
     logging.raiseExceptions = False
 
 
@@ -398,12 +392,7 @@ def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Out
 def report_config_error(
     e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False, hydra_files: dict | None = None
 ) -> Outcome:
-    """Print ``config error: ...`` (no traceback). A single run then takes back what it created in its run
-    directory (``rundir.discard_refused_run``: a config error writes nothing); a job of a ``-m`` sweep, or a
-    run that cannot take back what is there (a directory not noted by Hydra's ``OutDirCheck``, or holding
-    more than a refused run writes), records status "error" in summary.json (and Hydra's files) instead,
-    which the sweep's summary and ``bench.report`` list. A resume, or a run refused because its directory
-    holds another run (``RunDirTaken``), writes nothing there."""
+    """Print ``config error: ...`` (no traceback)."""
     from trainer import rundir
 
     taken = str(e.out_dir) if isinstance(e, rundir.RunDirTaken) else None  # another run's: never written to

@@ -1,11 +1,5 @@
-"""Config fields that carry their doc and check, and every config mistake worded the same way.
-
-``spec(default, doc, check, example)`` makes a dataclass field of a schema (trainer/config.py,
-trainer/infer_config.py); ``check_fields`` applies the checks of a whole schema to a config;
-``config_error_from`` turns an OmegaConf/Hydra composition error into the same ``ConfigError``: the key,
-the bad value and a valid value (the words of ``model.config.problem_with``). Fields made from
-``GPTConfig`` (metadata ``gpt``) are checked by GPTConfig itself, once.
-"""
+"""Config fields that carry their doc and check, and every config mistake worded the same way: the key,
+the bad value and a valid value (``ConfigError``; ``config_error_from`` for Hydra/OmegaConf's errors)."""
 
 from __future__ import annotations
 
@@ -53,12 +47,8 @@ def field_problem(f, key: str, value) -> str | None:
 
 
 def check_fields(node, schema: type, prefix: str = "") -> None:
-    """Every field check of dataclass ``schema`` on ``node`` (a typed config), nested dataclasses
-    included; GPTConfig's fields are left to GPTConfig.
-
-    Raises:
-        ConfigError: the first failing key, with a valid value.
-    """
+    """Every field check of dataclass ``schema`` on ``node`` (a typed config), nested dataclasses included;
+    GPTConfig's fields are left to GPTConfig."""
     for f in fields(schema):
         value = getattr(node, f.name, None)
         sub = dataclass_type(f)
@@ -148,10 +138,8 @@ def unknown_key(key: str, schema: type, value: str = "VALUE") -> str:
 
 
 def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
-    """The ``ConfigError`` for a Hydra/OmegaConf composition error (walks ``__cause__``), or None when
-    ``exc`` is not one (a bug: let it raise). ``schema``: the dataclass the config was composed on, whose
-    keys the messages name: a wrong type gets the key's check message, an unknown key the valid keys
-    beside it, an unknown group option the options, an unparsable override Hydra's own message."""
+    """The ``ConfigError`` for a Hydra/OmegaConf composition error (walks ``__cause__``), or None when ``exc``
+    is not one (a bug: let it raise)."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 

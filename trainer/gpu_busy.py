@@ -1,14 +1,6 @@
-"""GPU-busy fraction of training steps, measured with torch.profiler.
-
-busy = (CUDA kernel, memcpy and memset time on the device) / (wall time of the same steps). A step whose
-busy fraction is well below 1 leaves the GPU waiting for the host (Python, launches, data); at 1 the
-step is GPU-bound and only faster kernels make it faster. Only CUDA activity is recorded (CUPTI), not
-the CPU ops, so the profiler adds little host time; the profiled steps are still left out of the
-tokens/sec median. With a trace directory the host side is recorded too (CPU ops, CUDA runtime calls) and
-the steps are written as a Chrome trace (``trace_step{first}-{last}.json.gz``, open in
-https://ui.perfetto.dev) to see where the GPU waits; the busy fraction of such a run includes the
-profiler's host overhead.
-"""
+"""GPU-busy fraction of training steps (torch.profiler): device kernel/memcpy/memset time over the steps'
+wall time. Below 1 the GPU waits for the host; with a trace directory the window is also written as a
+Chrome trace (``trace_step{first}-{last}.json.gz``, https://ui.perfetto.dev)."""
 
 from __future__ import annotations
 
@@ -19,17 +11,7 @@ import torch
 
 
 class GpuBusy:
-    """Profile `steps` training steps after the first `skip` steps of this process.
-
-    Usage, once per step: ``with busy.step(steps_done, step):`` around the timed work, then
-    ``busy.add_wall(dt)`` with the step's wall time in seconds (only counted for profiled steps). Before work
-    that is not a training step (evaluation, parity, a checkpoint) call ``close()``: the window then ends
-    with the steps profiled so far, so that work's kernels are never counted without its wall time.
-    `summary()` (which closes an open window) gives {"perf/gpu_busy": fraction, "perf/gpu_ms_per_step": ms,
-    "perf/profiled_steps": n} once at least one step was profiled, else {}.
-    With ``trace_dir`` the host activity is recorded too and the window is written as
-    ``trace_dir/trace_step{first}-{last}.json.gz`` (global step numbers, so a resumed run adds its own).
-    """
+    """Profile `steps` training steps after the first `skip` steps of this process."""
 
     def __init__(self, skip: int, steps: int, enabled: bool, trace_dir=None) -> None:
         self.skip, self.steps = int(skip), int(steps)
@@ -121,14 +103,7 @@ class GpuBusy:
 
 
 def device_busy_us(events) -> float:
-    """Time in µs during which the device ran at least one kernel, memcpy or memset.
-
-    events: torch.profiler FunctionEvents (``prof.events()``). Device-side events only (host ops, which
-    carry their kernels' time again when CPU activity is recorded, are left out), and not the
-    ``gpu_user_annotation`` ranges (a ``record_function`` range drawn on the GPU timeline, spanning kernels
-    that are counted themselves). The union of the intervals, so kernels that overlap (several streams) or
-    an annotation that slipped through are counted once, and busy time never exceeds wall time.
-    """
+    """Time in µs during which the device ran at least one kernel, memcpy or memset."""
     from torch.autograd import DeviceType
 
     spans = sorted(

@@ -1,8 +1,5 @@
-"""Shared by ``sample.py`` and ``eval.py``: find a run's checkpoint, rebuild its model and tokenizer.
-
-Everything here raises ``InferError`` for a user error (bad path, no checkpoint, bad setting); the entry
-points print its message and exit 2 without writing anything.
-"""
+"""Shared by sample.py and eval.py: find a run's checkpoint, rebuild its model. A user error raises
+``InferError`` (the entry points print it and exit 2, writing nothing)."""
 
 from __future__ import annotations
 
@@ -21,9 +18,9 @@ class InferError(Exception):
 
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
-    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (its run
-    directory is the folder above its ``ckpt/``, or ``run``), else the newest checkpoint of ``run`` that
-    loads (unloadable ones are skipped with a warning). Raises InferError."""
+    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (its run directory is
+    the folder above its ``ckpt/``, or ``run``), else the newest checkpoint of ``run`` that loads (unloadable
+    ones are skipped with a warning)."""
     if ckpt_path:
         p = Path(ckpt_path)
         if not p.exists():
@@ -72,10 +69,7 @@ def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
 
 
 def run_data_dir(state: dict, run_dir: Path) -> str | None:
-    """The data directory of a checkpoint's run (``data.dir`` of its config), None when it names none.
-    A relative one is relative to where the run started (``derived.cwd`` of the run's
-    config.resolved.yaml), not to this command's directory, as for ``resume=true``
-    (``trainer.resume_config.anchored``); without that record it stays as it is (relative to the cwd)."""
+    """The data directory of a checkpoint's run (``data.dir`` of its config), None when it names none."""
     from trainer.resume_config import anchored, run_cwd
 
     data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
@@ -110,12 +104,7 @@ def build_model(
     state: dict, attention: str | None, sdpa_backend: str | None, device: torch.device, dtype: torch.dtype
 ):
     """The checkpoint's GPT in eval mode on ``device`` in ``dtype`` (weights cast), with attention backend
-    ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one).
-
-    Raises:
-        InferError: an unknown backend, head dim unsupported by flash, flash on a CPU without
-            TRITON_INTERPRET=1 (or in a dtype the Triton interpreter lacks), or weights that do not fit.
-    """
+    ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one)."""
     import dataclasses
 
     from model import GPT, GPTConfig
@@ -171,10 +160,7 @@ def read_prompt(prompt: str) -> str:
 
 
 def claim_new_file(folder: Path, stem: str, suffix: str, siblings: tuple[str, ...] = ()) -> Path:
-    """``folder/stem{suffix}``, or ``stem-2``, ``stem-3``, ... if taken, created empty and exclusively
-    (``open(..., "x")``), so two sample.py / eval.py runs in the same second never write one file; a name
-    counts as taken when a file with one of its ``siblings`` suffixes (the ``.json`` beside a ``.txt``)
-    exists too. Raises InferError past 10,000 such names."""
+    """``folder/stem{suffix}``, or ``stem-2``, ``stem-3``, ..."""
     folder.mkdir(parents=True, exist_ok=True)
     for n in range(1, 10_000):
         path = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")

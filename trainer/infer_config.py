@@ -1,12 +1,5 @@
-"""Typed configs of sample.py and eval.py, registered in Hydra's ConfigStore like train.py's schema.
-
-``configs/sample.yaml`` composes on ``SampleConfig`` (stored as ``flashgpt_sample_schema``) and
-``configs/eval.yaml`` on ``EvalConfig`` (``flashgpt_eval_schema``), so OmegaConf refuses a misspelt key
-(``temprature=0.5``) or a wrong type (``max_new_tokens=abc``) while composing, and ``check_config`` refuses
-a key added with ``+`` (``+typo=1``, which gets past OmegaConf). Both entry points print those as
-``config error: ...`` (``trainer.fields.config_error_from`` with this schema), exit 2, no
-traceback, nothing written. What depends on the checkpoint (seq_len against its block size, the prompt
-against its tokenizer) is checked by the entry points themselves (``trainer.infer.InferError``).
+"""Typed configs of sample.py and eval.py, stored in Hydra's ConfigStore like train.py's schema, and
+their config errors reported as train.py reports its own (``config error: ...``, exit 2).
 
     python -m trainer.infer_config sample     # every sample.py key, its default and its doc (eval: eval)
 """
@@ -146,11 +139,7 @@ def not_written(what: str, where, e: OSError, option: str) -> str:
 
 
 def check_config(cfg, schema: type) -> None:
-    """Every field check of ``schema`` on the composed ``cfg``, and no key outside it (``+typo=1``).
-
-    Raises:
-        ConfigError: naming the key and a valid value (the closest key for an unknown one).
-    """
+    """Every field check of ``schema`` on the composed ``cfg``, and no key outside it (``+typo=1``)."""
     check_known(cfg, schema)
     check_fields(cfg, schema)
 
@@ -171,9 +160,8 @@ def in_job() -> Iterator[None]:
 
 def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
     """Run the Hydra entry ``main`` (sample.py's or eval.py's) with every mistake Hydra/OmegaConf find while
-    composing on ``schema`` (a misspelt key, a wrong type, an unknown group option, an unparsable
-    override) printed as ``config error: ...``, exit status 2, no traceback: train.py's behaviour. Other
-    exceptions, and any raised inside the task (``in_job``), are re-raised. Returns the exit status."""
+    composing on ``schema`` (a misspelt key, a wrong type, an unknown group option, an unparsable override)
+    printed as ``config error: ...``, exit status 2, no traceback: train.py's behaviour."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
     try:
         main()

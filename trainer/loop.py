@@ -1,20 +1,9 @@
-"""The training loop behind ``train.py``: ``run`` checks, sets up (trainer/setup.py), trains and ends
-(trainer/endings.py) one run, all plain functions of one ``RunState`` (trainer/state.py).
+"""The training loop: ``run`` checks, sets up (setup.py), trains and ends (endings.py) one run.
 
-Step numbering: ``step`` counts optimizer updates completed. Update ``s`` (1-based) uses the data of
-``BinDataset.batch(..., seed=cfg.seed, step=s - 1, micro_step=g, rank=0)`` for micro-batch m of rank r,
-``g = m * world_size + r``, so the data depend only on (seed, s, g): the same across backends, resumes and
-world sizes with the same micro-batch size. Metrics logged at ``step=s`` describe update s; ``val/loss``
-at step s is measured after s updates (step 0: at initialisation). ``ckpt/step_{s}`` holds the state
-after s updates; resuming from it continues with update s + 1.
-
-Exit statuses (``summary.json["status"]``, also in W&B and the last metrics.jsonl line): ``ok`` (0),
-``interrupted`` (SIGTERM/SIGINT: checkpoint saved, 128 + signal; a second signal exits at once, nothing
-saved), ``nonfinite`` (1), ``disk_full`` / ``save_failed`` (1; earlier checkpoints intact), ``oom``
-(``oom_exit_code``, default 0), ``error`` (config error 2; a bug: traceback, 1). ``resume=true`` on a run
-that reached max_steps returns ``finished`` (0) and writes nothing, unless its final checkpoint is lost
-(then the lost steps are replayed); a resume from a checkpoint behind the last logged step sets the
-abandoned steps apart first (``RunLogger.set_apart_after``).
+Update ``s`` (1-based) draws micro-batch m of rank r from (seed, s - 1, m * world_size + r) alone, so the
+data are the same across backends, resumes and world sizes. ``ckpt/step_{s}`` holds the state after s
+updates. Exit statuses: ok 0, interrupted 128 + signal, nonfinite / disk_full / save_failed 1, oom
+``oom_exit_code``, config error 2; a resume of a finished run is ``finished`` (0) and writes nothing.
 """
 
 from __future__ import annotations
@@ -67,9 +56,8 @@ def all_reduce_sum(st: RunState, t: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(st: RunState, s: int) -> tuple[float, float]:
-    """Forward/backward over the micro-batches of update ``s``, then clip; returns (mean loss over
-    micro-batches and ranks, global grad norm before clipping). Gradients are reduced across ranks only
-    in the last micro-batch's backward (DDP's ``no_sync``; FSDP2's ``set_requires_gradient_sync``)."""
+    """Forward/backward over the micro-batches of update ``s``, then clip; returns (mean loss over micro-
+    batches and ranks, global grad norm before clipping)."""
     accum = st.plan.grad_accum
     loss_sum = torch.zeros((), device=st.device, dtype=torch.float32)
     for micro in range(accum):
@@ -120,9 +108,8 @@ def evaluate(st: RunState) -> float:
 
 
 def parity(st: RunState, s: int) -> dict:
-    """Loss/logits of update s's first micro-batch with the run's backend and the reference backend, on
-    the current weights, without gradients. Its memory is kept out of ``mem/peak_gib``; under FSDP2 every
-    rank runs it (collective forwards). Never raises: a failure is logged as ``parity/skipped``."""
+    """Loss/logits of update s's first micro-batch with the run's backend and the reference backend, on the
+    current weights, without gradients."""
     st.gpu_busy.close()  # its kernels are not a training step's
     ref, model, cuda = st.cfg.parity.reference, st.raw_model, st.device.type == "cuda"
     if cuda:
@@ -319,10 +306,11 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     if lock is None:
         lock = rundir.claim_run_dir(out_dir, is_main=False)
     intro: list[str] = []
+    run_overrides = overrides
     try:
         if cfg.resume:
             # the run's own config before anything is checked or prepared (not the defaults' data)
-            cfg, given = resume_config.resume_config(cfg, run_dir, overrides)
+            cfg, given, run_overrides = resume_config.resume_config(cfg, run_dir, overrides)
             if given is not None:
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
@@ -342,6 +330,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             cfg.out_dir = str(out_dir)
         try:
             st = RunState.open(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
+            st.run_overrides = run_overrides
         except DiskFullError as e:  # not even metrics.jsonl fits
             return endings.report_disk_full(e, out_dir)
         st.resume_intro, st.hydra_files, st.lock = intro, hydra_files, lock

@@ -1,18 +1,9 @@
-"""Run logging: ``metrics.jsonl`` and ``summary.json`` in the run directory, and Weights & Biases.
+"""Run records: ``metrics.jsonl`` and ``summary.json`` (whole lines, atomic rewrites, a full disk named as
+such), mirrored to Weights & Biases. Only rank 0 logs.
 
-Only rank 0 logs (``enabled=False`` elsewhere makes every method a no-op).
-
-W&B mode (``wandb.mode``): ``online`` | ``offline`` | ``disabled`` | ``auto``. ``auto`` honours a
-``WANDB_MODE`` environment variable, else is ``online`` when an API key is configured (``WANDB_API_KEY``
-or a netrc entry for the W&B host, which is where ``wandb login`` stores it) and ``offline`` otherwise;
-an offline run prints the ``wandb sync <dir>`` command that uploads it later. W&B files go to
-``<out_dir>/wandb/``. The run id is stored in ``<out_dir>/wandb_run_id.txt`` (and in checkpoints) so that a
-resumed run continues the same W&B run (``resume="allow"``).
-
-Live branch: metrics.jsonl's steps never go back. A resume from a checkpoint older than the last logged
-step (``set_apart_after``) moves the lines of the abandoned steps to ``metrics.abandoned.<from>-<to>.jsonl``
-and forks the W&B run at the checkpoint's step (``fork_from``), because W&B drops a step logged below the
-run's current one. ``live_branch`` reads older files, where the replayed steps follow the abandoned ones.
+A resume from a checkpoint older than the last logged step moves the abandoned steps to
+``metrics.abandoned.<from>-<to>.jsonl`` and forks the W&B run at the checkpoint (W&B drops a step logged
+below the run's current one), so metrics.jsonl's steps never go back.
 """
 
 from __future__ import annotations
@@ -45,10 +36,7 @@ def new_run_id(length: int = 8) -> str:
 
 
 def wandb_logged_in() -> bool:
-    """True when a W&B API key is configured: ``WANDB_API_KEY`` or a netrc entry for the W&B host.
-
-    (``wandb.api.api_key`` reads the same sources but is deprecated in wandb >= 0.2x and warns.)
-    """
+    """True when a W&B API key is configured: ``WANDB_API_KEY`` or a netrc entry for the W&B host."""
     if os.environ.get("WANDB_API_KEY"):
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
@@ -93,12 +81,7 @@ def step_of(row: dict) -> int | None:
 
 
 def live_branch(rows: list[dict]) -> list[dict]:
-    """The rows of the live branch of a metrics.jsonl, in order.
-
-    A row whose step is below an earlier row's step starts a replay (a resume from an older checkpoint,
-    in files written before the abandoned steps were set apart): the earlier rows after that step belong
-    to the abandoned branch and are dropped. Rows without a step are kept.
-    """
+    """The rows of the live branch of a metrics.jsonl, in order."""
     out: list[dict] = []
     top: int | None = None
     for row in rows:
@@ -111,15 +94,25 @@ def live_branch(rows: list[dict]) -> list[dict]:
     return out
 
 
-def disk_full_in(e: BaseException | None) -> OSError | None:
-    """The full-disk (or over-quota) OSError behind ``e``: itself or one in its cause/context chain."""
+def os_error_in(e: BaseException | None, errnos: tuple[int, ...] | None = None) -> OSError | None:
+    """The OSError behind ``e`` (of ``errnos``, when given): itself, in its cause/context chain, or in a
+    DCP failure of some rank."""
     seen = set()
     while e is not None and id(e) not in seen:
-        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:
+        if isinstance(e, OSError) and (errnos is None or e.errno in errnos):
             return e
         seen.add(id(e))
+        for inner in (getattr(e, "failures", None) or {}).values():  # DCP's: (exception, traceback)
+            found = os_error_in(inner[0] if isinstance(inner, tuple) else inner, errnos)
+            if found is not None:
+                return found
         e = e.__cause__ or e.__context__
     return None
+
+
+def disk_full_in(e: BaseException | None) -> OSError | None:
+    """The full-disk (or over-quota) OSError behind ``e``."""
+    return os_error_in(e, DISK_FULL_ERRNOS)
 
 
 class DiskFullError(Exception):
@@ -148,9 +141,8 @@ def writing(path: Path, undo=None):
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write ``obj`` as pretty JSON through a temp file + ``os.replace`` (``data.meta.atomic_write``); on
-    a failed write the temp file is removed and ``path`` is as it was (a full disk raises
-    ``DiskFullError``)."""
+    """Write ``obj`` as pretty JSON through a temp file + ``os.replace`` (``data.meta.atomic_write``); on a
+    failed write the temp file is removed and ``path`` is as it was (a full disk raises ``DiskFullError``)."""
     text = json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n"
     with writing(path):
         atomic_write(Path(path), lambda f: f.write(text.encode()))
@@ -201,12 +193,7 @@ def read_metric_rows(out_dir: Path) -> list[dict]:
 
 
 class RunLogger:
-    """metrics.jsonl + summary.json + W&B for one run.
-
-    Args:
-        out_dir: the run directory.
-        enabled: False on ranks other than 0 (then nothing is written).
-    """
+    """metrics.jsonl + summary.json + W&B for one run."""
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True) -> None:
         self.out_dir = Path(out_dir)
@@ -261,14 +248,7 @@ class RunLogger:
         run_id: str | None,
         fork_at: int | None = None,
     ) -> None:
-        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``.
-
-        ``fork_at=k`` (a resume that replays steps after k, which the W&B run already holds): a new W&B
-        run forked from ``run_id`` at step k (``fork_from="<id>?_step=k"``), so no replayed step is
-        dropped and the abandoned ones stay in the parent run. Where wandb cannot fork (an older wandb,
-        a server without forking) a plain new run is started instead. Either way the link is in the
-        config (``wandb_parent``) and ``self.wandb_parent``; wandb_run_id.txt names the new run.
-        """
+        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``."""
         self.wandb_parent = None
         if not self.enabled:
             return
@@ -304,20 +284,16 @@ class RunLogger:
             )
 
     def _init_fork(self, wandb, common: dict, config: dict, parent: str, step: int):
-        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) when this
-        wandb or its server cannot fork."""
-        import inspect
-
-        if "fork_from" in inspect.signature(wandb.init).parameters:
-            try:
-                fork = f"{parent}?_step={step}"
-                return wandb.init(**common, config=config, id=new_run_id(), fork_from=fork)
-            except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
-                print(
-                    f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
-                    "run linked to it in the config (wandb_parent)",
-                    flush=True,
-                )
+        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) where the server
+        cannot fork."""
+        try:
+            return wandb.init(**common, config=config, id=new_run_id(), fork_from=f"{parent}?_step={step}")
+        except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
+            print(
+                f"warning: W&B could not fork run {parent} at step {step} ({e}); starting a new "
+                "run linked to it in the config (wandb_parent)",
+                flush=True,
+            )
         return wandb.init(**common, config=config, id=new_run_id())
 
     @property
@@ -348,15 +324,9 @@ class RunLogger:
         return max(steps) if steps else None
 
     def set_apart_after(self, step: int) -> dict | None:
-        """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older
-        checkpoint) from metrics.jsonl to ``metrics.abandoned.<step+1>-<last>.jsonl``; metrics.jsonl keeps
-        the live branch up to ``step``. Nothing is deleted: unparsable lines and lines an older file kept
-        of earlier abandoned branches go to the abandoned file too.
-
-        Returns None when nothing was logged after ``step``, else dict(path, first, last, lines,
-        wandb_steps) where wandb_steps counts the abandoned lines that were also logged to W&B.
-        Crash-safe: the abandoned file is written (atomically) before metrics.jsonl is replaced.
-        """
+        """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older checkpoint)
+        from metrics.jsonl to ``metrics.abandoned.<step+1>-<last>.jsonl``; metrics.jsonl keeps the live branch
+        up to ``step``."""
         if not self.enabled:
             return None
         lines = read_metric_lines(self.out_dir)

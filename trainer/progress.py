@@ -24,11 +24,7 @@ def format_duration(seconds: float) -> str:
 
 
 class Clock:
-    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line.
-
-    The ETA is (steps left) x (mean wall time per step since this process's first step, evaluations and
-    checkpoints included), so it settles after the first few steps (compile warm-up inflates it early).
-    """
+    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line."""
 
     def __init__(self, first_step: int) -> None:
         self.t0 = time.perf_counter()

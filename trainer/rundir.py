@@ -1,25 +1,7 @@
-"""Run directories that never mix: unique default names, one live process per directory, no silent reuse.
-
-* Default names: ``run_name`` ends in ``${run_token:}``, a random 6-character token drawn once per process
-  (an OmegaConf resolver, registered by the Hydra callback ``RegisterResolvers`` in configs/config.yaml
-  before Hydra resolves its run and sweep dirs), so two launches in the same second get two directories.
-* ``claim_run_dir``: rank 0 holds an exclusive ``flock`` on ``<out_dir>/.flashgpt.lock`` for the whole run,
-  so a second live process (same explicit ``out_dir``, or a token collision) is refused instead of
-  writing into the same metrics.jsonl, W&B run and checkpoints. The kernel drops the lock when the
-  process dies, so a crashed run never blocks its own resume.
-* ``check_new_run_dir``: a new run (resume=false) may reuse a directory only when it holds no run, or
-  only one refused before training (status ``error`` and nothing trained).
-* ``finished_message`` / ``max_steps_note``: what resume=true says for a run that already reached
-  max_steps, and for a raised max_steps (the cosine schedule changes).
-* ``out_dir_problem`` / the Hydra callback ``OutDirCheck``: an out_dir that cannot be created or written
-  is a config error (exit 2).
-* ``note_run_dir_before`` / ``discard_refused_run``: Hydra writes nothing into a run directory
-  (``hydra.output_subdir: null``, console-only job logging: the trainer writes ``.hydra/`` and train.log
-  once a run has passed its checks), so a single run refused by a config error only takes back the lock
-  and metrics.jsonl it opened and the folders Hydra created for it; ``put_back_sweep`` does the same for
-  the ``multirun.yaml`` Hydra's sweeper writes before any job can be refused.
-* ``true_status`` / ``mark_killed_on_resume``: a summary left "running" by a process that died without
-  its ending is reported as killed / unfinished (no live process holds the lock), and rewritten on resume.
+"""Run directories that never mix: unique default names (``${run_token:}``), one live process per
+directory (an ``flock`` the kernel drops when the process dies), no new run over an old one, an out_dir
+that cannot be written refused as a config error, a refused launch leaving nothing behind, and a
+"running" summary of a dead process reported (and, on resume, rewritten) as killed.
 """
 
 from __future__ import annotations
@@ -60,8 +42,7 @@ _NAMED = {"attention", "attention.name", "seq_len"}  # already in a sweep job's 
 def swept(_root_) -> str:
     """``_key-value`` for each key this multirun sweeps (Hydra's own parse of the command line,
     ``is_sweep_override``) besides attention and seq_len, with this job's value (``hydra.overrides.task``):
-    the folder ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is. Nothing outside a
-    multirun."""
+    the folder ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
@@ -87,12 +68,6 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
-
-
-class RegisterResolvers(_HydraCallback):
-    """Hydra callback whose only job is that importing this module registers ``${run_token:}`` before
-    Hydra resolves the run directory (Hydra instantiates its callbacks before it resolves hydra.run.dir
-    and hydra.sweep.dir; train.py imports the trainer only inside the task function)."""
 
 
 class RunDirBusy(ConfigError):
@@ -127,11 +102,7 @@ class RunDirLock:
 
 
 def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
-    """Take this run's exclusive lock on ``out_dir`` (rank 0 only; other ranks get a no-op lock).
-
-    Raises:
-        RunDirBusy naming the process that holds it and the fix (another out_dir, or leave it unset).
-    """
+    """Take this run's exclusive lock on ``out_dir`` (rank 0 only; other ranks get a no-op lock)."""
     out_dir = Path(out_dir)
     if not is_main:
         return RunDirLock(out_dir, None)
@@ -165,12 +136,7 @@ def _busy_message(out_dir: Path, holder: str) -> str:
 
 
 def held_by_live_process(out_dir: Path) -> str | None:
-    """The `RunDirBusy` message when another live process holds ``out_dir``'s lock, else None.
-
-    Read-only: opens an existing lock file (never creates one) and tries a shared lock without keeping
-    it: a live trainer's exclusive lock blocks it, another reader's shared one does not (two readers at
-    once must not take each other for a live run).
-    """
+    """The `RunDirBusy` message when another live process holds ``out_dir``'s lock, else None."""
     path = Path(out_dir) / LOCK_NAME
     try:
         import fcntl
@@ -220,15 +186,8 @@ _NEW_DIR = {
 
 def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     """A new run (resume=false) may only start in a directory that holds no run: no checkpoint, and no
-    summary.json but that of a run refused before training (status ``error`` with no ``steps``, nothing
-    in its metrics.jsonl, no W&B run). Starting afresh over a run would append a second curve to its
-    metrics.jsonl, overwrite its summary and mix two runs in one W&B run; a run that trained and then
-    failed keeps its directory too.
-
-    Raises:
-        RunDirTaken naming out_dir, what it holds and the fixes (resume=true when there is something to
-        continue, a new out_dir; for a job of a -m sweep, ``multirun``: a new hydra.sweep.dir).
-    """
+    summary.json but that of a run refused before training (status ``error`` with no ``steps``, nothing in its
+    metrics.jsonl, no W&B run)."""
     if cfg.resume:
         return
     out_dir = Path(out_dir)
@@ -326,14 +285,7 @@ def writable_place(name: str) -> Path:
 
 
 def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str | None:
-    """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can.
-
-    Problems: a file at that path or at a folder above it, and a directory that cannot be written (or,
-    when it does not exist yet, a nearest existing folder that cannot be written, so it cannot be created).
-    Writing is tried for real (a temporary file, removed at once): permission bits say nothing for root,
-    and a read-only mount refuses everyone. Nothing is created otherwise. With ``resume`` a run directory
-    that cannot be written gets the way to continue it: a copy (``cp -rp``) resumed where it can be.
-    """
+    """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can."""
     path = Path(str(out_dir)).expanduser()
     existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
     if not existing.is_dir():
@@ -369,9 +321,9 @@ def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str 
 
 
 class OutDirCheck(_HydraCallback):
-    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): before Hydra creates the run directory
-    (it would stop with a traceback), an out_dir (``hydra.sweep.dir`` under ``-m``) that cannot be created
-    or written is a config error: ``config error: ...`` on stderr, exit status 2."""
+    """Hydra callback (``hydra.callbacks`` in configs/config.yaml): before Hydra creates the run directory (it
+    would stop with a traceback), an out_dir (``hydra.sweep.dir`` under ``-m``) that cannot be created or
+    written is a config error: ``config error: ...`` on stderr, exit status 2."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
         """Check ``hydra.run.dir`` (= ``out_dir``), and note what it holds before Hydra creates it."""
@@ -466,16 +418,8 @@ def put_back_sweep() -> None:
 
 
 def discard_refused_run(out_dir) -> bool:
-    """Take back what this process created in ``out_dir`` for a run that a config error refused, so that
-    the refused command leaves nothing behind; True when it did (then write nothing more there).
-
-    Only what ``note_run_dir_before`` did not see is removed, and only when that is all of the kind a
-    refused run writes (``REFUSED_RUN_FILES``, metrics.jsonl empty); a directory that existed before
-    (a user's folder, a run refused on resume) keeps everything it held, and the directory itself goes
-    only when this process created it (with the empty folders above it that it created, e.g. ``runs/``).
-    False, changing nothing, when the directory was not noted (``trainer.loop.run`` called without
-    Hydra) or holds anything else new.
-    """
+    """Take back what this process created in ``out_dir`` for a run that a config error refused, so that the
+    refused command leaves nothing behind; True when it did (then write nothing more there)."""
     key = _key(out_dir)
     if key not in _BEFORE:
         return False
@@ -514,16 +458,8 @@ def last_trained_step(run_dir: Path) -> int | None:
 
 
 def is_stale_running(run_dir: Path, summary: dict) -> bool:
-    """Whether ``summary`` says "running" for a run whose process is gone (SIGKILL, the OOM killer, a
-    crash or power loss that skipped the normal ending, which writes the final status).
-
-    The test is the run directory's lock (``claim_run_dir``): the process that runs a run holds an
-    ``flock`` on ``<run_dir>/.flashgpt.lock`` from start to end and the kernel drops it when that process
-    dies, however it dies, so "running" with nobody holding the lock is stale. Nothing needs to be
-    written while the run goes on (no heartbeat to tune), and a slow step is never taken for a death.
-    A directory without a lock file (older trainers) falls back to the ``pid`` and ``host`` the summary
-    records: stale when that pid is not alive on this host; unknown (False) from another host.
-    """
+    """Whether ``summary`` says "running" for a run whose process is gone (SIGKILL, the OOM killer, a crash or
+    power loss that skipped the normal ending, which writes the final status)."""
     if summary.get("status") != "running":
         return False
     run_dir = Path(run_dir)
@@ -542,8 +478,8 @@ def unfinished_text(last_step: int | None) -> str:
 
 def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
     """``(status, note)`` of a run as readers should report it: summary.json's status, except that a stale
-    "running" (``is_stale_running``) is ``KILLED`` with the note "killed / unfinished (last step S): ...",
-    S from metrics.jsonl. The note is None when the summary's status stands."""
+    "running" (``is_stale_running``) is ``KILLED`` with the note "killed / unfinished (last step S): ...", S
+    from metrics.jsonl."""
     status = summary.get("status")
     if not is_stale_running(run_dir, summary):
         return status, None
@@ -573,9 +509,9 @@ def _trained_to_the_end(run_dir: Path) -> bool:
 
 
 def mark_killed_on_resume(run_dir: Path) -> str | None:
-    """On resume, under this process's lock of ``run_dir``: a summary still saying "running" belongs to a
-    run that died without its ending (the lock proves no other process runs it), so rewrite it to
-    ``KILLED`` with the last trained step, before anything else reads it. Returns the note, else None."""
+    """On resume, under this process's lock of ``run_dir``: a summary still saying "running" belongs to a run
+    that died without its ending (the lock proves no other process runs it), so rewrite it to ``KILLED`` with
+    the last trained step, before anything else reads it."""
     summary = read_summary(run_dir)
     if summary.get("status") != "running":
         return None
@@ -595,10 +531,8 @@ def mark_killed_on_resume(run_dir: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------------ Hydra's files
 def hydra_files(cfg) -> dict[str, str]:
-    """What Hydra would write into this job's ``.hydra/`` (file name -> YAML): the task's config, Hydra's
-    own and the command line's overrides; {} outside Hydra (``trainer.loop.run`` called directly).
-    ``hydra.output_subdir`` is null (configs/config.yaml): the trainer writes them (``write_hydra_files``)
-    once the run has passed its checks, so a refused launch rewrites no run's files."""
+    """What Hydra would write into this job's ``.hydra/`` (file name -> YAML): the task's config, Hydra's own
+    and the command line's overrides; {} outside Hydra (``trainer.loop.run`` called directly)."""
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 

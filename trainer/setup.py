@@ -16,13 +16,15 @@ from omegaconf import OmegaConf
 from data.prepare import atomic_write
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import progress, resume_config, rundir
+from trainer import progress, rundir
 from trainer.checks import (
     ConfigError,
+    as_keys,
     check_data_fits,
     check_resume_compatible,
     effective_data_source,
     peak_flops_for,
+    prepare_args,
     probe_attention,
     resumes_without_source,
 )
@@ -87,13 +89,8 @@ def prepare_data(st: RunState) -> None:
             ensure_prepared(
                 effective_data_source(cfg),
                 cfg.data.dir,
-                cfg.data.tokenizer,
-                cfg.data.val_fraction,
-                cfg.data.doc_separator,
-                val_docs=cfg.data.val_docs,
+                **prepare_args(cfg),
                 keep_other=True,  # data another launch prepared meanwhile is not replaced
-                text_field=cfg.data.text_field,
-                max_tokens=cfg.data.max_tokens,
                 workers=cfg.data.workers,
             )
         except OSError as e:
@@ -106,8 +103,8 @@ def prepare_data(st: RunState) -> None:
                     f"is prepared there; pass a folder you can write, e.g. data.dir={home} (data already "
                     "prepared is only read: a read-only data.dir works once it holds the data)"
                 )
-        except (ValueError, RuntimeError) as e:
-            err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
+        except (ValueError, RuntimeError) as e:  # prepare's arguments named as the keys that set them
+            err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {as_keys(str(e))}"
     err = st.broadcast(err)
     if err:
         raise ConfigError(err)
@@ -201,9 +198,7 @@ def load_resume(st: RunState) -> dict | None:
 
 
 def build_model(st: RunState, state: dict | None) -> None:
-    """Model (compiled; DDP-wrapped or FSDP2-sharded), optimizer, the resumed state, data and eval batches.
-    Under FSDP2 the blocks are compiled one by one and sharded before the optimizer is built; a resume
-    loads the DCP checkpoint into the (sharded or plain) model at any world size."""
+    """Model (compiled; DDP-wrapped or FSDP2-sharded), optimizer, the resumed state, data and eval batches."""
     from data.loader import BinDataset
     from model import GPT
 
@@ -284,8 +279,7 @@ def start_logging(st: RunState, state: dict | None) -> None:
     resolved["derived"] = {
         **derived(st),
         "cwd": os.getcwd(),  # what relative paths in this config are relative to
-        # the group options (trainer=cpu, ...): a resume changing one undoes the old one's keys
-        resume_config.CHOICES_KEY: resume_config.run_choices(st.out_dir, st.overrides, bool(cfg.resume)),
+        "overrides": list(st.run_overrides),  # what a resume composes the run's config from
     }
     group = cfg.wandb.group
     if group is None and st.multirun:
@@ -472,9 +466,7 @@ def tokenizer_change_message(st: RunState, state: dict, path: Path, changed: str
 
 def resume_checks(st: RunState, state: dict) -> None:
     """Once a checkpoint loads: refuse a run that already reached max_steps (RunFinished: nothing changes),
-    unless its final checkpoint was lost (then its steps are replayed). Rewrite a summary left "running"
-    by a killed process to "killed"; note a changed max_steps; set apart the records of the logged steps
-    after the checkpoint, which this resume replays."""
+    unless its final checkpoint was lost (then its steps are replayed)."""
     cfg, k, max_steps = st.cfg, int(state["step"]), int(st.cfg.max_steps)
     summary = rundir.read_summary(st.out_dir) if st.dist.is_main else {}
     done, lost = k, None

@@ -1,16 +1,6 @@
-"""Graceful preemption: the first SIGTERM/SIGINT asks the loop to stop after the current step or evaluation;
-a second exits.
-
-The handler only sets a flag (safe at any point of the step); the training loop polls ``requested`` after
-each optimizer step and after the evaluation at step 0, saves a checkpoint, flushes the metrics and exits
-with status 128 + signal number (143 for SIGTERM, 130 for SIGINT), printing how to resume. A signal during
-an evaluation lets that evaluation finish (its loss is logged) and no further step runs. A second signal
-calls ``on_exit_now`` (the trainer records status "interrupted" in summary.json there) and then
-``os._exit`` at once (no checkpoint; the previous one is intact thanks to the atomic save).
-
-Under torchrun, Ctrl-C reaches every worker and torchrun then forwards a SIGTERM of its own; a second
-signal within ``grace_s`` seconds of the first is therefore treated as the same request, not as "exit now".
-"""
+"""Graceful preemption: the first SIGTERM/SIGINT asks the loop to stop after the current step or
+evaluation (checkpoint, exit 128 + signal); a second exits at once. Under torchrun a second signal within
+``grace_s`` of the first is the same request (torchrun forwards Ctrl-C as its own SIGTERM)."""
 
 from __future__ import annotations
 
@@ -24,17 +14,7 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionHandler:
-    """Install with ``install()``, poll ``requested`` / ``signum``, restore with ``uninstall()``.
-
-    Args:
-        grace_s: a second signal closer than this to the first one is ignored (0 = none ignored).
-        verbose: print a line when a signal arrives (rank 0 only in DDP).
-        on_exit_now: called with the signal number just before a second signal exits the process (to
-            record how the run ended); whatever it raises is printed and the process exits anyway.
-
-    ``activity`` (default "step") names what the loop is doing, for the first signal's message; the loop
-    sets it to "evaluation" while it evaluates.
-    """
+    """Install with ``install()``, poll ``requested`` / ``signum``, restore with ``uninstall()``."""
 
     def __init__(
         self, grace_s: float = 0.0, verbose: bool = True, on_exit_now: Callable[[int], None] | None = None

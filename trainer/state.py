@@ -21,8 +21,7 @@ GIB = float(1 << 30)
 
 class RunLog(logging.Handler):
     """``<out_dir>/train.log``: the run's ``say`` lines and, as a handler of the root logger, the logging
-    records of its libraries (data preparation, W&B) in Hydra's format. Held in memory until the run has
-    passed its checks (``open``): a refused launch writes no line (Hydra's job logging is console-only)."""
+    records of its libraries (data preparation, W&B) in Hydra's format."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(logging.INFO)
@@ -54,7 +53,8 @@ class RunState:
     dist: DistInfo
     out_dir: Path
     multirun: bool = False
-    overrides: list[str] = field(default_factory=list)
+    overrides: list[str] = field(default_factory=list)  # this command line's
+    run_overrides: list[str] = field(default_factory=list)  # the run's, for config.resolved.yaml
     hydra_files: dict = field(default_factory=dict)  # rundir.hydra_files of this launch
     lock: RunDirLock | None = None
     # progress
@@ -120,8 +120,7 @@ class RunState:
 
     def record(self) -> None:
         """Once the run has passed its checks (set-up's start of logging, or a failure past them): Hydra's
-        ``.hydra/`` files of this launch, the lock's holder line and the held train.log lines. Before it
-        the run writes nothing but what ``rundir.discard_refused_run`` takes back; rank 0 only."""
+        ``.hydra/`` files of this launch, the lock's holder line and the held train.log lines."""
         if self.runlog is None or self.runlog.held is None:
             return
         if not (self.cfg.resume and (self.out_dir / ".hydra" / "config.yaml").is_file()):

@@ -59,30 +59,9 @@ def test_tokenizer_record_holds_char_vocabulary():
     assert tok.decode(tok.encode("Abc, cab!\n")) == "Abc, cab!\n"
 
 
-def test_old_checkpoint_falls_back_to_meta_json(tmp_path):
-    _write_meta(tmp_path / "d", _char_meta())
-    old = {
-        "tokenizer": {"name": "char", "vocab_size": len(CHARS)},
-        "config": {"data": {"dir": str(tmp_path / "d")}},
-    }
-    assert tokenizer_from_checkpoint(old).itos == CHARS
-    # an explicit data_dir wins over the config's
-    _write_meta(tmp_path / "e", _char_meta(CHARS[::-1]))
-    assert tokenizer_from_checkpoint(old, tmp_path / "e").itos == CHARS[::-1]
-
-
-def test_old_checkpoint_without_meta_json_is_a_clear_error(tmp_path):
-    old = {
-        "tokenizer": {"name": "char", "vocab_size": 14},
-        "config": {"data": {"dir": str(tmp_path / "gone")}},
-    }
-    with pytest.raises(ValueError, match="not in the checkpoint.*meta.json"):
-        tokenizer_from_checkpoint(old)
-    with pytest.raises(ValueError, match="names no data.dir"):
+def test_checkpoint_without_a_tokenizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="incomplete or unknown"):
         tokenizer_from_checkpoint({"tokenizer": {"name": "char", "vocab_size": 14}})
-    _write_meta(tmp_path / "small", _char_meta(CHARS[:5]))
-    with pytest.raises(ValueError, match="vocab_size=14"):
-        tokenizer_from_checkpoint(old, tmp_path / "small")
     with pytest.raises(ValueError, match="names no tokenizer"):
         tokenizer_from_checkpoint({"model": {}})
 
@@ -220,8 +199,7 @@ def test_sample_greedy_note_and_pinned_sdpa_kernel_in_the_header(trained, tmp_pa
 
 
 def test_sample_from_checkpoint_file_alone(trained, tmp_path):
-    """A checkpoint whose data directory is gone still samples (the vocabulary is inside); an older
-    checkpoint without it falls back to meta.json, or is a clear error when that is gone too."""
+    """A checkpoint whose data directory is gone still samples (the vocabulary is inside)."""
     run, data = trained
     src = run / "ckpt" / "step_00000006"
     state = ckpt.load_checkpoint(src)
@@ -230,14 +208,6 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     proc = _run(SAMPLE, [f"ckpt={tmp_path / 'alone'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
     assert proc.returncode == 0, describe(proc)
     assert len(list(tmp_path.glob("samples/*.txt"))) == 1  # beside the checkpoint: no ckpt/ folder above it
-    del state["tokenizer"]["itos"]
-    _write_checkpoint(src, tmp_path / "old_gone", state)
-    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old_gone'}", "max_new_tokens=5"], tmp_path)
-    assert proc.returncode == 2 and "meta.json" in proc.stderr and "not in the checkpoint" in proc.stderr
-    state["config"]["data"]["dir"] = str(data)
-    _write_checkpoint(src, tmp_path / "old", state)
-    proc = _run(SAMPLE, [f"ckpt={tmp_path / 'old'}", "max_new_tokens=5", "num_samples=1"], tmp_path)
-    assert proc.returncode == 0, describe(proc)
 
 
 @pytest.mark.parametrize(
@@ -398,9 +368,8 @@ def test_eval_refuses_char_data_of_the_same_size_with_other_characters(trained, 
 
 
 def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_path):
-    """A run trained with a relative data.dir (from its start directory, derived.cwd) is evaluated, and an
-    older checkpoint of it (vocabulary only in meta.json) sampled, from another directory; a data.dir given
-    to eval.py stays relative to the current directory."""
+    """A run trained with a relative data.dir (from its start directory, derived.cwd) is evaluated and
+    sampled from another directory; a data.dir given to eval.py stays relative to the current directory."""
     import shutil
 
     import yaml
@@ -412,7 +381,6 @@ def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_pat
     elsewhere.mkdir()
     state = ckpt.load_checkpoint(src / "ckpt" / "step_00000006")
     state["config"]["data"]["dir"] = "rel/data"
-    del state["tokenizer"]["itos"]  # written before checkpoints held the vocabulary
     _write_checkpoint(src / "ckpt" / "step_00000006", run / "ckpt" / "step_00000006", state)
     saved = yaml.safe_load((src / "config.resolved.yaml").read_text())
     saved["data"]["dir"], saved["derived"]["cwd"] = "rel/data", str(start)

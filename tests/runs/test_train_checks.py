@@ -34,42 +34,26 @@ def test_seq_len_larger_than_block_size(expect_error):
     assert "seq_len=64 is larger than model.block_size=32" in err and "model.block_size=64" in err
 
 
-def test_seq_len_larger_than_data(expect_error, tmp_path, monkeypatch):
-    """Before preparing, a small corpus is tokenized to give the exact limit (the message the prepared data
-    gives later); a large one gets a bound from its size (tokens <= bytes). Nothing is prepared."""
-    from trainer import checks
-
+def test_seq_len_larger_than_data(expect_error, tmp_path):
+    """The exact limit, from the prepared data: after preparing them in set-up, and before the batch checks
+    once data.dir holds them."""
     small = tmp_path / "small.txt"
     small.write_text("To be, or not to be, that is the question.\n" * 40)  # 1720 chars: val split 172
     args = {"data.source": small, "data.dir": tmp_path / "small", "seq_len": 256, "batch.micro_batch_size": 4}
-    err = expect_error(**args)
-    assert not (tmp_path / "small").exists()
-    assert err.startswith("config error: seq_len=256 is longer than the data allows: ")
-    assert f"{small} gives 172 validation and 1,548 training tokens" in err, err
     exact = "so seq_len can be at most 171; use seq_len=128 (or any value up to 171)"
-    assert exact in err, err
-    monkeypatch.setattr(checks, "EXACT_BYTES", 1000)  # as for a corpus too large to tokenize for a check
-    err = expect_error(**args)
-    assert "(1,720 bytes) gives at most about 173 validation tokens" in err and "use seq_len=128," in err
-    assert not (tmp_path / "small").exists()
-    from data.prepare import ensure_prepared
-
-    ensure_prepared(str(small), str(tmp_path / "small"), "char", 0.1)
-    err = expect_error(**args)
-    val_tokens = json.loads((tmp_path / "small" / "meta.json").read_text())["val_tokens"]
-    assert val_tokens == 172
-    assert f"data.dir={tmp_path / 'small'} holds 172 validation and 1,548 training tokens" in err
-    assert exact in err
+    for _ in ("prepared in set-up", "already prepared"):
+        err = expect_error(**args)
+        assert err.startswith("config error: seq_len=256 is longer than the data allows: ")
+        assert f"data.dir={tmp_path / 'small'} holds 172 validation and 1,548 training tokens" in err, err
+        assert exact in err, err
 
 
 def test_tiny_corpus_suggestion_runs_as_typed(expect_error, tmp_path):
-    """A 12-byte file: the first suggestion is the exact one (a byte bound said seq_len=2, then the
-    prepared data said at most 1)."""
+    """A 12-byte file: the suggestion is the exact limit of the prepared data."""
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hello world\n")
     err = expect_error(**{"data.source": tiny, "data.dir": tmp_path / "tiny", "seq_len": 64})
-    assert "gives 2 validation and 10 training tokens" in err and "use seq_len=1 " in err, err
-    assert not (tmp_path / "tiny").exists()
+    assert "holds 2 validation and 10 training tokens" in err and "use seq_len=1 " in err, err
 
 
 def test_empty_documents_are_the_first_error(expect_error, tmp_path):
@@ -79,7 +63,6 @@ def test_empty_documents_are_the_first_error(expect_error, tmp_path):
     args = {"data.source": jl, "data.dir": tmp_path / "jl", "data.tokenizer": "gpt2", "seq_len": 64}
     err = expect_error(**args)
     assert "holds no non-empty document" in err and "seq_len" not in err, err
-    assert not (tmp_path / "jl").exists()
 
 
 def test_n_embd_not_divisible_by_n_head(expect_error):
@@ -151,8 +134,7 @@ def test_small_record_file_names_its_content_before_its_size(expect_error, tmp_p
     assert "gave 2 document(s) and none for the val split" in err and "use data.val_docs=1 " in err, err
     err = expect_error(**args, **gpt2, **{"data.val_docs": 1})
     assert err.startswith("config error: seq_len=256 is longer than the data allows"), err
-    assert "gives 3 validation and 3 training tokens" in err, err  # exact: whole documents, end-of-text
-    assert not (tmp_path / "jl").exists()  # all before preparing
+    assert "holds 3 validation and 3 training tokens" in err, err  # exact: whole documents, end-of-text
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
