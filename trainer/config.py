@@ -89,7 +89,7 @@ class DataConfig:
     )
     text_field: str = spec("text", "record field / column holding the text (JSONL, Parquet, hf: sources)")
     max_tokens: int | None = spec(None, "prepare at most this many tokens; null = all", POS_INT, 1000000000)
-    workers: int | None = spec(None, "tokenizer processes of the prepare step; null = CPU count", POS_INT, 8)
+    workers: int | None = spec(None, "tokenizer threads of the prepare step; null = CPU count", POS_INT, 8)
 
 
 @dataclass
