@@ -2,7 +2,8 @@
 config.resolved.yaml, ``derived.overrides``) with the resume command line's on top, so a resume prepares
 no data of its own and rebuilds the same model; presets and swapped group options mean what they mean to
 Hydra. Where the run's overrides now compose to other values than it trained with (configs/ edited since its
-launch), the resume is refused, naming those keys and the overrides that keep the run's values.
+launch), the resume is refused, naming those keys and the overrides that keep the run's values. A run from
+before ``derived.overrides`` resumes from its launch's ``.hydra/overrides.yaml``.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         curve, one val split per run).
     """
     from hydra import compose
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
     path = Path(run_dir) / RESOLVED_CONFIG
@@ -83,8 +85,11 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         if not isinstance(saved, dict) or not saved:  # e.g. truncated by a kill: never the defaults
             raise ValueError("empty, or not a mapping")
-        recorded = saved["derived"]["overrides"]
+        recorded, source = _recorded_overrides(saved, Path(run_dir))
         with _hydra():
+            if recorded is None:  # no record: this command line's config options are taken for the run's
+                groups = set(GlobalHydra.instance().config_loader().list_groups(""))
+                recorded = [o.input_line for o in _parsed(overrides) if _key(o).split("/")[0] in groups]
             merged_overrides = run_overrides(recorded, overrides)
             run = compose("config", overrides=run_overrides(recorded, []))
             merged = compose("config", overrides=merged_overrides)
@@ -113,7 +118,7 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
     }
     asked = [o.input_line for o in _parsed(overrides) if _key(o) not in _NOT_RESUMED]
     if drift := _drift(was, run, merged):
-        raise ConfigError(_drift_message(drift, path))
+        raise ConfigError(_drift_message(drift, source, path, bare=not asked))
     changed, moved = [], False
     # seed too: it draws the training windows and picks the validation batches (one val set per run)
     for key in sorted({f"data.{k}" for k in run.data} - set(_DATA_KEYS_FREE) | {"seed"}):
@@ -138,6 +143,23 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
 def _key(override) -> str:
     """The key or group an override names, without its ``+`` / ``~``."""
     return override.key_or_group.lstrip("+~")
+
+
+def _recorded_overrides(saved: dict, run_dir: Path) -> tuple[list[str] | None, str | None]:
+    """``(overrides, where)``: the run's launch overrides and where they were read: config.resolved.yaml's
+    ``derived.overrides``, else (a run started by an older flashgpt) ``.hydra/overrides.yaml``, the launch's
+    own record; ``(None, None)`` when neither is there."""
+    from omegaconf import OmegaConf
+
+    derived = saved.get("derived")
+    if isinstance(derived, dict) and "overrides" in derived:
+        return [str(o) for o in derived["overrides"]], "the run's overrides (derived.overrides)"
+    launch = run_dir / ".hydra" / "overrides.yaml"
+    if launch.is_file():
+        return [str(o) for o in OmegaConf.to_container(OmegaConf.load(launch))], (
+            f"the run's launch overrides ({launch}: an older flashgpt started it)"
+        )
+    return None, None
 
 
 def _leaves(d: dict, prefix: str = ""):
@@ -178,17 +200,31 @@ def _drift(was: dict, run, merged) -> list[tuple[str, object, object]]:
     ]
 
 
-def _drift_message(drift: list, path: Path) -> str:
+def _drift_message(drift: list, source: str | None, path: Path, bare: bool) -> str:
     """The refusal of a resume with ``_drift``: each key with both values and the overrides that keep the
-    run's."""
+    run's; for a run without a record of its overrides (``source`` None), how to give them."""
     import shlex
 
     keys = ", ".join(f"{k} (run {fmt(v)}, now {fmt(n)})" for k, v, n in drift)
     words = " ".join(shlex.quote(override_text(k, v)) for k, v, _ in drift)
+    older = (
+        f"resume=true refused: the run was started by an older flashgpt, which recorded no overrides (no "
+        f"derived.overrides in {path}, no .hydra/overrides.yaml beside it)"
+    )
+    if source is None and bare:
+        return (
+            f"{older}, and today's defaults differ from its config in {', '.join(k for k, _, _ in drift)}. "
+            "Repeat the run's original overrides with resume=true: python train.py <its overrides> "
+            f"resume=true {shlex.quote(override_text('out_dir', str(path.parent)))}; a key that still "
+            "differs is then named with its value"
+        )
+    what = (
+        f"{older}; this command line's config options" if source is None else f"resume=true refused: {source}"
+    )
     return (
-        "resume=true refused: the run's overrides (derived.overrides) compose with today's configs/ to other "
-        f"values than the run trained with ({path}): {keys}. To continue with the run's values add {words} "
-        "to the resume command line; or start a new run (another out_dir) with the values composed now"
+        f"{what} compose with today's configs/ to other values than the run trained with ({path}): "
+        f"{keys}. To continue with the run's values add {words} to the resume command line; or start a "
+        "new run (another out_dir) with the values composed now"
     )
 
 

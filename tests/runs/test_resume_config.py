@@ -4,6 +4,8 @@ set-up writes them (config.resolved.yaml: the resolved config, ``derived.cwd``, 
 1. configs/ edited since the launch: the run's overrides now compose to other values than it trained with.
    The resume is refused naming each key with both values and the overrides that keep the run's; those
    overrides make the same resume pass; an unchanged run resumes as it is.
+2. A run from before ``derived.overrides``: its launch's ``.hydra/overrides.yaml`` stands for them; with
+   neither, the refusal says it is an older flashgpt's run and to repeat its overrides, which then works.
 """
 
 from __future__ import annotations
@@ -104,6 +106,51 @@ def test_a_resume_refuses_a_drifted_data_key_with_the_runs_value(tmp_path, monke
     _edited_configs(tmp_path, monkeypatch, "data/shakespeare_char.yaml", "data/shakespeare_char", "data/x")
     with pytest.raises(ConfigError, match=r"data\.dir \(run \S*/data/shakespeare_char, now \S*/data/x\)"):
         _resume(run)
+
+
+def test_a_run_without_derived_overrides_resumes_from_hydras_record(tmp_path):
+    run = _launch(tmp_path, LAUNCH, record="hydra")
+    merged, _, record = _resume(run, "max_steps=80")
+    assert merged.seq_len == 128 and merged.model.name == "mini" and merged.max_steps == 80
+    assert record[:2] == ["experiment=cpu_tiny", "attention=naive"]  # set-up writes it to derived.overrides
+    # an older flashgpt's resume changed max_steps (config.resolved.yaml) but not the launch's record
+    saved = OmegaConf.load(run / "config.resolved.yaml")
+    saved.max_steps = 60
+    OmegaConf.save(saved, run / "config.resolved.yaml")
+    with pytest.raises(
+        ConfigError, match=r"launch overrides \(.*overrides\.yaml.*max_steps \(run 60, now 40\)"
+    ):
+        _resume(run)
+    assert _resume(run, "max_steps=60")[0].max_steps == 60
+
+
+def test_a_run_without_any_record_of_its_overrides(tmp_path, monkeypatch):
+    """No derived.overrides and no .hydra/overrides.yaml: refused as an older flashgpt's run, saying to
+    repeat its overrides; repeated (with a change of max_steps) it resumes; group options alone name the
+    keys still missing with their values."""
+    run = _launch(tmp_path, LAUNCH, record="none")
+    with pytest.raises(ConfigError) as e:
+        _resume(run)
+    msg = str(e.value)
+    assert "the run was started by an older flashgpt, which recorded no overrides" in msg, msg
+    assert "Repeat the run's original overrides with resume=true: python train.py <its overrides> " in msg
+    assert f"resume=true out_dir={run}" in msg and "seq_len" in msg, msg
+    with pytest.raises(ConfigError, match=r"add data\.dir=\S*chars max_steps=40 to the resume command"):
+        _resume(run, "experiment=cpu_tiny", "attention=naive")
+    monkeypatch.chdir(tmp_path)  # repeated where the run was launched (data.dir=chars is relative)
+    merged, _, record = _resume(run, *LAUNCH, "max_steps=80")
+    assert (
+        merged.seq_len == 128
+        and merged.max_steps == 80
+        and Path(merged.data.dir).resolve() == tmp_path / "chars"
+    )
+    assert "experiment=cpu_tiny" in record and "max_steps=80" in record
+
+
+def test_a_run_of_all_defaults_without_a_record_resumes(tmp_path):
+    run = _launch(tmp_path, [], record="none")
+    merged, _, _ = _resume(run)
+    assert merged.model.name == "gpt2"
 
 
 @pytest.mark.parametrize(
