@@ -333,7 +333,21 @@ class OutDirCheck(_HydraCallback):
 
     def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
         """Check the sweep folder ``hydra.sweep.dir``, and note it and its ``multirun.yaml`` before Hydra's
-        sweeper creates them (``put_back_sweep``)."""
+        sweeper creates them (``put_back_sweep``). An ``out_dir`` given with ``-m`` is refused: each job runs
+        in its own folder of the sweep, so it would be ignored without a word."""
+        from omegaconf import OmegaConf
+
+        given = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or [] if "=" in o]
+        if out := next((o for o in given if o.split("=", 1)[0].lstrip("+~") == "out_dir"), None):
+            value = out.split("=", 1)[1]
+            print(
+                f"config error: {out} does not apply with -m: every job of a sweep runs in its own folder "
+                f"under hydra.sweep.dir; use hydra.sweep.dir={value} instead (to resume a sweep's jobs: "
+                f"-m ... resume=true hydra.sweep.dir=<that sweep's folder>)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(2)
         path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
         if path is not None:
             note_run_dir_before(path)

@@ -555,6 +555,22 @@ def test_a_sweep_refused_before_its_first_job_leaves_no_folder(tmp_path):
     assert (mine / "notes").is_dir()
 
 
+@pytest.mark.slow  # a real train.py process
+def test_out_dir_with_a_sweep_is_refused_naming_hydra_sweep_dir(tmp_path):
+    """`-m ... out_dir=X` would be ignored (each job runs in its sweep folder): a config error naming
+    hydra.sweep.dir=X, exit 2, nothing created."""
+    import subprocess
+
+    from tests.helpers_train import describe, train_command
+
+    target = tmp_path / "sw"
+    cmd, env = train_command(["-m", "experiment=cpu_tiny", "seed=1,2", f"out_dir={target}", "wandb.mode=disabled"])
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, describe(proc)
+    assert f"use hydra.sweep.dir={target} instead" in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+
+
 def test_model_presets_are_the_model_package_presets():
     """``model=<name>`` is ``model.gpt.PRESETS[name]`` (one list of sizes), and sets only model keys."""
     from omegaconf import OmegaConf
