@@ -306,11 +306,10 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     if lock is None:
         lock = rundir.claim_run_dir(out_dir, is_main=False)
     intro: list[str] = []
-    run_overrides = overrides
     try:
         if cfg.resume:
             # the run's own config before anything is checked or prepared (not the defaults' data)
-            cfg, given, run_overrides = resume_config.resume_config(cfg, run_dir, overrides)
+            cfg, given = resume_config.resume_config(cfg, run_dir, overrides)
             if given is not None:
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
@@ -330,7 +329,6 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
             cfg.out_dir = str(out_dir)
         try:
             st = RunState.open(cfg, plan, dist, out_dir, multirun=multirun, overrides=overrides)
-            st.run_overrides = run_overrides
         except DiskFullError as e:  # not even metrics.jsonl fits
             return endings.report_disk_full(e, out_dir)
         st.resume_intro, st.hydra_files, st.lock = intro, hydra_files, lock

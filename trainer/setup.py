@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from data.prepare import atomic_write
 from trainer import checkpoint as ckpt
 from trainer import config as C
-from trainer import progress, rundir
+from trainer import progress, resume_config, rundir
 from trainer.checks import (
     ConfigError,
     as_keys,
@@ -24,7 +24,6 @@ from trainer.checks import (
     check_resume_compatible,
     effective_data_source,
     peak_flops_for,
-    prepare_args,
     probe_attention,
     resumes_without_source,
 )
@@ -89,8 +88,13 @@ def prepare_data(st: RunState) -> None:
             ensure_prepared(
                 effective_data_source(cfg),
                 cfg.data.dir,
-                **prepare_args(cfg),
+                cfg.data.tokenizer,
+                cfg.data.val_fraction,
+                cfg.data.doc_separator,
+                val_docs=cfg.data.val_docs,
                 keep_other=True,  # data another launch prepared meanwhile is not replaced
+                text_field=cfg.data.text_field,
+                max_tokens=cfg.data.max_tokens,
                 workers=cfg.data.workers,
             )
         except OSError as e:
@@ -279,7 +283,8 @@ def start_logging(st: RunState, state: dict | None) -> None:
     resolved["derived"] = {
         **derived(st),
         "cwd": os.getcwd(),  # what relative paths in this config are relative to
-        "overrides": list(st.run_overrides),  # what a resume composes the run's config from
+        # the group options (trainer=cpu, ...): a resume changing one undoes the old one's keys
+        resume_config.CHOICES_KEY: resume_config.run_choices(st.out_dir, st.overrides, bool(cfg.resume)),
     }
     group = cfg.wandb.group
     if group is None and st.multirun:

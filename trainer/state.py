@@ -53,8 +53,7 @@ class RunState:
     dist: DistInfo
     out_dir: Path
     multirun: bool = False
-    overrides: list[str] = field(default_factory=list)  # this command line's
-    run_overrides: list[str] = field(default_factory=list)  # the run's, for config.resolved.yaml
+    overrides: list[str] = field(default_factory=list)
     hydra_files: dict = field(default_factory=dict)  # rundir.hydra_files of this launch
     lock: RunDirLock | None = None
     # progress

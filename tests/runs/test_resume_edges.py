@@ -149,8 +149,8 @@ def test_resume_trainer_gpu_over_a_cpu_run_takes_the_gpu_keys(killed_in_ending):
     overrides = ["resume=true", f"out_dir={killed_in_ending}", "trainer=gpu"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         fresh = compose("config", overrides=overrides)
-    merged, given, _ = resume_config(fresh, killed_in_ending, overrides)
-    assert given == "trainer=gpu"  # what the start-up line says
+    merged, given = resume_config(fresh, killed_in_ending, overrides)
+    assert given.startswith("trainer=gpu (") and "compile" in given  # what the start-up line says
     # the run was trainer=cpu (compile false, from configs/trainer/cpu.yaml); trainer=gpu: the default
     assert fresh.compile is not False and merged.compile == fresh.compile, merged.compile
 
@@ -174,16 +174,23 @@ def test_resume_from_another_folder_reads_the_runs_relative_data_dir(tiny, tmp_p
     assert summary(out)["steps"] == 6
 
 
-def test_resume_overrides_replace_the_runs_own():
-    """A resume composes the run's overrides with the command line's on top: an override of the same key
-    or group replaces the run's, where and whether to resume are never the run's, and hydra.* are no run
-    keys."""
-    from trainer.resume_config import run_overrides
+def test_resume_line_names_a_preset_instead_of_its_keys():
+    """``experiment=cpu_tiny`` on a resume command line is named as the preset, with the keys it changed
+    in parentheses, not listed as if each key had been typed; a key also typed on its own (max_steps) stays
+    on its own, and plain keys and packaged groups (attention=flash) read as before."""
+    from trainer.resume_config import changed_keys
 
-    saved = ["experiment=cpu_tiny", "max_steps=40", "out_dir=/old", "resume=false", "hydra.run.dir=x"]
-    got = run_overrides(saved, ["resume=true", "out_dir=/x", "max_steps=80", "attention=flash"])
-    assert got == ["experiment=cpu_tiny", "resume=true", "out_dir=/x", "max_steps=80", "attention=flash"]
-    assert run_overrides(saved, []) == ["experiment=cpu_tiny", "max_steps=40"]
+    def line(overrides, choices=None):
+        return changed_keys(choices or {}, overrides)[1]
+
+    got = line(["experiment=cpu_tiny", "resume=true", "out_dir=/x", "max_steps=40"])
+    assert got.startswith("experiment=cpu_tiny (batch.micro_tokens, ") and got.endswith("), max_steps")
+    preset = got[len("experiment=cpu_tiny (") : -len("), max_steps")].split(", ")
+    assert "seq_len" in preset and "model.n_layer" in preset and "max_steps" not in preset
+    assert line(["resume=true", "max_steps=8"]) == "max_steps"
+    got = line(["resume=true", "attention=flash", "model.n_layer=2"], {"attention": "sdpa"})
+    assert got == "attention=flash (attention.name), model.n_layer"
+    assert line(["resume=true"]) == "nothing"
 
 
 @pytest.mark.parametrize("extra,refused", [(["seed=12345"], True), (["max_steps=40"], False)])
@@ -203,5 +210,39 @@ def test_resume_refuses_another_seed(killed_in_ending, extra, refused):
         with pytest.raises(ConfigError, match=r"resume=true refused: .*seed \(\d+ -> 12345\)"):
             resume_config(fresh, killed_in_ending, overrides)
     else:
-        merged, _, _ = resume_config(fresh, killed_in_ending, overrides)
+        merged, _ = resume_config(fresh, killed_in_ending, overrides)
         assert merged.max_steps == 40
+
+
+def test_resume_keeps_the_runs_values_when_configs_changed_since_its_launch(tmp_path, monkeypatch):
+    """configs/ edited between launch and resume (cpu_tiny's lr): the resume continues with the run's saved
+    lr, not the edited default; what the command line sets (max_steps) still applies."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import trainer.config as C
+    from trainer import resume_config as R
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=cpu_tiny", f"out_dir={run}"])
+    saved = C.to_dict(cfg) | {"derived": {"cwd": str(tmp_path), R.CHOICES_KEY: {"experiment": "cpu_tiny"}}}
+    OmegaConf.save(OmegaConf.create(saved), run / "config.resolved.yaml")
+    lr = saved["optim"]["lr"]
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "configs", configs)
+    preset = configs / "experiment" / "cpu_tiny.yaml"
+    edited = preset.read_text().replace("lr: 3.0e-3", "lr: 5.0e-3")
+    assert edited != preset.read_text()
+    preset.write_text(edited)
+    monkeypatch.setattr(R, "CONFIGS_DIR", configs)
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        now = compose(
+            "config", overrides=["experiment=cpu_tiny", "resume=true", f"out_dir={run}", "max_steps=9"]
+        )
+    assert now.optim.lr == 5e-3 != lr  # the edit is what a fresh composition gives
+    merged, given = R.resume_config(now, run, ["resume=true", f"out_dir={run}", "max_steps=9"])
+    assert merged.optim.lr == lr and merged.max_steps == 9 and given == "max_steps", (merged.optim.lr, given)

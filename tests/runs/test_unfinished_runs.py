@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 from tests.helpers_train import (
-    compose_cfg,
     KILLED_AFTER,
     REPO,
     describe,
@@ -55,7 +54,7 @@ def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespe
     again = subprocess.run(cmd, cwd=str(elsewhere), env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, describe(again)
     assert list(elsewhere.iterdir()) == []  # no data/, runs/ or anything else prepared here
-    assert f"resume: config from {out}/config.resolved.yaml; set on this command line: max_steps=8" in (
+    assert f"resume: config from {out}/config.resolved.yaml; set on this command line: max_steps" in (
         again.stdout
     )
     s = summary(out)
@@ -67,15 +66,28 @@ def test_resume_without_overrides_takes_the_runs_config(tiny, tmp_path, shakespe
     assert wb["summary"]["status"] == "ok"
 
 
-def test_resume_composes_the_runs_group_options():
-    """The run's group options and presets compose as Hydra composes them: ``_global_`` presets set their
-    keys, and a swapped option on the resume command line undoes the old one's keys."""
-    from trainer.resume_config import run_overrides
+def test_changed_keys_of_group_choices():
+    """What a resume command line sets over the saved config, as Hydra composes it: keys, what a group
+    option changes, and the keys of ``_global_`` options (trainer=cpu, experiment=cpu_tiny with the groups
+    its defaults pick); hydra.* overrides are no run keys."""
+    from trainer.resume_config import changed_keys
 
-    cpu = compose_cfg(run_overrides(["trainer=cpu", "experiment=cpu_tiny"], []))
-    assert cpu.compile is False and cpu.model.n_layer == compose_cfg(["experiment=cpu_tiny"]).model.n_layer
-    back = compose_cfg(run_overrides(["trainer=cpu"], ["trainer=gpu"]))
-    assert back.compile == compose_cfg(["trainer=gpu"]).compile and back.compile is not False
+    keys, _ = changed_keys({}, ["max_steps=8", "attention=naive", "logger=disabled", "hydra.run.dir=x"])
+    assert {"max_steps", "attention.name", "wandb.mode"} <= keys and not any(
+        k.startswith("hydra") for k in keys
+    )
+    exp, _ = changed_keys({}, ["experiment=cpu_tiny"])
+    assert {
+        "model.n_layer",
+        "data.tokenizer",
+        "seq_len",
+        "optim.lr",
+        "compile",
+        "batch.tokens_per_step",
+    } <= exp
+    assert "optim.beta1" not in exp and not any(k.startswith("wandb") for k in exp)  # the rest stays saved
+    back, _ = changed_keys({"trainer": "cpu"}, ["trainer=gpu"])  # a swapped option undoes the old one's keys
+    assert "compile" in back
 
 
 # ------------------------------------------------------------------------------------------ 2. killed runs
