@@ -376,7 +376,7 @@ def _prepared_meta(data_dir: Path) -> dict | None:
         return None
 
 
-def _prepare_args(cfg) -> dict:
+def prepare_args(cfg) -> dict:
     """The data keys as ``data.prepare``'s arguments (what the prepared data is made of)."""
     d = cfg.data
     return dict(
@@ -397,7 +397,7 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
 
     src = effective_data_source(cfg)
     try:
-        held = conflict_reason(src, data_dir, **_prepare_args(cfg))
+        held = conflict_reason(src, data_dir, **prepare_args(cfg))
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.source={src}: {e}") from e
     if held:

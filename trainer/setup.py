@@ -24,6 +24,7 @@ from trainer.checks import (
     check_resume_compatible,
     effective_data_source,
     peak_flops_for,
+    prepare_args,
     probe_attention,
     resumes_without_source,
 )
@@ -88,13 +89,8 @@ def prepare_data(st: RunState) -> None:
             ensure_prepared(
                 effective_data_source(cfg),
                 cfg.data.dir,
-                cfg.data.tokenizer,
-                cfg.data.val_fraction,
-                cfg.data.doc_separator,
-                val_docs=cfg.data.val_docs,
+                **prepare_args(cfg),
                 keep_other=True,  # data another launch prepared meanwhile is not replaced
-                text_field=cfg.data.text_field,
-                max_tokens=cfg.data.max_tokens,
                 workers=cfg.data.workers,
             )
         except OSError as e:
