@@ -54,6 +54,7 @@ class KVCache:
     def append(self, idx: torch.Tensor):
         """Take idx (B, T) as slots [length, length + T): their positions (T,) and document ids, a pair
         (doc_q (B, T), doc_k (B, length + T)), or None without document masks."""
+        _check_batch(idx, self)
         T = idx.shape[1]
         start, end = self.length, self.length + T
         if end > self.max_len:
@@ -79,6 +80,15 @@ class KVCache:
         if start == 0:
             return k, v, None
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end], None  # (B, nkv, end, hs)
+
+
+def _check_batch(idx: torch.Tensor, cache: KVCache) -> None:
+    """A batch other than the cache's would broadcast into every row of it: refused (host-side shapes)."""
+    if idx.shape[0] != cache.batch_size:
+        raise ValueError(
+            f"idx holds {idx.shape[0]} sequences but the KV cache was made for {cache.batch_size}: make it "
+            f"with KVCache(model, {idx.shape[0]})"
+        )
 
 
 class StaticStep:
@@ -124,6 +134,7 @@ def forward_cached(model, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
 def decode_step(model, idx: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One static decode step of idx (B, 1): logits (B, V) float32. Its tensor work is
     ``model._decode_static``, which may be replaced by its compiled self or captured as a CUDA graph."""
+    _check_batch(idx, cache)
     if cache.length >= cache.max_len:
         raise ValueError(
             f"the KV cache is full (block_size={cache.max_len}); reset it and prefill the last "

@@ -414,3 +414,18 @@ def test_compiled_static_decode_writes_the_cache_in_place(backend):
     assert shapes, "no buffer allocations found: the generated code's format changed"
     big = [sh for sh in shapes if math.prod(sh) >= layer]
     assert not big, f"buffers the size of a layer's cache ({layer} elements): {big}"
+
+
+def test_a_batch_other_than_the_caches_is_refused(seed):
+    """idx of 1 sequence into a cache made for 3 would broadcast into all 3 rows: a ValueError naming both
+    sizes, on the growing path and the static step alike, and the cache is left as it was."""
+    model = _model("naive")
+    cache = KVCache(model, 3)
+    g = torch.Generator().manual_seed(seed)
+    forward_cached(model, torch.randint(0, 61, (3, 4), generator=g), cache)
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match=r"idx holds 1 sequences but the KV cache was made for 3"):
+        forward_cached(model, torch.randint(0, 61, (1, 1), generator=g), cache)
+    with pytest.raises(ValueError, match=r"KVCache\(model, 1\)"):
+        decode_step(model, torch.randint(0, 61, (1, 1), generator=g), cache)
+    assert cache.length == 4 and torch.equal(cache.k, before), f"seed={seed}"
