@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import hashlib
 import http.client
 import itertools
@@ -108,6 +109,14 @@ def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float |
 
 
 def sha256_file(path: str | os.PathLike) -> str:
+    """The file's SHA-256, hashed once per process while its size and mtime stay (a launch checks the
+    source before and while preparing: a multi-GB corpus would be read twice)."""
+    st = os.stat(path)
+    return _sha256(os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256(path: str, *_stat) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -615,3 +615,24 @@ def test_prompt_end_of_text_is_the_separator_token(gpt2_bpe, seed):
     assert ids == expect, (seed, texts)
     assert 50256 not in gpt2_bpe.encode("a<|endoftext|>b"), seed
     assert gpt2_bpe.decode(ids) == "<|endoftext|>".join(texts)
+
+
+def test_source_hash_is_read_once_and_follows_a_changed_file(tmp_path, seed):
+    """sha256_file hashes a file once per process while its size and mtime stay, and a rewrite of the same
+    size (another mtime) gets the new bytes' hash."""
+    import hashlib
+    import os
+
+    from data import prepare as P
+
+    rng = np.random.default_rng(seed)
+    f = tmp_path / "corpus.txt"
+    first, second = (bytes(rng.integers(97, 123, 5000, dtype=np.uint8)) for _ in range(2))
+    f.write_bytes(first)
+    hits = P._sha256.cache_info().hits
+    assert P.sha256_file(f) == P.sha256_file(f) == hashlib.sha256(first).hexdigest(), f"seed={seed}"
+    assert P._sha256.cache_info().hits == hits + 1
+    st = os.stat(f)
+    f.write_bytes(second)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert P.sha256_file(f) == hashlib.sha256(second).hexdigest(), f"seed={seed}"
