@@ -11,6 +11,13 @@ it prints per iteration after the first --warmup; ours is the median tokens/sec 
 steps. Writes OUT.json (after every cell), OUT.md and OUT.png.
 
     python -m bench.peer --peer ~/nanoGPT/train.py --out bench/results/peer_h200 -- data.source=PATH
+    python -m bench.peer --models --peer ~/nanoGPT/train.py --seq-lens 1024      # the two models alone
+
+`--models` leaves both training scripts out: in one process it builds our GPT (attention=flash) and the
+peer's model.py GPT with the same shape, compiles both, and times one training step each (micro-batches of
+32,768 tokens, two of them, bf16 autocast, clip, fused AdamW) alternately, then prints each one's top CUDA
+kernels from torch.profiler: where a gap between the two scripts comes from the model and where from the loop.
+
     python -m bench.peer --allow-cpu --peer ~/nanoGPT/train.py --attention sdpa --seq-lens 64 --steps 4 \\
         --warmup 1 -- experiment=cpu_tiny data.source=PATH      # a CPU try-out of the tool (no figures)
 """
@@ -24,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -104,6 +112,84 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
         return rec | dict(status="error", error=str(e))
 
 
+def load_peer_model(peer: Path):
+    """The peer's model.py as a module (nanoGPT: GPT, GPTConfig)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("peer_model", peer.parent / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def train_step(model, compiled, opt, x) -> None:
+    """One update over the micro-batches x (accum, B, N): bf16 autocast, clip at 1, the optimizer's step."""
+    import torch
+
+    for micro in x:
+        with torch.autocast("cuda", torch.bfloat16):
+            _, loss = compiled(micro, micro)
+        (loss / len(x)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def time_models(a) -> int:
+    """--models: our GPT and the peer's, same shape, one process; median step ms and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from model.gpt import GPT, GPTConfig
+    from trainer.compiling import compile_model
+
+    if not torch.cuda.is_available():
+        return common.error("--models times CUDA steps and this machine has no CUDA GPU; leave --models out")
+    peer_mod, dev = load_peer_model(a.peer), torch.device("cuda")
+    shape = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, dropout=0.0)
+    for n in a.seq_lens:
+        for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
+            torch.manual_seed(0)
+            ours = GPT(GPTConfig(block_size=n, bias=bias, attention=a.attention, **shape))
+            peer = peer_mod.GPT(peer_mod.GPTConfig(block_size=n, bias=bias, **shape))
+            steps = {}
+            for who, m in (("flashgpt", ours), ("peer", peer)):
+                m = m.to(dev).train()
+                opt = m.configure_optimizers(0.1, 6e-4, (0.9, 0.95), "cuda")
+                steps[who] = (m, compile_model(m, None) if who == "flashgpt" else torch.compile(m), opt)
+            x = torch.randint(0, 50257, (2, 32768 // n, n), device=dev)
+
+            ms = {who: [] for who in steps}
+            for i in range(a.steps):
+                for who in steps:  # alternately, so both see the same clocks
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    train_step(*steps[who], x)
+                    torch.cuda.synchronize()
+                    if i >= a.warmup:
+                        ms[who].append(1e3 * (time.perf_counter() - t0))
+            med = {who: statistics.median(v) for who, v in ms.items()}
+            print(
+                f"== seq_len={n} bias={bias}: step ms "
+                + ", ".join(f"{w} {v:.2f}" for w, v in med.items())
+                + f"; flashgpt / peer speed {med['peer'] / med['flashgpt']:.3f}",
+                flush=True,
+            )
+            for who in steps:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    train_step(*steps[who], x)
+                    torch.cuda.synchronize()
+                print(f"-- {who} seq_len={n} bias={bias}: top kernels of one step")
+                print(
+                    prof.key_averages().table(
+                        sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=90
+                    )
+                )
+            del steps, ours, peer, m
+            torch.cuda.empty_cache()
+    return 0
+
+
 def markdown(meta: dict, cells: list[dict]) -> str:
     """One row per seq_len and bias: ours, the peer's, ours / peer."""
     by = {(c["who"], c["seq_len"], c["bias"]): c for c in cells}
@@ -152,11 +238,15 @@ def main(argv=None) -> int:
     )
     p.add_argument("--attention", default="flash", help="our backend (default flash)")
     p.set_defaults(profile_steps=0, log_interval=1)  # what bench.throughput's cell command reads
+    p.add_argument("--models", action="store_true", help="time and profile the two models alone (CUDA)")
+    p.add_argument("--top", type=common.positive, default=25, help="--models: kernels listed per model")
     a = p.parse_args(argv)
     a.peer = a.peer.expanduser().resolve()
     missing = [f for f in PEER_FILES if not (a.peer.parent / f).is_file()]
     if a.peer.name != "train.py" or missing:
         p.error(f"--peer {a.peer}: give nanoGPT's train.py, beside its {', '.join(PEER_FILES[1:])}")
+    if a.models:
+        return time_models(a)
     try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
     if status := throughput.check_cells(p, a, try_out):
         return status

@@ -111,3 +111,31 @@ def test_peer_that_is_not_nanogpt_is_refused(tmp_path, seed):
     proc = _bench(tmp_path, lone, seed)
     assert proc.returncode == 2 and "--peer" in proc.stderr and "model.py" in proc.stderr, describe(proc)
     assert not (tmp_path / "r.json").exists() and not Path(tmp_path / "runs").exists()
+
+
+STAND_IN_MODEL = """
+from model.gpt import GPT, GPTConfig as _Config
+
+def GPTConfig(**kw):  # nanoGPT's GPTConfig has no attention key: this stand-in runs sdpa
+    return _Config(attention="sdpa", **kw)
+"""
+
+
+def test_models_alone_without_cuda_is_refused(tmp_path, fake_peer):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    cmd = [sys.executable, "-m", "bench.peer", "--models", "--peer", str(fake_peer), "--seq-lens", "64"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--models" in proc.stderr and "CUDA" in proc.stderr, describe(proc)
+
+
+@pytest.mark.gpu
+def test_models_alone_times_and_profiles_both(tmp_path, fake_peer):
+    (fake_peer.parent / "model.py").write_text(STAND_IN_MODEL)
+    cmd = [sys.executable, "-m", "bench.peer", "--models", "--peer", str(fake_peer), "--seq-lens", "256"]
+    cmd += ["--bias", "on", "--steps", "3", "--warmup", "1", "--top", "5"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, describe(proc)
+    assert "== seq_len=256 bias=True: step ms flashgpt" in proc.stdout, describe(proc)
+    for who in ("flashgpt", "peer"):
+        assert f"-- {who} seq_len=256 bias=True: top kernels of one step" in proc.stdout, describe(proc)
