@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The H200 runs whose results are committed under bench/results/ (index: bench/results/README.md).
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: kernels | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | softcap | gqa | ablations | context |
+#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | peer_models | softcap | gqa | ablations | context |
 #        redesign)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 # ablations and context train on $CODE (default: $OUT/code_src, every .py file of the installed packages that is
 # UTF-8 text copied into one folder, a corpus of long documents any GPU machine has; the prepare step refuses a
 # file that is not UTF-8), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|softcap|softcap_triton|gqa|ablations|context|redesign}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign) ;;
-*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|softcap|softcap_triton|gqa|ablations|context|redesign)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|softcap|softcap_triton|gqa|ablations|context|redesign) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|softcap|softcap_triton|gqa|ablations|context|redesign)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -153,10 +153,14 @@ multigpu)  # needs 2 GPUs (NGPU=2 by default): 1 GPU vs torchrun ddp vs torchrun
   rm -rf "$OUT/multigpu_resume_1gpu" && cp -r "$OUT/multigpu/${n}gpu_fsdp_flash" "$OUT/multigpu_resume_1gpu"
   python train.py "${m[@]}" attention=flash parallel=fsdp max_steps=210 resume=true \
     out_dir="$OUT/multigpu_resume_1gpu" || echo "MULTIGPU FAILED: fsdp resume on 1 GPU" ;;
-peer)  # ours (attention=flash) beside nanoGPT's train.py ($NANOGPT) at seq_len 1024 and 8192, BIAS=on|off (one
-  # call each: four cells of about two minutes)
-  python -m bench.peer --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" --seq-lens 1024,8192 \
-    --bias "${BIAS:-on}" --out "$OUT/peer_h200_bias_${BIAS:-on}" --runs-dir "$OUT/peer_runs" -- data.source="$SRC" ;;
+peer)  # ours (attention=flash) beside nanoGPT's train.py ($NANOGPT) at SEQ_LENS (default 1024,8192), BIAS=on|off|both
+  # (cells of about 70 s each), then both models alone (bench.peer --models) at the same lengths
+  python -m bench.peer --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" --seq-lens "${SEQ_LENS:-1024,8192}" \
+    --bias "${BIAS:-both}" --steps 24 --warmup 8 --out "$OUT/peer_h200_${SEQ_LENS:-1024,8192}_bias_${BIAS:-both}" \
+    --runs-dir "$OUT/peer_runs" -- data.source="$SRC" ;;
+peer_models)  # both models alone in one process, timed and profiled (BIAS, SEQ_LENS as for peer)
+  python -m bench.peer --models --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" \
+    --seq-lens "${SEQ_LENS:-1024,8192}" --bias "${BIAS:-both}" --steps 20 --warmup 6 --top 22 ;;
 softcap)  # the kernel cost of soft-capping: flash with c = 30 against plain causal, N = 4k-16k, d = 64 and 128
   for cap in "" 30; do
     python -m bench.attention --providers flash,flex --seqlens 4096,8192,16384 --headdims 64,128 \
