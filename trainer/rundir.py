@@ -284,9 +284,65 @@ def writable_place(name: str) -> Path:
     return place
 
 
+#: what a run writes into its folder (``fnmatch`` patterns): a folder holding anything else is not a run's
+RUN_FILES = (
+    LOCK_NAME,
+    ".flashgpt.reserve",
+    ".hydra",
+    "ckpt",
+    "config.resolved.yaml",
+    "metrics.jsonl",
+    "summary.json",
+)
+RUN_FILES += ("summary.json.tmp*", "train.log", "wandb", "wandb_run_id.txt", "evals", "samples")
+RUN_FILES += ("metrics.abandoned.*.jsonl", "trace_step*.json.gz")
+
+
+def is_run_dir(path: Path) -> bool:
+    """``path`` holds a run's record (its summary or resolved config)."""
+    return (path / "summary.json").is_file() or (path / "config.resolved.yaml").is_file()
+
+
+def foreign_entries(folder: Path, sweep: bool = False) -> list[str]:
+    """Names in ``folder`` that no run wrote (a sweep folder: also its multirun.yaml and job folders)."""
+    import fnmatch
+
+    def ours(p: Path) -> bool:
+        if any(fnmatch.fnmatch(p.name, pat) for pat in RUN_FILES):
+            return True
+        if sweep:
+            return p.name == "multirun.yaml" or (p.is_dir() and not foreign_entries(p))
+        return False
+
+    return sorted(p.name for p in folder.iterdir() if not ours(p))
+
+
+def mixing_problem(path: Path, key: str) -> str | None:
+    """Why a new run's folder ``path`` would mix its files with others' (it holds files no run wrote, or
+    it lies inside a run's folder), naming ``key`` and a folder that works; None when it would not."""
+    sweep = "sweep" in key
+    example = f"{key}={'multirun/sweep1' if sweep else 'runs/run1'}"
+    parent = next((q for q in path.resolve().parents if is_run_dir(q)), None)
+    if parent is not None:
+        return (
+            f"{key}={path} lies inside the run folder {parent}: its files would mix with that run's; pass a "
+            f"folder outside it, e.g. {example}"
+        )
+    if not path.is_dir() or not (foreign := foreign_entries(path, sweep)):
+        return None
+    names = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+    return (
+        f"{key}={path} already holds files that no run wrote ({names}): a run writes ckpt/, metrics.jsonl, "
+        f"summary.json and train.log into its own folder, and they would mix with these; pass a new or "
+        f"empty folder, e.g. {example} (or leave {key} out for a new folder)"
+    )
+
+
 def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str | None:
     """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can."""
     path = Path(str(out_dir)).expanduser()
+    if not resume and (problem := mixing_problem(path, key)):
+        return problem
     existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
     if not existing.is_dir():
         if existing == path:

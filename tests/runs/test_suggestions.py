@@ -153,6 +153,39 @@ def test_empty_out_dir_is_refused_naming_it(tiny, tmp_path):
     assert (cwd / fix.split("=", 1)[1] / "summary.json").is_file()
 
 
+@pytest.mark.slow
+def test_out_dir_that_would_mix_a_run_with_other_files_is_refused(tiny, tmp_path):
+    """out_dir=. (the repository or a corpus folder) or a folder inside a run: exit 2 naming out_dir and a
+    folder that works, and nothing written into it; the folder named in the hint runs as typed."""
+    cwd = tmp_path / "cwd"
+    (cwd / "corpus").mkdir(parents=True)
+    (cwd / "corpus" / "a.txt").write_text("a document\n")
+    base = [
+        a
+        for a in tiny(tmp_path / "unused", max_steps=1, eval__at_start=False)
+        if not a.startswith("out_dir=")
+    ]
+
+    def train(*extra):
+        cmd = [sys.executable, str(REPO / "train.py"), *base, *extra]
+        return subprocess.run(cmd, cwd=str(cwd), env=train_env(), capture_output=True, text=True, timeout=300)
+
+    before = sorted(p.name for p in cwd.rglob("*"))
+    for out_dir in (".", "corpus"):
+        proc = train(f"out_dir={out_dir}")
+        assert proc.returncode == 2, describe(proc)
+        assert f"config error: out_dir={out_dir} already holds files that no run wrote" in proc.stderr, (
+            describe(proc)
+        )
+        assert "Traceback" not in proc.stderr and sorted(p.name for p in cwd.rglob("*")) == before
+    fix = re.search(r"e\.g\. (out_dir=\S+)", proc.stderr).group(1)
+    assert (ok := train(fix)).returncode == 0, describe(ok)
+    run = cwd / fix.split("=", 1)[1]
+    proc = train(f"out_dir={run / 'ckpt'}")
+    assert proc.returncode == 2 and f"lies inside the run folder {run}" in proc.stderr, describe(proc)
+    assert not (run / "ckpt" / ".hydra").exists()
+
+
 @pytest.mark.parametrize("separator", ["'@'", "'£'", "'\\n@'"])
 def test_doc_separator_outside_the_vocabulary_names_the_key(data_args, separator):
     """A char-level separator the corpus cannot encode: the error names data.doc_separator (not only
