@@ -381,6 +381,15 @@ def notes(cfg: TrainConfig) -> list[str]:
             "for a run this short use e.g. "
             f"optim.warmup_steps={cfg.max_steps // 10}"
         )
+    ck = cfg.checkpoint
+    last = cfg.max_steps // ck.interval * ck.interval if ck.interval else 0
+    if not ck.at_end and last < cfg.max_steps:  # e.g. a one-off checkpoint.at_end=false kept by a resume
+        saved = f"the last checkpoint is at step {last}" if last else "no checkpoint is written"
+        out.append(
+            f"warning: checkpoint.at_end=false with checkpoint.interval={ck.interval}: {saved}, so steps "
+            f"{last + 1}-{cfg.max_steps} end in no checkpoint (eval.py, sample.py and resume=true read the "
+            "newest one); pass checkpoint.at_end=true to keep the final weights"
+        )
     return out
 
 

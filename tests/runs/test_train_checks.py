@@ -290,6 +290,9 @@ def test_check_resume_compatible_lists_all_differences():
     assert check_resume_compatible(base, {**base, "model_args": {**base["model_args"]}}) == []
     notes = check_resume_compatible(base, {**base, "attention": ["sdpa", "auto"]})
     assert notes == ["attention backend changed on resume: ['naive', 'auto'] -> ['sdpa', 'auto']"]
+    # a variant the weights were not trained with is allowed, and said (key, old and new value)
+    notes = check_resume_compatible(base, {**base, "model_args": {**base["model_args"], "window": 8}})
+    assert notes == ["attention.window changed on resume: None -> 8 (the steps so far trained with None)"]
     with pytest.raises(ConfigError) as e:
         check_resume_compatible(
             base, {**base, "model_args": {**base["model_args"], "n_head": 8}, "tokenizer": "gpt2"}
@@ -456,6 +459,22 @@ def test_plan_notes_say_what_a_key_does_not_do():
     assert gpu.notes == []
 
 
+@pytest.mark.parametrize(("interval", "max_steps", "last"), [(0, 10, 0), (4, 10, 8), (5, 10, 10)])
+def test_final_steps_outside_every_checkpoint_are_said(interval, max_steps, last):
+    """checkpoint.at_end=false (e.g. kept from a one-off resume) where the interval does not reach max_steps:
+    the start-up warning names the steps no checkpoint will hold and the key that keeps them."""
+    keys = ["experiment=cpu_tiny", f"max_steps={max_steps}", "checkpoint.at_end=false"]
+    plan = resolve_plan(
+        compose_cfg([*keys, f"checkpoint.interval={interval}"]), world_size=1, cuda_available=False
+    )
+    said = [n for n in plan.notes if "checkpoint.at_end=false" in n]
+    if last == max_steps:
+        assert said == [], plan.notes
+    else:
+        assert len(said) == 1 and f"steps {last + 1}-{max_steps} end in no checkpoint" in said[0], plan.notes
+        assert "checkpoint.at_end=true" in said[0]
+
+
 # ------------------------------------------------------------------------------------------ typed configs
 
 
@@ -564,10 +583,14 @@ def test_out_dir_with_a_sweep_is_refused_naming_hydra_sweep_dir(tmp_path):
     from tests.helpers_train import describe, train_command
 
     target = tmp_path / "sw"
-    cmd, env = train_command(["-m", "experiment=cpu_tiny", "seed=1,2", f"out_dir={target}", "wandb.mode=disabled"])
+    cmd, env = train_command(
+        ["-m", "experiment=cpu_tiny", "seed=1,2", f"out_dir={target}", "wandb.mode=disabled"]
+    )
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, describe(proc)
-    assert f"use hydra.sweep.dir={target} instead" in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    assert f"use hydra.sweep.dir={target} instead" in proc.stderr and "Traceback" not in proc.stderr, (
+        describe(proc)
+    )
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
 
