@@ -417,6 +417,9 @@ register()
 if __name__ == "__main__":  # python -m trainer.config: every key, its default and its doc
     from omegaconf import OmegaConf
 
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any CLI
     _defaults = OmegaConf.structured(TrainConfig)
     for _key, _doc in field_docs(TrainConfig).items():
         print(f"{_key} = {fmt(OmegaConf.select(_defaults, _key))}    # {_doc}")
