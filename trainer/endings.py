@@ -302,11 +302,14 @@ def end_disk_full(st, e: BaseException):
 
 def end_nonfinite(st, e: NonFiniteError):
     last = str(st.last_ckpt) if st.last_ckpt else "none (no checkpoint saved yet)"
+    lr = f"optim.lr={float(st.cfg.optim.lr) / 2:g}"
+    clip = "optim.grad_clip=1.0" if float(st.cfg.optim.grad_clip) <= 0 else "a lower optim.grad_clip"
+    lower = f"lower the learning rate (e.g. {lr}) or clip gradients ({clip})"
     fix = (
-        "Fix: lower optim.lr or optim.grad_clip and resume from that checkpoint "
+        f"Fix: {lower} and resume from that checkpoint "
         f"(`{resume_command(st)}` plus the new optim values), or use nonfinite=skip"
         if st.last_ckpt
-        else "Fix: lower optim.lr or optim.grad_clip and start the run again, in a new run directory "
+        else f"Fix: {lower} and start the run again, in a new run directory "
         f"(there is no checkpoint to resume from): `{restart_command(st)}` plus the new optim "
         "values, or use nonfinite=skip"
     )

@@ -234,6 +234,7 @@ def test_nan_stops_without_overwriting_checkpoints(tiny, tmp_path, capsys, monke
     assert (outcome.status, outcome.exit_code) == ("nonfinite", 1), err
     assert "non-finite loss at step 6" in err
     assert "step_00000004" in err and ".hydra/config.yaml" in err and "nonfinite=skip" in err
+    assert "(e.g. optim.lr=" in err and "grad_clip" in err  # keys with values that run as typed
     ckpts = sorted(p.name for p in (out / "ckpt").iterdir())
     assert ckpts == ["step_00000002", "step_00000004"], ckpts
     assert ckpt.load_checkpoint(out / "ckpt" / "step_00000004")["step"] == 4
