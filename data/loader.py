@@ -17,13 +17,13 @@ import torch
 
 from data.meta import (
     FORMAT_VERSION,
-    PREPARE_HINT,
     SPLITS,
     check_bin_file,
     load_meta,
     split_shards,
     token_dtype,
 )
+from data.prepare import prepare_command
 from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 
 __all__ = ["BinDataset", "load_meta", "tokenizer_from_meta", "SPLITS", "FORMAT_VERSION"]
@@ -31,18 +31,16 @@ __all__ = ["BinDataset", "load_meta", "tokenizer_from_meta", "SPLITS", "FORMAT_V
 SPLIT_IDS = {"train": 0, "val": 1}
 # eval_batches' seed sequences [seed, split_id, _EVAL_STREAM, i] have 4 entries: never batch()'s 5
 _EVAL_STREAM = 0x6576616C  # "eval"
-_FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of shards up to 16M tokens ...
-_PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
 
 
-def tokenizer_from_meta(meta: dict) -> GPT2Tokenizer | CharTokenizer:
-    """The tokenizer of a prepared directory (``load_meta``'s dict)."""
+def tokenizer_from_meta(meta: dict, data_dir: str | os.PathLike = "DIR") -> GPT2Tokenizer | CharTokenizer:
+    """The tokenizer of a prepared directory ``data_dir`` (``load_meta``'s dict)."""
     tok = make_tokenizer(meta["tokenizer"], itos=meta.get("itos"))
     if tok.vocab_size != meta["vocab_size"]:
         raise ValueError(
             f"meta.json says vocab_size={meta['vocab_size']} but its {meta['tokenizer']} tokenizer has "
-            f"{tok.vocab_size} tokens; the meta.json is corrupt: delete the directory's files and re-run "
-            f"`{PREPARE_HINT}`."
+            f"{tok.vocab_size} tokens; the meta.json is corrupt: prepare the directory with "
+            f"`{prepare_command(data_dir, meta)}`"
         )
     return tok
 
@@ -75,13 +73,18 @@ class BinDataset:
             raise ValueError("seq_len must be >= 1")
         self.data_dir = Path(data_dir)
         self.split, self.split_id, self.seq_len = split, SPLIT_IDS[split], seq_len
-        self.meta = load_meta(self.data_dir)
-        self.vocab_size: int = self.meta["vocab_size"]
-        self.dtype = token_dtype(self.meta)
-        self.shards = split_shards(self.data_dir, self.meta, split)  # [(file, tokens, index file)]
-        self.num_tokens: int = self.meta[f"{split}_tokens"]
-        for path, n, _ in self.shards:
-            check_bin_file(path, n, self.dtype)
+        meta = None
+        try:  # the errors end with the command that prepares the directory again
+            self.meta = meta = load_meta(self.data_dir)
+            self.vocab_size: int = meta["vocab_size"]
+            self.dtype = token_dtype(meta)
+            self.shards = split_shards(self.data_dir, meta, split)  # [(file, tokens, index file)]
+            for path, n, _ in self.shards:  # ids < vocab_size: catches corrupt or mismatched shards
+                check_bin_file(path, n, self.dtype, self.vocab_size if check_ids else None)
+        except (FileNotFoundError, ValueError) as e:
+            fix = prepare_command(self.data_dir, meta)
+            raise type(e)(f"{str(e).rstrip('.')}; prepare it with `{fix}`") from None
+        self.num_tokens: int = meta[f"{split}_tokens"]
         # offsets[k] = position of shard k's first token in the split's stream
         self._offsets = np.cumsum([0] + [n for _, n, _ in self.shards]).astype(np.int64)
         if self.num_tokens < seq_len + 1:
@@ -93,8 +96,6 @@ class BinDataset:
                 f"a {fraction} data.val_fraction."
             )
         self._data = self._open()
-        if check_ids:
-            self._check_ids()
 
     def _open(self) -> list[np.ndarray]:
         # np.memmap refuses an empty file: an empty shard is an empty array
@@ -124,18 +125,6 @@ class BinDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._data = self._open()
-
-    def _check_ids(self) -> None:
-        k = _PARTIAL_ID_CHECK_TOKENS
-        for data, (path, n, _) in zip(self._data, self.shards, strict=True):
-            ids = data if n <= _FULL_ID_CHECK_TOKENS else np.concatenate([data[:k], data[-k:]])
-            top = int(ids.max()) if n else -1
-            if top >= self.vocab_size:
-                raise ValueError(
-                    f"{path} holds token id {top}, but {self.data_dir / 'meta.json'} says "
-                    f"vocab_size={self.vocab_size}: the .bin and meta.json come from different prepare runs. "
-                    f"Delete {self.data_dir}'s .bin files and meta.json and re-run `{PREPARE_HINT}`."
-                )
 
     # -- documents
     def doc_starts(self) -> np.ndarray:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -40,8 +41,8 @@ REQUIRED_KEYS = (
     "shard_tokens",
     "shards",
 )
-
-PREPARE_HINT = "python -m data.prepare --source PATH --out-dir DIR --tokenizer gpt2|char"
+_FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of shards up to 16M tokens ...
+_PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
 
 
 def meta_path(data_dir: str | os.PathLike) -> Path:
@@ -73,16 +74,17 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
 
     Raises:
         FileNotFoundError: no ``meta.json`` (never prepared, or a prepare was interrupted).
-        ValueError: unreadable, of another format (an older flashgpt's included) or inconsistent; the
-            message says how to prepare the directory again.
+        ValueError: unreadable, of another format (an older flashgpt's included) or inconsistent.
+    The messages say what is wrong; a caller that cannot prepare the directory itself adds
+    ``data.prepare.prepare_command``.
     """
     path = meta_path(data_dir)
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: {data_dir} is not a prepared data directory (never prepared, or a prepare "
-            f"step was interrupted). Prepare it with `{PREPARE_HINT}` or data.prepare.ensure_prepared(...)."
+            "step was interrupted)."
         )
-    redo = f"Delete {path} and the .bin files next to it, then re-run `{PREPARE_HINT}`."
+    redo = "The directory must be prepared again."
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -133,22 +135,42 @@ def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tu
     return [(d / s["file"], int(s["tokens"]), d / s["index"]) for s in meta["shards"][split]]
 
 
-def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype) -> None:
-    """The token file ``path`` exists and is exactly ``num_tokens * itemsize`` bytes, else an error that
-    names it, both sizes, and says to delete it and prepare again."""
+def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype, vocab_size: int | None = None):
+    """The token file ``path`` exists, is exactly ``num_tokens * itemsize`` bytes and (``vocab_size``) holds
+    no id >= ``vocab_size`` (``max_token_id``), else FileNotFoundError / ValueError saying what is wrong."""
     path = Path(path)
     meta = path.parent / META_NAME
     if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found although {meta} exists. Delete {meta} and re-run `{PREPARE_HINT}`."
-        )
+        raise FileNotFoundError(f"{path} not found although {meta} exists")
     size, expected = path.stat().st_size, num_tokens * dtype.itemsize
     if size != expected:
         raise ValueError(
             f"{path} is {size} bytes, but {meta} says it holds {num_tokens} {dtype.name} tokens = {expected} "
-            f"bytes: the file is truncated or was written by another prepare run. Delete {path} and {meta}, "
-            f"then re-run `{PREPARE_HINT}`."
+            "bytes: the file is truncated or was written by another prepare run"
         )
+    if vocab_size is not None and (top := max_token_id(path, num_tokens, dtype)) >= vocab_size:
+        raise ValueError(
+            f"{path} holds token id {top}, but {meta} says vocab_size={vocab_size}: the file is corrupt or "
+            "was written by another prepare run"
+        )
+
+
+def max_token_id(path: str | os.PathLike, num_tokens: int, dtype: np.dtype) -> int:
+    """The largest id of a token file (-1 when empty): of every id up to 16M tokens, else of the first and
+    last 1M. Read once per process while the file's size, mtime and inode stay (a launch checks the data
+    before preparing and again when it loads them)."""
+    st = os.stat(path)
+    return _max_id(
+        os.path.realpath(path), int(num_tokens), np.dtype(dtype).str, st.st_size, st.st_mtime_ns, st.st_ino
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _max_id(path: str, n: int, dtype: str, *_stat) -> int:
+    if n == 0:
+        return -1
+    data, k = np.memmap(path, dtype=dtype, mode="r", shape=(n,)), _PARTIAL_ID_CHECK_TOKENS
+    return int((data if n <= _FULL_ID_CHECK_TOKENS else np.concatenate([data[:k], data[-k:]])).max())
 
 
 def tokens_digest(data_dir: str | os.PathLike, meta: dict, samples: int = 16, block: int = 4096) -> str:

@@ -21,9 +21,12 @@ import functools
 import hashlib
 import http.client
 import itertools
+import json
 import logging
 import math
 import os
+import re
+import shlex
 import shutil
 import sys
 import urllib.request
@@ -62,6 +65,7 @@ from data.shards import (  # noqa: E402
 )
 from data.sources import (  # noqa: E402
     Source,
+    SourceError,
     fingerprint_diff,
     fingerprint_sha256,
     is_hf,
@@ -393,12 +397,12 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     if opts.val_docs is not None:
         return (
             f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "
-            f"(the first {opts.val_docs} are held out): use {fix} (data.val_docs, --val-docs)"
+            f"(the first {opts.val_docs} are held out): use {fix}"
         )
     return (
         f"{label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
         f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use {fix} "
-        "(data.val_docs, --val-docs; it replaces val_fraction) or a source with more documents"
+        "(it replaces val_fraction) or a source with more documents"
     )
 
 
@@ -568,11 +572,12 @@ def _stale(source, out: Path, opts: Options) -> str | None:
 
 
 def _shards_problem(out: Path, meta: dict) -> str | None:
-    """What is wrong with ``out``'s token files (missing, or another size than meta.json records)."""
+    """What is wrong with ``out``'s token files (missing, another size than meta.json records, or an id
+    beyond its vocabulary: a corrupt file)."""
     for split in SPLITS:
         for path, n, _ in split_shards(out, meta, split):
             try:
-                check_bin_file(path, n, token_dtype(meta))
+                check_bin_file(path, n, token_dtype(meta), meta["vocab_size"])
             except (FileNotFoundError, ValueError) as e:
                 return str(e)
     return None
@@ -645,6 +650,92 @@ def _conflict(source, out: Path, opts: Options) -> str | None:
     return _compare(meta, _resolve_source(source, out, fetch=False, text_field=opts.text_field), opts)
 
 
+def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs=None) -> list[str]:
+    """prepare's arguments (``text_field=body``, ``val_docs=1``) that a local source of documents needs
+    besides these, found by reading its first records and counting its documents until both splits would
+    hold one: an error raised before the prepare names them with its own fix. [] when none is known."""
+    if source is None or is_url(source) or is_hf(source):
+        return []
+    try:
+        opts, seen, fixes = Options("gpt2", val_fraction, None, val_docs, text_field), set(), []
+    except ValueError:
+        return []  # its own error comes first
+    for limit in range(1, 10_001):  # documents both splits need
+        seen.add(opts.is_val(limit - 1))
+        if len(seen) == 2:
+            break
+    else:
+        return []
+    while True:
+        try:
+            src = open_source(source, opts.text_field)
+            if src.kind != "docs":
+                return fixes
+            n = 0
+            for _, start, _ in src.pieces():
+                n += start
+                if n >= limit:
+                    return fixes
+            break
+        except SourceError as e:  # a text field named in the records: then count with it
+            if e.fix is None or fixes:
+                return fixes
+            fixes.append(e.fix)
+            opts.text_field = e.fix.partition("=")[2]
+        except (OSError, ValueError):
+            return fixes  # the prepare reports it
+    if n >= 2:  # else no split holds a document on both sides (the prepare says so)
+        val = [opts.is_val(i) for i in range(n)]
+        fixes.append(f"val_docs={n - 1 if all(val) else 1}")
+        if val_fraction is not None:
+            fixes.append("val_fraction=null")
+    return fixes
+
+
+def prepare_command(
+    out_dir, meta: dict | None = None, source: str = "CORPUS", tokenizer: str = "gpt2"
+) -> str:
+    """The ``python -m data.prepare`` command that prepares ``out_dir`` again as ``meta`` (default: what of
+    its meta.json reads) records it, to run as typed; ``source`` and ``tokenizer`` where it records none."""
+    if meta is None:
+        try:
+            meta = json.loads(meta_path(out_dir).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            pass
+    meta = meta if isinstance(meta, dict) else {}
+    args = {
+        "source": meta.get("source") or source,
+        "out-dir": out_dir,
+        "tokenizer": meta.get("tokenizer") or tokenizer,
+    }
+    fraction, docs = meta_split(meta)
+    if docs is not None:
+        args["val-docs"] = docs
+    elif fraction is not None and fraction != DEFAULT_VAL_FRACTION:
+        args["val-fraction"] = fraction
+    if sep := meta.get("doc_separator"):  # escaped as the flag reads it (data.docs.parse_separator)
+        args["doc-separator"] = sep.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
+    if meta.get("source_kind") == "docs" and meta.get("text_field", "text") != "text":
+        args["text-field"] = meta["text_field"]
+    if meta.get("max_tokens") is not None:
+        args["max-tokens"] = meta["max_tokens"]
+    if meta.get("shard_tokens", DEFAULT_SHARD_TOKENS) != DEFAULT_SHARD_TOKENS:
+        args["shard-tokens"] = meta["shard_tokens"]
+    if isinstance(meta.get("vocab_size"), int) and meta.get("dtype") != _dtype_for(
+        meta["vocab_size"], "auto"
+    ):
+        args["dtype"] = meta["dtype"]
+    return " ".join(["python -m data.prepare", *(f"--{k} {shlex.quote(str(v))}" for k, v in args.items())])
+
+
+_ARG = re.compile(r"(?<![.\w-])(doc_separator|val_fraction|val_docs|text_field|max_tokens)=")
+
+
+def _as_flags(text: str) -> str:
+    """prepare's arguments in a message as the CLI's flags (text_field=body -> --text-field body)."""
+    return _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", text)
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 1 error with a message on stderr, 130 Ctrl-C)."""
@@ -699,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
         run = {"workers": args.workers, "shard_tokens": args.shard_tokens, "dtype": args.dtype}
         meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_as_flags(str(e))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # what is written stays; the next run resumes from it
         print(

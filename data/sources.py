@@ -36,7 +36,20 @@ Piece = tuple[str, bool, bool]  # (text, starts a document, ends a document)
 
 
 class SourceError(ValueError):
-    """A source that cannot be read as documents (the message names it and a fix)."""
+    """A source that cannot be read as documents (the message names it and a fix; ``fix``: prepare's
+    argument that reads it, e.g. ``text_field=body``, where one is known)."""
+
+    def __init__(self, message: str, fix: str | None = None):
+        super().__init__(message)
+        self.fix = fix
+
+
+def _field_fix(names: Iterable[str], what: str) -> tuple[str, str | None]:
+    """(the advice, ``text_field=NAME``) for the first of ``names`` (fields or columns that hold text)."""
+    name = next(iter(names), None)
+    if name is None:
+        return f"none of its {what}s holds text: pass records with a text {what}", None
+    return f"set text_field={name} (the {what} that holds the text)", f"text_field={name}"
 
 
 def is_hf(source) -> bool:
@@ -219,19 +232,22 @@ class Source:
     def _field(self, record, where: str) -> str:
         if not isinstance(record, dict):
             raise SourceError(f"{where} holds a {type(record).__name__}, not a JSON object with a text field")
+        text = record.get(self.text_field, 0)  # 0: no such field
+        if text is None or isinstance(text, str):
+            return text or ""
+        # the field holding the longest text is the likely one
+        texts = sorted(
+            (k for k, v in record.items() if isinstance(v, str) and v), key=lambda k: -len(record[k])
+        )
+        advice, fix = _field_fix(texts, "field")
         if self.text_field not in record:
             fields = ", ".join(sorted(map(str, record))[:8]) or "none"
             raise SourceError(
-                f"{where} has no field {self.text_field!r} (its fields: {fields}); set data.text_field "
-                "(--text-field) to the field that holds the text"
+                f"{where} has no field {self.text_field!r} (its fields: {fields}); {advice}", fix
             )
-        text = record[self.text_field]
-        if text is not None and not isinstance(text, str):
-            raise SourceError(
-                f"{where}: field {self.text_field!r} holds a {type(text).__name__}, not text; set "
-                "data.text_field (--text-field) to a string field"
-            )
-        return text or ""
+        raise SourceError(
+            f"{where}: field {self.text_field!r} holds a {type(text).__name__}, not text; {advice}", fix
+        )
 
 
 def _json_records(path: Path) -> Iterator[tuple[object, str]]:
@@ -265,9 +281,10 @@ def _parquet_records(path: Path, column: str) -> Iterator[tuple[dict, str]]:
         raise SourceError(f"{path} is not a readable Parquet file ({type(e).__name__}: {e})") from e
     names = pf.schema_arrow.names
     if column not in names:
+        strings = [f.name for f in pf.schema_arrow if str(f.type) in ("string", "large_string")]
+        advice, fix = _field_fix(strings, "column")
         raise SourceError(
-            f"{path} has no column {column!r} (its columns: {', '.join(names[:8])}); set "
-            "data.text_field (--text-field) to the column that holds the text"
+            f"{path} has no column {column!r} (its columns: {', '.join(names[:8])}); {advice}", fix
         )
     rows = itertools.chain.from_iterable(
         b.column(0).to_pylist() for b in pf.iter_batches(1024, columns=[column])

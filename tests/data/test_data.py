@@ -544,7 +544,7 @@ def test_truncated_bin_and_mismatched_meta_errors(tmp_path):
 
     with open(out / "train_000000.bin", "r+b") as f:
         f.truncate(2 * meta["train_tokens"] - 2)
-    pattern = re.escape(str(out / "train_000000.bin")) + r" is \d+ bytes.*truncated.*Delete"
+    pattern = re.escape(str(out / "train_000000.bin")) + r" is \d+ bytes.*truncated.*prepare it with `python"
     with pytest.raises(ValueError, match=pattern):
         BinDataset(out, "train", 8)
     BinDataset(out, "val", 8)  # the other split is fine
@@ -554,18 +554,22 @@ def test_truncated_bin_and_mismatched_meta_errors(tmp_path):
     bad["val_tokens"] += 5
     bad["shards"]["val"][0]["tokens"] += 5
     (out / "meta.json").write_text(json.dumps(bad))
-    with pytest.raises(ValueError, match=r"val_000000\.bin is \d+ bytes, but .*meta\.json says.*re-run"):
+    with pytest.raises(
+        ValueError, match=r"val_000000\.bin is \d+ bytes, but .*meta\.json says.*prepare it with"
+    ):
         BinDataset(out, "val", 8)
     (out / "meta.json").write_text(json.dumps(dict(meta, val_tokens=meta["val_tokens"] + 5)))
-    with pytest.raises(ValueError, match=r"val shards do not add up to val_tokens.*re-run"):
+    with pytest.raises(ValueError, match=r"val shards do not add up to val_tokens.*prepare it with"):
         BinDataset(out, "val", 8)
 
     (out / "meta.json").write_text(json.dumps(dict(meta, vocab_size=5)))  # ids up to 27 in the bins
-    with pytest.raises(ValueError, match=r"holds token id \d+.*vocab_size=5.*different prepare runs"):
+    with pytest.raises(
+        ValueError, match=r"holds token id \d+.*vocab_size=5.*corrupt or was written by another prepare run"
+    ):
         BinDataset(out, "train", 8)
 
     (out / "meta.json").write_text(json.dumps(dict(meta, format_version=3)))
-    with pytest.raises(ValueError, match=r"format_version=3.*re-run"):
+    with pytest.raises(ValueError, match=r"format_version=3.*prepare it with"):
         BinDataset(out, "train", 8)
     # an older flashgpt's train.bin / val.bin: one error, naming both ways to prepare the corpus again
     (out / "meta.json").write_text(json.dumps(dict(meta, format_version=1)))
