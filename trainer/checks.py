@@ -314,11 +314,16 @@ def check_data_source(cfg) -> None:
             raise ConfigError(f"data.source={src} is not readable ({e.strerror}); fix its permissions") from e
     d = Path(str(cfg.data.dir)).expanduser()
     if is_document_source(src) and cfg.data.tokenizer == "char":
-        # one fix that runs as typed: a data.dir that holds (char) data would be refused next
-        own = f" data.dir={_own_folder(cfg)}" if d.is_dir() and any(d.iterdir()) else ""
+        from data.prepare import document_fixes
+
+        # one fix that runs as typed: a data.dir that holds (char) data would be refused next, and what
+        # the documents need besides (data.text_field, data.val_docs) would be the next errors
+        own = f" data.dir={_own_folder(cfg, 'gpt2')}" if d.is_dir() and any(d.iterdir()) else ""
+        fixes = document_fixes(src, cfg.data.text_field, cfg.data.val_fraction, cfg.data.val_docs)
+        more = "".join(f" {as_keys(f)}" for f in fixes)
         raise ConfigError(
             f"data.tokenizer=char reads a single text file (its vocabulary is the text's characters); "
-            f"data.source={src} is a list of documents: use data.tokenizer=gpt2{own}"
+            f"data.source={src} is a list of documents: use data.tokenizer=gpt2{own}{more}"
         )
     if d.exists() and not d.is_dir():
         raise ConfigError(f"data.dir={cfg.data.dir} exists and is not a directory; pass a directory path")
@@ -411,13 +416,13 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
         )
 
 
-def _own_folder(cfg) -> Path:
+def _own_folder(cfg, tokenizer: str | None = None) -> Path:
     """A data.dir beside the given one that holds nothing yet, named after the corpus and the tokenizer
-    (``other_char``, ``fineweb_gpt2``), as nanoGPT's data/<corpus>/ folders."""
+    (``other_char``, ``fineweb_gpt2``; default data.tokenizer), as nanoGPT's data/<corpus>/ folders."""
     from data.sources import source_stem
 
     given = Path(str(cfg.data.dir))
-    name = f"{source_stem(cfg.data.source)}_{cfg.data.tokenizer}"
+    name = f"{source_stem(cfg.data.source)}_{tokenizer or cfg.data.tokenizer}"
     other, n = given.parent / name, 2
     while other.exists():  # a folder of its own: never one that holds (other) data
         other, n = given.parent / f"{name}_{n}", n + 1
