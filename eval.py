@@ -2,7 +2,7 @@
 
     python eval.py run=runs/<run>                          # newest checkpoint, the run's val split
     python eval.py run=runs/<run> data.split=train attention=naive batches=50
-    python eval.py ckpt=runs/<run>/ckpt/step_00000300.pt dtype=float32
+    python eval.py ckpt=runs/<run>/ckpt/step_00000300 dtype=float32
     python eval.py init_from=gpt2 data.dir=data/web seq_len=1024   # released weights on GPT-2 BPE data
 
 The batches are ``BinDataset.eval_batches(batches, batch_size, seed)`` of the run's data directory: with
@@ -17,8 +17,11 @@ only); where that cannot be written (a read-only run directory) a note says so a
 0. A ``batch_size`` or ``batches`` asking for more tokens than the split holds is cut to what covers it
 once (a note says so).
 
-Exit status: 0 ok; 2 for a user error (no run or checkpoint, no data directory, a config error such as a
-misspelt key, ``+typo=1`` or a wrong type: ``config error: ...`` like train.py), nothing written.
+Exit status: 0 ok; 2 for a user error, nothing written: no run or checkpoint, ``run=`` with a ``ckpt=`` of
+another run, no data directory, a run's data directory that no longer holds the data it trained on (a
+changed corpus, prepared again: what ``resume=true`` refuses; a ``data.dir=`` given here is evaluated on
+purpose, its tokenizer checked only), a config error (a misspelt key, ``+typo=1``, a wrong type:
+``config error: ...`` like train.py).
 Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 """
 
@@ -96,6 +99,22 @@ def _cap_to_split(
     return batch_size, batches, notes
 
 
+def check_same_data(state: dict, data_dir: str, meta: dict) -> None:
+    """InferError when ``data_dir`` no longer holds the data the checkpoint recorded (``state["data"]``):
+    a changed corpus, or the data dir prepared again; the comparison of resume=true."""
+    from data.meta import tokens_digest
+    from trainer.setup import data_difference
+
+    saved = state.get("data") or {}
+    digest = tokens_digest(data_dir, meta) if saved.get("tokens_digest") else None
+    if moved := data_difference(saved, meta, digest):
+        raise InferError(
+            f"the data in {data_dir} are not the data {state['path']} was trained on ({moved}): the corpus "
+            f"changed since, or its data dir was prepared again, so the loss would not be the run's. Restore "
+            f"the run's data, or pass data.dir={data_dir} to evaluate on these data on purpose"
+        )
+
+
 def _eval(cfg: DictConfig) -> int:
     import torch
 
@@ -149,6 +168,8 @@ def _eval(cfg: DictConfig) -> int:
             f"data.dir={data_dir} was tokenized unlike the checkpoint's training data ({changed}), so its ids"
             " mean other tokens; pass the run's own data.dir, or data prepared with the same tokenizer"
         )
+    if not cfg.data.dir:  # the run's own data dir: still the data it trained on (as resume=true checks)
+        check_same_data(state, data_dir, ds.meta)
     # the run's own values are kept (its val/loss batches) unless this command changed the batch shape
     own_bs = run_bs if cfg.seq_len is None else None
     own_batches = run_eval.get("batches", 20) if cfg.seq_len is None and cfg.batch_size is None else None
