@@ -2,20 +2,21 @@
 
     python sample.py run=runs/<run>                               # newest loadable checkpoint, 3 samples
     python sample.py run=runs/<run> prompt="ROMEO:" temperature=0 max_new_tokens=200
-    python sample.py ckpt=runs/<run>/ckpt/step_00000300.pt prompt=file:prompt.txt top_p=0.9
+    python sample.py ckpt=runs/<run>/ckpt/step_00000300 prompt=file:prompt.txt top_p=0.9
     TRITON_INTERPRET=1 python sample.py run=runs/<run> attention=flash max_new_tokens=20   # CPU, slow
     python sample.py init_from=gpt2 prompt="Hello" out=gpt2.txt     # GPT-2's released weights, no run
 
 Model and tokenizer come from the checkpoint alone (model_args, weights, tokenizer with its char
-vocabulary). The prompt is prefilled into a
-KV cache with the chosen backend, then one token per sample per step is decoded (``GPT.generate``). Samples
-are printed and written to ``<run>/samples/<time>_<ckpt>.txt`` with a ``.json`` of the settings, token ids
-and prefill / decode tokens per second (``out=PATH.txt``: there). Where they cannot be written (a
-read-only run directory) a note says so and the exit status stays 0.
+vocabulary). The prompt is prefilled into a KV cache with the chosen backend, then one token per sample per
+step is decoded (``GPT.generate``). Samples are printed and written to ``<run>/samples/<time>_<ckpt>.txt``
+with a ``.json`` of the settings, token ids and prefill / decode tokens per second (``out=PATH.txt``:
+there; ``write=false``: console only). Where they cannot be written (a read-only run directory) a note
+says so and the exit status stays 0.
 
-Exit status: 0 ok; 2 for a user error (no run or checkpoint, a prompt the tokenizer cannot encode,
-temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing written; also for a config error
-(``config error: ...``: a misspelt key such as ``temprature=0.5``, ``+typo=1``, a wrong type), like train.py.
+Exit status: 0 ok; 2 for a user error (no run or checkpoint, ``run=`` with a ``ckpt=`` of another run, a
+prompt the tokenizer cannot encode, temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing
+written; also for a config error (``config error: ...``: a misspelt key such as ``temprature=0.5``,
+``+typo=1``, a wrong type), like train.py.
 Keys: ``trainer/infer_config.py`` ``SampleConfig``.
 """
 
@@ -190,6 +191,8 @@ def _sample(cfg: DictConfig) -> int:
         "samples": samples,
         "token_ids": new,
     }
+    if not cfg.write:
+        return 0
     if run_dir is None and not cfg.out:  # init_from: no run directory to write into
         print(
             "sample.py: init_from has no run directory: printed only (out=PATH.txt writes them)",

@@ -18,32 +18,37 @@ class InferError(Exception):
 
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
-    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (its run directory is
-    the folder above its ``ckpt/``, or ``run``), else the newest checkpoint of ``run`` that loads (unloadable
-    ones are skipped with a warning)."""
+    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (a checkpoint
+    directory or a file in it; its run directory is the folder above its ``ckpt/``), else the newest
+    checkpoint of ``run`` that loads (unloadable ones are skipped with a warning)."""
     if ckpt_path:
-        p = Path(ckpt_path)
-        if not p.exists():
-            raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory")
+        p = _checkpoint_dir(ckpt_path)
+        run_dir = p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent
+        if run and not p.resolve().is_relative_to(Path(run).resolve()):  # its results would go to run
+            raise InferError(
+                f"run={run} and ckpt={ckpt_path} name two models (the checkpoint is not in run={run}, whose "
+                f"folder would get its results); pass one: ckpt={ckpt_path} alone (results in {run_dir}), "
+                f"or run={run} alone (its newest checkpoint)"
+            )
         try:
-            state = ckpt.load_checkpoint(p)
-        except Exception as e:  # noqa: BLE001 - truncated, corrupt, not ours: all the same to the user
-            raise InferError(f"ckpt={ckpt_path} does not load ({type(e).__name__}: {e})") from e
-        run_dir = Path(run) if run else (p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent)
-        return p, state, run_dir
+            state = load_record(p)
+        except ValueError as e:
+            raise InferError(f"ckpt={ckpt_path} does not load: {e}") from e
+        return p, state, Path(run) if run else run_dir
     if not run:
         raise InferError("say which run to use: run=runs/<run> (its newest checkpoint) or ckpt=PATH")
     run_dir = Path(run)
     if not run_dir.is_dir():
         raise InferError(f"run={run}: no such run directory (runs are under runs/, e.g. run=runs/<name>)")
-    path, state = ckpt.load_newest(run_dir, warn=warn)
-    if path is None:
-        found = len(ckpt.list_checkpoints(run_dir))
-        why = f"none of its {found} checkpoints loads" if found else "it has no checkpoint"
-        fix = "pass ckpt=PATH of a checkpoint that loads"
-        if not found:  # it cannot be resumed either (resume=true needs one)
-            fix = "it ended before its first checkpoint (checkpoint.interval): train anew or pass ckpt=PATH"
-        raise InferError(f"run={run}: {why} (looked in {ckpt.ckpt_dir(run_dir)}); {fix}")
+    path, state = None, None
+    for _, p in ckpt.list_checkpoints(run_dir):
+        try:
+            path, state = p, load_record(p)
+            break
+        except ValueError as e:
+            warn(f"warning: checkpoint {p} does not load ({e}); trying an older one")
+    if state is None:
+        raise InferError(no_checkpoint_message(run, run_dir))
     lost = lost_newer_checkpoint(run_dir, int(state["step"]))
     if lost:
         warn(
@@ -52,6 +57,67 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
             f"out_dir={run_dir} (it replays the steps after {state['step']} with the run's own schedule)"
         )
     return path, state, run_dir
+
+
+def _checkpoint_dir(ckpt_path: str) -> Path:
+    """The checkpoint directory ``ckpt=`` names: itself, or the directory of a file in it."""
+    p = Path(ckpt_path)
+    if not p.exists():
+        raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory")
+    if p.is_file():  # flashgpt.pt or another file of the checkpoint
+        p = p.parent
+    if _is_run(p) or ckpt.list_checkpoints(p):
+        raise InferError(f"ckpt={ckpt_path} is a run directory, not a checkpoint: did you mean run={p}?")
+    if p.name == ckpt.CKPT_DIR_NAME:
+        raise InferError(
+            f"ckpt={ckpt_path} is the checkpoint folder of a run: pass run={p.parent} (its newest) or "
+            f"ckpt={p}/step_<N>"
+        )
+    return p
+
+
+def _is_run(p: Path) -> bool:
+    """``p`` holds a run's record: its summary.json or config.resolved.yaml."""
+    return (p / "summary.json").is_file() or (p / "config.resolved.yaml").is_file()
+
+
+def load_record(p: Path) -> dict:
+    """``checkpoint.load_checkpoint(p)``; ValueError (saying so) for a record torch cannot read."""
+    try:
+        return ckpt.load_checkpoint(p)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.load of a corrupt or foreign file: any exception
+        why = f"torch.load: {type(e).__name__}"
+        raise ValueError(f"{p / ckpt.RECORD} is corrupt or not a flashgpt checkpoint record ({why})") from e
+
+
+def no_checkpoint_message(run: str, run_dir: Path) -> str:
+    """Why ``run`` has no checkpoint that loads: not a run, a ckpt/ folder, still running, or ended early."""
+    from trainer.rundir import KILLED, read_summary, true_status
+
+    found = len(ckpt.list_checkpoints(run_dir))
+    where = f"looked in {ckpt.ckpt_dir(run_dir)}"
+    if found:
+        return f"run={run}: none of its {found} checkpoints loads ({where}); pass ckpt=PATH of one that loads"
+    if run_dir.name == ckpt.CKPT_DIR_NAME and _is_run(run_dir.parent):
+        return f"run={run} is the checkpoint folder of a run: pass run={run_dir.parent}"
+    if not _is_run(run_dir):
+        return (
+            f"run={run} is not a flashgpt run directory (no summary.json or config.resolved.yaml): pass "
+            "run=runs/<name> of a trained run, or ckpt=PATH of a checkpoint"
+        )
+    status, _ = true_status(run_dir, read_summary(run_dir))
+    if status == "running":
+        return (
+            f"run={run} has no checkpoint yet ({where}): it is still running (summary.json status "
+            "'running'); wait for its first checkpoint (checkpoint.interval)"
+        )
+    how = {KILLED: "was killed", None: "stopped (no summary.json)"}.get(status, f"ended (status {status!r})")
+    return (
+        f"run={run} has no checkpoint ({where}): it {how} before its first checkpoint "
+        "(checkpoint.interval); train anew, or pass ckpt=PATH of another checkpoint"
+    )
 
 
 def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:

@@ -55,7 +55,7 @@ class SampleConfig:
 
     attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
     run: str | None = spec(None, "run directory (runs/<name>); its newest checkpoint that loads is used")
-    ckpt: str | None = spec(None, "or a checkpoint file (wins over run's newest)")
+    ckpt: str | None = spec(None, "or a checkpoint: runs/<run>/ckpt/step_<N> (or a file in it)")
     init_from: str | None = spec(
         None, "or released weights, no run: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir"
     )
@@ -83,6 +83,7 @@ class SampleConfig:
     dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")
     device: str = spec("auto", "auto | cpu | cuda")
     use_cache: bool = spec(True, "false: recompute the whole context every token (reference, slow)", BOOL)
+    write: bool = spec(True, "false: print only (no <run>/samples/ files)", BOOL)
     out: str | None = spec(
         None, "samples file; null = <run>/samples/<time>_<ckpt>.txt (plus a .json of settings)"
     )
@@ -103,7 +104,7 @@ class EvalConfig:
     attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     run: str | None = spec(None, "run directory; its newest checkpoint that loads is used")
-    ckpt: str | None = spec(None, "or a checkpoint file")
+    ckpt: str | None = spec(None, "or a checkpoint: runs/<run>/ckpt/step_<N> (or a file in it)")
     init_from: str | None = spec(
         None, "or released weights, no run: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir"
     )

@@ -1,16 +1,21 @@
-"""eval.py and the run it is pointed at: the run's data changed since it trained."""
+"""eval.py / sample.py and the run they are pointed at: the run's data changed since it trained, run= and
+ckpt= of two runs, a checkpoint file, a folder that is no run or has no checkpoint yet, a corrupt record.
+Each refusal exits 2 with the key and a value that works, and writes nothing anywhere."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
+import socket
 
 import pytest
 import torch
 
 from tests.helpers_train import copy_run, describe
-from tests.model.test_sample import EVAL, _run, _tree
+from tests.model.test_sample import EVAL, SAMPLE, _run, _tree
 from trainer import checkpoint as ckpt
+from trainer.infer import InferError, find_checkpoint
 
 
 @pytest.fixture
@@ -61,3 +66,101 @@ def test_eval_refuses_the_runs_data_dir_prepared_again_from_a_changed_corpus(run
     proc = _run(EVAL, [f"run={run_copy}", "batches=1", f"data.dir={data}", "write=false"], work)
     assert proc.returncode == 0 and "val loss" in proc.stdout, describe(proc)
     assert _tree(run_copy) == before
+
+
+def test_run_and_a_checkpoint_of_another_run_are_refused(reference_run, run_copy, tmp_path):
+    """run=A ckpt=<B's checkpoint> would write B's results into A: refused like init_from with run=, naming
+    both keys and a command that works, nothing written into either run; a ckpt= inside run= still works."""
+    other = ckpt.ckpt_path(reference_run, 8)
+    before = _tree(run_copy), _tree(reference_run)
+    for script in (EVAL, SAMPLE):
+        proc = _run(script, [f"run={run_copy}", f"ckpt={other}"], tmp_path)
+        _refused(
+            proc,
+            f"run={run_copy} and ckpt={other} name two models",
+            f"ckpt={other} alone (results in {reference_run})",
+            f"or run={run_copy} alone",
+        )
+    assert (_tree(run_copy), _tree(reference_run)) == before and list(tmp_path.iterdir()) == [run_copy]
+    proc = _run(EVAL, [f"run={run_copy}", f"ckpt={ckpt.ckpt_path(run_copy, 8)}", "batches=1"], tmp_path)
+    assert proc.returncode == 0, describe(proc)
+    (result,) = (run_copy / "evals").glob("*.json")
+    assert json.loads(result.read_text())["step"] == 8
+
+
+def test_sample_from_a_checkpoint_file_and_write_false(run_copy, tmp_path):
+    """ckpt=<step dir>/flashgpt.pt is its checkpoint (samples into its run); write=false prints only."""
+    record = ckpt.ckpt_path(run_copy, 8) / ckpt.RECORD
+    proc = _run(SAMPLE, [f"ckpt={record}", "max_new_tokens=2", "num_samples=1"], tmp_path)
+    assert proc.returncode == 0 and "step_00000008" in proc.stdout, describe(proc)
+    assert len(list((run_copy / "samples").glob("*_step_00000008.txt"))) == 1
+    shutil.rmtree(run_copy / "samples")
+    before = _tree(run_copy)
+    proc = _run(SAMPLE, [f"run={run_copy}", "max_new_tokens=2", "num_samples=1", "write=false"], tmp_path)
+    assert proc.returncode == 0 and "sample 1/1" in proc.stdout, describe(proc)
+    assert "written" not in proc.stdout and _tree(run_copy) == before
+    assert list(tmp_path.iterdir()) == [run_copy]
+
+
+def test_ckpt_of_a_run_directory_suggests_run(run_copy, tmp_path):
+    before = _tree(run_copy)
+    proc = _run(EVAL, [f"ckpt={run_copy}"], tmp_path)
+    _refused(proc, f"ckpt={run_copy} is a run directory, not a checkpoint: did you mean run={run_copy}?")
+    assert _tree(run_copy) == before
+
+
+def _find_error(run=None, ckpt_path=None) -> str:
+    with pytest.raises(InferError) as e:
+        find_checkpoint(None if run is None else str(run), None if ckpt_path is None else str(ckpt_path))
+    return str(e.value)
+
+
+def test_run_that_is_no_run_or_has_no_checkpoint_yet_says_which(run_copy, tmp_path):
+    """run= of a ckpt/ folder, of a folder that is no run, of a live or killed run before its first
+    checkpoint, of a run that ended before it: each says so (not always "it ended before ...")."""
+    assert f"run={run_copy}/ckpt is the checkpoint folder of a run: pass run={run_copy}" in _find_error(
+        run_copy / "ckpt"
+    )
+    assert f"ckpt={run_copy}/ckpt is the checkpoint folder of a run: pass run={run_copy}" in _find_error(
+        ckpt_path=run_copy / "ckpt"
+    )
+    (tmp_path / "notarun").mkdir()
+    assert "is not a flashgpt run directory (no summary.json or config.resolved.yaml)" in _find_error(
+        tmp_path / "notarun"
+    )
+    live = tmp_path / "live"
+    live.mkdir()
+    cases = [
+        (
+            {"status": "running"},
+            "has no checkpoint yet",
+            "it is still running (summary.json status 'running')",
+        ),
+        (
+            {"status": "running", "pid": 2**22 + 1, "host": socket.gethostname()},  # no such process
+            "has no checkpoint (looked in",
+            "it was killed before its first checkpoint",
+        ),
+        ({"status": "error"}, "has no checkpoint (looked in", "it ended (status 'error') before its first"),
+    ]
+    for summary, head, why in cases:
+        (live / "summary.json").write_text(json.dumps(summary))
+        text = _find_error(live)
+        assert f"run={live} {head}" in text and why in text, text
+        assert "ended before" not in text or summary["status"] == "error"
+
+
+def test_a_corrupt_record_says_so_and_an_older_checkpoint_is_used(run_copy):
+    """A flashgpt.pt that is no checkpoint record (here a pickled class, which torch's weights-only loader
+    answers with "Re-running torch.load with weights_only=False will likely succeed"): said to be corrupt
+    or not a flashgpt checkpoint; run= falls back to the older checkpoint."""
+    bad = ckpt.ckpt_path(run_copy, 16)
+    (bad / ckpt.RECORD).write_bytes(pickle.dumps(object, protocol=2))
+    text = _find_error(ckpt_path=bad)
+    assert f"ckpt={bad} does not load: {bad / ckpt.RECORD} is corrupt or not a flashgpt checkpoint" in text
+    assert "weights_only" not in text
+    warnings: list[str] = []
+    path, state, _ = find_checkpoint(str(run_copy), None, warn=warnings.append)
+    assert path == ckpt.ckpt_path(run_copy, 8) and state["step"] == 8
+    assert "is corrupt or not a flashgpt checkpoint record" in warnings[0], warnings
+    assert not any("weights_only" in w for w in warnings), warnings

@@ -214,8 +214,8 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     "args,message",
     [
         (["run={tmp}/nope"], "no such run directory"),
-        (["run={empty}"], "it has no checkpoint (looked in"),
-        (["run={empty}"], "ended before its first checkpoint (checkpoint.interval): train anew"),
+        (["run={empty}"], "is not a flashgpt run directory (no summary.json or config.resolved.yaml)"),
+        (["run={run}/ckpt"], "/ckpt is the checkpoint folder of a run: pass run="),
         (["ckpt={tmp}/nope"], "no such checkpoint directory"),
         ([], "say which run"),
         (["run={run}", "prompt='héllo'"], "character 'é'"),
