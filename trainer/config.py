@@ -415,9 +415,9 @@ def register() -> None:
 register()
 
 if __name__ == "__main__":  # python -m trainer.config: every key, its default and its doc
-    from omegaconf import OmegaConf
-
     import signal
+
+    from omegaconf import OmegaConf
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any CLI
     _defaults = OmegaConf.structured(TrainConfig)
