@@ -56,7 +56,21 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
             f"the model the run ended with. Rebuild the lost weights with: python train.py resume=true "
             f"out_dir={run_dir} (it replays the steps after {state['step']} with the run's own schedule)"
         )
+    elif (trained := _trained_steps(run_dir)) > int(state["step"]):  # e.g. checkpoint.at_end=false
+        warn(
+            f"warning: run={run} trained to step {trained}, but its newest checkpoint is {path.name} (step "
+            f"{state['step']}): steps {int(state['step']) + 1}-{trained} were never saved, so these are not "
+            "the weights the run ended with"
+        )
     return path, state, run_dir
+
+
+def _trained_steps(run_dir: Path) -> int:
+    """The steps the run's summary.json says it trained (0 when it says none)."""
+    from trainer.rundir import read_summary
+
+    steps = read_summary(run_dir).get("steps")
+    return steps if isinstance(steps, int) else 0
 
 
 def _checkpoint_dir(ckpt_path: str) -> Path:

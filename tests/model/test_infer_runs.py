@@ -164,3 +164,18 @@ def test_a_corrupt_record_says_so_and_an_older_checkpoint_is_used(run_copy):
     assert path == ckpt.ckpt_path(run_copy, 8) and state["step"] == 8
     assert "is corrupt or not a flashgpt checkpoint record" in warnings[0], warnings
     assert not any("weights_only" in w for w in warnings), warnings
+
+
+def test_a_run_that_trained_past_its_newest_checkpoint_is_said(run_copy):
+    """checkpoint.at_end=false: the run's summary says 20 steps, its newest checkpoint is step 16; eval.py and
+    sample.py use step 16 and say that steps 17-20 were never saved."""
+    path = run_copy / "summary.json"
+    said: list[str] = []
+    find_checkpoint(str(run_copy), None, warn=said.append)
+    assert said == []  # the run ended at its newest checkpoint
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"steps": 20}))
+    p, state, _ = find_checkpoint(str(run_copy), None, warn=said.append)
+    assert state["step"] == 16 and p.name == "step_00000016"
+    assert len(said) == 1 and "trained to step 20" in said[0] and "steps 17-20 were never saved" in said[0], (
+        said
+    )
