@@ -107,9 +107,12 @@ def finish(st, status: str, extra: dict, exit_code: int) -> None:
         print(f"error: could not record status {status} in summary.json ({failed})", file=sys.stderr)
 
 
-def resume_command(st) -> str:
+def resume_command(st, resume: bool = True) -> str:
     """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) and, under
-    torchrun, this launch's torchrun (several nodes: a placeholder for the rendezvous options)."""
+    torchrun, this launch's torchrun (several nodes: a placeholder for the rendezvous options).
+    ``resume=False``: the same launch into a new run directory. Each override is one shell word."""
+    import shlex
+
     from kernels import interpret_enabled
 
     keep = [o for o in st.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
@@ -122,7 +125,9 @@ def resume_command(st) -> str:
         launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
         if local != world:
             launcher = f"torchrun --nnodes={world // local} --nproc_per_node={local} <rendezvous> train.py"
-    return " ".join([*env, launcher, *keep, "resume=true", hydra_arg("out_dir", st.out_dir)])
+    keep = [o if re.fullmatch(r"[\w./:+=,~-]*", o) else shlex.quote(o) for o in keep]
+    run = ["resume=true", hydra_arg("out_dir", st.out_dir)] if resume else []
+    return " ".join([*env, launcher, *keep, *run])
 
 
 def hydra_arg(key: str, value) -> str:
@@ -138,9 +143,7 @@ def hydra_arg(key: str, value) -> str:
 
 def restart_command(st) -> str:
     """The same launch into a new run directory (for a run without a checkpoint to resume)."""
-    return " ".join(
-        w for w in resume_command(st).split() if w != "resume=true" and not w.startswith("out_dir=")
-    )
+    return resume_command(st, resume=False)
 
 
 def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:

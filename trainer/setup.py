@@ -424,8 +424,20 @@ def no_checkpoint_message(st: RunState) -> str:
             f"first one (summary status {status!r}), so there is nothing to continue; start it again "
             f"in a new out_dir (or delete {st.out_dir} if its records are not needed)"
         )
+    from trainer.endings import hydra_arg
+
+    if st.multirun:  # a sweep's job: its folder is the sweep's, not one of runs/
+        return (
+            f"resume=true but this sweep job's folder {st.out_dir} holds no checkpoint: resume a sweep with "
+            "its own hydra.sweep.dir and the same values in the same order, or resume=false for a new sweep"
+        )
     newest = newest_run_with_checkpoints(Path("runs"))
-    hint = f" (newest run with checkpoints: out_dir={newest})" if newest else ""
+    hint = f" (newest run with checkpoints: {hydra_arg('out_dir', newest)})" if newest else ""
+    if not any(o.lstrip("+").startswith(("out_dir=", "hydra.run.dir=")) for o in st.overrides):
+        return (
+            f"resume=true needs the run to continue: pass out_dir=<its run directory>{hint}; without it "
+            f"the run gets a new folder ({st.out_dir}), which holds nothing to continue"
+        )
     return (
         f"resume=true but {st.out_dir}/ckpt has no loadable checkpoint; pass out_dir=<run directory "
         f"of the run to continue>{hint}, or resume=false to start a new run"

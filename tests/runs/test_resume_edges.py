@@ -40,6 +40,18 @@ def killed_in_ending(tmp_path_factory, tiny) -> Path:
     return out
 
 
+def test_resume_without_out_dir_says_it_needs_the_run(tmp_path):
+    """resume=true alone would continue a new, empty folder: the error says which key names the run (and
+    not that a made-up folder has no checkpoint), exit 2, nothing written."""
+    cmd, env = train_command(["resume=true", "experiment=cpu_tiny"], env=offline_train_env())
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, describe(proc)
+    assert "resume=true needs the run to continue: pass out_dir=<its run directory>" in proc.stderr, describe(
+        proc
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resume_into_a_dir_without_a_run_prepares_no_data(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -391,6 +391,23 @@ def test_resume_command_keeps_interpreter_env(monkeypatch, tmp_path):
     assert resume_command(run).startswith("python train.py")
 
 
+def test_resume_and_restart_commands_keep_each_override_one_shell_word(monkeypatch, tmp_path):
+    """An override with a space (data.dir=data/my data, quoted when launched) stays one word of the printed
+    commands, as the shell splits them; the restart command drops resume and out_dir."""
+    import shlex
+    from types import SimpleNamespace
+
+    from trainer.endings import resume_command, restart_command
+
+    given = ["experiment=cpu_tiny", "data.dir=data/my data", "wandb.tags=[a,b]", "out_dir=runs/sp ace"]
+    run = SimpleNamespace(overrides=given, out_dir=tmp_path / "sp ace")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    words = shlex.split(resume_command(run))
+    assert words[:2] == ["python", "train.py"] and words[2:5] == given[:3], words
+    assert words[5:] == ["resume=true", f"out_dir='{tmp_path / 'sp ace'}'"], words
+    assert shlex.split(restart_command(run)) == ["python", "train.py", *given[:3]]
+
+
 def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
     """rundir.discard_refused_run (a config error writes nothing): what set-up made in a new directory (the
     lock, an empty metrics.jsonl; Hydra writes nothing there) goes, with the empty folders above it that did
