@@ -376,6 +376,32 @@ def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str 
     return None
 
 
+def sweep_changed(yaml: Path, given: list[str]) -> str | None:
+    """Why resuming the sweep recorded in ``yaml`` (its multirun.yaml) with the overrides ``given`` would
+    mix its jobs: Hydra numbers the jobs in the order of the swept values, and a resumed job continues the
+    folder of its number, so the swept keys and their values must be those of the sweep, in its order."""
+    from omegaconf import OmegaConf
+
+    if not yaml.is_file():
+        return None
+    try:
+        saved = list(OmegaConf.select(OmegaConf.load(yaml), "hydra.overrides.task", default=[]) or [])
+    except Exception:  # noqa: BLE001 - an unreadable record: the jobs' own checks decide
+        return None
+
+    def swept(overrides: list[str]) -> list[str]:  # a=1,2 and a=range(..)/choice(..), not a=[1,2]
+        values = [(o, o.split("=", 1)[-1].strip()) for o in overrides]
+        return [o for o, v in values if not v.startswith(("[", "{")) and ("," in v or v.endswith(")"))]
+
+    if swept(saved) == swept(given):
+        return None
+    return (
+        f"resume=true with -m: this sweep's values ({' '.join(swept(given)) or 'none'}) are not those of the "
+        f"sweep in {yaml.parent} ({' '.join(swept(saved)) or 'none'}); a resumed job continues the folder of "
+        "its number, so give the same values in the same order (or a new hydra.sweep.dir for a new sweep)"
+    )
+
+
 class OutDirCheck(_HydraCallback):
     """Hydra callback (``hydra.callbacks`` in configs/config.yaml): before Hydra creates the run directory (it
     would stop with a traceback), an out_dir (``hydra.sweep.dir`` under ``-m``) that cannot be created or
@@ -406,8 +432,12 @@ class OutDirCheck(_HydraCallback):
             raise SystemExit(2)
         path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
         if path is not None:
-            note_run_dir_before(path)
             yaml = Path(_key(path)) / "multirun.yaml"
+            resume = any(re.fullmatch(r"\+*resume=(?i:true)", o) for o in given)
+            if resume and (problem := sweep_changed(yaml, given)):
+                print(f"config error: {problem}", file=sys.stderr, flush=True)
+                raise SystemExit(2)  # before Hydra's sweeper writes anything
+            note_run_dir_before(path)
             _SWEEP[:] = [(_key(path), yaml.read_bytes() if yaml.is_file() else None)]
 
     @staticmethod

@@ -370,6 +370,15 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
     assert "runs/<time>_<backend>_n<seq_len>" not in err, err  # a single run's hint: not for -m
     assert records() == before
     assert all(summary(j)["status"] == "ok" for j in jobs)
+    # a resume of the sweep with its values in another order: refused before Hydra writes anything
+    cmd = ["-m", *args, "attention=sdpa,naive", "eval.interval=0", f"hydra.sweep.dir={sweep}", "resume=true"]
+    swapped = run_train([*cmd, "max_steps=3"])
+    assert swapped.returncode == 2 and "Traceback" not in swapped.stderr, describe(swapped)
+    assert "config error: resume=true with -m: this sweep's values (attention=sdpa,naive)" in swapped.stderr
+    assert "(attention=naive,sdpa)" in swapped.stderr, describe(swapped)
+    assert records() == before and sorted(p.name for p in sweep.iterdir()) == sorted(
+        ["multirun.yaml", *(j.name for j in jobs)]
+    )
 
 
 def test_sweep_exit_code_lists_refused_jobs_apart(capsys, tmp_path):

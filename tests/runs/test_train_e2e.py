@@ -303,6 +303,19 @@ def test_multirun_two_runs(tiny, tmp_path):
         assert s["status"] == "ok" and s["attention"] == backend and s["seq_len"] == 32 and s["steps"] == 3
         run = read_offline_run(sweep / name)
         assert run["group"] == "sweep" and run["name"] == name
+    # resumed with the same values in the same order: each job continues its own folder
+    more = [a if not a.startswith("max_steps=") else "max_steps=4" for a in args]
+    cmd = [
+        "-m",
+        *more,
+        "attention=naive,sdpa",
+        f"hydra.sweep.dir={sweep}",
+        "wandb.mode=offline",
+        "resume=true",
+    ]
+    proc = run_train(cmd)
+    assert proc.returncode == 0, describe(proc)
+    assert [summary(sweep / n)["steps"] for n in dirs] == [4, 4]
 
 
 def test_torchrun_two_gloo_processes(tiny, tmp_path):
