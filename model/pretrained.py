@@ -35,6 +35,19 @@ def _hf_files(init_from: str):
             f"init_from={init_from} needs the transformers package: pip install transformers"
         ) from e
     path = Path(init_from).expanduser()
+    runs = [q for q in (path, *path.parents) if path.is_dir() and (q / "summary.json").is_file()]
+    if init_from == "resume" or runs:  # nanoGPT's init_from=resume, or (a folder of) one of our own runs
+        run = str(runs[0]) if runs else "<run directory>"
+        raise PretrainedError(
+            f"init_from={init_from} reads GPT-2 weights (a size or a Hugging Face directory); a flashgpt run "
+            f"is continued with resume=true out_dir={run} (train.py; nanoGPT's init_from=resume), and "
+            f"sampled or evaluated with run={run} (sample.py, eval.py)"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise PretrainedError(
+            f"init_from={init_from} holds no config.json, so it is not a Hugging Face GPT-2 checkpoint "
+            f"directory (config.json + model.safetensors); pass one, or a GPT-2 size, e.g. init_from=gpt2"
+        )
     if path.is_dir():
         source = str(path)
     elif init_from in GPT2_SIZES:

@@ -94,8 +94,20 @@ def test_bad_init_from_is_named(tmp_path):
     ):
         load_gpt2("scratch")  # sample.py / eval.py: not "neither one of ('scratch', ...)"
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PretrainedError, match=r"could not load GPT-2 weights.*huggingface-cli download"):
+    with pytest.raises(PretrainedError, match=r"holds no config.json") as e:
         load_gpt2(str(tmp_path / "empty"))
+    assert "huggingface-cli" not in str(e.value)  # a local folder is not a hub name to download
+    run = tmp_path / "runs" / "A"
+    (run / "ckpt" / "step_00000008").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    for given, names in ((run, run), (run / "ckpt", run), ("resume", "<run directory>")):
+        with pytest.raises(PretrainedError, match="a flashgpt run is continued with resume=true") as e:
+            load_gpt2(str(given))
+        assert f"resume=true out_dir={names}" in str(e.value) and f"run={names}" in str(e.value)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{}")
+    with pytest.raises(PretrainedError, match=r"could not load GPT-2 weights"):
+        load_gpt2(str(tmp_path / "bad"))  # a Hugging Face folder without weights
 
 
 def test_offline_gpt2_without_cache_says_what_to_fetch(tmp_path, monkeypatch):
