@@ -162,6 +162,8 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
                 return ConfigError(unknown_key(key, schema, value.group(1) if value else "VALUE"))
             f = _field_of(key, schema)
             msg = field_problem(f, key, e.value) if f is not None else None
+            if msg is None and "is not a ListConfig" in str(e):  # wandb.tags=foo
+                msg = f"{key}={e.value!r} must be a list: {key}=[{e.value}] (several: {key}=[a,b])"
             return ConfigError(msg or f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}")
         if isinstance(e, OverrideParseException):
             return ConfigError(

@@ -491,6 +491,11 @@ def test_final_steps_outside_every_checkpoint_are_said(interval, max_steps, last
         ("batch.tokens_per_step", 2.5, "batch.tokens_per_step=2.5 must be a positive integer"),
         ("attention.window", 0, "attention.window=0 must be null or a positive integer"),
         ("model.attn_dropout", 1.5, "model.attn_dropout=1.5 must be in [0, 1)"),
+        (
+            "wandb.tags",
+            "foo",
+            "wandb.tags='foo' must be a list: wandb.tags=[foo] (several: wandb.tags=[a,b])",
+        ),
     ],
 )
 def test_typed_config_errors_name_the_full_key(expect_error, key, value, expected):
