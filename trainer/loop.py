@@ -260,6 +260,12 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
             metrics.update(par)
             if "parity/skipped" in par:
                 st.say(f"step {s:>6} | parity skipped: {par['parity/skipped']}")
+            elif "parity/loss_abs_diff" in par:
+                loss_d, logits_d = par["parity/loss_abs_diff"], par["parity/logits_max_abs_diff"]
+                st.say(
+                    f"step {s:>6} | parity vs {par['parity/reference']}: loss diff {loss_d:.2e}, "
+                    f"logits max diff {logits_d:.2e}"
+                )
         if (eval_every and s % eval_every == 0) or s == max_steps:
             st.last_val_loss, st.last_val_step = evaluate_noting(st, handler), s
             metrics["val/loss"] = st.last_val_loss

@@ -95,6 +95,8 @@ def test_sdpa_matches_naive_and_parity_is_logged(reference_run, tiny, tmp_path):
     for r in parity:
         assert r["parity/reference"] == "naive"
         assert 0 <= r["parity/loss_abs_diff"] < 1e-5 and 0 <= r["parity/logits_max_abs_diff"] < 1e-4, r
+        said = f"step {r['step']:>6} | parity vs naive: loss diff {r['parity/loss_abs_diff']:.2e}, "
+        assert said in proc.stdout + proc.stderr, describe(proc)  # on the console too
     hist = {r["_step"]: r for r in read_offline_run(out)["history"]}
     assert hist[8]["parity/reference"] == "naive"
     assert hist[8]["parity/loss_abs_diff"] == pytest.approx(parity[1]["parity/loss_abs_diff"], abs=1e-12)
