@@ -128,6 +128,7 @@ def _eval(cfg: DictConfig) -> int:
         resolve_dtype,
         run_data_dir,
     )
+    from trainer.resume_config import anchored, run_cwd
 
     split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
@@ -157,7 +158,9 @@ def _eval(cfg: DictConfig) -> int:
     if not data_dir:
         raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH (GPT-2 BPE data)")
     try:
-        ds = BinDataset(data_dir, split, seq_len)
+        source = (rc.get("data") or {}).get("source")  # for the prepare command of an error
+        corpus = (anchored(str(source), run_cwd(run_dir)) if source else "CORPUS", state["tokenizer"]["name"])
+        ds = BinDataset(data_dir, split, seq_len, corpus=None if cfg.data.dir else corpus)
     except (OSError, ValueError) as e:
         raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
     # what defines the ids (char list, BPE name and vocabulary), not only the vocabulary size: 65 other

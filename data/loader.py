@@ -65,7 +65,11 @@ class BinDataset:
     meta.json). Keeps read-only ``np.memmap``s of the shards; pickling (DataLoader workers) re-opens them.
     """
 
-    def __init__(self, data_dir: str | os.PathLike, split: str, seq_len: int, *, check_ids: bool = True):
+    def __init__(
+        self, data_dir: str | os.PathLike, split: str, seq_len: int, *, check_ids: bool = True, corpus=None
+    ):
+        """``corpus``: (source, tokenizer) the directory was prepared from, for the command an error prints
+        when its meta.json cannot say (default: what meta.json records)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
         seq_len = _nonneg_int("seq_len", seq_len)
@@ -82,7 +86,7 @@ class BinDataset:
             for path, n, _ in self.shards:  # ids < vocab_size: catches corrupt or mismatched shards
                 check_bin_file(path, n, self.dtype, self.vocab_size if check_ids else None)
         except (FileNotFoundError, ValueError) as e:
-            fix = prepare_command(self.data_dir, meta)
+            fix = prepare_command(self.data_dir, meta, *(corpus or ()))
             raise type(e)(f"{str(e).rstrip('.')}; prepare it with `{fix}`") from None
         self.num_tokens: int = meta[f"{split}_tokens"]
         # offsets[k] = position of shard k's first token in the split's stream

@@ -179,3 +179,33 @@ def test_a_run_that_trained_past_its_newest_checkpoint_is_said(run_copy):
     assert len(said) == 1 and "trained to step 20" in said[0] and "steps 17-20 were never saved" in said[0], (
         said
     )
+
+
+def test_eval_on_a_data_dir_without_meta_prints_the_runs_own_prepare_command(run_copy, tmp_path):
+    """The run's data dir lost its meta.json: the error's prepare command names the run's corpus and
+    tokenizer (from the checkpoint), not a placeholder, and runs as typed."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.helpers_train import REPO
+
+    old = ckpt.load_checkpoint(run_copy / "ckpt" / "step_00000016")
+    data = tmp_path / "data"
+    shutil.copytree(old["config"]["data"]["dir"], data)
+    for step in (8, 16):
+        d = ckpt.ckpt_path(run_copy, step)
+        state = ckpt.load_checkpoint(d)
+        state["config"]["data"]["dir"] = str(data)
+        torch.save({k: v for k, v in state.items() if k != "path"}, d / ckpt.RECORD)
+    (data / "meta.json").unlink()
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _run(EVAL, [f"run={run_copy}", "batches=1"], work)
+    assert proc.returncode == 2 and "CORPUS" not in proc.stderr, describe(proc)
+    source = old["config"]["data"]["source"]
+    fix = proc.stderr.split("prepare it with `", 1)[1].split("`", 1)[0]
+    assert f"--source {shlex.quote(str(source))}" in fix and "--tokenizer char" in fix, fix
+    subprocess.run([sys.executable, *shlex.split(fix)[1:]], cwd=REPO, check=True, capture_output=True)
+    proc = _run(EVAL, [f"run={run_copy}", "batches=1", "write=false"], work)
+    assert proc.returncode == 0 and "val loss" in proc.stdout, describe(proc)
