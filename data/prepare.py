@@ -721,8 +721,9 @@ def prepare_command(
         args["max-tokens"] = meta["max_tokens"]
     if meta.get("shard_tokens", DEFAULT_SHARD_TOKENS) != DEFAULT_SHARD_TOKENS:
         args["shard-tokens"] = meta["shard_tokens"]
-    if isinstance(meta.get("vocab_size"), int) and meta.get("dtype") != _dtype_for(
-        meta["vocab_size"], "auto"
+    if isinstance(meta.get("vocab_size"), int) and meta.get("dtype", "auto") not in (
+        "auto",
+        _dtype_for(meta["vocab_size"], "auto"),
     ):
         args["dtype"] = meta["dtype"]
     return " ".join(["python -m data.prepare", *(f"--{k} {shlex.quote(str(v))}" for k, v in args.items())])

@@ -82,7 +82,7 @@ class CharTokenizer:
         if bad:
             raise ValueError(f"char vocabulary entries must be single characters, got {bad[:5]!r}")
         if len(set(itos)) != len(itos):
-            raise ValueError("char vocabulary has repeated characters; re-run the prepare step")
+            raise ValueError("char vocabulary has repeated characters (prepare writes each character once)")
         if len(itos) > MAX_VOCAB:
             raise ValueError(
                 f"the text has {len(itos)} distinct characters, more than the {MAX_VOCAB} ids a uint16 "

@@ -190,3 +190,22 @@ def test_missing_parquet_column_names_a_string_column(tmp_path):
         ValueError, match=r"no column 'text' \(its columns: id, content\); set text_field=content"
     ):
         prepare(str(path), tmp_path / "o", "gpt2", workers=1, progress=False)
+
+
+def test_corrupt_char_list_in_meta_names_the_command_that_prepares_it(char_data, tmp_path, capsys):
+    """meta.json's character list damaged (a character twice): the tokenizer's error says the meta.json is
+    corrupt and ends with the directory's own prepare command, which runs as typed and repairs it."""
+    from data.loader import tokenizer_from_meta
+
+    data = tmp_path / "data"
+    shutil.copytree(char_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    good = tokenizer_from_meta(meta, data)
+    meta["itos"][1] = meta["itos"][0]
+    with pytest.raises(ValueError, match="repeated characters.*meta.json is corrupt") as e:
+        tokenizer_from_meta(meta, data)
+    cmd = str(e.value).split("prepare it with `", 1)[1].rstrip("`")
+    (data / "meta.json").write_text(json.dumps(meta))
+    shutil.rmtree(data)  # prepare refuses to overwrite a directory it cannot recognise as its own
+    _run_command(cmd, capsys)
+    assert tokenizer_from_meta(load_meta(data), data).itos == good.itos
