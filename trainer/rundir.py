@@ -296,6 +296,7 @@ RUN_FILES = (
 )
 RUN_FILES += ("summary.json.tmp*", "train.log", "wandb", "wandb_run_id.txt", "evals", "samples")
 RUN_FILES += ("metrics.abandoned.*.jsonl", "trace_step*.json.gz")
+RUN_FILES += (".gitkeep", ".DS_Store")  # an empty folder's placeholders: nothing of anyone's to mix with
 
 
 def is_run_dir(path: Path) -> bool:

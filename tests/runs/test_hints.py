@@ -316,6 +316,24 @@ def test_out_dir_hints_are_accepted(tmp_path):
     assert out_dir_problem(tmp_path / "new" / "run") is None and not (tmp_path / "new").exists()
 
 
+def test_out_dir_of_a_new_run_must_not_mix_with_other_files(tmp_path):
+    """A new run's folder: new, empty (placeholders aside) or a run's own; not one holding other files,
+    and not one inside a run (its files would mix); resume=true is checked against its run instead."""
+    folder = tmp_path / "exp"
+    folder.mkdir()
+    (folder / ".gitkeep").write_text("")
+    assert out_dir_problem(folder) is None
+    (folder / "notes.txt").write_text("mine")
+    msg = out_dir_problem(folder)
+    assert "already holds files that no run wrote (notes.txt)" in msg and "out_dir=runs/run1" in msg, msg
+    assert out_dir_problem(folder, resume=True) is None
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / "summary.json").write_text("{}")
+    assert out_dir_problem(run) is None  # a run's folder: the run-directory check decides (resume or not)
+    assert f"lies inside the run folder {run}" in out_dir_problem(run / "ckpt" / "new")
+
+
 def test_out_dir_hint_with_an_unwritable_home_names_a_writable_folder(tmp_path, monkeypatch, read_only_view):
     """$HOME read-only (a shared account, a read-only home mount): the suggested out_dir is not under it
     (it could not be created there) but under the temp folder, and it passes the out_dir check."""
