@@ -160,7 +160,7 @@ def _eval(cfg: DictConfig) -> int:
     try:
         source = (rc.get("data") or {}).get("source")  # for the prepare command of an error
         corpus = (anchored(str(source), run_cwd(run_dir)) if source else "CORPUS", state["tokenizer"]["name"])
-        ds = BinDataset(data_dir, split, seq_len, corpus=None if cfg.data.dir else corpus)
+        ds = BinDataset(data_dir, split, seq_len, corpus=("CORPUS", corpus[1]) if cfg.data.dir else corpus)
     except (OSError, ValueError) as e:
         raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
     # what defines the ids (char list, BPE name and vocabulary), not only the vocabulary size: 65 other

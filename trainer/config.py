@@ -386,11 +386,16 @@ def notes(cfg: TrainConfig) -> list[str]:
     if not ck.at_end and last < cfg.max_steps:  # e.g. a one-off checkpoint.at_end=false kept by a resume
         saved = f"the last checkpoint is at step {last}" if last else "no checkpoint is written"
         out.append(
-            f"warning: checkpoint.at_end=false with checkpoint.interval={ck.interval}: {saved}, so steps "
-            f"{last + 1}-{cfg.max_steps} end in no checkpoint (eval.py, sample.py and resume=true read the "
-            "newest one); pass checkpoint.at_end=true to keep the final weights"
+            f"warning: checkpoint.at_end=false with checkpoint.interval={ck.interval}: {saved}, so no "
+            f"checkpoint will hold {step_span(last + 1, cfg.max_steps)} (eval.py, sample.py and resume=true "
+            "read the newest one); pass checkpoint.at_end=true to keep the final weights"
         )
     return out
+
+
+def step_span(first: int, last: int) -> str:
+    """ "step 5" or "steps 5-9"."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def to_dict(cfg) -> dict:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.config import step_span
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -59,8 +60,8 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     elif (trained := _trained_steps(run_dir)) > int(state["step"]):  # e.g. checkpoint.at_end=false
         warn(
             f"warning: run={run} trained to step {trained}, but its newest checkpoint is {path.name} (step "
-            f"{state['step']}): steps {int(state['step']) + 1}-{trained} were never saved, so these are not "
-            "the weights the run ended with"
+            f"{state['step']}): no checkpoint holds {step_span(int(state['step']) + 1, trained)}, so these "
+            "are not the weights the run ended with"
         )
     return path, state, run_dir
 

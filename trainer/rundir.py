@@ -333,7 +333,7 @@ def mixing_problem(path: Path, key: str) -> str | None:
         return None
     names = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
     return (
-        f"{key}={path} already holds files that no run wrote ({names}): a run writes ckpt/, metrics.jsonl, "
+        f"{key}={path} already holds other files or runs ({names}): a run writes ckpt/, metrics.jsonl, "
         f"summary.json and train.log into its own folder, and they would mix with these; pass a new or "
         f"empty folder, e.g. {example} (or leave {key} out for a new folder)"
     )
@@ -341,7 +341,7 @@ def mixing_problem(path: Path, key: str) -> str | None:
 
 def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str | None:
     """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can."""
-    path = Path(str(out_dir)).expanduser()
+    path = Path(str(out_dir))  # as Hydra makes it: a quoted ~ is a folder named ~, not $HOME
     if not resume and (problem := mixing_problem(path, key)):
         return problem
     existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
@@ -390,17 +390,34 @@ def sweep_changed(yaml: Path, given: list[str]) -> str | None:
     except Exception:  # noqa: BLE001 - an unreadable record: the jobs' own checks decide
         return None
 
-    def swept(overrides: list[str]) -> list[str]:  # a=1,2 and a=range(..)/choice(..), not a=[1,2]
-        values = [(o, o.split("=", 1)[-1].strip()) for o in overrides]
-        return [o for o, v in values if not v.startswith(("[", "{")) and ("," in v or v.endswith(")"))]
-
-    if swept(saved) == swept(given):
+    try:
+        if _sweep_values(saved) == _sweep_values(given):
+            return None
+    except Exception:  # noqa: BLE001 - Hydra's parser: an override it rejects is Hydra's to report
         return None
+    shown = lambda overrides: " ".join(o for o in overrides if _sweep_values([o])) or "none"  # noqa: E731
     return (
-        f"resume=true with -m: this sweep's values ({' '.join(swept(given)) or 'none'}) are not those of the "
-        f"sweep in {yaml.parent} ({' '.join(swept(saved)) or 'none'}); a resumed job continues the folder of "
-        "its number, so give the same values in the same order (or a new hydra.sweep.dir for a new sweep)"
+        f"resume=true with -m: this sweep's values ({shown(given)}) are not those of the sweep in "
+        f"{yaml.parent} ({shown(saved)}); a resumed job continues the folder of its number, so give the same "
+        "values in the same order (or a new hydra.sweep.dir for a new sweep)"
     )
+
+
+def _sweep_values(overrides: list[str]) -> list[tuple[str, list]]:
+    """(key, values in the order Hydra sweeps them) of each swept override, as Hydra's parser reads them:
+    ``a=x,y``, ``a='x', 'y'`` and ``a=choice(x,y)`` alike; ``a=[1,2]`` and ``a='x,y'`` are not swept."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import QuotedString
+
+    def plain(v):
+        if isinstance(v, QuotedString):
+            return v.text
+        return [plain(x) for x in v] if isinstance(v, list) else v
+
+    parsed = OverridesParser.create().parse_overrides(
+        [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    )
+    return [(o.key_or_group, [plain(v) for v in o.sweep_iterator()]) for o in parsed if o.is_sweep_override()]
 
 
 class OutDirCheck(_HydraCallback):
@@ -434,8 +451,9 @@ class OutDirCheck(_HydraCallback):
         path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
         if path is not None:
             yaml = Path(_key(path)) / "multirun.yaml"
-            resume = any(re.fullmatch(r"\+*resume=(?i:true)", o) for o in given)
-            if resume and (problem := sweep_changed(yaml, given)):
+            if OmegaConf.select(config, "resume", default=False) is True and (
+                problem := sweep_changed(yaml, given)
+            ):
                 print(f"config error: {problem}", file=sys.stderr, flush=True)
                 raise SystemExit(2)  # before Hydra's sweeper writes anything
             note_run_dir_before(path)
@@ -453,7 +471,7 @@ class OutDirCheck(_HydraCallback):
             return None
         if path is None:
             return None
-        resume = key == "out_dir" and OmegaConf.select(config, "resume", default=False) is True
+        resume = OmegaConf.select(config, "resume", default=False) is True  # a run's (a sweep's) own folder
         problem = out_dir_problem(path, key, resume=resume)
         if problem:
             print(f"config error: {problem}", file=sys.stderr, flush=True)

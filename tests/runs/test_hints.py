@@ -325,7 +325,7 @@ def test_out_dir_of_a_new_run_must_not_mix_with_other_files(tmp_path):
     assert out_dir_problem(folder) is None
     (folder / "notes.txt").write_text("mine")
     msg = out_dir_problem(folder)
-    assert "already holds files that no run wrote (notes.txt)" in msg and "out_dir=runs/run1" in msg, msg
+    assert "already holds other files or runs (notes.txt)" in msg and "out_dir=runs/run1" in msg, msg
     assert out_dir_problem(folder, resume=True) is None
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
@@ -382,3 +382,20 @@ def test_interpreter_off_for_kernels_and_trainer(value, monkeypatch):
     assert "TRITON_INTERPRET=1" in refused([*TINY, "attention=flash"])
     fake = SimpleNamespace(overrides=["attention=flash"], out_dir=Path("runs/x"))
     assert resume_command(fake).startswith("python train.py")
+
+
+def test_sweep_resume_compares_the_values_as_hydra_sweeps_them(tmp_path):
+    """resume=true with -m: the same values in the same order pass however they are written (spaces,
+    quotes, choice()); another order, other values or another order of list values are named."""
+    from trainer.rundir import sweep_changed
+
+    yaml = tmp_path / "multirun.yaml"
+    yaml.write_text("hydra:\n  overrides:\n    task:\n    - attention=naive,sdpa\n    - wandb.tags=[a],[b]\n")
+    same = ["attention=naive, sdpa", "attention='naive','sdpa'", "attention=choice(naive,sdpa)"]
+    for given in same:
+        assert sweep_changed(yaml, [given, "wandb.tags=[a],[b]", "max_steps=5", "resume=true"]) is None, given
+    for given in (["attention=sdpa,naive", "wandb.tags=[a],[b]"], ["attention=naive,sdpa", "wandb.tags=[b],[a]"]):
+        msg = sweep_changed(yaml, given)
+        assert msg and "are not those of the sweep" in msg and "attention=naive,sdpa wandb.tags=[a],[b]" in msg
+    assert sweep_changed(yaml, ["attention=naive,sdpa", "wandb.tags=[a],[b]", "wandb.name='x,y'"]) is None
+    assert sweep_changed(tmp_path / "none.yaml", ["attention=sdpa,naive"]) is None  # no record: jobs decide

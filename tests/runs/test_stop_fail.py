@@ -371,7 +371,7 @@ def test_sweep_into_a_used_sweep_dir_says_refused_and_suggests_a_new_one(tiny, t
     assert records() == before
     assert all(summary(j)["status"] == "ok" for j in jobs)
     # a resume of the sweep with its values in another order: refused before Hydra writes anything
-    cmd = ["-m", *args, "attention=sdpa,naive", "eval.interval=0", f"hydra.sweep.dir={sweep}", "resume=true"]
+    cmd = ["-m", *args, "attention=sdpa,naive", "eval.interval=0", f"hydra.sweep.dir={sweep}", "resume=yes"]
     swapped = run_train([*cmd, "max_steps=3"])
     assert swapped.returncode == 2 and "Traceback" not in swapped.stderr, describe(swapped)
     assert "config error: resume=true with -m: this sweep's values (attention=sdpa,naive)" in swapped.stderr

@@ -174,7 +174,7 @@ def test_out_dir_that_would_mix_a_run_with_other_files_is_refused(tiny, tmp_path
     for out_dir in (".", "corpus"):
         proc = train(f"out_dir={out_dir}")
         assert proc.returncode == 2, describe(proc)
-        assert f"config error: out_dir={out_dir} already holds files that no run wrote" in proc.stderr, (
+        assert f"config error: out_dir={out_dir} already holds other files or runs" in proc.stderr, (
             describe(proc)
         )
         assert "Traceback" not in proc.stderr and sorted(p.name for p in cwd.rglob("*")) == before

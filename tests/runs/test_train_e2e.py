@@ -305,12 +305,14 @@ def test_multirun_two_runs(tiny, tmp_path):
         assert s["status"] == "ok" and s["attention"] == backend and s["seq_len"] == 32 and s["steps"] == 3
         run = read_offline_run(sweep / name)
         assert run["group"] == "sweep" and run["name"] == name
-    # resumed with the same values in the same order: each job continues its own folder
+    # resumed with the same values in the same order (as Hydra reads them: spaces and quotes aside), after
+    # bench.report wrote into the sweep's folder: each job continues its own folder
+    (sweep / "report.md").write_text("a report of the sweep")
     more = [a if not a.startswith("max_steps=") else "max_steps=4" for a in args]
     cmd = [
         "-m",
         *more,
-        "attention=naive,sdpa",
+        "attention='naive', sdpa",
         f"hydra.sweep.dir={sweep}",
         "wandb.mode=offline",
         "resume=true",
