@@ -158,9 +158,10 @@ def _eval(cfg: DictConfig) -> int:
     if not data_dir:
         raise InferError("the checkpoint's config names no data.dir; pass data.dir=PATH (GPT-2 BPE data)")
     try:
-        source = (rc.get("data") or {}).get("source")  # for the prepare command of an error
+        # the prepare command of an error: the run's own corpus, where its own data dir is read
+        source = None if cfg.data.dir else (rc.get("data") or {}).get("source")
         corpus = (anchored(str(source), run_cwd(run_dir)) if source else "CORPUS", state["tokenizer"]["name"])
-        ds = BinDataset(data_dir, split, seq_len, corpus=("CORPUS", corpus[1]) if cfg.data.dir else corpus)
+        ds = BinDataset(data_dir, split, seq_len, corpus=corpus)
     except (OSError, ValueError) as e:
         raise InferError(f"data.dir={data_dir} ({split}): {e}") from e
     # what defines the ids (char list, BPE name and vocabulary), not only the vocabulary size: 65 other

@@ -35,7 +35,7 @@ def _hf_files(init_from: str):
             f"init_from={init_from} needs the transformers package: pip install transformers"
         ) from e
     path = Path(init_from).expanduser()
-    runs = [q for q in (path, *path.parents) if path.is_dir() and (q / "summary.json").is_file()]
+    runs = [q for q in (path, *path.parents) if (q / "summary.json").is_file()] if path.is_dir() else []
     if init_from == "resume" or runs:  # nanoGPT's init_from=resume, or (a folder of) one of our own runs
         run = str(runs[0]) if runs else "<run directory>"
         raise PretrainedError(

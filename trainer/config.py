@@ -31,6 +31,7 @@ from trainer.fields import (
     field_docs,
     fmt,
     spec,
+    step_span,
 )
 
 __all__ = ["ConfigError", "TrainConfig", "gpt_config_for", "typed", "validate"]
@@ -391,11 +392,6 @@ def notes(cfg: TrainConfig) -> list[str]:
             "read the newest one); pass checkpoint.at_end=true to keep the final weights"
         )
     return out
-
-
-def step_span(first: int, last: int) -> str:
-    """ "step 5" or "steps 5-9"."""
-    return f"step {first}" if first == last else f"steps {first}-{last}"
 
 
 def to_dict(cfg) -> dict:

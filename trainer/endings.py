@@ -125,7 +125,7 @@ def resume_command(st, resume: bool = True) -> str:
         launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
         if local != world:
             launcher = f"torchrun --nnodes={world // local} --nproc_per_node={local} <rendezvous> train.py"
-    keep = [o if re.fullmatch(r"[\w./:+=,~-]*", o) else shlex.quote(o) for o in keep]
+    keep = [shlex.quote(o) for o in keep]  # as the shell gave them to Hydra
     run = ["resume=true", hydra_arg("out_dir", st.out_dir)] if resume else []
     return " ".join([*env, launcher, *keep, *run])
 

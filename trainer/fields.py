@@ -186,3 +186,8 @@ def _missing_option(e) -> str:
             f"{g}={name} is not a config of group {g}; choose one of: {', '.join(f'{g}={o}' for o in opts)}"
         )
     return str(e).splitlines()[0]
+
+
+def step_span(first: int, last: int) -> str:
+    """ "step 5" or "steps 5-9" (for messages)."""
+    return f"step {first}" if first == last else f"steps {first}-{last}"

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.config import step_span
+from trainer.fields import step_span
+from trainer.rundir import is_run_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +82,7 @@ def _checkpoint_dir(ckpt_path: str) -> Path:
         raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory")
     if p.is_file():  # flashgpt.pt or another file of the checkpoint
         p = p.parent
-    if _is_run(p) or ckpt.list_checkpoints(p):
+    if is_run_dir(p) or ckpt.list_checkpoints(p):
         raise InferError(f"ckpt={ckpt_path} is a run directory, not a checkpoint: did you mean run={p}?")
     if p.name == ckpt.CKPT_DIR_NAME:
         raise InferError(
@@ -89,11 +90,6 @@ def _checkpoint_dir(ckpt_path: str) -> Path:
             f"ckpt={p}/step_<N>"
         )
     return p
-
-
-def _is_run(p: Path) -> bool:
-    """``p`` holds a run's record: its summary.json or config.resolved.yaml."""
-    return (p / "summary.json").is_file() or (p / "config.resolved.yaml").is_file()
 
 
 def load_record(p: Path) -> dict:
@@ -115,9 +111,9 @@ def no_checkpoint_message(run: str, run_dir: Path) -> str:
     where = f"looked in {ckpt.ckpt_dir(run_dir)}"
     if found:
         return f"run={run}: none of its {found} checkpoints loads ({where}); pass ckpt=PATH of one that loads"
-    if run_dir.name == ckpt.CKPT_DIR_NAME and _is_run(run_dir.parent):
+    if run_dir.name == ckpt.CKPT_DIR_NAME and is_run_dir(run_dir.parent):
         return f"run={run} is the checkpoint folder of a run: pass run={run_dir.parent}"
-    if not _is_run(run_dir):
+    if not is_run_dir(run_dir):
         return (
             f"run={run} is not a flashgpt run directory (no summary.json or config.resolved.yaml): pass "
             "run=runs/<name> of a trained run, or ckpt=PATH of a checkpoint"

@@ -287,16 +287,10 @@ def writable_place(name: str) -> Path:
 #: what a run writes into its folder (``fnmatch`` patterns): a folder holding anything else is not a run's
 RUN_FILES = (
     LOCK_NAME,
-    ".flashgpt.reserve",
-    ".hydra",
-    "ckpt",
-    "config.resolved.yaml",
-    "metrics.jsonl",
-    "summary.json",
-)
-RUN_FILES += ("summary.json.tmp*", "train.log", "wandb", "wandb_run_id.txt", "evals", "samples")
-RUN_FILES += ("metrics.abandoned.*.jsonl", "trace_step*.json.gz")
-RUN_FILES += (".gitkeep", ".DS_Store")  # an empty folder's placeholders: nothing of anyone's to mix with
+    *""".flashgpt.reserve .hydra ckpt config.resolved.yaml metrics.jsonl summary.json
+summary.json.tmp* train.log wandb wandb_run_id.txt evals samples metrics.abandoned.*.jsonl trace_step*.json.gz
+.gitkeep .DS_Store""".split(),
+)  # the last two: an empty folder's placeholders, nothing of anyone's to mix with
 
 
 def is_run_dir(path: Path) -> bool:
