@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import _row_max, _row_sum, _softcap
+from ._triton_common import _row_max, _row_sum, _scale_log2, _softcap
 
 
 @triton.jit
@@ -54,9 +54,6 @@ def _decode_split_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
     H_Q,
     GROUP,
     N_Q,
@@ -64,24 +61,23 @@ def _decode_split_kernel(
     SPLIT_LEN,
     NUM_SPLITS,
     N_MAX,
-    scale_log2,
+    softmax_scale,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     softcap=None,
-    SOFTCAP: tl.constexpr = False,
 ):
     """Partial attention of one key split. O_PART (B, Hq, Nq, NUM_SPLITS, HEAD_DIM) and LSE_PART
-    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. HAS_SEQLENS: L_b is
-    SEQLENS[b]; else SEQLENS is None (never read) and every sequence fills the cache, L_b = N_MAX.
-    USE_PDL: launched with programmatic dependent launch (``_pdl_wait_and_release``). SOFTCAP: scores
-    c * tanh(s / c) as in the attention kernels (scale_log2 = scale / c, softcap = c * log2(e))."""
+    (B, Hq, Nq, NUM_SPLITS) are contiguous float32; LSE_PART is in base-2 units. L_b is SEQLENS[b], or N_MAX
+    with SEQLENS None (every sequence fills the cache). K and V share strides. USE_PDL: launched with
+    programmatic dependent launch (``_pdl_wait_and_release``). softcap: as in the attention kernels."""
+    HAS_SEQLENS: tl.constexpr = SEQLENS is not None
+    SOFTCAP: tl.constexpr = softcap is not None
     if USE_PDL:
         _pdl_wait_and_release()
-    scale_log2 = tl.cast(scale_log2, tl.float32)
+    scale_log2 = _scale_log2(softmax_scale, softcap)
     if SOFTCAP:
         softcap = tl.cast(softcap, tl.float32)
     split = tl.program_id(0)
@@ -107,7 +103,7 @@ def _decode_split_kernel(
     q_ptrs = Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & mask_d[None, :], other=0.0)
     k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    v_base = V + b * stride_kb + hk * stride_kh
 
     lo = split * SPLIT_LEN
     hi = tl.minimum(lo + SPLIT_LEN, seq_len)
@@ -133,7 +129,7 @@ def _decode_split_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + _row_sum(p)
-        v = tl.load(v_base + cols_64[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols_64[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new

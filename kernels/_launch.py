@@ -62,27 +62,21 @@ def launcher(kernel, grid, traced: bool):
     return kernel[grid]
 
 
-def _scale_log2(softmax_scale: float, softcap: float) -> float:
-    """The kernels' score multiplier: scale * log2(e) (base-2 scores), or scale / c with soft-capping."""
-    return softmax_scale / softcap if softcap else softmax_scale * LOG2E
-
-
-def _softcap_kwargs(softcap: float) -> dict:
-    return dict(softcap=softcap * LOG2E if softcap else None, SOFTCAP=bool(softcap))
-
-
 def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap: float) -> dict:
-    """Kernel keywords of the variants; all off compiles the plain kernels (softcap None is a constexpr)."""
+    """Kernel keywords of the variants: a variant off passes None, which compiles it out."""
     return dict(
-        **_softcap_kwargs(softcap),
         Q_DOC=q_doc,
-        SEED=dropout_seed,
-        window=int(window),
+        SEED=dropout_seed if dropout_p > 0.0 else None,
+        window=int(window) if window > 0 else None,
         dropout_p=float(dropout_p),
-        HAS_WINDOW=window > 0,
-        HAS_DOC=q_doc is not None,
-        HAS_DROPOUT=dropout_p > 0.0,
+        softcap=softcap * LOG2E if softcap else None,
     )
+
+
+def same_kv_strides(k, v):
+    """k and v with one set of strides, as the Triton kernels take them (copies only for unusual inputs:
+    the model's and the packed op's k and v already share theirs)."""
+    return (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())
 
 
 def _options(cfg) -> dict:
@@ -110,7 +104,7 @@ def launch_fwd(
         variants = (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap)
         o, lse = launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale, *variants)
         return o.to(torch.bfloat16), lse
-    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    q, k, v = unit_last_stride(q), *same_kv_strides(unit_last_stride(k), unit_last_stride(v))
     p = kplan.plan_fwd(q, k, v, causal, softmax_scale, window, q_doc, dropout_p, softcap)
     if p.backend == "gluon":  # sm_90 from plan.MIN_N: the Gluon forward
         g = kplan.gluon("fwd")
@@ -124,10 +118,10 @@ def launch_fwd(
     with device_ctx(q):
         launcher(kern, (cdiv(Nq, cfg.block_m), Hq, B), traced)(
             q, k, v, o, lse,
-            *strides(q, k, v, o),
-            Hq, Hq // Hkv, Nq, Nk, d, _scale_log2(softmax_scale, softcap),
+            *strides(q, k, o),
+            Hq, Hq // Hkv, Nq, Nk, d, softmax_scale,
             CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=p.block_d,
-            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0, EVEN_D=d == p.block_d,
+            EVEN_M=Nq % cfg.block_m == 0, EVEN_N=Nk % cfg.block_n == 0,
             DOT_PRECISION=dot_precision(q.dtype), **_options(cfg),
             **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
@@ -168,6 +162,7 @@ def launch_bwd(
             return packed_views(dqkv)
         return tuple(g.to(torch.bfloat16) for g in grads)
     q, k, v, o = (unit_last_stride(t) for t in (q, k, v, o))
+    k, v = same_kv_strides(k, v)
     do = unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
     p = kplan.plan_bwd(
@@ -179,7 +174,6 @@ def launch_bwd(
     Hkv, Nk = int(k.shape[1]), int(k.shape[2])
     c_dq, c_dkdv = p.tiles
     tma_dq, tma_dkdv = p.tma
-    even_d = d == p.block_d
     prec = dot_precision(q.dtype)
     kern = kernel_module(interpret_enabled())
 
@@ -188,34 +182,32 @@ def launch_bwd(
         dlse = dlse.to(torch.float32).contiguous()
     if dqkv is None:
         dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)  # laid out as inputs
-        dq_arg, dk_arg, dv_arg, dk_off, dv_off = dq, dk, dv, 0, 0
+        dq_arg, dk_arg, dv_arg, kv_step = dq, dk, dv, 0
     else:  # the slices of dqkv: q's starts at its first element, k's and v's one and two steps of dim 2 on
         dq, dk, dv = packed_views(dqkv)  # for the strides
-        dq_arg, dk_arg, dv_arg, dk_off, dv_off = dqkv, dqkv, None, dqkv.stride(2), 2 * dqkv.stride(2)
-    scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale, _scale_log2(softmax_scale, softcap))
+        dq_arg, dk_arg, dv_arg, kv_step = dqkv, dqkv, None, dqkv.stride(2)
+    scale_args = (Hq, Hq // Hkv, Nq, Nk, d, softmax_scale)
     if (tma_dq is not None or tma_dkdv is not None) and q.is_cuda:
         ensure_scratch_allocator()
     with device_ctx(q):
         # dQ first: its programs also compute Delta = rowsum(dO * O) (- dLSE) of their rows and
         # store it for the dK/dV kernel (no separate preprocess launch)
         launcher(kern._bwd_dq_kernel, (cdiv(Nq, c_dq.block_m), Hq, B), traced)(
-            q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: HAS_DLSE=False, never read
-            *strides(q, k, v, do, dq, o),
-            *scale_args, TMA_K=(tma_dq or (0, 0))[0], TMA_V=(tma_dq or (0, 0))[1],
+            q, k, v, do, lse, delta, dq_arg, o, dlse,  # dlse None: never read
+            *strides(q, k, do, dq, o),
+            *scale_args, TMA_KV=(tma_dq or (0, 0))[0],
             CAUSAL=causal, BLOCK_M=c_dq.block_m, BLOCK_N=c_dq.block_n, BLOCK_D=p.block_d,
-            EVEN_M=Nq % c_dq.block_m == 0, EVEN_N=Nk % c_dq.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, HAS_DLSE=dlse is not None,
+            EVEN_M=Nq % c_dq.block_m == 0, EVEN_N=Nk % c_dq.block_n == 0, DOT_PRECISION=prec,
             **_options(c_dq), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
         )  # fmt: skip
         launcher(kern._bwd_dkdv_kernel, (cdiv(Nk, c_dkdv.block_n), Hkv, B), traced)(
             q, k, v, do, lse, delta, dk_arg, dv_arg,
-            *strides(q, k, v, do, dk, dv),
+            *strides(q, k, do, dk),
             *scale_args, TMA_Q=(tma_dkdv or (0, 0))[0], TMA_DO=(tma_dkdv or (0, 0))[1],
             CAUSAL=causal, BLOCK_M=c_dkdv.block_m, BLOCK_N=c_dkdv.block_n, BLOCK_D=p.block_d,
-            EVEN_M=Nq % c_dkdv.block_m == 0, EVEN_N=Nk % c_dkdv.block_n == 0, EVEN_D=even_d,
-            DOT_PRECISION=prec, **_options(c_dkdv),
-            **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap), K_DOC=k_doc,
-            dk_offset=dk_off, dv_offset=dv_off,
+            EVEN_M=Nq % c_dkdv.block_m == 0, EVEN_N=Nk % c_dkdv.block_n == 0, DOT_PRECISION=prec,
+            **_options(c_dkdv), **_variant_kwargs(window, q_doc, dropout_p, dropout_seed, softcap),
+            K_DOC=k_doc, kv_step=kv_step,
         )  # fmt: skip
     return dq, dk, dv
 

@@ -33,6 +33,16 @@ def _softcap(qk, cap):
 
 
 @triton.jit
+def _scale_log2(softmax_scale, softcap):
+    """The float32 score multiplier (Inductor passes Python floats as fp64): scale * log2(e) for base-2
+    scores, or scale / c with soft-capping (softcap = c * log2(e); None: off)."""
+    scale_log2 = tl.cast(softmax_scale, tl.float32) * 1.4426950408889634
+    if softcap is not None:
+        scale_log2 = scale_log2 / tl.cast(softcap, tl.float32)
+    return scale_log2
+
+
+@triton.jit
 def _load_tile(ptrs, row_mask, col_mask, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
     """Load a 2-D tile, masking rows and/or (padded head-dim) columns only when needed."""
     if CHECK_ROWS:

@@ -2,14 +2,17 @@
 dK/dV), with the online softmax of Milakov & Gimelshein (2018). Written from the papers.
 
 Conventions of every kernel:
-* q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any strides with a unit last one; LSE and Delta contiguous float32
-  (B, Hq, Nq). GQA: query head h reads KV head h // GROUP.
+* q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any strides with a unit last one, k and v (and dk and dv) the
+  same ones; LSE and Delta contiguous float32 (B, Hq, Nq). GQA: query head h reads KV head h // GROUP.
 * Scores in base 2: s2 = (q . k) * scale * log2(e), exp2 throughout; LSE stored in natural-log units.
-  Soft-capping: scale_log2 = scale / c and softcap = c * log2(e), dS takes 1 - tanh^2.
+  Soft-capping: softcap = c * log2(e), scores (q . k) * scale / c into `_softcap`, dS takes 1 - tanh^2.
+* Variants are on when their argument is given: window, Q_DOC (documents), SEED (dropout), softcap; None
+  compiles them out (Triton specialises None arguments as constants).
 * Causal bottom-right: query i sees key j iff j <= i + (Nk - Nq); a row that sees no key gets o = 0,
   lse = -inf and zero gradients. Blocks above the diagonal are skipped by the loop bounds; only the
   diagonal and sequence-end blocks compute a mask.
-* d padded to BLOCK_D with masked loads (EVEN_D skips it); batch/head offsets in int64.
+* d padded to BLOCK_D with masked loads (EVEN_D = HEAD_DIM == BLOCK_D skips them); batch/head offsets in
+  int64.
 * No atomics: each output element has one writer, so the backward is deterministic.
 * The launched kernels take every stride and scalar as an argument of its own: torch.compile (2.13) cannot
   emit a captured launch (`wrap_triton`) with a tuple of runtime values. The inner loops get them grouped.
@@ -27,6 +30,7 @@ from ._triton_common import (
     _query_block_range,
     _row_max,
     _row_sum,
+    _scale_log2,
     _score_keep,
     _softcap,
     _store_tile,
@@ -57,7 +61,6 @@ def _fwd_inner(
     N_K,
     scale_log2,
     stride_kn,
-    stride_vn,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -120,7 +123,7 @@ def _fwd_inner(
                 p * (1.0 / (1.0 - dropout_p)),
                 0.0,
             )
-        v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+        v_ptrs = v_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
         v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -141,9 +144,6 @@ def _fwd_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
     stride_ob,
     stride_oh,
     stride_om,
@@ -151,29 +151,29 @@ def _fwd_kernel(
     GROUP,
     N_Q,
     N_K,
-    HEAD_DIM,
-    scale_log2,
+    HEAD_DIM: tl.constexpr,
+    softmax_scale,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     Q_DOC=None,
     SEED=None,
-    window=0,
+    window=None,
     dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
     softcap=None,
-    SOFTCAP: tl.constexpr = False,
 ):
     """FlashAttention-2 forward (section 3.1). Grid (cdiv(Nq, BLOCK_M), Hq, B). Q_DOC int32 (2, B, Nq): each
-    query row's document key range; SEED int64 (1,)."""
-    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
+    query row's document key range; SEED int64 (1,). K and V share strides (the launcher makes them)."""
+    HAS_WINDOW: tl.constexpr = window is not None
+    HAS_DOC: tl.constexpr = Q_DOC is not None
+    HAS_DROPOUT: tl.constexpr = SEED is not None
+    SOFTCAP: tl.constexpr = softcap is not None
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    scale_log2 = _scale_log2(softmax_scale, softcap)
     if SOFTCAP:
         softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
@@ -196,7 +196,7 @@ def _fwd_kernel(
     q = _load_tile(q_ptrs, mask_m, mask_d, not EVEN_M, not EVEN_D)
 
     k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    v_base = V + b * stride_kb + hk * stride_kh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
@@ -228,7 +228,6 @@ def _fwd_kernel(
         N_K,
         scale_log2,
         stride_kn,
-        stride_vn,
         CAUSAL or not EVEN_N or HAS_WINDOW or HAS_DOC,
         CAUSAL,
         BLOCK_N,
@@ -420,60 +419,53 @@ def _bwd_dkdv_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
     stride_dob,
     stride_doh,
     stride_dom,
     stride_dkb,
     stride_dkh,
     stride_dkn,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
     H_Q,
     GROUP,
     N_Q,
     N_K,
-    HEAD_DIM,
+    HEAD_DIM: tl.constexpr,
     softmax_scale,
-    scale_log2,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA_Q: tl.constexpr,
     TMA_DO: tl.constexpr,
     Q_DOC=None,
     K_DOC=None,
     SEED=None,
-    window=0,
+    window=None,
     dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
-    dk_offset=0,
-    dv_offset=0,
     softcap=None,
-    SOFTCAP: tl.constexpr = False,
+    kv_step=0,
 ):
     """dK, dV of one key block (section 3.2, Algorithm 2), over the GROUP query heads of its KV head and
     the query blocks that see it. Grid (cdiv(Nk, BLOCK_N), Hkv, B). TMA_Q / TMA_DO: 0 pointer loads, else
-    `_tma_operand`'s layout. K_DOC int32 (2, B, Nk): each key's document query range. Packed d(qkv): DV is
-    None and dK, dV go dk_offset / dv_offset past DK (one buffer, which a compiled graph clones whole).
+    `_tma_operand`'s layout. K_DOC int32 (2, B, Nk): each key's document query range. K and V share
+    strides, and so do dK and dV. Packed d(qkv): DV is None and dK, dV go one and two kv_step past DK (one
+    buffer, which a compiled graph clones whole).
     """
+    HAS_WINDOW: tl.constexpr = window is not None
+    HAS_DOC: tl.constexpr = Q_DOC is not None
+    HAS_DROPOUT: tl.constexpr = SEED is not None
+    SOFTCAP: tl.constexpr = softcap is not None
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    scale_log2 = _scale_log2(softmax_scale, softcap)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
-    scale_log2 = tl.cast(scale_log2, tl.float32)
     if SOFTCAP:
         softcap = tl.cast(softcap, tl.float32)
     if DV is None:
-        DV = DK + dv_offset
-    DK = DK + dk_offset
+        DV = DK + 2 * kv_step
+    DK = DK + kv_step
     pid_n = tl.program_id(0)
     hk = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -489,7 +481,7 @@ def _bwd_dkdv_kernel(
     tile_n = tl.arange(0, BLOCK_N)[:, None]
     k_ptrs = K + b * stride_kb + hk * stride_kh + n0_64 * stride_kn + tile_n * stride_kn + offs_d[None, :]
     k = _load_tile(k_ptrs, mask_n, mask_d, not EVEN_N, not EVEN_D)
-    v_ptrs = V + b * stride_vb + hk * stride_vh + n0_64 * stride_vn + tile_n * stride_vn + offs_d[None, :]
+    v_ptrs = V + b * stride_kb + hk * stride_kh + n0_64 * stride_kn + tile_n * stride_kn + offs_d[None, :]
     v = _load_tile(v_ptrs, mask_n, mask_d, not EVEN_N, not EVEN_D)
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, dtype=tl.float32)
@@ -581,7 +573,7 @@ def _bwd_dkdv_kernel(
     dk = dk * softmax_scale
     dk_ptrs = DK + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn + tile_n * stride_dkn
     _store_tile(dk_ptrs + offs_d[None, :], dk.to(DK.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
-    dv_ptrs = DV + b * stride_dvb + hk * stride_dvh + n0_64 * stride_dvn + tile_n * stride_dvn
+    dv_ptrs = DV + b * stride_dkb + hk * stride_dkh + n0_64 * stride_dkn + tile_n * stride_dkn
     _store_tile(dv_ptrs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask_n, mask_d, not EVEN_N, not EVEN_D)
 
 
@@ -617,7 +609,7 @@ def _bwd_dq_inner(
     """Accumulate dQ += dS K over key blocks [lo, hi) (scaled by the caller). MASKED and `variant` as in
     `_fwd_inner`, k_src / v_src and USE_TMA (only with EVEN_N) as q_src in `_bwd_dkdv_inner`."""
     k_base, stride_kn, KD, k_row, k_col = k_src
-    v_base, stride_vn, VD, v_row, v_col = v_src
+    v_base, VD = v_src  # V shares K's strides and descriptor coordinates
     mask_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, bh, dropout_p, softcap = variant
     HAS_WINDOW: tl.constexpr = VARIANT_FLAGS[0]
     HAS_DOC: tl.constexpr = VARIANT_FLAGS[1]
@@ -629,12 +621,12 @@ def _bwd_dq_inner(
         col_ok = cols < N_K
         if USE_TMA:
             k = KD.load([k_row + start_n, k_col])
-            v = VD.load([v_row + start_n, v_col])
+            v = VD.load([k_row + start_n, k_col])
         else:
             start_64 = tl.cast(start_n, tl.int64)
             k_ptrs = k_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
             k = _load_tile(k_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
-            v_ptrs = v_base + start_64 * stride_vn + (offs_n[:, None] * stride_vn + offs_d[None, :])
+            v_ptrs = v_base + start_64 * stride_kn + (offs_n[:, None] * stride_kn + offs_d[None, :])
             v = _load_tile(v_ptrs, col_ok, mask_d, not EVEN_N, not EVEN_D)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         if SOFTCAP:
@@ -686,9 +678,6 @@ def _bwd_dq_kernel(
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
     stride_dob,
     stride_doh,
     stride_dom,
@@ -702,35 +691,33 @@ def _bwd_dq_kernel(
     GROUP,
     N_Q,
     N_K,
-    HEAD_DIM,
+    HEAD_DIM: tl.constexpr,
     softmax_scale,
-    scale_log2,
     CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    TMA_K: tl.constexpr,
-    TMA_V: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    TMA_KV: tl.constexpr,
     Q_DOC=None,
     SEED=None,
-    window=0,
+    window=None,
     dropout_p=0.0,
-    HAS_WINDOW: tl.constexpr = False,
-    HAS_DOC: tl.constexpr = False,
-    HAS_DROPOUT: tl.constexpr = False,
     softcap=None,
-    SOFTCAP: tl.constexpr = False,
 ):
     """dQ of one query block (section 3.2) by its own program (no atomics), and Delta = rowsum(dO * O)
     (- dLSE) of its rows for `_bwd_dkdv_kernel`, launched after it (no separate preprocess pass). Grid
-    (cdiv(Nq, BLOCK_M), Hq, B). TMA_K / TMA_V as TMA_Q in `_bwd_dkdv_kernel`."""
+    (cdiv(Nq, BLOCK_M), Hq, B). TMA_KV as TMA_Q in `_bwd_dkdv_kernel` (K and V share strides). DLSE None:
+    no gradient flows into the LSE."""
+    HAS_WINDOW: tl.constexpr = window is not None
+    HAS_DOC: tl.constexpr = Q_DOC is not None
+    HAS_DROPOUT: tl.constexpr = SEED is not None
+    SOFTCAP: tl.constexpr = softcap is not None
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    scale_log2 = _scale_log2(softmax_scale, softcap)
     softmax_scale = tl.cast(softmax_scale, tl.float32)  # Inductor passes Python floats as fp64
-    scale_log2 = tl.cast(scale_log2, tl.float32)
     if SOFTCAP:
         softcap = tl.cast(softcap, tl.float32)
     pid_m = tl.program_id(0)
@@ -757,7 +744,7 @@ def _bwd_dq_kernel(
     o = _load_tile(o_ptrs + offs_d[None, :], mask_m, mask_d, not EVEN_M, not EVEN_D)
     row_ptr = (b * H_Q + h) * N_Q + offs_m
     delta = _row_sum(o.to(tl.float32) * do.to(tl.float32))
-    if HAS_DLSE:
+    if DLSE is not None:
         # d lse_i / d s_ij = P_ij folds into dS = P * (dP - Delta) as Delta - dLSE
         delta -= tl.load(DLSE + row_ptr, mask=mask_m, other=0.0)
     tl.store(DELTA + row_ptr, delta, mask=mask_m)
@@ -765,22 +752,22 @@ def _bwd_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
     k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    v_base = V + b * stride_kb + hk * stride_kh
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    if TMA_K:
+    if TMA_KV:
         H_KV = H_Q // GROUP
-        KD, row_kb, row_kh, col_kh = _tma_operand(K, stride_kh, stride_kn, H_KV, N_K, TMA_K, BLOCK_N, BLOCK_D)
-        VD, row_vb, row_vh, col_vh = _tma_operand(V, stride_vh, stride_vn, H_KV, N_K, TMA_V, BLOCK_N, BLOCK_D)
+        KD, row_kb, row_kh, col_kh = _tma_operand(
+            K, stride_kh, stride_kn, H_KV, N_K, TMA_KV, BLOCK_N, BLOCK_D
+        )
+        VD = _tma_operand(V, stride_kh, stride_kn, H_KV, N_K, TMA_KV, BLOCK_N, BLOCK_D)[0]
     else:  # pointer loads, no descriptors: constexpr None (a tuple cannot hold an assigned, plain None)
         KD: tl.constexpr = None
         VD: tl.constexpr = None
-        row_kb, row_kh, col_kh, row_vb, row_vh, col_vh = 0, 0, 0, 0, 0, 0
-    # descriptor coordinates (int32; only used when USE_TMA)
+        row_kb, row_kh, col_kh = 0, 0, 0
+    # descriptor coordinates of K's and V's rows (int32; only used when USE_TMA)
     k_row = (b * row_kb + hk * row_kh).to(tl.int32)
     k_col = (hk * col_kh).to(tl.int32)
-    v_row = (b * row_vb + hk * row_vh).to(tl.int32)
-    v_col = (hk * col_vh).to(tl.int32)
     # -- for each visible key block j: dQ_i += dS_ij K_j; blocks [0, full_end) unmasked, then masked
     doc_lo, doc_hi, doc_lo_ptr, doc_hi_ptr, seed_lo, seed_hi, dropout_p = _variant_args(
         Q_DOC, SEED, b, offs_m, mask_m, N_Q, dropout_p, HAS_DOC, HAS_DROPOUT
@@ -795,7 +782,7 @@ def _bwd_dq_kernel(
         lse2,
         delta,
         (k_base, stride_kn, KD, k_row, k_col),
-        (v_base, stride_vn, VD, v_row, v_col),
+        (v_base, VD),
         lo,
         hi,
         full_end,
@@ -812,7 +799,7 @@ def _bwd_dq_kernel(
         EVEN_N,
         EVEN_D,
         DOT_PRECISION,
-        TMA_K > 0,
+        TMA_KV > 0,
         (full_lo, doc_lo, doc_hi, window, seed_lo, seed_hi, b * H_Q + h, dropout_p, softcap),
         (HAS_WINDOW, HAS_DOC, HAS_DROPOUT, SOFTCAP),
     )

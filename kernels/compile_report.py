@@ -23,7 +23,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _TL_NAME = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _TENSORS = ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV")
 _F32_TENSORS = ("LSE", "DELTA", "DLSE")
-_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "HEAD_DIM", "dk_offset", "dv_offset")  # offsets: 0 unless packed
+_INTS = ("H_Q", "GROUP", "N_Q", "N_K", "kv_step")  # kv_step: 0 unless packed
 VARIANTS = ("window", "doc", "dropout", "softcap")
 
 
@@ -124,14 +124,12 @@ def compile_kernel(
     cfg = cfg.launched(tma)
     fn = getattr(kernel_module(False), f"_{kernel}_kernel")
     values = dict(CAUSAL=causal, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_M=even)
-    values |= dict(EVEN_N=even, EVEN_D=head_dim == block_d, HAS_DLSE=False)
-    values["DOT_PRECISION"] = dot_precision(dtype)
-    values |= {f"TMA_{x}": int(tma) for x in ("Q", "DO", "K", "V")}  # layout 1: heads contiguous
-    values |= dict(HAS_WINDOW="window" in variants, HAS_DOC="doc" in variants)
-    values |= dict(HAS_DROPOUT="dropout" in variants, SOFTCAP="softcap" in variants)
+    values |= dict(EVEN_N=even, HEAD_DIM=head_dim, DOT_PRECISION=dot_precision(dtype))
+    values |= {f"TMA_{x}": int(tma) for x in ("Q", "DO", "KV")}  # layout 1: heads contiguous
     if tma:  # the launcher uses TMA only when the streamed length is a multiple of the block
         values["EVEN_M" if kernel == "bwd_dkdv" else "EVEN_N"] = True
     variant_ptrs = {"Q_DOC": ("doc", "*i32"), "K_DOC": ("doc", "*i32"), "SEED": ("dropout", "*i64")}
+    variant_ptrs |= {"DLSE": ("dlse", None), "window": ("window", "i32")}  # no LSE gradient: as in training
     scalar = "fp64" if inductor else "fp32"
     signature, constants, divisible = {}, {}, []
     for i, name in enumerate(fn.arg_names):
@@ -139,9 +137,7 @@ def compile_kernel(
             signature[name] = variant_ptrs[name][1]
         elif name in variant_ptrs or (name == "softcap" and "softcap" not in variants):
             signature[name], constants[name] = "constexpr", None  # off: None, as the launchers pass it
-        elif name == "window":
-            signature[name] = "i32"
-        elif name in ("dropout_p", "softcap", "scale_log2", "softmax_scale"):
+        elif name in ("dropout_p", "softcap", "softmax_scale"):
             signature[name] = scalar
         elif name in _TENSORS or name in _F32_TENSORS:
             signature[name] = "*fp32" if name in _F32_TENSORS else "*" + _TL_NAME[dtype]
@@ -220,8 +216,7 @@ def compile_decode_kernel(
 
     fn = getattr(kernel_module(False, "_decode_kernels"), f"_decode_{kernel}_kernel")
     values = dict(BLOCK_M=_pow2(group * n_q), BLOCK_N=decode_block_n(head_dim, dtype), BLOCK_S=8)
-    values |= dict(BLOCK_D=_pow2(head_dim), DOT_PRECISION=dot_precision(dtype), HAS_SEQLENS=has_seqlens)
-    values |= dict(USE_PDL=pdl, SOFTCAP=softcap)
+    values |= dict(BLOCK_D=_pow2(head_dim), DOT_PRECISION=dot_precision(dtype), USE_PDL=pdl)
     signature, constants = {}, {}
     for name in fn.arg_names:
         if name in ("Q", "K", "V") or (name == "O" and kernel == "combine"):
@@ -230,7 +225,7 @@ def compile_decode_kernel(
             signature[name] = "*fp32"
         elif name == "SEQLENS" and has_seqlens:
             signature[name] = "*i32"
-        elif name == "scale_log2" or (name == "softcap" and softcap):
+        elif name == "softmax_scale" or (name == "softcap" and softcap):
             signature[name] = "fp32"
         elif name in ("SEQLENS", "softcap"):  # off: None, as flash_decode passes them
             signature[name], constants[name] = "constexpr", None

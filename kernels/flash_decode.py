@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import plan as kplan
-from ._launch import _scale_log2, _softcap_kwargs, dot_precision, kernel_module, launcher
+from ._launch import LOG2E, dot_precision, kernel_module, launcher, same_kv_strides
 from ._runtime import check_flash_available, device_ctx, interpret_enabled, strides
 from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call, check_softcap
 from .plan import MAX_DECODE_ROWS
@@ -124,6 +124,7 @@ def _launch_decode(
     (the split kernel's key tile and launch options, PDL; None: `plan`'s choice) serve the decode tile search
     (`python -m bench.tune --decode`)."""
     _check_overrides(_tile_n, _num_warps, _num_stages)
+    k_cache, v_cache = same_kv_strides(k_cache, v_cache)
     kernels = kernel_module(interpret_enabled(), "_decode_kernels")
     p = kplan.plan_decode(q, k_cache, num_splits, traced, _tile_n, _num_warps, _num_stages, _pdl)
     (tile,) = p.tiles
@@ -141,11 +142,10 @@ def _launch_decode(
     lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
     with device_ctx(q):
         launcher(kernels._decode_split_kernel, (splits, Hkv, B), traced)(
-            q, k_cache, v_cache, cache_seqlens, o_part, lse_part, *strides(q, k_cache, v_cache),
-            Hq, Hq // Hkv, Nq, d, p.split_len, splits, n_max, _scale_log2(scale, softcap),
+            q, k_cache, v_cache, cache_seqlens, o_part, lse_part, *strides(q, k_cache),
+            Hq, Hq // Hkv, Nq, d, p.split_len, splits, n_max, scale,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=p.block_d, USE_PDL=pdl,
-            DOT_PRECISION=dot_precision(q.dtype), **_softcap_kwargs(softcap), **launch_opts,
-            HAS_SEQLENS=cache_seqlens is not None,  # None: L_b = Nmax, the pointer never read
+            DOT_PRECISION=dot_precision(q.dtype), softcap=softcap * LOG2E if softcap else None, **launch_opts,
         )  # fmt: skip
         launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
             o_part, lse_part, o, lse, *strides(o), Hq, Nq, d, splits, BLOCK_S=kplan._pow2(splits, low=2),

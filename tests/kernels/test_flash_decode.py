@@ -156,7 +156,7 @@ def test_softcap_matches_reference(seed, device, dtype, d, hq, hkv, nq, n_max, s
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_lengths_equals_full_lengths(seed, device):
-    """cache_seqlens=None (no lengths tensor, the kernel's HAS_SEQLENS=False) is bitwise the result of
+    """cache_seqlens=None (no lengths tensor: the kernel compiles SEQLENS out) is bitwise the result of
     passing L_b = Nmax for every sequence, eagerly and through the op (the CPU op called directly, the
     compiled triton op on CUDA), whose opcheck takes None."""
     if device == "interpreter":
