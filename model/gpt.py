@@ -127,8 +127,8 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None):
-        """Logits (B, T, vocab_size), float32 also for a float16/bfloat16 model, and the mean cross-entropy
-        over targets != -1 (or None). doc_ids: (B, T) document ids for ``config.document_mask`` (default:
+        """Logits (B, T, vocab_size) in the compute dtype (bfloat16 under bf16 autocast), and the mean
+        cross-entropy over targets != -1 (or None), float32 or wider. doc_ids: (B, T) document ids for ``config.document_mask`` (default:
         from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``: the last position's logits only."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
@@ -157,16 +157,18 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if cache is not None:
             x = x[:, -1:]  # generating: only the next token's logits are needed
-        logits = self.lm_head(x)  # (B, T, vocab_size)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # a float32 loss and softmax
+        logits = self.lm_head(x)  # (B, T, vocab_size), in the autocast dtype
         loss = None
         if targets is not None:
             if targets.shape != idx.shape:
                 raise ValueError(
                     f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
                 )
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten().long(), ignore_index=-1)
+            # a float32 softmax for 16-bit logits; the cast stays inside the loss, where the compiled graph
+            # fuses it: returning float32 logits cost two (B, T, V) float32 passes a step (NOTES, "peer")
+            flat = logits.flatten(0, 1)
+            flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
+            loss = F.cross_entropy(flat, targets.flatten().long(), ignore_index=-1)
         return logits, loss
 
     def document_ids(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
