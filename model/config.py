@@ -197,7 +197,8 @@ _WHAT = {
     OPEN_UNIT: "must be in (0, 1), strictly",
 }
 
-#: Each field's check and a value that works, for ``problem`` (attention: the registry's names).
+#: A field's range check and a value that works, for ``problem`` (attention: the registry's names); a new
+#: field needs an entry only when its type alone does not say which values work.
 CHECKS = dict(
     block_size=(POS_INT, 1024), vocab_size=(POS_INT, 50304), n_layer=(POS_INT, 12), n_head=(POS_INT, 12),
     n_embd=(POS_INT, 768), dropout=(UNIT, 0.0), bias=(BOOL, None), sdpa_backend=(SDPA_BACKENDS, "auto"),
@@ -222,7 +223,8 @@ def problem(name: str, value) -> str | None:
         return (
             None if ok else f"doc_separator_ids must be None or a non-empty list of token ids, got {value!r}"
         )
-    (check, example), nullable = CHECKS[name], "None" in GPTConfig.__dataclass_fields__[name].type
+    check, example = CHECKS.get(name, (None, None))  # no entry: no check beyond the field's type
+    nullable = "None" in GPTConfig.__dataclass_fields__[name].type
     if value is None and not nullable:
         return f"{key(name)}=null is not valid here; e.g. {key(name)}={fmt(example)}"
     return problem_with(key(name), value, check, example, nullable=nullable)

@@ -128,8 +128,9 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None, doc_ids=None):
         """Logits (B, T, vocab_size) in the compute dtype (bfloat16 under bf16 autocast), and the mean
-        cross-entropy over targets != -1 (or None), float32 or wider. doc_ids: (B, T) document ids for ``config.document_mask`` (default:
-        from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``: the last position's logits only."""
+        cross-entropy over targets != -1 (or None), float32 or wider. doc_ids: (B, T) document ids for
+        ``config.document_mask`` (default: from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``:
+        the last position's logits only."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         T = idx.size(1)

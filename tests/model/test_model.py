@@ -341,6 +341,19 @@ def test_config_unknown_backends():
         GPTConfig.from_preset("gpt5")
 
 
+def test_config_field_without_a_range_check(monkeypatch):
+    """A new GPTConfig field needs no CHECKS entry (README, "Where things are"): without one it is checked by
+    its type only, instead of a KeyError at every config."""
+    import model.config as model_config
+
+    monkeypatch.delitem(model_config.CHECKS, "rope_theta")
+    assert GPTConfig(rope_theta=-1.0).rope_theta == -1.0
+    assert model_config.problem("rope_theta", 5.0) is None
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="rope_theta"):
+        GPTConfig(rope_theta=-1.0)
+
+
 def test_config_flash_head_dim_range():
     with pytest.raises(ValueError, match="head_dim=4"):
         GPTConfig(n_embd=16, n_head=4, attention="flash")
