@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.checkpoint import MIB
 from trainer.checks import ConfigError
 from trainer.metrics import DiskFullError, disk_full_in, first_line, write_json_atomic
 from trainer.state import GIB
 
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG = 0, 1, 2
-MIB = float(1 << 20)
 
 
 class NonFiniteError(Exception):
@@ -48,42 +48,35 @@ class Outcome:
 
 
 def final_figures(st) -> dict:
-    out = {
-        "steps": st.step,
-        "final/train_loss": st.last_train_loss,
-        "final/val_loss": st.last_val_loss,
-        "final/val_step": st.last_val_step,  # 0 is the untrained model's (eval.at_start)
-        "mem/peak_gib": st.peak_gib(),
-        "train/skipped_steps": st.skipped,
-        "last_checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
-    }
-    if st.step_tps:
-        tps = statistics.median(st.step_tps)
-        out["perf/tokens_per_sec"] = tps
-        out["perf/step_ms"] = statistics.median(st.step_ms)
-        if st.peak_flops:
-            out["perf/mfu"] = st.raw_model.estimate_mfu(
-                tps / st.dist.world_size, int(st.cfg.seq_len), st.peak_flops
-            )
-        out["perf/timed_steps"] = len(st.step_tps)
-    out.update(st.gpu_busy.summary())
-    return out
+    """The run's final figures; {} when they cannot be read (reporting never hides the real ending)."""
+    try:
+        out = {
+            "steps": st.step,
+            "final/train_loss": st.last_train_loss,
+            "final/val_loss": st.last_val_loss,
+            "final/val_step": st.last_val_step,  # 0 is the untrained model's (eval.at_start)
+            "mem/peak_gib": st.peak_gib(),
+            "train/skipped_steps": st.skipped,
+            "last_checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
+        }
+        if st.step_tps:
+            tps = statistics.median(st.step_tps)
+            out["perf/tokens_per_sec"] = tps
+            out["perf/step_ms"] = statistics.median(st.step_ms)
+            if st.peak_flops:
+                seq_len = int(st.cfg.seq_len)
+                out["perf/mfu"] = st.raw_model.estimate_mfu(tps / st.dist.world_size, seq_len, st.peak_flops)
+            out["perf/timed_steps"] = len(st.step_tps)
+        return out | st.gpu_busy.summary()
+    except Exception:  # noqa: BLE001
+        return {}
 
 
 def finish(st, status: str, extra: dict, exit_code: int) -> None:
     """Write the final summary (summary.json + W&B) and a last metrics.jsonl line, close W&B."""
     st.ending = True
-    try:
-        figures = final_figures(st)
-    except Exception:  # noqa: BLE001 - never let reporting hide the real ending
-        figures = {}
-    summary = {
-        "status": status,
-        "attention": st.cfg.attention.name,
-        "seq_len": int(st.cfg.seq_len),
-        **figures,
-        **extra,
-    }
+    summary = {"status": status, "attention": st.cfg.attention.name, "seq_len": int(st.cfg.seq_len)}
+    summary |= final_figures(st) | extra
     last = {"status": status, **{k: v for k, v in extra.items() if k != "resume_hint"}}
     failed = None
     for _ in range(2):  # the second time with the reserve's room
@@ -94,7 +87,7 @@ def finish(st, status: str, extra: dict, exit_code: int) -> None:
             break
         except DiskFullError as e:
             failed = e
-            _quiet_logging_errors()
+            logging.raiseExceptions = False  # a full disk: no traceback for each failing log record
             if status == "ok":
                 raise
             st.log.release_reserve()
@@ -141,11 +134,6 @@ def hydra_arg(key: str, value) -> str:
     return shlex.quote(f"{key}='{text}'")
 
 
-def restart_command(st) -> str:
-    """The same launch into a new run directory (for a run without a checkpoint to resume)."""
-    return resume_command(st, resume=False)
-
-
 def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:
     """(what is kept, resume hint or None, what to do then) for an ending that failed to write."""
     if st.last_ckpt:
@@ -159,7 +147,8 @@ def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:
     return (
         "",
         None,
-        f"start the run again in a new out_dir (no checkpoint to resume yet):\n  {restart_command(st)}",
+        "start the run again in a new out_dir (no checkpoint to resume yet):\n  "
+        + resume_command(st, resume=False),
     )
 
 
@@ -213,7 +202,7 @@ def end_before_first_step(st, signum: int) -> Outcome:
         with contextlib.suppress(Exception):
             st.log.close(exit_code=code)
         return Outcome("interrupted", code)
-    hint = restart_command(st)
+    hint = resume_command(st, resume=False)
     with contextlib.suppress(Exception):
         st.record()
     extra = {"signal": name, "interrupted_in": "set-up, before the first step", "restart_hint": hint}
@@ -234,10 +223,7 @@ def record_exit_now(st, signum: int) -> None:
     with contextlib.suppress(OSError):  # a checkpoint being saved: its temp folder goes, not the run
         ckpt.remove_own_temps(st.out_dir)
     hint = resume_command(st) if st.last_ckpt else None
-    try:
-        figures = final_figures(st)
-    except Exception:  # noqa: BLE001 - the status matters more than the figures
-        figures = {}
+    figures = final_figures(st)
     extra = {"status": "interrupted", "signal": name, "exited_at_once": True, "resume_hint": hint}
     # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
     st.log.release_reserve()  # the process exits at once: nothing else removes it
@@ -287,11 +273,10 @@ def end_disk_full(st, e: BaseException):
     """The disk filled while the run wrote something other than a checkpoint (metrics.jsonl, summary.json,
     train.log, W&B's files): status disk_full (exit 1); every file keeps its whole lines."""
     st.ending = True
-    _quiet_logging_errors()
+    logging.raiseExceptions = False
     where = _mount_hint(st.out_dir)  # before the reserve is freed: what the user's disk holds
     st.log.release_reserve()  # room for the ending's records
-    cause = disk_full_in(e)
-    what = str(e) if isinstance(e, DiskFullError) else f"disk full: {first_line(cause or e)}"
+    what = str(e) if isinstance(e, DiskFullError) else f"disk full: {first_line(disk_full_in(e) or e)}"
     kept, hint, then = _how_to_go_on(st, "the last checkpoint")
     kept = kept or "no checkpoint was saved yet"
     msg = (
@@ -313,7 +298,7 @@ def end_nonfinite(st, e: NonFiniteError):
         f"(`{resume_command(st)}` plus the new optim values), or use nonfinite=skip"
         if st.last_ckpt
         else f"Fix: {lower} and start the run again, in a new run directory "
-        f"(there is no checkpoint to resume from): `{restart_command(st)}` plus the new optim "
+        f"(there is no checkpoint to resume from): `{resume_command(st, resume=False)}` plus the new optim "
         "values, or use nonfinite=skip"
     )
     msg = (
@@ -358,12 +343,6 @@ def end_oom(st, message: str):
     return Outcome("oom", int(st.cfg.oom_exit_code))
 
 
-def _quiet_logging_errors() -> None:
-    """On a full disk every logging handler writing a file (Hydra's train.log, W&B's debug logs) fails;
-    logging would print a traceback for each record (and W&B's console capture logs those again)."""
-    logging.raiseExceptions = False
-
-
 def _mount_hint(path: Path) -> str:
     """``path``'s disk, as ``<path> (N MiB free)`` where the free space can be read."""
     try:
@@ -376,15 +355,15 @@ def _mount_hint(path: Path) -> str:
 def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Outcome:
     """A full disk before the run could record anything (Hydra's files, the lock, the first records):
     one clear line, nothing trained, exit 1."""
-    _quiet_logging_errors()
+    logging.raiseExceptions = False
     cause = disk_full_in(e)
-    what = str(e) if isinstance(e, DiskFullError) else f"disk full: {first_line(cause or e)}"
     if isinstance(e, DiskFullError):
-        pass  # its own message names the file
-    elif cause is not None and getattr(cause, "filename", None):
-        what = f"disk full: could not write {cause.filename} ({cause.strerror})"
-    elif cause is not None and out_dir is not None:
-        what = f"disk full: could not write the run directory {out_dir} ({cause.strerror})"
+        what = str(e)  # its own message names the file
+    elif cause is not None and (cause.filename or out_dir is not None):
+        name = cause.filename or f"the run directory {out_dir}"
+        what = f"disk full: could not write {name} ({cause.strerror})"
+    else:
+        what = f"disk full: {first_line(cause or e)}"
     where = _mount_hint(Path(out_dir)) if out_dir is not None else "that disk"
     print(
         f"error: {what}. Nothing was trained. Free space on {where} (or set out_dir= on another "

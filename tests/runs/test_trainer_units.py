@@ -397,7 +397,7 @@ def test_resume_and_restart_commands_keep_each_override_one_shell_word(monkeypat
     import shlex
     from types import SimpleNamespace
 
-    from trainer.endings import resume_command, restart_command
+    from trainer.endings import resume_command
 
     given = ["experiment=cpu_tiny", "data.dir=data/my data", "wandb.tags=[a,b]", "out_dir=runs/sp ace"]
     run = SimpleNamespace(overrides=given, out_dir=tmp_path / "sp ace")
@@ -405,7 +405,7 @@ def test_resume_and_restart_commands_keep_each_override_one_shell_word(monkeypat
     words = shlex.split(resume_command(run))
     assert words[:2] == ["python", "train.py"] and words[2:5] == given[:3], words
     assert words[5:] == ["resume=true", f"out_dir='{tmp_path / 'sp ace'}'"], words
-    assert shlex.split(restart_command(run)) == ["python", "train.py", *given[:3]]
+    assert shlex.split(resume_command(run, resume=False)) == ["python", "train.py", *given[:3]]
 
 
 def test_discard_refused_run_takes_back_only_what_the_run_created(tmp_path):
