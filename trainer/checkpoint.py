@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from data.prepare import atomic_write
+from trainer.dist import broadcast_obj
 from trainer.metrics import first_line, os_error_in
 
 CKPT_DIR_NAME = "ckpt"
@@ -164,9 +165,7 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
         d.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(d / tmp_name, ignore_errors=True)
     if _dist():
-        box = [tmp_name]
-        tdist.broadcast_object_list(box, src=0)  # also: the folder exists before anyone writes
-        tmp_name = box[0]
+        tmp_name = broadcast_obj(tmp_name)  # also: the folder exists before anyone writes
     tmp = d / tmp_name
     try:
         msd, osd = get_state_dict(model, optimizer)

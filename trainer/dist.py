@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -81,14 +83,18 @@ def local_norm(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+def _launch_world() -> int:
+    """WORLD_SIZE of a launch of several ranks with a store address (torchrun); 0 otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world if world > 1 and "RANK" in os.environ and "MASTER_PORT" in os.environ else 0
+
+
 def _launch_store(timeout_s: float):
     """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT), or
     None outside torchrun or without the agent store (another launcher: a store of our own at that port would
     take the one ``init_process_group`` opens there)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
-        return None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    world = _launch_world()
+    if not world or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
     from datetime import timedelta
 
@@ -123,8 +129,6 @@ def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
         return problem
     if store is None:
         return problem
-    import time
-
     key, gone = _launch_key(f"verdict{_VERDICTS[0]}"), _launch_key("exit")
     try:
         if int(os.environ["RANK"]) == 0:
@@ -145,11 +149,8 @@ def rank0_verdict(problem: str | None, timeout_s: float = 300.0) -> str | None:
 
 def exit_together(code: int, timeout_s: float = 30.0) -> None:
     """Under torchrun, wait until every rank of this launch reaches here, then exit with ``code``."""
-    import signal
-    import time
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "RANK" not in os.environ or "MASTER_PORT" not in os.environ:
+    world = _launch_world()
+    if not world:
         return
     # From here on torchrun's SIGTERM (sent once the first rank has exited) is ignored: every rank ignores
     # it before it is counted, so none exits before all do.

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainer.dist import DistInfo
+from trainer.dist import DistInfo, broadcast_obj
 from trainer.gpu_busy import GpuBusy
 from trainer.metrics import DiskFullError, RunLogger, append_line
 from trainer.rundir import RunDirLock, write_hydra_files
@@ -151,11 +151,7 @@ class RunState:
 
     def broadcast(self, obj):
         """Rank 0's ``obj`` on every rank."""
-        if not self.dist.enabled:
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        return broadcast_obj(obj) if self.dist.enabled else obj
 
     def peak_gib(self) -> float:
         """Peak GPU memory of training (parity excluded), GiB; 0.0 on the CPU."""
