@@ -10,23 +10,13 @@ import os
 from pathlib import Path
 
 from trainer.fields import ConfigError
-from trainer.rundir import RESOLVED_CONFIG, read_resolved_config
+from trainer.rundir import RESOLVED_CONFIG, parse_overrides, read_resolved_config
 
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
 _NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 #: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
 CHOICES_KEY = "group_choices"
-
-
-def _parsed(overrides: list[str]):
-    """Hydra's parse of the command line's overrides, ``hydra.*`` (no run keys) left out."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(
-        [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    )
-    return [o for o in parsed if not o.key_or_group.startswith("hydra")]
 
 
 @contextlib.contextmanager
@@ -63,7 +53,7 @@ def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str
     from hydra import compose
     from omegaconf import OmegaConf
 
-    parsed = _parsed(overrides)
+    parsed = parse_overrides(overrides)
     named = {o.key_or_group for o in parsed}
     base = [f"{g}={v}" for g, v in choices.items()]
     rest = [b for b, g in zip(base, choices, strict=True) if g not in named]
@@ -195,7 +185,7 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
         if v is not None and not str(k).startswith("hydra")
     }
     old = _saved_choices(read_resolved_config(run_dir)) if resume else {}
-    chosen = {o.key_or_group for o in _parsed(overrides)}
+    chosen = {o.key_or_group for o in parse_overrides(overrides)}
     return {**old, **{g: v for g, v in current.items() if g in chosen or g not in old}}
 
 

@@ -43,11 +43,9 @@ def swept(_root_) -> str:
     """``_key-value`` for each key this multirun sweeps (Hydra's own parse of the command line,
     ``is_sweep_override``) besides attention and seq_len, with this job's value (``hydra.overrides.task``):
     the folder ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     try:
         task = dict(o.partition("=")[::2] for o in _root_.hydra.overrides.task)
-        parsed = OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+        parsed = parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except Exception:  # noqa: BLE001 - no Hydra config (a composed config) or no Hydra command line
         return ""
     keys = [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in _NAMED]
@@ -55,6 +53,15 @@ def swept(_root_) -> str:
     shown = {"True": "true", "False": "false"}
     parts = (f"_{k.rsplit('.', 1)[-1]}-{shown.get(task[k], task[k])}" for k in keys if k in task)
     return "".join(re.sub(r"[^A-Za-z0-9._+-]", "-", p) for p in parts)
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of command-line overrides, ``hydra.*`` (no run keys) left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides(
+        [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    )
 
 
 def register_resolvers() -> None:
@@ -198,32 +205,29 @@ def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     wandb = (out_dir / "wandb_run_id.txt").exists()
     refused = status == "error" and "steps" not in summary and not logged and not wandb  # free for a new run
     ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
+    new = _NEW_DIR[multirun]
     if status in FAILED_STATUSES and not refused:
-        steps = summary.get("steps", "?")
         go_on = (  # resume=true only where there is a checkpoint to continue (else it is refused too)
-            f"Pass resume=true to continue it from its newest checkpoint, or {_NEW_DIR[multirun]}"
+            f"Pass resume=true to continue it from its newest checkpoint, or {new}"
             if ckpts
-            else f"It has no checkpoint, so resume=true has nothing to continue: {_NEW_DIR[multirun]}"
+            else f"It has no checkpoint, so resume=true has nothing to continue: {new}"
         )
-        raise RunDirTaken(
-            f"out_dir={out_dir} holds a run that started training and then failed (status {status} after "
-            f"{steps} steps: {summary.get('error', 'see its train.log')}); its records are kept. {go_on}",
-            out_dir,
+        why = (
+            f"holds a run that started training and then failed (status {status} after "
+            f"{summary.get('steps', '?')} steps: {summary.get('error', 'see its train.log')}); its records "
+            f"are kept. {go_on}"
         )
-    if not ckpts and status not in (None, "error"):
+    elif not ckpts and status not in (None, "error"):
         # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
-        raise RunDirTaken(
-            f"out_dir={out_dir} already holds a run (summary status {status!r}) without a checkpoint, so "
-            f"resume=true has nothing to continue; {_NEW_DIR[multirun]}, or delete {out_dir} if its "
-            "records are not needed",
-            out_dir,
+        why = (
+            f"already holds a run (summary status {status!r}) without a checkpoint, so resume=true has "
+            f"nothing to continue; {new}, or delete {out_dir} if its records are not needed"
         )
-    if ckpts:
-        raise RunDirTaken(
-            f"out_dir={out_dir} already holds a run (summary.json or checkpoints); pass resume=true to "
-            f"continue it, or {_NEW_DIR[multirun]}",
-            out_dir,
-        )
+    elif ckpts:
+        why = f"already holds a run (summary.json or checkpoints); pass resume=true to continue it, or {new}"
+    else:
+        return
+    raise RunDirTaken(f"out_dir={out_dir} {why}", out_dir)
 
 
 class RunFinished(Exception):
@@ -400,7 +404,6 @@ def sweep_changed(yaml: Path, given: list[str]) -> str | None:
 def _sweep_values(overrides: list[str]) -> list[tuple[str, list]]:
     """(key, values in the order Hydra sweeps them) of each swept override, as Hydra's parser reads them:
     ``a=x,y``, ``a='x', 'y'`` and ``a=choice(x,y)`` alike; ``a=[1,2]`` and ``a='x,y'`` are not swept."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import QuotedString
 
     def plain(v):
@@ -408,9 +411,7 @@ def _sweep_values(overrides: list[str]) -> list[tuple[str, list]]:
             return v.text
         return [plain(x) for x in v] if isinstance(v, list) else v
 
-    parsed = OverridesParser.create().parse_overrides(
-        [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    )
+    parsed = parse_overrides(overrides)
     return [(o.key_or_group, [plain(v) for v in o.sweep_iterator()]) for o in parsed if o.is_sweep_override()]
 
 
@@ -433,23 +434,18 @@ class OutDirCheck(_HydraCallback):
 
         given = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or [] if "=" in o]
         if out := next((o for o in given if o.split("=", 1)[0].lstrip("+~") == "out_dir"), None):
-            value = out.split("=", 1)[1]
-            print(
-                f"config error: {out} does not apply with -m: every job of a sweep runs in its own folder "
-                f"under hydra.sweep.dir; use hydra.sweep.dir={value} instead (to resume a sweep's jobs: "
-                f"-m ... resume=true hydra.sweep.dir=<that sweep's folder>)",
-                file=sys.stderr,
-                flush=True,
+            _refuse(
+                f"{out} does not apply with -m: every job of a sweep runs in its own folder under "
+                f"hydra.sweep.dir; use hydra.sweep.dir={out.split('=', 1)[1]} instead (to resume a sweep's "
+                "jobs: -m ... resume=true hydra.sweep.dir=<that sweep's folder>)"
             )
-            raise SystemExit(2)
         path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
         if path is not None:
             yaml = Path(_key(path)) / "multirun.yaml"
             if OmegaConf.select(config, "resume", default=False) is True and (
                 problem := sweep_changed(yaml, given)
             ):
-                print(f"config error: {problem}", file=sys.stderr, flush=True)
-                raise SystemExit(2)  # before Hydra's sweeper writes anything
+                _refuse(problem)  # before Hydra's sweeper writes anything
             note_run_dir_before(path)
             _SWEEP[:] = [(_key(path), yaml.read_bytes() if yaml.is_file() else None)]
 
@@ -466,11 +462,15 @@ class OutDirCheck(_HydraCallback):
         if path is None:
             return None
         resume = OmegaConf.select(config, "resume", default=False) is True  # a run's (a sweep's) own folder
-        problem = out_dir_problem(path, key, resume=resume)
-        if problem:
-            print(f"config error: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
+        if problem := out_dir_problem(path, key, resume=resume):
+            _refuse(problem)
         return path
+
+
+def _refuse(problem: str):
+    """``config error: ...`` on stderr, exit status 2."""
+    print(f"config error: {problem}", file=sys.stderr, flush=True)
+    raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
 
 
 # ------------------------------------------------------------------------------- refused single runs
