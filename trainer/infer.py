@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer.fields import step_span
-from trainer.rundir import is_run_dir
+from trainer.resume_config import anchored, run_cwd
+from trainer.rundir import KILLED, is_run_dir, read_summary, true_status
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,8 +71,6 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
 
 def _trained_steps(run_dir: Path) -> int:
     """The steps the run's summary.json says it trained (0 when it says none)."""
-    from trainer.rundir import read_summary
-
     steps = read_summary(run_dir).get("steps")
     return steps if isinstance(steps, int) else 0
 
@@ -105,8 +105,6 @@ def load_record(p: Path) -> dict:
 
 def no_checkpoint_message(run: str, run_dir: Path) -> str:
     """Why ``run`` has no checkpoint that loads: not a run, a ckpt/ folder, still running, or ended early."""
-    from trainer.rundir import KILLED, read_summary, true_status
-
     found = len(ckpt.list_checkpoints(run_dir))
     where = f"looked in {ckpt.ckpt_dir(run_dir)}"
     if found:
@@ -133,8 +131,6 @@ def no_checkpoint_message(run: str, run_dir: Path) -> str:
 
 def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
     """ "its final weights (step 8) are gone: step_00000008 is missing (deleted)", or None."""
-    from trainer.rundir import read_summary
-
     summary = read_summary(run_dir)
     how = ckpt.lost_after(run_dir, step, summary)
     if how is None:
@@ -147,8 +143,6 @@ def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
 
 def run_data_dir(state: dict, run_dir: Path) -> str | None:
     """The data directory of a checkpoint's run (``data.dir`` of its config), None when it names none."""
-    from trainer.resume_config import anchored, run_cwd
-
     data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
     if not data_dir:
         return None
@@ -182,8 +176,6 @@ def build_model(
 ):
     """The checkpoint's GPT in eval mode on ``device`` in ``dtype`` (weights cast), with attention backend
     ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one)."""
-    import dataclasses
-
     from model import GPT, GPTConfig
 
     args = dict(state["model_args"])
