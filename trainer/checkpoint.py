@@ -287,8 +287,6 @@ def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
 def save(st, s: int) -> Path:
     """The checkpoint after update ``s`` of run ``st`` (a ``trainer.state.RunState``); collective. Every
     rank returns the path, or every rank raises CheckpointSaveError."""
-    from trainer import config as C
-
     st.gpu_busy.close()  # a checkpoint is not a training step
     rngs = [rng_state()]
     if st.dist.enabled:
@@ -301,7 +299,7 @@ def save(st, s: int) -> Path:
             "step": s,
             "seed": int(st.cfg.seed),
             "rng": rngs,
-            "config": C.to_dict(st.cfg),
+            "config": dataclasses.asdict(st.cfg),
             "model_args": dataclasses.asdict(st.gpt_config),
             "tokenizer": tokenizer_record(st.meta),
             # which corpus and split the run trains on: a resume refuses data prepared from another

@@ -394,26 +394,10 @@ def notes(cfg: TrainConfig) -> list[str]:
     return out
 
 
-def to_dict(cfg) -> dict:
-    """A config (``TrainConfig`` or DictConfig) as plain, resolved dicts and lists: for the records
-    (config.resolved.yaml, checkpoints, the W&B config)."""
-    from omegaconf import OmegaConf
-
-    if dataclasses.is_dataclass(cfg):
-        return dataclasses.asdict(cfg)
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def register() -> None:
-    """Store the schema (``flashgpt_schema``) and the model presets (``model/<name>``) in Hydra's
-    ConfigStore. Idempotent; called on import of this module."""
-    cs = ConfigStore.instance()
-    cs.store(name="flashgpt_schema", node=TrainConfig)
-    for name, sizes in PRESETS.items():
-        cs.store(group="model", name=name, node=ModelConfig(name=name, **sizes))
-
-
-register()
+# the schema and the model presets (model/<name>) in Hydra's ConfigStore, on import
+ConfigStore.instance().store(name="flashgpt_schema", node=TrainConfig)
+for _name, _sizes in PRESETS.items():
+    ConfigStore.instance().store(group="model", name=_name, node=ModelConfig(name=_name, **_sizes))
 
 if __name__ == "__main__":  # python -m trainer.config: every key, its default and its doc
     import signal

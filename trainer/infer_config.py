@@ -175,15 +175,8 @@ def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
     return 0
 
 
-def register() -> None:
-    """Store ``flashgpt_sample_schema`` and ``flashgpt_eval_schema`` in Hydra's ConfigStore (idempotent;
-    called on import of this module)."""
-    cs = ConfigStore.instance()
-    cs.store(name="flashgpt_sample_schema", node=SampleConfig)
-    cs.store(name="flashgpt_eval_schema", node=EvalConfig)
-
-
-register()
+ConfigStore.instance().store(name="flashgpt_sample_schema", node=SampleConfig)  # on import
+ConfigStore.instance().store(name="flashgpt_eval_schema", node=EvalConfig)
 
 if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
     import sys

@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 
 from data.prepare import atomic_write
 from trainer import checkpoint as ckpt
-from trainer import config as C
 from trainer import progress, resume_config, rundir
 from trainer.checks import (
     ConfigError,
@@ -275,7 +274,7 @@ def start_logging(st: RunState, state: dict | None) -> None:
     config.resolved.yaml, W&B, the running summary and the start-up lines."""
     cfg, plan, d = st.cfg, st.plan, st.dist
     st.record()
-    resolved = C.to_dict(cfg)
+    resolved = dataclasses.asdict(cfg)
     resolved["derived"] = {
         **derived(st),
         "cwd": os.getcwd(),  # what relative paths in this config are relative to

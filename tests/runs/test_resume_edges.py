@@ -234,14 +234,13 @@ def test_resume_keeps_the_runs_values_when_configs_changed_since_its_launch(tmp_
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import trainer.config as C
     from trainer import resume_config as R
 
     run = tmp_path / "run"
     run.mkdir()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=cpu_tiny", f"out_dir={run}"])
-    saved = C.to_dict(cfg) | {"derived": {"cwd": str(tmp_path), R.CHOICES_KEY: {"experiment": "cpu_tiny"}}}
+    saved = OmegaConf.to_container(cfg, resolve=True) | {"derived": {"cwd": str(tmp_path), R.CHOICES_KEY: {"experiment": "cpu_tiny"}}}
     OmegaConf.save(OmegaConf.create(saved), run / "config.resolved.yaml")
     lr = saved["optim"]["lr"]
     configs = tmp_path / "configs"
