@@ -270,10 +270,8 @@ def _multiples_around(n: int, unit: int, count: int = 64) -> list[int]:
 
 def peak_flops_for(device_name: str | None) -> float:
     """bf16 dense peak FLOP/s for a GPU name (``torch.cuda.get_device_name()``); 989e12 when unknown."""
-    for frag, flops in PEAK_FLOPS_BF16.items():
-        if device_name and frag in device_name:
-            return flops
-    return PEAK_FLOPS_BF16["H100"]
+    found = (flops for frag, flops in PEAK_FLOPS_BF16.items() if frag in (device_name or ""))
+    return next(found, PEAK_FLOPS_BF16["H100"])
 
 
 def check_data_source(cfg) -> None:
@@ -300,18 +298,16 @@ def check_data_source(cfg) -> None:
                 "text / .jsonl / .parquet files, hf:NAME[:CONFIG], or data.source=null to download Tiny "
                 "Shakespeare"
             )
-        if p.is_dir():
-            p = None  # a directory of documents: data.prepare lists and reads its files
-        elif not p.is_file():
-            raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")
-    else:
-        p = None
-    if p is not None:
-        try:
-            with open(p, "rb") as f:
-                f.read(1)
-        except OSError as e:
-            raise ConfigError(f"data.source={src} is not readable ({e.strerror}); fix its permissions") from e
+        if not p.is_dir():  # a directory of documents: data.prepare lists and reads its files
+            if not p.is_file():
+                raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")
+            try:
+                with open(p, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise ConfigError(
+                    f"data.source={src} is not readable ({e.strerror}); fix its permissions"
+                ) from e
     d = Path(str(cfg.data.dir)).expanduser()
     if is_document_source(src) and cfg.data.tokenizer == "char":
         from data.prepare import document_fixes
@@ -356,14 +352,10 @@ def _check_separator_in_vocabulary(cfg) -> None:
     if not missing:
         return
     shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing)
-    works = next(
-        (w for w in ("\\n\\n", "\\n") if parse_separator(w) and set(parse_separator(w)) <= vocab), None
-    )
-    works = works or sorted(vocab)[0]
+    works = (w for w in ("\\n\\n", "\\n") if parse_separator(w) and set(parse_separator(w)) <= vocab)
+    works = next(works, None) or sorted(vocab)[0]
     example = f"data.doc_separator='{works}'"
-    if meta and meta.get("doc_separator") != parse_separator(
-        works
-    ):  # prepared without it: a folder of its own
+    if meta and meta.get("doc_separator") != parse_separator(works):  # prepared without it: its own folder
         given = Path(str(cfg.data.dir))
         example += f" data.dir={given.parent / ((given.name or 'data') + '_docs')}"
     raise ConfigError(
@@ -383,15 +375,8 @@ def _prepared_meta(data_dir: Path) -> dict | None:
 
 def prepare_args(cfg) -> dict:
     """The data keys as ``data.prepare``'s arguments (what the prepared data is made of)."""
-    d = cfg.data
-    return dict(
-        tokenizer=d.tokenizer,
-        val_fraction=d.val_fraction,
-        doc_separator=d.doc_separator,
-        val_docs=d.val_docs,
-        text_field=d.text_field,
-        max_tokens=d.max_tokens,
-    )
+    keys = ("tokenizer", "val_fraction", "doc_separator", "val_docs", "text_field", "max_tokens")
+    return {k: getattr(cfg.data, k) for k in keys}
 
 
 def _check_data_dir_matches(cfg, data_dir: Path) -> None:
@@ -575,17 +560,15 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
     name = cfg.attention.name
     if name == "flash":
         try:
-            import kernels
+            from kernels import check_flash_available
         except ImportError as e:
             raise ConfigError(
                 f"attention=flash: the kernels package failed to import ({e}); use attention=sdpa"
             ) from e
-        check = getattr(kernels, "check_flash_available", None)
-        if check is not None:
-            try:
-                check(torch.device(device))
-            except RuntimeError as e:
-                raise ConfigError(f"attention=flash cannot run here: {e}") from e
+        try:
+            check_flash_available(torch.device(device))
+        except RuntimeError as e:
+            raise ConfigError(f"attention=flash cannot run here: {e}") from e
     sdpa_backend = cfg.attention.sdpa_backend
     if name != "sdpa" or sdpa_backend == "auto":
         return
