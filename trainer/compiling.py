@@ -15,12 +15,8 @@ def compile_options(mode: str | None) -> dict:
     B=32, H=12, N=1024, d=64: compiled fwd+bwd 0.90 ms with the checks, 0.81 ms without
     (bench/NOTES.md v7). The option's own purpose, device-side bounds asserts on gathered indices such
     as token ids, is covered on the host: prepare checks every token id against the vocabulary.
-    Applied for every backend, so the comparison between backends stays fair.
-
-    Args:
-        mode: None or "default" | "reduce-overhead" | "max-autotune-no-cudagraphs" (torch.compile modes).
-    Returns:
-        dict for ``torch.compile(model, options=...)`` (``mode`` and ``options`` are exclusive there).
+    Applied for every backend, so the comparison between backends stays fair. ``torch.compile`` takes
+    ``mode`` or ``options``, not both: hence the mode's options here.
     """
     from torch._inductor import list_mode_options
 

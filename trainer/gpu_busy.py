@@ -52,10 +52,8 @@ class GpuBusy:
         self.active = self.enabled = False
         prof, self._prof = self._prof, None
         if prof is not None:
-            try:
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
                 prof.__exit__(None, None, None)
-            except Exception:  # noqa: BLE001 - the step's own error is the one to report
-                pass
         self._gpu_us, self._done, self._wall_s = None, 0, 0.0
 
     def add_wall(self, dt: float) -> bool:
@@ -89,10 +87,10 @@ class GpuBusy:
 
     def summary(self) -> dict:
         """{"perf/gpu_busy", "perf/gpu_ms_per_step", "perf/profiled_steps"} of the profiled steps, or {}."""
-        try:
-            self.close()  # a run that ended inside its window: report the steps profiled
-        except Exception:  # noqa: BLE001 - a failed device (the OOM ending) must not hide the run's ending
-            pass
+        # a run that ended inside its window: report the steps profiled; a failed device (the OOM ending)
+        # must not hide the run's ending
+        with contextlib.suppress(Exception):
+            self.close()
         if self._gpu_us is None or self._wall_s <= 0:
             return {}
         return {
