@@ -9,6 +9,7 @@ batch split; the data checks (``check_data_source``, ``check_data_fits``), ``pro
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import re
@@ -449,8 +450,6 @@ def resumes_without_source(cfg) -> bool:
     glob) while ``data.dir`` still holds the data prepared for the run: it continues on those tokens (the
     checkpoint's recorded SHA-256 and token counts are checked against them in set-up), since nothing it needs
     is gone."""
-    import glob
-
     from data.sources import is_hf
 
     src = cfg.data.source

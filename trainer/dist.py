@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -96,8 +97,6 @@ def _launch_store(timeout_s: float):
     world = _launch_world()
     if not world or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    from datetime import timedelta
-
     from torch.distributed import TCPStore
 
     return TCPStore(

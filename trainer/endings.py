@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -104,8 +105,6 @@ def resume_command(st, resume: bool = True) -> str:
     """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) and, under
     torchrun, this launch's torchrun (several nodes: a placeholder for the rendezvous options).
     ``resume=False``: the same launch into a new run directory. Each override is one shell word."""
-    import shlex
-
     from kernels import interpret_enabled
 
     keep = [o for o in st.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
@@ -126,8 +125,6 @@ def resume_command(st, resume: bool = True) -> str:
 def hydra_arg(key: str, value) -> str:
     """``key=value`` as one shell word that Hydra parses back to ``value``: plain where Hydra's unquoted
     value grammar takes it, else Hydra-quoted (a path with ``=``, spaces or brackets) and shell-quoted."""
-    import shlex
-
     text = str(value)
     if re.fullmatch(r"[\w./:+-]*", text):
         return f"{key}={text}"

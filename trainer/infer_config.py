@@ -179,8 +179,6 @@ ConfigStore.instance().store(name="flashgpt_sample_schema", node=SampleConfig)  
 ConfigStore.instance().store(name="flashgpt_eval_schema", node=EvalConfig)
 
 if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
-    import sys
-
     from omegaconf import OmegaConf
 
     _schema = {"sample": SampleConfig, "eval": EvalConfig}.get(sys.argv[1] if len(sys.argv) > 1 else "sample")

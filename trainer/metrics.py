@@ -14,6 +14,8 @@ import json
 import math
 import netrc
 import os
+import secrets
+import string
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -29,9 +31,6 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 def new_run_id(length: int = 8) -> str:
     """A fresh W&B run id (lowercase letters and digits, like wandb's own; also the run folders' token)."""
-    import secrets
-    import string
-
     return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(length))
 
 

@@ -6,6 +6,7 @@ included), so a resume prepares no data of its own and rebuilds the same model.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -153,8 +154,6 @@ def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]
 def _same_corpus(source, merged) -> bool:
     """``source`` (a local text file, directory or glob) holds what the run's data.dir was prepared from:
     the SHA-256 its meta.json records (a text file's bytes; a directory's file names, sizes and mtimes)."""
-    import json
-
     from data.prepare import source_sha256
 
     try:

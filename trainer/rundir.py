@@ -7,6 +7,7 @@ that cannot be written refused as a config error, a refused launch leaving nothi
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import re
@@ -304,7 +305,6 @@ def is_run_dir(path: Path) -> bool:
 
 def foreign_entries(folder: Path, sweep: bool = False) -> list[str]:
     """Names in ``folder`` that no run wrote (a sweep folder: also its multirun.yaml and job folders)."""
-    import fnmatch
 
     def ours(p: Path) -> bool:
         if any(fnmatch.fnmatch(p.name, pat) for pat in RUN_FILES):
