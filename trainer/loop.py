@@ -153,14 +153,17 @@ def stop_requested(st: RunState, handler: PreemptionHandler) -> int:
     return int(flag.item())
 
 
-def evaluate_noting(st: RunState, handler: PreemptionHandler) -> float:
-    """``evaluate``, with the signal handler told that an evaluation runs (for its message)."""
+def evaluate_noting(st: RunState, handler: PreemptionHandler, s: int) -> float:
+    """``evaluate`` after update ``s``, with the signal handler told that an evaluation runs (for its
+    message); recorded as the run's last val loss and said."""
     handler.activity = "evaluation"
     st.gpu_busy.close()  # evaluation kernels are not a training step's
     try:
-        return evaluate(st)
+        st.last_val_loss, st.last_val_step = evaluate(st), s
     finally:
         handler.activity = "step"
+    st.say(f"step {s:>6}/{int(st.cfg.max_steps)} | val loss {st.last_val_loss:.4f}")
+    return st.last_val_loss
 
 
 def train(st: RunState) -> Outcome:
@@ -179,10 +182,9 @@ def train(st: RunState) -> Outcome:
         return endings.end_nonfinite(st, e)
     except ckpt.CheckpointSaveError as e:
         return endings.end_save_failed(st, e)
-    except DiskFullError as e:  # metrics.jsonl, train.log, summary.json: the run cannot record itself
-        return endings.end_disk_full(st, e)
     except BaseException as e:
-        if disk_full_in(e) is not None:  # a write by a library (W&B, torch): the same ending
+        # a full disk (metrics.jsonl, train.log, summary.json, a library's write): no records any more
+        if isinstance(e, DiskFullError) or disk_full_in(e) is not None:
             return endings.end_disk_full(st, e)
         endings.finish(st, "error", {"error": first_line(e)}, exit_code=1)
         raise
@@ -196,9 +198,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
     max_steps, every = int(cfg.max_steps), int(cfg.parity.every)
     eval_every, ck_every = int(cfg.eval.interval), int(cfg.checkpoint.interval)
     if st.step == 0 and cfg.eval.at_start:
-        st.last_val_loss, st.last_val_step = evaluate_noting(st, handler), 0
-        st.log.log(0, {"val/loss": st.last_val_loss})
-        st.say(f"step {0:>6}/{max_steps} | val loss {st.last_val_loss:.4f}")
+        st.log.log(0, {"val/loss": evaluate_noting(st, handler, 0)})
         signum = stop_requested(st, handler)
         if signum:  # a signal during this evaluation: stop before the first step
             return endings.end_interrupted(st, 0, signum)
@@ -267,9 +267,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
                     f"logits max diff {logits_d:.2e}"
                 )
         if (eval_every and s % eval_every == 0) or s == max_steps:
-            st.last_val_loss, st.last_val_step = evaluate_noting(st, handler), s
-            metrics["val/loss"] = st.last_val_loss
-            st.say(f"step {s:>6}/{max_steps} | val loss {st.last_val_loss:.4f}")
+            metrics["val/loss"] = evaluate_noting(st, handler, s)
         if metrics:
             st.log.log(s, metrics)
         if (ck_every and s % ck_every == 0) or (s == max_steps and cfg.checkpoint.at_end):
