@@ -52,10 +52,9 @@ def resolve_wandb_mode(mode: str) -> str:
     if mode != "auto":
         return mode
     env = os.environ.get("WANDB_MODE", "").lower()
+    env = "offline" if env == "dryrun" else env
     if env in ("online", "offline", "disabled"):
         return env
-    if env == "dryrun":
-        return "offline"
     return "online" if wandb_logged_in() else "offline"
 
 
@@ -230,10 +229,6 @@ class RunLogger:
             return False
 
     # ---------------------------------------------------------------------------------------- W&B
-    def saved_wandb_id(self) -> str | None:
-        p = self.out_dir / WANDB_ID_FILE
-        return (p.read_text().strip() or None) if p.is_file() else None
-
     def start_wandb(
         self,
         *,
@@ -256,7 +251,8 @@ class RunLogger:
             return
         import wandb
 
-        run_id = run_id or self.saved_wandb_id()
+        saved = self.out_dir / WANDB_ID_FILE
+        run_id = run_id or (saved.read_text().strip() if saved.is_file() else None)
         common = dict(
             project=project,
             entity=entity,

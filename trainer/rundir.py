@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from hydra.experimental.callback import Callback as _HydraCallback
+from omegaconf import OmegaConf
 
 from trainer.checkpoint import list_checkpoints, pid_alive
 from trainer.fields import ConfigError
@@ -65,17 +66,9 @@ def parse_overrides(overrides: list[str]) -> list:
     )
 
 
-def register_resolvers() -> None:
-    """Register ``${run_token:}`` and ``${swept:}`` with OmegaConf (idempotent)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("run_token"):
-        OmegaConf.register_new_resolver("run_token", run_token)
-    if not OmegaConf.has_resolver("swept"):
-        OmegaConf.register_new_resolver("swept", swept)
-
-
-register_resolvers()
+for _name, _resolver in (("run_token", run_token), ("swept", swept)):  # ${run_token:}, ${swept:}
+    if not OmegaConf.has_resolver(_name):
+        OmegaConf.register_new_resolver(_name, _resolver)
 
 
 class RunDirBusy(ConfigError):
@@ -379,8 +372,6 @@ def sweep_changed(yaml: Path, given: list[str]) -> str | None:
     """Why resuming the sweep recorded in ``yaml`` (its multirun.yaml) with the overrides ``given`` would
     mix its jobs: Hydra numbers the jobs in the order of the swept values, and a resumed job continues the
     folder of its number, so the swept keys and their values must be those of the sweep, in its order."""
-    from omegaconf import OmegaConf
-
     if not yaml.is_file():
         return None
     try:
@@ -430,8 +421,6 @@ class OutDirCheck(_HydraCallback):
         """Check the sweep folder ``hydra.sweep.dir``, and note it and its ``multirun.yaml`` before Hydra's
         sweeper creates them (``put_back_sweep``). An ``out_dir`` given with ``-m`` is refused: each job runs
         in its own folder of the sweep, so it would be ignored without a word."""
-        from omegaconf import OmegaConf
-
         given = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or [] if "=" in o]
         if out := next((o for o in given if o.split("=", 1)[0].lstrip("+~") == "out_dir"), None):
             _refuse(
@@ -453,8 +442,6 @@ class OutDirCheck(_HydraCallback):
     def _check(config, node: str, key: str) -> str | None:
         """The path at ``node`` (None when unset or unresolvable: Hydra's to report); exits 2 when it
         cannot hold a run."""
-        from omegaconf import OmegaConf
-
         try:
             path = OmegaConf.select(config, node)
         except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
@@ -490,8 +477,6 @@ RESOLVED_CONFIG = "config.resolved.yaml"
 def read_resolved_config(run_dir) -> dict:
     """``<run_dir>/config.resolved.yaml`` as a plain dict, interpolations unresolved; {} when it is absent or
     unreadable (a run from before the record, a truncated file: ``resume_config`` refuses those itself)."""
-    from omegaconf import OmegaConf
-
     try:
         saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
     except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
@@ -647,7 +632,6 @@ def hydra_files(cfg) -> dict[str, str]:
     """What Hydra would write into this job's ``.hydra/`` (file name -> YAML): the task's config, Hydra's own
     and the command line's overrides; {} outside Hydra (``trainer.loop.run`` called directly)."""
     from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf
 
     if not HydraConfig.initialized():
         return {}
