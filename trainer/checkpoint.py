@@ -241,11 +241,7 @@ def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str |
     if newer:
         return f"{newer[0].name} does not load"
     if lc and (checkpoint_step(lc) or -1) > k:
-        return (
-            f"the newest checkpoint {lc} is missing (deleted)"
-            if all_newer
-            else f"{Path(lc).name} is missing (deleted)"
-        )
+        return f"{f'the newest checkpoint {lc}' if all_newer else Path(lc).name} is missing (deleted)"
     return None
 
 
@@ -353,12 +349,10 @@ def tokenizer_difference(record: dict, meta: dict) -> str | None:
     """What differs between the tokenizer a checkpoint was trained with (``state["tokenizer"]``) and the one
     of a prepared data directory (its ``meta``), as text, or None when the ids mean the same tokens."""
     name, new_name = record.get("name"), meta.get("tokenizer")
+    sizes = f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}"
     if name != new_name:
-        sizes = f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}"
         return f"tokenizer {name!r} -> {new_name!r} ({sizes})"
-    diffs = []
-    if record.get("vocab_size") != meta.get("vocab_size"):
-        diffs.append(f"vocab_size {record.get('vocab_size')} -> {meta.get('vocab_size')}")
+    diffs = [sizes] if record.get("vocab_size") != meta.get("vocab_size") else []
     old, new = record.get("itos"), meta.get("itos")
     if name == "char" and old is not None and new is not None and list(old) != list(new):
         gone = [c for c in old if c not in set(new)]

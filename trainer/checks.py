@@ -572,6 +572,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
     if name != "sdpa" or sdpa_backend == "auto":
         return
     from model.attention import attention as attention_fn
+    from trainer.metrics import first_line
 
     dtype = torch.bfloat16 if plan.autocast_dtype == "bfloat16" else torch.float32
     shape = (1, min(2, n_head), min(cfg.seq_len, 128), plan.head_dim)
@@ -588,7 +589,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
             attention_fn(q, k, v, "sdpa", backend, dropout_p=attn_dropout).sum().backward()
             return None
         except Exception as e:  # noqa: BLE001 - any failure means "cannot run"
-            return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return first_line(e)
 
     err = runs(sdpa_backend)
     if err is None:

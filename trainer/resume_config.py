@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from trainer.fields import ConfigError
+from trainer.metrics import first_line
 from trainer.rundir import RESOLVED_CONFIG, parse_overrides, read_resolved_config
 
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
@@ -108,9 +109,8 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         _anchor_relative_paths(merged, saved, keys)
     except Exception as e:  # noqa: BLE001 - YAML, Hydra's and OmegaConf's errors alike
         raise ConfigError(
-            f"resume=true: the run's saved config {path} does not load ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}); repeat the run's original "
-            "overrides on the command line, or fix or delete that file"
+            f"resume=true: the run's saved config {path} does not load ({first_line(e)}); repeat the run's "
+            "original overrides on the command line, or fix or delete that file"
         ) from e
     assert isinstance(merged, DictConfig)
     changed, moved = _data_changes(saved, merged, keys)

@@ -6,9 +6,7 @@ import math
 
 
 def lr_at(step: int, optim, max_steps: int) -> float:
-    """Learning rate for update ``step`` (1-based): linear warmup over ``optim.warmup_steps`` updates to
-    ``optim.lr``, then cosine decay to ``optim.min_lr`` at ``optim.decay_steps`` (default max_steps), then
-    flat."""
+    """Learning rate for update ``step`` (1-based); flat at ``optim.min_lr`` after the decay."""
     warmup = int(optim.warmup_steps)
     decay = int(optim.decay_steps or max_steps)
     if warmup and step <= warmup:
