@@ -14,7 +14,7 @@ HANDLED = (signal.SIGTERM, signal.SIGINT)
 
 
 class PreemptionHandler:
-    """Install with ``install()``, poll ``requested`` / ``signum``, restore with ``uninstall()``."""
+    """Install with ``install()``, poll ``signum`` (None until a signal), restore with ``uninstall()``."""
 
     def __init__(
         self, grace_s: float = 0.0, verbose: bool = True, on_exit_now: Callable[[int], None] | None = None
@@ -26,11 +26,6 @@ class PreemptionHandler:
         self.activity = "step"
         self._t_first = 0.0
         self._previous: dict[int, object] = {}
-
-    @property
-    def requested(self) -> bool:
-        """True once a first signal arrived."""
-        return self.signum is not None
 
     def install(self) -> PreemptionHandler:
         """Take over SIGTERM and SIGINT (the previous handlers are kept for ``uninstall``); returns self."""
