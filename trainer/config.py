@@ -29,7 +29,6 @@ from trainer.fields import (
     check_fields,
     check_known,
     field_docs,
-    fmt,
     spec,
     step_span,
 )
@@ -403,6 +402,8 @@ if __name__ == "__main__":  # python -m trainer.config: every key, its default a
     import signal
 
     from omegaconf import OmegaConf
+
+    from model.config import fmt
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any CLI
     _defaults = OmegaConf.structured(TrainConfig)

@@ -7,20 +7,9 @@ import difflib
 import re
 from dataclasses import MISSING, field, fields, is_dataclass
 
-from model.config import (
-    BOOL,
-    FINITE,
-    NONNEG,
-    NONNEG_INT,
-    OPEN_UNIT,
-    POS_INT,
-    UNIT,
-    fmt,
-    problem,
-    problem_with,
-)
+from model.config import BOOL, FINITE, NONNEG, NONNEG_INT, OPEN_UNIT, POS_INT, UNIT, problem, problem_with
 
-__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "UNIT", "ConfigError", "fmt"]
+__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "UNIT", "ConfigError"]
 
 
 class ConfigError(Exception):

@@ -23,7 +23,6 @@ from trainer.fields import (
     check_known,
     config_error_from,
     field_docs,
-    fmt,
     spec,
 )
 
@@ -180,6 +179,8 @@ ConfigStore.instance().store(name="flashgpt_eval_schema", node=EvalConfig)
 
 if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
     from omegaconf import OmegaConf
+
+    from model.config import fmt
 
     _schema = {"sample": SampleConfig, "eval": EvalConfig}.get(sys.argv[1] if len(sys.argv) > 1 else "sample")
     if _schema is None:
