@@ -635,11 +635,9 @@ def check_resume_compatible(saved: dict, new: dict) -> list[str]:
             f"attention backend changed on resume: {saved.get('attention')} -> {new.get('attention')}"
         )
     # allowed, but the weights so far were trained for the other value: said, as the backend change is
-    changed = [
-        k for k in RESUME_MAY_CHANGE if k not in ("attention", "doc_separator_ids") and old[k] != now[k]
-    ]
     notes += [
         f"{key(k)} changed on resume: {old[k]} -> {now[k]} (the steps so far trained with {old[k]})"
-        for k in changed
+        for k in RESUME_MAY_CHANGE
+        if k not in ("attention", "doc_separator_ids") and old[k] != now[k]
     ]
     return notes

@@ -254,15 +254,9 @@ class RunLogger:
         saved = self.out_dir / WANDB_ID_FILE
         run_id = run_id or (saved.read_text().strip() if saved.is_file() else None)
         common = dict(
-            project=project,
-            entity=entity,
-            group=group,
-            name=name,
-            tags=list(tags),
-            dir=str(self.out_dir),
-            mode=self.wandb_mode,
-            job_type="train",
+            project=project, entity=entity, group=group, name=name, tags=list(tags), job_type="train"
         )
+        common |= dict(dir=str(self.out_dir), mode=self.wandb_mode)
         if fork_at is not None and run_id:
             self.wandb_parent = {"run_id": run_id, "step": int(fork_at)}
             config = {**config, "wandb_parent": dict(self.wandb_parent)}
