@@ -622,6 +622,25 @@ def test_custom_ops_opcheck(seed):
     )
 
 
+def test_custom_op_fake_strides_with_k_and_v_laid_out_apart(seed):
+    """The kernels take one set of strides for k and v, so the launcher copies both when their layouts differ;
+    the backward's fake kernel must give the gradients the layout that copy gives them (opcheck compares the
+    fake's strides with the real ones; Inductor asserts them), and the gradients stay exact."""
+    q, k, v, do = make_inputs(seed, 1, 2, 2, 16, 16, 16, F32)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, d) memory, k contiguous
+    o, lse = torch.ops.flashgpt.flash_attn_fwd_cpu(q, k, v, True, 0.25)
+    torch.library.opcheck(torch.ops.flashgpt.flash_attn_bwd_cpu.default, (do, q, k, v, o, lse, True, 0.25))
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    f = torch.compile(lambda q, k, v: flash_attention(q, k, v, softmax_scale=0.25), fullgraph=True)
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(f(qa, ka, va), (qa, ka, va), do)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(qd, kd, vd, causal=True, softmax_scale=0.25)
+    want = torch.autograd.grad(ref, (qd, kd, vd), do.double())
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want, strict=True):
+        assert (g.double() - w).abs().max() < 1e-4, f"seed={seed}: {name}"
+
+
 def test_torch_compile_fullgraph(seed):
     """torch.compile(fullgraph=True) traces through flash_attention (custom op, no graph break)."""
     q, k, v, do = make_inputs(seed, 1, 4, 2, 24, 24, 16, F32)
