@@ -123,12 +123,14 @@ def load_peer_model(peer: Path):
 
 
 def train_step(model, compiled, opt, x) -> None:
-    """One update over the micro-batches x (accum, B, N): bf16 autocast, clip at 1, the optimizer's step."""
+    """One update over the micro-batches x (accum, B, N): bf16 autocast, clip at 1, the optimizer's step;
+    ours without logits, as trainer.loop calls it (nanoGPT's model returns them)."""
     import torch
 
+    ours = {"return_logits": False} if hasattr(model, "use_attention_backend") else {}
     for micro in x:
         with torch.autocast("cuda", torch.bfloat16):
-            _, loss = compiled(micro, micro)
+            _, loss = compiled(micro, micro, **ours)
         (loss / len(x)).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()

@@ -126,11 +126,12 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx, targets=None, cache=None, doc_ids=None):
+    def forward(self, idx, targets=None, cache=None, doc_ids=None, return_logits=True):
         """Logits (B, T, vocab_size) in the compute dtype (bfloat16 under bf16 autocast), and the mean
         cross-entropy over targets != -1 (or None), float32 or wider. doc_ids: (B, T) document ids for
         ``config.document_mask`` (default: from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``:
-        the last position's logits only."""
+        the last position's logits only. return_logits=False: None instead of the logits (the training
+        step: a compiled graph's logits output gets a zero-filled (B, T, V) gradient in the backward)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         T = idx.size(1)
@@ -170,7 +171,7 @@ class GPT(nn.Module):
             flat = logits.flatten(0, 1)
             flat = flat.float() if flat.dtype in (torch.float16, torch.bfloat16) else flat
             loss = F.cross_entropy(flat, targets.flatten().long(), ignore_index=-1)
-        return logits, loss
+        return (logits if return_logits else None), loss
 
     def document_ids(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Document ids (B, T) for the document mask: ``doc_ids``, else derived from the tokens with

@@ -71,7 +71,7 @@ def train_step(st: RunState, s: int) -> tuple[float, float]:
             if st.cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
             with st.autocast:
-                _, loss = st.train_model(x, y)
+                _, loss = st.train_model(x, y, return_logits=False)  # no (B, T, V) output to fill a grad for
             (loss / accum).backward()
         loss_sum += loss.detach().float()
     if s < int(st.cfg.max_steps):  # queued behind this step's work: ready when the next step begins

@@ -253,6 +253,38 @@ def test_ignore_index_minus_one(seed):
     assert abs(loss.item() - expected.item()) < 1e-12, f"seed={seed}"
 
 
+def test_training_call_has_no_logits_output(seed):
+    """return_logits=False (the trainer's step): the same loss, and the compiled graph has no (B, T, V)
+    output, so its backward takes no zero-filled (B, T, V) gradient (the default call keeps both)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    cfg = GPTConfig.from_preset("tiny", block_size=32, vocab_size=1000, attention="sdpa")
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    logits, loss = model(idx, idx)
+    none, same = model(idx, idx, return_logits=False)
+    assert none is None and torch.equal(loss, same), f"seed={seed}"
+    vocab_sized = []
+
+    def backward_inputs(gm, _):
+        vocab_sized.extend(
+            n for n in gm.graph.nodes if n.op == "placeholder" and n.meta["val"].shape == logits.shape
+        )
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        forward = lambda gm, _: make_boxed_func(gm.forward)  # noqa: E731
+        return aot_module_simplified(gm, inputs, fw_compiler=forward, bw_compiler=backward_inputs)
+
+    for return_logits, expected in ((True, 1), (False, 0)):
+        torch._dynamo.reset()
+        vocab_sized.clear()
+        _, loss = torch.compile(model, backend=backend)(idx, idx, return_logits=return_logits)
+        loss.backward()
+        assert len(vocab_sized) == expected, f"seed={seed}: return_logits={return_logits}"
+
+
 def _logits_and_grads(model: GPT, idx, targets):
     model.zero_grad(set_to_none=True)
     logits, loss = model(idx, targets)
