@@ -134,7 +134,10 @@ class EvalConfig:
     """``eval.*``: validation passes on fixed batches."""
 
     interval: int = spec(
-        100, "optimizer steps between validation passes (0 = only at the end)", NONNEG_INT, 100
+        100,
+        "optimizer steps between validation passes (0: none between; at_start and the end still)",
+        NONNEG_INT,
+        100,
     )
     batches: int = spec(20, "fixed validation batches (same every eval, backend and resume)", POS_INT, 20)
     batch_size: int | None = spec(
