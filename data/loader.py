@@ -15,14 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.meta import (
-    FORMAT_VERSION,
-    SPLITS,
-    check_bin_file,
-    load_meta,
-    split_shards,
-    token_dtype,
-)
+from data.meta import FORMAT_VERSION, SPLITS, check_bin_file, load_meta, split_shards, token_dtype
 from data.prepare import prepare_command
 from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 
@@ -50,15 +43,16 @@ def tokenizer_from_meta(meta: dict, data_dir: str | os.PathLike = "DIR") -> GPT2
     return tok
 
 
-def _nonneg_int(name: str, value) -> int:
+def _nonneg_int(name: str, value, low: int = 0) -> int:
+    """``value`` as an int >= ``low``, else TypeError / ValueError naming ``name``."""
     try:
         if isinstance(value, bool):
             raise TypeError
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
 
 
@@ -77,9 +71,7 @@ class BinDataset:
         when its meta.json cannot say (default: what meta.json records)."""
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; use one of {SPLITS}")
-        seq_len = _nonneg_int("seq_len", seq_len)
-        if seq_len < 1:
-            raise ValueError("seq_len must be >= 1")
+        seq_len = _nonneg_int("seq_len", seq_len, 1)
         self.data_dir = Path(data_dir)
         self.split, self.split_id, self.seq_len = split, SPLIT_IDS[split], seq_len
         meta = None
@@ -182,9 +174,7 @@ class BinDataset:
     ) -> tuple[torch.Tensor, ...]:
         """(x, y) int64 (batch_size, seq_len), y shifted by one (with ``with_doc_ids`` also the windows'
         document ids), drawn with ``default_rng([seed, split_id, step, micro_step, rank])``."""
-        batch_size = _nonneg_int("batch_size", batch_size)
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+        batch_size = _nonneg_int("batch_size", batch_size, 1)
         key = [
             _nonneg_int("seed", seed),
             self.split_id,
@@ -200,9 +190,7 @@ class BinDataset:
         """A fixed list of batches for evaluation: batch ``i`` uses ``default_rng([seed, split_id,
         _EVAL_STREAM, i])``, independent of ``batch()``'s and of ``n_batches``."""
         n_batches = _nonneg_int("n_batches", n_batches)
-        batch_size = _nonneg_int("batch_size", batch_size)
-        if batch_size < 1:
-            raise ValueError("batch_size must be >= 1")
+        batch_size = _nonneg_int("batch_size", batch_size, 1)
         seed = _nonneg_int("seed", seed)
         return [
             self._windows(
