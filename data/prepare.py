@@ -55,12 +55,12 @@ from data.meta import (  # noqa: E402
     write_json,
 )
 from data.shards import (  # noqa: E402
+    STAGE_NAME,
     ShardWriter,
     install,
     is_val_doc,
     load_state,
     save_state,
-    stage_dir,
     tokenized_pieces,
 )
 from data.sources import (  # noqa: E402
@@ -89,6 +89,10 @@ DEFAULT_VAL_FRACTION = 0.1
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float | None, int | None]:
     """The val split as (val_fraction, None) or (None, val_docs); neither set means the default share."""
     if val_docs is not None:
@@ -98,16 +102,12 @@ def val_split(val_fraction: float | None, val_docs: int | None) -> tuple[float |
                 "(data.val_fraction / --val-fraction for a share, data.val_docs / --val-docs for a count "
                 "of documents)"
             )
-        if isinstance(val_docs, bool) or not isinstance(val_docs, int) or val_docs < 1:
+        if not _is_int(val_docs) or val_docs < 1:
             raise ValueError(f"val_docs={val_docs!r} must be a positive number of documents, e.g. 100")
         return None, val_docs
     if val_fraction is None:
         return DEFAULT_VAL_FRACTION, None
-    if (
-        isinstance(val_fraction, bool)
-        or not isinstance(val_fraction, (int, float))
-        or not 0 < val_fraction < 1
-    ):
+    if not (_is_int(val_fraction) or isinstance(val_fraction, float)) or not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction!r} must be a number strictly between 0 and 1, e.g. 0.1")
     return float(val_fraction), None
 
@@ -200,7 +200,7 @@ class Options:
         if not isinstance(self.text_field, str) or not self.text_field:
             raise ValueError(f"text_field={self.text_field!r} must be a non-empty field name, e.g. 'text'")
         n = self.max_tokens
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+        if n is not None and (not _is_int(n) or n < 2):
             raise ValueError(
                 f"max_tokens={n!r} (data.max_tokens, --max-tokens) must be null (all tokens) or an "
                 "integer >= 2, e.g. data.max_tokens=1000000000"
@@ -296,7 +296,7 @@ def _take_back(created: list[Path], keep_stage: bool = False) -> None:
         return
     out = created[0]
     if not keep_stage:
-        shutil.rmtree(stage_dir(out), ignore_errors=True)
+        shutil.rmtree(out / STAGE_NAME, ignore_errors=True)
     for path in (out / DOWNLOAD_NAME, meta_path(out)):
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
@@ -337,7 +337,7 @@ def _prepare_into(
     progress: bool = True,
 ) -> dict:
     """``prepare`` into the existing, locked directory ``out``."""
-    if isinstance(shard_tokens, bool) or not isinstance(shard_tokens, int) or shard_tokens < 1:
+    if not _is_int(shard_tokens) or shard_tokens < 1:
         raise ValueError(
             f"shard_tokens={shard_tokens!r} must be a positive integer, e.g. {DEFAULT_SHARD_TOKENS}"
         )
@@ -361,7 +361,7 @@ def _prepare_into(
             "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
         )
     sha, fp = _source_identity(src)
-    stage = stage_dir(out)
+    stage = out / STAGE_NAME
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": opts.tokenizer,
@@ -721,10 +721,8 @@ def prepare_command(
         args["max-tokens"] = meta["max_tokens"]
     if meta.get("shard_tokens", DEFAULT_SHARD_TOKENS) != DEFAULT_SHARD_TOKENS:
         args["shard-tokens"] = meta["shard_tokens"]
-    if isinstance(meta.get("vocab_size"), int) and meta.get("dtype", "auto") not in (
-        "auto",
-        _dtype_for(meta["vocab_size"], "auto"),
-    ):
+    auto = _dtype_for(meta["vocab_size"], "auto") if isinstance(meta.get("vocab_size"), int) else None
+    if auto and meta.get("dtype", "auto") not in ("auto", auto):
         args["dtype"] = meta["dtype"]
     return " ".join(["python -m data.prepare", *(f"--{k} {shlex.quote(str(v))}" for k, v in args.items())])
 

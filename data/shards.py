@@ -30,10 +30,6 @@ BATCH_CHARS = 1 << 20  # ~1 MB of text per tokenizer task: bounded memory, few t
 SHARD_RE = re.compile(r"^(train|val)_\d{6}\.(bin|idx)$")
 
 
-def stage_dir(out: Path) -> Path:
-    return out / STAGE_NAME
-
-
 def is_val_doc(i: int, val_fraction: float) -> bool:
     """Document ``i`` is held out: one in every 1/val_fraction, evenly spread (the 5th, 15th ... at 0.1),
     so a stream of unknown length gets its share without a second pass."""
@@ -85,23 +81,20 @@ class ShardWriter:
         self.close(sync=True)
         for ext in (".bin", ".idx"):
             os.replace(self.stage / f"{self.split}.part{ext}", self.stage / f"{name}{ext}")
-        shard = {
-            "file": f"{name}.bin",
-            "tokens": self.part_tokens,
-            "docs": self.part_docs,
-            "index": f"{name}.idx",
-        }
-        self.shards.append(shard)
+        n, docs = self.part_tokens, self.part_docs
+        self.shards.append({"file": f"{name}.bin", "tokens": n, "docs": docs, "index": f"{name}.idx"})
         self.part_tokens = self.part_docs = 0
         self.completed = True
         self._open_parts()
 
     def state(self) -> dict:
+        self._sync()
+        return {k: getattr(self, k) for k in ("shards", "part_tokens", "part_docs", "docs")}
+
+    def _sync(self) -> None:
         for f in (self._bin, self._idx):
             f.flush()
             os.fsync(f.fileno())
-        keys = ("shards", "part_tokens", "part_docs", "docs")
-        return {k: getattr(self, k) for k in keys}
 
     def finish(self) -> list[dict]:
         """Close the last (partial) shard; returns the shard list."""
@@ -111,12 +104,10 @@ class ShardWriter:
         return self.shards
 
     def close(self, sync: bool = False) -> None:
-        for f in (self._bin, self._idx):
-            if not f.closed:
-                if sync:
-                    f.flush()
-                    os.fsync(f.fileno())
-                f.close()
+        if sync:
+            self._sync()
+        self._bin.close()
+        self._idx.close()
 
     def _starts(self, shard: dict) -> np.ndarray:
         return np.fromfile(self.stage / shard["index"], dtype="<i8")
