@@ -536,9 +536,7 @@ def _compare(meta: dict, src: Source, opts: Options) -> str | None:
         diff = (
             fingerprint_diff(old, src.fingerprint()) if isinstance(old, dict) else "no recorded fingerprint"
         )
-        return (
-            f"data prepared from {meta['source']} as it was before (source changed: {diff})" if diff else None
-        )
+        return diff and f"data prepared from {meta['source']} as it was before (source changed: {diff})"
     if not src.files[0].is_file():
         return None  # a deleted download; the token files are still valid
     sha = sha256_file(src.files[0])
@@ -698,10 +696,8 @@ def prepare_command(
     """The ``python -m data.prepare`` command that prepares ``out_dir`` again as ``meta`` (default: what of
     its meta.json reads) records it, to run as typed; ``source`` and ``tokenizer`` where it records none."""
     if meta is None:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             meta = json.loads(meta_path(out_dir).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            pass
     meta = meta if isinstance(meta, dict) else {}
     args = {
         "source": meta.get("source") or source,
@@ -756,16 +752,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--val-fraction", type=float, help="share held out for val (0.1): documents, or a text file's end")
     add("--val-docs", type=int, help="or hold out this many whole documents (the first in source order)")
     add("--doc-separator", help="a text file only: string between documents, e.g. $'\\n\\n'")
-    add("--text-field", default="text", help="record field / column with the text (text)")
+    add("--text-field", default="text", help="record field / column with the text (%(default)s)")
     add("--max-tokens", type=int, help="stop after this many tokens")
     add("--workers", type=int, help=f"tokenizer threads (default: CPU count, {os.cpu_count()})")
-    add(
-        "--shard-tokens",
-        type=int,
-        default=DEFAULT_SHARD_TOKENS,
-        help=f"tokens per shard ({DEFAULT_SHARD_TOKENS})",
-    )
-    add("--dtype", choices=("auto", *DTYPES), default="auto", help="token file dtype (auto)")
+    add("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard (%(default)s)")
+    add("--dtype", choices=("auto", *DTYPES), default="auto", help="token file dtype (%(default)s)")
     add("--no-progress", action="store_true", help="no progress bar")
     add("--force", action="store_true", help="replace data of other arguments already in OUT_DIR")
     args = parser.parse_args(argv)
