@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.meta import FORMAT_VERSION, SPLITS, check_bin_file, load_meta, split_shards, token_dtype
+from data.meta import DTYPES, FORMAT_VERSION, SPLITS, check_bin_file, load_meta, split_shards
 from data.prepare import prepare_command
 from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 
@@ -78,7 +78,7 @@ class BinDataset:
         try:  # the errors end with the command that prepares the directory again
             self.meta = meta = load_meta(self.data_dir)
             self.vocab_size: int = meta["vocab_size"]
-            self.dtype = token_dtype(meta)
+            self.dtype = DTYPES[meta["dtype"]]
             self.shards = split_shards(self.data_dir, meta, split)  # [(file, tokens, index file)]
             for path, n, _ in self.shards:  # ids < vocab_size: catches corrupt or mismatched shards
                 check_bin_file(path, n, self.dtype, self.vocab_size if check_ids else None)

@@ -45,10 +45,6 @@ _FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of shards up to 16M tokens ...
 _PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
 
 
-def meta_path(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / META_NAME
-
-
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through a hidden temporary file beside it, then ``os.replace`` it: a killed process
     leaves at most a ``.tmp-*`` file, never a partial ``path``."""
@@ -78,7 +74,7 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
     The messages say what is wrong; a caller that cannot prepare the directory itself adds
     ``data.prepare.prepare_command``.
     """
-    path = meta_path(data_dir)
+    path = Path(data_dir) / META_NAME
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: {data_dir} is not a prepared data directory (never prepared, or a prepare "
@@ -123,10 +119,6 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         if not isinstance(meta[key], int) or isinstance(meta[key], bool) or meta[key] < 0:
             raise ValueError(f"{path}: {key}={meta[key]!r} is not a non-negative integer. {redo}")
     return meta
-
-
-def token_dtype(meta: dict) -> np.dtype:
-    return DTYPES[meta["dtype"]]
 
 
 def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tuple[Path, int, Path]]:

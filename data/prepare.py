@@ -49,9 +49,7 @@ from data.meta import (  # noqa: E402
     atomic_write,
     check_bin_file,
     load_meta,
-    meta_path,
     split_shards,
-    token_dtype,
     write_json,
 )
 from data.shards import (  # noqa: E402
@@ -297,7 +295,7 @@ def _take_back(created: list[Path], keep_stage: bool = False) -> None:
     out = created[0]
     if not keep_stage:
         shutil.rmtree(out / STAGE_NAME, ignore_errors=True)
-    for path in (out / DOWNLOAD_NAME, meta_path(out)):
+    for path in (out / DOWNLOAD_NAME, out / META_NAME):
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
     for d in created:
@@ -385,7 +383,7 @@ def _prepare_into(
     logger.info(
         f"prepared {src.label} ({opts.tokenizer}, {meta['dtype']}): {n['train']}, {n['val']} -> {out}"
     )
-    install(out, stage, meta["shards"], lambda: write_json(meta_path(out), meta))
+    install(out, stage, meta["shards"], lambda: write_json(out / META_NAME, meta))
     return meta
 
 
@@ -575,7 +573,7 @@ def _shards_problem(out: Path, meta: dict) -> str | None:
     for split in SPLITS:
         for path, n, _ in split_shards(out, meta, split):
             try:
-                check_bin_file(path, n, token_dtype(meta), meta["vocab_size"])
+                check_bin_file(path, n, DTYPES[meta["dtype"]], meta["vocab_size"])
             except (FileNotFoundError, ValueError) as e:
                 return str(e)
     return None
@@ -697,7 +695,7 @@ def prepare_command(
     its meta.json reads) records it, to run as typed; ``source`` and ``tokenizer`` where it records none."""
     if meta is None:
         with contextlib.suppress(OSError, ValueError):
-            meta = json.loads(meta_path(out_dir).read_text(encoding="utf-8"))
+            meta = json.loads((Path(out_dir) / META_NAME).read_text(encoding="utf-8"))
     meta = meta if isinstance(meta, dict) else {}
     args = {
         "source": meta.get("source") or source,
