@@ -191,11 +191,9 @@ class BinDataset:
         _EVAL_STREAM, i])``, independent of ``batch()``'s and of ``n_batches``."""
         n_batches = _nonneg_int("n_batches", n_batches)
         batch_size = _nonneg_int("batch_size", batch_size, 1)
-        seed = _nonneg_int("seed", seed)
+        key = [_nonneg_int("seed", seed), self.split_id, _EVAL_STREAM]
         return [
-            self._windows(
-                np.random.default_rng([seed, self.split_id, _EVAL_STREAM, i]), batch_size, with_doc_ids
-            )
+            self._windows(np.random.default_rng([*key, i]), batch_size, with_doc_ids)
             for i in range(n_batches)
         ]
 
