@@ -653,14 +653,12 @@ def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs
     if source is None or is_url(source) or is_hf(source):
         return []
     try:
-        opts, seen, fixes = Options("gpt2", val_fraction, None, val_docs, text_field), set(), []
+        opts, fixes = Options("gpt2", val_fraction, None, val_docs, text_field), []
     except ValueError:
         return []  # its own error comes first
-    for limit in range(1, 10_001):  # documents both splits need
-        seen.add(opts.is_val(limit - 1))
-        if len(seen) == 2:
-            break
-    else:
+    # documents both splits need: up to the first that goes to another split than document 0
+    limit = next((i + 1 for i in range(10_000) if opts.is_val(i) != opts.is_val(0)), None)
+    if limit is None:
         return []
     while True:
         try:

@@ -184,11 +184,8 @@ class Source:
         hf = {"hf": self.hf_name, "config": self.hf_config} if self.hf_name is not None else {}
         if hf and not self.files:  # a hub dataset: its name (its revision is the hub's)
             return hf
-        rows = []
-        for p in self.files:
-            st = p.stat()
-            rows.append([str(p.relative_to(self.root)) if self.root else str(p), st.st_size, st.st_mtime_ns])
-        return {**hf, "files": rows}
+        stats = [(str(p.relative_to(self.root)) if self.root else str(p), p.stat()) for p in self.files]
+        return {**hf, "files": [[name, st.st_size, st.st_mtime_ns] for name, st in stats]}
 
     def pieces(self, doc_separator: str | None = None, keep_separator: bool = False) -> Iterator[Piece]:
         """Every non-empty document in a fixed order, as pieces (``text_pieces``)."""
