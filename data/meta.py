@@ -129,36 +129,33 @@ def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tu
 
 def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype, vocab_size: int | None = None):
     """The token file ``path`` exists, is exactly ``num_tokens * itemsize`` bytes and (``vocab_size``) holds
-    no id >= ``vocab_size`` (``max_token_id``), else FileNotFoundError / ValueError saying what is wrong."""
+    no id >= ``vocab_size`` (``_max_id``), else FileNotFoundError / ValueError saying what is wrong."""
     path = Path(path)
     meta = path.parent / META_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found although {meta} exists")
-    size, expected = path.stat().st_size, num_tokens * dtype.itemsize
+    st = path.stat()
+    size, expected = st.st_size, num_tokens * dtype.itemsize
     if size != expected:
         raise ValueError(
             f"{path} is {size} bytes, but {meta} says it holds {num_tokens} {dtype.name} tokens = {expected} "
             "bytes: the file is truncated or was written by another prepare run"
         )
-    if vocab_size is not None and (top := max_token_id(path, num_tokens, dtype)) >= vocab_size:
+    if vocab_size is None:
+        return
+    top = _max_id(os.path.realpath(path), int(num_tokens), dtype.str, size, st.st_mtime_ns, st.st_ino)
+    if top >= vocab_size:
         raise ValueError(
             f"{path} holds token id {top}, but {meta} says vocab_size={vocab_size}: the file is corrupt or "
             "was written by another prepare run"
         )
 
 
-def max_token_id(path: str | os.PathLike, num_tokens: int, dtype: np.dtype) -> int:
-    """The largest id of a token file (-1 when empty): of every id up to 16M tokens, else of the first and
-    last 1M. Read once per process while the file's size, mtime and inode stay (a launch checks the data
-    before preparing and again when it loads them)."""
-    st = os.stat(path)
-    return _max_id(
-        os.path.realpath(path), int(num_tokens), np.dtype(dtype).str, st.st_size, st.st_mtime_ns, st.st_ino
-    )
-
-
 @functools.lru_cache(maxsize=256)
 def _max_id(path: str, n: int, dtype: str, *_stat) -> int:
+    """The largest id of a token file (-1 when empty): of every id up to 16M tokens, else of the first and
+    last 1M. Read once per process while the file's size, mtime and inode (``_stat``) stay (a launch checks
+    the data before preparing and again when it loads them)."""
     if n == 0:
         return -1
     data, k = np.memmap(path, dtype=dtype, mode="r", shape=(n,)), _PARTIAL_ID_CHECK_TOKENS
