@@ -325,16 +325,8 @@ def _dtype_for(vocab_size: int, dtype: str) -> str:
     return dtype
 
 
-def _prepare_into(
-    out: Path,
-    source,
-    opts: Options,
-    workers: int | None = None,
-    shard_tokens: int = DEFAULT_SHARD_TOKENS,
-    dtype: str = "auto",
-    progress: bool = True,
-) -> dict:
-    """``prepare`` into the existing, locked directory ``out``."""
+def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype, progress) -> dict:
+    """``prepare`` into the existing, locked directory ``out`` (the last four: ``prepare``'s arguments)."""
     if not _is_int(shard_tokens) or shard_tokens < 1:
         raise ValueError(
             f"shard_tokens={shard_tokens!r} must be a positive integer, e.g. {DEFAULT_SHARD_TOKENS}"
@@ -405,16 +397,10 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
 
 
 def _prepare_stream(
-    src: Source,
-    stage: Path,
-    opts: Options,
-    shard_tokens: int,
-    dtype: str,
-    workers: int,
-    progress: bool,
-    key: dict,
+    src: Source, stage: Path, opts: Options, shard_tokens, dtype, workers, progress, key
 ) -> dict:
-    """Every source, streamed: tokenized, written into shards, resumed from ``stage``'s state for ``key``.
+    """Every source, streamed: tokenized, written into shards, resumed from ``stage``'s state for ``key``
+    (the resume key ``_prepare_into`` builds; the other arguments are ``prepare``'s).
 
     The GPT-2 BPE writes end-of-text after each document of a source of documents or of a separated text
     file; the char tokenizer keeps the separator's characters. The val split is whole documents
@@ -629,7 +615,7 @@ def ensure_prepared(
                 f"its own, e.g. data.dir={other}"
             )
         logger.info("preparing data in %s: %s", out_dir, reason)
-        return _prepare_into(out, source, opts, workers, progress=progress)
+        return _prepare_into(out, source, opts, workers, DEFAULT_SHARD_TOKENS, "auto", progress)
 
 
 def conflict_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
