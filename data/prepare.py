@@ -383,16 +383,13 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
     """The error for a split that got no document, with a val_docs that runs as typed."""
     if n_docs < 2:  # no split of one document holds a document on both sides
         return f"{label} gave {n_docs} document(s): a val split needs one of its own; use a source with more"
-    fix = f"val_docs={1 if split == 'val' else n_docs - 1}"
+    head = f"{label} gave {n_docs} document(s) and none for the {split} split at"
+    fix = f"use val_docs={1 if split == 'val' else n_docs - 1}"
     if opts.val_docs is not None:
-        return (
-            f"{label} gave {n_docs} document(s) and none for the {split} split at val_docs={opts.val_docs} "
-            f"(the first {opts.val_docs} are held out): use {fix}"
-        )
+        return f"{head} val_docs={opts.val_docs} (the first {opts.val_docs} are held out): {fix}"
     return (
-        f"{label} gave {n_docs} document(s) and none for the {split} split at val_fraction="
-        f"{opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held out): use {fix} "
-        "(it replaces val_fraction) or a source with more documents"
+        f"{head} val_fraction={opts.val_fraction} (one in {1 / opts.val_fraction:.3g} documents is held "
+        f"out): {fix} (it replaces val_fraction) or a source with more documents"
     )
 
 
