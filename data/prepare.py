@@ -497,10 +497,9 @@ def _compare(meta: dict, src: Source, opts: Options) -> str | None:
     ):
         old = f"val_docs={old_docs}" if old_docs is not None else f"val_fraction={old_fraction}"
         new = f"val_fraction={opts.val_fraction}" if opts.val_docs is None else f"val_docs={opts.val_docs}"
-        # two shares: "val_fraction=0.1, not 0.2"
-        return (
-            f"data split with {old}, not {new.removeprefix('val_fraction=') if old[:5] == new[:5] else new}"
-        )
+        if old[:5] == new[:5]:  # two shares: "val_fraction=0.1, not 0.2"
+            new = new.removeprefix("val_fraction=")
+        return f"data split with {old}, not {new}"
     if meta.get("text_field", "text") != opts.text_field and src.kind == "docs":
         return f"data read from text_field={meta.get('text_field', 'text')!r}, not {opts.text_field!r}"
     if meta.get("max_tokens") != opts.max_tokens:
@@ -513,10 +512,8 @@ def _compare(meta: dict, src: Source, opts: Options) -> str | None:
     ):
         return f"data prepared from {meta['source']}, not {src.label}"
     if src.kind == "docs":
-        old = meta.get("source_fingerprint")
-        diff = (
-            fingerprint_diff(old, src.fingerprint()) if isinstance(old, dict) else "no recorded fingerprint"
-        )
+        fp = meta.get("source_fingerprint")
+        diff = fingerprint_diff(fp, src.fingerprint()) if isinstance(fp, dict) else "no recorded fingerprint"
         return diff and f"data prepared from {meta['source']} as it was before (source changed: {diff})"
     if not src.files[0].is_file():
         return None  # a deleted download; the token files are still valid
