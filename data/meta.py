@@ -106,10 +106,8 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{path} says dtype={meta['dtype']!r}; supported: {tuple(DTYPES)}. {redo}")
     for split in SPLITS:
         shards = meta["shards"].get(split) if isinstance(meta["shards"], dict) else None
-        if (
-            not isinstance(shards, list)
-            or sum(int(s.get("tokens", -1)) for s in shards) != meta[f"{split}_tokens"]
-        ):
+        total = sum(int(s.get("tokens", -1)) for s in shards) if isinstance(shards, list) else None
+        if total is None or total != meta[f"{split}_tokens"]:
             raise ValueError(f"{path}: its {split} shards do not add up to {split}_tokens. {redo}")
     if meta["tokenizer"] not in ("gpt2", "char"):
         raise ValueError(f"{path} names unknown tokenizer {meta['tokenizer']!r}. {redo}")
