@@ -38,6 +38,7 @@ import numpy as np
 
 from bench import common, throughput
 
+BIASES = {"on": [True], "off": [False], "both": [True, False]}  # --bias: the model.bias values run
 REPO = Path(__file__).resolve().parents[1]
 PEER_FILES = ("train.py", "model.py", "configurator.py")
 #: nanoGPT prints "iter 12: loss 4.1234, time 123.45ms, mfu 40.12%" once per iteration (log_interval=1)
@@ -150,7 +151,7 @@ def time_models(a) -> int:
     peer_mod, dev = load_peer_model(a.peer), torch.device("cuda")
     shape = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, dropout=0.0)
     for n in a.seq_lens:
-        for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
+        for bias in BIASES[a.bias]:
             torch.manual_seed(0)
             ours = GPT(GPTConfig(block_size=n, bias=bias, attention=a.attention, **shape))
             peer = peer_mod.GPT(peer_mod.GPTConfig(block_size=n, bias=bias, **shape))
@@ -171,22 +172,16 @@ def time_models(a) -> int:
                     if i >= a.warmup:
                         ms[who].append(1e3 * (time.perf_counter() - t0))
             med = {who: statistics.median(v) for who, v in ms.items()}
-            print(
-                f"== seq_len={n} bias={bias}: step ms "
-                + ", ".join(f"{w} {v:.2f}" for w, v in med.items())
-                + f"; flashgpt / peer speed {med['peer'] / med['flashgpt']:.3f}",
-                flush=True,
-            )
+            step_ms = ", ".join(f"{w} {v:.2f}" for w, v in med.items())
+            speed = f"flashgpt / peer speed {med['peer'] / med['flashgpt']:.3f}"
+            print(f"== seq_len={n} bias={bias}: step ms {step_ms}; {speed}", flush=True)
             for who in steps:
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     train_step(*steps[who], x)
                     torch.cuda.synchronize()
                 print(f"-- {who} seq_len={n} bias={bias}: top kernels of one step")
-                print(
-                    prof.key_averages().table(
-                        sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=90
-                    )
-                )
+                kw = dict(sort_by="cuda_time_total", row_limit=a.top, max_name_column_width=90)
+                print(prof.key_averages().table(**kw))
             del steps, ours, peer, m
             torch.cuda.empty_cache()
     return 0
@@ -258,7 +253,7 @@ def main(argv=None) -> int:
     ours = ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
     results.meta["command"] = " ".join(ours)
     for n in a.seq_lens:
-        for bias in {"on": [True], "off": [False], "both": [True, False]}[a.bias]:
+        for bias in BIASES[a.bias]:
             run_dir = runs / f"n{n}_bias{int(bias)}"
             rec, _ = throughput.run_cell(a.attention, n, a, run_dir, f"model.bias={str(bias).lower()}")
             results.add("cells", [ours := rec | dict(who="flashgpt", bias=bias)])
