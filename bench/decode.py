@@ -281,9 +281,7 @@ def markdown(meta: dict, kernel: list[dict], e2e: list[dict]) -> str:
         rows = []
         for r in e2e:
             cb, n, speed = r.get("compile_backend"), r.get("recompiles"), [r["status"], ""]
-            note = (
-                [] if cb in (None, "inductor") else [f"torch.compile backend {cb!r} (dry run: no Inductor)"]
-            )
+            note = [f"torch.compile backend {cb!r} (dry run: no Inductor)"] if cb and cb != "inductor" else []
             note += [f"{n} graph(s) compiled inside the timed run"] if n else []
             if r["status"] == "ok":
                 speed = [f"{r['prefill_tokens_per_sec']:.0f}", f"{r['decode_tokens_per_sec']:.0f}"]

@@ -109,6 +109,7 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         ok = f and s and f["status"] == s["status"] == "ok"
         rows.append([n, split, *(fmt_cell(by.get((b, n))) for b in backends)])
         rows[-1] += [f"{f['tokens_per_sec'] / s['tokens_per_sec']:.3f}" if ok else "—"] if ratio else []
+    head = ["seq_len", "micro-batch × accum", *backends, *(["flash / sdpa"] if ratio else [])]
     lines = [
         f"# Training throughput: {meta['gpu']}, {meta['date']}",
         "",
@@ -117,9 +118,7 @@ def markdown(meta: dict, cells: list[dict]) -> str:
         f"{meta['profile_steps']} profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = "
         "kernel time / step wall time; GPU figures only on a GPU).",
         "",
-        *common.md_table(
-            ["seq_len", "micro-batch × accum", *backends, *(["flash / sdpa"] if ratio else [])], rows
-        ),
+        *common.md_table(head, rows),
     ]
     if failed := [c for c in cells if c["status"] not in ("ok", "oom", "not_run")]:
         lines += ["", "Failed cells:"]
