@@ -144,33 +144,24 @@ def compare_pair(ref: Run, run: Run, window: int = 20) -> dict:
 def check_tolerances(result: dict, tolerance: float | None, val_tolerance: float | None) -> list[str]:
     """Messages for every exceeded or uncheckable tolerance; NaN never passes (a non-finite loss at any
     aligned step fails --tolerance, also in the dropped partial window)."""
-    msgs, label = [], result["label"]
+    msgs = []  # each prefixed with the run's label at the end
     if tolerance is not None:
-        x = result["window_max_abs_diff"]
-        if x is None:
-            msgs.append(
-                f"{label}: no aligned train/loss steps with the reference, --tolerance cannot be checked"
-            )
-        elif not math.isfinite(result["max_abs_diff"]):
-            msgs.append(
-                f"{label}: non-finite train loss at an aligned step (max|Δ| = {result['max_abs_diff']}), "
-                "--tolerance fails"
-            )
+        if (x := result["window_max_abs_diff"]) is None:
+            msgs.append("no aligned train/loss steps with the reference, --tolerance cannot be checked")
+        elif not math.isfinite(worst := result["max_abs_diff"]):
+            msgs.append(f"non-finite train loss at an aligned step (max|Δ| = {worst}), --tolerance fails")
         elif not x <= tolerance:
-            msgs.append(f"{label}: windowed train-loss diff {x:.4g} > --tolerance {tolerance:g}")
+            msgs.append(f"windowed train-loss diff {x:.4g} > --tolerance {tolerance:g}")
     if val_tolerance is not None:
-        x = result["final_val_abs_diff"]
-        if x is None:
+        if (x := result["final_val_abs_diff"]) is None:
             msgs.append(
-                f"{label}: no common val/loss step after step 0 (the untrained model) with the reference, "
+                "no common val/loss step after step 0 (the untrained model) with the reference, "
                 "--val-tolerance cannot be checked"
             )
         elif not x <= val_tolerance:
-            msgs.append(
-                f"{label}: final val-loss diff {x:.4g} (step {result['val_step']}) > --val-tolerance "
-                f"{val_tolerance:g}"
-            )
-    return msgs
+            step = result["val_step"]
+            msgs.append(f"final val-loss diff {x:.4g} (step {step}) > --val-tolerance {val_tolerance:g}")
+    return [f"{result['label']}: {m}" for m in msgs]
 
 
 def table(ref: Run, results: Sequence[dict], window: int) -> str:
