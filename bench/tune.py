@@ -225,6 +225,7 @@ def search(a, out) -> None:
                 to_tiles = lambda p, kernel=kernel: {kernel: p}
                 fields = lambda p: {"cfg": cfg_fields(p)}
             flops = shape.fwd_flops * (1.0 if kernel == "fwd" else 2.5)
+            tf = lambda ms, flops=flops: f"{ms:.3f} ms ({_tflops(flops, ms):.0f} TF/s)"
             rows, t0 = [], time.time()
             for i, plan in enumerate(_progress(plans, f"{kernel} d={d} N={n}")):
                 if kernel == "fwd":
@@ -237,12 +238,11 @@ def search(a, out) -> None:
                 if ms is not None:
                     rows.append((ms, i, plan))
                 if a.configs is not None or kernel == "bwd":
-                    result = f"{ms:.3f} ms ({tflops:.0f} TF/s)" if err is None else err
+                    result = tf(ms) if err is None else err
                     print(f"  {kernel:8s} {shape.describe()} {tag:9s} {json.dumps(fields(plan))}: {result}")
             if not rows:
                 print(f"{kernel:8s} {shape.describe()}: no candidate ran")
                 continue
-            tf = lambda ms, flops=flops: f"{ms:.3f} ms ({_tflops(flops, ms):.0f} TF/s)"
             base = next((f"default {tf(r[0])}" for r in rows if r[1] == 0), "default did not run")
             rows.sort(key=lambda r: r[0])
             top3 = [(round(ms, 3), fields(p)) for ms, _, p in rows[:3]]
