@@ -105,9 +105,9 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
         except subprocess.TimeoutExpired:
             return rec | dict(status="error", error=f"timed out after {a.timeout:.0f} s")
     log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        return rec | dict(status="error", error=throughput.error_excerpt(log[-3000:]))
     try:
-        if proc.returncode != 0:
-            raise ValueError(throughput.error_excerpt(log[-3000:]))
         return rec | dict(status="ok", **peer_tokens_per_sec(log, d["tokens_per_step"], a.warmup))
     except ValueError as e:
         return rec | dict(status="error", error=str(e))
