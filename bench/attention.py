@@ -213,7 +213,7 @@ def run_benchmark(run: dict, device, dtype, timer, tol, inject=None, on_shape_do
     `on_shape_done(records)` after each shape (partial results are saved)."""
     inject, modes, records, softcap = inject or {}, run["modes"], [], run.get("softcap")
     kw = dict(device=device, dtype=dtype, need_grads=any(m != "fwd" for m in modes))
-    for d, n in ((d, n) for d in run["headdims"] for n in run["seqlens"]):
+    for d, n in itertools.product(run["headdims"], run["seqlens"]):
         b, h = shape_for(run["tokens"], run["hidden"], n, d)
         print(f"[bench] N={n} d={d} B={b} H={h}")
         try:
