@@ -177,12 +177,12 @@ def markdown(runs: Sequence[dict], sweep_dir: Path, warmup_frac: float) -> str:
         lines += ["", "## Failed runs", "", *common.md_table(head, rows, "---")]
     backends, seqs = backends_of(runs), sorted({r["seq_len"] for r in runs if r["seq_len"] is not None})
     cell = lambda r, key, fmt: status(r) if r["status"] != "ok" else _fmt(r, key, fmt)
+    several = lambda m, key, fmt: "; ".join(f"{cell(r, key, fmt)} ({r['run']})" for r in m) or "—"
     for key, title, fmt in METRICS:
         rows = []
         for n in seqs:
             match = [[r for r in runs if r["backend"] == b and r["seq_len"] == n] for b in backends]
-            several = lambda m: "; ".join(f"{cell(r, key, fmt)} ({r['run']})" for r in m) or "—"  # noqa: B023
-            rows.append([n, *(cell(m[0], key, fmt) if len(m) == 1 else several(m) for m in match)])
+            rows.append([n, *(cell(m[0], key, fmt) if len(m) == 1 else several(m, key, fmt) for m in match)])
         lines += ["", f"## {title} (rows: seq_len, columns: attention backend)", ""]
         lines += common.md_table(["seq_len", *backends], rows)
     if unknown := [r["run"] for r in runs if r["seq_len"] is None]:
