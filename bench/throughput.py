@@ -153,16 +153,13 @@ def gaps(events: list[dict], min_gap_us: float = 2.0) -> dict:
         raise ValueError("no device events in the trace (profiled on a CPU?)")
     runtime = ("cuda_runtime", "cuda_driver")
     launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in runtime and "args" in e}
-    host = collections.defaultdict(list)
-    for e in events:
-        if e.get("cat") in ("cpu_op", "python_function", "user_annotation") and "dur" in e:
-            host[e["tid"]].append(e)
+    on_host, host = ("cpu_op", "python_function", "user_annotation"), collections.defaultdict(list)
+    for e in sorted((e for e in events if e.get("cat") in on_host and "dur" in e), key=lambda e: e["ts"]):
+        host[e["tid"]].append(e)  # per thread, by start time
 
     def context(launch: dict | None) -> tuple[str, str]:
         around = [] if launch is None else host.get(launch["tid"], ())
-        around = sorted(
-            (e for e in around if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]), key=lambda e: e["ts"]
-        )
+        around = [e for e in around if e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]]
         return (around[0]["name"][:60], around[-1]["name"][:60]) if around else ("?", "?")
 
     t0, end = dev[0]["ts"], dev[0]["ts"] + dev[0]["dur"]
