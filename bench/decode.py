@@ -348,8 +348,7 @@ def main(argv=None) -> int:
             return common.error(f"--report: {e}")
         return 0
     for key, value in (DRY_GRID if args.dry_run else GPU_GRID).items():
-        if getattr(args, key) is None:  # what the user did not give
-            setattr(args, key, value)
+        setattr(args, key, getattr(args, key) or value)  # what the user did not give (all are >= 1)
     args.compile_backend = args.compile_backend or ("eager" if args.dry_run else "inductor")
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
