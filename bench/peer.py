@@ -128,7 +128,9 @@ def train_step(model, compiled, opt, x) -> None:
     ours without logits, as trainer.loop calls it (nanoGPT's model returns them)."""
     import torch
 
-    ours = {"return_logits": False} if hasattr(model, "use_attention_backend") else {}
+    from model import GPT
+
+    ours = {"return_logits": False} if isinstance(model, GPT) else {}
     for micro in x:
         with torch.autocast("cuda", torch.bfloat16):
             _, loss = compiled(micro, micro, **ours)

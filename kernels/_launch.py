@@ -69,14 +69,20 @@ def _variant_kwargs(window: int, q_doc, dropout_p: float, dropout_seed, softcap:
         SEED=dropout_seed if dropout_p > 0.0 else None,
         window=int(window) if window > 0 else None,
         dropout_p=float(dropout_p),
-        softcap=softcap * LOG2E if softcap else None,
+        softcap=softcap_arg(softcap),
     )
 
 
-def same_kv_strides(k, v):
-    """k and v with one set of strides, as the Triton kernels take them (copies only for unusual inputs:
-    the model's and the packed op's k and v already share theirs)."""
-    return (k, v) if k.stride() == v.stride() else (k.contiguous(), v.contiguous())
+def softcap_arg(softcap: float):
+    """The kernels' softcap argument: c * log2(e) (base-2 scores), or None (off: compiled out)."""
+    return softcap * LOG2E if softcap else None
+
+
+def kernel_qkv(q, k, v):
+    """q, k, v as the Triton kernels take them: a unit last stride each, and one set of strides for k and v
+    (copies only for unusual inputs: the model's and the packed op's k and v already share theirs)."""
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    return (q, k, v) if k.stride() == v.stride() else (q, k.contiguous(), v.contiguous())
 
 
 def _options(cfg) -> dict:
@@ -104,7 +110,7 @@ def launch_fwd(
         variants = (window, q_doc, k_doc, dropout_p, dropout_seed, deterministic, softcap)
         o, lse = launch_fwd(q.float(), k.float(), v.float(), causal, softmax_scale, *variants)
         return o.to(torch.bfloat16), lse
-    q, k, v = unit_last_stride(q), *same_kv_strides(unit_last_stride(k), unit_last_stride(v))
+    q, k, v = kernel_qkv(q, k, v)
     p = kplan.plan_fwd(q, k, v, causal, softmax_scale, window, q_doc, dropout_p, softcap)
     if p.backend == "gluon":  # sm_90 from plan.MIN_N: the Gluon forward
         g = kplan.gluon("fwd")
@@ -161,8 +167,8 @@ def launch_bwd(
             dqkv.copy_(torch.stack(grads, dim=1).permute(0, 3, 1, 2, 4))  # (B, 3, H, N, d) -> (B, N, 3, H, d)
             return packed_views(dqkv)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    q, k, v, o = (unit_last_stride(t) for t in (q, k, v, o))
-    k, v = same_kv_strides(k, v)
+    q, k, v = kernel_qkv(q, k, v)
+    o = unit_last_stride(o)
     do = unit_last_stride(do.to(q.dtype))
     lse = lse.to(torch.float32).contiguous()
     p = kplan.plan_bwd(

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._launch import dropout_mask, launch_bwd, launch_fwd, same_kv_strides
+from ._launch import dropout_mask, kernel_qkv, launch_bwd, launch_fwd
 from ._runtime import (
     _HAS_TRITON,
     FlashAttentionUnavailableError,
@@ -344,8 +344,7 @@ def _fwd_fake(q, k, v, *_):
 
 
 def _bwd_fake(do, q, k, v, *_):
-    q, k, v = (unit_last_stride(t) for t in (q, k, v))  # as launch_bwd sees them
-    k, v = same_kv_strides(k, v)
+    q, k, v = kernel_qkv(q, k, v)  # as launch_bwd sees them
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from . import plan as kplan
-from ._launch import LOG2E, dot_precision, kernel_module, launcher, same_kv_strides
+from ._launch import dot_precision, kernel_module, kernel_qkv, launcher, softcap_arg
 from ._runtime import check_flash_available, device_ctx, interpret_enabled, strides
 from .flash_attn import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, _plain_eager_call, check_softcap
 from .plan import MAX_DECODE_ROWS
@@ -124,7 +124,7 @@ def _launch_decode(
     (the split kernel's key tile and launch options, PDL; None: `plan`'s choice) serve the decode tile search
     (`python -m bench.tune --decode`)."""
     _check_overrides(_tile_n, _num_warps, _num_stages)
-    k_cache, v_cache = same_kv_strides(k_cache, v_cache)
+    q, k_cache, v_cache = kernel_qkv(q, k_cache, v_cache)
     kernels = kernel_module(interpret_enabled(), "_decode_kernels")
     p = kplan.plan_decode(q, k_cache, num_splits, traced, _tile_n, _num_warps, _num_stages, _pdl)
     (tile,) = p.tiles
@@ -145,7 +145,7 @@ def _launch_decode(
             q, k_cache, v_cache, cache_seqlens, o_part, lse_part, *strides(q, k_cache),
             Hq, Hq // Hkv, Nq, d, p.split_len, splits, n_max, scale,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=p.block_d, USE_PDL=pdl,
-            DOT_PRECISION=dot_precision(q.dtype), softcap=softcap * LOG2E if softcap else None, **launch_opts,
+            DOT_PRECISION=dot_precision(q.dtype), softcap=softcap_arg(softcap), **launch_opts,
         )  # fmt: skip
         launcher(kernels._decode_combine_kernel, (B * Hq * Nq,), traced)(
             o_part, lse_part, o, lse, *strides(o), Hq, Nq, d, splits, BLOCK_S=kplan._pow2(splits, low=2),
@@ -217,7 +217,6 @@ def flash_decode(
         return (out[0].to(torch.bfloat16), out[1]) if return_lse else out.to(torch.bfloat16)
     scale = 1.0 / math.sqrt(int(q.shape[3])) if softmax_scale is None else float(softmax_scale)
     splits = num_splits or kplan.decode_num_splits(q, k_cache)
-    q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if cache_seqlens is not None:  # the kernel reads SEQLENS[b] at offset b: a strided view needs a copy
         cache_seqlens = cache_seqlens.contiguous()
     tensors = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
