@@ -227,13 +227,14 @@ class GPT(nn.Module):
         return tokens_per_sec * self.flops_per_token(seq_len) / peak_flops
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
-        """AdamW with weight decay on the matmul and embedding weights (dim >= 2) only; fused on CUDA."""
+        """AdamW with weight decay on the matmul and embedding weights (dim >= 2) only; fused (one kernel
+        per group on CUDA and CPU alike, and the device-side skip of a non-finite step: trainer/loop.py)."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), fused=device_type == "cuda")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=tuple(betas), fused=True)
 
     def crop_block_size(self, block_size: int) -> None:
         """Shrink the maximum sequence length to ``block_size`` in place (keeps the first position rows)."""

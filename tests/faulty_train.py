@@ -73,7 +73,7 @@ def install(faults: dict, setattr=setattr) -> None:
         if kill_at is not None and s == int(kill_at):
             os.kill(os.getpid(), signal.SIGKILL)
         if nan_at is not None and s == int(nan_at):
-            return math.nan, math.nan
+            return torch.full_like(loss, math.nan), torch.full_like(grad_norm, math.nan)
         return loss, grad_norm
 
     def stop_requested(self, handler):

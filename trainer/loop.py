@@ -55,9 +55,9 @@ def all_reduce_sum(st: RunState, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def train_step(st: RunState, s: int) -> tuple[float, float]:
+def train_step(st: RunState, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward/backward over the micro-batches of update ``s``, then clip; returns (mean loss over micro-
-    batches and ranks, global grad norm before clipping)."""
+    batches and ranks, global grad norm before clipping) as 0-d float32 tensors, not yet read on the host."""
     accum = st.plan.grad_accum
     loss_sum = torch.zeros((), device=st.device, dtype=torch.float32)
     for micro in range(accum):
@@ -79,7 +79,25 @@ def train_step(st: RunState, s: int) -> tuple[float, float]:
     loss_mean = all_reduce_sum(st, loss_sum / accum) / st.dist.world_size
     clip = float(st.cfg.optim.grad_clip)
     grad_norm = torch.nn.utils.clip_grad_norm_(st.raw_model.parameters(), clip if clip > 0 else float("inf"))
-    return float(loss_mean.item()), float(local_norm(grad_norm).item())
+    return loss_mean, local_norm(grad_norm).float()
+
+
+def step_unless_nonfinite(st: RunState, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+    """The optimizer step of update ``s`` when its loss and grad norm are finite, then both on the host.
+    Fused AdamW takes the check on the device (``found_inf``, the skip GradScaler uses): the step is launched
+    before the host reads anything, so the GPU waits for the host once a step, not also between the backward
+    and the optimizer. Under FSDP2 (DTensor parameters) the host decides first."""
+    opt, on_device = st.optimizer, not st.fsdp
+    if on_device:
+        opt.found_inf = (~(loss.isfinite() & grad_norm.isfinite())).float()
+        try:
+            opt.step()  # skipped, step count included, where found_inf is 1
+        finally:
+            del opt.found_inf
+    loss_f, norm_f = float(loss.item()), float(grad_norm.item())
+    if not on_device and math.isfinite(loss_f) and math.isfinite(norm_f):
+        opt.step()
+    return loss_f, norm_f
 
 
 @torch.no_grad()
@@ -215,14 +233,11 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
         st.sync()
         with st.gpu_busy.step(st.steps_here, s):
             t0 = time.perf_counter()
-            loss, grad_norm = train_step(st, s)
+            loss, grad_norm = step_unless_nonfinite(st, *train_step(st, s))
             finite = math.isfinite(loss) and math.isfinite(grad_norm)
-            if finite:
-                st.optimizer.step()
-            elif cfg.nonfinite == "stop":
+            if not finite and cfg.nonfinite == "stop":
                 raise NonFiniteError(s, loss, grad_norm)
-            else:
-                st.skipped += 1
+            st.skipped += not finite
             st.optimizer.zero_grad(set_to_none=not st.cudagraphs)
             st.sync()
             dt = time.perf_counter() - t0

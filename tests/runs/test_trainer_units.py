@@ -465,6 +465,53 @@ def test_take_batch_uses_a_prefetched_batch_once(monkeypatch):
     assert calls == [(4, 0), (5, 0)]
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["device_check", "host_check"])
+def test_a_nonfinite_update_leaves_weights_and_optimizer_state_as_they_were(seed, fsdp):
+    """``step_unless_nonfinite`` with the trainer's fused AdamW: a finite update steps as a single-tensor AdamW
+    (the reference) does; a NaN loss or an infinite grad norm leaves the weights, both moments and the step
+    count bitwise as they were, and the next finite update is the reference's next step. The device-side
+    check (fused AdamW's found_inf) and the host-side one (FSDP2) alike."""
+    import copy
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    st = SimpleNamespace(optimizer=opt, fsdp=fsdp)
+
+    def snapshot():
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+        return [p.detach().clone() for p in model.parameters()], state
+
+    for bad in (None, "loss", "norm", None, "both", None):
+        grads = [torch.randn(p.shape, generator=g) for p in model.parameters()]
+        for p, q, gr in zip(model.parameters(), ref.parameters(), grads, strict=True):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        loss, norm = torch.rand((), generator=g) + 1, torch.rand((), generator=g) + 1
+        if bad in ("loss", "both"):
+            loss = torch.tensor(math.nan)
+        if bad in ("norm", "both"):
+            norm = torch.tensor(math.inf)
+        before = snapshot()
+        got = loop.step_unless_nonfinite(st, loss, norm)
+        assert got == (loss.item(), norm.item()) or (bad and not all(map(math.isfinite, got)))
+        if bad:
+            after = snapshot()
+            assert all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True)), bad
+            for sa, sb in zip(before[1], after[1], strict=True):
+                assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), bad
+            continue
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [
+            int(ref_opt.state[q]["step"]) for q in ref.parameters()
+        ]
+    assert not hasattr(opt, "found_inf")  # nothing left on the optimizer for its state_dict or a GradScaler
+
+
 def test_gpu_busy_window_with_a_failing_step_reports_nothing(tmp_path):
     """A step that raises inside the profiling window (its kernels ran, its wall time is never added) drops
     the window: no busy figure at all rather than an inflated one, and no later window opens."""
