@@ -85,6 +85,7 @@ def test_attention_dry_run_plumbing(tmp_path, capsys):
     assert "naive" in md and "ERR" in md
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_attention_dry_run_flash(tmp_path):
     """What a user types on a CPU: the CLI chooses the Triton interpreter itself before kernels/ loads."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(REPO)}
@@ -101,6 +102,7 @@ def test_attention_dry_run_flash(tmp_path):
             _check_flops(r)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_attention_softcap_checks_every_provider_against_a_capped_reference(tmp_path, seed, capsys):
     """--softcap c: the reference and flash / naive soft-cap the scores, the rows go to their own file, and
     a provider that ignored the cap would fail the check (the capped and plain references differ by more
@@ -126,6 +128,7 @@ def test_attention_softcap_checks_every_provider_against_a_capped_reference(tmp_
     assert exc.value.code == 2 and "sdpa-math cannot soft-cap" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_attention_merge_records_invocations(tmp_path):
     """Invocations with one tag and --merge: the file holds every run's rows, and its metadata and markdown
     say which seqlens were measured when; an invocation whose cells were all measured again leaves."""
@@ -429,6 +432,7 @@ def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, caps
     assert br.main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 @pytest.mark.parametrize("tool", ["report", "compare"])
 def test_report_and_compare_of_read_only_runs_print_and_exit_0(tmp_path, seed, tool):
     """A colleague's runs on a read-only file system: the report (or comparison table) is printed, a note

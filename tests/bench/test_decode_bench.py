@@ -171,6 +171,7 @@ def test_launch_overrides_reach_the_kernel_launch(monkeypatch, seed):
     assert kplan.split_layout(100, 3, 64) == (64, 2)  # 3 requested, 2 of whole 64-key tiles launched
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_decode_tile_search_dry_run(tmp_path):
     assert tune.main(["--decode", "--dry-run", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "decode_tiles_dryrun.json").read_text())

@@ -152,6 +152,7 @@ def test_prepare_unicode_text_round_trips(tmp_path, name, request):
     assert tokenizer_from_meta(meta).decode(ids) == text  # exact, incl. \r\n
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_cli_module_and_script(tmp_path, shakespeare_path, request):
     src = _distinct_corpus(tmp_path, 300)
     out = tmp_path / "cli_char"

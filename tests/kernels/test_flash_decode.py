@@ -474,6 +474,7 @@ def test_decode_bench_dry_run(tmp_path):
     assert "Incomplete" not in md
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_decode_bench_dry_run_defaults_are_tiny(tmp_path):
     """`--dry-run` alone (what the README shows) runs tiny shapes on the CPU, not the GPU grid (contexts up
     to 131072, batch 64: gigabytes of cache and hours under the interpreter)."""

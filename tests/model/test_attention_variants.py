@@ -208,6 +208,7 @@ def test_variant_config_errors(tmp_path, overrides, match):
         resolve_plan(cfg, world_size=1, cuda_available=False)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shakespeare_path):
     from tests.helpers_train import describe, run_train, tiny_overrides
 
@@ -225,6 +226,7 @@ def test_data_dir_of_another_doc_separator_is_refused(tmp_path, char_data, shake
     assert "data.doc_separator" in text and "a folder of its own" in text, describe(proc)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_a_separator_that_never_occurs_is_reported(tmp_path, shakespeare_path):
     """document_mask with a data.doc_separator absent from the corpus (one document): the run goes on but
     says that the mask changes nothing, instead of silently training plain causal attention."""
@@ -283,6 +285,7 @@ def test_tiny_runs_backends_agree_with_window_and_documents(tmp_path, shakespear
     )
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_bench_variants_dry_run(tmp_path):
     """bench/variants.py plumbing on the CPU: every cell runs (or is skipped with a reason), JSON and
     markdown are written, the markdown has one row per (mask, N, mode)."""

@@ -30,6 +30,7 @@ def _refused(proc, *says):
         assert s in proc.stderr, describe(proc)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_eval_refuses_the_runs_data_dir_prepared_again_from_a_changed_corpus(run_copy, tmp_path):
     """As resume=true refuses: the corpus got a line more and its data dir was prepared again. eval.py
     says what differs and how to evaluate on the new data on purpose; the unchanged data evaluates."""
@@ -68,6 +69,7 @@ def test_eval_refuses_the_runs_data_dir_prepared_again_from_a_changed_corpus(run
     assert _tree(run_copy) == before
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_run_and_a_checkpoint_of_another_run_are_refused(reference_run, run_copy, tmp_path):
     """run=A ckpt=<B's checkpoint> would write B's results into A: refused like init_from with run=, naming
     both keys and a command that works, nothing written into either run; a ckpt= inside run= still works."""
@@ -88,6 +90,7 @@ def test_run_and_a_checkpoint_of_another_run_are_refused(reference_run, run_copy
     assert json.loads(result.read_text())["step"] == 8
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sample_from_a_checkpoint_file_and_write_false(run_copy, tmp_path):
     """ckpt=<step dir>/flashgpt.pt is its checkpoint (samples into its run); write=false prints only."""
     record = ckpt.ckpt_path(run_copy, 8) / ckpt.RECORD
@@ -181,6 +184,7 @@ def test_a_run_that_trained_past_its_newest_checkpoint_is_said(run_copy):
     ), said
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_eval_on_a_data_dir_without_meta_prints_the_runs_own_prepare_command(run_copy, tmp_path):
     """The run's data dir lost its meta.json: the error's prepare command names the run's corpus and
     tokenizer (from the checkpoint), not a placeholder, and runs as typed."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers_train import REPO, describe, train_env
+from tests.infer_batch import run_commands
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,6 +129,7 @@ def _cli(script: str, args: list[str], cwd, **env):
     )
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sample_init_from_greedy_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path):
     d, hf = hf_bpe_dir
     prompt = "The quick brown fox"
@@ -155,6 +157,7 @@ def _hf_val_loss(hf, data_dir) -> float:
     return sum(losses) / len(losses)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
     from data.prepare import prepare
 
@@ -180,25 +183,43 @@ def test_eval_init_from_loss_equals_transformers(hf_bpe_dir, gpt2_bpe, tmp_path,
     assert ours["step"] == 0 and ours["checkpoint"] == str(d)
 
 
+INIT_FROM_REFUSALS = [
+    ("sample.py", ["init_from=gpt2"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
+    ("eval.py", ["init_from=gpt2", "data.dir=x"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
+    ("sample.py", ["init_from={d}", "run=runs/x"], r"init_from=.* and run=runs/x name two models"),
+    ("sample.py", ["init_from={small}"], r"97-token vocabulary.*GPT-2's BPE"),
+    ("eval.py", ["init_from={d}"], r"pass data.dir=PATH"),
+]
+
+
+@pytest.fixture(scope="module")
+def init_from_refusals(hf_dir, hf_bpe_dir, tmp_path_factory):
+    """Each INIT_FROM_REFUSALS command, offline (HF_HUB_OFFLINE=1, an empty HF_HOME), from its own empty
+    folder, all in one process (``tests.infer_batch``)."""
+    base = tmp_path_factory.mktemp("init_from_refusals")
+    cases = []
+    for i, (script, args, _) in enumerate(INIT_FROM_REFUSALS):
+        args = [a.format(d=hf_bpe_dir[0], small=hf_dir[0]) for a in args]
+        (base / str(i)).mkdir()
+        cwd = str(base / str(i))
+        cases.append(
+            {"script": str(REPO / script), "args": [*args, "device=cpu"], "cwd": cwd, "watch": [cwd]}
+        )
+    env = train_env(HF_HUB_OFFLINE=1, HF_HOME=base / "hf")
+    return run_commands(cases, base / "batch", env)
+
+
 @pytest.mark.parametrize(
-    "script,args,message",
-    [
-        ("sample.py", ["init_from=gpt2"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
-        ("eval.py", ["init_from=gpt2", "data.dir=x"], r"(?s)openai-community/gpt2.*huggingface-cli download"),
-        ("sample.py", ["init_from={d}", "run=runs/x"], r"init_from=.* and run=runs/x name two models"),
-        ("sample.py", ["init_from={small}"], r"97-token vocabulary.*GPT-2's BPE"),
-        ("eval.py", ["init_from={d}"], r"pass data.dir=PATH"),
-    ],
+    "case", range(len(INIT_FROM_REFUSALS)), ids=[" ".join(c[1]) for c in INIT_FROM_REFUSALS]
 )
-def test_init_from_errors_exit_2(hf_dir, hf_bpe_dir, tmp_path, script, args, message):
+def test_init_from_errors_exit_2(init_from_refusals, case):
     """Offline without weights the error names what to fetch; nothing is written."""
     import re
 
-    args = [a.format(d=hf_bpe_dir[0], small=hf_dir[0]) for a in args]
-    proc = _cli(script, [*args, "device=cpu"], tmp_path, HF_HUB_OFFLINE=1, HF_HOME=tmp_path / "hf")
+    proc, message = init_from_refusals[case], INIT_FROM_REFUSALS[case][2]
     assert proc.returncode == 2, describe(proc)
     assert re.search(message, proc.stderr), describe(proc)
-    assert [p.name for p in tmp_path.iterdir()] in ([], ["hf"])
+    assert proc.after == [{}], describe(proc)
 
 
 @pytest.mark.slow  # a train.py process, ~17 s on 2 cores

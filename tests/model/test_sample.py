@@ -22,6 +22,7 @@ from tests.helpers_train import (
     tiny_overrides,
     train_env,
 )
+from tests.infer_batch import run_commands
 from trainer import checkpoint as ckpt
 from trainer.checkpoint import tokenizer_from_checkpoint, tokenizer_record
 
@@ -178,6 +179,7 @@ def test_sample_greedy_same_for_backends_and_without_cache(trained, tmp_path):
     assert all(t == texts[0] for t in texts), texts
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sample_greedy_note_and_pinned_sdpa_kernel_in_the_header(trained, tmp_path):
     """temperature=0 with several samples says once (stderr) that they are identical, the files unchanged;
     the header line names a pinned SDPA kernel (attention.sdpa_backend=math), not just attention=sdpa."""
@@ -198,6 +200,7 @@ def test_sample_greedy_note_and_pinned_sdpa_kernel_in_the_header(trained, tmp_pa
     assert "greedy" not in proc.stderr
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     """A checkpoint whose data directory is gone still samples (the vocabulary is inside)."""
     run, data = trained
@@ -210,52 +213,65 @@ def test_sample_from_checkpoint_file_alone(trained, tmp_path):
     assert len(list(tmp_path.glob("samples/*.txt"))) == 1  # beside the checkpoint: no ckpt/ folder above it
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["run={tmp}/nope"], "no such run directory"),
-        (["run={empty}"], "is not a flashgpt run directory (no summary.json or config.resolved.yaml)"),
-        (["run={run}/ckpt"], "/ckpt is the checkpoint folder of a run: pass run="),
-        (["ckpt={tmp}/nope"], "no such checkpoint directory"),
-        ([], "say which run"),
-        (["run={run}", "prompt='héllo'"], "character 'é'"),
-        (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
-        (["run={run}", "prompt=''"], "prompt is empty"),
-        (["run={run}", "num_samples=0"], "config error: num_samples=0 must be a positive integer"),
-        (
-            ["run={run}", "temprature=0.5"],
-            "config error: temprature is not a config key; did you mean temperature?",
-        ),
-        (["run={run}", "+typo=1"], "config error: typo is not a config key"),
-        (
-            ["run={run}", "max_new_tokens=abc"],
-            "config error: max_new_tokens='abc' must be a non-negative integer",
-        ),
-        (["run={run}", "attention.window=8"], "config error: attention.window is not a config key"),
-        (["run={run}", "attention=gpt"], "config error: attention=gpt is not a config of group attention"),
-        (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
-        (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
-        (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
-        (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
-        (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
-        (["run={run}", "dtype=float64"], "dtype='float64' is not supported"),
-        (["run={run}", "device=tpu"], "device='tpu' is not a device"),
-        (["run={run}", "device=cpu", "cuda_graph=true"], "cuda_graph=true needs device=cuda"),
-    ],
-)
-def test_sample_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
+SAMPLE_REFUSALS = [
+    (["run={tmp}/nope"], "no such run directory"),
+    (["run={empty}"], "is not a flashgpt run directory (no summary.json or config.resolved.yaml)"),
+    (["run={run}/ckpt"], "/ckpt is the checkpoint folder of a run: pass run="),
+    (["ckpt={tmp}/nope"], "no such checkpoint directory"),
+    ([], "say which run"),
+    (["run={run}", "prompt='héllo'"], "character 'é'"),
+    (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
+    (["run={run}", "prompt=''"], "prompt is empty"),
+    (["run={run}", "num_samples=0"], "config error: num_samples=0 must be a positive integer"),
+    (
+        ["run={run}", "temprature=0.5"],
+        "config error: temprature is not a config key; did you mean temperature?",
+    ),
+    (["run={run}", "+typo=1"], "config error: typo is not a config key"),
+    (
+        ["run={run}", "max_new_tokens=abc"],
+        "config error: max_new_tokens='abc' must be a non-negative integer",
+    ),
+    (["run={run}", "attention.window=8"], "config error: attention.window is not a config key"),
+    (["run={run}", "attention=gpt"], "config error: attention=gpt is not a config of group attention"),
+    (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
+    (["run={run}", "top_k=0"], "top_k must be an int >= 1"),
+    (["run={run}", "top_p=0"], r"top_p must be in (0, 1]"),
+    (["run={run}", "top_p=1.2"], r"top_p must be in (0, 1]"),
+    (["run={run}", "attention=flash"], "TRITON_INTERPRET=1"),
+    (["run={run}", "dtype=float64"], "dtype='float64' is not supported"),
+    (["run={run}", "device=tpu"], "device='tpu' is not a device"),
+    (["run={run}", "device=cpu", "cuda_graph=true"], "cuda_graph=true needs device=cuda"),
+]
+
+
+@pytest.fixture(scope="module")
+def sample_refusals(trained, tmp_path_factory):
+    """Each SAMPLE_REFUSALS command run (one process for all: ``tests.infer_batch``) from its own empty
+    folder."""
     run, _ = trained
-    (tmp_path / "empty").mkdir()
-    launch = tmp_path / "launch"
-    launch.mkdir()
-    before = _tree(run), _tree(tmp_path)
-    args = [a.format(run=run, tmp=tmp_path, empty=tmp_path / "empty") for a in args]
-    proc = _run(SAMPLE, args, launch)
+    base = tmp_path_factory.mktemp("sample_refusals")
+    cases = []
+    for i, (args, _) in enumerate(SAMPLE_REFUSALS):
+        tmp = base / str(i)
+        (tmp / "empty").mkdir(parents=True)
+        (tmp / "launch").mkdir()
+        args = [a.format(run=run, tmp=tmp, empty=tmp / "empty") for a in args]
+        cases.append(
+            {"script": str(SAMPLE), "args": args, "cwd": str(tmp / "launch"), "watch": [str(run), str(tmp)]}
+        )
+    return run_commands(cases, base / "batch", train_env())
+
+
+@pytest.mark.parametrize("case", range(len(SAMPLE_REFUSALS)), ids=[m for _, m in SAMPLE_REFUSALS])
+def test_sample_errors_exit_2_and_write_nothing(sample_refusals, case):
+    proc, message = sample_refusals[case], SAMPLE_REFUSALS[case][1]
     assert proc.returncode == 2, describe(proc)
     assert message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
-    assert (_tree(run), _tree(tmp_path)) == before
+    assert proc.after == [proc.before[0], {"empty": None, "launch": None}], describe(proc)
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_empty_prompt_hint_suggests_prompts_that_work(trained, tmp_path):
     """The empty-prompt error suggests prompts that go through Hydra and the char vocabulary as typed in
     bash (not prompt='\\n', which arrives as a backslash and an n); each suggestion samples."""
@@ -283,6 +299,7 @@ def test_empty_prompt_hint_suggests_prompts_that_work(trained, tmp_path):
     assert got == ["ROMEO:", "First Citizen:", "\n"]
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_sample_long_prompt_keeps_last_block(trained, tmp_path):
     run, _ = trained
     (tmp_path / "p.txt").write_text("ab" * 50)  # 100 chars, block size 64
@@ -302,6 +319,7 @@ def test_sample_long_prompt_keeps_last_block(trained, tmp_path):
     assert json.loads((tmp_path / "s.json").read_text())["prompt_tokens"] == 64
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_eval_matches_the_runs_val_loss(trained, tmp_path):
     run, _ = trained
     records = {k: v for k, v in _tree(run).items() if not k.startswith(("samples", "evals"))}
@@ -323,27 +341,39 @@ def test_eval_matches_the_runs_val_loss(trained, tmp_path):
     assert after == records and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(
-    "args,message",
-    [
-        (["run={tmp}/nope"], "no such run directory"),
-        (
-            ["run={run}", "data.split=test"],
-            "config error: data.split='test' is not valid; choose one of: val, train",
-        ),
-        (["run={run}", "bathces=3"], "config error: bathces is not a config key; did you mean batches?"),
-        (["run={run}", "+typo=1"], "config error: typo is not a config key"),
-        (["run={run}", "seq_len=abc"], "config error: seq_len='abc' must be null or a positive integer"),
-        (["run={run}", "data.dir={tmp}/nodata"], "not found"),
-        (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
-    ],
-)
-def test_eval_errors_exit_2_and_write_nothing(trained, tmp_path, args, message):
+EVAL_REFUSALS = [
+    (["run={tmp}/nope"], "no such run directory"),
+    (
+        ["run={run}", "data.split=test"],
+        "config error: data.split='test' is not valid; choose one of: val, train",
+    ),
+    (["run={run}", "bathces=3"], "config error: bathces is not a config key; did you mean batches?"),
+    (["run={run}", "+typo=1"], "config error: typo is not a config key"),
+    (["run={run}", "seq_len=abc"], "config error: seq_len='abc' must be null or a positive integer"),
+    (["run={run}", "data.dir={tmp}/nodata"], "not found"),
+    (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
+]
+
+
+@pytest.fixture(scope="module")
+def eval_refusals(trained, tmp_path_factory):
+    """Each EVAL_REFUSALS command run (one process for all) from its own empty folder."""
     run, _ = trained
-    before = _tree(run)
-    proc = _run(EVAL, [a.format(run=run, tmp=tmp_path) for a in args], tmp_path)
+    base = tmp_path_factory.mktemp("eval_refusals")
+    cases = []
+    for i, (args, _) in enumerate(EVAL_REFUSALS):
+        tmp = base / str(i)
+        tmp.mkdir()
+        args = [a.format(run=run, tmp=tmp) for a in args]
+        cases.append({"script": str(EVAL), "args": args, "cwd": str(tmp), "watch": [str(run), str(tmp)]})
+    return run_commands(cases, base / "batch", train_env())
+
+
+@pytest.mark.parametrize("case", range(len(EVAL_REFUSALS)), ids=[m for _, m in EVAL_REFUSALS])
+def test_eval_errors_exit_2_and_write_nothing(eval_refusals, case):
+    proc, message = eval_refusals[case], EVAL_REFUSALS[case][1]
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
-    assert _tree(run) == before and list(tmp_path.iterdir()) == []
+    assert proc.after == [proc.before[0], {}], describe(proc)
 
 
 @pytest.mark.slow  # prepares a second corpus and runs eval.py, ~8 s
@@ -367,6 +397,7 @@ def test_eval_refuses_char_data_of_the_same_size_with_other_characters(trained, 
     assert _tree(run) == before
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_eval_and_sample_find_a_relative_data_dir_from_anywhere(trained, tmp_path):
     """A run trained with a relative data.dir (from its start directory, derived.cwd) is evaluated and
     sampled from another directory; a data.dir given to eval.py stays relative to the current directory."""

@@ -163,6 +163,7 @@ for _ in range(50):  # once it returned, the directory stays prepared (nobody pr
 """
 
 
+@pytest.mark.slow  # over 5 s on 2 cores
 def test_concurrent_prepares_prepare_once(tmp_path, shakespeare_path):
     """Four processes released at the same moment on a data directory that does not exist yet: one
     prepares it, the others wait for the lock and find it up to date; every one then reads it."""
