@@ -43,7 +43,8 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
         raise InferError("say which run to use: run=runs/<run> (its newest checkpoint) or ckpt=PATH")
     run_dir = Path(run)
     if not run_dir.is_dir():
-        raise InferError(f"run={run}: no such run directory (runs are under runs/, e.g. run=runs/<name>)")
+        what = "is a file, not a run directory" if run_dir.exists() else "no such run directory"
+        raise InferError(f"run={run}: {what} (runs are folders under runs/, e.g. run=runs/<name>)")
     path, state = None, None
     for _, p in ckpt.list_checkpoints(run_dir):
         try:

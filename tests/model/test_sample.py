@@ -343,6 +343,7 @@ def test_eval_matches_the_runs_val_loss(trained, tmp_path):
 
 EVAL_REFUSALS = [
     (["run={tmp}/nope"], "no such run directory"),
+    (["run={run}/config.resolved.yaml"], "config.resolved.yaml: is a file, not a run directory"),
     (
         ["run={run}", "data.split=test"],
         "config error: data.split='test' is not valid; choose one of: val, train",
