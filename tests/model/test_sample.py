@@ -245,30 +245,35 @@ SAMPLE_REFUSALS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def sample_refusals(trained, tmp_path_factory):
-    """Each SAMPLE_REFUSALS command run (one process for all: ``tests.infer_batch``) from its own empty
-    folder."""
-    run, _ = trained
-    base = tmp_path_factory.mktemp("sample_refusals")
+def _refusals(script: Path, table: list, run: Path, base: Path) -> list:
+    """Each command of ``table`` run (one process for all: ``tests.infer_batch``) from an empty folder
+    ``launch`` of its own, beside an empty ``empty`` ({run}, {tmp} and {empty} in its arguments)."""
     cases = []
-    for i, (args, _) in enumerate(SAMPLE_REFUSALS):
+    for i, (args, _) in enumerate(table):
         tmp = base / str(i)
         (tmp / "empty").mkdir(parents=True)
         (tmp / "launch").mkdir()
         args = [a.format(run=run, tmp=tmp, empty=tmp / "empty") for a in args]
-        cases.append(
-            {"script": str(SAMPLE), "args": args, "cwd": str(tmp / "launch"), "watch": [str(run), str(tmp)]}
-        )
+        cwd = str(tmp / "launch")
+        cases.append({"script": str(script), "args": args, "cwd": cwd, "watch": [str(run), str(tmp)]})
     return run_commands(cases, base / "batch", train_env())
+
+
+def _assert_refused(proc, message: str) -> None:
+    """Exit 2 with ``message`` and no traceback, the run and the command's folders as they were."""
+    assert proc.returncode == 2, describe(proc)
+    assert message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    assert proc.after == [proc.before[0], {"empty": None, "launch": None}], describe(proc)
+
+
+@pytest.fixture(scope="module")
+def sample_refusals(trained, tmp_path_factory):
+    return _refusals(SAMPLE, SAMPLE_REFUSALS, trained[0], tmp_path_factory.mktemp("sample_refusals"))
 
 
 @pytest.mark.parametrize("case", range(len(SAMPLE_REFUSALS)), ids=[m for _, m in SAMPLE_REFUSALS])
 def test_sample_errors_exit_2_and_write_nothing(sample_refusals, case):
-    proc, message = sample_refusals[case], SAMPLE_REFUSALS[case][1]
-    assert proc.returncode == 2, describe(proc)
-    assert message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
-    assert proc.after == [proc.before[0], {"empty": None, "launch": None}], describe(proc)
+    _assert_refused(sample_refusals[case], SAMPLE_REFUSALS[case][1])
 
 
 @pytest.mark.slow  # over 5 s on 2 cores
@@ -358,23 +363,12 @@ EVAL_REFUSALS = [
 
 @pytest.fixture(scope="module")
 def eval_refusals(trained, tmp_path_factory):
-    """Each EVAL_REFUSALS command run (one process for all) from its own empty folder."""
-    run, _ = trained
-    base = tmp_path_factory.mktemp("eval_refusals")
-    cases = []
-    for i, (args, _) in enumerate(EVAL_REFUSALS):
-        tmp = base / str(i)
-        tmp.mkdir()
-        args = [a.format(run=run, tmp=tmp) for a in args]
-        cases.append({"script": str(EVAL), "args": args, "cwd": str(tmp), "watch": [str(run), str(tmp)]})
-    return run_commands(cases, base / "batch", train_env())
+    return _refusals(EVAL, EVAL_REFUSALS, trained[0], tmp_path_factory.mktemp("eval_refusals"))
 
 
 @pytest.mark.parametrize("case", range(len(EVAL_REFUSALS)), ids=[m for _, m in EVAL_REFUSALS])
 def test_eval_errors_exit_2_and_write_nothing(eval_refusals, case):
-    proc, message = eval_refusals[case], EVAL_REFUSALS[case][1]
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
-    assert proc.after == [proc.before[0], {}], describe(proc)
+    _assert_refused(eval_refusals[case], EVAL_REFUSALS[case][1])
 
 
 @pytest.mark.slow  # prepares a second corpus and runs eval.py, ~8 s
