@@ -24,18 +24,27 @@ def format_duration(seconds: float) -> str:
 
 
 class Clock:
-    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line."""
+    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line. The ETA follows
+    the time per step between step lines: the first line's window holds one-time costs (torch.compile's
+    first step, warm-up), so the second window replaces it and later ones are averaged in (weight 0.3)."""
 
     def __init__(self, first_step: int) -> None:
         self.t0 = time.perf_counter()
         self.first_step = first_step
+        self.last = (self.t0, first_step)  # (time, step) of the previous line
+        self.windows = 0
+        self.per_step = float("nan")
 
     def text(self, step: int, max_steps: int) -> str:
         """``elapsed 1m05s | eta 3m10s`` after ``step`` of ``max_steps`` (counted from ``first_step``)."""
-        elapsed = time.perf_counter() - self.t0
-        done = step - self.first_step
-        eta = elapsed / done * (max_steps - step) if done > 0 else float("nan")
-        return f"elapsed {format_duration(elapsed)} | eta {format_duration(eta) if eta == eta else '?'}"
+        now = time.perf_counter()
+        (t_prev, s_prev), self.last = self.last, (now, step)
+        if step > s_prev:
+            rate = (now - t_prev) / (step - s_prev)
+            self.windows += 1
+            self.per_step = rate if self.windows <= 2 else 0.7 * self.per_step + 0.3 * rate
+        eta = self.per_step * (max_steps - step)
+        return f"elapsed {format_duration(now - self.t0)} | eta {format_duration(eta) if eta == eta else '?'}"
 
 
 def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:

@@ -46,6 +46,25 @@ def test_clock_eta_is_steps_left_times_mean_step_time(monkeypatch, seed):
         assert total <= expect + 1e-6 and expect < total + unit, (seed, shown, expect)
 
 
+def test_clock_eta_leaves_the_first_windows_one_time_costs_behind(monkeypatch, seed):
+    """A first window slowed by one-time costs (a compile) sets the first ETA only; the second window's time
+    per step replaces it, and later windows move it by 0.3 of their difference."""
+    rng = random.Random(seed)
+    slow, fast, later, max_steps = rng.uniform(20, 90), rng.uniform(0.1, 2.0), rng.uniform(0.1, 2.0), 5000
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    clock = progress.Clock(0)
+
+    def eta_after(step: int, per_step: float) -> float:
+        now[0] += per_step * (step - clock.last[1])
+        return _parse(re.search(r"eta (\S+)", clock.text(step, max_steps)).group(1))[0]
+
+    assert eta_after(10, slow) == pytest.approx(slow * (max_steps - 10), abs=3600)
+    assert eta_after(20, fast) == pytest.approx(fast * (max_steps - 20), abs=60), seed
+    expect = (0.7 * fast + 0.3 * later) * (max_steps - 30)
+    assert eta_after(30, later) == pytest.approx(expect, abs=60), seed
+
+
 @pytest.mark.parametrize(("model", "warned"), [("gpt2", True), ("tiny", False)])
 def test_cpu_run_of_a_gpt2_sized_model_says_how_slow(tiny, tmp_path, capsys, monkeypatch, model, warned):
     """Set-up on the CPU prints the warning (with experiment=cpu_tiny) for GPT-2 small, not for tiny."""
