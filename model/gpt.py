@@ -228,7 +228,8 @@ class GPT(nn.Module):
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type) -> torch.optim.AdamW:
         """AdamW with weight decay on the matmul and embedding weights (dim >= 2) only; fused (one kernel
-        per group on CUDA and CPU alike, and the device-side skip of a non-finite step: trainer/loop.py)."""
+        per group on CUDA and CPU alike, and the device-side skip of a non-finite step: trainer/loop.py).
+        device_type is unused, kept so the call reads as nanoGPT's (bench.peer calls both models alike)."""
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},

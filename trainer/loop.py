@@ -82,8 +82,10 @@ def train_step(st: RunState, s: int) -> tuple[torch.Tensor, torch.Tensor]:
     return loss_mean, local_norm(grad_norm).float()
 
 
-def step_unless_nonfinite(st: RunState, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-    """The optimizer step of update ``s`` when its loss and grad norm are finite, then both on the host.
+def step_unless_nonfinite(
+    st: RunState, loss: torch.Tensor, grad_norm: torch.Tensor
+) -> tuple[float, float, bool]:
+    """The optimizer step when the update's loss and grad norm are finite; (loss, norm, finite) on the host.
     Fused AdamW takes the check on the device (``found_inf``, the skip GradScaler uses): the step is launched
     before the host reads anything, so the GPU waits for the host once a step, not also between the backward
     and the optimizer. Under FSDP2 (DTensor parameters) the host decides first."""
@@ -95,9 +97,10 @@ def step_unless_nonfinite(st: RunState, loss: torch.Tensor, grad_norm: torch.Ten
         finally:
             del opt.found_inf
     loss_f, norm_f = float(loss.item()), float(grad_norm.item())
-    if not on_device and math.isfinite(loss_f) and math.isfinite(norm_f):
+    finite = math.isfinite(loss_f) and math.isfinite(norm_f)
+    if finite and not on_device:
         opt.step()
-    return loss_f, norm_f
+    return loss_f, norm_f, finite
 
 
 @torch.no_grad()
@@ -233,8 +236,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
         st.sync()
         with st.gpu_busy.step(st.steps_here, s):
             t0 = time.perf_counter()
-            loss, grad_norm = step_unless_nonfinite(st, *train_step(st, s))
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            loss, grad_norm, finite = step_unless_nonfinite(st, *train_step(st, s))
             if not finite and cfg.nonfinite == "stop":
                 raise NonFiniteError(s, loss, grad_norm)
             st.skipped += not finite

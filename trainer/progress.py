@@ -30,13 +30,12 @@ class Clock:
 
     def __init__(self, first_step: int) -> None:
         self.t0 = time.perf_counter()
-        self.first_step = first_step
         self.last = (self.t0, first_step)  # (time, step) of the previous line
         self.windows = 0
         self.per_step = float("nan")
 
     def text(self, step: int, max_steps: int) -> str:
-        """``elapsed 1m05s | eta 3m10s`` after ``step`` of ``max_steps`` (counted from ``first_step``)."""
+        """``elapsed 1m05s | eta 3m10s`` after ``step`` of ``max_steps``."""
         now = time.perf_counter()
         (t_prev, s_prev), self.last = self.last, (now, step)
         if step > s_prev:
