@@ -87,23 +87,6 @@ def _validate(q, k, v, cache_seqlens, softmax_scale, num_splits, check_lengths: 
         raise ValueError(f"num_splits must be an int >= 1 or None (automatic), got {num_splits!r}")
 
 
-def _check_overrides(tile_n, num_warps, num_stages) -> None:
-    """A bad private override of `_launch_decode`: a ValueError here, not a Triton error in the launch."""
-
-    def bad(value, low: int, pow2: bool) -> bool:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            return True
-        return pow2 and value & (value - 1) != 0
-
-    for name, value, low, pow2, rule in (
-        ("_tile_n", tile_n, 16, True, "a power of two >= 16"),
-        ("_num_warps", num_warps, 1, True, "a power of two >= 1"),
-        ("_num_stages", num_stages, 1, False, "an int >= 1"),
-    ):
-        if value is not None and bad(value, low, pow2):
-            raise ValueError(f"{name} must be {rule} or None, got {value!r}")
-
-
 def _launch_decode(
     q,
     k_cache,
@@ -122,8 +105,7 @@ def _launch_decode(
     """Launch the split and combine kernels on inputs `flash_decode` validated; (o, lse). cache_seqlens None:
     every sequence fills the cache (no lengths tensor, no fill kernel per call). The private overrides
     (the split kernel's key tile and launch options, PDL; None: `plan`'s choice) serve the decode tile search
-    (`python -m bench.tune --decode`)."""
-    _check_overrides(_tile_n, _num_warps, _num_stages)
+    (`python -m bench.tune --decode`, whose command line checks them)."""
     q, k_cache, v_cache = kernel_qkv(q, k_cache, v_cache)
     kernels = kernel_module(interpret_enabled(), "_decode_kernels")
     p = kplan.plan_decode(q, k_cache, num_splits, traced, _tile_n, _num_warps, _num_stages, _pdl)

@@ -302,30 +302,6 @@ def test_strided_and_int64_lengths(seed):
     assert torch.equal(o, flash_decode(q, k, v)), f"seed={seed}"
 
 
-@pytest.mark.parametrize(
-    "override,match",
-    [
-        (dict(_tile_n=7), "_tile_n must be a power of two >= 16"),
-        (dict(_tile_n=24), "_tile_n must be a power of two >= 16"),
-        (dict(_tile_n=0), "_tile_n must be a power of two >= 16"),
-        (dict(_tile_n=8), "_tile_n must be a power of two >= 16"),
-        (dict(_tile_n=16.0), "_tile_n must be a power of two >= 16"),
-        (dict(_num_warps=3), "_num_warps must be a power of two"),
-        (dict(_num_stages=0), "_num_stages must be an int >= 1"),
-    ],
-)
-def test_launch_overrides_refuse_bad_values(override, match):
-    """The private tile sweep overrides fail with a clear error, not deep in Triton (or, for a tile of 8
-    under the interpreter, not at all although no GPU tl.dot takes it)."""
-    from kernels.flash_decode import _launch_decode
-
-    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 40, 16)
-    with pytest.raises(ValueError, match=match):
-        _launch_decode(q, k, k, None, 0.25, 2, **override)
-    o, _ = _launch_decode(q, k, k, None, 0.25, 2, _tile_n=32, _num_warps=4, _num_stages=2)
-    assert torch.allclose(o, flash_decode(q, k, k), atol=1e-5)
-
-
 def test_bfloat16_runs_in_float32_under_interpreter(seed):
     q, k = torch.randn(1, 2, 2, 16).bfloat16(), torch.randn(1, 2, 9, 16).bfloat16()
     o = flash_decode(q, k, k)
