@@ -36,6 +36,9 @@ for p in sorted(src.rglob("*.py")):
 print(f"code corpus: {kept} .py files from {src} in {dst}; {skipped} not UTF-8 left out")
 PY
 }
+gpu_tag() {  # h200, h100, ...: the card a result file's name says it ran on (the phases run on either)
+  python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())" 2>/dev/null || echo gpu
+}
 code=(data.source="$CODE" data.dir=data/code data.max_tokens=100000000 attention.document_mask=false
       wandb.mode=offline wandb.project=flashgpt-h200)
 
@@ -156,7 +159,7 @@ multigpu)  # needs 2 GPUs (NGPU=2 by default): 1 GPU vs torchrun ddp vs torchrun
 peer)  # ours (attention=flash) beside nanoGPT's train.py ($NANOGPT) at SEQ_LENS (default 1024,8192), BIAS=on|off|both
   # (cells of about 70 s each), then both models alone (bench.peer --models) at the same lengths
   python -m bench.peer --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" --seq-lens "${SEQ_LENS:-1024,8192}" \
-    --bias "${BIAS:-both}" --steps 24 --warmup 8 --out "$OUT/peer_h200_${SEQ_LENS:-1024,8192}_bias_${BIAS:-both}" \
+    --bias "${BIAS:-both}" --steps 24 --warmup 8 --out "$OUT/peer_${TAG:-$(gpu_tag)}_${SEQ_LENS:-1024,8192}_bias_${BIAS:-both}" \
     --runs-dir "$OUT/peer_runs" -- data.source="$SRC" ;;
 peer_models)  # both models alone in one process, timed and profiled (BIAS, SEQ_LENS as for peer)
   python -m bench.peer --models --peer "${NANOGPT:?set NANOGPT=path/to/nanoGPT/train.py}" \
