@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._triton_common import _row_max, _row_sum, _scale_log2, _softcap
+from ._triton_common import _max0, _row_max, _row_sum, _scale_log2, _softcap, _sum0
 
 
 @triton.jit
@@ -26,18 +26,6 @@ def _pdl_wait_and_release():
     memory, then let the next kernel launch under this one. No-ops in a launch without the PDL attribute."""
     gdc_wait()
     gdc_launch_dependents()
-
-
-@triton.jit
-def _max0(x):
-    """max over axis 0 (tl.reduce: see `_triton_common._row_max`)."""
-    return tl.reduce(x, 0, tl.standard._elementwise_max)
-
-
-@triton.jit
-def _sum0(x):
-    """sum over axis 0 (tl.reduce: see `_triton_common._row_max`)."""
-    return tl.reduce(x, 0, tl.standard._sum_combine)
 
 
 @triton.jit

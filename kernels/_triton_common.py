@@ -18,6 +18,18 @@ def _row_sum(x):
 
 
 @triton.jit
+def _max0(x):
+    """max over axis 0 (tl.reduce, as `_row_max`)."""
+    return tl.reduce(x, 0, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _sum0(x):
+    """sum over axis 0 (tl.reduce, as `_row_max`)."""
+    return tl.reduce(x, 0, tl.standard._sum_combine)
+
+
+@triton.jit
 def _tanh(x):
     """tanh(x) = 2 / (1 + e^(-2x)) - 1 from exp2 (the interpreter has no libdevice), about 1 ulp; x clamped
     to [-10, 10] (where float32 tanh is +-1) so e^(-2x) stays finite."""

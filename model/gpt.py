@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data.docs import doc_ids_from_tokens
+from kernels.cross_entropy import enabled as fused_loss
+from kernels.cross_entropy import linear_cross_entropy
 
 from . import generate as gen
 from .attention import attention
@@ -159,13 +161,15 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if cache is not None:
             x = x[:, -1:]  # generating: only the next token's logits are needed
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+        training_step = targets is not None and not return_logits and torch.is_grad_enabled()
+        if training_step and x.is_cuda and fused_loss():
+            # lm_head, loss and the logits' gradient in one pass (kernels/cross_entropy.py)
+            return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)  # (B, T, vocab_size), in the autocast dtype
         loss = None
         if targets is not None:
-            if targets.shape != idx.shape:
-                raise ValueError(
-                    f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}"
-                )
             # a float32 softmax for 16-bit logits; the cast stays inside the loss, where the compiled graph
             # fuses it: returning float32 logits cost two (B, T, V) float32 passes a step (NOTES, "peer")
             flat = logits.flatten(0, 1)

@@ -1,0 +1,94 @@
+"""The fused classifier loss: lm_head matmul, cross-entropy and the logits' gradient in one autograd function.
+
+`F.cross_entropy` on (B T, V) logits costs a step two passes over them after the matmul: the forward reads
+them for the log-sum-exp, the backward reads them again and writes their gradient. Here one kernel
+(`_loss_kernel.py`) reads each row, takes its log-sum-exp and writes softmax - onehot in the same pass,
+during the forward; the backward is then only the two matmuls, and the loss's scale g / n multiplies their
+(B T, C) and (V, C) results instead of a (B T, V) tensor (llm.c's fused classifier; bench/NOTES.md, "Next
+lead"). The logits live as long as the kernel, their gradient from the forward to the backward: the same
+peak as F.cross_entropy's saved logits. The model uses it for a training step on CUDA (model/gpt.py);
+FLASHGPT_FUSED_LOSS=0 turns it off (F.cross_entropy then).
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ._launch import kernel_module, launcher
+from ._runtime import device_ctx, interpret_enabled
+
+ENV = "FLASHGPT_FUSED_LOSS"  # "1" (default): a training step on CUDA takes the fused loss; "0": never
+BLOCK = 2048  # logits a program reads at once: 16 bf16 (two 16-byte loads) per thread with 4 warps
+
+
+def enabled() -> bool:
+    """FLASHGPT_FUSED_LOSS, "1" (default) or "0"; ValueError naming the variable otherwise."""
+    value = os.environ.get(ENV, "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (fused classifier loss, default) or 0 (F.cross_entropy)")
+    return value == "1"
+
+
+def _launch(logits: torch.Tensor, targets: torch.Tensor, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per row float32 (M,), dlogits like logits) of logits (M, V) and targets (M,) (-1: ignored)."""
+    if logits.dtype == torch.bfloat16 and interpret_enabled():  # numpy has no bfloat16: compute in float32
+        loss, dlogits = _launch(logits.float(), targets, traced)
+        return loss, dlogits.to(torch.bfloat16)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    M, V = logits.shape
+    loss = torch.empty(M, dtype=torch.float32, device=logits.device)
+    dlogits = torch.empty((M, V), dtype=logits.dtype, device=logits.device)
+    kern = kernel_module(interpret_enabled(), "_loss_kernel")._cross_entropy_kernel
+    with device_ctx(logits):
+        launcher(kern, (M,), traced)(
+            logits, targets, loss, dlogits, logits.stride(0), dlogits.stride(0), V, BLOCK=BLOCK, num_warps=4
+        )
+    return loss, dlogits
+
+
+def _body(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss per row, softmax - onehot) of logits (M, V) and targets (M,); rows with target -1 are zero."""
+    return _launch(logits, targets, traced=True)
+
+
+def _fake(logits, targets):
+    del targets
+    return logits.new_empty(logits.shape[0], dtype=torch.float32), logits.new_empty(logits.shape)
+
+
+# CUDA: a triton_op (torch.compile puts the launch in its graph); the CPU interpreter: an opaque custom op
+_OP = torch.library.triton_op("flashgpt::cross_entropy_grad", _body, mutates_args=())
+_OP_CPU = torch.library.custom_op("flashgpt::cross_entropy_grad_cpu", _body, mutates_args=())
+_OP_CPU.register_fake(_fake)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """mean over targets != -1 of cross_entropy(x @ weight.T, targets); the gradients of x and weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets):
+        logits = F.linear(x, weight)  # (M, V), in the autocast dtype under autocast
+        loss_rows, dlogits = (_OP if logits.is_cuda else _OP_CPU)(logits, targets)
+        n = (targets != -1).sum()
+        ctx.save_for_backward(x, weight, dlogits, n)
+        return loss_rows.sum() / n
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight, dlogits, n = ctx.saved_tensors
+        scale = (g / n).to(torch.float32)  # d(loss) / d(logits) = g / n (softmax - onehot)
+        dx = (dlogits @ weight.to(dlogits.dtype)).float() * scale  # (M, C)
+        dw = (dlogits.t() @ x.to(dlogits.dtype)).float() * scale  # (V, C)
+        return dx.to(x.dtype), dw.to(weight.dtype), None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of the logits x @ weight.T (x (M, C), weight (V, C)) over the targets (M,) that
+    are not -1 (F.cross_entropy's ignore_index=-1), float32; differentiable in x and weight. Targets must lie
+    in [-1, V): the kernel does not check them (the data loader does)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x (M, C) and weight (V, C) needed, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if targets.shape != x.shape[:1]:
+        raise ValueError(f"targets must be (M,) = {tuple(x.shape[:1])}, got {tuple(targets.shape)}")
+    return LinearCrossEntropy.apply(x, weight, targets)

@@ -1,0 +1,130 @@
+"""The fused classifier loss `linear_cross_entropy` (kernels/cross_entropy.py): one grid over {interpreter,
+cuda}, small shapes under the Triton interpreter, GPT-2's vocabulary on the GPU.
+
+Accuracy, FlashAttention's rule: err <= 2 * err_pt + tol, err the largest difference of the loss, d(x) and
+d(weight) from a float64 PyTorch reference, err_pt the same for PyTorch's own path in the input dtype (the
+model's F.cross_entropy on the lm_head's logits). Fresh seeded inputs per test (the seed is in the test id).
+"""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / kernels (see tests/kernel_modes.py)
+
+import pytest  # noqa: E402
+import triton  # noqa: E402, F401
+
+from kernels import cross_entropy as ce  # noqa: E402
+from tests.kernel_modes import DEVICES, enter  # noqa: E402
+
+if _PREVIOUS_INTERPRET is None:
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+
+# (M rows, C, V): V below, at and across the kernel's block of ce.BLOCK logits, odd sizes for the masked tail
+SHAPES_CPU = [(5, 8, 7), (33, 16, ce.BLOCK), (17, 24, ce.BLOCK + 301)]
+SHAPES_GPU = SHAPES_CPU + [(4096, 768, 50304), (1000, 128, 50257), (257, 64, 3 * ce.BLOCK + 5)]
+
+
+def _inputs(seed, M, C, V, device):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(M, C, generator=g)
+    w = torch.randn(V, C, generator=g) * 0.5  # logits of a few units: a peaked softmax, as after training
+    t = torch.randint(0, V, (M,), generator=g)
+    t[torch.rand(M, generator=g) < 0.2] = -1  # ignored rows
+    t[0] = V - 1  # the last column, in the masked tail when V is not a multiple of the block
+    return x.to(device), w.to(device), t.to(device)
+
+
+def _loss_and_grads(fn, x, w, t, dtype):
+    x = x.detach().to(dtype).requires_grad_()
+    w = w.detach().to(dtype).requires_grad_()
+    loss = fn(x, w, t)
+    loss.backward()
+    return loss.detach().double(), x.grad.double(), w.grad.double()
+
+
+def _torch_path(x, w, t):  # the model's unfused loss: logits in the input dtype, a float32 softmax
+    return F.cross_entropy(F.linear(x, w).float(), t, ignore_index=-1)
+
+
+def _grid(shapes, dtypes):
+    return [(s, dt, seed) for seed, (s, dt) in enumerate((s, dt) for s in shapes for dt in dtypes)]
+
+
+def _err(a, b):
+    return max((p - q).abs().max().item() for p, q in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("shape", "dtype", "seed"),
+    _grid(SHAPES_GPU, [torch.float32, torch.float16, torch.bfloat16]),
+    ids=lambda p: str(p).replace("torch.", "").replace(" ", ""),
+)
+def test_against_float64(device, shape, dtype, seed, monkeypatch):
+    dev = enter(device, monkeypatch)
+    if dev.type == "cpu" and (shape not in SHAPES_CPU or dtype == torch.bfloat16):
+        pytest.skip("interpreter: small shapes, float32/float16 (its bfloat16 loads are wrong)")
+    x, w, t = _inputs(seed, *shape, dev)
+    ref = _loss_and_grads(_torch_path, x, w, t, torch.float64)
+    ours = _loss_and_grads(ce.linear_cross_entropy, x, w, t, dtype)
+    pt = _loss_and_grads(_torch_path, x, w, t, dtype)
+    err, err_pt = _err(ours, ref), _err(pt, ref)
+    assert err <= 2 * err_pt + 1e-6, f"seed {seed}: err {err:.3e}, PyTorch's {err_pt:.3e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_ignored_and_one_row(device, monkeypatch):
+    """One row and V = 1 (lse = x, loss 0, gradient 0); all rows ignored: NaN, as F.cross_entropy gives."""
+    dev = enter(device, monkeypatch)
+    x, w = torch.randn(1, 4, device=dev), torch.randn(1, 4, device=dev)
+    assert ce.linear_cross_entropy(x, w, torch.zeros(1, dtype=torch.long, device=dev)).item() == 0.0
+    x, w, t = _inputs(7, 6, 8, 50, dev)
+    assert ce.linear_cross_entropy(x, w, torch.full_like(t, -1)).isnan().item()
+    assert F.cross_entropy(x @ w.t(), torch.full_like(t, -1), ignore_index=-1).isnan().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_model_training_step_takes_the_fused_loss(fused, monkeypatch):
+    """GPT's training call (return_logits=False, grad on, CUDA): the fused loss when FLASHGPT_FUSED_LOSS=1,
+    F.cross_entropy when 0; both agree with the float64 loss of the same logits to PyTorch's bf16 error."""
+    enter("cuda", monkeypatch)
+    from model import GPT, GPTConfig
+
+    monkeypatch.setenv(ce.ENV, fused)
+    torch.manual_seed(3)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=256, vocab_size=50304, attention="sdpa")
+    m = GPT(cfg).cuda()
+    idx = torch.randint(0, 50304, (4, 256), device="cuda")
+    with torch.autocast("cuda", torch.bfloat16):
+        logits, loss = m(idx, idx, return_logits=False)
+    assert logits is None
+    loss.backward()
+    assert (type(loss.grad_fn).__name__ == "LinearCrossEntropyBackward") == (fused == "1"), type(loss.grad_fn)
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+        ref = F.cross_entropy(m(idx)[0].double().flatten(0, 1), idx.flatten())
+    assert abs(loss.item() - ref.item()) < 2e-2, (loss.item(), ref.item())
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in m.parameters())
+
+
+def test_env_value_is_checked(monkeypatch):
+    monkeypatch.setenv(ce.ENV, "yes")
+    with pytest.raises(ValueError, match="FLASHGPT_FUSED_LOSS=.yes.: use 1"):
+        ce.enabled()
+    monkeypatch.setenv(ce.ENV, "0")
+    assert not ce.enabled()
+
+
+def test_shapes_are_checked():
+    x, w = torch.randn(3, 4), torch.randn(10, 4)
+    with pytest.raises(ValueError, match=r"weight \(V, C\)"):
+        ce.linear_cross_entropy(x, torch.randn(10, 5), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets must be \(M,\) = \(3,\)"):
+        ce.linear_cross_entropy(x, w, torch.zeros(3, 1, dtype=torch.long))
