@@ -112,6 +112,13 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
                 mode(env)
         except ValueError as e:
             raise ConfigError(f"environment variable {e}; unset it for the default") from None
+    if device_type == "cuda":  # the training step's loss reads it (model/gpt.py), every backend
+        from kernels.cross_entropy import enabled
+
+        try:
+            enabled()
+        except ValueError as e:
+            raise ConfigError(f"environment variable {e}; unset it for the default") from None
     if cfg.wandb.mode == "online":
         from trainer.metrics import wandb_logged_in
 

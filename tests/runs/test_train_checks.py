@@ -669,6 +669,17 @@ def test_bad_gluon_env_is_a_config_error(monkeypatch):
         resolve_plan(compose_cfg(["attention=flash"]), world_size=1, cuda_available=True)
 
 
+def test_bad_fused_loss_env_is_a_config_error(monkeypatch):
+    """FLASHGPT_FUSED_LOSS (read by a CUDA training step, any backend) is checked before the run starts."""
+    monkeypatch.setenv("FLASHGPT_FUSED_LOSS", "yes")
+    for attention in ("sdpa", "flash"):
+        with pytest.raises(ConfigError, match="FLASHGPT_FUSED_LOSS='yes'.*unset it"):
+            resolve_plan(compose_cfg([f"attention={attention}"]), world_size=1, cuda_available=True)
+    resolve_plan(compose_cfg(["attention=sdpa", "device=cpu"]), world_size=1, cuda_available=False)
+    monkeypatch.setenv("FLASHGPT_FUSED_LOSS", "0")
+    resolve_plan(compose_cfg(["attention=sdpa"]), world_size=1, cuda_available=True)
+
+
 def test_a_tiny_non_utf8_source_is_reported_as_such_before_seq_len(expect_error, tmp_path):
     """A small file that is not UTF-8 would also be too short for seq_len: its encoding is the problem to
     fix first (a longer file of the same bytes would fail on it next)."""
