@@ -64,11 +64,10 @@ def _wgmma_serialized(ptxas_log: str) -> bool:
     return any(code in ptxas_log for code in ("C7513", "C7514", "C7515"))
 
 
-def _report(name: str, dtype: torch.dtype, head_dim: int, cfg: TileConfig, compiled) -> CompileInfo:
-    """CompileInfo of a compiled kernel: its PTX assembled by Triton's ptxas for sm_90a with -v."""
+def _ptxas(ptx: str) -> tuple[int | None, int | None, int | None, str]:
+    """(registers, spill store bytes, spill load bytes, log) of PTX assembled by Triton's ptxas for sm_90a."""
     import triton
 
-    ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -77,6 +76,13 @@ def _report(name: str, dtype: torch.dtype, head_dim: int, cfg: TileConfig, compi
     regs = int(m.group(1)) if (m := re.search(r"Used (\d+) registers", log)) else None
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     st, ld = (int(spills.group(1)), int(spills.group(2))) if spills else (None, None)
+    return regs, st, ld, log
+
+
+def _report(name: str, dtype: torch.dtype, head_dim: int, cfg: TileConfig, compiled) -> CompileInfo:
+    """CompileInfo of a compiled kernel: its PTX assembled by Triton's ptxas for sm_90a with -v."""
+    ptx = compiled.asm["ptx"]
+    regs, st, ld, log = _ptxas(ptx)
     wgmma, tma, shared = "wgmma" in ptx, "cp.async.bulk.tensor" in ptx, compiled.metadata.shared
     return CompileInfo(
         name, _TL_NAME[dtype], head_dim, cfg, shared, regs, st, ld, wgmma, tma, _wgmma_serialized(log)
@@ -234,6 +240,35 @@ def compile_decode_kernel(
         else:
             signature[name] = "i32"
     return _sm90(ASTSource(fn, signature, constants), num_warps=4, num_stages=num_stages)
+
+
+def compile_loss_kernel(dtype: torch.dtype, vocab_size: int = 50304) -> dict:
+    """Compile the fused loss kernel (`_loss_kernel.py`) for sm_90 as `cross_entropy` launches it, with the
+    ints' divisibility by 16 that Triton specialises at a launch; its registers, spills and how many of its
+    global loads are 16-byte vectors (``v4_loads`` of ``loads``)."""
+    from triton.compiler import ASTSource
+
+    from . import cross_entropy as ce
+    from ._launch import kernel_module
+
+    fn = kernel_module(False, "_loss_kernel")._cross_entropy_kernel
+    t = "*" + _TL_NAME[dtype]
+    signature = dict(LOGITS=t, TARGETS="*i64", LOSS="*fp32", DLOGITS=t, stride_row="i32", stride_drow="i32")
+    signature |= dict(M="i32", V="i32", BLOCK="constexpr")
+    ints = ["stride_row", "stride_drow", "M"] + (["V"] if vocab_size % 16 == 0 else [])
+    divisible = [fn.arg_names.index(n) for n in ["LOGITS", "TARGETS", "LOSS", "DLOGITS", *ints]]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
+    source = ASTSource(fn, signature, dict(BLOCK=ce.BLOCK), attrs=attrs)
+    ptx = _sm90(source, num_warps=ce.NUM_WARPS).asm["ptx"]
+    regs, st, ld, _ = _ptxas(ptx)
+    loads = ptx.count("ld.global")
+    return dict(
+        registers=regs,
+        spill_store_bytes=st,
+        spill_load_bytes=ld,
+        v4_loads=ptx.count("ld.global.v4"),
+        loads=loads,
+    )
 
 
 def main(argv=None) -> None:

@@ -19,7 +19,8 @@ from ._launch import kernel_module, launcher
 from ._runtime import device_ctx, interpret_enabled
 
 ENV = "FLASHGPT_FUSED_LOSS"  # "1" (default): a training step on CUDA takes the fused loss; "0": never
-BLOCK = 2048  # logits a program reads at once: 16 bf16 (two 16-byte loads) per thread with 4 warps
+BLOCK, NUM_WARPS = 8192, 8  # logits a program reads at once: 32 bf16 (four 16-byte loads) per thread
+PROGRAMS_PER_SM = 2  # rows in flight: 2 x 132 SMs x 100 KB of GPT-2 logits fit the L2 (_loss_kernel.py)
 
 
 def enabled() -> bool:
@@ -40,10 +41,12 @@ def _launch(logits: torch.Tensor, targets: torch.Tensor, traced: bool) -> tuple[
     loss = torch.empty(M, dtype=torch.float32, device=logits.device)
     dlogits = torch.empty((M, V), dtype=logits.dtype, device=logits.device)
     kern = kernel_module(interpret_enabled(), "_loss_kernel")._cross_entropy_kernel
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 2
     with device_ctx(logits):
-        launcher(kern, (M,), traced)(
-            logits, targets, loss, dlogits, logits.stride(0), dlogits.stride(0), V, BLOCK=BLOCK, num_warps=4
-        )
+        launcher(kern, (min(M, PROGRAMS_PER_SM * sms),), traced)(
+            logits, targets, loss, dlogits, logits.stride(0), dlogits.stride(0), M, V, BLOCK=BLOCK,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
     return loss, dlogits
 
 

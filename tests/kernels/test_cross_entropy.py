@@ -7,6 +7,9 @@ model's F.cross_entropy on the lm_head's logits). Fresh seeded inputs per test (
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +29,7 @@ if _PREVIOUS_INTERPRET is None:
 else:
     os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
 
+REPO = Path(__file__).resolve().parents[2]
 # (M rows, C, V): V below, at and across the kernel's block of ce.BLOCK logits, odd sizes for the masked tail
 SHAPES_CPU = [(5, 8, 7), (33, 16, ce.BLOCK), (17, 24, ce.BLOCK + 301)]
 SHAPES_GPU = SHAPES_CPU + [(4096, 768, 50304), (1000, 128, 50257), (257, 64, 3 * ce.BLOCK + 5)]
@@ -128,3 +132,26 @@ def test_shapes_are_checked():
         ce.linear_cross_entropy(x, torch.randn(10, 5), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"targets must be \(M,\) = \(3,\)"):
         ce.linear_cross_entropy(x, w, torch.zeros(3, 1, dtype=torch.long))
+
+
+def test_kernel_compiles_for_sm90():
+    """No GPU here: compile the kernel for sm_90 as a launch would (a fresh process without
+    TRITON_INTERPRET). Its registers let PROGRAMS_PER_SM programs share an SM (64K registers), nothing
+    spills, and GPT-2's padded vocabulary (50,304, a multiple of 16) gets 16-byte loads only."""
+    code = f"""
+import os, sys, torch, triton
+if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)
+from kernels.compile_report import compile_loss_kernel
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    info = compile_loss_kernel(dtype)
+    assert info['registers'] * {ce.NUM_WARPS * 32 * ce.PROGRAMS_PER_SM} <= 65536, (dtype, info)
+    assert info['spill_store_bytes'] == info['spill_load_bytes'] == 0, (dtype, info)
+    assert info['v4_loads'] >= info['loads'] - 2, (dtype, info)  # the target's load is one element
+print('ok')
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    if "SKIP" in out.stdout:
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not available")
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
