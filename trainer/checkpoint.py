@@ -63,6 +63,17 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
     return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
+def newest_run_with_checkpoints(root: Path) -> Path | None:
+    """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times: a
+    refused resume still writes into its run directory and bumps that one's mtime)."""
+    newest: tuple[float, Path] | None = None
+    for p in root.glob(f"*/{CKPT_DIR_NAME}/step_*"):
+        with contextlib.suppress(OSError):  # removed meanwhile (keep=N rotation of a live run)
+            if newest is None or p.stat().st_mtime > newest[0]:
+                newest = (p.stat().st_mtime, p.parent.parent)
+    return newest[1] if newest else None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` exists on this host (another user's counts: EPERM)."""
     try:

@@ -44,7 +44,9 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     run_dir = Path(run)
     if not run_dir.is_dir():
         what = "is a file, not a run directory" if run_dir.exists() else "no such run directory"
-        raise InferError(f"run={run}: {what} (runs are folders under runs/, e.g. run=runs/<name>)")
+        newest = ckpt.newest_run_with_checkpoints(run_dir.parent) if run_dir.parent.is_dir() else None
+        hint = f"newest run with checkpoints: run={newest}" if newest else "runs are folders under runs/"
+        raise InferError(f"run={run}: {what} ({hint})")
     path, state = None, None
     for _, p in ckpt.list_checkpoints(run_dir):
         try:
@@ -80,7 +82,10 @@ def _checkpoint_dir(ckpt_path: str) -> Path:
     """The checkpoint directory ``ckpt=`` names: itself, or the directory of a file in it."""
     p = Path(ckpt_path)
     if not p.exists():
-        raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory")
+        in_run = p.parent.name == ckpt.CKPT_DIR_NAME  # runs/<run>/ckpt/step_<N>: list the run's checkpoints
+        there = [c.name for _, c in ckpt.list_checkpoints(p.parent.parent)] if in_run else []
+        listed = f"; {p.parent} holds {', '.join(there)}" if there else ""
+        raise InferError(f"ckpt={ckpt_path}: no such checkpoint directory{listed}")
     if p.is_file():  # flashgpt.pt or another file of the checkpoint
         p = p.parent
     if is_run_dir(p) or ckpt.list_checkpoints(p):

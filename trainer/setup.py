@@ -3,7 +3,6 @@ Every user error raises ``ConfigError`` before any GPU allocation."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
@@ -404,17 +403,6 @@ def backend_that_ran(st: RunState) -> str:
 
 
 # ------------------------------------------------------------------------------------------ resume
-def newest_run_with_checkpoints(root: Path) -> Path | None:
-    """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times: a
-    refused resume still writes into its run directory and bumps that one's mtime)."""
-    newest: tuple[float, Path] | None = None
-    for p in root.glob(f"*/{ckpt.CKPT_DIR_NAME}/step_*"):
-        with contextlib.suppress(OSError):  # removed meanwhile (keep=N rotation of a live run)
-            if newest is None or p.stat().st_mtime > newest[0]:
-                newest = (p.stat().st_mtime, p.parent.parent)
-    return newest[1] if newest else None
-
-
 def no_checkpoint_message(st: RunState) -> str:
     status = rundir.read_summary(st.out_dir).get("status")
     if status not in (None, "error"):  # a run was here and died before its first checkpoint
@@ -430,7 +418,7 @@ def no_checkpoint_message(st: RunState) -> str:
             f"resume=true but this sweep job's folder {st.out_dir} holds no checkpoint: resume a sweep with "
             "its own hydra.sweep.dir and the same values in the same order, or resume=false for a new sweep"
         )
-    newest = newest_run_with_checkpoints(Path("runs"))
+    newest = ckpt.newest_run_with_checkpoints(Path("runs"))
     hint = f" (newest run with checkpoints: {hydra_arg('out_dir', newest)})" if newest else ""
     if not any(o.lstrip("+").startswith(("out_dir=", "hydra.run.dir=")) for o in st.overrides):
         return (

@@ -218,6 +218,8 @@ SAMPLE_REFUSALS = [
     (["run={empty}"], "is not a flashgpt run directory (no summary.json or config.resolved.yaml)"),
     (["run={run}/ckpt"], "/ckpt is the checkpoint folder of a run: pass run="),
     (["ckpt={tmp}/nope"], "no such checkpoint directory"),
+    (["ckpt={run}/ckpt/step_00000099"], "/ckpt holds step_00000006"),  # the run's checkpoints
+    (["run={run}_gone"], "no such run directory (newest run with checkpoints: run="),
     ([], "say which run"),
     (["run={run}", "prompt='héllo'"], "character 'é'"),
     (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
