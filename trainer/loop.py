@@ -259,7 +259,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
             metrics.update(
                 {"lr": lr, "perf/tokens_per_sec": tps, "perf/step_ms": ms, "mem/peak_gib": st.peak_gib()}
             )
-            mfu_text = ""
+            mfu_text, peak = "", f"peak {st.peak_gib():.2f} GiB | " if st.device.type == "cuda" else ""
             if st.peak_flops:
                 mfu = st.raw_model.estimate_mfu(tps / st.dist.world_size, int(cfg.seq_len), st.peak_flops)
                 metrics["perf/mfu"], mfu_text = mfu, f"mfu {100 * mfu:.2f}% | "
@@ -269,7 +269,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
                 metrics["train/skipped_steps"] = st.skipped
             st.say(
                 f"step {s:>6}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | {tps:,.0f} tok/s | "
-                f"{mfu_text}{ms:.1f} ms/step | peak {st.peak_gib():.2f} GiB | "
+                f"{mfu_text}{ms:.1f} ms/step | {peak}"
                 f"{clock.text(s, max_steps)}" + ("" if finite else f" | skipped (total {st.skipped})")
             )
             win_tokens, win_time, win_steps = 0, 0.0, 0
