@@ -676,7 +676,7 @@ def test_bad_fused_loss_env_is_a_config_error(monkeypatch):
         with pytest.raises(ConfigError, match="FLASHGPT_FUSED_LOSS='yes'.*unset it"):
             resolve_plan(compose_cfg([f"attention={attention}"]), world_size=1, cuda_available=True)
     resolve_plan(compose_cfg(["attention=sdpa", "device=cpu"]), world_size=1, cuda_available=False)
-    monkeypatch.setenv("FLASHGPT_FUSED_LOSS", "0")
+    monkeypatch.setenv("FLASHGPT_FUSED_LOSS", "1")
     resolve_plan(compose_cfg(["attention=sdpa"]), world_size=1, cuda_available=True)
 
 
