@@ -306,6 +306,12 @@ def check_data_source(cfg) -> None:
                 "text / .jsonl / .parquet files, hf:NAME[:CONFIG], or data.source=null to download Tiny "
                 "Shakespeare"
             )
+        walk = os.walk(p) if p.is_dir() else ()  # first, or the tokenizer's advice would come before it
+        if p.is_dir() and not any(not f.startswith(".") for _, _, files in walk for f in files):
+            raise ConfigError(
+                f"data.source={src} is a directory without a (non-hidden) file; pass a directory of text / "
+                ".jsonl / .parquet files, or a UTF-8 text file"
+            )
         if not p.is_dir():  # a directory of documents: data.prepare lists and reads its files
             if not p.is_file():
                 raise ConfigError(f"data.source={src} is not a file; pass a UTF-8 text file path")

@@ -691,3 +691,12 @@ def test_a_tiny_non_utf8_source_is_reported_as_such_before_seq_len(expect_error,
 def test_max_tokens_below_two_names_the_key_and_a_value(expect_error, tmp_path):
     err = expect_error(**{"data.max_tokens": 1, "data.dir": tmp_path / "d"})
     assert "data.max_tokens" in err and "data.max_tokens=1000000000" in err, err
+
+
+def test_an_empty_source_directory_is_named_before_the_tokenizer_advice(expect_error, tmp_path):
+    """An empty directory (or one of hidden files only) as data.source: that is the problem to fix, not the
+    char tokenizer that cannot read a directory of documents (the fix it would suggest fails next)."""
+    (empty := tmp_path / "corpus").mkdir()
+    (empty / ".hidden.txt").write_text("not read\n")
+    err = expect_error(**{"data.source": empty, "data.dir": tmp_path / "d"})
+    assert "is a directory without a (non-hidden) file" in err and "tokenizer" not in err, err
