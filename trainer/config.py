@@ -237,7 +237,8 @@ class TrainConfig:
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))
     dtype: str = spec(
         "auto",
-        "auto (bf16 autocast on cuda, float32 on cpu) | bfloat16 | float32",
+        "auto (bf16 autocast on cuda, float32 on cpu) | bfloat16 | float32 (no float16: it needs a loss "
+        "scaler, which the trainer has not; the kernels take fp16 called directly)",
         ("auto", "bfloat16", "float32"),
     )
     tf32: bool = spec(True, "CUDA: float32 matmuls may use TF32 tensor cores (false = full float32)", BOOL)
