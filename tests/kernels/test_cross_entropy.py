@@ -3,7 +3,7 @@ cuda}, small shapes under the Triton interpreter, GPT-2's vocabulary on the GPU.
 
 Accuracy, FlashAttention's rule: err <= 2 * err_pt + tol, err the largest difference of the loss, d(x) and
 d(weight) from a float64 PyTorch reference, err_pt the same for PyTorch's own path in the input dtype (the
-model's F.cross_entropy on the lm_head's logits). Fresh seeded inputs per test (the seed is in the test id).
+model's F.cross_entropy on the lm_head's logits). Fresh seeded inputs per test (a failure prints the seed).
 """
 
 import os
