@@ -39,6 +39,7 @@ def setup(st: RunState) -> None:
     if st.cfg.resume and st.broadcast(not ckpt.list_checkpoints(st.out_dir) if st.dist.is_main else None):
         # before data preparation, which would prepare (download) the defaults' data for nothing
         raise ConfigError(no_checkpoint_message(st))
+    load_pretrained(st)  # before the data: offline without the weights, nothing is prepared for nothing
     prepare_data(st)
     build_model_config(st)
     state = load_resume(st)
@@ -120,6 +121,21 @@ def prepare_data(st: RunState) -> None:
         )
 
 
+def load_pretrained(st: RunState) -> None:
+    """init_from: GPT-2's config and weights (``st.pretrained``, ``st.init_weights``); ConfigError when they
+    cannot be read (offline without them: what to fetch)."""
+    cfg = st.cfg
+    if str(cfg.init_from) == "scratch":
+        return
+    from model.pretrained import load_gpt2
+
+    block_size = int(cfg.model.block_size or cfg.seq_len)  # as gpt_config_for resolves it
+    try:
+        st.pretrained, st.init_weights = load_gpt2(str(cfg.init_from), block_size=block_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+
+
 def build_model_config(st: RunState) -> None:
     cfg, meta = st.cfg, st.meta
     m = cfg.model
@@ -133,14 +149,8 @@ def build_model_config(st: RunState) -> None:
         st.gpt_config = gpt_config_for(cfg, vocab, meta.get("doc_separator_ids"))
     except ValueError as e:
         raise ConfigError(f"data.dir={cfg.data.dir}: {e}") from e
-    st.init_weights = None
-    if str(cfg.init_from) != "scratch":  # GPT-2 weights: their shape wins
-        from model.pretrained import load_gpt2
-
-        try:
-            pre, st.init_weights = load_gpt2(str(cfg.init_from), block_size=st.gpt_config.block_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+    if st.pretrained is not None:  # GPT-2 weights: their shape wins
+        pre = st.pretrained
         if pre.vocab_size < int(meta["vocab_size"]) or cfg.data.tokenizer != "gpt2":
             raise ConfigError(
                 f"init_from={cfg.init_from} reads GPT-2 BPE ids (vocab {pre.vocab_size}); the data is "

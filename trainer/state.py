@@ -61,6 +61,7 @@ class RunState:
     skipped: int = 0  # non-finite updates skipped (nonfinite=skip)
     last_ckpt: Path | None = None
     init_weights: dict | None = None  # init_from: GPT-2 weights, loaded once the model is built
+    pretrained: Any = None  # init_from: the GPTConfig of those weights
     last_ckpt_step: int = -1
     last_train_loss: float | None = None
     last_val_loss: float | None = None

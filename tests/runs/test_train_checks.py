@@ -700,3 +700,19 @@ def test_an_empty_source_directory_is_named_before_the_tokenizer_advice(expect_e
     (empty / ".hidden.txt").write_text("not read\n")
     err = expect_error(**{"data.source": empty, "data.dir": tmp_path / "d"})
     assert "is a directory without a (non-hidden) file" in err and "tokenizer" not in err, err
+
+
+def test_init_from_without_weights_is_refused_before_the_data_are_prepared(
+    expect_error, tmp_path, monkeypatch
+):
+    """GPT-2 weights that cannot be read (offline, not in the cache) stop the run before data.dir is
+    prepared: the corpus is not tokenized for a run that cannot start."""
+    import model.pretrained as pretrained
+
+    def offline(init_from, **_):
+        raise pretrained.PretrainedError(f"could not load GPT-2 weights init_from={init_from} (offline)")
+
+    monkeypatch.setattr(pretrained, "load_gpt2", offline)
+    err = expect_error(**{"init_from": "gpt2", "data.tokenizer": "gpt2", "data.dir": tmp_path / "fresh"})
+    assert "could not load GPT-2 weights init_from=gpt2" in err, err
+    assert not (tmp_path / "fresh").exists()
