@@ -330,6 +330,16 @@ def open_hf(src: Source):
         ) from e
 
 
+def has_files(directory: str | Path) -> bool:
+    """Whether ``list_files(directory)`` would find a file; stops at the first one (a large corpus costs one
+    directory read)."""
+    for _, dirnames, filenames in os.walk(directory):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        if any(not f.startswith(".") for f in filenames):
+            return True
+    return False
+
+
 def list_files(where: str | Path) -> list[Path]:
     """The regular files under a directory (hidden ones and hidden folders left out) or matched by a glob
     (resolved), sorted."""

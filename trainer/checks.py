@@ -284,7 +284,7 @@ def peak_flops_for(device_name: str | None) -> float:
 
 def check_data_source(cfg) -> None:
     """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent)."""
-    from data.sources import is_document_source
+    from data.sources import has_files, is_document_source
 
     src = cfg.data.source
     for key, value in (("data.source", src), ("data.dir", cfg.data.dir)):
@@ -306,8 +306,7 @@ def check_data_source(cfg) -> None:
                 "text / .jsonl / .parquet files, hf:NAME[:CONFIG], or data.source=null to download Tiny "
                 "Shakespeare"
             )
-        walk = os.walk(p) if p.is_dir() else ()  # first, or the tokenizer's advice would come before it
-        if p.is_dir() and not any(not f.startswith(".") for _, _, files in walk for f in files):
+        if p.is_dir() and not has_files(p):  # first, or the tokenizer's advice would come before it
             raise ConfigError(
                 f"data.source={src} is a directory without a (non-hidden) file; pass a directory of text / "
                 ".jsonl / .parquet files, or a UTF-8 text file"

@@ -698,6 +698,8 @@ def test_an_empty_source_directory_is_named_before_the_tokenizer_advice(expect_e
     char tokenizer that cannot read a directory of documents (the fix it would suggest fails next)."""
     (empty := tmp_path / "corpus").mkdir()
     (empty / ".hidden.txt").write_text("not read\n")
+    (empty / ".git").mkdir()
+    (empty / ".git" / "HEAD").write_text("in a hidden folder: not read either\n")
     err = expect_error(**{"data.source": empty, "data.dir": tmp_path / "d"})
     assert "is a directory without a (non-hidden) file" in err and "tokenizer" not in err, err
 
