@@ -11,23 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-_PREVIOUS_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before importing triton / kernels (see tests/kernel_modes.py)
-
-import pytest  # noqa: E402
-import triton  # noqa: E402, F401
-
-from kernels import cross_entropy as ce  # noqa: E402
-from tests.kernel_modes import DEVICES, enter  # noqa: E402
-
-if _PREVIOUS_INTERPRET is None:
-    os.environ.pop("TRITON_INTERPRET", None)
-else:
-    os.environ["TRITON_INTERPRET"] = _PREVIOUS_INTERPRET
+from kernels import cross_entropy as ce  # the @triton.jit kernel is imported at the first launch
+from tests.kernel_modes import DEVICES, enter
 
 REPO = Path(__file__).resolve().parents[2]
 # (M rows, C, V): V below, at and across the kernel's block of ce.BLOCK logits, odd sizes for the masked tail
