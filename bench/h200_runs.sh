@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # The H200 runs whose results are committed under bench/results/ (index: bench/results/README.md).
 # Usage: bash bench/h200_runs.sh PHASE [OUTDIR]     (PHASE: kernels | throughput | compare | parity | compare_seed |
-#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | peer_models | vs_old | softcap | gqa | ablations |
+#        compare_dropout | sweep | preempt | window_ablation | multigpu | peer | peer_models | vs_old | fused_loss | softcap | gqa | ablations |
 #        context | redesign)
 # Data: $TINYSHAKESPEARE (default ../shared/data/tinyshakespeare.txt). Runs go to OUTDIR (default runs/h200).
 # ablations and context train on $CODE (default: $OUT/code_src, every .py file of the installed packages that is
 # UTF-8 text copied into one folder, a corpus of long documents any GPU machine has; the prepare step refuses a
 # file that is not UTF-8), prepared once into data/code (GPT-2 BPE, at most 100M tokens).
 set -uo pipefail
-PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|softcap|softcap_triton|gqa|ablations|context|redesign}
+PHASE=${1:?usage: bash bench/h200_runs.sh PHASE [OUTDIR]; PHASE: kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|fused_loss|softcap|softcap_triton|gqa|ablations|context|redesign}
 OUT=${2:-runs/h200}
 SRC=${TINYSHAKESPEARE:-../shared/data/tinyshakespeare.txt}
-case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|softcap|softcap_triton|gqa|ablations|context|redesign) ;;
-*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|softcap|softcap_triton|gqa|ablations|context|redesign)"; exit 2 ;;
+case "$PHASE" in kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|fused_loss|softcap|softcap_triton|gqa|ablations|context|redesign) ;;
+*) echo "unknown phase $PHASE (kernels|throughput|compare|parity|compare_seed|compare_dropout|sweep|preempt|window_ablation|multigpu|peer|peer_models|vs_old|fused_loss|softcap|softcap_triton|gqa|ablations|context|redesign)"; exit 2 ;;
 esac
 mkdir -p "$OUT"
 common=(data.source="$SRC" wandb.mode=offline wandb.project=flashgpt-h200)
@@ -172,6 +172,13 @@ vs_old)  # the default command (flash) in OLD (a checkout of an earlier commit) 
     d=.; [ $t = old ] && d=${OLD:?set OLD=path/to/old/checkout}
     (cd "$d" && python -m bench.throughput --backends flash --seq-lens $n --steps 16 --warmup 6 --profile-steps 0 \
       --out "$o/vs_old_${n}_${i}_$t" --runs-dir "$o/vs_old_runs" -- data.source="$src")
+  done; done ;;
+fused_loss)  # the default command (flash) with FLASHGPT_FUSED_LOSS=0 and 1 alternating (0, 1, 1, 0) per length at
+  # SEQ_LENS (default 1024,8192): the fused classifier loss against F.cross_entropy (bench/NOTES.md)
+  o=$(cd "$OUT" && pwd); sl=${SEQ_LENS:-1024,8192}
+  for n in ${sl//,/ }; do i=0; for f in 0 1 1 0; do i=$((i+1))
+    FLASHGPT_FUSED_LOSS=$f python -m bench.throughput --backends flash --seq-lens $n --steps 16 --warmup 6 \
+      --profile-steps 0 --out "$o/fused_loss_${n}_${i}_$f" --runs-dir "$o/fused_loss_runs" -- data.source="$SRC"
   done; done ;;
 softcap)  # the kernel cost of soft-capping: flash with c = 30 against plain causal, N = 4k-16k, d = 64 and 128
   for cap in "" 30; do
