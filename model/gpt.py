@@ -133,7 +133,8 @@ class GPT(nn.Module):
         cross-entropy over targets != -1 (or None), float32 or wider. doc_ids: (B, T) document ids for
         ``config.document_mask`` (default: from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``:
         the last position's logits only. return_logits=False: None instead of the logits (the training
-        step: a compiled graph's logits output gets a zero-filled (B, T, V) gradient in the backward)."""
+        step: a compiled graph's logits output gets a zero-filled (B, T, V) gradient in the backward); with
+        grad on, on CUDA and FLASHGPT_FUSED_LOSS=1, the loss is then kernels/cross_entropy.py's fused one."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         T = idx.size(1)
