@@ -107,6 +107,33 @@ def test_model_training_step_takes_the_fused_loss(fused, monkeypatch):
     assert all(p.grad is not None and p.grad.isfinite().all() for p in m.parameters())
 
 
+@pytest.mark.gpu
+def test_compiled_training_step_equals_the_unfused_one(monkeypatch):
+    """The trainer's compiled step (torch.compile, bf16 autocast, flash): the fused loss traces into the graph
+    and gives F.cross_entropy's loss and parameter gradients to bf16 rounding."""
+    import copy
+
+    enter("cuda", monkeypatch)
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(5)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=256, vocab_size=50304, attention="flash")
+    base, idx = GPT(cfg).cuda(), torch.randint(0, 50304, (8, 256), device="cuda")
+    out = {}
+    for fused in ("0", "1"):
+        monkeypatch.setenv(ce.ENV, fused)
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        with torch.autocast("cuda", torch.bfloat16):
+            _, loss = torch.compile(model)(idx, idx, return_logits=False)
+        loss.backward()
+        out[fused] = loss.item(), [p.grad.float() for p in model.parameters()]
+    (loss0, grads0), (loss1, grads1) = out["0"], out["1"]
+    assert abs(loss0 - loss1) < 1e-2, (loss0, loss1)
+    for a, b in zip(grads0, grads1, strict=True):
+        assert ((a - b).norm() / a.norm().clamp_min(1e-12)).item() < 2e-2
+
+
 def test_env_value_is_checked(monkeypatch):
     monkeypatch.setenv(ce.ENV, "yes")
     with pytest.raises(ValueError, match="FLASHGPT_FUSED_LOSS=.yes.: use 1"):
