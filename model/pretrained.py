@@ -78,9 +78,10 @@ def _hf_files(init_from: str):
         else:
             raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {path}")
     except Exception as e:  # hub / network / format errors come in many classes
+        why = (str(e).strip().splitlines() or [""])[0].split(". ")[0][:160]  # their first sentence
         raise PretrainedError(
             f"could not load GPT-2 weights init_from={init_from} from {source} ({type(e).__name__}: "
-            f"{str(e)[:300]}). Offline, fetch them on a machine with network (`huggingface-cli download "
+            f"{why}). Offline, fetch them on a machine with network (`huggingface-cli download "
             f"{source}`) into this machine's Hugging Face cache (HF_HOME, now "
             f"{os.environ.get('HF_HOME', '~/.cache/huggingface')}), or pass a local checkpoint directory"
         ) from e
