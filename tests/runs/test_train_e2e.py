@@ -71,6 +71,7 @@ def test_reference_run_learns_and_logs(reference_run):
     assert run["summary"]["attention/backend_ran"] == "naive"
     assert run["config"]["attention"]["name"] == "naive" and run["config"]["seq_len"] == 64
     assert run["config"]["derived"]["grad_accum"] == 2
+    assert run["config"]["derived"]["loss"] == "cross_entropy"  # the fused loss runs on CUDA only
 
 
 def test_sdpa_matches_naive_and_parity_is_logged(reference_run, tiny, tmp_path):
