@@ -7,11 +7,9 @@ during the forward; the backward is then only the two matmuls, and the loss's sc
 (B T, C) and (V, C) results instead of a (B T, V) tensor (llm.c's fused classifier; bench/NOTES.md, "Next
 lead"). The logits live as long as the kernel, their gradient from the forward to the backward: the same
 peak as F.cross_entropy's saved logits. With FLASHGPT_FUSED_LOSS=1 the model uses it for a training step on
-CUDA (model/gpt.py); off by default until a GPU run has measured it (bench/NOTES.md, "The fused classifier
-loss").
+CUDA (model/gpt.py, ``fused_loss_on``); off by default until a GPU run has measured it (bench/NOTES.md, "The
+fused classifier loss").
 """
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -19,17 +17,8 @@ import torch.nn.functional as F
 from ._launch import kernel_module, launcher
 from ._runtime import device_ctx, interpret_enabled
 
-ENV = "FLASHGPT_FUSED_LOSS"  # "1": a training step on CUDA takes the fused loss; "0" (default): never
 BLOCK, NUM_WARPS = 8192, 8  # logits a program reads at once: 32 bf16 (four 16-byte loads) per thread
 PROGRAMS_PER_SM = 2  # rows in flight: 2 x 132 SMs x 100 KB of GPT-2 logits fit the L2 (_loss_kernel.py)
-
-
-def enabled() -> bool:
-    """FLASHGPT_FUSED_LOSS, "1" or "0" (default); ValueError naming the variable otherwise."""
-    value = os.environ.get(ENV, "0").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (fused classifier loss) or 0 (default: F.cross_entropy)")
-    return value == "1"
 
 
 def _launch(logits: torch.Tensor, targets: torch.Tensor, traced: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Iterator
 
 import torch
@@ -20,15 +21,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data.docs import doc_ids_from_tokens
-from kernels.cross_entropy import enabled as fused_loss
-from kernels.cross_entropy import linear_cross_entropy
 
 from . import generate as gen
 from .attention import attention
 from .config import PRESETS, GPTConfig
 from .rope import apply_rope, rope_cos_sin
 
-__all__ = ["GPT", "GPTConfig", "PRESETS"]
+__all__ = ["GPT", "GPTConfig", "PRESETS", "fused_loss_on"]
+
+#: 1: a CUDA training step takes the fused loss of kernels/cross_entropy.py; 0 (default): F.cross_entropy
+FUSED_LOSS = "FLASHGPT_FUSED_LOSS"
+
+
+def fused_loss_on() -> bool:
+    """FLASHGPT_FUSED_LOSS, "1" or "0" (default); ValueError naming the variable for another value."""
+    value = os.environ.get(FUSED_LOSS, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(
+            f"{FUSED_LOSS}={value!r}: use 1 (fused classifier loss) or 0 (default: F.cross_entropy)"
+        )
+    return value == "1"
 
 
 class CausalSelfAttention(nn.Module):
@@ -165,8 +177,10 @@ class GPT(nn.Module):
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
         training_step = targets is not None and not return_logits and torch.is_grad_enabled()
-        if training_step and x.is_cuda and fused_loss():
-            # lm_head, loss and the logits' gradient in one pass (kernels/cross_entropy.py)
+        if training_step and x.is_cuda and fused_loss_on():
+            # lm_head, loss and the logits' gradient in one pass; imported here: other runs load no kernels
+            from kernels.cross_entropy import linear_cross_entropy
+
             return None, linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
         logits = self.lm_head(x)  # (B, T, vocab_size), in the autocast dtype
         loss = None

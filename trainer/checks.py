@@ -113,10 +113,11 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
         except ValueError as e:
             raise ConfigError(f"environment variable {e}; unset it for the default") from None
     if device_type == "cuda":  # the training step's loss reads it (model/gpt.py), every backend
-        from kernels.cross_entropy import enabled
+        from model.gpt import fused_loss_on
 
         try:
-            enabled()
+            if fused_loss_on():  # its kernels loaded before torch.compile traces the step
+                import kernels.cross_entropy  # noqa: F401
         except ValueError as e:
             raise ConfigError(f"environment variable {e}; unset it for the default") from None
     if cfg.wandb.mode == "online":

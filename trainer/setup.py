@@ -13,7 +13,6 @@ import torch
 from omegaconf import OmegaConf
 
 from data.prepare import atomic_write
-from kernels.cross_entropy import enabled as fused_loss
 from trainer import checkpoint as ckpt
 from trainer import progress, resume_config, rundir
 from trainer.checks import (
@@ -378,8 +377,10 @@ def kernel_plan(st: RunState) -> str | None:
 
 
 def derived(st: RunState) -> dict:
+    from model.gpt import fused_loss_on
+
     plan = st.plan
-    loss = "fused" if plan.device_type == "cuda" and fused_loss() else "cross_entropy"  # FLASHGPT_FUSED_LOSS
+    fused = plan.device_type == "cuda" and fused_loss_on()  # FLASHGPT_FUSED_LOSS
     return {
         "n_params": st.raw_model.num_params() if st.raw_model is not None else 0,
         "micro_batch_size": plan.micro_batch_size,
@@ -393,7 +394,7 @@ def derived(st: RunState) -> dict:
         "vocab_size": st.gpt_config.vocab_size,
         "tokens_per_step": int(st.cfg.batch.tokens_per_step),
         "peak_flops": st.peak_flops,
-        "loss": loss,
+        "loss": "fused" if fused else "cross_entropy",
     }
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cross_entropy as ce  # the @triton.jit kernel is imported at the first launch
+from model.gpt import FUSED_LOSS, fused_loss_on
 from tests.kernel_modes import DEVICES, enter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,7 +92,7 @@ def test_model_training_step_takes_the_fused_loss(fused, monkeypatch):
     enter("cuda", monkeypatch)
     from model import GPT, GPTConfig
 
-    monkeypatch.setenv(ce.ENV, fused)
+    monkeypatch.setenv(FUSED_LOSS, fused)
     torch.manual_seed(3)
     cfg = GPTConfig(n_layer=2, n_head=4, n_embd=128, block_size=256, vocab_size=50304, attention="sdpa")
     m = GPT(cfg).cuda()
@@ -121,7 +122,7 @@ def test_compiled_training_step_equals_the_unfused_one(monkeypatch):
     base, idx = GPT(cfg).cuda(), torch.randint(0, 50304, (8, 256), device="cuda")
     out = {}
     for fused in ("0", "1"):
-        monkeypatch.setenv(ce.ENV, fused)
+        monkeypatch.setenv(FUSED_LOSS, fused)
         torch._dynamo.reset()
         model = copy.deepcopy(base)
         with torch.autocast("cuda", torch.bfloat16):
@@ -135,13 +136,13 @@ def test_compiled_training_step_equals_the_unfused_one(monkeypatch):
 
 
 def test_env_value_is_checked(monkeypatch):
-    monkeypatch.setenv(ce.ENV, "yes")
+    monkeypatch.setenv(FUSED_LOSS, "yes")
     with pytest.raises(ValueError, match="FLASHGPT_FUSED_LOSS=.yes.: use 1"):
-        ce.enabled()
-    monkeypatch.setenv(ce.ENV, "1")
-    assert ce.enabled()
-    monkeypatch.delenv(ce.ENV)
-    assert not ce.enabled()  # off by default until a GPU run has measured it
+        fused_loss_on()
+    monkeypatch.setenv(FUSED_LOSS, "1")
+    assert fused_loss_on()
+    monkeypatch.delenv(FUSED_LOSS)
+    assert not fused_loss_on()  # off by default until a GPU run has measured it
 
 
 def test_shapes_are_checked():
