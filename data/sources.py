@@ -330,14 +330,17 @@ def open_hf(src: Source):
         ) from e
 
 
+def _visible_files(directory: str | Path):
+    """The files under ``directory``, hidden ones and hidden folders left out, as os.walk finds them."""
+    for dirpath, dirnames, filenames in os.walk(directory):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        yield from (Path(dirpath) / f for f in filenames if not f.startswith("."))
+
+
 def has_files(directory: str | Path) -> bool:
     """Whether ``list_files(directory)`` would find a file; stops at the first one (a large corpus costs one
     directory read)."""
-    for _, dirnames, filenames in os.walk(directory):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        if any(not f.startswith(".") for f in filenames):
-            return True
-    return False
+    return any(p.is_file() for p in _visible_files(directory))
 
 
 def list_files(where: str | Path) -> list[Path]:
@@ -346,11 +349,7 @@ def list_files(where: str | Path) -> list[Path]:
     if not Path(where).is_dir():
         found = sorted(Path(p) for p in glob.glob(os.path.expanduser(str(where)), recursive=True))
         return [p.resolve() for p in found if p.is_file()]
-    found = []
-    for dirpath, dirnames, filenames in os.walk(where):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        found += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
-    return sorted(p for p in found if p.is_file())
+    return sorted(p for p in _visible_files(where) if p.is_file())
 
 
 def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
