@@ -366,29 +366,36 @@ def test_needs_interpreter_or_cuda(monkeypatch):
         flash_decode(torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16))
 
 
-def test_kernels_compile_for_sm90():
+_DECODE_COMPILE_CASES = [  # (dtype, d, group, n_q): the first is GPT-2 style decode; the rest in the slow set
+    ("bfloat16", 128, 8, 16),
+    *(pytest.param(*c, marks=pytest.mark.slow) for c in [
+        ("bfloat16", 128, 8, 1), ("float16", 64, 1, 16), ("float32", 64, 4, 1), ("float32", 128, 8, 16)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,d,group,n_q", _DECODE_COMPILE_CASES)
+def test_kernels_compile_for_sm90(dtype, d, group, n_q):
     """No GPU here: compile both kernels for sm_90 as a launch would (the GPU tile, Triton's default 3
     stages), within an H100/H200 block's shared memory (catches compiled-mode-only errors and a tile too
     big; GPU accuracy is the cuda params'). In a fresh process without TRITON_INTERPRET:
-    the kernels are compiled or interpreted per process (the one of this test may run the interpreter)."""
-    code = """
+    the kernels are compiled or interpreted per process (the one of this test may run the interpreter).
+    A cold compile takes about 20 s a case, so the default set compiles one case and the slow set the rest."""
+    code = f"""
 import os, sys, torch, triton
 if not os.path.exists(triton.knobs.nvidia.ptxas.path): print('SKIP no ptxas'); sys.exit(0)
 from kernels.compile_report import compile_decode_kernel
-cases = [(torch.bfloat16, 128, 8, 1), (torch.bfloat16, 128, 8, 16), (torch.float16, 64, 1, 16),
-         (torch.float32, 64, 4, 1), (torch.float32, 128, 8, 16)]
-for dtype, d, group, n_q in cases:
-    for has_seqlens in (True, False):
-        split = compile_decode_kernel('split', dtype, d, group=group, n_q=n_q, num_stages=3,
-                                      has_seqlens=has_seqlens, pdl=True, softcap=not has_seqlens)
-        combine = compile_decode_kernel('combine', dtype, d, group=group, n_q=n_q, num_stages=3, pdl=True)
-        where = (dtype, d, group, n_q, has_seqlens)
-        assert split.metadata.shared <= 227 * 1024 and combine.asm['ptx'], (where, split.metadata.shared)
-        # as a Hopper launch: both kernels wait for their predecessor (PDL) before touching memory
-        for ptx in (split.asm['ptx'], combine.asm['ptx']):
-            assert 'griddepcontrol.wait' in ptx, where
-        if dtype != torch.float32:
-            assert 'mma' in split.asm['ptx'], where  # the tile products run on tensor cores
+dtype, d, group, n_q = torch.{dtype}, {d}, {group}, {n_q}
+for has_seqlens in (True, False):
+    split = compile_decode_kernel('split', dtype, d, group=group, n_q=n_q, num_stages=3,
+                                  has_seqlens=has_seqlens, pdl=True, softcap=not has_seqlens)
+    combine = compile_decode_kernel('combine', dtype, d, group=group, n_q=n_q, num_stages=3, pdl=True)
+    where = (dtype, d, group, n_q, has_seqlens)
+    assert split.metadata.shared <= 227 * 1024 and combine.asm['ptx'], (where, split.metadata.shared)
+    # as a Hopper launch: both kernels wait for their predecessor (PDL) before touching memory
+    for ptx in (split.asm['ptx'], combine.asm['ptx']):
+        assert 'griddepcontrol.wait' in ptx, where
+    if dtype != torch.float32:
+        assert 'mma' in split.asm['ptx'], where  # the tile products run on tensor cores
 print('ok')
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
