@@ -29,16 +29,16 @@ from .rope import apply_rope, rope_cos_sin
 
 __all__ = ["GPT", "GPTConfig", "PRESETS", "fused_loss_on"]
 
-#: 1: a CUDA training step takes the fused loss of kernels/cross_entropy.py; 0 (default): F.cross_entropy
+#: 1 (default): a CUDA training step takes the fused loss of kernels/cross_entropy.py; 0: F.cross_entropy
 FUSED_LOSS = "FLASHGPT_FUSED_LOSS"
 
 
 def fused_loss_on() -> bool:
-    """FLASHGPT_FUSED_LOSS, "1" or "0" (default); ValueError naming the variable for another value."""
-    value = os.environ.get(FUSED_LOSS, "0").strip()
+    """FLASHGPT_FUSED_LOSS, "1" (default) or "0"; ValueError naming the variable for another value."""
+    value = os.environ.get(FUSED_LOSS, "1").strip()
     if value not in ("0", "1"):
         raise ValueError(
-            f"{FUSED_LOSS}={value!r}: use 1 (fused classifier loss) or 0 (default: F.cross_entropy)"
+            f"{FUSED_LOSS}={value!r}: use 1 (default: the fused classifier loss) or 0 (F.cross_entropy)"
         )
     return value == "1"
 
@@ -146,7 +146,7 @@ class GPT(nn.Module):
         ``config.document_mask`` (default: from the tokens). cache: a ``generate.KVCache`` or ``StaticStep``:
         the last position's logits only. return_logits=False: None instead of the logits (the training
         step: a compiled graph's logits output gets a zero-filled (B, T, V) gradient in the backward); with
-        grad on, on CUDA and FLASHGPT_FUSED_LOSS=1, the loss is then kernels/cross_entropy.py's fused one."""
+        grad on and on CUDA, the loss is kernels/cross_entropy.py's fused one (off: FLASHGPT_FUSED_LOSS=0)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be a (B, N) tensor of token ids, got shape {tuple(idx.shape)}")
         T = idx.size(1)

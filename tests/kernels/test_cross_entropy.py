@@ -75,10 +75,11 @@ def test_against_float64(device, shape, dtype, seed, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_all_ignored_and_one_row(device, monkeypatch):
-    """One row and V = 1 (lse = x, loss 0, gradient 0); all rows ignored: NaN, as F.cross_entropy gives."""
+    """One row and V = 1 (lse = x, loss 0 up to the rounding of exp2 / log2: 4e-9 on an H100); all rows
+    ignored: NaN, as F.cross_entropy gives."""
     dev = enter(device, monkeypatch)
     x, w = torch.randn(1, 4, device=dev), torch.randn(1, 4, device=dev)
-    assert ce.linear_cross_entropy(x, w, torch.zeros(1, dtype=torch.long, device=dev)).item() == 0.0
+    assert abs(ce.linear_cross_entropy(x, w, torch.zeros(1, dtype=torch.long, device=dev)).item()) <= 1e-6
     x, w, t = _inputs(7, 6, 8, 50, dev)
     assert ce.linear_cross_entropy(x, w, torch.full_like(t, -1)).isnan().item()
     assert F.cross_entropy(x @ w.t(), torch.full_like(t, -1), ignore_index=-1).isnan().item()
@@ -139,10 +140,10 @@ def test_env_value_is_checked(monkeypatch):
     monkeypatch.setenv(FUSED_LOSS, "yes")
     with pytest.raises(ValueError, match="FLASHGPT_FUSED_LOSS=.yes.: use 1"):
         fused_loss_on()
-    monkeypatch.setenv(FUSED_LOSS, "1")
-    assert fused_loss_on()
+    monkeypatch.setenv(FUSED_LOSS, "0")
+    assert not fused_loss_on()
     monkeypatch.delenv(FUSED_LOSS)
-    assert not fused_loss_on()  # off by default until a GPU run has measured it
+    assert fused_loss_on()  # on by default: measured faster at seq_len 1024 and 8192 (bench/NOTES.md)
 
 
 def test_shapes_are_checked():
