@@ -7,7 +7,7 @@ installs them in the test's own process); the product has no fault keys. Faults 
 - ``nan_at_step``: update k reports a NaN loss and grad norm (the nonfinite=stop/skip paths);
 - ``raise_oom_at_step``: update k raises ``torch.cuda.OutOfMemoryError`` (the OOM ending, on a CPU too);
 - ``step_sleep_s``: sleep this long after each step, before the stop-signal check (time to send signals);
-- ``eval_sleep_s``: sleep this long per validation batch before an evaluation (a signal during it);
+- ``eval_sleep_s``: sleep this long before each validation batch of an evaluation (a signal during it);
 - ``checkpoint_sleep_s``: sleep this long in each checkpoint save once its shards are in the temp folder,
   before the rename (a signal during the save);
 - ``sigkill_at_finish``: SIGKILL this process as it starts its ending (after the last step and its final
@@ -81,10 +81,15 @@ def install(faults: dict, setattr=setattr) -> None:
             time.sleep(step_sleep)
         return stop_fn(self, handler)
 
-    def evaluate(st):
-        if eval_sleep:
-            time.sleep(eval_sleep * len(st.eval_batches))
-        return eval_fn(st)
+    def evaluate(st, stop=None):
+        if not eval_sleep:
+            return eval_fn(st, stop)
+
+        def slow_stop():  # eval_sleep_s before each batch, where the real evaluation asks whether to stop
+            time.sleep(eval_sleep)
+            return stop is not None and stop()
+
+        return eval_fn(st, slow_stop)
 
     def finish(self, status, extra, exit_code):
         if faults.get("sigkill_at_finish"):

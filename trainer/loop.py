@@ -104,9 +104,10 @@ def step_unless_nonfinite(
 
 
 @torch.no_grad()
-def evaluate(st: RunState) -> float:
+def evaluate(st: RunState, stop=None) -> float | None:
     """Mean loss over the fixed validation batches (split over ranks, then all-reduced). Under FSDP2 every
-    forward is collective: a rank whose share is short repeats its first batch with weight 0."""
+    forward is collective: a rank whose share is short repeats its first batch with weight 0. ``stop()``,
+    asked before each batch (one process only), ends it early: None then, never a mean of part of the set."""
     model = st.fwd_model
     model.eval()
     totals = torch.zeros(2, device=st.device, dtype=torch.float64)
@@ -117,6 +118,9 @@ def evaluate(st: RunState) -> float:
         pad = mine[0] if mine else st.eval_batches[0]
         mine, weights = mine + [pad] * (n - len(mine)), weights + [0.0] * (n - len(mine))
     for (x, y), w in zip(mine, weights, strict=True):
+        if stop is not None and stop():
+            model.train()
+            return None
         if st.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         with st.autocast:
@@ -174,17 +178,26 @@ def stop_requested(st: RunState, handler: PreemptionHandler) -> int:
     return int(flag.item())
 
 
-def evaluate_noting(st: RunState, handler: PreemptionHandler, s: int) -> float:
-    """``evaluate`` after update ``s``, with the signal handler told that an evaluation runs (for its
-    message); recorded as the run's last val loss and said."""
-    handler.activity = "evaluation"
+def evaluate_noting(st: RunState, handler: PreemptionHandler, s: int) -> float | None:
+    """``evaluate`` after update ``s``, recorded as the run's last val loss and said. A first signal stops it
+    at its next batch (None: no val loss for ``s``), so that the checkpoint follows at once: a preempted
+    job's grace period, or a user's Ctrl-C during a CPU evaluation of GPT-2 (half an hour), goes to the
+    checkpoint, not to a figure eval.py can recompute. The last evaluation, part of a finished run, and
+    those under torchrun (the ranks would have to agree per batch) finish first."""
+    max_steps = int(st.cfg.max_steps)
+    stoppable = s < max_steps and not st.dist.enabled
+    handler.activity = "evaluation batch" if stoppable else "evaluation"  # for the signal's message
     st.gpu_busy.close()  # evaluation kernels are not a training step's
     try:
-        st.last_val_loss, st.last_val_step = evaluate(st), s
+        val = evaluate(st, (lambda: handler.signum is not None) if stoppable else None)
     finally:
         handler.activity = "step"
-    st.say(f"step {s:>6}/{int(st.cfg.max_steps)} | val loss {st.last_val_loss:.4f}")
-    return st.last_val_loss
+    if val is None:
+        st.say(f"step {s:>6}/{max_steps} | evaluation stopped by the signal: no val loss for this step")
+        return None
+    st.last_val_loss, st.last_val_step = val, s
+    st.say(f"step {s:>6}/{max_steps} | val loss {val:.4f}")
+    return val
 
 
 def train(st: RunState) -> Outcome:
@@ -219,7 +232,8 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
     max_steps, every = int(cfg.max_steps), int(cfg.parity.every)
     eval_every, ck_every = int(cfg.eval.interval), int(cfg.checkpoint.interval)
     if st.step == 0 and cfg.eval.at_start:
-        st.log.log(0, {"val/loss": evaluate_noting(st, handler, 0)})
+        if (val := evaluate_noting(st, handler, 0)) is not None:
+            st.log.log(0, {"val/loss": val})
         signum = stop_requested(st, handler)
         if signum:  # a signal during this evaluation: stop before the first step
             return endings.end_interrupted(st, 0, signum)
@@ -284,7 +298,8 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
                     f"logits max diff {logits_d:.2e}"
                 )
         if (eval_every and s % eval_every == 0) or s == max_steps:
-            metrics["val/loss"] = evaluate_noting(st, handler, s)
+            if (val := evaluate_noting(st, handler, s)) is not None:
+                metrics["val/loss"] = val
         if metrics:
             st.log.log(s, metrics)
         if (ck_every and s % ck_every == 0) or (s == max_steps and cfg.checkpoint.at_end):

@@ -92,9 +92,9 @@ def test_signal_to_a_sweep_says_which_jobs_did_not_run(tiny, tmp_path):
     assert not (sweep / "1_naive_n64_seed-2").exists()
 
 
-def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
-    """SIGTERM while the step-8 evaluation runs: that evaluation finishes and is logged, step 9 never
-    runs, step 8 is checkpointed, the resume command is printed and continues the run."""
+def test_signal_during_eval_stops_it_without_another_step(tiny, tmp_path):
+    """SIGTERM while the step-8 evaluation runs: that evaluation stops at its next batch and logs no val
+    loss, step 9 never runs, step 8 is checkpointed, the resume command is printed and continues the run."""
     out = tmp_path / "run"
     run = Train(tiny(out, checkpoint__interval=4, fault__eval_sleep_s=1.0), out)
     run.wait_for_log("step      8/16 | loss")  # printed just before the evaluation of step 8 starts
@@ -107,7 +107,8 @@ def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
     assert s["status"] == "interrupted" and s["steps"] == 8 and s["signal"] == "SIGTERM", s
     assert s["last_checkpoint"].endswith("step_00000008") and Path(s["last_checkpoint"]).is_dir()
     assert max(train_losses(out)) == 8  # no step after the evaluation
-    assert 8 in val_losses(out)  # the evaluation that was running is kept
+    assert list(val_losses(out)) == [0]  # the step-8 evaluation, stopped, leaves no partial mean
+    assert "step      8/16 | evaluation stopped by the signal" in stdout, stdout
     assert "resume with:" in stdout and s["resume_hint"] in stdout
 
     resumed = subprocess.run(
@@ -123,7 +124,7 @@ def test_signal_during_eval_stops_after_it_without_another_step(tiny, tmp_path):
 
 
 def test_signal_during_first_eval_runs_no_step(tiny, tmp_path):
-    """SIGINT during the evaluation before step 1: it finishes, no training step runs, a step-0
+    """SIGINT during the evaluation before step 1: it stops, no training step runs, a step-0
     checkpoint is saved and the run ends "interrupted" (exit 130)."""
     out = tmp_path / "run"
     run = Train(tiny(out, fault__eval_sleep_s=1.0), out)
@@ -135,7 +136,7 @@ def test_signal_during_first_eval_runs_no_step(tiny, tmp_path):
     assert "finishing the current evaluation" in stderr
     s = summary(out)
     assert s["status"] == "interrupted" and s["steps"] == 0, s
-    assert train_losses(out) == {} and list(val_losses(out)) == [0]
+    assert train_losses(out) == {} and list(val_losses(out)) == []
     assert sorted(p.name for p in (out / "ckpt").iterdir()) == ["step_00000000"]
     assert ckpt.load_checkpoint(out / "ckpt" / "step_00000000")["step"] == 0
     assert "resume=true" in stdout
