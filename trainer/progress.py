@@ -58,6 +58,14 @@ def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
     return 2.0 * n**3 * reps / max(time.perf_counter() - t0, 1e-9)
 
 
+def evals_left(step: int, max_steps: int, every: int, at_start: bool) -> int:
+    """Evaluations a run at ``step`` still makes: step 0's (``at_start``), every ``every`` steps, the last."""
+    if step >= max_steps:
+        return 0
+    between = (max_steps - 1) // every - step // every if every else 0  # multiples of every in (step, max)
+    return int(at_start and step == 0) + between + 1
+
+
 def cpu_warning(
     n_params: int,
     flops_per_token: float,
@@ -65,16 +73,21 @@ def cpu_warning(
     max_steps: int,
     flops_per_s: float,
     step: int = 0,
+    evals: int = 0,
+    eval_tokens: int = 0,
 ) -> str | None:
     """The warning for a model of ``n_params`` trained on the CPU, or None when it is small.
 
     Time per step is at least ``flops_per_token * tokens_per_step / flops_per_s`` (the model's training
     FLOPs, PaLM appendix B, at the CPU's measured matmul speed); the run takes the ``max_steps - step``
-    steps left of them (a resume at ``step`` has the others done).
+    steps left of them (a resume at ``step`` has the others done), and ``evals`` evaluations of
+    ``eval_tokens`` each at a third of a training token's FLOPs (forward only): with GPT-2's default
+    validation set, one evaluation outlasts ten training steps.
     """
     if n_params < CPU_WARN_PARAMS:
         return None
     step_s = flops_per_token * tokens_per_step / flops_per_s
+    eval_s = flops_per_token / 3 * eval_tokens / flops_per_s
     left = max(0, max_steps - step)
     steps = (
         f"max_steps={max_steps} takes"
@@ -84,7 +97,14 @@ def cpu_warning(
     return (
         f"warning: a {n_params / 1e6:.0f}M-parameter model on the CPU: at least {format_duration(step_s)} "
         f"per step ({tokens_per_step:,} tokens at this CPU's measured {flops_per_s / 1e9:.0f} GFLOP/s), "
-        f"so {steps} at least {format_duration(step_s * left)}. For a CPU try-out "
+        f"so {steps} at least {format_duration(step_s * left + eval_s * evals)}"
+        + (
+            f", its {evals} evaluation{'s' if evals > 1 else ''} of {eval_tokens:,} tokens included "
+            f"({format_duration(eval_s)} each)"
+            if evals
+            else ""
+        )
+        + ". For a CPU try-out "
         "use experiment=cpu_tiny (a 0.8M-parameter char-level GPT, about 4 minutes); train this model on a "
         "CUDA GPU"
     )

@@ -342,8 +342,10 @@ def start_logging(st: RunState, state: dict | None) -> None:
     if st.device.type == "cpu" and d.is_main and n_params >= progress.CPU_WARN_PARAMS:
         per_token = st.raw_model.flops_per_token(int(cfg.seq_len))
         flops = progress.matmul_flops(st.device)
-        tokens = int(cfg.batch.tokens_per_step)
-        st.say(progress.cpu_warning(n_params, per_token, tokens, int(cfg.max_steps), flops, st.step))
+        tokens, max_steps, every = int(cfg.batch.tokens_per_step), int(cfg.max_steps), int(cfg.eval.interval)
+        evals = progress.evals_left(st.step, max_steps, every, bool(cfg.eval.at_start))
+        eval_tok = sum(x.numel() for x, _ in st.eval_batches)
+        st.say(progress.cpu_warning(n_params, per_token, tokens, max_steps, flops, st.step, evals, eval_tok))
     if cfg.resume:
         st.say(f"resumed from {st.resume_path} at step {st.step}")
         for line in st.resume_intro + st.resume_notes:

@@ -91,6 +91,20 @@ def test_cpu_warning_on_resume_counts_the_steps_left():
     assert "so the 700 steps left of max_steps=1000 (resumed at step 300) take at least 11m" in resumed
 
 
+def test_cpu_warning_counts_the_evaluations():
+    """GPT-2's default on a CPU, max_steps=2: two evaluations of 20 x 32 x 1024 tokens outlast the two steps
+    of 65,536 tokens tenfold, so the estimate holds them (it once said 18 minutes for a run of about 45)."""
+    args = dict(n_params=124_000_000, flops_per_token=1e9, tokens_per_step=65_536, flops_per_s=1e11)
+    evals = progress.evals_left(0, 2, 250, at_start=True)
+    assert evals == 2 and progress.evals_left(0, 1000, 250, at_start=False) == 4
+    assert progress.evals_left(300, 1000, 250, at_start=True) == 3  # 500, 750, 1000
+    text = progress.cpu_warning(max_steps=2, evals=evals, eval_tokens=655_360, **args)
+    step_s, eval_s = 1e9 * 65_536 / 1e11, 1e9 / 3 * 655_360 / 1e11  # 655 s and 2,185 s
+    total = progress.format_duration(2 * step_s + 2 * eval_s)
+    assert f"so max_steps=2 takes at least {total}, its 2 evaluations of 655,360 tokens included" in text
+    assert f"({progress.format_duration(eval_s)} each)" in text, text
+
+
 def test_step_lines_show_elapsed_and_eta(tiny, tmp_path, capsys):
     out = tmp_path / "run"
     outcome = run_inprocess(tiny(out, max_steps=4, **{"eval.interval": 0, "checkpoint.interval": 0}), out)
