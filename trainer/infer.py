@@ -229,6 +229,9 @@ def read_prompt(prompt: str) -> str:
         path = Path(os.path.expanduser(prompt[len("file:") :]))
         try:
             return path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is no prompt text
+        except FileNotFoundError:
+            msg = f"prompt=file:{path}: no such file; name an existing one, or prompt=TEXT"
+            raise InferError(msg) from None
         except (OSError, UnicodeDecodeError) as e:
             raise InferError(f"prompt=file:{path}: cannot read it as UTF-8 text ({e})") from e
     return prompt

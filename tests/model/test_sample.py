@@ -222,7 +222,7 @@ SAMPLE_REFUSALS = [
     (["run={run}_gone"], "no such run directory (newest run with checkpoints: run="),
     ([], "say which run"),
     (["run={run}", "prompt='héllo'"], "character 'é'"),
-    (["run={run}", "prompt=file:{tmp}/missing.txt"], "cannot read"),
+    (["run={run}", "prompt=file:{tmp}/missing.txt"], "missing.txt: no such file; name an existing one"),
     (["run={run}", "prompt=''"], "prompt is empty"),
     (["run={run}", "num_samples=0"], "config error: num_samples=0 must be a positive integer"),
     (
