@@ -27,7 +27,7 @@ from trainer.checks import ConfigError, resolve_plan
 from trainer.dist import broadcast_obj, global_micro_index, init_distributed, local_norm, rank0_verdict
 from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome
 from trainer.metrics import DiskFullError, disk_full_in, first_line
-from trainer.progress import Clock
+from trainer.progress import Clock, evaluates_after
 from trainer.schedule import lr_at
 from trainer.signals import PreemptionHandler
 from trainer.state import RunState
@@ -297,7 +297,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
                     f"step {s:>6} | parity vs {par['parity/reference']}: loss diff {loss_d:.2e}, "
                     f"logits max diff {logits_d:.2e}"
                 )
-        if (eval_every and s % eval_every == 0) or s == max_steps:
+        if evaluates_after(s, eval_every, max_steps):
             if (val := evaluate_noting(st, handler, s)) is not None:
                 metrics["val/loss"] = val
         if metrics:

@@ -58,12 +58,15 @@ def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
     return 2.0 * n**3 * reps / max(time.perf_counter() - t0, 1e-9)
 
 
+def evaluates_after(s: int, every: int, max_steps: int) -> bool:
+    """Whether the loop evaluates after update ``s``: every ``every`` updates (0: none between), the last."""
+    return (every > 0 and s % every == 0) or s == max_steps
+
+
 def evals_left(step: int, max_steps: int, every: int, at_start: bool) -> int:
-    """Evaluations a run at ``step`` still makes: step 0's (``at_start``), every ``every`` steps, the last."""
-    if step >= max_steps:
-        return 0
-    between = (max_steps - 1) // every - step // every if every else 0  # multiples of every in (step, max)
-    return int(at_start and step == 0) + between + 1
+    """Evaluations a run at ``step`` still makes: step 0's (``at_start``), then those ``evaluates_after``."""
+    later = sum(evaluates_after(s, every, max_steps) for s in range(step + 1, max_steps + 1))
+    return int(at_start and step == 0 < max_steps) + later
 
 
 def cpu_warning(
