@@ -253,10 +253,10 @@ def compile_loss_kernel(dtype: torch.dtype, vocab_size: int = 50304) -> dict:
 
     fn = kernel_module(False, "_loss_kernel")._cross_entropy_kernel
     t = "*" + _TL_NAME[dtype]
-    signature = dict(LOGITS=t, TARGETS="*i64", LOSS="*fp32", DLOGITS=t, stride_row="i32", stride_drow="i32")
-    signature |= dict(M="i32", V="i32", BLOCK="constexpr")
-    ints = ["stride_row", "stride_drow", "M"] + (["V"] if vocab_size % 16 == 0 else [])
-    divisible = [fn.arg_names.index(n) for n in ["LOGITS", "TARGETS", "LOSS", "DLOGITS", *ints]]
+    signature = dict(LOGITS=t, TARGETS="*i64", LOSS="*fp32", stride_row="i32", M="i32", V="i32")
+    signature["BLOCK"] = "constexpr"
+    ints = ["stride_row", "M"] + (["V"] if vocab_size % 16 == 0 else [])
+    divisible = [fn.arg_names.index(n) for n in ["LOGITS", "TARGETS", "LOSS", *ints]]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
     source = ASTSource(fn, signature, dict(BLOCK=ce.BLOCK), attrs=attrs)
     ptx = _sm90(source, num_warps=ce.NUM_WARPS).asm["ptx"]

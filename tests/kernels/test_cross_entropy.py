@@ -136,6 +136,29 @@ def test_compiled_training_step_equals_the_unfused_one(monkeypatch):
         assert ((a - b).norm() / a.norm().clamp_min(1e-12)).item() < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_one_logits_buffer(compiled, monkeypatch):
+    """The gradient is written over the logits, eager and under torch.compile (which must keep the op's write
+    in place): the loss's forward and backward together hold one (M, V) buffer at their peak, not two."""
+    enter("cuda", monkeypatch)
+    M, C, V = 8192, 256, 50304
+    buf = M * V * 2  # one bf16 (M, V) buffer, 824 MB
+    x, w, t = _inputs(11, M, C, V, "cuda")
+    x, w = x.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    fn = torch.compile(ce.linear_cross_entropy) if compiled else ce.linear_cross_entropy
+    fn(x, w, t).backward()  # compile and load the kernel first
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn(x, w, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    mib = f"peak {extra / 2**20:.0f} MiB above the inputs, one buffer {buf / 2**20:.0f} MiB"
+    assert buf <= extra < 1.5 * buf, mib
+
+
 def test_env_value_is_checked(monkeypatch):
     monkeypatch.setenv(FUSED_LOSS, "yes")
     with pytest.raises(ValueError, match="FLASHGPT_FUSED_LOSS=.yes.: use 1"):
