@@ -17,11 +17,11 @@ only); where that cannot be written (a read-only run directory) a note says so a
 0. A ``batch_size`` or ``batches`` asking for more tokens than the split holds is cut to what covers it
 once (a note says so).
 
-Exit status: 0 ok; 2 for a user error, nothing written: no run or checkpoint, ``run=`` with a ``ckpt=`` of
-another run, no data directory, a run's data directory that no longer holds the data it trained on (a
-changed corpus, prepared again: what ``resume=true`` refuses; a ``data.dir=`` given here is evaluated on
-purpose, its tokenizer checked only), a config error (a misspelt key, ``+typo=1``, a wrong type:
-``config error: ...`` like train.py).
+Exit status: 0 ok; 2 for a user error (``error: ...``), nothing written: no run or checkpoint, ``run=``
+with a ``ckpt=`` of another run, no data directory, a run's data directory that no longer holds the data it
+trained on (a changed corpus, prepared again: what ``resume=true`` refuses; a ``data.dir=`` given here is
+evaluated on purpose, its tokenizer checked only), a config error (a misspelt key, ``+typo=1``, a wrong type:
+``config error: ...``). Prefixes as train.py's: the kind, no script name.
 Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 """
 
@@ -59,7 +59,7 @@ def eval_main(cfg: DictConfig) -> int:
     try:
         return _eval(cfg)
     except (InferError, PretrainedError) as e:
-        print(f"eval.py: error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 
@@ -217,9 +217,7 @@ def _eval(cfg: DictConfig) -> int:
         f"attention={model.attention_backend} | dtype={result['dtype']}"
     )
     if cfg.write and run_dir is None and not cfg.out:  # init_from: no run directory to write into
-        print(
-            "eval.py: init_from has no run directory: printed only (out=PATH.json writes it)", file=sys.stderr
-        )
+        print("note: init_from has no run directory: printed only (out=PATH.json writes it)", file=sys.stderr)
     elif cfg.write:
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
         out = None

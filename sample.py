@@ -13,10 +13,10 @@ with a ``.json`` of the settings, token ids and prefill / decode tokens per seco
 there; ``write=false``: console only). Where they cannot be written (a read-only run directory) a note
 says so and the exit status stays 0.
 
-Exit status: 0 ok; 2 for a user error (no run or checkpoint, ``run=`` with a ``ckpt=`` of another run, a
-prompt the tokenizer cannot encode, temperature < 0, top_k < 1, top_p outside (0, 1], ...), with nothing
-written; also for a config error (``config error: ...``: a misspelt key such as ``temprature=0.5``,
-``+typo=1``, a wrong type), like train.py.
+Exit status: 0 ok; 2 for a user error (``error: ...``: no run or checkpoint, ``run=`` with a ``ckpt=`` of
+another run, a prompt the tokenizer cannot encode, temperature < 0, top_k < 1, top_p outside (0, 1], ...),
+with nothing written; also for a config error (``config error: ...``: a misspelt key such as
+``temprature=0.5``, ``+typo=1``, a wrong type). Prefixes as train.py's: the kind, no script name.
 Keys: ``trainer/infer_config.py`` ``SampleConfig``.
 """
 
@@ -53,7 +53,7 @@ def sample_main(cfg: DictConfig) -> int:
     try:
         return _sample(cfg)
     except (InferError, PretrainedError) as e:
-        print(f"sample.py: error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 
@@ -114,7 +114,7 @@ def _sample(cfg: DictConfig) -> int:
     block = model.config.block_size
     if len(ids) > block:
         print(
-            f"sample.py: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
+            f"note: the prompt is {len(ids)} tokens, more than the block size {block}: keeping its "
             f"last {block} tokens",
             file=sys.stderr,
         )
@@ -153,7 +153,7 @@ def _sample(cfg: DictConfig) -> int:
     # greedy decoding has no randomness to vary (said only when true: batched rows could differ in a tie)
     if float(cfg.temperature) == 0 and len(new) > 1 and all(row == new[0] for row in new):
         print(
-            f"sample.py: temperature=0 is greedy: the {len(samples)} samples are identical (num_samples=1 "
+            f"note: temperature=0 is greedy: the {len(samples)} samples are identical (num_samples=1 "
             "gives one; temperature > 0 varies them)",
             file=sys.stderr,
         )
@@ -195,7 +195,7 @@ def _sample(cfg: DictConfig) -> int:
         return 0
     if run_dir is None and not cfg.out:  # init_from: no run directory to write into
         print(
-            "sample.py: init_from has no run directory: printed only (out=PATH.txt writes them)",
+            "note: init_from has no run directory: printed only (out=PATH.txt writes them)",
             file=sys.stderr,
         )
         return 0

@@ -18,7 +18,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class InferError(Exception):
-    """A user error of sample.py / eval.py: the message names the key and what to do (exit 2)."""
+    """A user error of sample.py / eval.py: the message names the key and what to do (printed as
+    ``error: ...``, exit 2)."""
 
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:

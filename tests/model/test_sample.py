@@ -262,9 +262,12 @@ def _refusals(script: Path, table: list, run: Path, base: Path) -> list:
 
 
 def _assert_refused(proc, message: str) -> None:
-    """Exit 2 with ``message`` and no traceback, the run and the command's folders as they were."""
+    """Exit 2 with ``message`` and no traceback, the run and the command's folders as they were; the line
+    starts with its kind alone, as train.py's do (``config error: `` or ``error: ``, no script name)."""
     assert proc.returncode == 2, describe(proc)
     assert message in proc.stderr and "Traceback" not in proc.stderr, describe(proc)
+    line = next(line for line in proc.stderr.splitlines() if message in line)
+    assert line.startswith(("config error: ", "error: ")), describe(proc)
     assert proc.after == [proc.before[0], {"empty": None, "launch": None}], describe(proc)
 
 
