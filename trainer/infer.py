@@ -24,16 +24,18 @@ class InferError(Exception):
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
     """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (a checkpoint
-    directory or a file in it; its run directory is the folder above its ``ckpt/``), else the newest
-    checkpoint of ``run`` that loads (unloadable ones are skipped with a warning)."""
+    directory or a file in it; its run directory is the folder above its ``ckpt/``, which ``run``, when
+    given too, must be), else the newest checkpoint of ``run`` that loads (unloadable ones are skipped with a
+    warning)."""
     if ckpt_path:
         p = _checkpoint_dir(ckpt_path)
         run_dir = p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent
-        if run and not p.resolve().is_relative_to(Path(run).resolve()):  # its results would go to run
+        if run and run_dir.resolve() != Path(run).resolve():  # its results would go to run, not run_dir
+            alone = f", or run={run} alone (its newest checkpoint)" if is_run_dir(Path(run)) else ""
             raise InferError(
-                f"run={run} and ckpt={ckpt_path} name two models (the checkpoint is not in run={run}, whose "
-                f"folder would get its results); pass one: ckpt={ckpt_path} alone (results in {run_dir}), "
-                f"or run={run} alone (its newest checkpoint)"
+                f"run={run} and ckpt={ckpt_path} do not agree: the checkpoint is of the run {run_dir}, not "
+                f"run={run} (whose folder would get its results); pass ckpt={ckpt_path} alone (results in "
+                f"{run_dir}){alone}"
             )
         try:
             state = load_record(p)

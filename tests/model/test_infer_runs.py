@@ -79,7 +79,7 @@ def test_run_and_a_checkpoint_of_another_run_are_refused(reference_run, run_copy
         proc = _run(script, [f"run={run_copy}", f"ckpt={other}"], tmp_path)
         _refused(
             proc,
-            f"run={run_copy} and ckpt={other} name two models",
+            f"run={run_copy} and ckpt={other} do not agree",
             f"ckpt={other} alone (results in {reference_run})",
             f"or run={run_copy} alone",
         )
@@ -116,6 +116,19 @@ def _find_error(run=None, ckpt_path=None) -> str:
     with pytest.raises(InferError) as e:
         find_checkpoint(None if run is None else str(run), None if ckpt_path is None else str(ckpt_path))
     return str(e.value)
+
+
+def test_run_holding_or_inside_the_checkpoints_run_is_refused(run_copy, tmp_path):
+    """run= a folder above the checkpoint's run (runs/, .) or its ckpt/ folder: the results would go there
+    (./evals/, ckpt/samples/), not into the run. Refused like another run's checkpoint, naming both keys and
+    the ckpt= alone that works; a ckpt= of run= itself (not its newest, as its record file) is used."""
+    step8 = ckpt.ckpt_path(run_copy, 8)
+    for run in (tmp_path, run_copy / "ckpt", tmp_path / "nope"):
+        said = _find_error(run, step8)
+        assert f"run={run} and ckpt={step8} do not agree" in said and f"ckpt={step8} alone" in said, said
+        assert "or run=" not in said, said  # no run to suggest: none of these is one
+    path, state, run_dir = find_checkpoint(f"{run_copy}/", str(step8 / ckpt.RECORD))
+    assert (path, state["step"], run_dir.resolve()) == (step8, 8, run_copy.resolve())
 
 
 def test_run_that_is_no_run_or_has_no_checkpoint_yet_says_which(run_copy, tmp_path):
