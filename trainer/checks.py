@@ -620,27 +620,27 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
 
 def check_resume_compatible(saved: dict, new: dict) -> list[str]:
     """Compare a checkpoint's model/tokenizer settings with the new run's."""
-    from model.config import GPTConfig, key
+    from model.config import GPTConfig, fmt, key
 
     # a checkpoint from before a field existed has its default; n_kv_head null is n_head
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     old, now = ({**defaults, **d["model_args"]} for d in (saved, new))
     for args in (old, now):
         args["n_kv_head"] = args["n_kv_head"] or args["n_head"]
-    diffs = [
-        f"{key(k)}: {old[k]} -> {now[k]}" + (" (follows seq_len)" if k == "block_size" else "")
-        for k in defaults
-        if k not in RESUME_MAY_CHANGE and old[k] != now[k]
-    ]
+    changed = [k for k in defaults if k not in RESUME_MAY_CHANGE and old[k] != now[k]]
+    diffs = [f"{key(k)}: {old[k]} -> {now[k]}" + " (follows seq_len)" * (k == "block_size") for k in changed]
+    values = [f"{key(k)}={fmt(old[k])}" for k in changed]
     for name in ("tokenizer", "vocab_size"):
         a, b = saved.get(name), new.get(name)
         if a != b:
             diffs.append(f"data.{name}: {a} -> {b}")
+            values += [f"data.tokenizer={a}"] if name == "tokenizer" else []
     if diffs:
         raise ConfigError(
-            "resume=true refused: the checkpoint was trained with a different model shape or tokenizer: "
-            + "; ".join(diffs)
-            + ". Resume with the original values, or start a new run (resume=false, a new out_dir)"
+            "resume=true refused: the checkpoint was trained with another model shape or tokenizer (the "
+            f"run's -> this command's): {'; '.join(diffs)}. Drop the overrides that change them (the key, "
+            "or a model= / experiment= option that sets it) to resume with the run's values "
+            f"({' '.join(values)}), or start a new run with the new values in another out_dir"
         )
     notes = []
     if tuple(saved.get("attention", ())) != tuple(new.get("attention", ())):

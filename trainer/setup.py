@@ -123,9 +123,10 @@ def prepare_data(st: RunState) -> None:
 
 def load_pretrained(st: RunState) -> None:
     """init_from: GPT-2's config and weights (``st.pretrained``, ``st.init_weights``); ConfigError when they
-    cannot be read (offline without them: what to fetch)."""
+    cannot be read (offline without them: what to fetch). Not for a resume: its checkpoint holds the weights
+    and its saved config the shape (which GPT-2's would override, hiding a shape the command changed)."""
     cfg = st.cfg
-    if str(cfg.init_from) == "scratch":
+    if str(cfg.init_from) == "scratch" or cfg.resume:
         return
     from model.pretrained import load_gpt2
 

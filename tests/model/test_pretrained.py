@@ -225,7 +225,8 @@ def test_init_from_errors_exit_2(init_from_refusals, case):
 @pytest.mark.slow  # a train.py process, ~17 s on 2 cores
 def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_path, seed):
     """train.py init_from=<checkpoint dir>: the model takes the checkpoint's shape (biases on) and its
-    weights, so the step-0 validation loss is transformers' loss on the same evaluation batches."""
+    weights, so the step-0 validation loss is transformers' loss on the same evaluation batches; resumed with
+    another shape, it is refused like any run."""
 
     d, hf = hf_bpe_dir
     words = np.random.default_rng(seed).choice(
@@ -260,6 +261,14 @@ def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_p
     assert (saved["n_layer"], saved["n_head"], saved["n_embd"], saved["bias"]) == (2, 2, 32, True), saved
     ref = _hf_val_loss(hf, tmp_path / "data")
     assert abs(ours - ref) < 1e-4, f"seed={seed}: train.py step 0 {ours} vs transformers {ref}"
+    # its resume takes the shape from the run (the weights from its checkpoint), not from init_from's files
+    # again: another model.n_layer is refused with the run's value, no longer trained as GPT-2's shape
+    args = ["resume=true", f"out_dir={run}", "max_steps=2", "model.n_layer=3", "model.n_embd=64"]
+    proc = _cli("train.py", args, tmp_path)
+    assert proc.returncode == 2 and "model.n_layer: 2 -> 3; model.n_embd: 32 -> 64" in proc.stderr, describe(
+        proc
+    )
+    assert "the run's values (model.n_layer=2 model.n_embd=32)" in proc.stderr, describe(proc)
 
 
 def yaml_load(path):

@@ -298,6 +298,8 @@ def test_check_resume_compatible_lists_all_differences():
             base, {**base, "model_args": {**base["model_args"], "n_head": 8}, "tokenizer": "gpt2"}
         )
     assert "model.n_head: 4 -> 8" in str(e.value) and "data.tokenizer: char -> gpt2" in str(e.value)
+    # and the values that resume it: the run's, each as a key=value to type (n_kv_head follows n_head)
+    assert "the run's values (model.n_head=4 model.n_kv_head=4 data.tokenizer=char)" in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------ presets
