@@ -281,7 +281,8 @@ def markdown(meta: dict, records: Sequence[dict]) -> str:
         f"# Causal attention benchmark — {m('gpu') or m('device')} ({m('dtype')})"
         + (f", soft-capped scores c·tanh(s/c), c = {m('softcap')}" if meta.get("softcap") else ""),
         "",
-        f"- date {m('date')}, torch {m('torch')}, triton {m('triton')}, CUDA {m('cuda')}",
+        f"- date {m('date')}, commit {m('commit')}, torch {m('torch')}, triton {m('triton')}, "
+        f"CUDA {m('cuda')}",
         f"- {m('tokens')} tokens per batch (B = tokens // N), hidden {m('hidden')} (H = hidden // d); "
         f"timing: {m('timing')}",
         f"- FLOPs: {m('flops')}",

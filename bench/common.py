@@ -11,6 +11,7 @@ import json
 import math
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -80,14 +81,27 @@ def error(message: str, status: int = 2) -> int:
     return status
 
 
+def commit(where: Path = Path(__file__).parent) -> str:
+    """The checkout's short commit, with "+changes" when tracked files differ from it: a copy of a working
+    tree whose git metadata is older than its files (the device machine's) says so instead of naming a
+    commit it does not hold."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True)
+        return out.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def environment(device: torch.device) -> dict:
-    """Versions and device facts of a results file (no hostname)."""
+    """Versions, commit and device facts of a results file (no hostname)."""
     import triton
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
-    return dict(date=date, gpu=gpu, **versions)
+    return dict(date=date, gpu=gpu, commit=commit(), **versions)
 
 
 def default_tag(device: torch.device, cpu: str = "cpu") -> str:

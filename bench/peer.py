@@ -249,8 +249,7 @@ def main(argv=None) -> int:
     try_out = "--attention sdpa --seq-lens 64 --steps 4 --warmup 1 -- experiment=cpu_tiny"
     if status := throughput.check_cells(p, a, try_out):
         return status
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    meta = dict(commit=git.stdout.strip() or "unknown", peer=str(a.peer), steps=a.steps, warmup=a.warmup)
+    meta = dict(peer=str(a.peer), steps=a.steps, warmup=a.warmup)
     runs, results = throughput.start_cells(a, argv, markdown, **meta)
     ours = ["python train.py", f"attention={a.attention}", "seq_len=N", "model.bias=B", *a.overrides]
     results.meta["command"] = " ".join(ours)

@@ -113,7 +113,8 @@ def markdown(meta: dict, cells: list[dict]) -> str:
     lines = [
         f"# Training throughput: {meta['gpu']}, {meta['date']}",
         "",
-        f"torch {meta['torch']}, triton {meta['triton']}. Command per cell: `{meta['command']}` "
+        f"torch {meta['torch']}, triton {meta['triton']}, commit {meta.get('commit')}. "
+        f"Command per cell: `{meta['command']}` "
         f"({meta['steps']} steps, median tokens/sec over the steps after the first {meta['warmup']}, "
         f"{meta['profile_steps']} profiled steps left out). Cell: tokens/sec (MFU, peak memory, GPU busy = "
         "kernel time / step wall time; GPU figures only on a GPU).",

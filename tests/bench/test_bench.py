@@ -992,3 +992,26 @@ def test_compare_labels_name_the_ablation_keys():
     cfg = {**base, "model": {"n_kv_head": 4, "pos_emb": "rope", "qk_norm": True}}
     cfg["attention"] = {"name": "flash", "softcap": 30.0}
     assert bc.label_of(cfg, {}) == "flash N=1024 kv=4 rope qk-norm cap=30"
+
+
+def test_commit_says_when_the_files_differ_from_it(tmp_path):
+    """A results file's commit: the short hash, "+changes" once a tracked file differs from it (the device
+    machine's copy of a working tree kept git metadata of an older commit), "unknown" outside git."""
+    import subprocess
+
+    from bench import common
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True)
+
+    assert common.commit(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    assert common.commit(tmp_path) == head
+    (tmp_path / "new.py").write_text("untracked\n")  # an untracked file is not a change of the commit
+    assert common.commit(tmp_path) == head
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert common.commit(tmp_path) == head + "+changes"
