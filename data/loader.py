@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.meta import DTYPES, FORMAT_VERSION, SPLITS, check_bin_file, load_meta, split_shards
+from data.meta import DTYPES, FORMAT_VERSION, SPLITS, check_shards, load_meta
 from data.prepare import prepare_command
 from data.tokenizer import CharTokenizer, GPT2Tokenizer, make_tokenizer
 
@@ -79,9 +79,8 @@ class BinDataset:
             self.meta = meta = load_meta(self.data_dir)
             self.vocab_size: int = meta["vocab_size"]
             self.dtype = DTYPES[meta["dtype"]]
-            self.shards = split_shards(self.data_dir, meta, split)  # [(file, tokens, index file)]
-            for path, n, _ in self.shards:  # ids < vocab_size: catches corrupt or mismatched shards
-                check_bin_file(path, n, self.dtype, self.vocab_size if check_ids else None)
+            # [(file, tokens, index file)]; ids < vocab_size catches corrupt or mismatched shards
+            self.shards = check_shards(self.data_dir, meta, [split], check_ids)
         except (FileNotFoundError, ValueError) as e:
             fix = prepare_command(self.data_dir, meta, *(corpus or ()))
             raise type(e)(f"{str(e).rstrip('.')}; prepare it with `{fix}`") from None

@@ -29,18 +29,8 @@ FORMAT_VERSION = 2
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 META_NAME = "meta.json"
 SPLITS = ("train", "val")
-REQUIRED_KEYS = (
-    "format_version",
-    "tokenizer",
-    "vocab_size",
-    "train_tokens",
-    "val_tokens",
-    "source",
-    "source_sha256",
-    "dtype",
-    "shard_tokens",
-    "shards",
-)
+REQUIRED_KEYS = "format_version tokenizer vocab_size train_tokens val_tokens source source_sha256".split()
+REQUIRED_KEYS += ["dtype", "shard_tokens", "shards"]
 _FULL_ID_CHECK_TOKENS = 1 << 24  # check every id of shards up to 16M tokens ...
 _PARTIAL_ID_CHECK_TOKENS = 1 << 20  # ... else the first and last 1M ids
 
@@ -66,14 +56,8 @@ def write_json(path: Path, obj: dict) -> None:
 
 
 def load_meta(data_dir: str | os.PathLike) -> dict:
-    """Read and validate ``data_dir/meta.json``.
-
-    Raises:
-        FileNotFoundError: no ``meta.json`` (never prepared, or a prepare was interrupted).
-        ValueError: unreadable, of another format (an older flashgpt's included) or inconsistent.
-    The messages say what is wrong; a caller that cannot prepare the directory itself adds
-    ``data.prepare.prepare_command``.
-    """
+    """Read and validate ``data_dir/meta.json``: FileNotFoundError when absent, ValueError when unreadable,
+    of another format or inconsistent (a caller that cannot prepare it adds ``prepare_command``)."""
     path = Path(data_dir) / META_NAME
     if not path.is_file():
         raise FileNotFoundError(
@@ -123,6 +107,14 @@ def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tu
     """(token file, tokens, document index file) of each shard of ``split``, in stream order."""
     d = Path(data_dir)
     return [(d / s["file"], int(s["tokens"]), d / s["index"]) for s in meta["shards"][split]]
+
+
+def check_shards(data_dir, meta: dict, splits=SPLITS, check_ids: bool = True) -> list[tuple[Path, int, Path]]:
+    """``split_shards`` of ``splits``, each token file checked by ``check_bin_file`` (ids: ``check_ids``)."""
+    shards = [s for split in splits for s in split_shards(data_dir, meta, split)]
+    for path, n, _ in shards:
+        check_bin_file(path, n, DTYPES[meta["dtype"]], meta["vocab_size"] if check_ids else None)
+    return shards
 
 
 def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype, vocab_size: int | None = None):

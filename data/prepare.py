@@ -1,15 +1,12 @@
-"""Prepare step: a corpus -> token shards ``{train,val}_NNNNNN.bin`` (+ ``.idx``) and ``meta.json``.
-
-nanoGPT's pattern (``data/openwebtext/prepare.py``): tokenize the corpus once and store the ids raw so
-that training memory-maps them. Every source streams through ``_prepare_stream``: ``data.sources`` reads
-it as pieces of documents, ``data.shards`` tokenizes them and writes resumable shards. File format:
-``data/meta.py``; sources and the val split: ``docs/data.md``.
+"""Prepare step: a corpus -> token shards ``{train,val}_NNNNNN.bin`` (+ ``.idx``) and ``meta.json``, the ids
+stored raw for training to memory-map (nanoGPT's pattern). Every source streams through ``_prepare_stream``:
+``data.sources`` reads pieces of documents, ``data.shards`` tokenizes them into resumable shards. File
+format: ``data/meta.py``; sources and the val split: ``docs/data.md``.
 
     python -m data.prepare --source PATH --out-dir DIR --tokenizer gpt2|char [--val-fraction 0.1] [--force]
-    python data/prepare.py  --source PATH --out-dir DIR --tokenizer gpt2|char
 
-A DIR that holds data of other arguments is refused (exit 1, nothing written: runs read it) unless
-``--force``. Without ``--source`` Tiny Shakespeare is downloaded into ``DIR/input.txt``.
+A DIR that holds data of other arguments is refused (exit 1: runs read it) unless ``--force``. Without
+``--source`` Tiny Shakespeare is downloaded into ``DIR/input.txt``; ``python data/prepare.py`` works too.
 """
 
 from __future__ import annotations
@@ -47,9 +44,8 @@ from data.meta import (  # noqa: E402
     META_NAME,
     SPLITS,
     atomic_write,
-    check_bin_file,
+    check_shards,
     load_meta,
-    split_shards,
     write_json,
 )
 from data.shards import (  # noqa: E402
@@ -530,33 +526,18 @@ def stale_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) ->
     """Why ``out_dir`` needs (re-)preparing for ``prepare``'s arguments (``split``: val_fraction,
     doc_separator; ``options``: val_docs, text_field, max_tokens), or None: its meta.json loads, every
     token file has the size it records, and tokenizer, split, cap and source match (``_compare``)."""
-    return _stale(source, Path(out_dir).expanduser(), Options(tokenizer, *split, **options))
-
-
-def _stale(source, out: Path, opts: Options) -> str | None:
+    out, opts = Path(out_dir).expanduser(), Options(tokenizer, *split, **options)
     src = _resolve_source(source, out, fetch=False, text_field=opts.text_field)
     if not (out / META_NAME).is_file():
         return "not prepared yet"
+    meta = None
     try:
         meta = load_meta(out)
+        check_shards(out, meta)  # a token file missing, of another size, or with an id beyond the vocabulary
     except (FileNotFoundError, ValueError) as e:
-        return f"no usable {META_NAME} ({e})"
-    if broken := _shards_problem(out, meta):
-        return broken
+        return f"no usable {META_NAME} ({e})" if meta is None else str(e)
     diff = _compare(meta, src, opts)
     return f"{META_NAME} holds {diff}" if diff else None
-
-
-def _shards_problem(out: Path, meta: dict) -> str | None:
-    """What is wrong with ``out``'s token files (missing, another size than meta.json records, or an id
-    beyond its vocabulary: a corrupt file)."""
-    for split in SPLITS:
-        for path, n, _ in split_shards(out, meta, split):
-            try:
-                check_bin_file(path, n, DTYPES[meta["dtype"]], meta["vocab_size"])
-            except (FileNotFoundError, ValueError) as e:
-                return str(e)
-    return None
 
 
 def load_prepared(out_dir) -> dict:
@@ -564,8 +545,7 @@ def load_prepared(out_dir) -> dict:
     was moved or deleted goes on with the tokens it trained on (FileNotFoundError / ValueError if not)."""
     out = Path(out_dir).expanduser()
     meta = load_meta(out)
-    if broken := _shards_problem(out, meta):
-        raise ValueError(broken)
+    check_shards(out, meta)
     return meta
 
 
@@ -594,14 +574,13 @@ def ensure_prepared(
     (logged); up to date, nothing is rewritten. Under the directory's lock (``_locked``): of processes
     that start together one prepares, the others wait and return its meta. ``keep_other`` (the trainer):
     a directory that holds data of other arguments is an error naming them, not re-prepared."""
-    opts = Options(tokenizer, *split, **options)
-    out = Path(out_dir).expanduser()
+    opts, out, args = Options(tokenizer, *split, **options), Path(out_dir).expanduser(), (tokenizer, *split)
     with _locked(out):
-        reason = _stale(source, out, opts)
+        reason = stale_reason(source, out, *args, **options)
         if reason is None:
             logger.info("data in %s is up to date", out_dir)
             return load_meta(out)
-        held = _conflict(source, out, opts) if keep_other else None
+        held = conflict_reason(source, out, *args, **options) if keep_other else None
         if held:
             other = out.parent / f"{out.name}_{source_stem(source)}"
             raise ValueError(
@@ -615,10 +594,7 @@ def ensure_prepared(
 def conflict_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
     """What ``out_dir`` holds that preparing these arguments (as ``stale_reason`` takes them) there would
     replace (runs read it), or None when it is not prepared or holds exactly this data."""
-    return _conflict(source, Path(out_dir).expanduser(), Options(tokenizer, *split, **options))
-
-
-def _conflict(source, out: Path, opts: Options) -> str | None:
+    out, opts = Path(out_dir).expanduser(), Options(tokenizer, *split, **options)
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError):
