@@ -45,24 +45,17 @@ def tokenizer_from_meta(meta: dict, data_dir: str | os.PathLike = "DIR") -> GPT2
 
 def _nonneg_int(name: str, value, low: int = 0) -> int:
     """``value`` as an int >= ``low``, else TypeError / ValueError naming ``name``."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from None
-    if value < low:
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (value := operator.index(value)) < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     return value
 
 
 class BinDataset:
     """One split (``"train"`` / ``"val"``) of a prepared data directory, served as random windows of
-    ``seq_len`` tokens.
-
-    ``check_ids`` verifies that token ids are < ``vocab_size`` (catches shards paired with another
-    meta.json). Keeps read-only ``np.memmap``s of the shards; pickling (DataLoader workers) re-opens them.
-    """
+    ``seq_len`` tokens. ``check_ids``: token ids < ``vocab_size`` (catches shards paired with another
+    meta.json). Keeps read-only ``np.memmap``s of the shards; pickling (DataLoader workers) re-opens them."""
 
     def __init__(
         self, data_dir: str | os.PathLike, split: str, seq_len: int, *, check_ids: bool = True, corpus=None
@@ -143,23 +136,19 @@ class BinDataset:
             self._doc_starts = starts[starts < self.num_tokens].astype(np.int64)
         return self._doc_starts
 
-    def window_doc_ids(self, starts: np.ndarray) -> torch.Tensor:
-        """Relative document ids (len(starts), seq_len) int32 of the windows beginning at ``starts``
-        (0 at a window's first token, rule in ``data.docs``)."""
-        doc = self.doc_starts()
-        pos = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(self.seq_len)[None, :]
-        ids = np.searchsorted(doc, pos, side="right") - np.searchsorted(doc, pos[:, :1], side="right")
-        return torch.from_numpy(ids.astype(np.int32))
-
     # -- batches
     def _windows(self, rng: np.random.Generator, batch_size: int, with_doc_ids: bool = False):
         # start in [0, num_tokens - seq_len - 1], so start + seq_len + 1 <= num_tokens
         starts = rng.integers(0, self.num_tokens - self.seq_len, size=batch_size)
-        span = self.seq_len + 1
-        win = np.stack([self._read(s, s + span) for s in starts.tolist()]).astype(np.int64)
+        win = np.stack([self._read(s, s + self.seq_len + 1) for s in starts.tolist()]).astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(win[:, :-1]))
         y = torch.from_numpy(np.ascontiguousarray(win[:, 1:]))
-        return (x, y, self.window_doc_ids(starts)) if with_doc_ids else (x, y)
+        if not with_doc_ids:
+            return x, y
+        # relative document ids (0 at a window's first token, rule in data.docs)
+        doc, pos = self.doc_starts(), starts[:, None] + np.arange(self.seq_len)[None, :]
+        ids = np.searchsorted(doc, pos, side="right") - np.searchsorted(doc, pos[:, :1], side="right")
+        return x, y, torch.from_numpy(ids.astype(np.int32))
 
     def batch(
         self,
@@ -174,13 +163,9 @@ class BinDataset:
         """(x, y) int64 (batch_size, seq_len), y shifted by one (with ``with_doc_ids`` also the windows'
         document ids), drawn with ``default_rng([seed, split_id, step, micro_step, rank])``."""
         batch_size = _nonneg_int("batch_size", batch_size, 1)
-        key = [
-            _nonneg_int("seed", seed),
-            self.split_id,
-            _nonneg_int("step", step),
-            _nonneg_int("micro_step", micro_step),
-            _nonneg_int("rank", rank),
-        ]
+        ints = dict(seed=seed, step=step, micro_step=micro_step, rank=rank)
+        key = [_nonneg_int(k, v) for k, v in ints.items()]
+        key.insert(1, self.split_id)
         return self._windows(np.random.default_rng(key), batch_size, with_doc_ids)
 
     def eval_batches(
