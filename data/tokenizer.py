@@ -49,8 +49,12 @@ class GPT2Tokenizer:
         self.encoding: str = self._enc.name  # tiktoken's name of the BPE ("gpt2")
 
     def vocab_sha256(self) -> str:
-        """What the ids mean: two encodings that share a name and size but not their tokens differ here."""
-        return vocab_sha256(self._enc.decode_single_token_bytes(i) for i in range(self.vocab_size))
+        """What the ids mean (two encodings that share a name and size but not their tokens differ here):
+        SHA-256 of each token's bytes, length-prefixed, in id order."""
+        h = hashlib.sha256()
+        for b in map(self._enc.decode_single_token_bytes, range(self.vocab_size)):
+            h.update(len(b).to_bytes(4, "little") + b)
+        return h.hexdigest()
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode_ordinary(text)
@@ -127,15 +131,6 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
-
-
-def vocab_sha256(tokens: Iterable[bytes | str]) -> str:
-    """SHA-256 identifying a vocabulary: each token's bytes (str as UTF-8), length-prefixed, in id order."""
-    h = hashlib.sha256()
-    for t in tokens:
-        b = t.encode("utf-8", "surrogatepass") if isinstance(t, str) else bytes(t)
-        h.update(len(b).to_bytes(4, "little") + b)
-    return h.hexdigest()
 
 
 def make_tokenizer(name: str, *, itos: Sequence[str] | None = None):
