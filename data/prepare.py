@@ -82,7 +82,6 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB uint16 files, as llm.c's FineWeb sh
 DEFAULT_VAL_FRACTION = 0.1
 
 
-# --------------------------------------------------------------------------------------------- helpers
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -124,9 +123,8 @@ def _sha256(path: str, *_stat) -> str:
 
 def meta_split(meta: dict) -> tuple[float | None, int | None]:
     """(val_fraction, val_docs) a prepared directory was split with."""
-    if meta.get("val_fraction") is None:
-        return None, meta.get("val_docs")
-    return meta["val_fraction"], None
+    fraction = meta.get("val_fraction")
+    return (None, meta.get("val_docs")) if fraction is None else (fraction, None)
 
 
 def split_point(num_tokens: int, val_fraction: float) -> int:
@@ -174,7 +172,6 @@ def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "te
     return Source(url, "text", [dest], out_dir, text_field=text_field)
 
 
-# ------------------------------------------------------------------------------------------------- API
 @dataclass
 class Options:
     """What a prepared directory is made of besides its source (compared on reuse), checked once here:
@@ -221,17 +218,12 @@ def prepare(
     dtype: str = "auto",
     progress: bool = True,
 ) -> dict:
-    """Tokenize ``source`` (``data.sources``; a URL or None: a download) into ``out_dir`` and return the
-    meta dict written to its ``meta.json``.
-
-    The split is ``val_fraction`` (default 0.1; a text file: the end of its stream, moved to the next
-    document start; other sources: one document in 1/val_fraction) or the first ``val_docs`` documents.
-    ``doc_separator`` splits a single text file into documents (escapes \\n, \\t, \\\\ understood); the GPT-2
-    BPE writes end-of-text (50256) after each document. ``workers`` tokenizer threads (default: the CPU
-    count); ``dtype`` "auto" is uint16 when the vocabulary fits. A prepare that fails or is interrupted
-    leaves the data already in ``out_dir`` as it was; run again, an interrupted one resumes from its last
-    complete shard. Errors (ValueError, FileNotFoundError, RuntimeError) name the source and the fix.
-    """
+    """Tokenize ``source`` (``data.sources``; a URL or None: a download) into ``out_dir``; returns the meta
+    dict written to its ``meta.json``. The split is ``val_fraction`` (default 0.1; a text file: its stream's
+    end, moved to the next document start; other sources: one document in 1/val_fraction) or the first
+    ``val_docs`` documents; ``doc_separator`` splits a single text file into documents (escapes \\n, \\t,
+    \\\\). A prepare that fails or is interrupted leaves the data already in ``out_dir`` as it was; run
+    again, an interrupted one resumes from its last complete shard. Errors name the source and the fix."""
     opts = Options(tokenizer, val_fraction, doc_separator, val_docs, text_field, max_tokens)
     out = Path(out_dir).expanduser()
     with _locked(out):
@@ -392,14 +384,11 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
 def _prepare_stream(
     src: Source, stage: Path, opts: Options, shard_tokens, dtype, workers, progress, key
 ) -> dict:
-    """Every source, streamed: tokenized, written into shards, resumed from ``stage``'s state for ``key``
-    (the resume key ``_prepare_into`` builds; the other arguments are ``prepare``'s).
-
+    """Every source, streamed: tokenized, written into shards, resumed from ``stage``'s state for ``key``.
     The GPT-2 BPE writes end-of-text after each document of a source of documents or of a separated text
     file; the char tokenizer keeps the separator's characters. The val split is whole documents
     (``Options.is_val``), except a text file split by a share: its stream goes to the train split, whose
-    end is then moved to the val split (``ShardWriter.split_off``).
-    """
+    end is then moved to the val split (``ShardWriter.split_off``)."""
     from tqdm import tqdm
 
     text, char = src.kind == "text", opts.tokenizer == "char"
@@ -683,23 +672,17 @@ def _as_flags(text: str) -> str:
     return _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", text)
 
 
-# ------------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 1 error with a message on stderr, 130 Ctrl-C)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m data.prepare",
-        description="Tokenize a corpus into token shards ({train,val}_NNNNNN.bin + .idx) + meta.json.",
-    )
+    desc = "Tokenize a corpus into token shards ({train,val}_NNNNNN.bin + .idx) + meta.json."
+    parser = argparse.ArgumentParser(prog="python -m data.prepare", description=desc)
     add = parser.add_argument
     add(
         "--source",
         help="UTF-8 text file, directory or glob of text / .jsonl / .json.gz / .parquet files, "
         "hf:NAME[:CONFIG], or http(s) URL (default: download Tiny Shakespeare into OUT_DIR/input.txt)",
     )
-    add(
-        "--out-dir",
-        help="output directory (default: data/shakespeare for gpt2, data/shakespeare_char for char)",
-    )
+    add("--out-dir", help="output directory (default: data/shakespeare, data/shakespeare_char for char)")
     add("--tokenizer", choices=TOKENIZERS, default="gpt2")
     add("--val-fraction", type=float, help="share held out for val (0.1): documents, or a text file's end")
     add("--val-docs", type=int, help="or hold out this many whole documents (the first in source order)")

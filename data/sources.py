@@ -338,8 +338,7 @@ def _visible_files(directory: str | Path):
 
 
 def has_files(directory: str | Path) -> bool:
-    """Whether ``list_files(directory)`` would find a file; stops at the first one (a large corpus costs one
-    directory read)."""
+    """Whether ``list_files(directory)`` would find a file, stopping at the first one."""
     return any(p.is_file() for p in _visible_files(directory))
 
 
@@ -353,11 +352,8 @@ def list_files(where: str | Path) -> list[Path]:
 
 
 def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
-    """Parse a local or Hugging Face ``source`` (URLs and None are ``data.prepare``'s).
-
-    Raises:
-        FileNotFoundError: a path or glob that names no file. SourceError: ``hf:`` without a name.
-    """
+    """Parse a local or Hugging Face ``source`` (URLs and None are ``data.prepare``'s): FileNotFoundError
+    for a path or glob that names no file, SourceError for ``hf:`` without a name."""
     text = str(source)
     if is_hf(source):
         name, _, config = text[len(HF_PREFIX) :].partition(":")  # NAME may be a local folder (no colon)
