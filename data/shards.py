@@ -78,7 +78,8 @@ class ShardWriter:
 
     def _close_shard(self) -> None:
         name = f"{self.split}_{len(self.shards):06d}"
-        self.close(sync=True)
+        self.state()  # synced before the rename
+        self.close()
         for ext in (".bin", ".idx"):
             os.replace(self.stage / f"{self.split}.part{ext}", self.stage / f"{name}{ext}")
         n, docs = self.part_tokens, self.part_docs
@@ -88,24 +89,19 @@ class ShardWriter:
         self._open_parts()
 
     def state(self) -> dict:
-        self._sync()
-        return {k: getattr(self, k) for k in ("shards", "part_tokens", "part_docs", "docs")}
-
-    def _sync(self) -> None:
+        """What a resume needs of this split, its parts synced to disk first."""
         for f in (self._bin, self._idx):
             f.flush()
             os.fsync(f.fileno())
+        return {k: getattr(self, k) for k in ("shards", "part_tokens", "part_docs", "docs")}
 
-    def finish(self) -> list[dict]:
-        """Close the last (partial) shard; returns the shard list."""
+    def finish(self) -> None:
+        """Close the last (partial) shard."""
         if self.part_tokens or not self.shards:
             self._close_shard()
         self.close()
-        return self.shards
 
-    def close(self, sync: bool = False) -> None:
-        if sync:
-            self._sync()
+    def close(self) -> None:
         self._bin.close()
         self._idx.close()
 
