@@ -138,22 +138,6 @@ def split_point(num_tokens: int, val_fraction: float) -> int:
     return min(max(int(num_tokens * (1.0 - val_fraction)), 1), num_tokens - 1)
 
 
-def _download(url: str, dest: Path) -> None:
-    logger.info("downloading %s -> %s", url, dest)
-    hint = (
-        "If this machine has no network access, fetch the file elsewhere and pass a local path instead: "
-        "data.source=PATH (Hydra) or --source PATH (CLI)."
-    )
-    try:
-        with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as resp:
-            payload = resp.read()
-    except (OSError, http.client.HTTPException, ValueError) as e:  # URLError/HTTPError/timeouts are OSError
-        raise RuntimeError(f"could not download {url} ({type(e).__name__}: {e}). {hint}") from e
-    if not payload:
-        raise RuntimeError(f"downloading {url} returned no data. {hint}")
-    atomic_write(dest, lambda f: f.write(payload))
-
-
 def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "text") -> Source:
     """``source`` as a ``data.sources.Source``. ``None`` / "" is Tiny Shakespeare; a URL is downloaded
     (``fetch``) into ``out_dir/input.txt``, unless that file is there and meta.json names no other URL."""
@@ -163,12 +147,23 @@ def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "te
         return open_source(source, text_field)
     url = TINY_SHAKESPEARE_URL if source is None else str(source)
     dest = out_dir / DOWNLOAD_NAME
-    if fetch:
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            if dest.is_file() and load_meta(out_dir)["source"] != url:
-                dest.unlink()  # a download of another URL
-        if not (dest.is_file() and dest.stat().st_size > 0):
-            _download(url, dest)
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        if fetch and dest.is_file() and load_meta(out_dir)["source"] != url:
+            dest.unlink()  # a download of another URL
+    if fetch and not (dest.is_file() and dest.stat().st_size > 0):
+        logger.info("downloading %s -> %s", url, dest)
+        hint = (
+            "If this machine has no network access, fetch the file elsewhere and pass a local path instead: "
+            "data.source=PATH (Hydra) or --source PATH (CLI)."
+        )
+        try:
+            with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as resp:
+                payload = resp.read()
+        except (OSError, http.client.HTTPException, ValueError) as e:  # URLError/HTTPError/timeouts: OSError
+            raise RuntimeError(f"could not download {url} ({type(e).__name__}: {e}). {hint}") from e
+        if not payload:
+            raise RuntimeError(f"downloading {url} returned no data. {hint}")
+        atomic_write(dest, lambda f: f.write(payload))
     return Source(url, "text", [dest], out_dir, text_field=text_field)
 
 
@@ -664,12 +659,8 @@ def prepare_command(
     return " ".join(["python -m data.prepare", *(f"--{k} {shlex.quote(str(v))}" for k, v in args.items())])
 
 
+# prepare's arguments in a message, written as the CLI's flags (text_field=body -> --text-field body)
 _ARG = re.compile(r"(?<![.\w-])(doc_separator|val_fraction|val_docs|text_field|max_tokens)=")
-
-
-def _as_flags(text: str) -> str:
-    """prepare's arguments in a message as the CLI's flags (text_field=body -> --text-field body)."""
-    return _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -715,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         run = {"workers": args.workers, "shard_tokens": args.shard_tokens, "dtype": args.dtype}
         meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress)
     except (OSError, ValueError, RuntimeError) as e:
-        print(f"error: {_as_flags(str(e))}", file=sys.stderr)
+        msg = _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(e))
+        print(f"error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # what is written stays; the next run resumes from it
         print(
