@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as `python data/prepare.py`: import the `da
 
 import numpy as np  # noqa: E402
 
+from data import shards, sources  # noqa: E402
 from data.docs import GPT2_EOT, parse_separator, separator_ids  # noqa: E402
 from data.meta import (  # noqa: E402
     DTYPES,
@@ -47,25 +48,6 @@ from data.meta import (  # noqa: E402
     check_shards,
     load_meta,
     write_json,
-)
-from data.shards import (  # noqa: E402
-    STAGE_NAME,
-    ShardWriter,
-    install,
-    is_val_doc,
-    load_state,
-    save_state,
-    tokenized_pieces,
-)
-from data.sources import (  # noqa: E402
-    Source,
-    SourceError,
-    fingerprint_diff,
-    fingerprint_sha256,
-    is_hf,
-    is_url,
-    open_source,
-    source_stem,
 )
 from data.tokenizer import MAX_VOCAB, TOKENIZERS, make_tokenizer  # noqa: E402
 
@@ -138,13 +120,13 @@ def split_point(num_tokens: int, val_fraction: float) -> int:
     return min(max(int(num_tokens * (1.0 - val_fraction)), 1), num_tokens - 1)
 
 
-def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "text") -> Source:
+def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "text") -> sources.Source:
     """``source`` as a ``data.sources.Source``. ``None`` / "" is Tiny Shakespeare; a URL is downloaded
     (``fetch``) into ``out_dir/input.txt``, unless that file is there and meta.json names no other URL."""
     if isinstance(source, str) and not source.strip():
         source = None  # an empty config value means "the default corpus"
-    if source is not None and not is_url(source):
-        return open_source(source, text_field)
+    if source is not None and not sources.is_url(source):
+        return sources.open_source(source, text_field)
     url = TINY_SHAKESPEARE_URL if source is None else str(source)
     dest = out_dir / DOWNLOAD_NAME
     with contextlib.suppress(FileNotFoundError, ValueError):
@@ -164,7 +146,7 @@ def _resolve_source(source, out_dir: Path, *, fetch: bool, text_field: str = "te
         if not payload:
             raise RuntimeError(f"downloading {url} returned no data. {hint}")
         atomic_write(dest, lambda f: f.write(payload))
-    return Source(url, "text", [dest], out_dir, text_field=text_field)
+    return sources.Source(url, "text", [dest], out_dir, text_field=text_field)
 
 
 @dataclass
@@ -195,7 +177,7 @@ class Options:
 
     def is_val(self, i: int) -> bool:
         """Document ``i`` is held out: one of the first ``val_docs``, or one in every 1/val_fraction."""
-        return i < self.val_docs if self.val_docs is not None else is_val_doc(i, self.val_fraction)
+        return i < self.val_docs if self.val_docs is not None else shards.is_val_doc(i, self.val_fraction)
 
 
 def prepare(
@@ -277,7 +259,7 @@ def _take_back(created: list[Path], keep_stage: bool = False) -> None:
         return
     out = created[0]
     if not keep_stage:
-        shutil.rmtree(out / STAGE_NAME, ignore_errors=True)
+        shutil.rmtree(out / shards.STAGE_NAME, ignore_errors=True)
     for path in (out / DOWNLOAD_NAME, out / META_NAME):
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
@@ -288,12 +270,12 @@ def _take_back(created: list[Path], keep_stage: bool = False) -> None:
             return
 
 
-def _source_identity(src: Source) -> tuple[str, dict | None]:
+def _source_identity(src: sources.Source) -> tuple[str, dict | None]:
     """(source_sha256, source_fingerprint): a text file's SHA-256, or the fingerprint's and itself."""
     if src.kind == "text":
         return sha256_file(src.files[0]), None
     fp = src.fingerprint()
-    return fingerprint_sha256(fp, src.text_field), fp
+    return sources.fingerprint_sha256(fp, src.text_field), fp
 
 
 def _dtype_for(vocab_size: int, dtype: str) -> str:
@@ -334,7 +316,7 @@ def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype
             "doc_separator (data.doc_separator) to split it into documents, or use val_fraction"
         )
     sha, fp = _source_identity(src)
-    stage = out / STAGE_NAME
+    stage = out / shards.STAGE_NAME
     meta = {
         "format_version": FORMAT_VERSION,
         "tokenizer": opts.tokenizer,
@@ -358,7 +340,7 @@ def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype
     logger.info(
         f"prepared {src.label} ({opts.tokenizer}, {meta['dtype']}): {n['train']}, {n['val']} -> {out}"
     )
-    install(out, stage, meta["shards"], lambda: write_json(out / META_NAME, meta))
+    shards.install(out, stage, meta["shards"], lambda: write_json(out / META_NAME, meta))
     return meta
 
 
@@ -377,7 +359,7 @@ def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
 
 
 def _prepare_stream(
-    src: Source, stage: Path, opts: Options, shard_tokens, dtype, workers, progress, key
+    src: sources.Source, stage: Path, opts: Options, shard_tokens, dtype, workers, progress, key
 ) -> dict:
     """Every source, streamed: tokenized, written into shards, resumed from ``stage``'s state for ``key``.
     The GPT-2 BPE writes end-of-text after each document of a source of documents or of a separated text
@@ -393,10 +375,10 @@ def _prepare_stream(
     sep_ids = [GPT2_EOT] if eot else (separator_ids(opts.tokenizer, sep, tok) if sep is not None else None)
     by_doc = not text or opts.val_docs is not None  # else the stream's end (moved after it)
     dt = _dtype_for(tok.vocab_size, dtype)
-    state = load_state(stage, key)
+    state = shards.load_state(stage, key)
     stage.mkdir(exist_ok=True)
     splits = state["splits"] if state else {}
-    writers = {s: ShardWriter(stage, s, shard_tokens, dt, splits.get(s)) for s in SPLITS}
+    writers = {s: shards.ShardWriter(stage, s, shard_tokens, dt, splits.get(s)) for s in SPLITS}
     done, doc = (state["pieces"], state["doc"]) if state else (0, -1)
     total = sum(w.tokens for w in writers.values())
     if state:
@@ -413,7 +395,7 @@ def _prepare_stream(
     # without max_tokens the total (for the ETA) is estimated: the text's size times tokens per character
     size, chars, new_tokens = src.text_size(), 0, 0
     try:
-        pieces = tokenized_pieces(src.pieces(sep, keep_separator=not eot), tok, workers, skip=done)
+        pieces = shards.tokenized_pieces(src.pieces(sep, keep_separator=not eot), tok, workers, skip=done)
         for k, (ids, start, end, n_chars) in enumerate(pieces, start=done):
             doc += start
             if end and eot:
@@ -427,7 +409,7 @@ def _prepare_stream(
                 bar.total = max(total, int(size * new_tokens / chars))
             bar.update(len(ids))
             if any(w.completed for w in writers.values()):
-                save_state(stage, key, k + 1, doc, writers)
+                shards.save_state(stage, key, k + 1, doc, writers)
             if opts.max_tokens is not None and total >= opts.max_tokens:
                 break
         pieces.close()  # stops the tokenizer threads (after a max_tokens break)
@@ -464,7 +446,7 @@ def _prepare_stream(
     return body
 
 
-def _compare(meta: dict, src: Source, opts: Options) -> str | None:
+def _compare(meta: dict, src: sources.Source, opts: Options) -> str | None:
     """What differs between ``meta`` (a prepared directory) and these arguments, in words, or None."""
     if meta["tokenizer"] != opts.tokenizer:
         old = f"{meta['tokenizer']!r} (vocab_size {meta['vocab_size']})"
@@ -485,15 +467,14 @@ def _compare(meta: dict, src: Source, opts: Options) -> str | None:
     if meta.get("max_tokens") != opts.max_tokens:
         return f"data capped at max_tokens={meta.get('max_tokens')}, not {opts.max_tokens}"
     if meta["source"] != src.label and (
-        is_url(src.label)
-        or is_url(meta["source"])
+        sources.is_url(src.label)
+        or sources.is_url(meta["source"])
         # a directory moved or copied with its files' names, sizes and mtimes is the same corpus
         or (src.kind == "docs" and _source_identity(src)[0] != meta.get("source_sha256"))
     ):
         return f"data prepared from {meta['source']}, not {src.label}"
     if src.kind == "docs":
-        fp = meta.get("source_fingerprint")
-        diff = fingerprint_diff(fp, src.fingerprint()) if isinstance(fp, dict) else "no recorded fingerprint"
+        diff = sources.fingerprint_diff(meta.get("source_fingerprint"), src.fingerprint())
         return diff and f"data prepared from {meta['source']} as it was before (source changed: {diff})"
     if not src.files[0].is_file():
         return None  # a deleted download; the token files are still valid
@@ -536,10 +517,10 @@ def load_prepared(out_dir) -> dict:
 def source_sha256(source, text_field: str = "text") -> str | None:
     """The ``source_sha256`` preparing local ``source`` now would record, or None (a URL, a dataset name,
     a source that names nothing): a moved corpus is recognised by it."""
-    if source is None or is_url(source) or is_hf(source):
+    if source is None or sources.is_url(source) or sources.is_hf(source):
         return None
     try:
-        return _source_identity(open_source(source, text_field))[0]
+        return _source_identity(sources.open_source(source, text_field))[0]
     except (OSError, ValueError):
         return None
 
@@ -566,7 +547,7 @@ def ensure_prepared(
             return load_meta(out)
         held = conflict_reason(source, out, *args, **options) if keep_other else None
         if held:
-            other = out.parent / f"{out.name}_{source_stem(source)}"
+            other = out.parent / f"{out.name}_{sources.source_stem(source)}"
             raise ValueError(
                 f"{out_dir} holds {held}; runs read it, so it is not prepared again: use a data.dir of "
                 f"its own, e.g. data.dir={other}"
@@ -590,7 +571,7 @@ def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs
     """prepare's arguments (``text_field=body``, ``val_docs=1``) that a local source of documents needs
     besides these, found by reading its first records and counting its documents until both splits would
     hold one: an error raised before the prepare names them with its own fix. [] when none is known."""
-    if source is None or is_url(source) or is_hf(source):
+    if source is None or sources.is_url(source) or sources.is_hf(source):
         return []
     try:
         opts, fixes = Options("gpt2", val_fraction, None, val_docs, text_field), []
@@ -602,7 +583,7 @@ def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs
         return []
     while True:
         try:
-            src = open_source(source, opts.text_field)
+            src = sources.open_source(source, opts.text_field)
             if src.kind != "docs":
                 return fixes
             n = 0
@@ -611,7 +592,7 @@ def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs
                 if n >= limit:
                     return fixes
             break
-        except SourceError as e:  # a text field named in the records: then count with it
+        except sources.SourceError as e:  # a text field named in the records: then count with it
             if e.fix is None or fixes:
                 return fixes
             fixes.append(e.fix)
@@ -694,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         held = conflict_reason(args.source, out_dir, **data)
         if held and not args.force:
             other_tok = load_meta(Path(out_dir)).get("tokenizer") != args.tokenizer
-            suffix = args.tokenizer if other_tok else source_stem(args.source)  # what differs
+            suffix = args.tokenizer if other_tok else sources.source_stem(args.source)  # what differs
             other = Path(out_dir).parent / f"{Path(out_dir).name}_{suffix}"
             print(
                 f"error: {out_dir} already holds {held}; preparing there would replace the token files and "
@@ -716,10 +697,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
-    shards = sum(len(v) for v in meta["shards"].values())
+    n = sum(len(v) for v in meta["shards"].values())
     print(
         f"wrote {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-        f"(tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}, {meta['dtype']}, {shards} shards) "
+        f"(tokenizer {meta['tokenizer']}, vocab_size {meta['vocab_size']}, {meta['dtype']}, {n} shards) "
         f"to {Path(out_dir)}"
     )
     return 0

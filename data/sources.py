@@ -420,8 +420,10 @@ def fingerprint_sha256(fp: dict, text_field: str) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
-def fingerprint_diff(old: dict, new: dict) -> str | None:
+def fingerprint_diff(old: dict | None, new: dict) -> str | None:
     """What differs between two fingerprints, in words (the first few files), or None."""
+    if not isinstance(old, dict):
+        return "no recorded fingerprint"
     if old == new:
         return None
     if "files" in old and "files" in new:
