@@ -584,13 +584,9 @@ def document_fixes(source, text_field: str = "text", val_fraction=None, val_docs
     while True:
         try:
             src = sources.open_source(source, opts.text_field)
-            if src.kind != "docs":
+            starts = (1 for _, start, _ in src.pieces() if start)  # documents, counted up to limit
+            if src.kind != "docs" or (n := sum(itertools.islice(starts, limit))) >= limit:
                 return fixes
-            n = 0
-            for _, start, _ in src.pieces():
-                n += start
-                if n >= limit:
-                    return fixes
             break
         except sources.SourceError as e:  # a text field named in the records: then count with it
             if e.fix is None or fixes:
@@ -616,11 +612,8 @@ def prepare_command(
         with contextlib.suppress(OSError, ValueError):
             meta = json.loads((Path(out_dir) / META_NAME).read_text(encoding="utf-8"))
     meta = meta if isinstance(meta, dict) else {}
-    args = {
-        "source": meta.get("source") or source,
-        "out-dir": out_dir,
-        "tokenizer": meta.get("tokenizer") or tokenizer,
-    }
+    args = {"source": meta.get("source") or source, "out-dir": out_dir}
+    args["tokenizer"] = meta.get("tokenizer") or tokenizer
     fraction, docs = meta_split(meta)
     if docs is not None:
         args["val-docs"] = docs
