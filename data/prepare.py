@@ -274,8 +274,9 @@ def _source_identity(src: sources.Source) -> tuple[str, dict | None]:
     """(source_sha256, source_fingerprint): a text file's SHA-256, or the fingerprint's and itself."""
     if src.kind == "text":
         return sha256_file(src.files[0]), None
-    fp = src.fingerprint()
-    return sources.fingerprint_sha256(fp, src.text_field), fp
+    fp = src.fingerprint()  # a docs source: SHA-256 of its fingerprint and the text field read
+    payload = json.dumps({"fingerprint": fp, "text_field": src.text_field}, sort_keys=True).encode()
+    return hashlib.sha256(payload).hexdigest(), fp
 
 
 def _dtype_for(vocab_size: int, dtype: str) -> str:

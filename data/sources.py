@@ -18,7 +18,6 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
-import hashlib
 import itertools
 import json
 import os
@@ -331,15 +330,15 @@ def open_hf(src: Source):
 
 
 def _visible_files(directory: str | Path):
-    """The files under ``directory``, hidden ones and hidden folders left out, as os.walk finds them."""
+    """The regular files under ``directory``, hidden ones and hidden folders left out, in os.walk order."""
     for dirpath, dirnames, filenames in os.walk(directory):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        yield from (Path(dirpath) / f for f in filenames if not f.startswith("."))
+        yield from (p for f in filenames if not f.startswith(".") and (p := Path(dirpath) / f).is_file())
 
 
 def has_files(directory: str | Path) -> bool:
     """Whether ``list_files(directory)`` would find a file, stopping at the first one."""
-    return any(p.is_file() for p in _visible_files(directory))
+    return any(_visible_files(directory))
 
 
 def list_files(where: str | Path) -> list[Path]:
@@ -348,7 +347,7 @@ def list_files(where: str | Path) -> list[Path]:
     if not Path(where).is_dir():
         found = sorted(Path(p) for p in glob.glob(os.path.expanduser(str(where)), recursive=True))
         return [p.resolve() for p in found if p.is_file()]
-    return sorted(p for p in _visible_files(where) if p.is_file())
+    return sorted(_visible_files(where))
 
 
 def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
@@ -412,12 +411,6 @@ def source_stem(source) -> str:
     while Path(name).suffix.lower() in (".gz", ".jsonl", ".json", ".parquet", ".txt", ".text"):
         name = Path(name).stem
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name).strip("_") or "corpus"
-
-
-def fingerprint_sha256(fp: dict, text_field: str) -> str:
-    """meta["source_sha256"] of a docs source: SHA-256 of its fingerprint and the text field read."""
-    payload = json.dumps({"fingerprint": fp, "text_field": text_field}, sort_keys=True).encode()
-    return hashlib.sha256(payload).hexdigest()
 
 
 def fingerprint_diff(old: dict | None, new: dict) -> str | None:
