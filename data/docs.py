@@ -26,9 +26,7 @@ _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 def parse_separator(separator: str | None) -> str | None:
     """The separator with the escapes \\n, \\t and \\\\ turned into their characters (Hydra passes
     ``data.doc_separator='\\n\\n'`` through literally)."""
-    if separator is None:
-        return None
-    return re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], separator)
+    return None if separator is None else re.sub(r"\\([nt\\])", lambda m: _ESCAPES[m[1]], separator)
 
 
 def separator_ids(tokenizer_name: str, separator: str, tok) -> list[int]:

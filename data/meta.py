@@ -83,8 +83,7 @@ def load_meta(data_dir: str | os.PathLike) -> dict:
             f"{path} has format_version={version!r}, but this code reads format_version "
             f"{FORMAT_VERSION}. {redo}"
         )
-    missing = [k for k in REQUIRED_KEYS if k not in meta]
-    if missing:
+    if missing := [k for k in REQUIRED_KEYS if k not in meta]:
         raise ValueError(f"{path} lacks keys {missing}. {redo}")
     if meta["dtype"] not in DTYPES:
         raise ValueError(f"{path} says dtype={meta['dtype']!r}; supported: {tuple(DTYPES)}. {redo}")
