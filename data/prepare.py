@@ -318,17 +318,9 @@ def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype
         )
     sha, fp = _source_identity(src)
     stage = out / shards.STAGE_NAME
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "tokenizer": opts.tokenizer,
-        "source": src.label,
-        "source_sha256": sha,
-        "source_kind": src.kind,
-        "val_fraction": opts.val_fraction,
-        "text_field": opts.text_field,
-        "max_tokens": opts.max_tokens,
-        "shard_tokens": shard_tokens,
-    }
+    meta = dict(format_version=FORMAT_VERSION, tokenizer=opts.tokenizer, source=src.label, source_sha256=sha)
+    meta.update(source_kind=src.kind, val_fraction=opts.val_fraction, text_field=opts.text_field)
+    meta.update(max_tokens=opts.max_tokens, shard_tokens=shard_tokens)
     key = {"meta": meta, "dtype": dtype, "fingerprint": fp, "doc_separator": opts.doc_separator}
     try:
         meta.update(_prepare_stream(src, stage, opts, shard_tokens, dtype, workers, progress, key))
@@ -337,10 +329,8 @@ def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype
         raise
     if fp is not None:
         meta["source_fingerprint"] = fp
-    n = {s: f"{meta[f'{s}_tokens']} {s} tokens in {len(meta['shards'][s])} shards" for s in SPLITS}
-    logger.info(
-        f"prepared {src.label} ({opts.tokenizer}, {meta['dtype']}): {n['train']}, {n['val']} -> {out}"
-    )
+    n = ", ".join(f"{meta[f'{s}_tokens']} {s} tokens in {len(meta['shards'][s])} shards" for s in SPLITS)
+    logger.info(f"prepared {src.label} ({opts.tokenizer}, {meta['dtype']}): {n} -> {out}")
     shards.install(out, stage, meta["shards"], lambda: write_json(out / META_NAME, meta))
     return meta
 
@@ -384,15 +374,9 @@ def _prepare_stream(
     total = sum(w.tokens for w in writers.values())
     if state:
         logger.info("resuming the prepare of %s after %d documents (%d tokens)", src.label, doc + 1, total)
-    bar = tqdm(
-        total=opts.max_tokens,
-        initial=total,
-        unit="tok",
-        unit_scale=True,
-        desc=f"prepare {Path(src.label).name or src.label}",
-        disable=None if progress else True,  # None: only on a terminal (no bar in logs, pipes)
-        mininterval=1.0,
-    )
+    # disable=None: a bar only on a terminal (none in logs, pipes)
+    kw = dict(unit="tok", unit_scale=True, mininterval=1.0, disable=None if progress else True, initial=total)
+    bar = tqdm(total=opts.max_tokens, desc=f"prepare {Path(src.label).name or src.label}", **kw)
     # without max_tokens the total (for the ETA) is estimated: the text's size times tokens per character
     size, chars, new_tokens = src.text_size(), 0, 0
     try:
