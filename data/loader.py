@@ -28,18 +28,17 @@ _EVAL_STREAM = 0x6576616C  # "eval"
 
 def tokenizer_from_meta(meta: dict, data_dir: str | os.PathLike = "DIR") -> GPT2Tokenizer | CharTokenizer:
     """The tokenizer of a prepared directory ``data_dir`` (``load_meta``'s dict)."""
-    try:
+    try:  # a meta.json edited or damaged by hand
         tok = make_tokenizer(meta["tokenizer"], itos=meta.get("itos"))
-    except ValueError as e:  # a meta.json edited or damaged by hand
+        if tok.vocab_size != meta["vocab_size"]:
+            raise ValueError(
+                f"meta.json says vocab_size={meta['vocab_size']} but its {meta['tokenizer']} tokenizer has "
+                f"{tok.vocab_size} tokens"
+            )
+    except ValueError as e:
         raise ValueError(
             f"{e}: the meta.json is corrupt; prepare it with `{prepare_command(data_dir, meta)}`"
         ) from e
-    if tok.vocab_size != meta["vocab_size"]:
-        raise ValueError(
-            f"meta.json says vocab_size={meta['vocab_size']} but its {meta['tokenizer']} tokenizer has "
-            f"{tok.vocab_size} tokens; the meta.json is corrupt: prepare the directory with "
-            f"`{prepare_command(data_dir, meta)}`"
-        )
     return tok
 
 
