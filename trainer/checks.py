@@ -625,9 +625,15 @@ def check_resume_compatible(saved: dict, new: dict) -> list[str]:
     # a checkpoint from before a field existed has its default; n_kv_head null is n_head
     defaults = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
     old, now = ({**defaults, **d["model_args"]} for d in (saved, new))
+    # n_kv_head null on both sides follows n_head: a changed n_head says it (the user set no n_kv_head)
+    follows = old["n_kv_head"] is None and now["n_kv_head"] is None
     for args in (old, now):
         args["n_kv_head"] = args["n_kv_head"] or args["n_head"]
-    changed = [k for k in defaults if k not in RESUME_MAY_CHANGE and old[k] != now[k]]
+    changed = [
+        k
+        for k in defaults
+        if k not in RESUME_MAY_CHANGE and old[k] != now[k] and not (k == "n_kv_head" and follows)
+    ]
     diffs = [f"{key(k)}: {old[k]} -> {now[k]}" + " (follows seq_len)" * (k == "block_size") for k in changed]
     values = [f"{key(k)}={fmt(old[k])}" for k in changed]
     for name in ("tokenizer", "vocab_size"):

@@ -298,8 +298,34 @@ def test_check_resume_compatible_lists_all_differences():
             base, {**base, "model_args": {**base["model_args"], "n_head": 8}, "tokenizer": "gpt2"}
         )
     assert "model.n_head: 4 -> 8" in str(e.value) and "data.tokenizer: char -> gpt2" in str(e.value)
-    # and the values that resume it: the run's, each as a key=value to type (n_kv_head follows n_head)
-    assert "the run's values (model.n_head=4 model.n_kv_head=4 data.tokenizer=char)" in str(e.value)
+    # and the values that resume it: the run's, each as a key=value to type; n_kv_head, null on both sides,
+    # follows n_head and is not named (the user set none: the n_head difference says it)
+    assert "the run's values (model.n_head=4 data.tokenizer=char)" in str(e.value), e.value
+    assert "n_kv_head" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "saved_kv, new_kv, listed",
+    [
+        (2, None, "model.n_kv_head: 2 -> 8"),  # the run's own n_kv_head, given up by this command
+        (None, 2, "model.n_kv_head: 4 -> 2"),  # set by this command
+        (2, 2, None),  # set on both sides, the same
+        (None, None, None),  # follows n_head on both sides
+    ],
+)
+def test_check_resume_compatible_names_n_kv_head_only_when_set(saved_kv, new_kv, listed):
+    """A changed n_head lists n_kv_head only when it was set on either side and differs."""
+    args = {"n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64, "vocab_size": 128}
+    base = {"model_args": {**args, "n_kv_head": saved_kv}, "tokenizer": "char", "vocab_size": 65}
+    new = {**base, "model_args": {**args, "n_head": 8, "n_kv_head": new_kv}}
+    with pytest.raises(ConfigError) as e:
+        check_resume_compatible(base, new)
+    err = str(e.value)
+    assert "model.n_head: 4 -> 8" in err, err
+    if listed:
+        assert listed in err and f"model.n_kv_head={saved_kv or 4}" in err, err
+    else:
+        assert "n_kv_head" not in err, err
 
 
 # ------------------------------------------------------------------------------------------ presets
