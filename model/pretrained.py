@@ -9,6 +9,7 @@ transposed. The model shape comes from the checkpoint, with biases on.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -18,6 +19,10 @@ from .config import GPTConfig
 from .gpt import GPT
 
 GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+GPT2_VOCAB = 50257  # the released sizes' vocabulary
+#: GPTConfig fields a GPT-2 checkpoint fixes: its tensors' shapes and set (biases, one key/value head per
+#: query head, a learned position table, no q/k norms). ``block_size`` is not one: it may cut the positions.
+FIXED = ("n_layer", "n_head", "n_embd", "vocab_size", "bias", "n_kv_head", "pos_emb", "qk_norm")
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -86,6 +91,26 @@ def _hf_files(init_from: str):
             f"{os.environ.get('HF_HOME', '~/.cache/huggingface')}), or pass a local checkpoint directory"
         ) from e
     return config, sd
+
+
+def checkpoint_shape(init_from: str) -> dict | None:
+    """The ``FIXED`` fields of ``init_from``'s model, read without its weights (a GPT-2 size's published
+    shape, a directory's config.json); None when ``init_from`` names no such checkpoint (``load_gpt2`` says
+    why). ``n_kv_head`` is given as the checkpoint's count, ``n_head``."""
+    from .config import PRESETS
+
+    path = Path(init_from).expanduser()
+    if init_from in GPT2_SIZES and not path.is_dir():
+        c = {**PRESETS[init_from], "vocab_size": GPT2_VOCAB}
+    elif (path / "config.json").is_file() and not (path / "summary.json").is_file():
+        try:  # GPT2Config's defaults for a key the file leaves out (GPT-2 124M's)
+            raw = json.loads((path / "config.json").read_text())
+            c = {k: int(raw.get(k, d)) for k, d in (*PRESETS["gpt2"].items(), ("vocab_size", GPT2_VOCAB))}
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+    else:
+        return None
+    return {**c, "bias": True, "n_kv_head": c["n_head"], "pos_emb": "learned", "qk_norm": False}
 
 
 def load_gpt2(init_from: str, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:

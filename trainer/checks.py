@@ -618,6 +618,37 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
     )
 
 
+def check_init_from_overrides(cfg, overrides: list[str]) -> None:
+    """init_from: the model is the checkpoint's (``model.pretrained.FIXED``: its shape, biases, key/value
+    heads, positions, q/k norms), so a ``model.*`` key of those that the command line sets to another value
+    would be ignored: refused, naming each key, the value given and the checkpoint's. Only keys typed on the
+    command line count: a preset's (``model=``, ``experiment=``) give way to the checkpoint (set-up says so).
+    Before the weights are read (a GPT-2 size's shape is known, a directory's is in its config.json)."""
+    if str(cfg.init_from) == "scratch" or cfg.resume:  # a resume: the run's own shape, checked against it
+        return
+    from model.config import fmt
+    from model.pretrained import FIXED, checkpoint_shape
+    from trainer.rundir import parse_overrides
+
+    shape = checkpoint_shape(str(cfg.init_from))
+    if shape is None:  # not a checkpoint: set-up's load_gpt2 says why
+        return
+    typed = {o.key_or_group: o.input_line for o in parse_overrides(overrides) if not o.is_delete()}
+    given = {k: cfg.model[k] for k in FIXED if f"model.{k}" in typed}
+    wrong = [  # null vocab_size / n_kv_head: the tokenizer's / one per query head, which the checkpoint sets
+        k for k, v in given.items() if v != shape[k] and not (v is None and k in ("vocab_size", "n_kv_head"))
+    ]
+    if not wrong:
+        return
+    init = f"init_from={cfg.init_from}"
+    listed = "; ".join(f"model.{k}={fmt(given[k])} ({init}'s: {fmt(shape[k])})" for k in wrong)
+    raise ConfigError(
+        f"{init} starts from weights that fit one model, and this command line sets another: {listed}. "
+        f"Drop {' '.join(typed[f'model.{k}'] for k in wrong)} to train from {init} in its own shape, or drop "
+        f"{init} (init_from=scratch, the default) to train the model you set from scratch"
+    )
+
+
 def check_resume_compatible(saved: dict, new: dict) -> list[str]:
     """Compare a checkpoint's model/tokenizer settings with the new run's."""
     from model.config import GPTConfig, fmt, key

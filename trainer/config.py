@@ -264,7 +264,8 @@ class TrainConfig:
     init_from: str = spec(
         "scratch",
         "scratch | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 checkpoint dir: the "
-        "starting weights; the model shape comes from the checkpoint (model.* sizes ignored)",
+        "starting weights; the model shape comes from the checkpoint (a model.* shape key typed with it: "
+        "refused)",
     )
     nonfinite: str = spec(
         "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")

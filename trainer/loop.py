@@ -23,7 +23,7 @@ from omegaconf import open_dict
 from trainer import checkpoint as ckpt
 from trainer import config as C
 from trainer import endings, resume_config, rundir, setup
-from trainer.checks import ConfigError, resolve_plan
+from trainer.checks import ConfigError, check_init_from_overrides, resolve_plan
 from trainer.dist import broadcast_obj, global_micro_index, init_distributed, local_norm, rank0_verdict
 from trainer.endings import EXIT_CONFIG, EXIT_OK, NonFiniteError, Outcome
 from trainer.metrics import DiskFullError, disk_full_in, first_line
@@ -350,6 +350,7 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
                 saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir, multirun)
+        check_init_from_overrides(cfg, overrides)  # before the plan checks the shape the weights replace
         plan = resolve_plan(cfg, world_size=world, cuda_available=torch.cuda.is_available())
     except ConfigError as e:
         lock.release()

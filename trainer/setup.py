@@ -157,7 +157,22 @@ def build_model_config(st: RunState) -> None:
                 f"init_from={cfg.init_from} reads GPT-2 BPE ids (vocab {pre.vocab_size}); the data is "
                 f"tokenized with {cfg.data.tokenizer} (vocab {meta['vocab_size']}): use data.tokenizer=gpt2"
             )
-        shape = {k: getattr(pre, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "bias")}
+        from model.config import fmt
+        from model.pretrained import FIXED
+
+        shape = {k: getattr(pre, k) for k in FIXED}
+        # a preset's values (model=, experiment=) give way, said; typed ones were refused before (loop.run:
+        # check_init_from_overrides)
+        same = {"vocab_size": (None,), "n_kv_head": (None, pre.n_head)}  # null: the tokenizer's, n_head
+        replaced = [k for k in FIXED if getattr(cfg.model, k) not in (shape[k], *same.get(k, ()))]
+        if replaced:
+            st.say(
+                f"note: init_from={cfg.init_from}: the model is the checkpoint's, "
+                + " ".join(f"model.{k}={fmt(shape[k])}" for k in replaced)
+                + ", not the preset's "
+                + " ".join(f"model.{k}={fmt(getattr(cfg.model, k))}" for k in replaced)
+                + " (model= / experiment=)"
+            )
         st.gpt_config = dataclasses.replace(st.gpt_config, **shape)
         # the run's records (config.resolved.yaml, W&B) say the model it trains
         for key, value in shape.items():
@@ -219,7 +234,12 @@ def build_model(st: RunState, state: dict | None) -> None:
             torch.manual_seed(int(cfg.seed))
         st.raw_model = GPT(st.gpt_config).to(st.device)
     if st.init_weights is not None:  # init_from: before DDP/FSDP wrap the model
-        st.raw_model.load_state_dict(st.init_weights, strict=False)
+        from model.pretrained import load_into
+
+        try:  # every tensor, none left at its random start (lm_head is tied to wte)
+            load_into(st.raw_model, st.init_weights, str(cfg.init_from))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
         st.init_weights = None
     if st.fsdp:
         from trainer.dist import shard_model

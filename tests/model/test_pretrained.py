@@ -189,6 +189,20 @@ INIT_FROM_REFUSALS = [
     ("sample.py", ["init_from={d}", "run=runs/x"], r"init_from=.* and run=runs/x name two models"),
     ("sample.py", ["init_from={small}"], r"97-token vocabulary.*GPT-2's BPE"),
     ("eval.py", ["init_from={d}"], r"pass data.dir=PATH"),
+    # a model shape typed with init_from was ignored (GPT-2's trained): refused, naming the checkpoint's
+    (
+        "train.py",
+        ["init_from=gpt2", "model.n_layer=6", "model.n_embd=512"],
+        r"model\.n_layer=6 \(init_from=gpt2's: 12\); model\.n_embd=512 \(init_from=gpt2's: 768\)\. Drop "
+        r"model\.n_layer=6 model\.n_embd=512 .*init_from=scratch",
+    ),
+    (  # a run that trains once the override is dropped
+        "train.py",
+        ["init_from={d}", "model.n_layer=6", "experiment=cpu_tiny", "data.tokenizer=gpt2"]
+        + ["data.source={corpus}", "data.dir=data", "seq_len=32", "batch.tokens_per_step=64", "max_steps=1"]
+        + ["batch.micro_batch_size=2", "eval.batches=1", "eval.batch_size=2", "wandb.mode=disabled"],
+        r"model\.n_layer=6 \(init_from=.*'s: 2\)\. Drop model\.n_layer=6 ",
+    ),
 ]
 
 
@@ -197,9 +211,11 @@ def init_from_refusals(hf_dir, hf_bpe_dir, tmp_path_factory):
     """Each INIT_FROM_REFUSALS command, offline (HF_HUB_OFFLINE=1, an empty HF_HOME), from its own empty
     folder, all in one process (``tests.infer_batch``)."""
     base = tmp_path_factory.mktemp("init_from_refusals")
+    corpus = base / "c.txt"
+    corpus.write_text(" ".join(["the cat sat on a mat and ran ."] * 400))
     cases = []
     for i, (script, args, _) in enumerate(INIT_FROM_REFUSALS):
-        args = [a.format(d=hf_bpe_dir[0], small=hf_dir[0]) for a in args]
+        args = [a.format(d=hf_bpe_dir[0], small=hf_dir[0], corpus=corpus) for a in args]
         (base / str(i)).mkdir()
         cwd = str(base / str(i))
         cases.append(
@@ -213,7 +229,8 @@ def init_from_refusals(hf_dir, hf_bpe_dir, tmp_path_factory):
     "case", range(len(INIT_FROM_REFUSALS)), ids=[" ".join(c[1]) for c in INIT_FROM_REFUSALS]
 )
 def test_init_from_errors_exit_2(init_from_refusals, case):
-    """Offline without weights the error names what to fetch; nothing is written."""
+    """Offline without weights the error names what to fetch; a model shape the weights do not fit is named
+    with theirs; nothing is written."""
     import re
 
     proc, message = init_from_refusals[case], INIT_FROM_REFUSALS[case][2]
@@ -255,6 +272,13 @@ def test_train_init_from_starts_at_transformers_loss(hf_bpe_dir, gpt2_bpe, tmp_p
     ]
     proc = _cli("train.py", args, tmp_path)
     assert proc.returncode == 0, describe(proc)
+    # experiment=cpu_tiny's model (model=mini) gives way to the checkpoint's, said
+    note = (
+        f"note: init_from={d}: the model is the checkpoint's, model.n_layer=2 model.n_head=2 "
+        "model.n_embd=32, not the preset's model.n_layer=4 model.n_head=4 model.n_embd=128 "
+        "(model= / experiment=)"
+    )
+    assert note in proc.stdout, describe(proc)
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     ours = next(r["val/loss"] for r in rows if r.get("step") == 0 and "val/loss" in r)
     saved = yaml_load(run / "config.resolved.yaml")["model"]

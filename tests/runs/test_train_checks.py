@@ -746,3 +746,90 @@ def test_init_from_without_weights_is_refused_before_the_data_are_prepared(
     err = expect_error(**{"init_from": "gpt2", "data.tokenizer": "gpt2", "data.dir": tmp_path / "fresh"})
     assert "could not load GPT-2 weights init_from=gpt2" in err, err
     assert not (tmp_path / "fresh").exists()
+
+
+def _no_weights_read(monkeypatch):
+    """``load_gpt2`` fails the test if called: the shape check needs no weights (offline they are absent)."""
+    import model.pretrained as pretrained
+
+    def read(init_from, **_):
+        raise AssertionError(f"GPT-2 weights of init_from={init_from} read before the shape check")
+
+    monkeypatch.setattr(pretrained, "load_gpt2", read)
+
+
+def test_init_from_refuses_a_model_shape_set_on_the_command_line(expect_error, tmp_path, monkeypatch):
+    """init_from=gpt2 model.n_layer=6 trained GPT-2's 12 layers and said nothing: now a config error naming
+    each key, the value given and GPT-2's, and both ways out; before the weights or the data are read and
+    before the run's files are opened."""
+    _no_weights_read(monkeypatch)
+    out = tmp_path / "run"
+    err = expect_error(
+        **{
+            "init_from": "gpt2",
+            "data.tokenizer": "gpt2",
+            "data.dir": tmp_path / "fresh",
+            "model.n_layer": 6,
+            "model.n_head": 5,  # 768 / 5: the plan's divisibility check would speak of a shape never built
+            "model.dropout": 0.0,  # allowed: not fixed by the weights
+        }
+    )
+    assert "model.n_layer=6 (init_from=gpt2's: 12); model.n_head=5 (init_from=gpt2's: 12)." in err, err
+    assert "Drop model.n_layer=6 model.n_head=5 to train from init_from=gpt2 in its own shape" in err, err
+    assert "drop init_from=gpt2 (init_from=scratch, the default)" in err, err
+    assert "dropout" not in err and "n_embd" not in err, err  # the preset's (model=tiny) keys are not named
+    assert not (tmp_path / "fresh").exists()
+    assert not (out / "metrics.jsonl").exists() and not (out / "train.log").exists()
+
+
+def _hf_config_dir(d, **shape):
+    """A Hugging Face GPT-2 checkpoint directory with its config.json only (no weights: loading it fails)."""
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", **shape}))
+    return d
+
+
+def test_init_from_directory_names_each_key_its_weights_fix(expect_error, tmp_path, monkeypatch):
+    _no_weights_read(monkeypatch)
+    d = _hf_config_dir(tmp_path / "hf", n_layer=2, n_head=2, n_embd=32, n_positions=64)  # vocab: 50257
+    given = {
+        "model.n_embd": 64,
+        "model.vocab_size": 50304,
+        "model.bias": False,
+        "model.n_kv_head": 1,
+        "model.pos_emb": "rope",
+        "model.qk_norm": True,
+    }
+    err = expect_error(init_from=d, **given)
+    o = f"(init_from={d}'s:"
+    for shown in (
+        f"model.n_embd=64 {o} 32)",
+        f"model.vocab_size=50304 {o} 50257)",
+        f"model.bias=false {o} true)",
+        f"model.n_kv_head=1 {o} 2)",
+        f"model.pos_emb=rope {o} learned)",
+        f"model.qk_norm=true {o} false)",
+    ):
+        assert shown in err, (shown, err)
+    drop = "model.n_embd=64 model.vocab_size=50304 model.bias=false model.n_kv_head=1 model.pos_emb=rope"
+    assert f"Drop {drop} model.qk_norm=true to train from init_from={d}" in err, err
+
+
+def test_init_from_allows_the_keys_its_weights_leave_free(expect_error, tmp_path):
+    """Values equal to the checkpoint's (or null: follow it), dropout, attention and a block_size within its
+    positions pass the shape check: the run gets as far as reading the weights (absent here)."""
+    d = _hf_config_dir(tmp_path / "hf", n_layer=2, n_head=2, n_embd=32, n_positions=64)
+    err = expect_error(
+        **{
+            "init_from": d,
+            "model.n_layer": 2,
+            "model.n_kv_head": 2,
+            "model.vocab_size": None,
+            "model.bias": True,
+            "model.dropout": 0.1,
+            "model.attn_dropout": 0.1,
+            "model.block_size": 64,
+            "attention": "sdpa",
+        }
+    )
+    assert f"could not load GPT-2 weights init_from={d}" in err, err
