@@ -105,7 +105,9 @@ class BinDataset:
             off, end = int(self._offsets[k]), min(stop, int(self._offsets[k + 1]))
             parts.append(self._data[k][pos - off : end - off])
             pos = end
-        return parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.zeros(0, self.dtype)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
