@@ -1,12 +1,13 @@
 """Run directories that never mix: unique default names (``${run_token:}``), one live process per
-directory (an ``flock`` the kernel drops when the process dies), no new run over an old one, an out_dir
-that cannot be written refused as a config error, a refused launch leaving nothing behind, and a
-"running" summary of a dead process reported (and, on resume, rewritten) as killed.
+directory (an ``flock`` the kernel drops when the process dies), no new run over an old one, an unwritable
+out_dir refused as a config error, a refused launch leaving nothing behind, and a "running" summary of a
+dead process reported (and, on resume, rewritten) as killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import fnmatch
 import json
 import os
@@ -25,32 +26,28 @@ from trainer.fields import ConfigError
 from trainer.metrics import new_run_id, read_metric_rows, step_of, write_json_atomic
 
 LOCK_NAME = ".flashgpt.lock"
-TOKEN_LEN = 6
+RESOLVED_CONFIG = "config.resolved.yaml"  # the run's resolved config, rewritten by every start (setup.py)
 _token: str | None = None
 
 
 def run_token() -> str:
-    """This process's run token: 6 random lowercase letters/digits, drawn once and then reused (so
-    ``out_dir`` and Hydra's run dir, resolved at different times, name the same folder)."""
+    """6 random letters/digits, drawn once per process (``out_dir`` and Hydra's run dir, resolved at
+    different times, name the same folder)."""
     global _token
-    if _token is None:
-        _token = new_run_id(TOKEN_LEN)
+    _token = _token or new_run_id(6)
     return _token
 
 
-_NAMED = {"attention", "attention.name", "seq_len"}  # already in a sweep job's folder name
-
-
 def swept(_root_) -> str:
-    """``_key-value`` for each key this multirun sweeps (Hydra's own parse of the command line,
-    ``is_sweep_override``) besides attention and seq_len, with this job's value (``hydra.overrides.task``):
+    """``_key-value`` for each key this multirun sweeps besides attention and seq_len, with this job's value:
     the folder ``3_flash_n1024_pos_emb-rope_qk_norm-true`` says which job it is."""
     try:
         task = dict(o.partition("=")[::2] for o in _root_.hydra.overrides.task)
         parsed = parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
     except Exception:  # noqa: BLE001 - no Hydra config (a composed config) or no Hydra command line
         return ""
-    keys = [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in _NAMED]
+    named = {"attention", "attention.name", "seq_len"}  # already in a sweep job's folder name
+    keys = [o.key_or_group for o in parsed if o.is_sweep_override() and o.key_or_group not in named]
     # key-value with a '-': a '=' in a folder name would break the out_dir= of a printed resume command
     shown = {"True": "true", "False": "false"}
     parts = (f"_{k.rsplit('.', 1)[-1]}-{shown.get(task[k], task[k])}" for k in keys if k in task)
@@ -76,14 +73,13 @@ class RunDirBusy(ConfigError):
 
 
 class RunDirLock:
-    """An exclusive ``flock`` on ``<out_dir>/.flashgpt.lock``, held until ``release()`` or process exit."""
+    """An exclusive ``flock`` on ``<out_dir>/.flashgpt.lock`` (``fd`` None: a no-op lock of another rank)."""
 
     def __init__(self, out_dir: Path, fd: int | None) -> None:
-        self.out_dir = Path(out_dir)
-        self._fd = fd
+        self.out_dir, self._fd = Path(out_dir), fd
 
     def write_holder(self) -> None:
-        """Say who holds the lock, for the message another process prints (``claim_run_dir``)."""
+        """Say who holds the lock, for the message another process prints."""
         if self._fd is not None:
             info = f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
             os.ftruncate(self._fd, 0)
@@ -91,15 +87,12 @@ class RunDirLock:
 
     def release(self) -> None:
         """Drop the lock (the file stays: removing it would let a waiter lock a different inode)."""
-        if self._fd is None:
-            return
-        import fcntl
-
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self._fd)
-            self._fd = None
+        if self._fd is not None:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            finally:
+                os.close(self._fd)
+                self._fd = None
 
 
 def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
@@ -107,13 +100,8 @@ def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
     out_dir = Path(out_dir)
     if not is_main:
         return RunDirLock(out_dir, None)
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - no flock on this platform: unique names still apply
-        return RunDirLock(out_dir, None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -121,40 +109,30 @@ def claim_run_dir(out_dir: Path, *, is_main: bool) -> RunDirLock:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
         finally:
             os.close(fd)
-        raise RunDirBusy(_busy_message(out_dir, holder)) from None
+        raise RunDirBusy(
+            f"out_dir={out_dir} is in use by another live train.py process ({holder}); two runs never "
+            "share a directory. Choose another out_dir, or leave out_dir unset (each new run gets its "
+            "own runs/<time>_<backend>_n<seq_len>_<token>)"
+        ) from None
     lock = RunDirLock(out_dir, fd)
     if os.fstat(fd).st_size == 0:  # a new lock; an existing run's holder line changes once its checks pass
         lock.write_holder()
     return lock
 
 
-def _busy_message(out_dir: Path, holder: str) -> str:
-    return (
-        f"out_dir={out_dir} is in use by another live train.py process ({holder}); two runs never "
-        "share a directory. Choose another out_dir, or leave out_dir unset (each new run gets its "
-        "own runs/<time>_<backend>_n<seq_len>_<token>)"
-    )
-
-
-def held_by_live_process(out_dir: Path) -> str | None:
-    """The `RunDirBusy` message when another live process holds ``out_dir``'s lock, else None."""
-    path = Path(out_dir) / LOCK_NAME
+def held_by_live_process(out_dir: Path) -> bool:
+    """Whether another live process holds ``out_dir``'s lock."""
     try:
-        import fcntl
-
-        fd = os.open(path, os.O_RDONLY)
-    except (ImportError, OSError):
-        return None
+        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
-            return _busy_message(out_dir, holder)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # dropped by the close below
+    except OSError:
+        return True
     finally:
         os.close(fd)
+    return False
 
 
 def read_summary(out_dir: Path) -> dict:
@@ -166,8 +144,14 @@ def read_summary(out_dir: Path) -> dict:
     return obj if isinstance(obj, dict) else {}
 
 
-#: summary.json statuses of a run that ended in a failure (a refused config also ends with "error")
-FAILED_STATUSES = ("error", "save_failed", "disk_full")
+def read_resolved_config(run_dir) -> dict:
+    """``<run_dir>/config.resolved.yaml`` as a plain dict, interpolations unresolved; {} when it is absent or
+    unreadable (``resume_config`` refuses those itself)."""
+    try:
+        saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
+    except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
+        return {}
+    return saved if isinstance(saved, dict) else {}
 
 
 class RunDirTaken(ConfigError):
@@ -176,13 +160,6 @@ class RunDirTaken(ConfigError):
     def __init__(self, message: str, out_dir: Path) -> None:
         super().__init__(message)
         self.out_dir = Path(out_dir)
-
-
-#: the fix for a taken run directory: a single run picks another out_dir, a -m job another sweep folder
-_NEW_DIR = {
-    False: "choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)",
-    True: "use a new hydra.sweep.dir (or leave it unset: a new multirun/<time> folder)",
-}
 
 
 def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
@@ -198,9 +175,13 @@ def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
     logged = metrics.is_file() and metrics.stat().st_size > 0
     wandb = (out_dir / "wandb_run_id.txt").exists()
     refused = status == "error" and "steps" not in summary and not logged and not wandb  # free for a new run
-    ckpts = list_checkpoints(out_dir)  # step_N.pt files and DCP step_N directories
-    new = _NEW_DIR[multirun]
-    if status in FAILED_STATUSES and not refused:
+    ckpts = list_checkpoints(out_dir)
+    new = (  # a single run picks another out_dir, a -m job another sweep folder
+        "use a new hydra.sweep.dir (or leave it unset: a new multirun/<time> folder)"
+        if multirun
+        else "choose a new out_dir (the default, runs/<time>_<backend>_n<seq_len>, is new)"
+    )
+    if status in ("error", "save_failed", "disk_full") and not refused:
         go_on = (  # resume=true only where there is a checkpoint to continue (else it is refused too)
             f"Pass resume=true to continue it from its newest checkpoint, or {new}"
             if ckpts
@@ -229,7 +210,6 @@ class RunFinished(Exception):
 
 
 def finished_message(out_dir: Path, steps: int, max_steps: int, resume_cmd: str) -> str:
-    """The console message for resume=true on a run that is done (nothing is changed)."""
     more = max(2 * max_steps, max_steps + 1)
     return (
         f"run in out_dir={out_dir} is already finished: {steps} of max_steps={max_steps} steps done; "
@@ -254,24 +234,21 @@ def below_done_message(out_dir: Path, done: int, max_steps: int, run_max: int | 
 
 def max_steps_note(old: int, new: int, step: int, optim, lr_at) -> str:
     """The resume note for a changed max_steps: what it does to the learning-rate schedule."""
+    head = f"max_steps changed on resume: {old} -> {new} (explicit choice); "
     if optim.decay_steps:
-        return (
-            f"max_steps changed on resume: {old} -> {new} (explicit choice); optim.decay_steps="
-            f"{optim.decay_steps} is fixed, so the LR schedule is unchanged"
-        )
+        return f"{head}optim.decay_steps={optim.decay_steps} is fixed, so the LR schedule is unchanged"
     before, after = lr_at(step + 1, optim, old), lr_at(step + 1, optim, new)
     return (
-        f"max_steps changed on resume: {old} -> {new} (explicit choice); the cosine LR schedule decays "
-        f"over max_steps, so from step {step + 1} on the learning rate follows the {new}-step schedule "
-        f"(lr at step {step + 1}: {before:.3g} with max_steps={old}, {after:.3g} now), which an "
-        f"uninterrupted {new}-step run would have followed from step 1"
+        f"{head}the cosine LR schedule decays over max_steps, so from step {step + 1} on the learning rate "
+        f"follows the {new}-step schedule (lr at step {step + 1}: {before:.3g} with max_steps={old}, "
+        f"{after:.3g} now), which an uninterrupted {new}-step run would have followed from step 1"
     )
 
 
 # ------------------------------------------------------------------------------------------ out_dir
 def writable_place(name: str) -> Path:
-    """A path ``name`` that does not exist yet, in a folder this process can write: ``~/flashgpt-runs``
-    (its nearest existing folder writable), else the temp folder (an unwritable or read-only $HOME)."""
+    """A new path ``name`` in a folder this process can write: ``~/flashgpt-runs`` (its nearest existing
+    folder writable), else the temp folder (an unwritable or read-only $HOME)."""
     for base in (Path("~/flashgpt-runs").expanduser(), Path(tempfile.gettempdir()) / "flashgpt-runs"):
         existing = next((q for q in (base, *base.parents) if q.exists()), None)
         if existing is not None and existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
@@ -282,18 +259,16 @@ def writable_place(name: str) -> Path:
     return place
 
 
-#: what a run writes into its folder (``fnmatch`` patterns): a folder holding anything else is not a run's
-RUN_FILES = (
-    LOCK_NAME,
-    *""".flashgpt.reserve .hydra ckpt config.resolved.yaml metrics.jsonl summary.json
+#: what a run writes into its folder (``fnmatch`` patterns): a folder holding anything else is not a run's;
+#: the last two are an empty folder's placeholders, nothing of anyone's to mix with
+RUN_FILES = f"""{LOCK_NAME} .flashgpt.reserve .hydra ckpt {RESOLVED_CONFIG} metrics.jsonl summary.json
 summary.json.tmp* train.log wandb wandb_run_id.txt evals samples metrics.abandoned.*.jsonl trace_step*.json.gz
-.gitkeep .DS_Store""".split(),
-)  # the last two: an empty folder's placeholders, nothing of anyone's to mix with
+.gitkeep .DS_Store""".split()
 
 
 def is_run_dir(path: Path) -> bool:
     """``path`` holds a run's record (its summary or resolved config)."""
-    return (path / "summary.json").is_file() or (path / "config.resolved.yaml").is_file()
+    return (path / "summary.json").is_file() or (path / RESOLVED_CONFIG).is_file()
 
 
 def foreign_entries(folder: Path, sweep: bool = False) -> list[str]:
@@ -302,39 +277,30 @@ def foreign_entries(folder: Path, sweep: bool = False) -> list[str]:
     def ours(p: Path) -> bool:
         if any(fnmatch.fnmatch(p.name, pat) for pat in RUN_FILES):
             return True
-        if sweep:
-            return p.name == "multirun.yaml" or (p.is_dir() and not foreign_entries(p))
-        return False
+        return sweep and (p.name == "multirun.yaml" or (p.is_dir() and not foreign_entries(p)))
 
     return sorted(p.name for p in folder.iterdir() if not ours(p))
 
 
-def mixing_problem(path: Path, key: str) -> str | None:
-    """Why a new run's folder ``path`` would mix its files with others' (it holds files no run wrote, or
-    it lies inside a run's folder), naming ``key`` and a folder that works; None when it would not."""
-    sweep = "sweep" in key
-    example = f"{key}={'multirun/sweep1' if sweep else 'runs/run1'}"
-    parent = next((q for q in path.resolve().parents if is_run_dir(q)), None)
-    if parent is not None:
-        return (
-            f"{key}={path} lies inside the run folder {parent}: its files would mix with that run's; pass a "
-            f"folder outside it, e.g. {example}"
-        )
-    if not path.is_dir() or not (foreign := foreign_entries(path, sweep)):
-        return None
-    names = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-    return (
-        f"{key}={path} already holds other files or runs ({names}): a run writes ckpt/, metrics.jsonl, "
-        f"summary.json and train.log into its own folder, and they would mix with these; pass a new or "
-        f"empty folder, e.g. {example} (or leave {key} out for a new folder)"
-    )
-
-
 def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str | None:
-    """Why ``out_dir`` cannot hold a run, as a message naming ``key`` and the fix, or None when it can."""
+    """Why ``out_dir`` cannot hold a run (a new run's files would mix with others', it cannot be created or
+    written), as a message naming ``key`` and a folder that works, or None when it can."""
     path = Path(str(out_dir))  # as Hydra makes it: a quoted ~ is a folder named ~, not $HOME
-    if not resume and (problem := mixing_problem(path, key)):
-        return problem
+    sweep = "sweep" in key
+    if not resume:
+        example = f"{key}={'multirun/sweep1' if sweep else 'runs/run1'}"
+        if (parent := next((q for q in path.resolve().parents if is_run_dir(q)), None)) is not None:
+            return (
+                f"{key}={path} lies inside the run folder {parent}: its files would mix with that run's; "
+                f"pass a folder outside it, e.g. {example}"
+            )
+        if path.is_dir() and (foreign := foreign_entries(path, sweep)):
+            names = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+            return (
+                f"{key}={path} already holds other files or runs ({names}): a run writes ckpt/, "
+                f"metrics.jsonl, summary.json and train.log into its own folder, and they would mix with "
+                f"these; pass a new or empty folder, e.g. {example} (or leave {key} out for a new folder)"
+            )
     existing = next((q for q in (path, *path.parents) if q.exists()), Path.cwd())
     if not existing.is_dir():
         if existing == path:
@@ -360,7 +326,7 @@ def out_dir_problem(out_dir, key: str = "out_dir", resume: bool = False) -> str 
                 f"(a copy keeps the files' read-only modes), then resume=true out_dir={copy}"
             )
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        example = writable_place("sweep1" if "sweep" in key else "run1")
+        example = writable_place("sweep1" if sweep else "run1")
         return (
             f"{key}={out_dir} {what} ({e.strerror}); set {key} to a directory you can write to, e.g. "
             f"{key}={example}"
@@ -372,29 +338,6 @@ def sweep_changed(yaml: Path, given: list[str]) -> str | None:
     """Why resuming the sweep recorded in ``yaml`` (its multirun.yaml) with the overrides ``given`` would
     mix its jobs: Hydra numbers the jobs in the order of the swept values, and a resumed job continues the
     folder of its number, so the swept keys and their values must be those of the sweep, in its order."""
-    if not yaml.is_file():
-        return None
-    try:
-        saved = list(OmegaConf.select(OmegaConf.load(yaml), "hydra.overrides.task", default=[]) or [])
-    except Exception:  # noqa: BLE001 - an unreadable record: the jobs' own checks decide
-        return None
-
-    try:
-        if _sweep_values(saved) == _sweep_values(given):
-            return None
-    except Exception:  # noqa: BLE001 - Hydra's parser: an override it rejects is Hydra's to report
-        return None
-    shown = lambda overrides: " ".join(o for o in overrides if _sweep_values([o])) or "none"  # noqa: E731
-    return (
-        f"resume=true with -m: this sweep's values ({shown(given)}) are not those of the sweep in "
-        f"{yaml.parent} ({shown(saved)}); a resumed job continues the folder of its number, so give the same "
-        "values in the same order (or a new hydra.sweep.dir for a new sweep)"
-    )
-
-
-def _sweep_values(overrides: list[str]) -> list[tuple[str, list]]:
-    """(key, values in the order Hydra sweeps them) of each swept override, as Hydra's parser reads them:
-    ``a=x,y``, ``a='x', 'y'`` and ``a=choice(x,y)`` alike; ``a=[1,2]`` and ``a='x,y'`` are not swept."""
     from hydra.core.override_parser.types import QuotedString
 
     def plain(v):
@@ -402,8 +345,26 @@ def _sweep_values(overrides: list[str]) -> list[tuple[str, list]]:
             return v.text
         return [plain(x) for x in v] if isinstance(v, list) else v
 
-    parsed = parse_overrides(overrides)
-    return [(o.key_or_group, [plain(v) for v in o.sweep_iterator()]) for o in parsed if o.is_sweep_override()]
+    def values(overrides):  # a=x,y / a='x', 'y' / a=choice(x,y) alike; a=[1,2] and a='x,y' are not swept
+        parsed = parse_overrides(overrides)
+        return [
+            (o.key_or_group, [plain(v) for v in o.sweep_iterator()]) for o in parsed if o.is_sweep_override()
+        ]
+
+    if not yaml.is_file():
+        return None
+    try:
+        saved = list(OmegaConf.select(OmegaConf.load(yaml), "hydra.overrides.task", default=[]) or [])
+        if values(saved) == values(given):
+            return None
+    except Exception:  # noqa: BLE001 - an unreadable record: the jobs' checks; a bad override: Hydra's
+        return None
+    shown = lambda overrides: " ".join(o for o in overrides if values([o])) or "none"  # noqa: E731
+    return (
+        f"resume=true with -m: this sweep's values ({shown(given)}) are not those of the sweep in "
+        f"{yaml.parent} ({shown(saved)}); a resumed job continues the folder of its number, so give the same "
+        "values in the same order (or a new hydra.sweep.dir for a new sweep)"
+    )
 
 
 class OutDirCheck(_HydraCallback):
@@ -412,15 +373,12 @@ class OutDirCheck(_HydraCallback):
     written is a config error: ``config error: ...`` on stderr, exit status 2."""
 
     def on_run_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check ``hydra.run.dir`` (= ``out_dir``), and note what it holds before Hydra creates it."""
-        path = self._check(config, "hydra.run.dir", "out_dir")
-        if path is not None:
+        if (path := self._check(config, "hydra.run.dir", "out_dir")) is not None:
             note_run_dir_before(path)  # so that a run refused later takes back what it created
 
     def on_multirun_start(self, config, **kwargs) -> None:  # noqa: ARG002 - Hydra's callback API
-        """Check the sweep folder ``hydra.sweep.dir``, and note it and its ``multirun.yaml`` before Hydra's
-        sweeper creates them (``put_back_sweep``). An ``out_dir`` given with ``-m`` is refused: each job runs
-        in its own folder of the sweep, so it would be ignored without a word."""
+        """Also note the sweep's ``multirun.yaml`` before Hydra's sweeper writes it (``put_back_sweep``). An
+        ``out_dir`` given with ``-m`` is refused: each job runs in its own folder of the sweep."""
         given = [o for o in OmegaConf.select(config, "hydra.overrides.task", default=[]) or [] if "=" in o]
         if out := next((o for o in given if o.split("=", 1)[0].lstrip("+~") == "out_dir"), None):
             _refuse(
@@ -428,8 +386,7 @@ class OutDirCheck(_HydraCallback):
                 f"hydra.sweep.dir; use hydra.sweep.dir={out.split('=', 1)[1]} instead (to resume a sweep's "
                 "jobs: -m ... resume=true hydra.sweep.dir=<that sweep's folder>)"
             )
-        path = self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")
-        if path is not None:
+        if (path := self._check(config, "hydra.sweep.dir", "hydra.sweep.dir")) is not None:
             yaml = Path(_key(path)) / "multirun.yaml"
             if OmegaConf.select(config, "resume", default=False) is True and (
                 problem := sweep_changed(yaml, given)
@@ -446,16 +403,13 @@ class OutDirCheck(_HydraCallback):
             path = OmegaConf.select(config, node)
         except Exception:  # noqa: BLE001 - an unresolvable path is Hydra's to report
             return None
-        if path is None:
-            return None
         resume = OmegaConf.select(config, "resume", default=False) is True  # a run's (a sweep's) own folder
-        if problem := out_dir_problem(path, key, resume=resume):
+        if path is not None and (problem := out_dir_problem(path, key, resume=resume)):
             _refuse(problem)
         return path
 
 
 def _refuse(problem: str):
-    """``config error: ...`` on stderr, exit status 2."""
     print(f"config error: {problem}", file=sys.stderr, flush=True)
     raise SystemExit(2)  # not an Exception: Hydra lets it through without a traceback
 
@@ -464,24 +418,8 @@ def _refuse(problem: str):
 #: (first folder of the path that did not exist, or None when the run directory existed; the names it
 #: held then, or None) of each run directory, noted by ``OutDirCheck`` before Hydra creates it
 _BEFORE: dict[str, tuple[Path | None, frozenset[str] | None]] = {}
-
-#: what a single run refused by a config error may have created in its run directory: the lock and the
-#: metrics.jsonl that set-up opens (empty); Hydra and the trainer's record write nothing before the checks
-REFUSED_RUN_FILES = frozenset({LOCK_NAME, "metrics.jsonl"})
 #: the sweep folder of this process's -m command and its multirun.yaml before Hydra wrote it
 _SWEEP: list[tuple[str, bytes | None]] = []
-#: the record of a run's resolved config, rewritten by every start of the run (trainer/setup.py)
-RESOLVED_CONFIG = "config.resolved.yaml"
-
-
-def read_resolved_config(run_dir) -> dict:
-    """``<run_dir>/config.resolved.yaml`` as a plain dict, interpolations unresolved; {} when it is absent or
-    unreadable (a run from before the record, a truncated file: ``resume_config`` refuses those itself)."""
-    try:
-        saved = OmegaConf.to_container(OmegaConf.load(Path(run_dir) / RESOLVED_CONFIG), resolve=False)
-    except Exception:  # noqa: BLE001 - absent, truncated or not YAML: no record
-        return {}
-    return saved if isinstance(saved, dict) else {}
 
 
 def _key(path) -> str:
@@ -489,8 +427,8 @@ def _key(path) -> str:
 
 
 def note_run_dir_before(path) -> None:
-    """Record whether run directory ``path`` exists and what it holds, before Hydra creates it
-    (``OutDirCheck``): what ``discard_refused_run`` may take back."""
+    """Record whether run directory ``path`` exists and what it holds, before Hydra creates it: what
+    ``discard_refused_run`` may take back."""
     p = Path(_key(path))
     if p.is_dir():
         _BEFORE[str(p)] = (None, frozenset(os.listdir(p)))
@@ -500,9 +438,9 @@ def note_run_dir_before(path) -> None:
 
 
 def put_back_sweep() -> None:
-    """A ``-m`` command that ran no job (refused before its first one, or every job refused): its sweep
-    folder's ``multirun.yaml``, which Hydra's sweeper writes first, goes back to what it was (absent, or an
-    earlier sweep's), and the folder goes when this process created it (``discard_refused_run``)."""
+    """A ``-m`` command that ran no job: its sweep folder's ``multirun.yaml``, which Hydra's sweeper writes
+    first, goes back to what it was (absent, or an earlier sweep's), and the folder goes when this process
+    created it."""
     if not _SWEEP:
         return
     key, data = _SWEEP[0]
@@ -526,8 +464,10 @@ def discard_refused_run(out_dir) -> bool:
     if not p.is_dir():
         return True
     new = set(os.listdir(p)) - set(before or ())
+    # what a refused run may have created: the lock and set-up's empty metrics.jsonl (Hydra and the
+    # trainer's record write nothing before the checks)
     metrics = p / "metrics.jsonl"
-    if not new <= REFUSED_RUN_FILES or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
+    if not new <= {LOCK_NAME, "metrics.jsonl"} or ("metrics.jsonl" in new and metrics.stat().st_size > 0):
         return False
     for name in new:
         (p / name).unlink()
@@ -544,93 +484,64 @@ def discard_refused_run(out_dir) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ unfinished runs
-#: the status readers report for a summary that says "running" while no process runs it any more
-KILLED = "killed"
+KILLED = "killed"  # the status readers report for a "running" summary whose process is gone
 
 
-def last_trained_step(run_dir: Path) -> int | None:
-    """The highest step with a ``train/loss`` in ``<run_dir>/metrics.jsonl`` (None when there is none);
-    unparsable lines (a killed run's truncated last line) are skipped."""
+def _unfinished(run_dir: Path) -> tuple[int | None, str]:
+    """(last step with a train/loss in metrics.jsonl, "killed / unfinished (last step S)")."""
     steps = [step_of(r) for r in read_metric_rows(Path(run_dir)) if "train/loss" in r]
-    return max((s for s in steps if s is not None), default=None)
+    last = max((s for s in steps if s is not None), default=None)
+    return last, f"killed / unfinished (last step {last if last is not None else 'none'})"
 
 
-def is_stale_running(run_dir: Path, summary: dict) -> bool:
-    """Whether ``summary`` says "running" for a run whose process is gone (SIGKILL, the OOM killer, a crash or
-    power loss that skipped the normal ending, which writes the final status)."""
-    if summary.get("status") != "running":
-        return False
-    run_dir = Path(run_dir)
+def _stale(run_dir: Path, summary: dict) -> bool:
+    """Whether the process of a "running" run is gone (SIGKILL, the OOM killer, a crash past the ending)."""
     if (run_dir / LOCK_NAME).is_file():
-        return held_by_live_process(run_dir) is None
-    pid, host = summary.get("pid"), summary.get("host")
-    if isinstance(pid, int) and host == socket.gethostname():
-        return not pid_alive(pid)
-    return False
-
-
-def unfinished_text(last_step: int | None) -> str:
-    """How readers describe a killed run: ``killed / unfinished (last step S)``."""
-    return f"killed / unfinished (last step {last_step if last_step is not None else 'none'})"
+        return not held_by_live_process(run_dir)
+    pid = summary.get("pid")
+    return isinstance(pid, int) and summary.get("host") == socket.gethostname() and not pid_alive(pid)
 
 
 def true_status(run_dir: Path, summary: dict) -> tuple[str | None, str | None]:
-    """``(status, note)`` of a run as readers should report it: summary.json's status, except that a stale
-    "running" (``is_stale_running``) is ``KILLED`` with the note "killed / unfinished (last step S): ...", S
-    from metrics.jsonl."""
-    status = summary.get("status")
-    if not is_stale_running(run_dir, summary):
+    """``(status, note)`` of a run as readers should report it: summary.json's status, except that a
+    "running" one whose process is gone is ``KILLED``, with a note saying what to do."""
+    status, run_dir = summary.get("status"), Path(run_dir)
+    if status != "running" or not _stale(run_dir, summary):
         return status, None
-    last = last_trained_step(run_dir)
-    head = (
-        f"{unfinished_text(last)}: summary.json still said 'running' but no process holds the run directory"
-    )
-    if _trained_to_the_end(run_dir):  # killed in its ending: a resume would find nothing to do
+    head = f"{_unfinished(run_dir)[1]}: summary.json still said 'running' but no process holds the run"
+    max_steps, found = read_resolved_config(run_dir).get("max_steps"), list_checkpoints(run_dir)
+    if isinstance(max_steps, int) and found and found[0][0] >= max_steps:  # a resume would find nothing to do
         note = (
-            f"{head} any more (killed in its ending, after a checkpoint of its last step): its training is "
-            f"complete, only the ending's records are missing; sample or evaluate it (python eval.py "
-            f"run={run_dir}), a resume has nothing left to run"
+            f"{head} directory any more (killed in its ending, after a checkpoint of its last step): its "
+            f"training is complete, only the ending's records are missing; sample or evaluate it (python "
+            f"eval.py run={run_dir}), a resume has nothing left to run"
         )
     else:
         note = (
-            f"{head} any more (killed, or crashed past the normal ending); resume it with "
+            f"{head} directory any more (killed, or crashed past the normal ending); resume it with "
             f"python train.py resume=true out_dir={run_dir}"
         )
     return KILLED, note
 
 
-def _trained_to_the_end(run_dir: Path) -> bool:
-    """True when the run's newest checkpoint is of step max_steps (config.resolved.yaml's)."""
-    max_steps = read_resolved_config(run_dir).get("max_steps")
-    found = list_checkpoints(run_dir)
-    return isinstance(max_steps, int) and bool(found) and found[0][0] >= max_steps
-
-
 def mark_killed_on_resume(run_dir: Path) -> str | None:
-    """On resume, under this process's lock of ``run_dir``: a summary still saying "running" belongs to a run
-    that died without its ending (the lock proves no other process runs it), so rewrite it to ``KILLED`` with
-    the last trained step, before anything else reads it."""
+    """On resume, under this process's lock: a summary still saying "running" belongs to a run that died
+    without its ending, so rewrite it to ``KILLED`` with the last trained step, before anything reads it."""
     summary = read_summary(run_dir)
     if summary.get("status") != "running":
         return None
-    last = last_trained_step(run_dir)
-    note = f"the previous process of this run was {unfinished_text(last)}; it is resumed now"
+    last, text = _unfinished(run_dir)
+    steps = last if last is not None else summary.get("steps")
+    error = f"{text}: no ending was recorded (killed, or a crash past it)"
     write_json_atomic(
-        Path(run_dir) / "summary.json",
-        {
-            **summary,
-            "status": KILLED,
-            "steps": last if last is not None else summary.get("steps"),
-            "error": f"{unfinished_text(last)}: no ending was recorded (killed, or a crash past it)",
-        },
+        Path(run_dir) / "summary.json", {**summary, "status": KILLED, "steps": steps, "error": error}
     )
-    return note
+    return f"the previous process of this run was {text}; it is resumed now"
 
 
 # ------------------------------------------------------------------------------------------ Hydra's files
 def hydra_files(cfg) -> dict[str, str]:
-    """What Hydra would write into this job's ``.hydra/`` (file name -> YAML): the task's config, Hydra's own
-    and the command line's overrides; {} outside Hydra (``trainer.loop.run`` called directly)."""
+    """What Hydra would write into this job's ``.hydra/`` (file name -> YAML); {} outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -644,7 +555,6 @@ def hydra_files(cfg) -> dict[str, str]:
 
 
 def write_hydra_files(out_dir: Path, files: dict[str, str]) -> None:
-    """Write ``hydra_files``' record into ``<out_dir>/.hydra/``."""
     for name, text in files.items():
         (Path(out_dir) / ".hydra").mkdir(exist_ok=True)
         (Path(out_dir) / ".hydra" / name).write_text(text)
