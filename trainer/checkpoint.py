@@ -49,7 +49,6 @@ def ckpt_path(out_dir, step: int) -> Path:
 
 
 def checkpoint_step(path) -> int | None:
-    """The step in a checkpoint's name (``step_N``), or None for another name."""
     m = _NAME_RE.match(Path(path).name)
     return int(m.group(1)) if m else None
 
@@ -64,8 +63,8 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
 
 
 def newest_run_with_checkpoints(root: Path) -> Path | None:
-    """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times: a
-    refused resume still writes into its run directory and bumps that one's mtime)."""
+    """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times, not the
+    run directory's: a refused resume bumps that)."""
     newest: tuple[float, Path] | None = None
     for p in root.glob(f"*/{CKPT_DIR_NAME}/step_*"):
         with contextlib.suppress(OSError):  # removed meanwhile (keep=N rotation of a live run)
@@ -81,29 +80,23 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:
-        return True
+        pass
     return True
 
 
-def _stale_temp(path: Path) -> bool:
-    """A temp directory of ours or of a dead process; a live process's is its checkpoint being written."""
-    pid = path.name.split("-")[1] if path.name.count("-") >= 2 else ""
-    return pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid)))
-
-
 def _prune(out_dir, keep: int) -> None:
-    """Delete checkpoints beyond the newest ``keep`` and stale temp directories."""
+    """Delete checkpoints beyond the newest ``keep``, and the temp directories of this or a dead process (a
+    live process's is its checkpoint being written)."""
     for _, old in list_checkpoints(out_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
-    for stale in ckpt_dir(out_dir).glob(".tmp-*-step_*"):
-        if _stale_temp(stale):
-            shutil.rmtree(stale, ignore_errors=True)
+    for tmp in ckpt_dir(out_dir).glob(".tmp-*-step_*"):
+        pid = tmp.name.split("-")[1] if tmp.name.count("-") >= 2 else ""
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def remove_own_temps(out_dir) -> None:
-    """Delete this process's temp checkpoint folders: a process that exits at once (a second signal, in its
-    handler) mid-save leaves no half-written checkpoint of its own behind (a later save would prune it only if
-    the run is ever resumed)."""
+    """Delete this process's temp checkpoint folders (a process exiting at once mid-save leaves none)."""
     for tmp in ckpt_dir(out_dir).glob(f".tmp-{os.getpid()}-*"):
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -132,9 +125,8 @@ _BLOCK = 1 << 20
 
 
 def _crc32(path: Path) -> int:
-    """CRC-32 of a file read in 1 MiB blocks (memory stays flat for any shard size). zlib's crc32 ran at
-    4.0 GB/s on a 2-core CPU box (sha256 at 1.7), so a save or load of a GB of shards spends ~0.25 s on it;
-    it catches what the check is for: a truncated, overwritten or bit-flipped shard (not tampering)."""
+    """CRC-32 of a file in 1 MiB blocks: 4.0 GB/s on a 2-core CPU box (sha256: 1.7), ~0.25 s per GB of
+    shards; it catches a truncated, overwritten or bit-flipped shard (not tampering)."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
@@ -143,7 +135,6 @@ def _crc32(path: Path) -> int:
 
 
 def _file_table(d: Path) -> dict[str, list[int]]:
-    """{name: [size, crc32]} of every file of checkpoint directory ``d`` but the record."""
     return {
         p.name: [p.stat().st_size, _crc32(p)] for p in sorted(d.iterdir()) if p.is_file() and p.name != RECORD
     }
@@ -155,13 +146,11 @@ def _verify_files(p: Path, files: dict) -> None:
         f = p / name
         if not f.is_file():
             raise ValueError(f"{f} is missing (the checkpoint's record lists it)")
-        have = f.stat().st_size
-        if have != size:
+        if (have := f.stat().st_size) != size:
             raise ValueError(
                 f"{f} has {have} bytes, the checkpoint's record says {size} (truncated or overwritten)"
             )
-        got = _crc32(f)
-        if got != crc:
+        if (got := _crc32(f)) != crc:
             raise ValueError(
                 f"{f} has checksum crc32 {got:08x}, the checkpoint's record says {crc:08x} (corrupt)"
             )
@@ -204,8 +193,8 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
 
 
 def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
-    """Load a checkpoint's model (and optimizer) state into ``model`` (sharded or plain, the unwrapped module)
-    in place, at any world size; collective under a process group."""
+    """Load a checkpoint into ``model`` (the unwrapped module, sharded or not) and ``optimizer`` in place, at
+    any world size; collective under a process group."""
     no_dist = not _dist()
     with _no_dist_quiet():
         if optimizer is None:
@@ -232,8 +221,8 @@ def load_checkpoint(path) -> dict:
 
 
 def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
-    """The newest checkpoint of ``out_dir`` that loads, as (path, record); unloadable ones are skipped
-    with a warning naming them. (None, None) if none loads."""
+    """(path, record) of the newest checkpoint of ``out_dir`` that loads (the others skipped with a warning),
+    or (None, None)."""
     for _, path in list_checkpoints(out_dir):
         try:
             return path, load_checkpoint(path)
@@ -243,8 +232,8 @@ def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
 
 
 def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str | None:
-    """How a run's weights newer than its loadable step-``k`` checkpoint were lost, or None: a newer
-    checkpoint that does not load, or summary.json's ``last_checkpoint`` of a higher step that is gone."""
+    """How a run's weights newer than its loadable step-``k`` checkpoint were lost (a newer checkpoint that
+    does not load, or summary.json's ``last_checkpoint`` gone), or None."""
     newer = [p for s, p in list_checkpoints(run_dir) if s > k]
     lc = str(summary.get("last_checkpoint") or "")
     if newer and all_newer:
@@ -258,17 +247,11 @@ def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str |
 
 # ----------------------------------------------------------------------------------- the trainer's save
 class CheckpointSaveError(Exception):
-    """The checkpoint of ``step`` could not be written; the earlier ones are untouched. ``disk_full``: a
-    full disk or quota; ``need_bytes`` the checkpoint's estimated size, ``free_bytes`` the room left."""
+    """The checkpoint of ``step`` could not be written (the earlier ones are untouched)."""
 
     def __init__(self, message: str, step: int, disk_full: bool, need_bytes: int, free_bytes: int | None):
         super().__init__(message)
         self.step, self.disk_full, self.need_bytes, self.free_bytes = step, disk_full, need_bytes, free_bytes
-
-
-def _nbytes(module_or_opt) -> int:
-    leaves = torch.utils._pytree.tree_leaves(module_or_opt.state_dict())
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
 def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
@@ -325,7 +308,8 @@ def save(st, s: int) -> Path:
     try:
         path = save_checkpoint(st.raw_model, st.optimizer, record, st.out_dir, s, int(st.cfg.checkpoint.keep))
     except (OSError, RuntimeError, dcp.CheckpointException) as e:
-        need = _nbytes(st.raw_model) + _nbytes(st.optimizer)
+        leaves = torch.utils._pytree.tree_leaves([st.raw_model.state_dict(), st.optimizer.state_dict()])
+        need = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
         problem = save_problem(e, ckpt_path(st.out_dir, s), s, need)
     path, problem = st.broadcast((str(path) if path else None, problem))
     if problem is not None:  # every rank stops: the run cannot go on without its checkpoints
@@ -335,13 +319,9 @@ def save(st, s: int) -> Path:
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
-
-
 def tokenizer_record(meta: dict) -> dict:
-    """``state["tokenizer"]`` for a data directory's ``meta`` (``data.meta.load_meta``): ``{"name",
-    "vocab_size"}`` plus ``"itos"`` (list of single-character str) for the char tokenizer, and for the BPE its
-    ``"encoding"`` and ``"vocab_sha256"`` when the meta.json has them (data prepared before they were recorded
-    has not)."""
+    """``state["tokenizer"]`` for a data directory's meta: name, vocab_size, the char tokenizer's ``itos``,
+    the BPE's ``encoding`` and ``vocab_sha256`` where meta.json has them."""
     record = {"name": str(meta["tokenizer"]), "vocab_size": int(meta["vocab_size"])}
     if meta["tokenizer"] == "char":
         record["itos"] = list(meta["itos"])
@@ -349,11 +329,6 @@ def tokenizer_record(meta: dict) -> dict:
         if isinstance(meta.get(key), str):
             record[key] = meta[key]
     return record
-
-
-def _chars(cs) -> str:
-    shown = ", ".join(repr(c) for c in cs[:8])
-    return shown + (f" ... ({len(cs)} in all)" if len(cs) > 8 else "")
 
 
 def tokenizer_difference(record: dict, meta: dict) -> str | None:
@@ -372,10 +347,10 @@ def tokenizer_difference(record: dict, meta: dict) -> str | None:
             diffs.append(f"the same {len(old)} characters in another order (each id means another character)")
         else:
             text = f"character list of {len(old)} -> {len(new)} characters"
-            if gone:
-                text += f"; not in the new data: {_chars(gone)}"
-            if added:
-                text += f"; new: {_chars(added)}"
+            for what, cs in (("not in the new data", gone), ("new", added)):
+                if cs:
+                    more = f" ... ({len(cs)} in all)" if len(cs) > 8 else ""
+                    text += f"; {what}: {', '.join(repr(c) for c in cs[:8])}{more}"
             diffs.append(text)
     for key, what in (("encoding", "BPE encoding"), ("vocab_sha256", "BPE vocabulary (sha256)")):
         a, b = record.get(key), meta.get(key)
@@ -386,12 +361,8 @@ def tokenizer_difference(record: dict, meta: dict) -> str | None:
 
 
 def tokenizer_from_checkpoint(state: dict):
-    """The tokenizer a checkpoint's tokens were made with, from its record alone.
-
-    Raises:
-        ValueError: the record names no tokenizer, or not a complete one.
-        RuntimeError: tiktoken's GPT-2 files cannot be loaded (offline without ``TIKTOKEN_CACHE_DIR``).
-    """
+    """The tokenizer a checkpoint's tokens were made with, from its record alone (ValueError: none or an
+    incomplete one; RuntimeError: tiktoken's GPT-2 files cannot be loaded)."""
     from data.tokenizer import make_tokenizer
 
     record = state.get("tokenizer")
@@ -409,16 +380,15 @@ def tokenizer_from_checkpoint(state: dict):
 
 
 # ------------------------------------------------------------------------------------------- RNG state
-
-
 def rng_state() -> dict:
-    """This process's RNG states (torch CPU, CUDA (all devices), numpy global, python ``random``) as
-    ``weights_only``-loadable values (tensors, ints, tuples)."""
+    """This process's RNG states (torch CPU and CUDA, numpy, python ``random``) as ``weights_only``-loadable
+    values (tensors, ints, tuples)."""
     np_state = np.random.get_state()
     py_state = random.getstate()
+    plain = [x.item() if hasattr(x, "item") else x for x in np_state[2:]]
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_plain, np_state[2:])),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *plain),
         "python": (py_state[0], list(py_state[1]), py_state[2]),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -426,12 +396,7 @@ def rng_state() -> dict:
     return state
 
 
-def _plain(x):
-    return x.item() if hasattr(x, "item") else x
-
-
 def set_rng_state(state: dict) -> None:
-    """Restore states saved by ``rng_state``."""
     torch.set_rng_state(state["torch"])
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
