@@ -40,8 +40,7 @@ class NonFiniteError(Exception):
 
 @dataclass
 class Outcome:
-    """How a run ended: its status and the exit code it asks for; ``taken_dir``: a new run refused
-    because its directory already holds a run."""
+    """How a run ended; ``taken_dir``: a new run refused because its directory already holds a run."""
 
     status: str
     exit_code: int
@@ -61,13 +60,12 @@ def final_figures(st) -> dict:
             "last_checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
         }
         if st.step_tps:
-            tps = statistics.median(st.step_tps)
-            out["perf/tokens_per_sec"] = tps
-            out["perf/step_ms"] = statistics.median(st.step_ms)
+            tps = out["perf/tokens_per_sec"] = statistics.median(st.step_tps)
+            out["perf/step_ms"], out["perf/timed_steps"] = statistics.median(st.step_ms), len(st.step_tps)
             if st.peak_flops:
-                seq_len = int(st.cfg.seq_len)
-                out["perf/mfu"] = st.raw_model.estimate_mfu(tps / st.dist.world_size, seq_len, st.peak_flops)
-            out["perf/timed_steps"] = len(st.step_tps)
+                out["perf/mfu"] = st.raw_model.estimate_mfu(
+                    tps / st.dist.world_size, int(st.cfg.seq_len), st.peak_flops
+                )
         return out | st.gpu_busy.summary()
     except Exception:  # noqa: BLE001
         return {}
@@ -102,36 +100,34 @@ def finish(st, status: str, extra: dict, exit_code: int) -> None:
 
 
 def resume_command(st, resume: bool = True) -> str:
-    """The command that continues this run; keeps TRITON_INTERPRET=1 (flash on a CPU) and, under
-    torchrun, this launch's torchrun (several nodes: a placeholder for the rendezvous options).
-    ``resume=False``: the same launch into a new run directory. Each override is one shell word."""
+    """The command that continues this run (``resume=False``: the same launch into a new run directory), with
+    TRITON_INTERPRET and this launch's torchrun kept; each override is one shell word."""
     from kernels import interpret_enabled
 
     keep = [o for o in st.overrides if not o.startswith(("resume=", "out_dir=", "+resume=", "~resume"))]
+    keep = [shlex.quote(o) for o in keep]  # as the shell gave them to Hydra
     env = [f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET'].strip()}"] if interpret_enabled() else []
     launcher = "python train.py"
-    dist = getattr(st, "dist", None)
-    if dist is not None and dist.enabled:
+    if (dist := getattr(st, "dist", None)) is not None and dist.enabled:
         world = dist.world_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         launcher = f"torchrun --standalone --nproc_per_node={world} train.py"
-        if local != world:
+        if local != world:  # several nodes: a placeholder for the rendezvous options
             launcher = f"torchrun --nnodes={world // local} --nproc_per_node={local} <rendezvous> train.py"
-    keep = [shlex.quote(o) for o in keep]  # as the shell gave them to Hydra
     run = ["resume=true", hydra_arg("out_dir", st.out_dir)] if resume else []
     return " ".join([*env, launcher, *keep, *run])
 
 
 def hydra_arg(key: str, value) -> str:
-    """``key=value`` as one shell word that Hydra parses back to ``value``: plain where Hydra's unquoted
-    value grammar takes it, else Hydra-quoted (a path with ``=``, spaces or brackets) and shell-quoted."""
+    """``key=value`` as one shell word that Hydra parses back to ``value`` (a path with ``=``, spaces or
+    brackets Hydra-quoted and shell-quoted)."""
     text = str(value)
     if re.fullmatch(r"[\w./:+-]*", text):
         return f"{key}={text}"
     return shlex.quote(f"{key}='{text}'")
 
 
-def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:
+def _how_to_go_on(st, kept_what: str, none: str) -> tuple[str, str | None, str]:
     """(what is kept, resume hint or None, what to do then) for an ending that failed to write."""
     if st.last_ckpt:
         hint = resume_command(st)
@@ -141,12 +137,8 @@ def _how_to_go_on(st, kept_what: str) -> tuple[str, str | None, str]:
             f"resume with:\n  {hint}",
         )
     # no checkpoint: resume=true would be refused, and this out_dir keeps the failed run's records
-    return (
-        "",
-        None,
-        "start the run again in a new out_dir (no checkpoint to resume yet):\n  "
-        + resume_command(st, resume=False),
-    )
+    again = resume_command(st, resume=False)
+    return none, None, f"start the run again in a new out_dir (no checkpoint to resume yet):\n  {again}"
 
 
 def end_interrupted(st, s: int, signum: int):
@@ -161,7 +153,7 @@ def end_interrupted(st, s: int, signum: int):
 
 
 class SignalInterrupt(KeyboardInterrupt):
-    """SIGTERM during set-up, raised where the process is, as Ctrl-C raises KeyboardInterrupt."""
+    """SIGTERM during set-up, raised as Ctrl-C raises KeyboardInterrupt."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -171,7 +163,7 @@ class SignalInterrupt(KeyboardInterrupt):
 @contextlib.contextmanager
 def signals_interrupt():
     """SIGTERM raises ``SignalInterrupt`` in the block (the default would kill the process without a
-    summary); SIGINT raises KeyboardInterrupt as always. The previous handler comes back after it."""
+    summary); the previous handler comes back after it."""
 
     def interrupt(signum, frame):  # noqa: ARG001 - signal API
         raise SignalInterrupt(signum)
@@ -212,38 +204,33 @@ def end_before_first_step(st, signum: int) -> Outcome:
 
 
 def record_exit_now(st, signum: int) -> None:
-    """Second signal (the process exits at once, inside the signal handler): summary.json says
-    "interrupted", with the checkpoint and command to resume from, instead of staying "running"."""
+    """Second signal (the process exits at once, in the signal handler): summary.json says "interrupted",
+    with the command to resume, instead of staying "running"."""
     if not st.dist.is_main:
         return
     name = signal.Signals(signum).name
     with contextlib.suppress(OSError):  # a checkpoint being saved: its temp folder goes, not the run
         ckpt.remove_own_temps(st.out_dir)
     hint = resume_command(st) if st.last_ckpt else None
-    figures = final_figures(st)
-    extra = {"status": "interrupted", "signal": name, "exited_at_once": True, "resume_hint": hint}
+    figures, row = final_figures(st), {"status": "interrupted", "signal": name, "exited_at_once": True}
     # summary.json first: a fresh file, while the metrics file may be mid-write in the interrupted code
     st.log.release_reserve()  # the process exits at once: nothing else removes it
     with contextlib.suppress(DiskFullError):
-        write_json_atomic(st.out_dir / "summary.json", {**st.log.summary, **figures, **extra})
+        write_json_atomic(
+            st.out_dir / "summary.json", {**st.log.summary, **figures, **row, "resume_hint": hint}
+        )
     with contextlib.suppress(Exception):
-        st.log.log(
-            st.step, {"status": "interrupted", "signal": name, "exited_at_once": True}, wandb_too=False
-        )
-    if hint:
-        st.say(
-            f"{name}: exited at once after step {st.step}; last checkpoint {st.last_ckpt}\n"
-            f"resume with:\n  {hint}"
-        )
-    else:
-        st.say(f"{name}: exited at once after step {st.step}; no checkpoint was saved yet")
+        st.log.log(st.step, row, wandb_too=False)
+    more = (
+        f"last checkpoint {st.last_ckpt}\nresume with:\n  {hint}" if hint else "no checkpoint was saved yet"
+    )
+    st.say(f"{name}: exited at once after step {st.step}; {more}")
 
 
 def end_save_failed(st, e: ckpt.CheckpointSaveError):
     """A checkpoint could not be written: stop (disk_full or save_failed, exit 1), say what the disk needs,
     keep everything written before and print how to resume."""
-    kept, hint, then = _how_to_go_on(st, "the previous checkpoint")
-    kept = kept or "no earlier checkpoint exists"
+    kept, hint, then = _how_to_go_on(st, "the previous checkpoint", "no earlier checkpoint exists")
     if e.disk_full:
         short = e.need_bytes - (e.free_bytes or 0)
         # a quota can bite with space left: then ask for the whole checkpoint's room
@@ -274,8 +261,7 @@ def end_disk_full(st, e: BaseException):
     where = _mount_hint(st.out_dir)  # before the reserve is freed: what the user's disk holds
     st.log.release_reserve()  # room for the ending's records
     what = str(e) if isinstance(e, DiskFullError) else f"disk full: {first_line(disk_full_in(e) or e)}"
-    kept, hint, then = _how_to_go_on(st, "the last checkpoint")
-    kept = kept or "no checkpoint was saved yet"
+    kept, hint, then = _how_to_go_on(st, "the last checkpoint", "no checkpoint was saved yet")
     msg = (
         f"{what}. Run stopped after step {st.step}; {kept}; metrics.jsonl keeps every line written "
         f"whole. To go on: free space on {where}, then {then}"
@@ -309,9 +295,8 @@ def end_nonfinite(st, e: NonFiniteError):
 
 
 def oom_advice(attention: str, micro_batch_size: int, seq_len: int) -> str:
-    """What to change after an out-of-memory step: a smaller micro-batch (the same tokens per step through
-    more accumulation), else a shorter seq_len; attention=flash only where another backend ran (flash holds no
-    N x N scores; suggesting it to a flash run sent users in a circle)."""
+    """What to change after an out-of-memory step; attention=flash only where another backend ran
+    (suggesting it to a flash run sent users in a circle)."""
     if micro_batch_size > 1:
         half = micro_batch_size // 2
         advice = f"Try batch.micro_batch_size={half} (the same tokens per step, more accumulation)"
@@ -341,7 +326,6 @@ def end_oom(st, message: str):
 
 
 def _mount_hint(path: Path) -> str:
-    """``path``'s disk, as ``<path> (N MiB free)`` where the free space can be read."""
     try:
         free = shutil.disk_usage(path).free
     except OSError:
@@ -350,8 +334,7 @@ def _mount_hint(path: Path) -> str:
 
 
 def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Outcome:
-    """A full disk before the run could record anything (Hydra's files, the lock, the first records):
-    one clear line, nothing trained, exit 1."""
+    """A full disk before the run could record anything: one clear line, nothing trained, exit 1."""
     logging.raiseExceptions = False
     cause = disk_full_in(e)
     if isinstance(e, DiskFullError):
@@ -362,19 +345,15 @@ def report_disk_full(e: BaseException, out_dir: Path | str | None = None) -> Out
     else:
         what = f"disk full: {first_line(cause or e)}"
     where = _mount_hint(Path(out_dir)) if out_dir is not None else "that disk"
-    print(
-        f"error: {what}. Nothing was trained. Free space on {where} (or set out_dir= on another "
-        "disk), then run the command again",
-        file=sys.stderr,
-        flush=True,
-    )
+    more = f"Free space on {where} (or set out_dir= on another disk), then run the command again"
+    print(f"error: {what}. Nothing was trained. {more}", file=sys.stderr, flush=True)
     return Outcome("disk_full", EXIT_FAILED)
 
 
 def report_config_error(
     e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False, hydra_files: dict | None = None
 ) -> Outcome:
-    """Print ``config error: ...`` (no traceback)."""
+    """Print ``config error: ...`` (no traceback); record it only in a run directory of our own."""
     from trainer import rundir
 
     taken = str(e.out_dir) if isinstance(e, rundir.RunDirTaken) else None  # another run's: never written to
@@ -383,7 +362,6 @@ def report_config_error(
         with contextlib.suppress(OSError):
             if not multirun and rundir.discard_refused_run(out_dir):
                 return Outcome("error", EXIT_CONFIG)
-        # Record the error only in a run directory of our own
         if out_dir.is_dir() and not cfg.resume and not taken and not (out_dir / "summary.json").exists():
             with contextlib.suppress(OSError):
                 summary = {"status": "error", "error": str(e), "attention": cfg.attention.name}

@@ -48,14 +48,11 @@ def wandb_logged_in() -> bool:
 
 
 def resolve_wandb_mode(mode: str) -> str:
-    """Map ``wandb.mode`` to online | offline | disabled (see the module docstring for ``auto``)."""
+    """``wandb.mode`` as online | offline | disabled: auto is $WANDB_MODE, else online when logged in."""
     if mode != "auto":
         return mode
-    env = os.environ.get("WANDB_MODE", "").lower()
-    env = "offline" if env == "dryrun" else env
-    if env in ("online", "offline", "disabled"):
-        return env
-    return "online" if wandb_logged_in() else "offline"
+    env = {"dryrun": "offline"}.get(e := os.environ.get("WANDB_MODE", "").lower(), e)
+    return env if env in ("online", "offline", "disabled") else "online" if wandb_logged_in() else "offline"
 
 
 def _jsonable(v):
@@ -67,19 +64,18 @@ def _jsonable(v):
 
 
 def first_line(e: BaseException) -> str:
-    """``Type: first line of the message`` of an exception, for one-line reports."""
+    """``Type: first line of the message`` of an exception."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def step_of(row: dict) -> int | None:
-    """A metrics row's step as an int (None when it has none)."""
     s = row.get("step")
     return int(s) if isinstance(s, (int, float)) and not isinstance(s, bool) else None
 
 
 def live_branch(rows: list[dict]) -> list[dict]:
-    """The rows of the live branch of a metrics.jsonl, in order."""
+    """The rows of the live branch of a metrics.jsonl (a step below an earlier one drops those above it)."""
     out: list[dict] = []
     top: int | None = None
     for row in rows:
@@ -109,7 +105,6 @@ def os_error_in(e: BaseException | None, errnos: tuple[int, ...] | None = None) 
 
 
 def disk_full_in(e: BaseException | None) -> OSError | None:
-    """The full-disk (or over-quota) OSError behind ``e``."""
     return os_error_in(e, DISK_FULL_ERRNOS)
 
 
@@ -139,16 +134,14 @@ def writing(path: Path, undo=None):
 
 
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write ``obj`` as pretty JSON through a temp file + ``os.replace`` (``data.meta.atomic_write``); on a
-    failed write the temp file is removed and ``path`` is as it was (a full disk raises ``DiskFullError``)."""
+    """``obj`` as JSON through a temp file + ``os.replace``: a failed write leaves ``path`` as it was."""
     text = json.dumps({k: _jsonable(v) for k, v in obj.items()}, indent=2, sort_keys=True) + "\n"
     with writing(path):
         atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
 def append_whole(fd: int, data: bytes, path: Path) -> None:
-    """Append ``data`` to the open file ``fd`` (opened for appending) as a whole or not at all: a write
-    the disk cuts short is truncated back, so no torn line stays (a full disk raises ``DiskFullError``)."""
+    """Append ``data`` to ``fd`` (O_APPEND) whole or not at all: a write cut short is truncated back."""
     start = os.fstat(fd).st_size
     with writing(path, undo=lambda: os.ftruncate(fd, start)):
         view = memoryview(data)
@@ -157,7 +150,6 @@ def append_whole(fd: int, data: bytes, path: Path) -> None:
 
 
 def append_line(path: Path, text: str) -> None:
-    """Append ``text`` plus a newline to ``path`` whole or not at all (``append_whole``)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         append_whole(fd, (text + "\n").encode(), path)
@@ -165,28 +157,25 @@ def append_line(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def _parse(line: str) -> dict | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def read_metric_lines(out_dir: Path) -> list[tuple[dict | None, str]]:
     """(parsed row or None, raw line) of every non-blank line of ``<out_dir>/metrics.jsonl`` ([] without
     one); a line that does not parse (a killed run's truncated last one) gives None."""
-    path = Path(out_dir) / "metrics.jsonl"
-    out: list[tuple[dict | None, str]] = []
     try:
-        text = path.read_text()
+        text = (Path(out_dir) / "metrics.jsonl").read_text()
     except OSError:
-        return out
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            row = None
-        out.append((row if isinstance(row, dict) else None, line))
-    return out
+        return []
+    return [(_parse(line), line) for line in text.splitlines() if line.strip()]
 
 
 def read_metric_rows(out_dir: Path) -> list[dict]:
-    """The rows of ``<out_dir>/metrics.jsonl`` that parse (``read_metric_lines``)."""
     return [r for r, _ in read_metric_lines(out_dir) if r is not None]
 
 
@@ -194,13 +183,9 @@ class RunLogger:
     """metrics.jsonl + summary.json + W&B for one run."""
 
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True) -> None:
-        self.out_dir = Path(out_dir)
-        self.enabled = enabled
-        self.wandb_run = None
-        self.wandb_mode = "disabled"
-        self.wandb_parent: dict | None = None
+        self.out_dir, self.enabled, self.summary = Path(out_dir), enabled, {}
+        self.wandb_run, self.wandb_mode, self.wandb_parent = None, "disabled", None
         self._jsonl: int | None = None  # metrics.jsonl's file descriptor (O_APPEND)
-        self.summary: dict = {}
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._open_jsonl()
@@ -212,8 +197,7 @@ class RunLogger:
             self._jsonl = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _keep_reserve(self) -> None:
-        """Set ``RESERVE_BYTES`` aside in the run directory (``RESERVE_NAME``): written out, not sparse, so
-        deleting it frees that room for the ending's records on a full disk (``release_reserve``)."""
+        """Set ``RESERVE_BYTES`` aside, written out (not sparse): deleting it frees that room."""
         path = self.out_dir / RESERVE_NAME
         with writing(path, undo=path.unlink), open(path, "wb") as f:
             f.write(b"\0" * RESERVE_BYTES)
@@ -221,7 +205,6 @@ class RunLogger:
             os.fsync(f.fileno())
 
     def release_reserve(self) -> bool:
-        """Delete the reserve (``_keep_reserve``); True when there was one."""
         try:
             (self.out_dir / RESERVE_NAME).unlink()
             return True
@@ -229,20 +212,9 @@ class RunLogger:
             return False
 
     # ---------------------------------------------------------------------------------------- W&B
-    def start_wandb(
-        self,
-        *,
-        mode: str,
-        project: str,
-        entity: str | None,
-        group: str | None,
-        name: str,
-        tags: list[str],
-        config: dict,
-        run_id: str | None,
-        fork_at: int | None = None,
-    ) -> None:
-        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``."""
+    def start_wandb(self, *, mode: str, config: dict, run_id: str | None, fork_at: int | None = None, **kw):
+        """``wandb.init`` into ``<out_dir>/wandb`` with ``id=run_id`` (new when None), ``resume="allow"``;
+        ``kw``: project, entity, group, name, tags."""
         self.wandb_parent = None
         if not self.enabled:
             return
@@ -253,10 +225,8 @@ class RunLogger:
 
         saved = self.out_dir / WANDB_ID_FILE
         run_id = run_id or (saved.read_text().strip() if saved.is_file() else None)
-        common = dict(
-            project=project, entity=entity, group=group, name=name, tags=list(tags), job_type="train"
-        )
-        common |= dict(dir=str(self.out_dir), mode=self.wandb_mode)
+        common = {**kw, "tags": list(kw["tags"]), "job_type": "train"}
+        common |= {"dir": str(self.out_dir), "mode": self.wandb_mode}
         if fork_at is not None and run_id:
             self.wandb_parent = {"run_id": run_id, "step": int(fork_at)}
             config = {**config, "wandb_parent": dict(self.wandb_parent)}
@@ -273,8 +243,7 @@ class RunLogger:
             )
 
     def _init_fork(self, wandb, common: dict, config: dict, parent: str, step: int):
-        """A run forked from ``parent`` at ``step``; a plain new run (linked by config only) where the server
-        cannot fork."""
+        """A run forked from ``parent`` at ``step``; where the server cannot fork, a new one linked to it."""
         try:
             return wandb.init(**common, config=config, id=new_run_id(), fork_from=f"{parent}?_step={step}")
         except Exception as e:  # noqa: BLE001 - e.g. forking not enabled for this account
@@ -298,19 +267,18 @@ class RunLogger:
 
     # ---------------------------------------------------------------------------------------- metrics
     def log(self, step: int, metrics: dict, *, wandb_too: bool = True) -> None:
-        """Append ``{"step": step, **metrics}`` to metrics.jsonl (line-buffered) and, unless ``wandb_too`` is
-        False, ``wandb.log(metrics, step=step)``."""
+        """Append ``{"step": step, **metrics}`` to metrics.jsonl and (``wandb_too``) log it to W&B."""
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
-        append_whole(self._jsonl, (json.dumps(row) + "\n").encode(), self.out_dir / "metrics.jsonl")
+        metrics = {k: _jsonable(v) for k, v in metrics.items()}
+        row = json.dumps({"step": int(step), **metrics}) + "\n"
+        append_whole(self._jsonl, row.encode(), self.out_dir / "metrics.jsonl")
         if wandb_too and self.wandb_run is not None:
-            self.wandb_run.log({k: _jsonable(v) for k, v in metrics.items()}, step=int(step))
+            self.wandb_run.log(metrics, step=int(step))
 
     def last_logged_step(self) -> int | None:
-        """Highest step of metrics.jsonl's live branch (None when nothing is logged)."""
         steps = [x for x in map(step_of, live_branch(read_metric_rows(self.out_dir))) if x is not None]
-        return max(steps) if steps else None
+        return max(steps, default=None)
 
     def set_apart_after(self, step: int) -> dict | None:
         """Move the lines of steps after ``step`` (the abandoned branch of a resume from an older checkpoint)
@@ -326,16 +294,14 @@ class RunLogger:
         if not gone:
             return None
         steps = [x for x in (step_of(r) for r, _ in gone if r is not None) if x is not None]
-        last = max(steps) if steps else step + 1
+        last = max(steps, default=step + 1)
         payload = "".join(raw + "\n" for _, raw in gone)
         base = f"metrics.abandoned.{step + 1}-{last}"
         dest, n = self.out_dir / f"{base}.jsonl", 1
         while dest.exists() and dest.read_text() != payload:  # never overwrite an earlier branch
             n += 1
             dest = self.out_dir / f"{base}.{n}.jsonl"
-        if self._jsonl is not None:
-            os.close(self._jsonl)
-            self._jsonl = None
+        self._close_jsonl()
         live = self.out_dir / "metrics.jsonl"
         try:  # metrics.jsonl is whole either way (only atomic_write's os.replace changes it)
             with writing(live):
@@ -347,7 +313,7 @@ class RunLogger:
         return {"path": dest, "first": step + 1, "last": last, "lines": len(gone), "wandb_steps": wandb_steps}
 
     def set_summary(self, values: dict) -> None:
-        """Merge into the run summary: summary.json (atomic rewrite) and the W&B summary."""
+        """Merge into summary.json (atomic rewrite) and the W&B summary."""
         if not self.enabled:
             return
         self.summary.update({k: _jsonable(v) for k, v in values.items()})
@@ -359,15 +325,18 @@ class RunLogger:
         if self.wandb_run is not None and hasattr(self.wandb_run, "mark_preempting"):
             self.wandb_run.mark_preempting()
 
-    def close(self, exit_code: int = 0) -> None:
-        """Flush and close metrics.jsonl and finish the W&B run (prints the sync command when offline)."""
-        if not self.enabled:
-            return
+    def _close_jsonl(self) -> None:
         if self._jsonl is not None:
             with contextlib.suppress(OSError):  # every line was written whole already
                 os.fsync(self._jsonl)
             os.close(self._jsonl)
             self._jsonl = None
+
+    def close(self, exit_code: int = 0) -> None:
+        """Close metrics.jsonl and finish the W&B run (prints the sync command when offline)."""
+        if not self.enabled:
+            return
+        self._close_jsonl()
         self.release_reserve()
         if self.wandb_run is not None:
             sync_dir = self.wandb_sync_dir()
