@@ -40,9 +40,8 @@ FOLLOWS = ("block_size", "vocab_size")
 
 
 def _group_of_gpt(cls_name: str, names: dict[str, str], preset: str | None = None) -> type:
-    """A Hydra group's dataclass made from GPTConfig's fields ``names`` ({key: field}; with ``preset``, a
-    ``name`` key for the records first): each keeps its type, default and doc (``FOLLOWS``: also null) and
-    names its GPTConfig field (metadata ``gpt``), whose check is GPTConfig's."""
+    """A Hydra group's dataclass of GPTConfig's fields ``names`` ({key: field}; with ``preset``, a ``name``
+    key first): each keeps its type, default and doc and names its GPTConfig field (metadata ``gpt``)."""
     hints, docs, default = typing.get_type_hints(GPTConfig), gpt_docs(), GPTConfig()
     rows = [("name", str, spec(preset, "preset name (for records; the sizes below are what counts)"))]
     for key, name in names.items():
@@ -62,9 +61,7 @@ ModelConfig = _group_of_gpt(
 
 
 @dataclass
-class DataConfig:
-    """``data=shakespeare|shakespeare_char`` (configs/data/): the corpus and where it is prepared."""
-
+class DataConfig:  # data=shakespeare|shakespeare_char (configs/data/): the corpus, where it is prepared
     name: str = spec("shakespeare", "dataset name (for records)")
     source: str | None = spec(
         None,
@@ -93,9 +90,7 @@ class DataConfig:
 
 
 @dataclass
-class OptimConfig:
-    """``optim=adamw`` (configs/optim/): AdamW, linear warmup, cosine decay to min_lr."""
-
+class OptimConfig:  # optim=adamw (configs/optim/): AdamW, linear warmup, cosine decay to min_lr
     name: str = spec("adamw", "optimizer (AdamW; decay on 2-D weights only, fused on CUDA)", ("adamw",))
     lr: float = spec(6.0e-4, "peak learning rate", FINITE, 6e-4)
     min_lr: float = spec(6.0e-5, "learning rate at the end of the cosine decay", FINITE, 6e-5)
@@ -112,9 +107,7 @@ class OptimConfig:
 
 
 @dataclass
-class BatchConfig:
-    """``batch.*``: tokens per optimizer step and how one rank's share is cut into micro-batches."""
-
+class BatchConfig:  # batch.*: tokens per optimizer step, one rank's share cut into micro-batches
     tokens_per_step: int = spec(
         65536, "tokens per optimizer step, over micro-batches and ranks", POS_INT, 65536
     )
@@ -130,9 +123,7 @@ class BatchConfig:
 
 
 @dataclass
-class EvalConfig:
-    """``eval.*``: validation passes on fixed batches."""
-
+class EvalConfig:  # eval.*: validation passes on fixed batches
     interval: int = spec(
         100,
         "optimizer steps between validation passes (0: none between; at_start and the end still)",
@@ -147,9 +138,7 @@ class EvalConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """``checkpoint.*``: atomic checkpoints in <out_dir>/ckpt."""
-
+class CheckpointConfig:  # checkpoint.*: atomic checkpoints in <out_dir>/ckpt
     interval: int = spec(
         500, "optimizer steps between checkpoints (0 = only at the end / on preemption)", NONNEG_INT, 500
     )
@@ -158,17 +147,13 @@ class CheckpointConfig:
 
 
 @dataclass
-class ParityConfig:
-    """``parity.*``: loss/logits against a reference backend on the same batch and weights."""
-
+class ParityConfig:  # parity.*: loss/logits against a reference backend, same batch and weights
     every: int = spec(0, "compare every K steps (0 = off)", NONNEG_INT, 50)
     reference: str = spec("naive", "reference backend: naive | sdpa", ("naive", "sdpa"))
 
 
 @dataclass
-class PerfConfig:
-    """``perf.*``: throughput and MFU accounting."""
-
+class PerfConfig:  # perf.*: throughput and MFU accounting
     peak_flops: Any = spec(
         "auto", "FLOP/s per device for MFU: auto (from the GPU name; no MFU on a CPU) or a number"
     )
@@ -200,9 +185,7 @@ class PerfConfig:
 
 
 @dataclass
-class WandbConfig:
-    """``logger=wandb`` (key ``wandb``): Weights & Biases run settings."""
-
+class WandbConfig:  # logger=wandb (key wandb): Weights & Biases run settings
     mode: str = spec(
         "auto",
         "auto (online when logged in, else offline) | online | offline | disabled",
@@ -220,9 +203,7 @@ PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass
-class TrainConfig:
-    """The whole train.py config (configs/config.yaml composes groups on top of it)."""
-
+class TrainConfig:  # the whole train.py config (configs/config.yaml composes groups on top of it)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -289,8 +270,8 @@ class TrainConfig:
 
 
 def typed(cfg) -> TrainConfig:
-    """The composed config as a ``TrainConfig``, interpolations resolved; a key outside the schema
-    (``+typo=1``, which gets past OmegaConf) is a ConfigError. A TrainConfig is returned as it is."""
+    """The composed config as a ``TrainConfig``; a key outside the schema (``+typo=1``, which gets past
+    OmegaConf) is a ConfigError."""
     from omegaconf import OmegaConf, open_dict
 
     if isinstance(cfg, TrainConfig):
@@ -304,16 +285,12 @@ def typed(cfg) -> TrainConfig:
 
 
 def gpt_config_for(cfg, vocab_size: int | None = None, doc_separator_ids=None) -> GPTConfig:
-    """The run's ``GPTConfig`` from its ``model.*`` and ``attention.*`` keys (fields of metadata ``gpt``),
-    ``model.block_size`` (null: ``seq_len``) and ``vocab_size`` (null: ``model.vocab_size``, else GPT-2's
-    padded 50304 until the data are known)."""
+    """The run's ``GPTConfig`` from its ``model.*`` and ``attention.*`` keys; block_size null: ``seq_len``,
+    vocab_size null: ``model.vocab_size``, else GPT-2's padded 50304 until the data are known."""
     args = {"doc_separator_ids": doc_separator_ids}
     for schema, group in ((ModelConfig, cfg.model), (AttentionConfig, cfg.attention)):
-        args.update(
-            {f.metadata["gpt"]: getattr(group, f.name) for f in fields(schema) if "gpt" in f.metadata}
-        )
-    if args["block_size"] is None:
-        args["block_size"] = cfg.seq_len
+        args |= {f.metadata["gpt"]: getattr(group, f.name) for f in fields(schema) if "gpt" in f.metadata}
+    args["block_size"] = args["block_size"] if args["block_size"] is not None else cfg.seq_len
     args["vocab_size"] = vocab_size or args["vocab_size"] or GPTConfig.vocab_size
     return GPTConfig(**args)
 
@@ -326,7 +303,7 @@ def validate(cfg) -> tuple[TrainConfig, GPTConfig]:
         gpt = gpt_config_for(t)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    m, a, d, o, p = t.model, t.attention, t.data, t.optim, t.perf
+    m, a, d, o = t.model, t.attention, t.data, t.optim
     if m.block_size is not None and t.seq_len > m.block_size:
         raise ConfigError(
             f"seq_len={t.seq_len} is larger than model.block_size={m.block_size}; use seq_len={m.block_size} "
@@ -351,7 +328,7 @@ def validate(cfg) -> tuple[TrainConfig, GPTConfig]:
             f"optim.lr={o.lr} / optim.min_lr={o.min_lr}: need 0 <= min_lr <= lr and lr > 0, "
             "e.g. optim.lr=6e-4 optim.min_lr=6e-5"
         )
-    if p.trace and not p.profile_steps:
+    if t.perf.trace and not t.perf.profile_steps:
         raise ConfigError(
             "perf.trace=true traces the profiled steps, and perf.profile_steps=0 profiles none; "
             "set perf.profile_steps=3 (for example) or perf.trace=false"

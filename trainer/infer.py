@@ -18,15 +18,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class InferError(Exception):
-    """A user error of sample.py / eval.py: the message names the key and what to do (printed as
-    ``error: ...``, exit 2)."""
+    """A user error of sample.py / eval.py, naming the key and what to do (``error: ...``, exit 2)."""
 
 
 def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple[Path, dict, Path]:
-    """The checkpoint to use, as (path, record, run directory): ``ckpt_path`` when given (a checkpoint
-    directory or a file in it; its run directory is the folder above its ``ckpt/``, which ``run``, when
-    given too, must be), else the newest checkpoint of ``run`` that loads (unloadable ones are skipped with a
-    warning)."""
+    """(path, record, run directory) of ``ckpt_path`` (a checkpoint directory or a file in it, of the run
+    ``run`` when given too), else of the newest checkpoint of ``run`` that loads."""
     if ckpt_path:
         p = _checkpoint_dir(ckpt_path)
         run_dir = p.parent.parent if p.parent.name == ckpt.CKPT_DIR_NAME else p.parent
@@ -59,14 +56,18 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
             warn(f"warning: checkpoint {p} does not load ({e}); trying an older one")
     if state is None:
         raise InferError(no_checkpoint_message(run, run_dir))
-    lost = lost_newer_checkpoint(run_dir, int(state["step"]))
-    if lost:
+    step, summary = int(state["step"]), read_summary(run_dir)
+    if how := ckpt.lost_after(run_dir, step, summary):
+        newer = [s for s, _ in ckpt.list_checkpoints(run_dir) if s > step]
+        at = newer[0] if newer else ckpt.checkpoint_step(summary["last_checkpoint"])
+        final = "final" if summary.get("status") == "ok" and summary.get("steps") == at else "newest"
         warn(
-            f"warning: run={run}: {lost}; using {path.name} (step {state['step']}) instead, which is NOT "
-            f"the model the run ended with. Rebuild the lost weights with: python train.py resume=true "
-            f"out_dir={run_dir} (it replays the steps after {state['step']} with the run's own schedule)"
+            f"warning: run={run}: its {final} weights (step {at}) are gone: {how}; using {path.name} (step "
+            f"{step}) instead, which is NOT the model the run ended with. Rebuild the lost weights with: "
+            f"python train.py resume=true out_dir={run_dir} (it replays the steps after {step} with the "
+            "run's own schedule)"
         )
-    elif (trained := _trained_steps(run_dir)) > int(state["step"]):  # e.g. checkpoint.at_end=false
+    elif isinstance(trained := summary.get("steps"), int) and trained > step:  # e.g. checkpoint.at_end=false
         warn(
             f"warning: run={run} trained to step {trained}, but its newest checkpoint is {path.name} (step "
             f"{state['step']}): no checkpoint holds {step_span(int(state['step']) + 1, trained)}, so these "
@@ -75,14 +76,7 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     return path, state, run_dir
 
 
-def _trained_steps(run_dir: Path) -> int:
-    """The steps the run's summary.json says it trained (0 when it says none)."""
-    steps = read_summary(run_dir).get("steps")
-    return steps if isinstance(steps, int) else 0
-
-
 def _checkpoint_dir(ckpt_path: str) -> Path:
-    """The checkpoint directory ``ckpt=`` names: itself, or the directory of a file in it."""
     p = Path(ckpt_path)
     if not p.exists():
         in_run = p.parent.name == ckpt.CKPT_DIR_NAME  # runs/<run>/ckpt/step_<N>: list the run's checkpoints
@@ -102,7 +96,7 @@ def _checkpoint_dir(ckpt_path: str) -> Path:
 
 
 def load_record(p: Path) -> dict:
-    """``checkpoint.load_checkpoint(p)``; ValueError (saying so) for a record torch cannot read."""
+    """``checkpoint.load_checkpoint(p)``; ValueError also for a record torch cannot read."""
     try:
         return ckpt.load_checkpoint(p)
     except ValueError:
@@ -138,28 +132,13 @@ def no_checkpoint_message(run: str, run_dir: Path) -> str:
     )
 
 
-def lost_newer_checkpoint(run_dir: Path, step: int) -> str | None:
-    """ "its final weights (step 8) are gone: step_00000008 is missing (deleted)", or None."""
-    summary = read_summary(run_dir)
-    how = ckpt.lost_after(run_dir, step, summary)
-    if how is None:
-        return None
-    newer = [s for s, _ in ckpt.list_checkpoints(run_dir) if s > step]
-    at = newer[0] if newer else ckpt.checkpoint_step(summary["last_checkpoint"])
-    final = summary.get("status") == "ok" and summary.get("steps") == at
-    return f"its {'final' if final else 'newest'} weights (step {at}) are gone: {how}"
-
-
 def run_data_dir(state: dict, run_dir: Path) -> str | None:
-    """The data directory of a checkpoint's run (``data.dir`` of its config), None when it names none."""
+    """The ``data.dir`` of a checkpoint's run (as its cwd meant it), None when it names none."""
     data_dir = ((state.get("config") or {}).get("data") or {}).get("dir")
-    if not data_dir:
-        return None
-    return anchored(str(data_dir), run_cwd(run_dir))
+    return anchored(str(data_dir), run_cwd(run_dir)) if data_dir else None
 
 
 def resolve_device(device: str) -> torch.device:
-    """``auto`` -> cuda when available, else cpu. Raises InferError for cuda without a GPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -172,7 +151,6 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` -> bfloat16 on cuda, float32 on cpu; else one of ``DTYPES``. Raises InferError."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
@@ -183,16 +161,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def build_model(
     state: dict, attention: str | None, sdpa_backend: str | None, device: torch.device, dtype: torch.dtype
 ):
-    """The checkpoint's GPT in eval mode on ``device`` in ``dtype`` (weights cast), with attention backend
-    ``attention`` (None: the one it trained with) and ``sdpa_backend`` (None: the trained one)."""
+    """The checkpoint's GPT in eval mode on ``device`` in ``dtype``, with backend ``attention`` and
+    ``sdpa_backend`` (None: the trained ones)."""
     from model import GPT, GPTConfig
 
-    args = dict(state["model_args"])
-    args["dropout"] = 0.0  # inference: no dropout whatever the run trained with
-    if attention:
-        args["attention"] = attention
-    if sdpa_backend:
-        args["sdpa_backend"] = sdpa_backend
+    args = {**state["model_args"], "dropout": 0.0}  # inference: no dropout whatever the run trained with
+    args |= {k: v for k, v in (("attention", attention), ("sdpa_backend", sdpa_backend)) if v}
     fields = {f.name for f in dataclasses.fields(GPTConfig)}
     try:
         config = GPTConfig(**{k: v for k, v in args.items() if k in fields})
@@ -227,7 +201,7 @@ def build_model(
 
 
 def read_prompt(prompt: str) -> str:
-    """``prompt`` itself, or the text of PATH for ``file:PATH`` (UTF-8). Raises InferError."""
+    """``prompt`` itself, or the UTF-8 text of PATH for ``file:PATH``."""
     if prompt.startswith("file:"):
         path = Path(os.path.expanduser(prompt[len("file:") :]))
         try:

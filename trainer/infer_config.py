@@ -37,9 +37,7 @@ __all__ = [
 
 
 @dataclass
-class InferAttentionConfig:
-    """``attention=naive|sdpa|flash`` (configs/attention/) for inference; unset = the run's own."""
-
+class InferAttentionConfig:  # attention=naive|sdpa|flash (configs/attention/); unset = the run's own
     name: str | None = spec(
         None, "attention backend: naive | sdpa | flash; null = the one the run trained with"
     )
@@ -49,9 +47,7 @@ class InferAttentionConfig:
 
 
 @dataclass
-class SampleConfig:
-    """The whole sample.py config (configs/sample.yaml)."""
-
+class SampleConfig:  # the whole sample.py config (configs/sample.yaml)
     attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
     run: str | None = spec(None, "run directory (runs/<name>); its newest checkpoint that loads is used")
     ckpt: str | None = spec(None, "or a checkpoint: runs/<run>/ckpt/step_<N> (or a file in it)")
@@ -89,17 +85,13 @@ class SampleConfig:
 
 
 @dataclass
-class EvalDataConfig:
-    """``data.*`` of eval.py: which split of which data directory."""
-
+class EvalDataConfig:  # data.* of eval.py: which split of which data directory
     split: str = spec("val", "val | train", ("val", "train"))
     dir: str | None = spec(None, "data directory; null = the one the run trained on (its config's data.dir)")
 
 
 @dataclass
-class EvalConfig:
-    """The whole eval.py config (configs/eval.yaml)."""
-
+class EvalConfig:  # the whole eval.py config (configs/eval.yaml)
     attention: InferAttentionConfig = field(default_factory=InferAttentionConfig)
     data: EvalDataConfig = field(default_factory=EvalDataConfig)
     run: str | None = spec(None, "run directory; its newest checkpoint that loads is used")

@@ -17,8 +17,9 @@ from trainer.rundir import RESOLVED_CONFIG, parse_overrides, read_resolved_confi
 #: keys of config.resolved.yaml a resume never takes from it: this command's own (where, and that it resumes)
 _NOT_RESUMED = ("out_dir", "run_name", "resume", "derived")
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
-#: where config.resolved.yaml records the run's config-group options (under "derived": never resumed)
-CHOICES_KEY = "group_choices"
+CHOICES_KEY = "group_choices"  # the run's config-group options, under config.resolved.yaml's "derived"
+_DATA_KEYS_FREE = ("data.workers",)  # data keys a resume may change: how many processes tokenize
+_CWD_PATHS = ("data.dir", "data.source")  # saved path keys relative to the working directory of the run
 
 
 @contextlib.contextmanager
@@ -48,10 +49,8 @@ def _leaves(node, prefix: str = "") -> dict:
 
 def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str], str]:
     """What this command line sets over a run composed from the group options ``choices``: the dotted keys
-    (those it names, and every key whose composed value it changes, e.g. those a preset or a swapped group
-    option sets), and their description for the start-up line: the options chosen with the keys they changed
-    in parentheses, then the keys named (``experiment=cpu_tiny (batch.micro_tokens, ..., seq_len),
-    max_steps``; "nothing" for none)."""
+    it names or whose composed value it changes (a preset, a swapped group option), and their description
+    (``experiment=cpu_tiny (batch.micro_tokens, ..., seq_len), max_steps``; "nothing" for none)."""
     from hydra import compose
     from omegaconf import OmegaConf
 
@@ -75,8 +74,7 @@ def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str
 
 
 def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
-    """``saved`` without the keys the command line set (``keys``, or a key under one of them) and without
-    keys this config schema no longer has (a run saved by an older trainer)."""
+    """``saved`` without ``keys`` (and keys under them) and keys the schema no longer has."""
     out = {}
     for k, v in saved.items():
         key = f"{prefix}{k}"
@@ -91,8 +89,8 @@ def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
 
 
 def resume_config(cfg, run_dir: Path, overrides: list[str]):
-    """The config of ``resume=true``: the run's own resolved config (``<run_dir>/config.resolved.yaml``), with
-    only what this command line changes on top (``changed_keys``)."""
+    """The run's own config.resolved.yaml with only what this command line changes on top, and the
+    description of those changes (None without a record)."""
     from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / RESOLVED_CONFIG
@@ -125,15 +123,9 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
     return merged, given
 
 
-#: data keys a resume may change: how many processes tokenize (the tokens are the same)
-_DATA_KEYS_FREE = ("data.workers",)
-
-
 def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
-    """``key (run's value -> this command's)`` for each ``data.*`` key (and ``seed``) the command line set to
-    another value than the run's (paths compared where they point: the run's relative to its own cwd), and
-    whether data.source names another path that holds the run's corpus (``_same_corpus``: moved, not changed).
-    """
+    """``key (run's value -> this command's)`` for each ``data.*`` key (and ``seed``) the command line changed
+    (paths compared where they point), and whether data.source is another path of the run's corpus (moved)."""
     from omegaconf import OmegaConf
 
     cwd, run, out, moved = saved_cwd(saved), _leaves(saved), [], False
@@ -152,8 +144,7 @@ def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]
 
 
 def _same_corpus(source, merged) -> bool:
-    """``source`` (a local text file, directory or glob) holds what the run's data.dir was prepared from:
-    the SHA-256 its meta.json records (a text file's bytes; a directory's file names, sizes and mtimes)."""
+    """``source`` (a local file, directory or glob) has the SHA-256 the run's data.dir/meta.json records."""
     from data.prepare import source_sha256
 
     try:
@@ -165,15 +156,18 @@ def _same_corpus(source, merged) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ group choices
+def _derived(saved, key: str):
+    derived = saved.get("derived") if isinstance(saved, dict) else None
+    return derived.get(key) if isinstance(derived, dict) else None
+
+
 def _saved_choices(saved: dict) -> dict:
-    derived = saved.get("derived")
-    choices = derived.get(CHOICES_KEY) if isinstance(derived, dict) else None
+    choices = _derived(saved, CHOICES_KEY)
     return {str(k): str(v) for k, v in choices.items() if v is not None} if isinstance(choices, dict) else {}
 
 
 def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, str]:
-    """This run's config-group options, for config.resolved.yaml: Hydra's runtime choices (its own ``hydra/*``
-    groups left out; {} outside a Hydra app)."""
+    """This run's config-group options for config.resolved.yaml (Hydra's own groups left out)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -188,39 +182,27 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
     return {**old, **{g: v for g, v in current.items() if g in chosen or g not in old}}
 
 
-#: saved path keys that are relative to the working directory of the run's start
-_CWD_PATHS = ("data.dir", "data.source")
-
-
 def saved_cwd(saved: dict) -> str | None:
-    """The working directory a run started in (``derived.cwd`` of its config.resolved.yaml, as a dict),
-    which its relative paths are relative to; None when it is not recorded."""
-    derived = saved.get("derived") if isinstance(saved, dict) else None
-    cwd = derived.get("cwd") if isinstance(derived, dict) else None
+    """The working directory a run started in (``derived.cwd``), None when it is not recorded."""
+    cwd = _derived(saved, "cwd")
     return cwd if isinstance(cwd, str) and cwd else None
 
 
 def run_cwd(run_dir: Path) -> str | None:
-    """``saved_cwd`` of ``<run_dir>/config.resolved.yaml``; None when that file is absent or unreadable
-    (a checkpoint copied out of its run, a run from before the record)."""
     return saved_cwd(read_resolved_config(run_dir))
 
 
 def anchored(value: str, cwd: str | None) -> str:
-    """A run's saved path ``value`` as it meant it: relative to ``cwd``, the directory it started in, when it
-    is relative and ``cwd`` is not this process's working directory; an empty value, a URL, an absolute or
-    ``~`` path, and any path with no ``cwd`` on record come back as they are."""
+    """A run's saved relative path ``value`` as it meant it: relative to ``cwd``, the directory it started in;
+    an empty value, a URL, an absolute or ``~`` path, or no ``cwd`` on record: as it is."""
     if not value or cwd is None or "://" in value or os.path.isabs(os.path.expanduser(value)):
         return value
-    if Path(cwd) == Path.cwd():
-        return value
-    return str(Path(cwd) / value)
+    return value if Path(cwd) == Path.cwd() else str(Path(cwd) / value)
 
 
 def _anchor_relative_paths(merged, saved: dict, set_here: set[str]) -> None:
-    """A relative data.dir / data.source taken from the saved config means what it meant in the run's own
-    working directory (``derived.cwd``), not in the resume's: a resume from elsewhere would otherwise prepare
-    (or download) the data again in a new place."""
+    """A relative data.dir / data.source from the saved config means what it meant in the run's own cwd: a
+    resume from elsewhere would otherwise prepare (or download) the data again in a new place."""
     from omegaconf import OmegaConf
 
     cwd = saved_cwd(saved)
