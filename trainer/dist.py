@@ -28,7 +28,7 @@ class DistInfo:
 
 
 def init_distributed(device_type: str) -> DistInfo:
-    """Join the torchrun process group (NCCL on CUDA, gloo on CPU) when ``WORLD_SIZE`` > 1 is set."""
+    """Join torchrun's process group (NCCL on CUDA, gloo on CPU) when ``WORLD_SIZE`` > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or "RANK" not in os.environ:
         return DistInfo()
@@ -42,7 +42,7 @@ def init_distributed(device_type: str) -> DistInfo:
 
 
 def broadcast_obj(obj):
-    """``obj`` of rank 0 on every rank (``broadcast_object_list``; a process group must exist)."""
+    """``obj`` of rank 0 on every rank (a process group must exist)."""
     import torch.distributed as dist
 
     box = [obj]
@@ -51,24 +51,20 @@ def broadcast_obj(obj):
 
 
 def global_micro_index(micro: int, grad_accum: int, rank: int, world_size: int) -> int:
-    """Index of rank ``rank``'s micro-batch ``micro`` in the step's global batch, in [0, grad_accum x
-    world_size): ``micro * world_size + rank``."""
+    """Index of rank ``rank``'s micro-batch ``micro`` in the step's global batch."""
     if not 0 <= micro < grad_accum or not 0 <= rank < world_size:
         raise ValueError(f"micro={micro} / rank={rank} outside grad_accum={grad_accum} / world={world_size}")
     return micro * world_size + rank
 
 
 def shard_model(model, device_type: str, world_size: int, bf16: bool, compile_options: dict | None):
-    """FSDP2 (``torch.distributed.fsdp.fully_shard``) over all ranks: each transformer block, then the root
-    (embeddings, final LayerNorm, the tied lm_head)."""
+    """FSDP2 ``fully_shard`` over all ranks: each transformer block, then the root (embeddings, lm_head)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device_type, (world_size,))
-    mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if bf16
-        else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(
+        **({"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if bf16 else {})
     )
     for block in model.transformer.h:
         if compile_options is not None:
@@ -85,15 +81,14 @@ def local_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_world() -> int:
-    """WORLD_SIZE of a launch of several ranks with a store address (torchrun); 0 otherwise."""
+    """WORLD_SIZE of a torchrun launch of several ranks (with a store address); 0 otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return world if world > 1 and "RANK" in os.environ and "MASTER_PORT" in os.environ else 0
 
 
 def _launch_store(timeout_s: float):
-    """A client of this torchrun launch's c10d store (torchrun's agent store at MASTER_ADDR:MASTER_PORT), or
-    None outside torchrun or without the agent store (another launcher: a store of our own at that port would
-    take the one ``init_process_group`` opens there)."""
+    """A client of torchrun's agent store at MASTER_ADDR:MASTER_PORT, or None outside torchrun or without the
+    agent store (a store of our own at that port would take the one ``init_process_group`` opens there)."""
     world = _launch_world()
     if not world or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
@@ -110,8 +105,8 @@ def _launch_store(timeout_s: float):
 
 
 def _launch_key(name: str) -> str:
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    return f"flashgpt/{name}/{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    env = os.environ.get
+    return f"flashgpt/{name}/{env('TORCHELASTIC_RUN_ID', '')}/{env('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 # rank0_verdict calls in this process (the jobs of a -m sweep run in the same order on every rank)

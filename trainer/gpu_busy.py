@@ -15,19 +15,15 @@ class GpuBusy:
 
     def __init__(self, skip: int, steps: int, enabled: bool, trace_dir=None) -> None:
         self.skip, self.steps = int(skip), int(steps)
-        self.enabled = bool(enabled) and self.steps > 0
-        self.trace_dir = trace_dir
-        self._prof = None
-        self._done = 0
-        self._wall_s = 0.0
+        self.enabled, self.active = bool(enabled) and self.steps > 0, False
+        self.trace_dir, self._prof, self._done, self._wall_s = trace_dir, None, 0, 0.0
         self._gpu_us: float | None = None
         self._first = self._last = None  # global steps of the window (trace file name)
-        self.active = False
 
     @contextlib.contextmanager
     def step(self, steps_done: int, step: int | None = None):
-        """Profile this step if it falls in the window [skip, skip + steps) of this process's steps and the
-        window was not closed early; `step` is the global step number (for the trace file's name)."""
+        """Profile this step if it falls in the window [skip, skip + steps) of this process's steps (and the
+        window was not closed early); ``step``: the global step, for the trace file's name."""
         self.active = self.enabled and self.skip <= steps_done < self.skip + self.steps
         if not self.active:
             yield
@@ -57,8 +53,8 @@ class GpuBusy:
         self._gpu_us, self._done, self._wall_s = None, 0, 0.0
 
     def add_wall(self, dt: float) -> bool:
-        """Record the wall time (s) of the step just run; closes the window after the last one. Returns
-        whether that step was profiled (the caller leaves it out of the tokens/sec median)."""
+        """Add the wall time (s) of the step just run (closing the window after its last); whether it was
+        profiled (then left out of the tokens/sec median)."""
         if not self.active:
             return False
         self._wall_s += dt
@@ -68,8 +64,8 @@ class GpuBusy:
         return True
 
     def close(self) -> None:
-        """End the profiling window now (no-op when none is open) and allow no other one: the GPU time of
-        the steps profiled so far is summed and, with a trace_dir, the trace written."""
+        """End the profiling window now, if open, and allow no other: sum the GPU time of the steps profiled
+        so far and, with a trace_dir, write the trace."""
         self.active = False
         if self._prof is None:
             return
@@ -86,7 +82,6 @@ class GpuBusy:
             prof.export_chrome_trace(str(Path(self.trace_dir) / name))  # gzip for a .gz path
 
     def summary(self) -> dict:
-        """{"perf/gpu_busy", "perf/gpu_ms_per_step", "perf/profiled_steps"} of the profiled steps, or {}."""
         # a run that ended inside its window: report the steps profiled; a failed device (the OOM ending)
         # must not hide the run's ending
         with contextlib.suppress(Exception):

@@ -56,8 +56,8 @@ def all_reduce_sum(st: RunState, t: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(st: RunState, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward/backward over the micro-batches of update ``s``, then clip; returns (mean loss over micro-
-    batches and ranks, global grad norm before clipping) as 0-d float32 tensors, not yet read on the host."""
+    """Forward/backward over the micro-batches of update ``s``, then clip: (mean loss, global grad norm before
+    clipping) as 0-d float32 tensors, not yet read on the host."""
     accum = st.plan.grad_accum
     loss_sum = torch.zeros((), device=st.device, dtype=torch.float32)
     for micro in range(accum):
@@ -85,10 +85,9 @@ def train_step(st: RunState, s: int) -> tuple[torch.Tensor, torch.Tensor]:
 def step_unless_nonfinite(
     st: RunState, loss: torch.Tensor, grad_norm: torch.Tensor
 ) -> tuple[float, float, bool]:
-    """The optimizer step when the update's loss and grad norm are finite; (loss, norm, finite) on the host.
-    Fused AdamW takes the check on the device (``found_inf``, the skip GradScaler uses): the step is launched
-    before the host reads anything, so the GPU waits for the host once a step, not also between the backward
-    and the optimizer. Under FSDP2 (DTensor parameters) the host decides first."""
+    """The optimizer step when loss and grad norm are finite; (loss, norm, finite) on the host. Fused AdamW
+    checks on the device (``found_inf``, as GradScaler's skip), so the GPU does not wait for the host between
+    the backward and the optimizer; under FSDP2 (DTensor parameters) the host decides first."""
     opt, on_device = st.optimizer, not st.fsdp
     if on_device:
         opt.found_inf = (~(loss.isfinite() & grad_norm.isfinite())).float()
@@ -105,9 +104,9 @@ def step_unless_nonfinite(
 
 @torch.no_grad()
 def evaluate(st: RunState, stop=None) -> float | None:
-    """Mean loss over the fixed validation batches (split over ranks, then all-reduced). Under FSDP2 every
-    forward is collective: a rank whose share is short repeats its first batch with weight 0. ``stop()``,
-    asked before each batch (one process only), ends it early: None then, never a mean of part of the set."""
+    """Mean loss over the fixed validation batches (split over ranks; under FSDP2 a short share repeats a
+    batch with weight 0, every forward being collective). ``stop()`` true before a batch: None, never a mean
+    of part of the set."""
     model = st.fwd_model
     model.eval()
     totals = torch.zeros(2, device=st.device, dtype=torch.float64)
@@ -133,8 +132,7 @@ def evaluate(st: RunState, stop=None) -> float | None:
 
 
 def parity(st: RunState, s: int) -> dict:
-    """Loss/logits of update s's first micro-batch with the run's backend and the reference backend, on the
-    current weights, without gradients."""
+    """Loss/logits differences of update s's first micro-batch between the run's and the reference backend."""
     st.gpu_busy.close()  # its kernels are not a training step's
     ref, model, cuda = st.cfg.parity.reference, st.raw_model, st.device.type == "cuda"
     if cuda:
@@ -154,11 +152,11 @@ def parity(st: RunState, s: int) -> dict:
                 ref_logits.float().sub_(logits.float()).abs_().max().item()
             )
         del logits, ref_logits, loss, ref_loss
-    except torch.cuda.OutOfMemoryError as e:
-        out = {"parity/reference": ref, "parity/skipped": f"out of memory in the {ref} reference at "
-               f"seq_len={st.cfg.seq_len}: {first_line(e)}"}  # fmt: skip
     except Exception as e:  # noqa: BLE001 - parity must never kill the run
-        out = {"parity/reference": ref, "parity/skipped": f"{ref} reference failed: {first_line(e)}"}
+        why = f"{ref} reference failed"
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            why = f"out of memory in the {ref} reference at seq_len={st.cfg.seq_len}"
+        out = {"parity/reference": ref, "parity/skipped": f"{why}: {first_line(e)}"}
     finally:
         model.train(was_training)
     if "parity/skipped" in out:
@@ -179,11 +177,10 @@ def stop_requested(st: RunState, handler: PreemptionHandler) -> int:
 
 
 def evaluate_noting(st: RunState, handler: PreemptionHandler, s: int) -> float | None:
-    """``evaluate`` after update ``s``, recorded as the run's last val loss and said. A first signal stops it
-    at its next batch (None: no val loss for ``s``), so that the checkpoint follows at once: a preempted
-    job's grace period, or a user's Ctrl-C during a CPU evaluation of GPT-2 (half an hour), goes to the
-    checkpoint, not to a figure eval.py can recompute. The last evaluation, part of a finished run, and
-    those under torchrun (the ranks would have to agree per batch) finish first."""
+    """``evaluate`` after update ``s``, recorded and said. A first signal stops it at its next batch (None),
+    so that a preempted job's grace period (or a CPU evaluation of GPT-2: half an hour) goes to the
+    checkpoint, not to a figure eval.py can recompute; the last one, and those under torchrun (the ranks
+    would have to agree per batch), finish first."""
     max_steps = int(st.cfg.max_steps)
     stoppable = s < max_steps and not st.dist.enabled
     handler.activity = "evaluation batch" if stoppable else "evaluation"  # for the signal's message
@@ -201,7 +198,7 @@ def evaluate_noting(st: RunState, handler: PreemptionHandler, s: int) -> float |
 
 
 def train(st: RunState) -> Outcome:
-    """Train to ``max_steps`` (or a stop signal / fault); returns the Outcome (summary written)."""
+    """Train to ``max_steps`` (or a stop signal / fault); the Outcome, its summary written."""
     handler = PreemptionHandler(
         grace_s=2.0 if st.dist.enabled else 0.0,
         verbose=st.dist.is_main,
@@ -278,7 +275,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
                 mfu = st.raw_model.estimate_mfu(tps / st.dist.world_size, int(cfg.seq_len), st.peak_flops)
                 metrics["perf/mfu"], mfu_text = mfu, f"mfu {100 * mfu:.2f}% | "
             if finite:
-                metrics.update({"train/loss": loss, "train/grad_norm": grad_norm})
+                metrics |= {"train/loss": loss, "train/grad_norm": grad_norm}
             if cfg.nonfinite == "skip":
                 metrics["train/skipped_steps"] = st.skipped
             st.say(
@@ -313,7 +310,7 @@ def train_loop(st: RunState, handler: PreemptionHandler) -> Outcome:
 
 
 def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
-    """Validate, set up and train one run; never raises for user errors (returns their Outcome)."""
+    """Validate, set up and train one run; a user error returns its Outcome, never raises."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     is_main = int(os.environ.get("RANK", "0")) == 0
     # the run to resume: rank 0's out_dir; the other ranks' Hydra dir is a throwaway, the given key is not

@@ -24,18 +24,15 @@ def format_duration(seconds: float) -> str:
 
 
 class Clock:
-    """Wall time of this process's steps, for ``elapsed`` and ``eta`` on the console line. The ETA follows
-    the time per step between step lines: the first line's window holds one-time costs (torch.compile's
-    first step, warm-up), so the second window replaces it and later ones are averaged in (weight 0.3)."""
+    """``elapsed`` and ``eta`` for the console line. The ETA follows the time per step between lines: the
+    first window holds one-time costs (compile, warm-up), so the second replaces it, later ones weigh 0.3."""
 
     def __init__(self, first_step: int) -> None:
         self.t0 = time.perf_counter()
         self.last = (self.t0, first_step)  # (time, step) of the previous line
-        self.windows = 0
-        self.per_step = float("nan")
+        self.windows, self.per_step = 0, float("nan")
 
     def text(self, step: int, max_steps: int) -> str:
-        """``elapsed 1m05s | eta 3m10s`` after ``step`` of ``max_steps``."""
         now = time.perf_counter()
         (t_prev, s_prev), self.last = self.last, (now, step)
         if step > s_prev:
@@ -47,8 +44,7 @@ class Clock:
 
 
 def matmul_flops(device: torch.device, n: int = 512, reps: int = 4) -> float:
-    """Measured float32 matmul FLOP/s of ``device`` (``reps`` products of two n x n matrices, after one
-    warm-up): an upper bound of what training reaches there. Leaves the global RNG streams alone."""
+    """Measured float32 matmul FLOP/s of ``device`` (an upper bound for training); global RNGs untouched."""
     gen = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, generator=gen)
     a @ a
@@ -79,14 +75,9 @@ def cpu_warning(
     evals: int = 0,
     eval_tokens: int = 0,
 ) -> str | None:
-    """The warning for a model of ``n_params`` trained on the CPU, or None when it is small.
-
-    Time per step is at least ``flops_per_token * tokens_per_step / flops_per_s`` (the model's training
-    FLOPs, PaLM appendix B, at the CPU's measured matmul speed); the run takes the ``max_steps - step``
-    steps left of them (a resume at ``step`` has the others done), and ``evals`` evaluations of
-    ``eval_tokens`` each at a third of a training token's FLOPs (forward only): with GPT-2's default
-    validation set, one evaluation outlasts ten training steps.
-    """
+    """The warning for a model of ``n_params`` trained on the CPU (None when it is small): the steps left at
+    the model's training FLOPs (PaLM appendix B) and the CPU's measured matmul speed, plus ``evals``
+    evaluations of ``eval_tokens`` at a third of that (forward only; GPT-2's outlasts ten steps)."""
     if n_params < CPU_WARN_PARAMS:
         return None
     step_s = flops_per_token * tokens_per_step / flops_per_s

@@ -20,21 +20,16 @@ class PreemptionHandler:
         self, grace_s: float = 0.0, verbose: bool = True, on_exit_now: Callable[[int], None] | None = None
     ) -> None:
         self.signum: int | None = None
-        self.grace_s = grace_s
-        self.verbose = verbose
-        self.on_exit_now = on_exit_now
-        self.activity = "step"
-        self._t_first = 0.0
+        self.grace_s, self.verbose, self.on_exit_now = grace_s, verbose, on_exit_now
+        self.activity, self._t_first = "step", 0.0
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionHandler:
-        """Take over SIGTERM and SIGINT (the previous handlers are kept for ``uninstall``); returns self."""
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def uninstall(self) -> None:
-        """Give SIGTERM and SIGINT back to the handlers that were there before ``install``."""
         for sig, prev in self._previous.items():
             signal.signal(sig, prev)
         self._previous.clear()

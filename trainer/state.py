@@ -102,7 +102,7 @@ class RunState:
 
     @classmethod
     def open(cls, cfg, plan, dist, out_dir, **kw) -> RunState:
-        """A new run's state with its RunLogger (metrics.jsonl opened) and GPU-busy profiler."""
+        """A new run's state with its RunLogger (metrics.jsonl opened), train.log and GPU-busy profiler."""
         out_dir = Path(out_dir)
         # before RunLogger creates it: a resume tells a deleted metrics.jsonl from a kept one
         st = cls(cfg, plan, dist, out_dir, metrics_existed=(out_dir / "metrics.jsonl").is_file(), **kw)
@@ -119,8 +119,8 @@ class RunState:
         return st
 
     def record(self) -> None:
-        """Once the run has passed its checks (set-up's start of logging, or a failure past them): Hydra's
-        ``.hydra/`` files of this launch, the lock's holder line and the held train.log lines."""
+        """Once the run passed its checks: Hydra's ``.hydra/`` files, the lock's holder line, the held
+        train.log lines."""
         if self.runlog is None or self.runlog.held is None:
             return
         if not (self.cfg.resume and (self.out_dir / ".hydra" / "config.yaml").is_file()):
@@ -131,13 +131,12 @@ class RunState:
             self.lock.write_holder()
         self.runlog.open()
 
-    def close_log(self) -> None:
-        """Detach train.log from the root logger (the next job of a -m sweep has its own)."""
+    def close_log(self) -> None:  # the next job of a -m sweep has its own train.log
         if self.runlog is not None:
             logging.getLogger().removeHandler(self.runlog)
 
     def say(self, msg: str) -> None:
-        """To the console and <out_dir>/train.log (a run under nohup keeps its history); rank 0 only."""
+        """To the console and <out_dir>/train.log; rank 0 only."""
         if not self.dist.is_main:
             return
         print(msg, flush=True)
@@ -151,11 +150,10 @@ class RunState:
             pass
 
     def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank."""
         return broadcast_obj(obj) if self.dist.enabled else obj
 
     def peak_gib(self) -> float:
-        """Peak GPU memory of training (parity excluded), GiB; 0.0 on the CPU."""
+        """Peak GPU memory of training (parity's excluded), GiB; 0.0 on the CPU."""
         if self.device.type != "cuda":
             return 0.0
         return max(self.peak_bytes, torch.cuda.max_memory_allocated(self.device)) / GIB
