@@ -28,7 +28,7 @@ from trainer.fields import (
     ConfigError,
     check_fields,
     check_known,
-    field_docs,
+    print_keys,
     spec,
     step_span,
 )
@@ -92,15 +92,13 @@ class DataConfig:  # data=shakespeare|shakespeare_char (configs/data/): the corp
 @dataclass
 class OptimConfig:  # optim=adamw (configs/optim/): AdamW, linear warmup, cosine decay to min_lr
     name: str = spec("adamw", "optimizer (AdamW; decay on 2-D weights only, fused on CUDA)", ("adamw",))
-    lr: float = spec(6.0e-4, "peak learning rate", FINITE, 6e-4)
-    min_lr: float = spec(6.0e-5, "learning rate at the end of the cosine decay", FINITE, 6e-5)
-    weight_decay: float = spec(0.1, "AdamW weight decay (2-D weights only)", NONNEG, 0.1)
-    beta1: float = spec(0.9, "AdamW beta1", UNIT, 0.9)
-    beta2: float = spec(0.95, "AdamW beta2", UNIT, 0.95)
-    grad_clip: float = spec(
-        1.0, "max global grad norm (0 = no clipping; the norm is still checked)", NONNEG, 1.0
-    )
-    warmup_steps: int = spec(100, "linear warmup length in optimizer steps", NONNEG_INT, 100)
+    lr: float = spec(6.0e-4, "peak learning rate", FINITE)
+    min_lr: float = spec(6.0e-5, "learning rate at the end of the cosine decay", FINITE)
+    weight_decay: float = spec(0.1, "AdamW weight decay (2-D weights only)", NONNEG)
+    beta1: float = spec(0.9, "AdamW beta1", UNIT)
+    beta2: float = spec(0.95, "AdamW beta2", UNIT)
+    grad_clip: float = spec(1.0, "max global grad norm (0 = no clipping; the norm is still checked)", NONNEG)
+    warmup_steps: int = spec(100, "linear warmup length in optimizer steps", NONNEG_INT)
     decay_steps: int | None = spec(
         None, "cosine decay length in optimizer steps; null = max_steps", POS_INT, 1000
     )
@@ -108,14 +106,11 @@ class OptimConfig:  # optim=adamw (configs/optim/): AdamW, linear warmup, cosine
 
 @dataclass
 class BatchConfig:  # batch.*: tokens per optimizer step, one rank's share cut into micro-batches
-    tokens_per_step: int = spec(
-        65536, "tokens per optimizer step, over micro-batches and ranks", POS_INT, 65536
-    )
+    tokens_per_step: int = spec(65536, "tokens per optimizer step, over micro-batches and ranks", POS_INT)
     micro_tokens: int | None = spec(
         32768,
         "tokens per forward/backward on one rank (at most); micro-batch = max(1, that // seq_len)",
         POS_INT,
-        32768,
     )
     micro_batch_size: int | None = spec(
         None, "sequences per forward/backward on one rank (wins over micro_tokens)", POS_INT, 8
@@ -128,9 +123,8 @@ class EvalConfig:  # eval.*: validation passes on fixed batches
         100,
         "optimizer steps between validation passes (0: none between; at_start and the end still)",
         NONNEG_INT,
-        100,
     )
-    batches: int = spec(20, "fixed validation batches (same every eval, backend and resume)", POS_INT, 20)
+    batches: int = spec(20, "fixed validation batches (same every eval, backend and resume)", POS_INT)
     batch_size: int | None = spec(
         None, "sequences per validation batch; null = the micro-batch size", POS_INT, 8
     )
@@ -140,9 +134,9 @@ class EvalConfig:  # eval.*: validation passes on fixed batches
 @dataclass
 class CheckpointConfig:  # checkpoint.*: atomic checkpoints in <out_dir>/ckpt
     interval: int = spec(
-        500, "optimizer steps between checkpoints (0 = only at the end / on preemption)", NONNEG_INT, 500
+        500, "optimizer steps between checkpoints (0 = only at the end / on preemption)", NONNEG_INT
     )
-    keep: int = spec(3, "newest checkpoints kept", POS_INT, 3)
+    keep: int = spec(3, "newest checkpoints kept", POS_INT)
     at_end: bool = spec(True, "save one after the last step", BOOL)
 
 
@@ -158,7 +152,7 @@ class PerfConfig:  # perf.*: throughput and MFU accounting
         "auto", "FLOP/s per device for MFU: auto (from the GPU name; no MFU on a CPU) or a number"
     )
     exclude_first_steps: int = spec(
-        2, "steps (compile warm-up) left out of the median tokens/sec", NONNEG_INT, 2
+        2, "steps (compile warm-up) left out of the median tokens/sec", NONNEG_INT
     )
     profile_steps: int = spec(0, ">0: profile this many CUDA steps and report perf/gpu_busy", NONNEG_INT, 5)
     trace: bool = spec(
@@ -208,13 +202,11 @@ class TrainConfig:  # the whole train.py config (configs/config.yaml composes gr
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    seq_len: int = spec(
-        1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT, 1024
-    )
+    seq_len: int = spec(1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT)
     seed: int = spec(
-        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", NONNEG_INT, 1337
+        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", NONNEG_INT
     )
-    max_steps: int = spec(1000, "optimizer steps", POS_INT, 1000)
+    max_steps: int = spec(1000, "optimizer steps", POS_INT)
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))
     dtype: str = spec(
         "auto",
@@ -251,10 +243,8 @@ class TrainConfig:  # the whole train.py config (configs/config.yaml composes gr
     nonfinite: str = spec(
         "stop", "non-finite loss/grad norm: stop (exit 1) | skip (drop the update)", ("stop", "skip")
     )
-    oom_exit_code: int = spec(
-        0, "exit status after a CUDA out-of-memory (0 lets sweeps go on)", NONNEG_INT, 0
-    )
-    log_interval: int = spec(10, "optimizer steps between console / metrics.jsonl / W&B lines", POS_INT, 10)
+    oom_exit_code: int = spec(0, "exit status after a CUDA out-of-memory (0 lets sweeps go on)", NONNEG_INT)
+    log_interval: int = spec(10, "optimizer steps between console / metrics.jsonl / W&B lines", POS_INT)
     batch: BatchConfig = field(default_factory=BatchConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -381,13 +371,4 @@ for _name, _sizes in PRESETS.items():
     ConfigStore.instance().store(group="model", name=_name, node=ModelConfig(name=_name, **_sizes))
 
 if __name__ == "__main__":  # python -m trainer.config: every key, its default and its doc
-    import signal
-
-    from omegaconf import OmegaConf
-
-    from model.config import fmt
-
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any CLI
-    _defaults = OmegaConf.structured(TrainConfig)
-    for _key, _doc in field_docs(TrainConfig).items():
-        print(f"{_key} = {fmt(OmegaConf.select(_defaults, _key))}    # {_doc}")
+    print_keys(TrainConfig)

@@ -67,6 +67,21 @@ def dataclass_type(f) -> type | None:
     return None
 
 
+def print_keys(schema: type, quote: bool = False) -> None:
+    """Every key of ``schema``, its default (``quote``: strings in quotes) and its doc, one a line."""
+    import signal
+
+    from omegaconf import OmegaConf
+
+    from model.config import fmt
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the listing quietly, as for any CLI
+    defaults = OmegaConf.structured(schema)
+    for key, doc in field_docs(schema).items():
+        v = OmegaConf.select(defaults, key)
+        print(f"{key} = {repr(v) if quote and isinstance(v, str) else fmt(v)}    # {doc}")
+
+
 def field_docs(schema: type, prefix: str = "") -> dict[str, str]:
     """``{"batch.tokens_per_step": "tokens per optimizer step ...", ...}``: every key's one-line doc."""
     out = {}

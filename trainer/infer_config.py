@@ -22,7 +22,7 @@ from trainer.fields import (
     check_fields,
     check_known,
     config_error_from,
-    field_docs,
+    print_keys,
     spec,
 )
 
@@ -55,13 +55,13 @@ class SampleConfig:  # the whole sample.py config (configs/sample.yaml)
         None, "or released weights, no run: gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a local HF GPT-2 dir"
     )
     prompt: str = spec("\n", "text, or file:PATH to read it from a UTF-8 file")
-    num_samples: int = spec(3, "sequences, generated as one batch", POS_INT, 3)
-    max_new_tokens: int = spec(500, "tokens generated per sample", NONNEG_INT, 500)
+    num_samples: int = spec(3, "sequences, generated as one batch", POS_INT)
+    max_new_tokens: int = spec(500, "tokens generated per sample", NONNEG_INT)
     # temperature, top_k and top_p: their ranges are checked by model.sampling.check_sampling_args
     temperature: float = spec(0.8, "0 = greedy (argmax); must be >= 0")
     top_k: int | None = spec(200, "sample among the top_k likeliest tokens (>= 1); null = no top-k filter")
     top_p: float | None = spec(None, "nucleus sampling in (0, 1]; null = off")
-    seed: int = spec(1337, "torch generator seed of the sampling", NONNEG_INT, 1337)
+    seed: int = spec(1337, "torch generator seed of the sampling", NONNEG_INT)
     compile: bool = spec(
         False, "torch.compile the static decode step (implies static_decode; slow first call)", BOOL
     )
@@ -170,14 +170,7 @@ ConfigStore.instance().store(name="flashgpt_sample_schema", node=SampleConfig)  
 ConfigStore.instance().store(name="flashgpt_eval_schema", node=EvalConfig)
 
 if __name__ == "__main__":  # python -m trainer.infer_config sample|eval
-    from omegaconf import OmegaConf
-
-    from model.config import fmt
-
     _schema = {"sample": SampleConfig, "eval": EvalConfig}.get(sys.argv[1] if len(sys.argv) > 1 else "sample")
     if _schema is None:
         sys.exit("usage: python -m trainer.infer_config sample|eval")
-    _defaults = OmegaConf.structured(_schema)
-    for _key, _doc in field_docs(_schema).items():
-        _v = OmegaConf.select(_defaults, _key)
-        print(f"{_key} = {repr(_v) if isinstance(_v, str) else fmt(_v)}    # {_doc}")
+    print_keys(_schema, quote=True)
