@@ -41,24 +41,19 @@ class GpuBusy:
         except BaseException:
             # a step that raised (non-finite stop, OOM) ran kernels whose wall time is never added: drop the
             # window rather than report a busy fraction inflated by them
-            self._discard()
-            raise
-
-    def _discard(self) -> None:
-        self.active = self.enabled = False
-        prof, self._prof = self._prof, None
-        if prof is not None:
+            self.active = self.enabled = False
+            prof, self._prof = self._prof, None
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 prof.__exit__(None, None, None)
-        self._gpu_us, self._done, self._wall_s = None, 0, 0.0
+            self._gpu_us, self._done, self._wall_s = None, 0, 0.0
+            raise
 
     def add_wall(self, dt: float) -> bool:
         """Add the wall time (s) of the step just run (closing the window after its last); whether it was
         profiled (then left out of the tokens/sec median)."""
         if not self.active:
             return False
-        self._wall_s += dt
-        self._done += 1
+        self._wall_s, self._done = self._wall_s + dt, self._done + 1
         if self._done == self.steps:
             self.close()
         return True
