@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -149,17 +150,12 @@ def exit_together(code: int, timeout_s: float = 30.0) -> None:
     # From here on torchrun's SIGTERM (sent once the first rank has exited) is ignored: every rank ignores
     # it before it is counted, so none exits before all do.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        store = _launch_store(timeout_s)
-        if store is None:
-            raise RuntimeError("no launch store")
-        key = _launch_key("exit")
-        store.add(key, 1)
-        deadline = time.monotonic() + timeout_s
-        while int(store.add(key, 0)) < world and time.monotonic() < deadline:
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 - no store to meet on: exit anyway
-        pass
+    with contextlib.suppress(Exception):  # no store to meet on: exit anyway
+        if (store := _launch_store(timeout_s)) is not None:
+            store.add(key := _launch_key("exit"), 1)
+            deadline = time.monotonic() + timeout_s
+            while int(store.add(key, 0)) < world and time.monotonic() < deadline:
+                time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

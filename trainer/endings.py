@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer import rundir
 from trainer.checkpoint import MIB
 from trainer.checks import ConfigError
 from trainer.metrics import DiskFullError, disk_full_in, first_line, write_json_atomic
@@ -354,8 +355,6 @@ def report_config_error(
     e: ConfigError, out_dir: Path, cfg, is_main: bool, multirun: bool = False, hydra_files: dict | None = None
 ) -> Outcome:
     """Print ``config error: ...`` (no traceback); record it only in a run directory of our own."""
-    from trainer import rundir
-
     taken = str(e.out_dir) if isinstance(e, rundir.RunDirTaken) else None  # another run's: never written to
     if is_main:
         print(f"config error: {e}", file=sys.stderr, flush=True)

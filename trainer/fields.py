@@ -62,9 +62,7 @@ def check_known(node, schema: type, root: type | None = None, prefix: str = "") 
 
 
 def dataclass_type(f) -> type | None:
-    if f.default_factory is not MISSING and is_dataclass(f.default_factory):
-        return f.default_factory
-    return None
+    return f.default_factory if f.default_factory is not MISSING and is_dataclass(f.default_factory) else None
 
 
 def print_keys(schema: type, quote: bool = False) -> None:
