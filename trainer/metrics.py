@@ -51,8 +51,11 @@ def resolve_wandb_mode(mode: str) -> str:
     """``wandb.mode`` as online | offline | disabled: auto is $WANDB_MODE, else online when logged in."""
     if mode != "auto":
         return mode
-    env = {"dryrun": "offline"}.get(e := os.environ.get("WANDB_MODE", "").lower(), e)
-    return env if env in ("online", "offline", "disabled") else "online" if wandb_logged_in() else "offline"
+    env = os.environ.get("WANDB_MODE", "").lower()
+    env = "offline" if env == "dryrun" else env
+    if env in ("online", "offline", "disabled"):
+        return env
+    return "online" if wandb_logged_in() else "offline"
 
 
 def _jsonable(v):
