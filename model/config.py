@@ -169,6 +169,17 @@ class GPTConfig:
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
 
+    def param_count(self) -> int:
+        """Parameters of ``model.gpt.GPT(self)`` (the tied lm_head/wte once, wpe included), without building
+        it: ``GPT.num_params(non_embedding=False)``."""
+        c, b = self.n_embd, int(self.bias)
+        norm = 2 * c if self.bias else c  # a LayerNorm's weight (and bias)
+        qkv = (self.n_head + 2 * self.kv_heads) * self.head_dim
+        attn = c * qkv + b * qkv + c * c + b * c + (2 * self.head_dim if self.qk_norm else 0)
+        mlp = 8 * c * c + b * 5 * c
+        pos = self.block_size * c if self.pos_emb == "learned" else 0
+        return self.vocab_size * c + pos + self.n_layer * (2 * norm + attn + mlp) + norm
+
     @classmethod
     def from_preset(cls, name: str, **overrides) -> GPTConfig:
         """Config for preset ``name`` (a key of ``PRESETS``) with keyword ``overrides`` on top."""

@@ -65,31 +65,119 @@ class Plan:
     parallel: str = "ddp"  # ddp | fsdp (DCP checkpoints, also at world size 1)
 
 
-def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str) -> None:
-    """Refuse an evaluation batch whose float32 logits, (eval_bs, seq_len, vocab) x 4 bytes, need with the
-    loss' temporaries about 3x that (logits, log-softmax, its output) and exceed the machine's memory (CPU
-    RAM; on CUDA the GPU's), before it takes the machine down: eval.batch_size=100000 at seq_len 128 on the
-    65-symbol char corpus grew a process to 24 GB and had it killed (measured). Best effort: no limit is
-    applied where the memory size cannot be read."""
-    # the vocabulary before the data are read: GPT-2's padded 50304, a char corpus' few hundred at most
-    vocab = int(cfg.model.vocab_size or (50304 if cfg.data.tokenizer == "gpt2" else 256))
-    need = 3 * int(eval_bs) * int(cfg.seq_len) * vocab * 4
+def _machine_bytes(device_type: str) -> int | None:
+    """The memory one process of the run has: CPU RAM, or on CUDA the GPU's; None where it cannot be read."""
     try:
         if device_type == "cuda":
             import torch
 
-            total = torch.cuda.get_device_properties(0).total_memory
-        else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return torch.cuda.get_device_properties(0).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except Exception:  # noqa: BLE001 - no size known (or no CUDA build): no limit
+        return None
+
+
+def _vocab_estimate(cfg) -> int:
+    """The vocabulary before the data are read: GPT-2's padded 50304, a char corpus' few hundred at most."""
+    return int(cfg.model.vocab_size or (50304 if cfg.data.tokenizer == "gpt2" else 256))
+
+
+#: Bytes of training state per parameter: float32 weights, gradients and AdamW's two moments.
+STATE_BYTES = 16
+
+
+def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
+    """Refuse a model whose training state, parameters x 16 bytes (float32 weights, gradients, AdamW's two
+    moments; FSDP shares it among the ranks), exceeds the machine's memory (CPU RAM; on CUDA the GPU's),
+    before set-up builds it: model.n_embd=1000000 had nn.Linear ask for 12 TB in set-up. Names a
+    model.n_embd (a multiple of model.n_head x 8) that fits at this model.n_layer, else a model.n_layer.
+    Best effort: no limit where the memory size cannot be read; an init_from model's shape is the
+    checkpoint's (not known here)."""
+    if str(cfg.init_from) != "scratch":
         return
-    if need > total:
-        fit = max(1, total // (3 * 4 * int(cfg.seq_len) * vocab) // 2)
+    total = _machine_bytes(device_type)
+    if total is None:
+        return
+    shards = world_size if cfg.parallel == "fsdp" else 1
+    gpt = dataclasses.replace(gpt, vocab_size=_vocab_estimate(cfg))
+
+    def need(**changed) -> int:
+        return dataclasses.replace(gpt, **changed).param_count() * STATE_BYTES // shards
+
+    if need() <= total:
+        return
+    step, n_params = gpt.n_head * 8, gpt.param_count()
+
+    def fits(**changed) -> bool:  # in half the memory: the rest for activations, logits and the data
+        return need(**changed) <= total // 2
+
+    lo, hi = 0, gpt.n_embd // step  # the largest k with n_embd = k x step that fits (0: none)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(n_embd=mid * step) else (lo, mid - 1)
+    fix = None
+    for k in range(lo, 0, -1):  # the largest that GPTConfig also accepts (flash: its head dims)
+        try:
+            dataclasses.replace(gpt, n_embd=k * step)
+        except ValueError:
+            continue
+        fix = f"model.n_embd={k * step} (at model.n_layer={gpt.n_layer})"
+        break
+    layers = next((n for n in range(gpt.n_layer - 1, 0, -1) if fits(n_layer=n)), None)
+    if layers is not None:
+        other = f"model.n_layer={layers} (at model.n_embd={gpt.n_embd})"
+        fix = f"{fix}, or {other}" if fix else other
+    shard = f" / {shards} FSDP ranks" if shards > 1 else ""
+    raise ConfigError(
+        f"model.n_embd={gpt.n_embd} model.n_layer={gpt.n_layer} is a {n_params:,}-parameter model, whose "
+        f"training state needs about {need() / 2**30:,.0f} GiB ({n_params:,} x {STATE_BYTES} bytes: float32 "
+        f"weights, gradients and AdamW's two moments{shard}), more than this machine's "
+        f"{total / 2**30:,.0f} GiB ({'the GPU' if device_type == 'cuda' else 'RAM'}); use "
+        + (fix or "a smaller model (model=tiny or model=mini)")
+    )
+
+
+def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int = 1, gpt=None) -> None:
+    """Refuse an evaluation batch whose float32 logits, (eval_bs, seq_len, vocab) x 4 bytes, need with the
+    loss' temporaries about 3x that (logits, log-softmax, its output) and exceed the machine's memory (CPU
+    RAM; on CUDA the GPU's), before it takes the machine down: eval.batch_size=100000 at seq_len 128 on the
+    65-symbol char corpus grew a process to 24 GB and had it killed (measured). With eval.batch_size=null
+    the batch is the training micro-batch, which training runs too: the message names the batch key that
+    sets it, with a value whose training activations fit as well (float32, per token and layer about
+    2 x (34 n_embd + 5 n_head seq_len) bytes, Korthikanti et al. 2022 table 2, in half the memory: cpu_tiny
+    measured 44 KB a token, this estimate 58 KB). Best effort: no limit where the memory size is unknown."""
+    vocab, seq_len = _vocab_estimate(cfg), int(cfg.seq_len)
+    need = 3 * int(eval_bs) * seq_len * vocab * 4
+    total = _machine_bytes(device_type)
+    if total is None or need <= total:
+        return
+    fit = max(1, total // (3 * 4 * seq_len * vocab) // 2)
+    what = (
+        f"({eval_bs} x seq_len {seq_len} x vocab {vocab} x 4 bytes, x 3), more than this machine's "
+        f"{total / 2**30:,.0f} GiB"
+    )
+    if cfg.eval.batch_size is not None:
         raise ConfigError(
-            f"eval.batch_size={eval_bs} needs about {need / 2**30:,.0f} GiB for its logits and loss "
-            f"(3 x {eval_bs} x seq_len {cfg.seq_len} x vocab {vocab} x 4 bytes), more than this machine's "
-            f"{total / 2**30:,.0f} GiB; use eval.batch_size={fit} or less (null: the training micro-batch)"
+            f"eval.batch_size={eval_bs} needs about {need / 2**30:,.0f} GiB for its logits and loss {what}; "
+            f"use eval.batch_size={fit} or less (null: the training micro-batch)"
         )
+    if gpt is not None:
+        per_token = gpt.n_layer * 2 * (34 * gpt.n_embd + 5 * gpt.n_head * seq_len) + 3 * vocab * 4
+        fit = max(1, min(fit, total // 2 // (per_token * seq_len)))
+    b = cfg.batch
+    if b.micro_batch_size is not None:
+        key, given = "batch.micro_batch_size", b.micro_batch_size
+        ok = _valid(cfg, world_size, "micro_batch_size", range(fit, 0, -1))
+        value = ok[0] if ok else fit
+    else:
+        key, given = "batch.micro_tokens", b.micro_tokens
+        ok = _valid(cfg, world_size, "micro_tokens", (m * seq_len for m in range(fit, 0, -1)))
+        value = ok[0] if ok else fit * seq_len
+    raise ConfigError(
+        f"{key}={given} gives micro-batches of {eval_bs} sequences, whose logits and loss need about "
+        f"{need / 2**30:,.0f} GiB {what}: in training, and in evaluation (eval.batch_size=null uses the "
+        f"training micro-batch); use {key}={value} or less"
+    )
 
 
 def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
@@ -156,8 +244,9 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
             "it runs like compile_mode=default here"
         )
+    _check_model_fits(cfg, gpt, device_type, world_size)
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
-    _check_eval_batch_fits(cfg, eval_bs, device_type)
+    _check_eval_batch_fits(cfg, eval_bs, device_type, world_size, gpt)
     return Plan(
         device_type=device_type,
         autocast_dtype=autocast_dtype,
