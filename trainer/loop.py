@@ -384,7 +384,14 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
                 st.record()
             if isinstance(e, DiskFullError) or disk_full_in(e) is not None:  # its first records
                 return endings.end_disk_full(st, e)
-            st.log.close(exit_code=1)
+            if cfg.resume:  # the run's records stay as they were: set-up changed nothing of them
+                st.log.close(exit_code=1)
+            else:  # summary.json says so, as for a failure in training: the folder is not taken for new
+                try:
+                    endings.finish(st, "error", {"error": first_line(e), "failed_in": "set-up"}, exit_code=1)
+                except Exception:  # noqa: BLE001 - the set-up's error is the one to raise
+                    with contextlib.suppress(Exception):
+                        st.log.close(exit_code=1)
             raise
         return train(st)
     finally:

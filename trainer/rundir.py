@@ -187,10 +187,14 @@ def check_new_run_dir(cfg, out_dir: Path, multirun: bool = False) -> None:
             if ckpts
             else f"It has no checkpoint, so resume=true has nothing to continue: {new}"
         )
+        when = (  # a crash in set-up (summary "failed_in"): nothing was trained
+            f"failed in {summary['failed_in']}, before its first step"
+            if summary.get("failed_in")
+            else "started training and then failed"
+        )
         why = (
-            f"holds a run that started training and then failed (status {status} after "
-            f"{summary.get('steps', '?')} steps: {summary.get('error', 'see its train.log')}); its records "
-            f"are kept. {go_on}"
+            f"holds a run that {when} (status {status} after {summary.get('steps', '?')} steps: "
+            f"{summary.get('error', 'see its train.log')}); its records are kept. {go_on}"
         )
     elif not ckpts and status not in (None, "error"):
         # e.g. a run killed (kill -9, out of memory) before its first checkpoint: nothing to resume either
