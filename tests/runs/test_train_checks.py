@@ -833,3 +833,86 @@ def test_init_from_allows_the_keys_its_weights_leave_free(expect_error, tmp_path
         }
     )
     assert f"could not load GPT-2 weights init_from={d}" in err, err
+
+
+def test_a_model_beyond_the_machine_is_refused_naming_a_shape_that_fits():
+    """model.n_embd=1000000 (nn.Linear asked for 12 TB in set-up): a config error from the plan with the
+    parameter count, the GiB needed and a model.n_embd that fits, which passes as typed; the analytic count
+    is the built model's."""
+    import re
+
+    import torch
+
+    from model.config import GPTConfig
+    from model.gpt import GPT
+
+    for kw in ({}, {"bias": False, "n_kv_head": 4, "qk_norm": True, "pos_emb": "rope"}):
+        with torch.device("meta"):
+            assert GPT(GPTConfig(**kw)).num_params(non_embedding=False) == GPTConfig(**kw).param_count()
+    huge = ["experiment=cpu_tiny", "model.n_embd=1000000"]
+    with pytest.raises(ConfigError) as e:
+        resolve_plan(compose_cfg(huge), world_size=1, cuda_available=False)
+    msg = str(e.value)
+    assert "model.n_embd=1000000 model.n_layer=4 is a 48,000,438,000,000-parameter model" in msg, msg
+    assert re.search(r"needs about [\d,]+ GiB .* more than this machine's [\d,]+ GiB", msg), msg
+    fix = re.search(r"use (model\.n_embd=\d+)", msg).group(1)
+    resolve_plan(compose_cfg(["experiment=cpu_tiny", fix]), world_size=1, cuda_available=False)
+    with pytest.raises(ConfigError, match=r"use model\.n_layer=\d+ \(at model\.n_embd=128\)"):
+        deep = compose_cfg(["experiment=cpu_tiny", "model.n_layer=100000"])
+        resolve_plan(deep, world_size=1, cuda_available=False)
+
+
+@pytest.mark.slow  # a real train.py process
+def test_train_py_refuses_a_model_beyond_the_machine_and_leaves_no_folder(tmp_path):
+    from tests.helpers_train import describe, run_train
+
+    out = tmp_path / "run"
+    proc = run_train(["experiment=cpu_tiny", "max_steps=3", "model.n_embd=1000000", f"out_dir={out}"])
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.startswith("config error: model.n_embd=1000000") and "Traceback" not in proc.stderr
+    assert not out.exists(), list(out.rglob("*"))
+
+
+def test_a_training_micro_batch_beyond_the_machine_names_the_batch_key():
+    """eval.batch_size=null evaluates with the training micro-batch: a micro-batch too large for the machine
+    names the batch key the user set (never the eval.batch_size they did not), says training needs it too,
+    and its value passes the plan as typed."""
+    import re
+
+    big = ["experiment=cpu_tiny", "batch.tokens_per_step=268435456"]
+    for key in ("batch.micro_tokens=268435456", "batch.micro_batch_size=2097152"):
+        with pytest.raises(ConfigError) as e:
+            resolve_plan(compose_cfg([*big, key]), world_size=1, cuda_available=False)
+        msg = str(e.value)
+        assert msg.startswith(key) and "eval.batch_size=2097152" not in msg and "in training" in msg, msg
+        fix = re.search(rf"use ({key.split('=')[0]}=\d+) or less", msg).group(1)
+        plan = resolve_plan(compose_cfg([*big, fix]), world_size=1, cuda_available=False)
+        assert plan.eval_batch_size == plan.micro_batch_size
+        if key.startswith("batch.micro_tokens"):
+            assert int(fix.split("=")[1]) % 128 == 0
+
+
+def test_a_crash_in_set_up_records_error_and_the_folder_is_not_reused(
+    char_data, shakespeare_path, tmp_path, capsys, monkeypatch
+):
+    """An exception in set-up after the run directory exists (a bug, the model build) is raised as it is, and
+    summary.json says status error (failed in set-up): a new run there is refused, not mixed into it."""
+    from trainer import setup
+
+    out = tmp_path / "run"
+
+    def broken(st, state):
+        raise RuntimeError("injected set-up failure")
+
+    with monkeypatch.context() as m:
+        m.setattr(setup, "build_model", broken)
+        with pytest.raises(RuntimeError, match="injected set-up failure"):
+            run_inprocess(tiny_overrides(char_data, shakespeare_path, out), out)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "error" and s["failed_in"] == "set-up" and "injected" in s["error"], s
+    before = (out / "summary.json").read_text()
+    outcome = run_inprocess(tiny_overrides(char_data, shakespeare_path, out), out)
+    err = capsys.readouterr().err
+    assert (outcome.status, outcome.exit_code) == ("error", 2), err
+    assert "failed in set-up, before its first step" in err and "injected set-up failure" in err, err
+    assert (out / "summary.json").read_text() == before
