@@ -147,7 +147,7 @@ def main_reporting_config_errors() -> int:
     from trainer.metrics import disk_full_in
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    empty = empty_dir_override(sys.argv[1:])
+    empty = empty_dir_override(sys.argv[1:]) or flag_between_overrides(sys.argv[1:])
     if empty:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {empty}", file=sys.stderr, flush=True)
@@ -174,6 +174,22 @@ def main_reporting_config_errors() -> int:
 
         put_back_sweep()  # the sweeper rewrote the earlier sweep's multirun.yaml: nothing ran
     return sweep_exit_code(_SWEEP_JOBS, next(iter(_SWEEP_DIR), None))
+
+
+def flag_between_overrides(args: list[str]) -> str | None:
+    """Why a Hydra flag between overrides (``python train.py seq_len=64 -m max_steps=2``) is refused, else
+    None: Hydra's argparse takes one run of overrides and calls the rest "unrecognized arguments"."""
+    is_override = ["=" in a and not a.startswith("-") for a in args]
+    at = [i for i, o in enumerate(is_override) if o]
+    late = [a for i, a in enumerate(args) if a.startswith("-") and at and at[0] < i < at[-1]]
+    if not late:
+        return None
+    flags = [a for a, o in zip(args, is_override, strict=True) if not o]  # with their values (--cfg job)
+    overrides = [a for a, o in zip(args, is_override, strict=True) if o]
+    return (
+        f"{late[0]} must come before the overrides (Hydra reads its flags first): "
+        f"python train.py {' '.join(flags + overrides)}"
+    )
 
 
 def empty_dir_override(args: list[str]) -> str | None:

@@ -82,6 +82,38 @@ def test_unknown_attention_group_is_rejected_by_hydra():
         compose_cfg(["attention=fast"])
 
 
+@pytest.mark.parametrize(
+    ("args", "fixed"),
+    [
+        (["seq_len=64", "-m", "max_steps=2"], "-m seq_len=64 max_steps=2"),
+        (["a=1", "--cfg", "job", "b=2"], "--cfg job a=1 b=2"),
+        (["--config-name=x", "a=1"], None),  # flags first: Hydra's order
+        (["-m", "seq_len=64,128", "max_steps=2"], None),
+        (["seq_len=64", "-m"], None),  # flags after one run of overrides: argparse takes it
+        (["prompt=-x", "b=2"], None),  # a value starting with '-' is no flag
+    ],
+)
+def test_flag_between_overrides_names_the_order_that_works(args, fixed):
+    """`python train.py seq_len=64 -m max_steps=2`: Hydra's argparse calls the overrides "unrecognized
+    arguments"; refused naming the flag and the command with the flags first."""
+    import train
+
+    got = train.flag_between_overrides(args)
+    if fixed is None:
+        assert got is None, got
+    else:
+        assert got.startswith(f"{args[1]} must come before the overrides") and got.endswith(fixed), got
+
+
+def test_flag_between_overrides_exits_2_and_writes_nothing(tmp_path):
+    from tests.helpers_train import describe, run_train
+
+    proc = run_train(["seq_len=64", "-m", f"hydra.sweep.dir={tmp_path / 'sweep'}"], timeout=120)
+    assert proc.returncode == 2, describe(proc)
+    assert proc.stderr.startswith("config error: -m must come before the overrides"), describe(proc)
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_flash_without_cuda_points_to_sdpa(expect_error):
     err = expect_error(attention="flash")
     assert "needs a CUDA GPU" in err and "attention=sdpa" in err and "TRITON_INTERPRET=1" in err
