@@ -137,7 +137,7 @@ def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
     )
 
 
-def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int = 1, gpt=None) -> None:
+def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int, gpt) -> None:
     """Refuse an evaluation batch whose float32 logits, (eval_bs, seq_len, vocab) x 4 bytes, need with the
     loss' temporaries about 3x that (logits, log-softmax, its output) and exceed the machine's memory (CPU
     RAM; on CUDA the GPU's), before it takes the machine down: eval.batch_size=100000 at seq_len 128 on the
@@ -161,9 +161,8 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int 
             f"eval.batch_size={eval_bs} needs about {need / 2**30:,.0f} GiB for its logits and loss {what}; "
             f"use eval.batch_size={fit} or less (null: the training micro-batch)"
         )
-    if gpt is not None:
-        per_token = gpt.n_layer * 2 * (34 * gpt.n_embd + 5 * gpt.n_head * seq_len) + 3 * vocab * 4
-        fit = max(1, min(fit, total // 2 // (per_token * seq_len)))
+    per_token = gpt.n_layer * 2 * (34 * gpt.n_embd + 5 * gpt.n_head * seq_len) + 3 * vocab * 4
+    fit = max(1, min(fit, total // 2 // (per_token * seq_len)))
     b = cfg.batch
     if b.micro_batch_size is not None:
         key, given = "batch.micro_batch_size", b.micro_batch_size
@@ -188,26 +187,25 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
     device_type = "cuda" if (cfg.device == "cuda" or (cfg.device == "auto" and cuda_available)) else "cpu"
     if gpt.attention == "flash":
         from kernels import interpret_enabled  # the kernels' own test, so both always agree
-        from kernels.plan import ENV, ENV_BWD, mode
 
         if device_type != "cuda" and not interpret_enabled():
             raise ConfigError(
                 "attention=flash needs a CUDA GPU (none here); use attention=sdpa (portable, any device), or "
                 "set TRITON_INTERPRET=1 to run the Triton kernel slowly on the CPU for testing"
             )
-        try:  # read by the flash forward and backward: checked now rather than at the first step
+    try:  # the environment variables the kernels read: checked now rather than at the first step
+        if gpt.attention == "flash":  # read by the flash forward and backward
+            from kernels.plan import ENV, ENV_BWD, mode
+
             for env in (ENV, ENV_BWD):
                 mode(env)
-        except ValueError as e:
-            raise ConfigError(f"environment variable {e}; unset it for the default") from None
-    if device_type == "cuda":  # the training step's loss reads it (model/gpt.py), every backend
-        from model.gpt import fused_loss_on
+        if device_type == "cuda":  # the training step's loss reads it (model/gpt.py), every backend
+            from model.gpt import fused_loss_on
 
-        try:
             if fused_loss_on():  # its kernels loaded before torch.compile traces the step
                 import kernels.cross_entropy  # noqa: F401
-        except ValueError as e:
-            raise ConfigError(f"environment variable {e}; unset it for the default") from None
+    except ValueError as e:
+        raise ConfigError(f"environment variable {e}; unset it for the default") from None
     if cfg.wandb.mode == "online":
         from trainer.metrics import wandb_logged_in
 
@@ -678,7 +676,7 @@ def probe_attention(cfg, plan: Plan, device, n_head: int) -> None:
 
     dtype = torch.bfloat16 if plan.autocast_dtype == "bfloat16" else torch.float32
     shape = (1, min(2, n_head), min(cfg.seq_len, 128), plan.head_dim)
-    attn_dropout = float(getattr(cfg.model, "attn_dropout", 0.0) or 0.0)
+    attn_dropout = float(cfg.model.attn_dropout or 0.0)
 
     def runs(backend: str) -> str | None:
         try:
