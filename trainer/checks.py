@@ -12,11 +12,11 @@ import dataclasses
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from data.sources import _is_glob, has_files, is_document_source, is_hf, is_url, source_stem
 from trainer import config as C
 from trainer.config import ConfigError
 
@@ -372,8 +372,6 @@ def peak_flops_for(device_name: str | None) -> float:
 
 def check_data_source(cfg) -> None:
     """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent)."""
-    from data.sources import has_files, is_document_source
-
     src = cfg.data.source
     for key, value in (("data.source", src), ("data.dir", cfg.data.dir)):
         if value is not None and not str(value).strip():  # else the cwd itself: a corpus, or where data go
@@ -384,8 +382,7 @@ def check_data_source(cfg) -> None:
             )
     if resumes_without_source(cfg):  # the run's prepared tokens stand in for a moved corpus (setup says so)
         return
-    glob_like = src is not None and any(c in str(src) for c in "*?[") and not Path(str(src)).exists()
-    if src is not None and not str(src).startswith(("http://", "https://", "hf:")) and not glob_like:
+    if src is not None and not (is_url(src) or is_hf(src) or _is_glob(str(src))):
         p = Path(str(src)).expanduser()
         if not p.exists():
             raise ConfigError(
@@ -442,7 +439,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
         vocab, where = set(meta["itos"]), f"data.dir={cfg.data.dir}"
     else:
         src = effective_data_source(cfg)
-        if not src or str(src).startswith(("http://", "https://")):
+        if not src or is_url(src):
             return
         try:
             vocab = set(Path(str(src)).expanduser().read_text(encoding="utf-8-sig"))  # as data.prepare
@@ -505,8 +502,6 @@ def _check_data_dir_matches(cfg, data_dir: Path) -> None:
 def _own_folder(cfg, tokenizer: str | None = None) -> Path:
     """A data.dir beside the given one that holds nothing yet, named after the corpus and the tokenizer
     (``other_char``, ``fineweb_gpt2``; default data.tokenizer), as nanoGPT's data/<corpus>/ folders."""
-    from data.sources import source_stem
-
     given = Path(str(cfg.data.dir))
     name = f"{source_stem(cfg.data.source)}_{tokenizer or cfg.data.tokenizer}"
     other, n = given.parent / name, 2
@@ -529,8 +524,6 @@ def changed_source_message(cfg, held: str) -> str:
             f"data.dir={cfg.data.dir} holds {held}, which runs read, so it is not prepared again. To "
             f"train on data.source={cfg.data.source} as it is now, {new_run}"
         )
-    from data.sources import is_document_source
-
     if is_document_source(cfg.data.source):  # identified by its files' names, sizes and mtimes
         as_was = (
             "the same files with the same sizes and modification times, e.g. restored with `cp -p` or "
@@ -550,10 +543,8 @@ def resumes_without_source(cfg) -> bool:
     glob) while ``data.dir`` still holds the data prepared for the run: it continues on those tokens (the
     checkpoint's recorded SHA-256 and token counts are checked against them in set-up), since nothing it needs
     is gone."""
-    from data.sources import is_hf
-
     src = cfg.data.source
-    if not cfg.resume or src is None or str(src).startswith(("http://", "https://")) or is_hf(src):
+    if not cfg.resume or src is None or is_url(src) or is_hf(src):
         return False
     path = os.path.expanduser(str(src))
     if not str(src).strip() or os.path.exists(path) or glob.glob(path, recursive=True):
@@ -569,18 +560,16 @@ def effective_data_source(cfg) -> str | None:
         return cfg.data.source
     meta = _prepared_meta(Path(str(cfg.data.dir)).expanduser())
     src = (meta or {}).get("source")
-    if src and not str(src).startswith(("http://", "https://")):
-        if str(src).startswith("hf:") or Path(src).exists() or meta.get("source_kind") == "docs":
-            return str(src)
+    if src and not is_url(src) and (is_hf(src) or Path(src).exists() or meta.get("source_kind") == "docs"):
+        return str(src)
     return None
-
-
-_PREPARE_ARGS = r"(?<![.\w-])(doc_separator|val_fraction|val_docs|text_field|max_tokens)="
 
 
 def as_keys(text: str) -> str:
     """prepare's arguments in a message named as the keys that set them (val_docs=1 -> data.val_docs=1)."""
-    return re.sub(_PREPARE_ARGS, r"data.\1=", text)
+    from data.prepare import _ARG  # the pattern its command line names them by (--val-docs)
+
+    return _ARG.sub(r"data.\1=", text)
 
 
 def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
