@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from data.prepare import atomic_write
+from data.loader import BinDataset
+from data.meta import load_meta, tokens_digest
+from data.prepare import atomic_write, load_prepared
+from model import GPT
+from model.config import fmt
+from model.gpt import fused_loss_on
+from model.pretrained import FIXED, load_into
 from trainer import checkpoint as ckpt
 from trainer import progress, resume_config, rundir
 from trainer.checks import (
@@ -28,6 +34,7 @@ from trainer.checks import (
 )
 from trainer.compiling import compile_model, compile_options
 from trainer.config import gpt_config_for
+from trainer.endings import hydra_arg, resume_command
 from trainer.metrics import first_line
 from trainer.schedule import lr_at
 from trainer.state import RunState
@@ -66,8 +73,6 @@ def prepare_data(st: RunState) -> None:
     cfg = st.cfg
     err = None
     if st.dist.is_main and resumes_without_source(cfg):
-        from data.prepare import load_prepared
-
         try:
             sha = str(load_prepared(cfg.data.dir).get("source_sha256"))[:12]
             st.say(
@@ -107,9 +112,6 @@ def prepare_data(st: RunState) -> None:
     err = st.broadcast(err)
     if err:
         raise ConfigError(err)
-    from data.loader import load_meta
-    from data.meta import tokens_digest
-
     st.meta = load_meta(cfg.data.dir)
     st.tokens_digest = tokens_digest(cfg.data.dir, st.meta)
     check_data_fits(cfg, st.meta, st.dist.world_size)
@@ -157,9 +159,6 @@ def build_model_config(st: RunState) -> None:
                 f"init_from={cfg.init_from} reads GPT-2 BPE ids (vocab {pre.vocab_size}); the data is "
                 f"tokenized with {cfg.data.tokenizer} (vocab {meta['vocab_size']}): use data.tokenizer=gpt2"
             )
-        from model.config import fmt
-        from model.pretrained import FIXED
-
         shape = {k: getattr(pre, k) for k in FIXED}
         # a preset's values (model=, experiment=) give way, said; typed ones were refused before (loop.run:
         # check_init_from_overrides)
@@ -223,9 +222,6 @@ def load_resume(st: RunState) -> dict | None:
 
 def build_model(st: RunState, state: dict | None) -> None:
     """Model (compiled; DDP-wrapped or FSDP2-sharded), optimizer, the resumed state, data and eval batches."""
-    from data.loader import BinDataset
-    from model import GPT
-
     cfg, plan, d = st.cfg, st.plan, st.dist
     st.fsdp = plan.parallel == "fsdp" and d.enabled
     # FSDP2 keeps the weights each rank built (DDP broadcasts rank 0's): every rank builds rank 0's
@@ -234,8 +230,6 @@ def build_model(st: RunState, state: dict | None) -> None:
             torch.manual_seed(int(cfg.seed))
         st.raw_model = GPT(st.gpt_config).to(st.device)
     if st.init_weights is not None:  # init_from: before DDP/FSDP wrap the model
-        from model.pretrained import load_into
-
         try:  # every tensor, none left at its random start (lm_head is tied to wte)
             load_into(st.raw_model, st.init_weights, str(cfg.init_from))
         except ValueError as e:
@@ -400,8 +394,6 @@ def kernel_plan(st: RunState) -> str | None:
 
 
 def derived(st: RunState) -> dict:
-    from model.gpt import fused_loss_on
-
     plan = st.plan
     fused = plan.device_type == "cuda" and fused_loss_on()  # FLASHGPT_FUSED_LOSS
     return {
@@ -448,8 +440,6 @@ def no_checkpoint_message(st: RunState) -> str:
             f"first one (summary status {status!r}), so there is nothing to continue; start it again "
             f"in a new out_dir (or delete {st.out_dir} if its records are not needed)"
         )
-    from trainer.endings import hydra_arg
-
     if st.multirun:  # a sweep's job: its folder is the sweep's, not one of runs/
         return (
             f"resume=true but this sweep job's folder {st.out_dir} holds no checkpoint: resume a sweep with "
@@ -521,8 +511,6 @@ def resume_checks(st: RunState, state: dict) -> None:
             f"(max_steps={max_steps}); on a deterministic path the rebuilt weights equal the lost ones"
         )
     elif done >= max_steps:  # e.g. killed in its ending, past the last checkpoint: no rewrite
-        from trainer.endings import resume_command
-
         cmd = " ".join(w for w in resume_command(st).split() if not w.startswith("max_steps="))
         raise rundir.RunFinished(rundir.finished_message(st.out_dir, done, max_steps, cmd))
     if st.dist.is_main:  # under this process's lock: a "running" summary is a dead process's
