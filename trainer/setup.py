@@ -397,7 +397,7 @@ def derived(st: RunState) -> dict:
     plan = st.plan
     fused = plan.device_type == "cuda" and fused_loss_on()  # FLASHGPT_FUSED_LOSS
     return {
-        "n_params": st.raw_model.num_params() if st.raw_model is not None else 0,
+        "n_params": st.raw_model.num_params(),
         "micro_batch_size": plan.micro_batch_size,
         "grad_accum": plan.grad_accum,
         "world_size": st.dist.world_size,
