@@ -371,7 +371,7 @@ def peak_flops_for(device_name: str | None) -> float:
 
 
 def check_data_source(cfg) -> None:
-    """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (writable parent)."""
+    """Check ``data.source`` (a local file must exist and be readable) and ``data.dir`` (no other data)."""
     src = cfg.data.source
     for key, value in (("data.source", src), ("data.dir", cfg.data.dir)):
         if value is not None and not str(value).strip():  # else the cwd itself: a corpus, or where data go
@@ -450,7 +450,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
     if not missing:
         return
     shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in missing)
-    works = (w for w in ("\\n\\n", "\\n") if parse_separator(w) and set(parse_separator(w)) <= vocab)
+    works = (w for w in ("\\n\\n", "\\n") if set(parse_separator(w)) <= vocab)
     works = next(works, None) or sorted(vocab)[0]
     example = f"data.doc_separator='{works}'"
     if meta and meta.get("doc_separator") != parse_separator(works):  # prepared without it: its own folder
