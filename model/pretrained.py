@@ -9,7 +9,6 @@ transposed. The model shape comes from the checkpoint, with biases on.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -103,10 +102,12 @@ def checkpoint_shape(init_from: str) -> dict | None:
     if init_from in GPT2_SIZES and not path.is_dir():
         c = {**PRESETS[init_from], "vocab_size": GPT2_VOCAB}
     elif (path / "config.json").is_file() and not (path / "summary.json").is_file():
-        try:  # GPT2Config's defaults for a key the file leaves out (GPT-2 124M's)
-            raw = json.loads((path / "config.json").read_text())
-            c = {k: int(raw.get(k, d)) for k, d in (*PRESETS["gpt2"].items(), ("vocab_size", GPT2_VOCAB))}
-        except (OSError, ValueError, TypeError, AttributeError):
+        try:  # transformers' reading of the file, as load_gpt2's (its defaults for a key left out)
+            from transformers import GPT2Config
+
+            hf = GPT2Config.from_pretrained(path)
+            c = {k: int(getattr(hf, k)) for k in ("n_layer", "n_head", "n_embd", "vocab_size")}
+        except Exception:  # noqa: BLE001 - no transformers, or a file it cannot read: load_gpt2 says why
             return None
     else:
         return None
