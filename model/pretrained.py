@@ -92,6 +92,14 @@ def _hf_files(init_from: str):
     return config, sd
 
 
+def differs(key: str, value, shape: dict) -> bool:
+    """Whether ``model.<key>=value`` asks for another model than the checkpoint's ``shape[key]`` (a ``FIXED``
+    key); null vocab_size and n_kv_head are what the checkpoint sets (the tokenizer's, one per query head)."""
+    if value is None and key in ("vocab_size", "n_kv_head"):
+        return False
+    return value != shape[key]
+
+
 def checkpoint_shape(init_from: str) -> dict | None:
     """The ``FIXED`` fields of ``init_from``'s model, read without its weights (a GPT-2 size's published
     shape, a directory's config.json); None when ``init_from`` names no such checkpoint (``load_gpt2`` says

@@ -703,7 +703,7 @@ def check_init_from_overrides(cfg, overrides: list[str]) -> None:
     if str(cfg.init_from) == "scratch" or cfg.resume:  # a resume: the run's own shape, checked against it
         return
     from model.config import fmt
-    from model.pretrained import FIXED, checkpoint_shape
+    from model.pretrained import FIXED, checkpoint_shape, differs
     from trainer.rundir import parse_overrides
 
     shape = checkpoint_shape(str(cfg.init_from))
@@ -711,9 +711,7 @@ def check_init_from_overrides(cfg, overrides: list[str]) -> None:
         return
     typed = {o.key_or_group: o.input_line for o in parse_overrides(overrides) if not o.is_delete()}
     given = {k: cfg.model[k] for k in FIXED if f"model.{k}" in typed}
-    wrong = [  # null vocab_size / n_kv_head: the tokenizer's / one per query head, which the checkpoint sets
-        k for k, v in given.items() if v != shape[k] and not (v is None and k in ("vocab_size", "n_kv_head"))
-    ]
+    wrong = [k for k, v in given.items() if differs(k, v, shape)]
     if not wrong:
         return
     init = f"init_from={cfg.init_from}"

@@ -18,7 +18,7 @@ from data.prepare import atomic_write, load_prepared
 from model import GPT
 from model.config import fmt
 from model.gpt import fused_loss_on
-from model.pretrained import FIXED, load_into
+from model.pretrained import FIXED, differs, load_into
 from trainer import checkpoint as ckpt
 from trainer import progress, resume_config, rundir
 from trainer.checks import (
@@ -162,8 +162,8 @@ def build_model_config(st: RunState) -> None:
         shape = {k: getattr(pre, k) for k in FIXED}
         # a preset's values (model=, experiment=) give way, said; typed ones were refused before (loop.run:
         # check_init_from_overrides)
-        same = {"vocab_size": (None,), "n_kv_head": (None, pre.n_head)}  # null: the tokenizer's, n_head
-        replaced = [k for k in FIXED if getattr(cfg.model, k) not in (shape[k], *same.get(k, ()))]
+        ckpt = {**shape, "n_kv_head": pre.n_kv_head or pre.n_head}
+        replaced = [k for k in FIXED if differs(k, getattr(cfg.model, k), ckpt)]
         if replaced:
             st.say(
                 f"note: init_from={cfg.init_from}: the model is the checkpoint's, "
