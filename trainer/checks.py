@@ -165,13 +165,12 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int,
     fit = max(1, min(fit, total // 2 // (per_token * seq_len)))
     b = cfg.batch
     if b.micro_batch_size is not None:
-        key, given = "batch.micro_batch_size", b.micro_batch_size
-        ok = _valid(cfg, world_size, "micro_batch_size", range(fit, 0, -1))
-        value = ok[0] if ok else fit
+        name, given, values = "micro_batch_size", b.micro_batch_size, range(fit, 0, -1)
     else:
-        key, given = "batch.micro_tokens", b.micro_tokens
-        ok = _valid(cfg, world_size, "micro_tokens", (m * seq_len for m in range(fit, 0, -1)))
-        value = ok[0] if ok else fit * seq_len
+        name, given, values = "micro_tokens", b.micro_tokens, range(fit * seq_len, 0, -seq_len)
+    # the largest that splits the step (stops at the first: fit can be large)
+    value = next((v for v in values if _valid(cfg, world_size, name, [v])), values[0])
+    key = f"batch.{name}"
     raise ConfigError(
         f"{key}={given} gives micro-batches of {eval_bs} sequences, whose logits and loss need about "
         f"{need / 2**30:,.0f} GiB {what}: in training, and in evaluation (eval.batch_size=null uses the "
