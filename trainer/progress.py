@@ -1,5 +1,5 @@
-"""What the console says about time: elapsed time and ETA on each step line, and, for a large model
-started on the CPU, how slow that will be (with the pointer to ``experiment=cpu_tiny``)."""
+"""What the console says about time: elapsed time and ETA on each step line, and, for a large model or a
+large step started on the CPU, how slow that will be (with the pointer to ``experiment=cpu_tiny``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import torch
 
 #: Models above this many parameters get the CPU warning (GPT-2 small is 124M; experiment=cpu_tiny is 0.81M).
 CPU_WARN_PARAMS = 10e6
+#: So do steps of more training FLOPs than this (about a minute at a CPU's 100 GFLOP/s; cpu_tiny's: 5e10): a
+#: small model with batch.tokens_per_step=268435456 was accepted without a word and took 12+ hours a step.
+CPU_WARN_STEP_FLOPS = 6e12
+
+
+def cpu_warning_due(n_params: int, flops_per_token: float, tokens_per_step: int) -> bool:
+    """Whether a CPU run of this model and step gets ``cpu_warning``."""
+    return n_params >= CPU_WARN_PARAMS or flops_per_token * tokens_per_step >= CPU_WARN_STEP_FLOPS
 
 
 def format_duration(seconds: float) -> str:
@@ -75,10 +83,10 @@ def cpu_warning(
     evals: int = 0,
     eval_tokens: int = 0,
 ) -> str | None:
-    """The warning for a model of ``n_params`` trained on the CPU (None when it is small): the steps left at
-    the model's training FLOPs (PaLM appendix B) and the CPU's measured matmul speed, plus ``evals``
+    """The warning for a model of ``n_params`` trained on the CPU (None unless ``cpu_warning_due``): the steps
+    left at the model's training FLOPs (PaLM appendix B) and the CPU's measured matmul speed, plus ``evals``
     evaluations of ``eval_tokens`` at a third of that (forward only; GPT-2's outlasts ten steps)."""
-    if n_params < CPU_WARN_PARAMS:
+    if not cpu_warning_due(n_params, flops_per_token, tokens_per_step):
         return None
     step_s = flops_per_token * tokens_per_step / flops_per_s
     eval_s = flops_per_token / 3 * eval_tokens / flops_per_s
@@ -99,6 +107,6 @@ def cpu_warning(
             else ""
         )
         + ". For a CPU try-out "
-        "use experiment=cpu_tiny (a 0.8M-parameter char-level GPT, about 4 minutes); train this model on a "
-        "CUDA GPU"
+        "use experiment=cpu_tiny (a 0.8M-parameter char-level GPT, about 4 minutes, 2,048 tokens a step); "
+        "train this model and batch on a CUDA GPU"
     )

@@ -354,10 +354,10 @@ def start_logging(st: RunState, state: dict | None) -> None:
         st.say(f"attention/kernels: {st.kernel_plan}")
     for note in plan.notes:
         st.say(note)
-    if st.device.type == "cpu" and d.is_main and n_params >= progress.CPU_WARN_PARAMS:
-        per_token = st.raw_model.flops_per_token(int(cfg.seq_len))
-        flops = progress.matmul_flops(st.device)
-        tokens, max_steps, every = int(cfg.batch.tokens_per_step), int(cfg.max_steps), int(cfg.eval.interval)
+    per_token, tokens = st.raw_model.flops_per_token(int(cfg.seq_len)), int(cfg.batch.tokens_per_step)
+    if st.device.type == "cpu" and d.is_main and progress.cpu_warning_due(n_params, per_token, tokens):
+        flops = progress.matmul_flops(st.device)  # measured only for a run that gets the warning
+        max_steps, every = int(cfg.max_steps), int(cfg.eval.interval)
         evals = progress.evals_left(st.step, max_steps, every, bool(cfg.eval.at_start))
         eval_tok = sum(x.numel() for x, _ in st.eval_batches)
         st.say(progress.cpu_warning(n_params, per_token, tokens, max_steps, flops, st.step, evals, eval_tok))

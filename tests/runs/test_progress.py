@@ -146,3 +146,12 @@ def test_mfu_only_against_a_peak_the_machine_has(tiny, tmp_path, capsys, peak):
     assert summary["perf/mfu"] == pytest.approx(summary["perf/tokens_per_sec"] * flops / peak, rel=1e-9)
     shown = float(re.search(r"mfu ([\d.]+)%", lines[-1]).group(1))
     assert shown == pytest.approx(100 * rows[-1]["perf/mfu"], abs=0.006)
+
+
+def test_cpu_warning_for_a_small_model_with_a_huge_step():
+    """A 0.8M-parameter model with batch.tokens_per_step=268435456 (a new user followed a micro-batch hint)
+    took 12+ hours a step without a word: the step's FLOPs call the warning too, cpu_tiny's own step not."""
+    flops_per_token = 6 * 810_000
+    huge = progress.cpu_warning(810_000, flops_per_token, 268_435_456, max_steps=2, flops_per_s=1e11)
+    assert huge is not None and "per step (268,435,456 tokens" in huge and "at least 3h" in huge, huge
+    assert progress.cpu_warning(810_000, flops_per_token, 2048, max_steps=2000, flops_per_s=1e11) is None
