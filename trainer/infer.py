@@ -114,6 +114,10 @@ def no_checkpoint_message(run: str, run_dir: Path) -> str:
         return f"run={run}: none of its {found} checkpoints loads ({where}); pass ckpt=PATH of one that loads"
     if run_dir.name == ckpt.CKPT_DIR_NAME and is_run_dir(run_dir.parent):
         return f"run={run} is the checkpoint folder of a run: pass run={run_dir.parent}"
+    if run_dir.parent.name == ckpt.CKPT_DIR_NAME and is_run_dir(run_dir.parent.parent):
+        return (
+            f"run={run} is a checkpoint of a run: did you mean ckpt={run}? (or run={run_dir.parent.parent})"
+        )
     if not is_run_dir(run_dir):
         return (
             f"run={run} is not a flashgpt run directory (no summary.json or config.resolved.yaml): pass "

@@ -140,6 +140,11 @@ def test_run_that_is_no_run_or_has_no_checkpoint_yet_says_which(run_copy, tmp_pa
     assert f"ckpt={run_copy}/ckpt is the checkpoint folder of a run: pass run={run_copy}" in _find_error(
         ckpt_path=run_copy / "ckpt"
     )
+    step8 = ckpt.ckpt_path(run_copy, 8)
+    assert (
+        f"run={step8} is a checkpoint of a run: did you mean ckpt={step8}? (or run={run_copy})"
+        in _find_error(step8)
+    )
     (tmp_path / "notarun").mkdir()
     assert "is not a flashgpt run directory (no summary.json or config.resolved.yaml)" in _find_error(
         tmp_path / "notarun"
