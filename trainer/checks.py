@@ -433,7 +433,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
     sep = parse_separator(cfg.data.doc_separator)
     if not sep or cfg.data.tokenizer != "char":
         return
-    meta = _prepared_meta(cfg)
+    meta = prepared_meta(cfg)
     if meta and isinstance(meta.get("itos"), list):
         vocab, where = set(meta["itos"]), f"data.dir={cfg.data.dir}"
     else:
@@ -462,7 +462,7 @@ def _check_separator_in_vocabulary(cfg) -> None:
     )
 
 
-def _prepared_meta(cfg) -> dict | None:
+def prepared_meta(cfg) -> dict | None:
     """The meta.json of the prepared data.dir, or None (absent or unreadable)."""
     try:
         return json.loads((Path(str(cfg.data.dir)).expanduser() / "meta.json").read_text())
@@ -548,7 +548,7 @@ def resumes_without_source(cfg) -> bool:
     path = os.path.expanduser(str(src))
     if not str(src).strip() or os.path.exists(path) or glob.glob(path, recursive=True):
         return False
-    return _prepared_meta(cfg) is not None
+    return prepared_meta(cfg) is not None
 
 
 def effective_data_source(cfg) -> str | None:
@@ -557,7 +557,7 @@ def effective_data_source(cfg) -> str | None:
     ``data.source=`` override)."""
     if cfg.data.source is not None:
         return cfg.data.source
-    meta = _prepared_meta(cfg)
+    meta = prepared_meta(cfg)
     src = (meta or {}).get("source")
     if src and not is_url(src) and (is_hf(src) or Path(src).exists() or meta.get("source_kind") == "docs"):
         return str(src)
@@ -626,7 +626,7 @@ def check_seq_len_fits_data(cfg, world_size: int = 1) -> None:
         fraction, docs = val_split(cfg.data.val_fraction, cfg.data.val_docs)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    meta = _prepared_meta(cfg)
+    meta = prepared_meta(cfg)
     try:
         same = (
             meta is not None

@@ -6,7 +6,6 @@ included), so a resume prepares no data of its own and rebuilds the same model.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 
@@ -146,11 +145,9 @@ def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]
 def _same_corpus(source, merged) -> bool:
     """``source`` (a local file, directory or glob) has the SHA-256 the run's data.dir/meta.json records."""
     from data.prepare import source_sha256
+    from trainer.checks import prepared_meta
 
-    try:
-        meta = json.loads((Path(str(merged.data.dir)).expanduser() / "meta.json").read_text())
-    except (OSError, ValueError):
-        return False
+    meta = prepared_meta(merged)
     recorded = meta.get("source_sha256") if isinstance(meta, dict) else None
     return recorded is not None and source_sha256(source, str(merged.data.text_field)) == recorded
 
