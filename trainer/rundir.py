@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import fnmatch
+import functools
 import json
 import os
 import re
@@ -27,15 +28,13 @@ from trainer.metrics import new_run_id, read_metric_rows, step_of, write_json_at
 
 LOCK_NAME = ".flashgpt.lock"
 RESOLVED_CONFIG = "config.resolved.yaml"  # the run's resolved config, rewritten by every start (setup.py)
-_token: str | None = None
 
 
+@functools.cache
 def run_token() -> str:
     """6 random letters/digits, drawn once per process (``out_dir`` and Hydra's run dir, resolved at
     different times, name the same folder)."""
-    global _token
-    _token = _token or new_run_id(6)
-    return _token
+    return new_run_id(6)
 
 
 def swept(_root_) -> str:
