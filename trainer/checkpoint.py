@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import random
 import re
@@ -32,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from data.prepare import atomic_write
 from trainer.dist import broadcast_obj
-from trainer.metrics import first_line, os_error_in
+from trainer.metrics import DISK_FULL_ERRNOS, first_line, os_error_in
 
 CKPT_DIR_NAME = "ckpt"
 RECORD = "flashgpt.pt"  # rank 0's record inside a checkpoint directory
@@ -262,11 +261,7 @@ def save_problem(e: BaseException, target: Path, s: int, need: int) -> tuple:
     except OSError:
         free = None
     cause = os_error_in(e)
-    full = (
-        cause.errno in (errno.ENOSPC, errno.EDQUOT)
-        if cause is not None
-        else (free is not None and free < need)
-    )
+    full = cause.errno in DISK_FULL_ERRNOS if cause is not None else (free is not None and free < need)
     if not full:
         return f"could not save checkpoint {target}: {first_line(cause or e)}.", s, False, need, free
     room = f", and {target.parent} has {free / MIB:.1f} MiB free" if free is not None else ""
