@@ -8,6 +8,7 @@ batch split; the data checks (``check_data_source``, ``check_data_fits``), ``pro
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import json
@@ -111,10 +112,8 @@ def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
     def fits(**changed) -> bool:  # in half the memory: the rest for activations, logits and the data
         return need(**changed) <= total // 2
 
-    lo, hi = 0, gpt.n_embd // step  # the largest k with n_embd = k x step that fits (0: none)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(n_embd=mid * step) else (lo, mid - 1)
+    # the largest k with n_embd = k x step that fits (0: none); fits() only fails from some k on: bisect
+    lo = bisect.bisect(range(1, gpt.n_embd // step + 1), False, key=lambda k: not fits(n_embd=k * step))
     fix = None
     for k in range(lo, 0, -1):  # the largest that GPTConfig also accepts (flash: its head dims)
         try:
