@@ -72,7 +72,6 @@ def shard_model(model, device_type: str, world_size: int, bf16: bool, compile_op
             block.compile(options=compile_options)
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    return model
 
 
 def local_norm(t: torch.Tensor) -> torch.Tensor:
