@@ -317,8 +317,7 @@ def split_batch(cfg, world_size: int) -> tuple[int, int]:
     lo = tokens_per_step // per_micro * per_micro
     near = [n for n in (lo, lo + per_micro) if n > 0]
     raise ConfigError(
-        f"batch.tokens_per_step={tokens_per_step} is not a multiple of "
-        f"micro_batch_size({micro_batch_size}) "
+        f"batch.tokens_per_step={tokens_per_step} is not a multiple of micro_batch_size({micro_batch_size}) "
         f"x seq_len({seq_len}) x world_size({world_size}) = {per_micro}; use batch.tokens_per_step="
         f"{' or '.join(map(str, near))}, or {smaller}"
     )

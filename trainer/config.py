@@ -350,8 +350,7 @@ def notes(cfg: TrainConfig) -> list[str]:
         out.append(
             f"warning: optim.warmup_steps={o.warmup_steps} >= max_steps={cfg.max_steps}: the learning rate "
             f"only ramps up (to {last:.3g} at the last step, not optim.lr={o.lr:g}) and never decays; "
-            "for a run this short use e.g. "
-            f"optim.warmup_steps={cfg.max_steps // 10}"
+            f"for a run this short use e.g. optim.warmup_steps={cfg.max_steps // 10}"
         )
     ck = cfg.checkpoint
     last = cfg.max_steps // ck.interval * ck.interval if ck.interval else 0
