@@ -26,6 +26,12 @@ Writes decode_tiles_<tag>.json and .md to --out (bench/results) after every shap
 
     python -m bench.tune --decode --dims 128 --batches 1 --contexts 8192,32768 --splits 8,16,33
 
+Loss (`--loss`): the fused classifier loss kernel's launch (kernels/cross_entropy.py: programs per SM x
+logits per block x warps) on (32,768 x 50,304) bf16 logits, GPT-2's micro-batch; each launch checked against
+float64 F.cross_entropy, then timed in place (TB/s of one read and one write) beside a copy of the logits:
+
+    python -m bench.tune --loss
+
 `--dry-run`: any mode on the CPU under TRITON_INTERPRET=1, tiny float32 shapes (plumbing only).
 """
 
@@ -44,6 +50,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from bench import common
 
@@ -420,6 +427,50 @@ def decode_search(a) -> int:
     return 0
 
 
+# (BLOCK, warps) of the loss search: 8-64 logits a thread; registers 128 / 64 / 128 / 64 / 125 (offline
+# sm_90 compile, `compile_report.compile_loss_kernel`; 16,384 x 8 takes 252: one program per SM)
+LOSS_TILES = [(4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
+LOSS_PROGRAMS = [1, 2, 3, 4]
+
+
+def loss_search(a) -> int:
+    """Every launch of LOSS_TILES x LOSS_PROGRAMS: checked (the loss of every row, the gradient of the first
+    and last), then timed; prints each and the best three."""
+    from kernels import cross_entropy as ce
+
+    rows, vocab = (8, 300) if a.dry_run else (32768, 50304)
+    gen = torch.Generator(device=a.device).manual_seed(a.seed)
+    x = torch.randn(rows, vocab, device=a.device, dtype=a.dtype, generator=gen)
+    t = torch.randint(0, vocab, (rows,), device=a.device, generator=gen)
+    want = F.cross_entropy(x.double(), t, reduction="none")
+    ends = x[[0, -1]].double()  # (2, V): softmax - onehot of the first and last row
+    want_grad = ends.softmax(-1) - F.one_hot(t[[0, -1]], vocab).double()
+    ops = torch.ops.flashgpt
+    op = ops.cross_entropy_grad_ if a.device.type == "cuda" else ops.cross_entropy_grad_cpu_
+    work, gb = x.clone(), 2 * x.numel() * x.element_size() / 1e9  # the logits read once, written once
+    copy_ms = a.timer(lambda: work.copy_(x))
+    print(f"{a.gpu or 'cpu'}, logits ({rows} x {vocab}) {str(a.dtype)[6:]}: copy {copy_ms:.3f} ms")
+    default, timed = (ce.PROGRAMS_PER_SM, ce.BLOCK, ce.NUM_WARPS), []
+    tiles = [(128, 4)] if a.dry_run else LOSS_TILES
+    try:
+        for launch in [(p, b, w) for p in LOSS_PROGRAMS for b, w in tiles]:
+            ce.PROGRAMS_PER_SM, ce.BLOCK, ce.NUM_WARPS = launch
+            name = "programs/SM {}, BLOCK {}, warps {}".format(*launch)
+            work.copy_(x)
+            err = (op(work, t).double() - want).abs().max().item()
+            err = max(err, (work[[0, -1]].double() - want_grad).abs().max().item())
+            if err > 1e-2:
+                return common.error(f"{name}: loss or gradient off by {err:.2e} (float64 reference)", 1)
+            ms = a.timer(lambda: op(work, t))  # in place: later calls read the gradient, the same bytes
+            timed.append((ms, name))
+            print(f"{name}: {ms:.3f} ms, {gb / ms:.2f} TB/s{' (default)' if launch == default else ''}")
+    finally:
+        ce.PROGRAMS_PER_SM, ce.BLOCK, ce.NUM_WARPS = default
+    for ms, name in sorted(timed)[:3]:
+        print(f"best: {name}: {ms:.3f} ms, {ms / copy_ms:.2f}x a copy's time")
+    return 0
+
+
 def main(argv=None) -> int:
     """Exit status 0, 1 (a dry run whose decode configuration failed), or 2 for bad input or no GPU, with a
     message naming the fix and nothing written."""
@@ -444,6 +495,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, help="B*N per shape (default 16384; dry run 64)")
     p.add_argument("--hidden", type=int, help="H*d (default 2048; dry run 32)")
     p.add_argument("--decode", action="store_true", help="the flash-decode tile and split search")
+    p.add_argument("--loss", action="store_true", help="the fused loss kernel's launch search")
     p.add_argument("--dims", type=ints, help="decode: d (with --batches/--contexts: their product)")
     p.add_argument("--batches", type=ints, help="decode: batch sizes")
     p.add_argument("--contexts", type=ints, help="decode: context lengths")
@@ -486,6 +538,9 @@ def main(argv=None) -> int:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
     if a.decode:
         return decode_search(a)
+    if a.loss:
+        a.timer = common.Timer(a.device, cpu_reps=1)
+        return loss_search(a)
     small = a.dry_run
     a.seqlens = a.seqlens or ([32] if small else [4096, 16384] if a.plans else [1024, 4096, 16384])
     a.headdims = a.headdims or ([16] if small else [64, 128])

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from bench import attention as ba
 from bench import common, throughput, tune
@@ -932,6 +933,21 @@ def test_tune_dry_run_search_and_ab(tmp_path):
     assert list(tmp_path.iterdir()) == [out]  # A/B writes no file unless --out names one
     bad = run("--plans", "fwd=24x16x4x1")
     assert bad.returncode != 0 and "power" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_tune_loss_search_checks_every_launch(monkeypatch, capsys):
+    """`bench.tune --loss` (interpreter, tiny logits): one line per launch of LOSS_PROGRAMS, the best three;
+    a launch whose loss differs from the float64 reference stops the search with status 1 and names it."""
+    from tests.kernel_modes import enter
+
+    enter("interpreter", monkeypatch)
+    assert tune.main(["--dry-run", "--loss"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" TB/s") == len(tune.LOSS_PROGRAMS) and out.count("best: ") == 3, out
+    real = F.cross_entropy
+    monkeypatch.setattr(F, "cross_entropy", lambda *a, **k: real(*a, **k) + 0.1)  # a reference off by 0.1
+    assert tune.main(["--dry-run", "--loss"]) == 1
+    assert "programs/SM 1, BLOCK 128, warps 4: loss or gradient off by 1.00e-01" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a CUDA GPU")
