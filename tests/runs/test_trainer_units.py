@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers_train import REPO
 from omegaconf import OmegaConf
+
+from tests.helpers_train import REPO
 from tests.wandb_offline import (
     WandbFileError,
     WandbFileIncomplete,
@@ -26,7 +27,6 @@ from tests.wandb_offline import (
     run_file_finished,
     wait_run_file_finished,
 )
-
 from trainer import checkpoint as ckpt
 from trainer import loop
 from trainer.dist import DistInfo
@@ -467,10 +467,10 @@ def test_take_batch_uses_a_prefetched_batch_once(monkeypatch):
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["device_check", "host_check"])
 def test_a_nonfinite_update_leaves_weights_and_optimizer_state_as_they_were(seed, fsdp):
-    """``step_unless_nonfinite`` with the trainer's fused AdamW: a finite update steps as a single-tensor AdamW
-    (the reference) does; a NaN loss or an infinite grad norm leaves the weights, both moments and the step
-    count bitwise as they were, and the next finite update is the reference's next step. The device-side
-    check (fused AdamW's found_inf) and the host-side one (FSDP2) alike."""
+    """``step_unless_nonfinite`` with the trainer's fused AdamW: a finite update steps as a single-tensor
+    AdamW (the reference) does; a NaN loss or an infinite grad norm leaves the weights, both moments and the
+    step count bitwise as they were, and the next finite update is the reference's next step. The
+    device-side check (fused AdamW's found_inf) and the host-side one (FSDP2) alike."""
     import copy
     from types import SimpleNamespace
 
@@ -510,6 +510,37 @@ def test_a_nonfinite_update_leaves_weights_and_optimizer_state_as_they_were(seed
             int(ref_opt.state[q]["step"]) for q in ref.parameters()
         ]
     assert not hasattr(opt, "found_inf")  # nothing left on the optimizer for its state_dict or a GradScaler
+
+
+def test_a_half_written_last_line_stays_apart_from_the_next_record(tmp_path, seed):
+    """A run killed mid-write leaves metrics.jsonl (or train.log) without its last newline; the next record
+    (a resume's) starts a line of its own: the half stays one unparsable line and every whole record parses.
+    It used to be glued onto the half, both lost as one bad line. The cut is random from the test's seed."""
+    import random
+
+    from trainer.metrics import RunLogger, append_line, read_metric_lines
+
+    first = RunLogger(tmp_path)
+    for s in range(1, 4):
+        first.log(s, {"train/loss": 1.0 / s}, wandb_too=False)
+    first.close()
+    path = tmp_path / "metrics.jsonl"
+    text = path.read_bytes()
+    last = len(text.splitlines()[-1])
+    cut = random.Random(seed).randint(
+        1, last
+    )  # 1: its newline only (the line is whole), up to all but a byte
+    path.write_bytes(text[:-cut])
+    second = RunLogger(tmp_path)
+    second.log(3, {"train/loss": 0.5}, wandb_too=False)
+    second.close()
+    rows = [r for r, _ in read_metric_lines(tmp_path)]
+    want = [1, 2, 3 if cut == 1 else None, 3]
+    assert [r and r["step"] for r in rows] == want, f"seed={seed} cut={cut}: {rows}"
+    log = tmp_path / "train.log"
+    log.write_text("step 1\nstep 2 lo")
+    append_line(log, "resumed")
+    assert log.read_text() == "step 1\nstep 2 lo\nresumed\n"
 
 
 def test_gpu_busy_window_with_a_failing_step_reports_nothing(tmp_path):
