@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers_train import REPO, compose_cfg
 
 import model.config as model_config
 import trainer.fields as fields
 from model.config import GPTConfig
+from tests.helpers_train import REPO, compose_cfg
 from trainer.checks import ConfigError, resolve_plan
 from trainer.config import TrainConfig
 

@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from tests.faulty_train import FILLER, PAD
 from tests.helpers_train import describe, read_jsonl, run_train, summary, train_losses
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from tests.helpers_train import REPO, compose_cfg
 from omegaconf import OmegaConf
 
+from tests.helpers_train import REPO, compose_cfg
 from trainer.checks import (
     ConfigError,
     check_data_fits,
@@ -394,8 +394,13 @@ def test_sweep_resume_compares_the_values_as_hydra_sweeps_them(tmp_path):
     same = ["attention=naive, sdpa", "attention='naive','sdpa'", "attention=choice(naive,sdpa)"]
     for given in same:
         assert sweep_changed(yaml, [given, "wandb.tags=[a],[b]", "max_steps=5", "resume=true"]) is None, given
-    for given in (["attention=sdpa,naive", "wandb.tags=[a],[b]"], ["attention=naive,sdpa", "wandb.tags=[b],[a]"]):
+    for given in (
+        ["attention=sdpa,naive", "wandb.tags=[a],[b]"],
+        ["attention=naive,sdpa", "wandb.tags=[b],[a]"],
+    ):
         msg = sweep_changed(yaml, given)
-        assert msg and "are not those of the sweep" in msg and "attention=naive,sdpa wandb.tags=[a],[b]" in msg
+        assert (
+            msg and "are not those of the sweep" in msg and "attention=naive,sdpa wandb.tags=[a],[b]" in msg
+        )
     assert sweep_changed(yaml, ["attention=naive,sdpa", "wandb.tags=[a],[b]", "wandb.name='x,y'"]) is None
     assert sweep_changed(tmp_path / "none.yaml", ["attention=sdpa,naive"]) is None  # no record: jobs decide

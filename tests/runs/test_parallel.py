@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers_train import (
     REPO,
     compose_cfg,
@@ -35,7 +36,6 @@ from tests.helpers_train import (
     train_losses,
     val_losses,
 )
-
 from trainer import checkpoint as ckpt
 from trainer.checks import ConfigError, resolve_plan
 from trainer.dist import global_micro_index

@@ -7,8 +7,8 @@ import random
 import re
 
 import pytest
-from tests.helpers_train import run_inprocess
 
+from tests.helpers_train import run_inprocess
 from trainer import progress
 
 UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}

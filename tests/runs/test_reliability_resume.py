@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers_train import (
     REPO,
     checkpoint_tensors,
@@ -35,7 +36,6 @@ from tests.helpers_train import (
     train_env,
     train_losses,
 )
-
 from trainer import checkpoint as ckpt
 
 
@@ -99,7 +99,7 @@ def test_resume_onto_another_char_vocabulary_is_refused(tiny, tmp_path, shakespe
     lines = shakespeare_path.read_text(encoding="utf-8").splitlines(keepends=True)
     (reversed_text := tmp_path / "reversed.txt").write_text("".join(lines[::-1]), encoding="utf-8")
     resumed = run_train(tiny(out, resume=True, max_steps=8, data__source=reversed_text))
-    assert resumed.returncode == 2 and f"data.source (" in resumed.stderr, describe(resumed)
+    assert resumed.returncode == 2 and "data.source (" in resumed.stderr, describe(resumed)
     assert "data.dir" not in resumed.stderr.split("the run's data:")[1].split(". A resume")[0]
     assert _tree(out) == before
 

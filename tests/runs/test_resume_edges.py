@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.helpers_train import REPO, describe, offline_train_env, run_train, summary, train_command
 
+from tests.helpers_train import REPO, describe, offline_train_env, run_train, summary, train_command
 from trainer.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -112,9 +112,8 @@ def test_a_concurrent_reader_does_not_make_a_killed_run_look_alive(killed_in_end
 def test_readers_report_a_live_run_as_running(tiny, tmp_path):
     import time
 
-    from tests.helpers_train import read_jsonl
-
     from bench import report
+    from tests.helpers_train import read_jsonl
     from trainer.rundir import true_status
 
     out = tmp_path / "run"
@@ -240,7 +239,9 @@ def test_resume_keeps_the_runs_values_when_configs_changed_since_its_launch(tmp_
     run.mkdir()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("config", overrides=["experiment=cpu_tiny", f"out_dir={run}"])
-    saved = OmegaConf.to_container(cfg, resolve=True) | {"derived": {"cwd": str(tmp_path), R.CHOICES_KEY: {"experiment": "cpu_tiny"}}}
+    saved = OmegaConf.to_container(cfg, resolve=True) | {
+        "derived": {"cwd": str(tmp_path), R.CHOICES_KEY: {"experiment": "cpu_tiny"}}
+    }
     OmegaConf.save(OmegaConf.create(saved), run / "config.resolved.yaml")
     lr = saved["optim"]["lr"]
     configs = tmp_path / "configs"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers_train import (
     REPO,
     copy_run,
@@ -39,7 +40,6 @@ from tests.wandb_offline import (
     read_wandb_file,
     wait_run_file_finished,
 )
-
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from tests.helpers_train import (
     REPO,
     TRAIN,
@@ -27,7 +28,6 @@ from tests.helpers_train import (
     train_losses,
     val_losses,
 )
-
 from trainer import checkpoint as ckpt
 from trainer.rundir import LOCK_NAME
 

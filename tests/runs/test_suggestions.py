@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.helpers_train import REPO, compose_cfg, describe, train_env
 
+from tests.helpers_train import REPO, compose_cfg, describe, train_env
 from trainer.checks import ConfigError, check_data_source, resolve_plan
 
 
@@ -174,8 +174,8 @@ def test_out_dir_that_would_mix_a_run_with_other_files_is_refused(tiny, tmp_path
     for out_dir in (".", "corpus"):
         proc = train(f"out_dir={out_dir}")
         assert proc.returncode == 2, describe(proc)
-        assert f"config error: out_dir={out_dir} already holds other files or runs" in proc.stderr, (
-            describe(proc)
+        assert f"config error: out_dir={out_dir} already holds other files or runs" in proc.stderr, describe(
+            proc
         )
         assert "Traceback" not in proc.stderr and sorted(p.name for p in cwd.rglob("*")) == before
     fix = re.search(r"e\.g\. (out_dir=\S+)", proc.stderr).group(1)

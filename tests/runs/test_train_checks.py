@@ -7,8 +7,8 @@ import json
 import os
 
 import pytest
-from tests.helpers_train import compose_cfg, run_inprocess, tiny_overrides
 
+from tests.helpers_train import compose_cfg, run_inprocess, tiny_overrides
 from trainer.checks import ConfigError, check_resume_compatible, resolve_plan
 
 

@@ -12,12 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
+
 from tests.helpers_train import (
     REPO,
     checkpoint_tensors,
@@ -32,7 +32,6 @@ from tests.helpers_train import (
     val_losses,
 )
 from tests.wandb_offline import read_offline_run
-
 from trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from tests.helpers_train import describe, run_train, summary, tiny_overrides, train_losses
 
 pytestmark = pytest.mark.gpu

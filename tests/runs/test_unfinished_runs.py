@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.helpers_train import (
     KILLED_AFTER,
     REPO,
