@@ -56,7 +56,7 @@ class SampleConfig:  # the whole sample.py config (configs/sample.yaml)
     )
     prompt: str = spec("\n", "text, or file:PATH to read it from a UTF-8 file")
     num_samples: int = spec(3, "sequences, generated as one batch", POS_INT)
-    max_new_tokens: int = spec(500, "tokens generated per sample", NONNEG_INT)
+    max_new_tokens: int = spec(500, "tokens generated per sample", POS_INT)
     # temperature, top_k and top_p: their ranges are checked by model.sampling.check_sampling_args
     temperature: float = spec(0.8, "0 = greedy (argmax); must be >= 0")
     top_k: int | None = spec(200, "sample among the top_k likeliest tokens (>= 1); null = no top-k filter")

@@ -232,8 +232,9 @@ SAMPLE_REFUSALS = [
     (["run={run}", "+typo=1"], "config error: typo is not a config key"),
     (
         ["run={run}", "max_new_tokens=abc"],
-        "config error: max_new_tokens='abc' must be a non-negative integer",
+        "config error: max_new_tokens='abc' must be a positive integer",
     ),
+    (["run={run}", "max_new_tokens=0"], "config error: max_new_tokens=0 must be a positive integer"),
     (["run={run}", "attention.window=8"], "config error: attention.window is not a config key"),
     (["run={run}", "attention=gpt"], "config error: attention=gpt is not a config of group attention"),
     (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
