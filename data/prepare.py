@@ -418,6 +418,13 @@ def _prepare_stream(
     for split in SPLITS:
         if writers[split].tokens == 0:
             raise ValueError(_empty_split(src.label, doc + 1, split, opts))
+    val, train = writers["val"].tokens, writers["train"].tokens
+    if by_doc and val > train:  # e.g. val_docs=1 on a large first document
+        held = f"val_docs={opts.val_docs}" if opts.val_docs else f"val_fraction={opts.val_fraction}"
+        raise ValueError(
+            f"{src.label}: the val split ({held}) holds {val} tokens, more than the {train} left to train "
+            "on; hold out fewer or smaller documents, or use a source with more documents"
+        )
     # what the ids mean (a resume compares it): the characters, or the BPE's name and vocabulary
     vocab = {"itos": tok.itos} if char else {"encoding": tok.encoding, "vocab_sha256": tok.vocab_sha256()}
     body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **vocab, "shards": {}}

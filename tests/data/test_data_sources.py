@@ -6,6 +6,7 @@ The reference is tiktoken itself on each document the test wrote (and the EOT to
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -524,6 +525,26 @@ def test_few_documents_get_a_val_docs_that_runs(tmp_path, seed):
     assert fix == "val_docs=1", f"seed={seed}: {e.value}"
     meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=1, workers=1, progress=False)
     assert meta["val_docs"] == 1 and meta["train_docs"] == 3, f"seed={seed}"
+
+
+def test_a_val_split_larger_than_train_is_refused(tmp_path, seed):
+    """val_docs=1 on a first document larger than the others: more tokens held out than left to train on is
+    an error naming both counts and the key (a new user followed a suggested val_docs=1 into it, silently);
+    nothing is written. Two held out of four smaller ones prepares."""
+    rng = np.random.default_rng(seed)
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i, words in enumerate([int(rng.integers(300, 400)), 50, 50, 50]):
+        (src / f"{i}.txt").write_text(" ".join(rng.choice(["a", "cat", "sat", "on", "mat"], size=words)))
+    with pytest.raises(
+        ValueError, match=r"the val split \(val_docs=1\) holds (\d+) tokens, more than the"
+    ) as e:
+        prepare(str(src), tmp_path / "o", "gpt2", val_docs=1, workers=1, progress=False)
+    val, train = map(int, re.findall(r"(\d+) tokens?, more than the (\d+)", str(e.value))[0])
+    assert val > train and not (tmp_path / "o").exists(), f"seed={seed}: {e.value}"
+    (src / "0.txt").write_text("a cat")  # now the first document is the smallest
+    meta = prepare(str(src), tmp_path / "o", "gpt2", val_docs=2, workers=1, progress=False)
+    assert meta["val_tokens"] < meta["train_tokens"], f"seed={seed}"
 
 
 def test_one_document_names_the_source_once(tmp_path):
