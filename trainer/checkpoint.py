@@ -229,8 +229,10 @@ def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
 
 def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str | None:
     """How a run's weights newer than its loadable step-``k`` checkpoint were lost (a newer checkpoint that
-    does not load, or summary.json's ``last_checkpoint`` gone), or None."""
-    newer = [p for s, p in list_checkpoints(run_dir) if s > k]
+    does not load, or summary.json's ``last_checkpoint`` gone), or None. A folder past the last step of a
+    finished run is none of its checkpoints (it never trained there): not a loss."""
+    final = summary.get("steps") if summary.get("status") == "ok" else None
+    newer = [p for s, p in list_checkpoints(run_dir) if s > k and not (isinstance(final, int) and s > final)]
     lc = str(summary.get("last_checkpoint") or "")
     if newer and all_newer:
         return f"the newer checkpoint(s) {', '.join(p.name for p in newer)} do not load"

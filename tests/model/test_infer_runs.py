@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.helpers_train import copy_run, describe
+from tests.helpers_train import summary as read_summary
 from tests.model.test_sample import EVAL, SAMPLE, _run, _tree
 from trainer import checkpoint as ckpt
 from trainer.infer import InferError, find_checkpoint
@@ -116,6 +117,20 @@ def _find_error(run=None, ckpt_path=None) -> str:
     with pytest.raises(InferError) as e:
         find_checkpoint(None if run is None else str(run), None if ckpt_path is None else str(ckpt_path))
     return str(e.value)
+
+
+def test_a_folder_past_a_finished_runs_last_step_is_no_lost_checkpoint(run_copy):
+    """An empty ckpt/step_<N> folder past the last step of a finished run (made by hand) does not load and
+    is skipped with a warning, but is not "the run's newest weights, gone": the run never trained there,
+    and the resume that warning would suggest has nothing to do (a new-user walk found the two at odds)."""
+    final = read_summary(run_copy)["steps"]
+    stray = ckpt.ckpt_path(run_copy, final + 4)
+    stray.mkdir()
+    said = []
+    path, state, _ = find_checkpoint(str(run_copy), None, warn=said.append)
+    assert state["step"] == final and path == ckpt.ckpt_path(run_copy, final), said
+    assert len(said) == 1 and f"checkpoint {stray} does not load" in said[0], said
+    assert ckpt.lost_after(run_copy, final, read_summary(run_copy)) is None
 
 
 def test_run_holding_or_inside_the_checkpoints_run_is_refused(run_copy, tmp_path):
