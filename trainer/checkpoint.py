@@ -61,15 +61,14 @@ def list_checkpoints(out_dir) -> list[tuple[int, Path]]:
     return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
-def newest_run_with_checkpoints(root: Path) -> Path | None:
+def newest_run_with_checkpoints(root: Path, skip=lambda run: False) -> Path | None:
     """The run directory under ``root`` whose newest checkpoint was written last (checkpoint times, not the
-    run directory's: a refused resume bumps that)."""
-    newest: tuple[float, Path] | None = None
+    run directory's: a refused resume bumps that), leaving out the runs for which ``skip(run)`` is true."""
+    written: dict[Path, float] = {}
     for p in root.glob(f"*/{CKPT_DIR_NAME}/step_*"):
         with contextlib.suppress(OSError):  # removed meanwhile (keep=N rotation of a live run)
-            if newest is None or p.stat().st_mtime > newest[0]:
-                newest = (p.stat().st_mtime, p.parent.parent)
-    return newest[1] if newest else None
+            written[p.parent.parent] = max(written.get(p.parent.parent, 0.0), p.stat().st_mtime)
+    return next((run for run in sorted(written, key=written.get, reverse=True) if not skip(run)), None)
 
 
 def pid_alive(pid: int) -> bool:

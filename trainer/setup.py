@@ -445,7 +445,7 @@ def no_checkpoint_message(st: RunState) -> str:
             f"resume=true but this sweep job's folder {st.out_dir} holds no checkpoint: resume a sweep with "
             "its own hydra.sweep.dir and the same values in the same order, or resume=false for a new sweep"
         )
-    newest = ckpt.newest_run_with_checkpoints(Path("runs"))
+    newest = ckpt.newest_run_with_checkpoints(Path("runs"), skip=rundir.held_by_live_process)  # none live
     hint = f" (newest run with checkpoints: {hydra_arg('out_dir', newest)})" if newest else ""
     if not any(o.lstrip("+").startswith(("out_dir=", "hydra.run.dir=")) for o in st.overrides):
         return (

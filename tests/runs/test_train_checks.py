@@ -713,6 +713,14 @@ def test_resume_hint_names_the_run_with_the_newest_checkpoint(expect_error, tmp_
     os.utime(tmp_path / "runs" / "older", (1_800_000_000, 1_800_000_000))  # a no-op resume of it, later
     err = expect_error(resume=True)
     assert f"(newest run with checkpoints: out_dir={os.path.join('runs', 'newer')})" in err, err
+    from trainer.rundir import claim_run_dir
+
+    lock = claim_run_dir(tmp_path / "runs" / "newer", is_main=True)  # still training: no run to resume
+    try:
+        err = expect_error(resume=True)
+    finally:
+        lock.release()
+    assert f"(newest run with checkpoints: out_dir={os.path.join('runs', 'older')})" in err, err
 
 
 def test_bad_gluon_env_is_a_config_error(monkeypatch):
