@@ -24,6 +24,7 @@ kernels from torch.profiler: where a gap between the two scripts comes from the 
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 import re
 import shlex
@@ -35,11 +36,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench import common, throughput
 
 BIASES = {"on": [True], "off": [False], "both": [True, False]}  # --bias: the model.bias values run
-REPO = Path(__file__).resolve().parents[1]
 PEER_FILES = ("train.py", "model.py", "configurator.py")
 #: nanoGPT prints "iter 12: loss 4.1234, time 123.45ms, mfu 40.12%" once per iteration (log_interval=1)
 ITER_LINE = re.compile(r"^iter (\d+): loss [-+.\w]+, time ([\d.]+)ms", re.M)
@@ -115,8 +117,6 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
 
 def load_peer_model(peer: Path):
     """The peer's model.py as a module (nanoGPT: GPT, GPTConfig)."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("peer_model", peer.parent / "model.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -126,8 +126,6 @@ def load_peer_model(peer: Path):
 def train_step(model, compiled, opt, x) -> None:
     """One update over the micro-batches x (accum, B, N): bf16 autocast, clip at 1, the optimizer's step;
     ours without logits, as trainer.loop calls it (nanoGPT's model returns them)."""
-    import torch
-
     from model import GPT
 
     ours = {"return_logits": False} if isinstance(model, GPT) else {}
@@ -142,9 +140,6 @@ def train_step(model, compiled, opt, x) -> None:
 
 def time_models(a) -> int:
     """--models: our GPT and the peer's, same shape, one process; median step ms and the top kernels."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     from model.gpt import GPT, GPTConfig
     from trainer.compiling import compile_model
 

@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from bench import common
@@ -230,8 +231,6 @@ def check_cells(p: argparse.ArgumentParser, a, try_out: str) -> int | None:
     if a.steps <= a.warmup + a.profile_steps:
         left_out = "--warmup + --profile-steps" if a.profile_steps else "--warmup"
         p.error(f"--steps ({a.steps}) must exceed {left_out} ({a.warmup + a.profile_steps})")
-    import torch
-
     if not a.allow_cpu and not torch.cuda.is_available():
         tool = p.prog.removeprefix("python -m ")
         return common.error(
@@ -246,8 +245,6 @@ def start_cells(a, argv, markdown, **meta) -> tuple[Path, common.Results]:
     """The folder of this sweep's run folders (--runs-dir/<date-time>) and its results (OUT.json, rewritten
     after every cell so that a stopped sweep keeps what it measured): versions, GPU ("cpu" without CUDA),
     `meta` and the command line."""
-    import torch
-
     env = common.environment(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     meta = env | dict(gpu=env["gpu"] or "cpu", **meta, argv=sys.argv[1:] if argv is None else list(argv))
     results = common.Results(Path(a.out).with_suffix(".json"), meta, markdown, cells=[])
