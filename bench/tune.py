@@ -536,10 +536,10 @@ def main(argv=None) -> int:
         )
     else:
         a.device, a.dtype, a.gpu = torch.device("cuda"), torch.bfloat16, torch.cuda.get_device_name()
+    a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call; --decode sets its own
     if a.decode:
         return decode_search(a)
     if a.loss:
-        a.timer = common.Timer(a.device, cpu_reps=1)
         return loss_search(a)
     small = a.dry_run
     a.seqlens = a.seqlens or ([32] if small else [4096, 16384] if a.plans else [1024, 4096, 16384])
@@ -552,7 +552,6 @@ def main(argv=None) -> int:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
             return common.error(str(exc))
-    a.timer = common.Timer(a.device, cpu_reps=1)  # CPU (dry run): one timed call
     # outputs/ is git-ignored: a search never lands in the tree, and a dry run never beside a GPU search
     default = None if a.plans else "outputs/bench/tune_dryrun.jsonl" if small else "outputs/tune.jsonl"
     out_path = a.out or default
