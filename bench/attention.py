@@ -207,11 +207,11 @@ def bench_provider(
     return records
 
 
-def run_benchmark(run: dict, device, dtype, timer, tol, inject=None, on_shape_done=None) -> list[dict]:
+def run_benchmark(run: dict, device, dtype, timer, tol, inject: dict, on_shape_done: Callable) -> list[dict]:
     """Every (d, N, provider) of `run` (seqlens, headdims, providers, modes, tokens, hidden, seed): inputs and
     reference built once per shape; an allocation that fails marks every provider of the shape.
     `on_shape_done(records)` after each shape (partial results are saved)."""
-    inject, modes, records, softcap = inject or {}, run["modes"], [], run.get("softcap")
+    modes, records, softcap = run["modes"], [], run.get("softcap")
     kw = dict(device=device, dtype=dtype, need_grads=any(m != "fwd" for m in modes))
     for d, n in itertools.product(run["headdims"], run["seqlens"]):
         b, h = shape_for(run["tokens"], run["hidden"], n, d)
@@ -236,8 +236,7 @@ def run_benchmark(run: dict, device, dtype, timer, tol, inject=None, on_shape_do
                 records += recs
             del inp
         common.free_memory(device)
-        if on_shape_done:
-            on_shape_done(records)
+        on_shape_done(records)
     return records
 
 
@@ -459,9 +458,6 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
     earlier = previous_meta.get("invocations") or ([previous_meta] if previous_meta else [])
     kept = [m for m in earlier if not (cells(m) and cells(m) <= cells(meta))]
     return [{k: m.get(k) for k in INVOCATION_KEYS} for m in (*kept, meta)]
-
-
-# -------------------------------------------------------------------------------------------- main
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -471,7 +471,6 @@ def finite(x: Any) -> bool:
 
 
 def md_table(header: Sequence, rows: Sequence[Sequence], align: str = "---:") -> list[str]:
-    """Lines of a markdown table."""
     line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"
     return [line(header), line([align] * len(header)), *(line(r) for r in rows)]
 

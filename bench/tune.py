@@ -197,7 +197,6 @@ def _tflops(flops: float, ms: float | None) -> float | None:
 
 
 def _write(out, a, shape: Shape, **fields) -> None:
-    """One JSON line to `out`: the shape, `fields`, the GPU, torch and the time."""
     rec = dict(d=shape.d, N=shape.n, B=shape.b, H=shape.h, **fields, gpu=a.gpu, torch=torch.__version__)
     rec["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out.write(json.dumps(rec) + "\n")
