@@ -462,34 +462,29 @@ def merged_invocations(previous_meta: dict, meta: dict) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.split("\n\n")[0])
+    add = p.add_argument
     ints = common.ints()
-    p.add_argument("--seqlens", type=ints, help="comma list of N (default 512 .. 32768; dry run 16,32)")
-    p.add_argument("--headdims", type=ints, help="comma list of d (default 64,128; dry run 16)")
-    p.add_argument("--providers", type=common.choices(PROVIDERS), help=f"from {','.join(PROVIDERS)}")
-    p.add_argument("--modes", type=common.choices(MODES), default=list(MODES), help="default fwd,bwd,fwdbwd")
-    p.add_argument("--dtype", choices=sorted(common.DTYPES), help="default bfloat16 (dry run float32)")
-    p.add_argument("--tokens", type=int, help="B*N tokens per shape (default 16384; dry run 64)")
-    p.add_argument("--hidden", type=int, help="H*d (default 2048; dry run 64)")
-    p.add_argument("--out", help="output directory (default bench/results; on a CPU outputs/bench)")
-    p.add_argument("--tag", help="file tag (default h200 / GPU-name slug / cpu)")
-    p.add_argument("--dry-run", action="store_true", help="tiny CPU run of the plumbing (Triton interpreter)")
-    p.add_argument("--device", help="cuda or cpu (default cuda when available)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
-    p.add_argument("--cpu-reps", type=int, default=3, help="timed repetitions on a CPU")
-    p.add_argument(
-        "--atol-o", type=float, help="abs tolerance on O (default bf16 2e-2, fp16 5e-3, fp32 5e-3)"
-    )
-    p.add_argument(
-        "--rtol-grad", type=float, help="grad tolerance relative to max(1, max|ref|) (5e-2, 2e-2, 1e-2)"
-    )
-    p.add_argument(
-        "--merge", action="store_true", help="merge into attention_<tag>.json (same cells replaced)"
-    )
+    add("--seqlens", type=ints, help="comma list of N (default 512 .. 32768; dry run 16,32)")
+    add("--headdims", type=ints, help="comma list of d (default 64,128; dry run 16)")
+    add("--providers", type=common.choices(PROVIDERS), help=f"from {','.join(PROVIDERS)}")
+    add("--modes", type=common.choices(MODES), default=list(MODES), help="default fwd,bwd,fwdbwd")
+    add("--dtype", choices=sorted(common.DTYPES), help="default bfloat16 (dry run float32)")
+    add("--tokens", type=int, help="B*N tokens per shape (default 16384; dry run 64)")
+    add("--hidden", type=int, help="H*d (default 2048; dry run 64)")
+    add("--out", help="output directory (default bench/results; on a CPU outputs/bench)")
+    add("--tag", help="file tag (default h200 / GPU-name slug / cpu)")
+    add("--dry-run", action="store_true", help="tiny CPU run of the plumbing (Triton interpreter)")
+    add("--device", help="cuda or cpu (default cuda when available)")
+    add("--seed", type=int, default=0)
+    add("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    add("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    add("--cpu-reps", type=int, default=3, help="timed repetitions on a CPU")
+    add("--atol-o", type=float, help="abs tolerance on O (default bf16 2e-2, fp16 5e-3, fp32 5e-3)")
+    add("--rtol-grad", type=float, help="grad tolerance relative to max(1, max|ref|) (5e-2, 2e-2, 1e-2)")
+    add("--merge", action="store_true", help="merge into attention_<tag>.json (same cells replaced)")
     softcap = "logit soft-capping c: scores c*tanh(s/c) in the reference and in flash, naive, flex (not sdpa)"
-    p.add_argument("--softcap", type=float, help=softcap)
-    p.add_argument("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
+    add("--softcap", type=float, help=softcap)
+    add("--inject-failure", action="append", default=[], help=argparse.SUPPRESS)  # PROVIDER[:kind]
     a = p.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():

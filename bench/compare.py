@@ -221,20 +221,14 @@ def _jsonable(x):
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference"
-    )
-    exceeded = "(exit 1 when exceeded)"
-    p.add_argument("--tolerance", type=float, help=f"max windowed train-loss difference {exceeded}")
-    p.add_argument("--val-tolerance", type=float, help=f"max final val-loss difference {exceeded}")
-    p.add_argument(
-        "--window", type=common.positive, default=20, help="points per averaging window (default 20)"
-    )
-    p.add_argument(
-        "--max-step", type=int, help="compare only steps <= this (e.g. the first 300 of longer runs)"
-    )
-    p.add_argument("--out", help="PNG path (default: compare.png in the first run's directory)")
-    p.add_argument("--json", help="also write the results as JSON here")
+    add = p.add_argument
+    add("runs", nargs="+", help="run directories (or metrics.jsonl files); the first is the reference")
+    add("--tolerance", type=float, help="max windowed train-loss difference (exit 1 when exceeded)")
+    add("--val-tolerance", type=float, help="max final val-loss difference (exit 1 when exceeded)")
+    add("--window", type=common.positive, default=20, help="points per averaging window (default 20)")
+    add("--max-step", type=int, help="compare only steps <= this (e.g. the first 300 of longer runs)")
+    add("--out", help="PNG path (default: compare.png in the first run's directory)")
+    add("--json", help="also write the results as JSON here")
     args = p.parse_args(argv)
     if len(args.runs) < 2:
         return common.error("give at least two runs (the first is the reference)")

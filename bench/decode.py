@@ -312,34 +312,29 @@ def rewrite_report(path: Path) -> str:
 def main(argv=None) -> int:
     raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
     ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__, formatter_class=raw)
-    ap.add_argument("--contexts", type=common.ints(), help="comma list (GPU default: 1024 .. 131072)")
-    ap.add_argument("--batches", type=common.ints(), help="comma list (GPU default: 1,16,64)")
-    ap.add_argument("--dims", type=common.ints(), help="comma list of d (GPU default: 64,128)")
-    ap.add_argument("--groups", type=common.ints(), help="query heads per KV head (GPU default: 1,4,8)")
-    ap.add_argument("--kv-heads", type=common.positive, help="KV heads (GPU default: 8)")
-    ap.add_argument("--providers", type=common.choices(PROVIDERS, unique=True), default=list(PROVIDERS))
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--e2e", action="store_true", help="also time GPT-2 124M generation end to end")
-    ap.add_argument("--e2e-only", action="store_true")
-    ap.add_argument(
-        "--e2e-backends", type=common.choices(("naive", "sdpa", "flash")), default=["sdpa", "flash"]
-    )
-    ap.add_argument("--prompt-len", type=common.positive, help="GPU default: 512")
-    ap.add_argument("--new-tokens", type=common.positive, help="GPU default: 256")
-    ap.add_argument(
-        "--compile-backend", help="torch.compile backend of the compiled modes (inductor; dry run: eager)"
-    )
-    ap.add_argument("--copy-bytes", type=int, default=2 << 30)
-    ap.add_argument("--warmup-ms", type=int, default=10, help="do_bench warm-up per timing (GPU)")
-    ap.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per timing (GPU)")
-    ap.add_argument(
-        "--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA-graph timing (GPU)"
-    )
-    ap.add_argument("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
-    ap.add_argument("--out", help="output directory (bench/results; --dry-run: outputs/bench)")
-    ap.add_argument("--tag")
-    ap.add_argument("--report", metavar="JSON", help="only rewrite the markdown of a results file")
+    add = ap.add_argument
+    add("--contexts", type=common.ints(), help="comma list (GPU default: 1024 .. 131072)")
+    add("--batches", type=common.ints(), help="comma list (GPU default: 1,16,64)")
+    add("--dims", type=common.ints(), help="comma list of d (GPU default: 64,128)")
+    add("--groups", type=common.ints(), help="query heads per KV head (GPU default: 1,4,8)")
+    add("--kv-heads", type=common.positive, help="KV heads (GPU default: 8)")
+    add("--providers", type=common.choices(PROVIDERS, unique=True), default=list(PROVIDERS))
+    add("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    add("--seed", type=int, default=0)
+    add("--e2e", action="store_true", help="also time GPT-2 124M generation end to end")
+    add("--e2e-only", action="store_true")
+    add("--e2e-backends", type=common.choices(("naive", "sdpa", "flash")), default=["sdpa", "flash"])
+    add("--prompt-len", type=common.positive, help="GPU default: 512")
+    add("--new-tokens", type=common.positive, help="GPU default: 256")
+    add("--compile-backend", help="torch.compile backend of the compiled modes (inductor; dry run: eager)")
+    add("--copy-bytes", type=int, default=2 << 30)
+    add("--warmup-ms", type=int, default=10, help="do_bench warm-up per timing (GPU)")
+    add("--rep-ms", type=int, default=40, help="do_bench repetition time per timing (GPU)")
+    add("--graphs", action=argparse.BooleanOptionalAction, default=True, help="CUDA-graph timing (GPU)")
+    add("--dry-run", action="store_true", help="CPU plumbing check: tiny shapes, fp32, 1 rep")
+    add("--out", help="output directory (bench/results; --dry-run: outputs/bench)")
+    add("--tag")
+    add("--report", metavar="JSON", help="only rewrite the markdown of a results file")
     args = ap.parse_args(argv)
     if args.report is not None:
         try:

@@ -223,17 +223,14 @@ def plot(path: Path, cells: list[dict]) -> None:
 
 def main(argv=None) -> int:
     p = throughput.cell_parser("peer", __doc__, timeout=900)
-    p.add_argument("--peer", type=Path, required=True, help="the peer's train.py (nanoGPT's), run as it is")
-    p.add_argument(
-        "--seq-lens", type=common.ints(), default=[1024, 8192], help="comma list (default 1024,8192)"
-    )
-    p.add_argument(
-        "--bias", choices=("on", "off", "both"), default="both", help="model biases (default both)"
-    )
-    p.add_argument("--attention", default="flash", help="our backend (default flash)")
+    add = p.add_argument
+    add("--peer", type=Path, required=True, help="the peer's train.py (nanoGPT's), run as it is")
+    add("--seq-lens", type=common.ints(), default=[1024, 8192], help="comma list (default 1024,8192)")
+    add("--bias", choices=("on", "off", "both"), default="both", help="model biases (default both)")
+    add("--attention", default="flash", help="our backend (default flash)")
     p.set_defaults(profile_steps=0, log_interval=1)  # what bench.throughput's cell command reads
-    p.add_argument("--models", action="store_true", help="time and profile the two models alone (CUDA)")
-    p.add_argument("--top", type=common.positive, default=25, help="--models: kernels listed per model")
+    add("--models", action="store_true", help="time and profile the two models alone (CUDA)")
+    add("--top", type=common.positive, default=25, help="--models: kernels listed per model")
     a = p.parse_args(argv)
     a.peer = a.peer.expanduser().resolve()
     missing = [f for f in PEER_FILES if not (a.peer.parent / f).is_file()]

@@ -244,12 +244,11 @@ def log_to_wandb(runs: Sequence[dict], png: Path, sweep_dir: Path, out_dir: Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep_dir", help="Hydra multirun folder (or any folder holding run directories)")
-    p.add_argument("--out", help="output folder (default SWEEP_DIR)")
-    p.add_argument(
-        "--warmup-frac", type=float, default=0.1, help="logged steps left out of the medians (0.1)"
-    )
-    p.add_argument("--wandb", action="store_true", help="also log table and plots to W&B")
+    add = p.add_argument
+    add("sweep_dir", help="Hydra multirun folder (or any folder holding run directories)")
+    add("--out", help="output folder (default SWEEP_DIR)")
+    add("--warmup-frac", type=float, default=0.1, help="logged steps left out of the medians (0.1)")
+    add("--wandb", action="store_true", help="also log table and plots to W&B")
     args = p.parse_args(argv)
     if not 0.0 <= args.warmup_frac < 1.0:
         p.error(f"--warmup-frac must be in [0, 1), got {args.warmup_frac}")

@@ -213,13 +213,14 @@ def cell_parser(prog: str, doc: str, timeout: float) -> argparse.ArgumentParser:
     where results and run folders go, the CPU opt-in and the user's train.py overrides (after --)."""
     raw = argparse.RawDescriptionHelpFormatter  # --help shows the module docstring as written
     p = argparse.ArgumentParser(prog=f"python -m bench.{prog}", description=doc, formatter_class=raw)
-    p.add_argument("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
-    p.add_argument("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
-    p.add_argument("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")
-    p.add_argument("--out", default=f"outputs/{prog}", help="results prefix: OUT.json, OUT.md, OUT.png")
-    p.add_argument("--runs-dir", default=f"outputs/{prog}_runs", help="run folders (%(default)s)")
-    p.add_argument("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
-    p.add_argument("overrides", nargs="*", help="more train.py overrides (after --)")
+    add = p.add_argument
+    add("--steps", type=int, default=40, help="optimizer steps per cell (default 40)")
+    add("--warmup", type=int, default=10, help="steps left out (compile; default 10)")
+    add("--timeout", type=float, default=timeout, help="seconds per cell before it is stopped")
+    add("--out", default=f"outputs/{prog}", help="results prefix: OUT.json, OUT.md, OUT.png")
+    add("--runs-dir", default=f"outputs/{prog}_runs", help="run folders (%(default)s)")
+    add("--allow-cpu", action="store_true", help="run without a CUDA GPU (a try-out, no figures)")
+    add("overrides", nargs="*", help="more train.py overrides (after --)")
     return p
 
 
@@ -253,20 +254,15 @@ def start_cells(a, argv, markdown, **meta) -> tuple[Path, common.Results]:
 
 def main(argv=None) -> int:
     p = cell_parser("throughput", __doc__, timeout=600)
-    p.add_argument("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
-    p.add_argument(
-        "--seq-lens", type=common.ints(), default=[1024, 4096, 8192, 16384, 32768], help="comma list"
-    )
-    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
-    p.add_argument("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
-    p.add_argument(
-        "--naive-up-to", type=int, help="naive only up to this seq_len (its N^2 scores run out of memory)"
-    )
-    p.add_argument("--gaps", nargs="+", type=Path, metavar="TRACE", help="analyse these traces instead")
-    p.add_argument("--top", type=int, default=15, help="--gaps: rows per table (default 15)")
-    p.add_argument(
-        "--min-gap-us", type=float, default=2.0, help="--gaps: shorter gaps are ignored (default 2)"
-    )
+    add = p.add_argument
+    add("--backends", type=common.choices(BACKENDS), default=list(BACKENDS), help="comma list")
+    add("--seq-lens", type=common.ints(), default=[1024, 4096, 8192, 16384, 32768], help="comma list")
+    add("--profile-steps", type=int, default=3, help="steps profiled for the GPU-busy fraction")
+    add("--log-interval", type=int, default=10, help="train.py log_interval (default 10)")
+    add("--naive-up-to", type=int, help="naive only up to this seq_len (its N^2 scores run out of memory)")
+    add("--gaps", nargs="+", type=Path, metavar="TRACE", help="analyse these traces instead")
+    add("--top", type=int, default=15, help="--gaps: rows per table (default 15)")
+    add("--min-gap-us", type=float, default=2.0, help="--gaps: shorter gaps are ignored (default 2)")
     a = p.parse_args(argv)
     if a.gaps:
         status = 0
