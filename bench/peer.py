@@ -115,14 +115,6 @@ def run_peer(a, cell: dict, run_dir: Path) -> dict:
         return rec | dict(status="error", error=str(e))
 
 
-def load_peer_model(peer: Path):
-    """The peer's model.py as a module (nanoGPT: GPT, GPTConfig)."""
-    spec = importlib.util.spec_from_file_location("peer_model", peer.parent / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def train_step(model, compiled, opt, x) -> None:
     """One update over the micro-batches x (accum, B, N): bf16 autocast, clip at 1, the optimizer's step;
     ours without logits, as trainer.loop calls it (nanoGPT's model returns them)."""
@@ -145,7 +137,9 @@ def time_models(a) -> int:
 
     if not torch.cuda.is_available():
         return common.error("--models times CUDA steps and this machine has no CUDA GPU; leave --models out")
-    peer_mod, dev = load_peer_model(a.peer), torch.device("cuda")
+    spec = importlib.util.spec_from_file_location("peer_model", a.peer.parent / "model.py")
+    peer_mod, dev = importlib.util.module_from_spec(spec), torch.device("cuda")
+    spec.loader.exec_module(peer_mod)  # the peer's model.py as a module (nanoGPT: GPT, GPTConfig)
     shape = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, dropout=0.0)
     for n in a.seq_lens:
         for bias in BIASES[a.bias]:
