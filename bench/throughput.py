@@ -280,19 +280,18 @@ def main(argv=None) -> int:
     runs, results = start_cells(a, argv, markdown, **meta)
     # one line per cell on stdout; on a terminal also a bar on stderr with the elapsed time and the ETA
     cells = [(n, b) for n in a.seq_lens for b in a.backends]
-    bar = tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty())
-    for n, b in bar:
-        bar.set_postfix_str(f"{b} seq_len={n}")
-        if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
-            why = f"not run: --naive-up-to {a.naive_up_to}"
-            results.add("cells", [dict(backend=b, seq_len=n, status="not_run", error=why)])
-            continue
-        rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
-        tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
-        if rec["status"] not in ("ok", "oom"):
-            tqdm.write(tail[-1500:])
-        results.add("cells", [rec])
-    bar.close()
+    with tqdm(cells, desc="cells", unit="cell", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        for n, b in bar:
+            bar.set_postfix_str(f"{b} seq_len={n}")
+            if b == "naive" and a.naive_up_to is not None and n > a.naive_up_to:
+                why = f"not run: --naive-up-to {a.naive_up_to}"
+                results.add("cells", [dict(backend=b, seq_len=n, status="not_run", error=why)])
+                continue
+            rec, tail = run_cell(b, n, a, runs / f"{b}_n{n}")
+            tqdm.write(f"   {rec['status']}: {fmt_cell(rec)} [{rec['wall_s']:.0f} s]")
+            if rec["status"] not in ("ok", "oom"):
+                tqdm.write(tail[-1500:])
+            results.add("cells", [rec])
     print(results.save(complete=True))
     plot(Path(a.out).with_suffix(".png"), results.meta, results.lists["cells"])
     return 0 if any(c["status"] == "ok" for c in results.lists["cells"]) else 1
