@@ -237,9 +237,7 @@ def sdpa(backend: str | None, causal: bool = False) -> Callable:
 
     if backend is not None and backend not in SDPA_BACKENDS:
         raise ValueError(f"unknown SDPA backend {backend!r}; valid: {', '.join(SDPA_BACKENDS)}")
-    pinned = backend and [
-        getattr(SDPBackend, "MATH" if backend == "math" else f"{backend.upper()}_ATTENTION")
-    ]
+    pinned = backend and getattr(SDPBackend, "MATH" if backend == "math" else f"{backend.upper()}_ATTENTION")
 
     def call(q, k, v):
         with sdpa_kernel(pinned) if pinned else contextlib.nullcontext():
