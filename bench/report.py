@@ -260,8 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return common.error(str(exc))
     md = markdown(runs, sweep, args.warmup_frac)
     print(md)
-    record = dict(sweep_dir=str(sweep), warmup_frac=args.warmup_frac, runs=runs)
-    report = json.dumps(record, indent=1) + "\n"
+    report = json.dumps(dict(sweep_dir=str(sweep), warmup_frac=args.warmup_frac, runs=runs), indent=1) + "\n"
     written, png = [], out / "report_sweep.png"
     try:  # a folder that cannot be written (read-only, full) costs only the files: the report is printed
         out.mkdir(parents=True, exist_ok=True)
