@@ -510,6 +510,7 @@ def main(argv=None) -> int:
     a.argv, a.kernels = argv, [k.strip() for k in a.kernels.split(",") if k.strip()]
     if a.kernels != ["bwd"] and (not a.kernels or any(k not in SEARCH_KERNELS for k in a.kernels)):
         p.error(f"--kernels {','.join(a.kernels)!r}: choose from {','.join(SEARCH_KERNELS)}, or bwd alone")
+    from bench.attention import shape_for
     from kernels import override_tile_config
 
     checks = [(text, parse_plan(text)) for text in a.plans or ()]
@@ -539,8 +540,6 @@ def main(argv=None) -> int:
     a.seqlens = a.seqlens or ([32] if small else [4096, 16384] if a.plans else [1024, 4096, 16384])
     a.headdims = a.headdims or ([16] if small else [64, 128])
     a.tokens, a.hidden = a.tokens or (64 if small else 16384), a.hidden or (32 if small else 2048)
-    from bench.attention import shape_for
-
     for d in a.headdims:
         try:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
