@@ -52,9 +52,9 @@ TIMER_SLOW_MS = 10.0  # Timer.slow_ms of the kernel sweep: such calls are timed 
 E2E_MODES = ("eager", "static", "compiled", "graph", "compiled-graph")
 E2E_WARMUP_TOKENS = 4  # the warm-up generation: the prefill and the first decode steps (which compile)
 GPU_GRID = dict(contexts=[1024 << i for i in range(8)], batches=[1, 16, 64], dims=[64, 128], groups=[1, 4, 8])
-GPU_GRID |= dict(kv_heads=8, prompt_len=512, new_tokens=256)
+GPU_GRID |= dict(kv_heads=8, prompt_len=512, new_tokens=256, compile_backend="inductor")
 DRY_GRID = dict(contexts=[40, 100], batches=[1, 2], dims=[16], groups=[1, 4], kv_heads=2, prompt_len=4)
-DRY_GRID |= dict(new_tokens=3)
+DRY_GRID |= dict(new_tokens=3, compile_backend="eager")
 
 # The read-floor provider: a kernel that only reads the K/V cache, once. Any decode kernel must read every
 # K/V byte; this one does nothing else (each program sums a chunk of k and v), so its time in the same
@@ -343,8 +343,7 @@ def main(argv=None) -> int:
             return common.error(f"--report: {e}")
         return 0
     for key, value in (DRY_GRID if args.dry_run else GPU_GRID).items():
-        setattr(args, key, getattr(args, key) or value)  # what the user did not give (all are >= 1)
-    args.compile_backend = args.compile_backend or ("eager" if args.dry_run else "inductor")
+        setattr(args, key, getattr(args, key) or value)  # what the user did not give (numbers are >= 1)
     if args.dry_run:
         device, dtype = torch.device("cpu"), torch.float32
         args.copy_bytes = min(args.copy_bytes, 1 << 22)
