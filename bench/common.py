@@ -87,8 +87,7 @@ def commit(where: Path = Path(__file__).parent) -> str:
     commit it does not hold."""
 
     def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=where, capture_output=True, text=True)
-        return out.stdout.strip()
+        return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
     return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
