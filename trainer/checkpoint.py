@@ -226,19 +226,21 @@ def load_newest(out_dir, warn=print) -> tuple[Path | None, dict | None]:
     return None, None
 
 
-def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> str | None:
-    """How a run's weights newer than its loadable step-``k`` checkpoint were lost (a newer checkpoint that
-    does not load, or summary.json's ``last_checkpoint`` gone), or None. A folder past the last step of a
-    finished run is none of its checkpoints (it never trained there): not a loss."""
+def lost_after(run_dir, k: int, summary: dict, all_newer: bool = False) -> tuple[int, str] | None:
+    """(step, how) of a run's weights newer than its loadable step-``k`` checkpoint that were lost (a newer
+    checkpoint that does not load, or summary.json's ``last_checkpoint`` gone), or None. A folder past the
+    last step of a finished run is none of its checkpoints (it never trained there): not a loss."""
     final = summary.get("steps") if summary.get("status") == "ok" else None
-    newer = [p for s, p in list_checkpoints(run_dir) if s > k and not (isinstance(final, int) and s > final)]
+    newer = [
+        (s, p) for s, p in list_checkpoints(run_dir) if s > k and not (isinstance(final, int) and s > final)
+    ]
     lc = str(summary.get("last_checkpoint") or "")
     if newer and all_newer:
-        return f"the newer checkpoint(s) {', '.join(p.name for p in newer)} do not load"
+        return newer[0][0], f"the newer checkpoint(s) {', '.join(p.name for _, p in newer)} do not load"
     if newer:
-        return f"{newer[0].name} does not load"
-    if lc and (checkpoint_step(lc) or -1) > k:
-        return f"{f'the newest checkpoint {lc}' if all_newer else Path(lc).name} is missing (deleted)"
+        return newer[0][0], f"{newer[0][1].name} does not load"
+    if lc and (at := checkpoint_step(lc) or -1) > k:
+        return at, f"{f'the newest checkpoint {lc}' if all_newer else Path(lc).name} is missing (deleted)"
     return None
 
 

@@ -57,9 +57,8 @@ def find_checkpoint(run: str | None, ckpt_path: str | None, warn=print) -> tuple
     if state is None:
         raise InferError(no_checkpoint_message(run, run_dir))
     step, summary = int(state["step"]), read_summary(run_dir)
-    if how := ckpt.lost_after(run_dir, step, summary):
-        newer = [s for s, _ in ckpt.list_checkpoints(run_dir) if s > step]
-        at = newer[0] if newer else ckpt.checkpoint_step(summary["last_checkpoint"])
+    if lost := ckpt.lost_after(run_dir, step, summary):
+        at, how = lost
         final = "final" if summary.get("status") == "ok" and summary.get("steps") == at else "newest"
         warn(
             f"warning: run={run}: its {final} weights (step {at}) are gone: {how}; using {path.name} (step "

@@ -506,7 +506,7 @@ def resume_checks(st: RunState, state: dict) -> None:
         raise ConfigError(rundir.below_done_message(st.out_dir, done, max_steps, old_max))
     if done == max_steps and lost is not None:
         st.resume_notes.append(
-            f"the run finished at step {done}, but its final checkpoint {lost}: rebuilding it by "
+            f"the run finished at step {done}, but its final checkpoint {lost[1]}: rebuilding it by "
             f"replaying steps {k + 1}-{done} from the step-{k} checkpoint with the run's own schedule "
             f"(max_steps={max_steps}); on a deterministic path the rebuilt weights equal the lost ones"
         )
@@ -528,10 +528,15 @@ def resume_checks(st: RunState, state: dict) -> None:
         return
     if last is None or last <= k:
         return
-    why = ckpt.lost_after(st.out_dir, k, summary, all_newer=True) or (
-        f"no checkpoint was saved after step {k}: the run stopped at step {last} "
-        f"(status {summary.get('status', 'unknown')}) between checkpoints "
-        f"(checkpoint.interval={cfg.checkpoint.interval}, log_interval={cfg.log_interval})"
+    lost = ckpt.lost_after(st.out_dir, k, summary, all_newer=True)
+    why = (
+        lost[1]
+        if lost
+        else (
+            f"no checkpoint was saved after step {k}: the run stopped at step {last} "
+            f"(status {summary.get('status', 'unknown')}) between checkpoints "
+            f"(checkpoint.interval={cfg.checkpoint.interval}, log_interval={cfg.log_interval})"
+        )
     )
     moved = st.log.set_apart_after(k)
     if moved:

@@ -131,6 +131,12 @@ def test_a_folder_past_a_finished_runs_last_step_is_no_lost_checkpoint(run_copy)
     assert state["step"] == final and path == ckpt.ckpt_path(run_copy, final), said
     assert len(said) == 1 and f"checkpoint {stray} does not load" in said[0], said
     assert ckpt.lost_after(run_copy, final, read_summary(run_copy)) is None
+    record = ckpt.ckpt_path(run_copy, final) / ckpt.RECORD  # now the final checkpoint is lost too
+    record.write_bytes(record.read_bytes()[:1000])
+    said.clear()
+    path, state, _ = find_checkpoint(str(run_copy), None, warn=said.append)
+    gone = f"its final weights (step {final}) are gone: {ckpt.ckpt_path(run_copy, final).name} does not load"
+    assert state["step"] < final and gone in said[-1], said
 
 
 def test_run_holding_or_inside_the_checkpoints_run_is_refused(run_copy, tmp_path):
