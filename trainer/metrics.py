@@ -143,13 +143,19 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         atomic_write(Path(path), lambda f: f.write(text.encode()))
 
 
+def open_lines(path: Path) -> int:
+    """``path`` opened to append lines (O_RDWR | O_APPEND, created if missing). A half line left by a killed
+    writer is ended first, so it stays one bad line and the next record parses."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    end = os.fstat(fd).st_size
+    if end and os.pread(fd, 1, end - 1) != b"\n":
+        append_whole(fd, b"\n", path)
+    return fd
+
+
 def append_whole(fd: int, data: bytes, path: Path) -> None:
-    """Append ``data`` to ``fd`` (O_RDWR | O_APPEND) whole or not at all: a write cut short is truncated
-    back. After a half line (a killed writer's) it starts a line of its own, so the half stays one bad line
-    and this record parses."""
+    """Append ``data`` to ``fd`` (O_APPEND) whole or not at all: a write cut short is truncated back."""
     start = os.fstat(fd).st_size
-    if start and os.pread(fd, 1, start - 1) != b"\n":
-        data = b"\n" + data
     with writing(path, undo=lambda: os.ftruncate(fd, start)):
         view = memoryview(data)
         while view:
@@ -157,7 +163,7 @@ def append_whole(fd: int, data: bytes, path: Path) -> None:
 
 
 def append_line(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_lines(path)
     try:
         append_whole(fd, (text + "\n").encode(), path)
     finally:
@@ -192,7 +198,7 @@ class RunLogger:
     def __init__(self, out_dir: str | os.PathLike, enabled: bool = True) -> None:
         self.out_dir, self.enabled, self.summary = Path(out_dir), enabled, {}
         self.wandb_run, self.wandb_mode, self.wandb_parent = None, "disabled", None
-        self._jsonl: int | None = None  # metrics.jsonl's file descriptor (O_RDWR | O_APPEND)
+        self._jsonl: int | None = None  # metrics.jsonl's file descriptor (O_APPEND)
         if enabled:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self._open_jsonl()
@@ -201,7 +207,7 @@ class RunLogger:
     def _open_jsonl(self) -> None:
         path = self.out_dir / "metrics.jsonl"
         with writing(path):
-            self._jsonl = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._jsonl = open_lines(path)
 
     def _keep_reserve(self) -> None:
         """Set ``RESERVE_BYTES`` aside, written out (not sparse): deleting it frees that room."""
