@@ -162,8 +162,8 @@ def build_model_config(st: RunState) -> None:
         shape = {k: getattr(pre, k) for k in FIXED}
         # a preset's values (model=, experiment=) give way, said; typed ones were refused before (loop.run:
         # check_init_from_overrides)
-        ckpt = {**shape, "n_kv_head": pre.n_kv_head or pre.n_head}
-        replaced = [k for k in FIXED if differs(k, getattr(cfg.model, k), ckpt)]
+        theirs = {**shape, "n_kv_head": pre.kv_heads}
+        replaced = [k for k in FIXED if differs(k, getattr(cfg.model, k), theirs)]
         if replaced:
             st.say(
                 f"note: init_from={cfg.init_from}: the model is the checkpoint's, "
