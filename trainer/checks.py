@@ -87,17 +87,15 @@ def _vocab_estimate(cfg) -> int:
 STATE_BYTES = 16
 
 
-def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
+def _check_model_fits(cfg, gpt, total: int | None, device_type: str, world_size: int) -> None:
     """Refuse a model whose training state, parameters x 16 bytes (float32 weights, gradients, AdamW's two
     moments; FSDP shares it among the ranks), exceeds the machine's memory (CPU RAM; on CUDA the GPU's),
-    before set-up builds it: model.n_embd=1000000 had nn.Linear ask for 12 TB in set-up. Names a
-    model.n_embd (a multiple of model.n_head x 8) that fits at this model.n_layer, else a model.n_layer.
+    before set-up builds it: model.n_embd=1000000 had nn.Linear ask for 12 TB in set-up (``total``: the
+    machine's bytes, `_machine_bytes`). Names a model.n_embd (a multiple of model.n_head x 8) that fits at
+    this model.n_layer, else a model.n_layer.
     Best effort: no limit where the memory size cannot be read; an init_from model's shape is the
     checkpoint's (not known here)."""
-    if str(cfg.init_from) != "scratch":
-        return
-    total = _machine_bytes(device_type)
-    if total is None:
+    if str(cfg.init_from) != "scratch" or total is None:
         return
     shards = world_size if cfg.parallel == "fsdp" else 1
     gpt = dataclasses.replace(gpt, vocab_size=_vocab_estimate(cfg))
@@ -105,9 +103,11 @@ def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
     def need(**changed) -> int:
         return dataclasses.replace(gpt, **changed).param_count() * STATE_BYTES // shards
 
-    if need() <= total:
+    n_params = gpt.param_count()
+    needed = n_params * STATE_BYTES // shards
+    if needed <= total:
         return
-    step, n_params = gpt.n_head * 8, gpt.param_count()
+    step = gpt.n_head * 8
 
     def fits(**changed) -> bool:  # in half the memory: the rest for activations, logits and the data
         return need(**changed) <= total // 2
@@ -122,21 +122,23 @@ def _check_model_fits(cfg, gpt, device_type: str, world_size: int) -> None:
             continue
         fix = f"model.n_embd={k * step} (at model.n_layer={gpt.n_layer})"
         break
-    layers = next((n for n in range(gpt.n_layer - 1, 0, -1) if fits(n_layer=n)), None)
-    if layers is not None:
+    layers = bisect.bisect(range(1, gpt.n_layer), False, key=lambda n: not fits(n_layer=n))  # the same
+    if layers:
         other = f"model.n_layer={layers} (at model.n_embd={gpt.n_embd})"
         fix = f"{fix}, or {other}" if fix else other
     shard = f" / {shards} FSDP ranks" if shards > 1 else ""
     raise ConfigError(
         f"model.n_embd={gpt.n_embd} model.n_layer={gpt.n_layer} is a {n_params:,}-parameter model, whose "
-        f"training state needs about {need() / 2**30:,.0f} GiB ({n_params:,} x {STATE_BYTES} bytes: float32 "
+        f"training state needs about {needed / 2**30:,.0f} GiB ({n_params:,} x {STATE_BYTES} bytes: float32 "
         f"weights, gradients and AdamW's two moments{shard}), more than this machine's "
         f"{total / 2**30:,.0f} GiB ({'the GPU' if device_type == 'cuda' else 'RAM'}); use "
         + (fix or "a smaller model (model=tiny or model=mini)")
     )
 
 
-def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int, gpt) -> None:
+def _check_eval_batch_fits(
+    cfg, eval_bs: int, total: int | None, device_type: str, world_size: int, gpt
+) -> None:
     """Refuse an evaluation batch whose float32 logits, (eval_bs, seq_len, vocab) x 4 bytes, need with the
     loss' temporaries about 3x that (logits, log-softmax, its output) and exceed the machine's memory (CPU
     RAM; on CUDA the GPU's), before it takes the machine down: eval.batch_size=100000 at seq_len 128 on the
@@ -147,7 +149,6 @@ def _check_eval_batch_fits(cfg, eval_bs: int, device_type: str, world_size: int,
     measured 44 KB a token, this estimate 58 KB). Best effort: no limit where the memory size is unknown."""
     vocab, seq_len = _vocab_estimate(cfg), int(cfg.seq_len)
     need = 3 * int(eval_bs) * seq_len * vocab * 4
-    total = _machine_bytes(device_type)
     if total is None or need <= total:
         return
     fit = max(1, total // (3 * 4 * seq_len * vocab) // 2)
@@ -240,9 +241,10 @@ def resolve_plan(cfg, *, world_size: int, cuda_available: bool) -> Plan:
             "note: compile_mode=reduce-overhead adds CUDA graphs, which the CPU does not have: "
             "it runs like compile_mode=default here"
         )
-    _check_model_fits(cfg, gpt, device_type, world_size)
+    total = _machine_bytes(device_type)
+    _check_model_fits(cfg, gpt, total, device_type, world_size)
     eval_bs = cfg.eval.batch_size if cfg.eval.batch_size is not None else micro_batch_size
-    _check_eval_batch_fits(cfg, eval_bs, device_type, world_size, gpt)
+    _check_eval_batch_fits(cfg, eval_bs, total, device_type, world_size, gpt)
     return Plan(
         device_type=device_type,
         autocast_dtype=autocast_dtype,
