@@ -427,7 +427,8 @@ def decode_search(a) -> int:
 
 
 # (BLOCK, warps) of the loss search: 8-64 logits a thread; registers 128 / 64 / 128 / 64 / 125 (offline
-# sm_90 compile, `compile_report.compile_loss_kernel`; 16,384 x 8 takes 252: one program per SM)
+# sm_90 compile, `python -m kernels.compile_report --loss 4096x4 ...`; 16,384 x 8 takes 252: one program
+# per SM)
 LOSS_TILES = [(4096, 4), (4096, 8), (8192, 8), (8192, 16), (16384, 16)]
 LOSS_PROGRAMS = [1, 2, 3, 4]
 

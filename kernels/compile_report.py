@@ -242,10 +242,11 @@ def compile_decode_kernel(
     return _sm90(ASTSource(fn, signature, constants), num_warps=4, num_stages=num_stages)
 
 
-def compile_loss_kernel(dtype: torch.dtype, vocab_size: int = 50304) -> dict:
-    """Compile the fused loss kernel (`_loss_kernel.py`) for sm_90 as `cross_entropy` launches it, with the
-    ints' divisibility by 16 that Triton specialises at a launch; its registers, spills and how many of its
-    global loads are 16-byte vectors (``v4_loads`` of ``loads``)."""
+def compile_loss_kernel(dtype: torch.dtype, vocab_size: int = 50304, block=None, num_warps=None) -> dict:
+    """Compile the fused loss kernel (`_loss_kernel.py`) for sm_90 as `cross_entropy` launches it (or with
+    ``block`` logits a step on ``num_warps`` warps), with the ints' divisibility by 16 that Triton
+    specialises at a launch; its registers, spills and how many of its global loads are 16-byte vectors
+    (``v4_loads`` of ``loads``). `python -m kernels.compile_report --loss` prints it per (BLOCK, warps)."""
     from triton.compiler import ASTSource
 
     from . import cross_entropy as ce
@@ -258,8 +259,8 @@ def compile_loss_kernel(dtype: torch.dtype, vocab_size: int = 50304) -> dict:
     ints = ["stride_row", "M"] + (["V"] if vocab_size % 16 == 0 else [])
     divisible = [fn.arg_names.index(n) for n in ["LOGITS", "TARGETS", "LOSS", *ints]]
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-    source = ASTSource(fn, signature, dict(BLOCK=ce.BLOCK), attrs=attrs)
-    ptx = _sm90(source, num_warps=ce.NUM_WARPS).asm["ptx"]
+    source = ASTSource(fn, signature, dict(BLOCK=block or ce.BLOCK), attrs=attrs)
+    ptx = _sm90(source, num_warps=num_warps or ce.NUM_WARPS).asm["ptx"]
     regs, st, ld, _ = _ptxas(ptx)
     loads = ptx.count("ld.global")
     return dict(
@@ -283,7 +284,15 @@ def main(argv=None) -> None:
     p.add_argument("--even", action="store_true", help="sequence lengths multiples of the blocks")
     p.add_argument("--inductor", action="store_true", help="as Inductor compiles (fp64 scalars, debug)")
     p.add_argument("--tma", action=argparse.BooleanOptionalAction, help="bwd kernels with / without TMA")
+    p.add_argument("--loss", nargs="+", metavar="BLOCKxWARPS", help="the fused loss kernel, e.g. 8192x8")
     a = p.parse_args(argv)
+    for launch in a.loss or ():
+        block, warps = (int(x) for x in launch.split("x"))
+        print(
+            f"loss {launch}: {compile_loss_kernel(torch.bfloat16, block=block, num_warps=warps)}", flush=True
+        )
+    if a.loss:
+        return
     cfg = TileConfig(*a.blocks, a.warps, a.stages) if a.blocks else None
     for dt in a.dtype:
         for d in a.d:

@@ -190,6 +190,9 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     assert info['registers'] * {ce.NUM_WARPS * 32 * ce.PROGRAMS_PER_SM} <= 65536, (dtype, info)
     assert info['spill_store_bytes'] == info['spill_load_bytes'] == 0, (dtype, info)
     assert info['v4_loads'] >= info['loads'] - 2, (dtype, info)  # the target's load is one element
+# twice the warps for the same block: half the logits per thread, so fewer registers (the loss search's grid)
+wide = compile_loss_kernel(torch.bfloat16, block={ce.BLOCK}, num_warps={2 * ce.NUM_WARPS})
+assert wide['registers'] < compile_loss_kernel(torch.bfloat16)['registers'], wide
 print('ok')
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
