@@ -20,18 +20,41 @@ common status (else 1). The training loop is in ``trainer/loop.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
 
-import trainer.config  # noqa: F401 - stores the schema and the model presets in Hydra's ConfigStore
+def _interrupted_at_start(signum, frame) -> None:  # noqa: ARG001 - signal API
+    """SIGINT/SIGTERM while the libraries load (seconds), before ``run`` handles signals: exit 128 + signal
+    with one line, not a KeyboardInterrupt traceback or a silent kill; the run directory Hydra made for
+    this start goes again (``discard_refused_run``: only what this process created)."""
+    with contextlib.suppress(Exception):  # not made yet, or the helpers not loaded yet: nothing to take back
+        rundir = sys.modules["trainer.rundir"]
+        rundir.discard_refused_run(_run_dir_known())
+        rundir.put_back_sweep()  # -m: no job has run yet
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("interrupted before training started; nothing was saved", file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+
+# the handlers before it, put back once ``run`` takes over (not installed where train.py is imported)
+_START_SIGNALS = (
+    {s: signal.signal(s, _interrupted_at_start) for s in (signal.SIGINT, signal.SIGTERM)}
+    if __name__ == "__main__"
+    else {}
+)
+
+import hydra  # noqa: E402 - after the handler: importing them takes seconds
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import trainer.config  # noqa: E402, F401 - stores the schema and the model presets in Hydra's ConfigStore
 
 _RANK_DIR_PREFIX = "flashgpt-rank"
 # (run dir, status, exit code) of each job of a -m sweep run in this process (Hydra's basic launcher);
@@ -46,6 +69,8 @@ _IN_JOB: list[bool] = [False]  # True while a job's task function runs (its erro
 def main(cfg: DictConfig) -> None:
     from trainer.loop import run
 
+    while _START_SIGNALS:  # run() handles signals from here on (set-up, then trainer/signals.py)
+        signal.signal(*_START_SIGNALS.popitem())
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     out_dir = Path(hc.runtime.output_dir)

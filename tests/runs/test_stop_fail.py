@@ -5,6 +5,7 @@ real unwritable out_dirs and real Hydra sweeps. Each test reads back the run dir
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -74,6 +75,44 @@ class Train:
 
 
 # ------------------------------------------------------------------------------------------ signals
+
+
+#: ``python -c`` this, train.py, ARGS: train.py whose job imports trainer.loop (after Hydra made the run
+#: directory, before the trainer handles signals) slowly: "loading" on stdout, then a minute; a signal then
+#: stands for one during the seconds torch and Hydra take to load
+SLOW_START = """import runpy, sys, time
+class Slow:
+    def find_spec(self, name, path=None, target=None):
+        if name == "trainer.loop":
+            print("loading", flush=True)
+            time.sleep(60)
+sys.meta_path.insert(0, Slow())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_signal_while_libraries_load_exits_with_one_line(tiny, tmp_path, sig, existed):
+    """A signal before the trainer's handlers are installed: exit 128 + signal, one line, no traceback; the
+    run directory Hydra made for this start goes again, a folder that existed before stays."""
+    out = tmp_path / "new" / "run"
+    if existed:
+        out.mkdir(parents=True)
+    cmd = [sys.executable, "-c", SLOW_START, str(TRAIN), *tiny(out)]
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline() == b"loading\n", proc.communicate()
+        assert out.is_dir()  # Hydra made it before the job's imports
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + sig, f"{proc.returncode}\n{stdout}\n{stderr}"
+    assert stderr.decode() == "interrupted before training started; nothing was saved\n", stderr
+    assert (sorted(os.listdir(out)) == []) if existed else not (tmp_path / "new").exists()
 
 
 def test_signal_to_a_sweep_says_which_jobs_did_not_run(tiny, tmp_path):
