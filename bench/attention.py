@@ -478,6 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--seed", type=int, default=0)
     add("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     add("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    add("--cuda-graph", action="store_true", help="time CUDA-graph replays: the kernels without host time")
     add("--cpu-reps", type=int, default=3, help="timed repetitions on a CPU")
     add("--atol-o", type=float, help="abs tolerance on O (default bf16 2e-2, fp16 5e-3, fp32 5e-3)")
     add("--rtol-grad", type=float, help="grad tolerance relative to max(1, max|ref|) (5e-2, 2e-2, 1e-2)")
@@ -517,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             shape_for(a.tokens, a.hidden, a.seqlens[0], d)
         except ValueError as exc:
             p.error(str(exc))
-    timer = common.Timer(device, warmup_ms=a.warmup, rep_ms=a.rep, cpu_reps=a.cpu_reps)
+    timer = common.Timer(device, a.warmup, a.rep, a.cpu_reps, cuda_graph=a.cuda_graph)
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     tol = (tol[0] if a.atol_o is None else a.atol_o, tol[1] if a.rtol_grad is None else a.rtol_grad)
     path, previous, previous_meta = Path(a.out) / f"attention_{a.tag}.json", [], {}

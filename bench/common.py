@@ -142,10 +142,13 @@ class Timer:
     cpu_reps: int = 3
     slow_ms: float | None = None
     slow_reps: int = 3
+    cuda_graph: bool = False  # do_bench_cudagraph: back-to-back replays, no host time (and no L2 flush)
 
     def describe(self) -> str:
         if self.device.type != "cuda":
             return f"time.perf_counter median of {self.cpu_reps} reps after 1 warm-up (CPU dry run)"
+        if self.cuda_graph:
+            return f"triton.testing.do_bench_cudagraph(return_mode='median', rep={self.rep_ms} ms)"
         slow = f"; calls of >= {self.slow_ms} ms: median of {self.slow_reps} event-timed calls"
         return (
             f"triton.testing.do_bench(return_mode='median', warmup={self.warmup_ms} ms, rep={self.rep_ms} "
@@ -175,8 +178,10 @@ class Timer:
             if not cuda or times[0] >= self.slow_ms:
                 times += [once() for _ in range((self.slow_reps if cuda else self.cpu_reps) - 1)]
                 return float(statistics.median(times))
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
 
+        if self.cuda_graph:
+            return float(do_bench_cudagraph(fn, self.rep_ms, grad_to_none, return_mode="median"))
         kw = dict(warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=grad_to_none, return_mode="median")
         return float(do_bench(fn, **kw))
 
