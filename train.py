@@ -77,6 +77,9 @@ def main(cfg: DictConfig) -> None:
     _IN_JOB[0] = True
     try:
         outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
+    except KeyboardInterrupt:  # Ctrl-C again while run() cleans up, its handlers gone: exit now, as asked
+        print("second signal: exiting now", file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)
     finally:
         _IN_JOB[0] = False
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir

@@ -91,6 +91,30 @@ sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
+#: ``python -c`` this, train.py, ARGS: train.py whose run() raises KeyboardInterrupt once it has ended, as a
+#: second Ctrl-C does while run() cleans up (garbage collection, the CUDA cache) after its handlers are gone
+LATE_SIGNAL = """import runpy, sys
+import trainer.loop as loop
+real = loop.run
+def run(*args, **kwargs):
+    real(*args, **kwargs)
+    raise KeyboardInterrupt
+loop.run = run
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_signal_while_the_run_cleans_up_exits_at_once(tiny, tmp_path):
+    """Ctrl-C after the run has ended and its handlers are gone: exit 130 with one line, no traceback; the
+    run's records stay as they ended."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", LATE_SIGNAL, str(TRAIN), *tiny(out)]
+    proc = subprocess.run(cmd, cwd=str(REPO), env=train_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT, f"{proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr and "second signal: exiting now" in proc.stderr, proc.stderr
+    assert summary(out)["status"] == "ok"
+
 
 @pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_signal_while_libraries_load_exits_with_one_line(tiny, tmp_path, sig, existed):
