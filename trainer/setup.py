@@ -527,6 +527,12 @@ def resume_checks(st: RunState, state: dict) -> None:
         metrics_lost(st, k, summary)
         return
     if last is None or last <= k:
+        if st.dist.is_main and last is not None and last <= k - int(cfg.log_interval):  # cut short
+            st.resume_notes.append(
+                f"warning: {st.out_dir / 'metrics.jsonl'} ends at step {last}, but the checkpoint is of step "
+                f"{k}: the logged curve of steps {last + 1}-{k} is not in it any more (the file was cut?); "
+                f"it continues at step {k + 1}, and W&B's history (when on) still holds those steps"
+            )
         return
     lost = ckpt.lost_after(st.out_dir, k, summary, all_newer=True)
     why = (

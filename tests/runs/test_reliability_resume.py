@@ -17,6 +17,7 @@ run and data directories).
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -316,6 +317,21 @@ def test_resume_without_metrics_warns_and_forks_wandb(tiny, tmp_path):
     assert wb["run_id"] == s["wandb_run_id"] and wb["parents"] == [
         {"run_id": parent, "step": 4, "metric": "_step"}
     ]
+
+
+@pytest.mark.slow
+def test_resume_after_a_cut_metrics_file_names_the_missing_steps(tiny, tmp_path):
+    out = tmp_path / "run"
+    base = dict(max_steps=8, checkpoint__interval=4)
+    proc = run_train(tiny(out, fault__raise_oom_at_step=7, **base))  # ends after step 6; checkpoint 4
+    assert proc.returncode == 0 and summary(out)["status"] == "oom", describe(proc)
+    kept = [r for r in read_jsonl(out) if r.get("step", 0) <= 2]  # the file cut after step 2
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    resumed = run_train(tiny(out, resume=True, **base))
+    assert resumed.returncode == 0, describe(resumed)
+    assert "metrics.jsonl ends at step 2, but the checkpoint is of step 4" in resumed.stdout
+    assert "steps 3-4 is not in it" in resumed.stdout, describe(resumed)
+    assert [r["step"] for r in read_jsonl(out) if "train/loss" in r] == [1, 2, 5, 6, 7, 8]
 
 
 @pytest.mark.slow
