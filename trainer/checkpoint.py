@@ -163,10 +163,15 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
         tmp_name = broadcast_obj(tmp_name)  # also: the folder exists before anyone writes
     tmp = d / tmp_name
     try:
-        msd, osd = get_state_dict(model, optimizer)
+        # an optimizer that has not stepped has no state, and get_state_dict would make some by a zero-lr
+        # step (step 1, zero moments): a resume from it would be one bias correction off, so none is saved
+        if optimizer is not None and optimizer.state:
+            sd = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+        else:
+            sd = {"model": get_model_state_dict(model)}
         with _no_dist_quiet():
-            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp), no_dist=not _dist())
-        del msd, osd
+            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not _dist())
+        del sd
         if main:
             if record is not None:
                 record = {**record, "files": _file_table(tmp)}
@@ -187,10 +192,21 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
     return final
 
 
+def _has_optimizer_state(path) -> bool:
+    """Whether a checkpoint holds optimizer state: not where the optimizer had not stepped (save_checkpoint),
+    nor at step 0, where older saves hold get_state_dict's placeholder (step 1, zero moments)."""
+    if checkpoint_step(path) == 0:
+        return False
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(k.startswith("optimizer.") for k in keys)
+
+
 def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
     """Load a checkpoint into ``model`` (the unwrapped module, sharded or not) and ``optimizer`` in place, at
     any world size; collective under a process group."""
     no_dist = not _dist()
+    if optimizer is not None and not _has_optimizer_state(path):
+        optimizer = None  # it had not stepped: the fresh optimizer is the one saved
     with _no_dist_quiet():
         if optimizer is None:
             msd = get_model_state_dict(model)

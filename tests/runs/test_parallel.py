@@ -331,6 +331,34 @@ def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_
 
 
 @pytest.mark.slow
+def test_fsdp_resume_from_step_0_matches_one_process(tiny, tmp_path, reference):
+    """SIGTERM during the start-of-run evaluation of a 2-rank fsdp run: a step-0 checkpoint, whose sharded
+    optimizer had not stepped; the resume's losses are the uninterrupted ones from update 2 on too (it
+    loaded DCP's placeholder optimizer state before: Adam's bias correction one step off)."""
+    out = tmp_path / "run"
+    cmd, env = train_command([*_args(tiny, out, parallel="fsdp"), "fault.eval_sleep_s=1"], TORCHRUN)
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    log = out / "train.log"
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.is_file() and "flashgpt:" in log.read_text():  # the start-up line: evaluation next
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped after step 0" in stdout, stdout + stderr[-3000:]
+    resumed = run_train(_args(tiny, out, parallel="fsdp", resume="true"), launcher=TORCHRUN)
+    assert resumed.returncode == 0, describe(resumed)
+    _assert_close(train_losses(out), train_losses(reference), "step 0 -> fsdp train/loss")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", ["batch.tokens_per_step=1000", "sq_len=64"])
 def test_config_error_under_torchrun(tiny, tmp_path, bad):
     """A trainer check (tokens_per_step) and a composition error (unknown key): one ``config error`` line

@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
+from model.gpt import GPT, GPTConfig
 from tests.helpers_train import REPO
 from tests.wandb_offline import (
     WandbFileError,
@@ -74,6 +76,41 @@ def _weights(path, seed: int) -> torch.Tensor:
     model, opt = _model(999, seed)
     ckpt.load_weights(path, model, opt)
     return model.weight.detach()
+
+
+def _tiny_gpt(seed: int):
+    """A small GPT and the trainer's optimizer (fused AdamW, two groups), its weights from ``seed``."""
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(block_size=8, vocab_size=16, n_layer=1, n_head=2, n_embd=16))
+    return model, model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")
+
+
+def _train(model, opt, seed: int, steps: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 16, (2, 8), generator=g)
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("older_save", [False, True])
+def test_resume_from_step_0_trains_as_an_uninterrupted_run(tmp_path, seed, older_save):
+    """A step-0 checkpoint (a stop during the start-of-run evaluation) resumes into the same updates as no
+    checkpoint, float-equal. Its optimizer had not stepped: DCP's get_state_dict gives such an optimizer
+    placeholder state (step 1, zero moments), which loaded in its place put Adam's bias correction one step
+    off. Older saves wrote that placeholder (``older_save``): a step-0 load leaves it out."""
+    expected = _train(*_tiny_gpt(seed), seed)
+    model, opt = _tiny_gpt(seed)
+    if older_save:
+        get_state_dict(model, opt)  # what save_checkpoint did first: the placeholder state, in opt
+    path = ckpt.save_checkpoint(model, opt, {"step": 0, "rng": []}, tmp_path, 0, keep=2)
+    fresh, fresh_opt = _tiny_gpt(seed + 1)  # other weights: the load sets every one
+    ckpt.load_weights(path, fresh, fresh_opt)
+    got = _train(fresh, fresh_opt, seed)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert bool(opt.state) == older_save  # the save leaves an optimizer that has not stepped as it was
 
 
 def test_save_keeps_newest_n(tmp_path, seed):
