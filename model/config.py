@@ -199,7 +199,10 @@ def field_docs() -> dict[str, str]:
 POS_INT, NONNEG_INT, FINITE, NONNEG, UNIT, BOOL = "int>0", "int>=0", "finite", "float>=0", "[0,1)", "bool"
 POSITIVE = "float>0"
 OPEN_UNIT = "(0,1)"  # strictly between 0 and 1 (a share that must leave something on both sides)
+# torch.manual_seed overflows past 2**64 - 1 (and wraps a negative one); rank r seeds seed + r: int64 is safe
+SEED, SEED_END = "seed", 2**63
 _WHAT = {
+    SEED: f"must be an integer from 0 to {SEED_END - 1}",
     POS_INT: "must be a positive integer",
     NONNEG_INT: "must be a non-negative integer",
     NONNEG: "must be >= 0",
@@ -261,8 +264,9 @@ def problem_with(key: str, value, check, example=None, nullable: bool = False) -
         return f"{key}={value!r} is not valid; choose one of: {', '.join(map(fmt, check))}"
     if check == BOOL:
         return None if isinstance(value, bool) else f"{key}={value!r} is not valid; choose true or false"
-    if check in (POS_INT, NONNEG_INT):
-        if isinstance(value, int) and not isinstance(value, bool) and value >= (check == POS_INT):
+    if check in (POS_INT, NONNEG_INT, SEED):
+        end = SEED_END if check == SEED else math.inf
+        if isinstance(value, int) and not isinstance(value, bool) and (check == POS_INT) <= value < end:
             return None
         what = _WHAT[check].replace("must be ", "must be null or ") if nullable else _WHAT[check]
         return f"{key}={value!r} {what}, e.g. {key}={fmt(example)}"

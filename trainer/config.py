@@ -24,6 +24,7 @@ from trainer.fields import (
     NONNEG_INT,
     OPEN_UNIT,
     POS_INT,
+    SEED,
     UNIT,
     ConfigError,
     check_fields,
@@ -204,7 +205,7 @@ class TrainConfig:  # the whole train.py config (configs/config.yaml composes gr
     optim: OptimConfig = field(default_factory=OptimConfig)
     seq_len: int = spec(1024, "tokens per training sequence; model.block_size follows it unless set", POS_INT)
     seed: int = spec(
-        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", NONNEG_INT
+        1337, "seeds weights, dropout and the data windows (seed, step, global micro-batch)", SEED
     )
     max_steps: int = spec(1000, "optimizer steps", POS_INT)
     device: str = spec("auto", "auto (cuda when present, else cpu) | cuda | cpu", ("auto", "cuda", "cpu"))

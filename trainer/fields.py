@@ -7,9 +7,20 @@ import difflib
 import re
 from dataclasses import MISSING, field, fields, is_dataclass
 
-from model.config import BOOL, FINITE, NONNEG, NONNEG_INT, OPEN_UNIT, POS_INT, UNIT, problem, problem_with
+from model.config import (
+    BOOL,
+    FINITE,
+    NONNEG,
+    NONNEG_INT,
+    OPEN_UNIT,
+    POS_INT,
+    SEED,
+    UNIT,
+    problem,
+    problem_with,
+)
 
-__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "UNIT", "ConfigError"]
+__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "SEED", "UNIT", "ConfigError"]
 
 
 class ConfigError(Exception):

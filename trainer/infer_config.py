@@ -16,8 +16,8 @@ from hydra.core.config_store import ConfigStore
 
 from trainer.fields import (
     BOOL,
-    NONNEG_INT,
     POS_INT,
+    SEED,
     ConfigError,
     check_fields,
     check_known,
@@ -61,7 +61,7 @@ class SampleConfig:  # the whole sample.py config (configs/sample.yaml)
     temperature: float = spec(0.8, "0 = greedy (argmax); must be >= 0")
     top_k: int | None = spec(200, "sample among the top_k likeliest tokens (>= 1); null = no top-k filter")
     top_p: float | None = spec(None, "nucleus sampling in (0, 1]; null = off")
-    seed: int = spec(1337, "torch generator seed of the sampling", NONNEG_INT)
+    seed: int = spec(1337, "torch generator seed of the sampling", SEED)
     compile: bool = spec(
         False, "torch.compile the static decode step (implies static_decode; slow first call)", BOOL
     )
@@ -109,7 +109,7 @@ class EvalConfig:  # the whole eval.py config (configs/eval.yaml)
     seed: int | None = spec(
         None,
         "seed of the fixed batches; null = the run's seed (same batches as its val/loss)",
-        NONNEG_INT,
+        SEED,
         1337,
     )
     dtype: str = spec("auto", "auto (bfloat16 on cuda, float32 on cpu) | float32 | bfloat16 | float16")

@@ -235,6 +235,7 @@ SAMPLE_REFUSALS = [
         "config error: max_new_tokens='abc' must be a positive integer",
     ),
     (["run={run}", "max_new_tokens=0"], "config error: max_new_tokens=0 must be a positive integer"),
+    (["run={run}", f"seed={2**64}"], "config error: seed=18446744073709551616 must be an integer from 0 to"),
     (["run={run}", "attention.window=8"], "config error: attention.window is not a config key"),
     (["run={run}", "attention=gpt"], "config error: attention=gpt is not a config of group attention"),
     (["run={run}", "temperature=-0.5"], "temperature must be >= 0"),
@@ -362,6 +363,10 @@ EVAL_REFUSALS = [
     (["run={run}", "bathces=3"], "config error: bathces is not a config key; did you mean batches?"),
     (["run={run}", "+typo=1"], "config error: typo is not a config key"),
     (["run={run}", "seq_len=abc"], "config error: seq_len='abc' must be null or a positive integer"),
+    (
+        ["run={run}", "seed=-1"],
+        "config error: seed=-1 must be null or an integer from 0 to 9223372036854775807",
+    ),
     (["run={run}", "data.dir={tmp}/nodata"], "not found"),
     (["run={run}", "seq_len=65"], "exceeds the model's block size 64"),
 ]

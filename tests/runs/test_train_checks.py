@@ -275,7 +275,9 @@ def test_compile_mode_key():
         ("optim.beta1", 1.5, "optim.beta1=1.5 must be in [0, 1)"),
         ("optim.weight_decay", -5, "optim.weight_decay=-5.0 must be >= 0"),  # typed: a float
         ("optim.lr", True, "optim.lr=True is not a finite number"),
-        ("seed", "abc", "seed='abc' must be a non-negative integer"),
+        ("seed", "abc", "seed='abc' must be an integer from 0 to 9223372036854775807, e.g. seed=1337"),
+        ("seed", 2**64, f"seed={2**64} must be an integer from 0 to 9223372036854775807"),  # torch: overflow
+        ("seed", -1, "seed=-1 must be an integer from 0 to 9223372036854775807"),  # torch wraps it
         ("data.val_fraction", 0.2, "holds data split with data.val_fraction=0.1, not 0.2; set data.dir="),
     ],
 )
