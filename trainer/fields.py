@@ -64,6 +64,9 @@ def check_known(node, schema: type, root: type | None = None, prefix: str = "") 
     """Refuse a key of ``node`` (a DictConfig) outside ``schema``: Hydra's ``+typo=1`` gets past OmegaConf,
     and ``OmegaConf.to_object`` would drop it silently (Hydra's own ``hydra`` node is no key of ours)."""
     names = {f.name: f for f in fields(schema)}
+    for k in names if hasattr(node, "keys") else ():  # ~seq_len: not the schema's default unasked
+        if k not in node:
+            raise ConfigError(_removed(f"{prefix}{k}", root or schema))
     for k in node.keys() if hasattr(node, "keys") else ():
         if k not in names and (prefix or k != "hydra"):
             raise ConfigError(unknown_key(f"{prefix}{k}", root or schema))
@@ -175,9 +178,19 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
                 return ConfigError(unknown_key(key, schema, value.group(1) if value else "VALUE"))
             f = _field_of(key, schema)
             msg = field_problem(f, key, e.value) if f is not None else None
+            if msg is None and f is not None and e.value is None:  # key=null where the schema takes none
+                msg = f"{key}=null is not valid here; e.g. {_example(f, key)}"
             if msg is None and "is not a ListConfig" in str(e):  # wandb.tags=foo
                 msg = f"{key}={e.value!r} must be a list: {key}=[{e.value}] (several: {key}=[a,b])"
             return ConfigError(msg or f"{key}={e.value!r} is not valid: {str(e).splitlines()[0]}")
+        missing = re.match(r"Interpolation key '([^']+)' not found", str(e))
+        if missing and _field_of(missing.group(1), schema) is not None:  # ~seq_len: run_name is made of it
+            return ConfigError(_removed(missing.group(1), schema, f" and {e.full_key} is made from it"))
+        k = str(getattr(e, "full_key", ""))
+        if "does not support deletion" in str(e) and _field_of(k, schema):  # ~optim.lr: a group's keys stay
+            return ConfigError(
+                f"~{k}: {k} cannot be removed; set it instead, e.g. {_example(_field_of(k, schema), k)}"
+            )
         if isinstance(e, OverrideParseException):
             return ConfigError(
                 f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024; quote a value "
@@ -188,6 +201,21 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
             return ConfigError(str(e).splitlines()[0])
         e = nxt
     return None
+
+
+def _removed(key: str, schema: type, why: str = "") -> str:
+    example = _example(_field_of(key, schema), key)
+    return f"{key} has no value (removed with ~{key}?){why}; give it one, e.g. {example}"
+
+
+def _example(f, key: str) -> str:
+    """``key=value`` with a value that works for field ``f``: its example or default (a group: its first
+    key's)."""
+    from model.config import fmt
+
+    if (sub := dataclass_type(f)) is not None:
+        return _example(fields(sub)[0], f"{key}.{fields(sub)[0].name}")
+    return f"{key}={fmt(f.metadata.get('example', f.default))}"
 
 
 def _missing_option(e) -> str:

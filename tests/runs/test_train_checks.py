@@ -958,3 +958,60 @@ def test_a_crash_in_set_up_records_error_and_the_folder_is_not_reused(
     assert (outcome.status, outcome.exit_code) == ("error", 2), err
     assert "failed in set-up, before its first step" in err and "injected set-up failure" in err, err
     assert (out / "summary.json").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["seq_len=null"], "seq_len=null is not valid here; e.g. seq_len=1024"),
+        (["max_steps=null"], "max_steps=null is not valid here; e.g. max_steps=1000"),
+        (["optim.lr=null"], "optim.lr=null is not valid here; e.g. optim.lr=0.0006"),
+        (["seed=null"], "seed=null is not valid here; e.g. seed=1337"),
+        (["dtype=null"], "dtype=null is not valid here; e.g. dtype=auto"),
+        (["model.n_layer=null"], "model.n_layer=null is not valid here; e.g. model.n_layer=12"),
+        (["eval=null"], "eval=null is not valid here; e.g. eval.interval=100"),
+        (
+            ["~seq_len", "out_dir=x"],
+            "seq_len has no value (removed with ~seq_len?); give it one, e.g. seq_len=1024",
+        ),
+        (["~optim.lr"], "~optim.lr: optim.lr cannot be removed; set it instead, e.g. optim.lr=0.0006"),
+    ],
+)
+def test_a_null_or_removed_key_names_a_value_that_works(overrides, expected):
+    """OmegaConf's "field 'seq_len' is not Optional" and a key removed with ~ (with out_dir given: else
+    Hydra's run dir fails first, below) are worded with the schema's example, for any key."""
+    from trainer.config import TrainConfig
+    from trainer.fields import config_error_from
+
+    try:
+        cfg = compose_cfg(["experiment=cpu_tiny", *overrides])
+    except Exception as e:  # noqa: BLE001 - a composition error: its ConfigError text
+        err = config_error_from(e, TrainConfig)
+    else:
+        with pytest.raises(ConfigError) as e:
+            resolve_plan(cfg, world_size=1, cuda_available=False)
+        err = e.value
+    assert str(err) == expected
+
+
+def test_an_interpolation_of_a_removed_key_names_a_value_that_works():
+    """~seq_len without out_dir: Hydra's run dir ${out_dir} -> runs/${run_name} cannot be resolved;
+    sample.py's ~temperature: the same check as train.py's."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from tests.helpers_train import CONFIGS
+    from trainer.config import TrainConfig
+    from trainer.fields import config_error_from
+    from trainer.infer_config import SampleConfig, check_config
+
+    with pytest.raises(Exception) as e:
+        OmegaConf.to_container(OmegaConf.create({"run_name": "n${seq_len}"}), resolve=True)
+    assert str(config_error_from(e.value, TrainConfig)) == (
+        "seq_len has no value (removed with ~seq_len?) and run_name is made from it; give it one, e.g. "
+        "seq_len=1024"
+    )
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        cfg = compose(config_name="sample", overrides=["run=x", "~temperature"])
+    with pytest.raises(ConfigError, match=r"^temperature has no value \(removed with ~temperature\?\); give"):
+        check_config(cfg, SampleConfig)
