@@ -335,8 +335,14 @@ def _prepare_into(out: Path, source, opts: Options, workers, shard_tokens, dtype
     return meta
 
 
-def _empty_split(label: str, n_docs: int, split: str, opts: Options) -> str:
+def _empty_split(label: str, n_docs: int, split: str, opts: Options, capped: bool = False) -> str:
     """The error for a split that got no document, with a val_docs that runs as typed."""
+    if capped:  # the source may well hold enough: the cap is the fix, not the source
+        return (
+            f"{label}: the read stopped at max_tokens={opts.max_tokens}, in document {n_docs}, and the "
+            f"{split} split got no document of its own; drop the cap (all tokens) or raise it past the "
+            "first documents"
+        )
     if n_docs < 2:  # no split of one document holds a document on both sides
         return f"{label} gave {n_docs} document(s): a val split needs one of its own; use a source with more"
     head = f"{label} gave {n_docs} document(s) and none for the {split} split at"
@@ -417,7 +423,8 @@ def _prepare_stream(
         )
     for split in SPLITS:
         if writers[split].tokens == 0:
-            raise ValueError(_empty_split(src.label, doc + 1, split, opts))
+            capped = opts.max_tokens is not None and total >= opts.max_tokens
+            raise ValueError(_empty_split(src.label, doc + 1, split, opts, capped))
     val, train = writers["val"].tokens, writers["train"].tokens
     if by_doc and val > train:  # e.g. val_docs=1 on a large first document
         held = f"val_docs={opts.val_docs}" if opts.val_docs else f"val_fraction={opts.val_fraction}"
@@ -673,6 +680,12 @@ def main(argv: list[str] | None = None) -> int:
         meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress)
     except (OSError, ValueError, RuntimeError) as e:
         msg = _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(e))
+        out = Path(out_dir)
+        if isinstance(e, OSError) and e.filename and Path(e.filename) in (out, *out.parents):  # its mkdir
+            on_path = isinstance(e, (FileExistsError, NotADirectoryError))
+            why = "a file, not a folder, is on that path" if on_path else f"{e.strerror}: {e.filename}"
+            home = Path.home() / "flashgpt-data" / (out.name or "data")
+            msg = f"--out-dir {out_dir} cannot be made ({why}); pass a folder, e.g. --out-dir {home}"
         print(f"error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # what is written stays; the next run resumes from it

@@ -99,9 +99,11 @@ def prepare_data(st: RunState) -> None:
             )
         except OSError as e:
             err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # where the data would be prepared
+            d = Path(str(cfg.data.dir))  # where the data would be prepared: its mkdir (/proc/x: ENOENT)
+            mkdir = e.filename is not None and Path(e.filename) in (d, *d.parents)
+            if mkdir or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 # no ~ in it: the shell does not expand one after data.dir= (not a variable name)
-                home = Path.home() / "flashgpt-data" / (Path(str(cfg.data.dir)).name or "data")
+                home = Path.home() / "flashgpt-data" / (d.name or "data")
                 err = (
                     f"data.dir={cfg.data.dir} cannot be written ({e.strerror}: {e.filename}), and the data "
                     f"is prepared there; pass a folder you can write, e.g. data.dir={home} (data already "

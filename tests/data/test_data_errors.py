@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,3 +210,33 @@ def test_corrupt_char_list_in_meta_names_the_command_that_prepares_it(char_data,
     shutil.rmtree(data)  # prepare refuses to overwrite a directory it cannot recognise as its own
     _run_command(cmd, capsys)
     assert tokenizer_from_meta(load_meta(data), data).itos == good.itos
+
+
+def test_an_out_dir_that_cannot_be_made_and_a_cap_name_what_works(
+    tmp_path, gpt2_bpe, shakespeare_path, capsys
+):
+    """mkdir's "[Errno 17] File exists" / "[Errno 2]" name the flag (or key) and a folder to use; a cap that
+    stops the read before a split has a document names the cap, not the source, as the fix."""
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_text("a cat sat on the mat " * 20)
+    (tmp_path / "afile").write_text("keep")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        assert prep.main(["--source", str(src), "--out-dir", str(out), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert (
+            f"error: --out-dir {out} cannot be made (a file, not a folder, is on that path); pass a " in err
+        )
+        assert "--out-dir /" in err.split("e.g.")[1] and (tmp_path / "afile").read_text() == "keep", err
+    assert prep.main(["--source", str(src), "--out-dir", str(tmp_path / "o"), "--max-tokens", "10"]) == 1
+    err = capsys.readouterr().err
+    assert f"{src}: the read stopped at --max-tokens 10, in document 1, and the val split got no" in err, err
+    assert "drop the cap (all tokens)" in err and not (tmp_path / "o").exists(), err
+    if Path("/proc/self").is_dir():  # a folder nothing can be made in
+        out = tmp_path / "run"
+        outcome = run_inprocess(tiny_overrides(Path("/proc/x"), shakespeare_path, out), out)
+        err = capsys.readouterr().err
+        assert (outcome.status, outcome.exit_code) == ("error", 2) and "Traceback" not in err, err
+        assert "config error: data.dir=/proc/x cannot be written (No such file or directory: /proc/x)" in err
+        assert "pass a folder you can write, e.g. data.dir=" in err, err
