@@ -348,8 +348,8 @@ def find_run_dirs(root: str | Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         raise RunDirError(
-            f"sweep directory {root} does not exist (pass the Hydra multirun folder, e.g. "
-            "multirun/2025-01-01_12-00-00)"
+            f"sweep directory {root} {'is a file, not a folder' if root.exists() else 'does not exist'} "
+            "(pass the Hydra multirun folder, e.g. multirun/2025-01-01_12-00-00)"
         )
     found = {p.parent for m in ("summary.json", "metrics.jsonl") for p in root.rglob(m)}
     found |= {p.parent.parent for p in root.rglob("config.yaml") if p.parent.name == ".hydra"}

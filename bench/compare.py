@@ -88,10 +88,8 @@ def load_run(path: str | Path) -> Run:
         raise common.RunDirError(f"run directory {path} does not exist")
     rows = common.read_metrics(path, required=True)
     if not (train := common.series(rows, "train/loss")):
-        raise common.RunDirError(
-            f"{run_dir}/metrics.jsonl has no 'train/loss' entries (was the run stopped before its first log "
-            "step?)"
-        )
+        jsonl = path if path.is_file() else run_dir / "metrics.jsonl"  # an empty file: not its folder's
+        raise common.RunDirError(f"{jsonl} holds no train/loss (did the run stop before its first log step?)")
     cfg = common.read_config(run_dir)
     label = label_of(cfg, common.read_summary(run_dir)) or run_dir.resolve().name
     return Run(run_dir, label, train, common.series(rows, "val/loss"), cfg)
@@ -230,6 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     add("--out", help="PNG path (default: compare.png in the first run's directory)")
     add("--json", help="also write the results as JSON here")
     args = p.parse_args(argv)
+    for flag, tol in (("--tolerance", args.tolerance), ("--val-tolerance", args.val_tolerance)):
+        if tol is not None and not tol >= 0:  # below 0 (or NaN) every run would fail it
+            p.error(f"{flag} must be >= 0 (a loss difference), got {tol:g}; e.g. {flag} 0.05")
     if len(args.runs) < 2:
         return common.error("give at least two runs (the first is the reference)")
     try:
@@ -241,8 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if labels.count(r.label) > 1:
             r.label = f"{r.label} ({r.path.resolve().name})"
         if args.max_step is not None:
-            r.train = {s: v for s, v in r.train.items() if s <= args.max_step}
-            r.val = {s: v for s, v in r.val.items() if s <= args.max_step}
+            r.train, r.val = ({s: v for s, v in d.items() if s <= args.max_step} for d in (r.train, r.val))
     ref, others = runs[0], runs[1:]
     diffs = {run.label: config_differences(ref.config, run.config) for run in others}
     if unknown := [r for r in runs if not r.config]:  # a bare metrics.jsonl: nothing to compare it by

@@ -431,6 +431,11 @@ def test_report_wandb_disabled_and_missing_dir(tmp_path, seed, monkeypatch, caps
     assert br.main([str(tmp_path / "s"), "--wandb"]) == 0
     assert "W&B logging skipped" in capsys.readouterr().out
     assert br.main([str(tmp_path / "missing")]) == 2
+    assert "sweep directory" in capsys.readouterr().err
+    assert (
+        br.main([str(tmp_path / "s" / "0_flash_n128" / "metrics.jsonl")]) == 2
+    )  # a file: not "does not exist"
+    assert "metrics.jsonl is a file, not a folder (pass the Hydra multirun folder" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # over 5 s on 2 cores
@@ -571,7 +576,7 @@ def test_compare_diffs_and_exit_codes(tmp_path, seed, capsys):
     assert bc.main([str(r0), str(r2), "--tolerance", "1.0", "--val-tolerance", "1.0", "--out", str(png)]) == 0
 
 
-def test_compare_nan_and_missing(tmp_path, seed):
+def test_compare_nan_and_missing(tmp_path, seed, capsys):
     base = _random_walk(np.random.default_rng(seed), 30).tolist()
     r0 = make_run(tmp_path, "a", "naive", 64, train=dict(enumerate(base, 1)))
     r1 = make_run(tmp_path, "b", "flash", 64, train=dict(enumerate(base, 1)) | {30: float("nan")})
@@ -581,6 +586,18 @@ def test_compare_nan_and_missing(tmp_path, seed):
     (tmp_path / "empty").mkdir()
     assert bc.main([str(r0), str(tmp_path / "empty"), "--out", png]) == 2
     assert bc.main([str(r0), "--out", png]) == 2
+    (tmp_path / "e.jsonl").touch()  # the empty file named, not a metrics.jsonl beside it
+    capsys.readouterr()
+    assert bc.main([str(r0), str(tmp_path / "e.jsonl"), "--out", png]) == 2
+    assert f"error: {tmp_path / 'e.jsonl'} holds no train/loss (" in capsys.readouterr().err
+    for flag, value in (("--tolerance", "-1"), ("--val-tolerance", "nan")):  # every run would fail them
+        with pytest.raises(SystemExit) as e:
+            bc.main([str(r0), str(r1), flag, value, "--out", png])
+        err = capsys.readouterr().err
+        assert (
+            e.value.code == 2
+            and f"{flag} must be >= 0 (a loss difference), got {value}; e.g. {flag} 0.05" in err
+        )
 
 
 def test_compare_flags_incomplete_runs(tmp_path, seed, capsys):
