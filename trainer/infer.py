@@ -129,9 +129,11 @@ def no_checkpoint_message(run: str, run_dir: Path) -> str:
             "'running'); wait for its first checkpoint (checkpoint.interval)"
         )
     how = {KILLED: "was killed", None: "stopped (no summary.json)"}.get(status, f"ended (status {status!r})")
+    how = f"it {how} before its first checkpoint (checkpoint.interval)"
+    if last := read_summary(run_dir).get("last_checkpoint"):  # it wrote some, deleted since
+        how = f"its checkpoints are gone (it wrote up to {Path(last).name}; ckpt/ holds none now)"
     return (
-        f"run={run} has no checkpoint ({where}): it {how} before its first checkpoint "
-        "(checkpoint.interval); train anew, or pass ckpt=PATH of another checkpoint"
+        f"run={run} has no checkpoint ({where}): {how}; train anew, or pass ckpt=PATH of another checkpoint"
     )
 
 

@@ -262,11 +262,11 @@ def writable_place(name: str) -> Path:
     return place
 
 
-#: what a run writes into its folder (``fnmatch`` patterns): a folder holding anything else is not a run's;
-#: the last two are an empty folder's placeholders, nothing of anyone's to mix with
+#: what a run (and sample.py, eval.py, bench.compare) writes into its folder (``fnmatch`` patterns): a folder
+#: holding anything else is not a run's; the last two are an empty folder's placeholders, nothing of anyone's
 RUN_FILES = f"""{LOCK_NAME} .flashgpt.reserve .hydra ckpt {RESOLVED_CONFIG} metrics.jsonl summary.json
 summary.json.tmp* train.log wandb wandb_run_id.txt evals samples metrics.abandoned.*.jsonl trace_step*.json.gz
-.gitkeep .DS_Store""".split()
+compare.png .gitkeep .DS_Store""".split()
 
 
 def is_run_dir(path: Path) -> bool:

@@ -435,12 +435,18 @@ def backend_that_ran(st: RunState) -> str:
 
 # ------------------------------------------------------------------------------------------ resume
 def no_checkpoint_message(st: RunState) -> str:
-    status = rundir.read_summary(st.out_dir).get("status")
+    summary = rundir.read_summary(st.out_dir)
+    status, last = summary.get("status"), summary.get("last_checkpoint")
     if status not in (None, "error"):  # a run was here and died before its first checkpoint
+        how = (  # or wrote some that were deleted since (ckpt/ removed to save space)
+            f"its checkpoints are gone (it wrote up to {Path(last).name}; ckpt/ holds none now)"
+            if last
+            else f"its run stopped before the first one (summary status {status!r})"
+        )
         return (
-            f"resume=true but {st.out_dir} has no loadable checkpoint: its run stopped before the "
-            f"first one (summary status {status!r}), so there is nothing to continue; start it again "
-            f"in a new out_dir (or delete {st.out_dir} if its records are not needed)"
+            f"resume=true but {st.out_dir} has no loadable checkpoint: {how}, so there is nothing to "
+            f"continue; start it again in a new out_dir (or delete {st.out_dir} if its records are not "
+            "needed)"
         )
     if st.multirun:  # a sweep's job: its folder is the sweep's, not one of runs/
         return (

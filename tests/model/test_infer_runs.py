@@ -184,6 +184,11 @@ def test_run_that_is_no_run_or_has_no_checkpoint_yet_says_which(run_copy, tmp_pa
             "it was killed before its first checkpoint",
         ),
         ({"status": "error"}, "has no checkpoint (looked in", "it ended (status 'error') before its first"),
+        (  # a finished run whose ckpt/ was deleted: not "ended before its first checkpoint"
+            {"status": "ok", "last_checkpoint": str(live / "ckpt" / "step_00000016")},
+            "has no checkpoint (looked in",
+            "its checkpoints are gone (it wrote up to step_00000016; ckpt/ holds none now); train anew",
+        ),
     ]
     for summary, head, why in cases:
         (live / "summary.json").write_text(json.dumps(summary))

@@ -331,6 +331,8 @@ def test_out_dir_of_a_new_run_must_not_mix_with_other_files(tmp_path):
     (run / "ckpt").mkdir(parents=True)
     (run / "summary.json").write_text("{}")
     assert out_dir_problem(run) is None  # a run's folder: the run-directory check decides (resume or not)
+    (run / "compare.png").write_bytes(b"")  # bench.compare's default output: still a run's folder
+    assert out_dir_problem(run) is None
     assert f"lies inside the run folder {run}" in out_dir_problem(run / "ckpt" / "new")
 
 

@@ -435,6 +435,22 @@ def test_a_run_killed_before_its_first_checkpoint_is_not_a_loop_of_advice(expect
     assert json.loads((run / "summary.json").read_text()) == {"status": "running"}
 
 
+def test_resume_of_a_run_whose_checkpoints_were_deleted_says_so(expect_error, tmp_path):
+    """A finished run with ckpt/ deleted (summary.json names its last checkpoint): not "stopped before the
+    first one", which it did not."""
+    run = tmp_path / "run"
+    _finished_run(run)
+    summary = json.loads((run / "summary.json").read_text()) | {
+        "last_checkpoint": f"{run}/ckpt/step_00000016"
+    }
+    (run / "summary.json").write_text(json.dumps(summary))
+    err = expect_error(resume=True)
+    assert "its checkpoints are gone (it wrote up to step_00000016; ckpt/ holds none now), so there" in err, (
+        err
+    )
+    assert "stopped before" not in err and json.loads((run / "summary.json").read_text()) == summary
+
+
 def test_new_run_in_an_existing_run_dir_is_refused(expect_error, tmp_path):
     summary, metrics = _finished_run(tmp_path / "run")
     err = expect_error()
