@@ -342,8 +342,9 @@ def run(cfg, *, out_dir: Path, multirun: bool, overrides: list[str]) -> Outcome:
     try:
         if cfg.resume:
             # the run's own config before anything is checked or prepared (not the defaults' data)
-            cfg, given, saved = resume_config.resume_config(cfg, run_dir, overrides)
+            cfg, given = resume_config.resume_config(cfg, run_dir, overrides)
             if given is not None:
+                saved = run_dir / rundir.RESOLVED_CONFIG
                 intro.append(f"resume: config from {saved}; set on this command line: {given}")
         rundir.check_new_run_dir(cfg, out_dir, multirun)
         check_init_from_overrides(cfg, overrides)  # before the plan checks the shape the weights replace

@@ -1,7 +1,6 @@
-"""The config of ``resume=true``: the run's own saved config (config.resolved.yaml; without it, the config
-its newest checkpoint records) with only what the resume command line changes on top, as Hydra's compose API
-composes it (presets and swapped group options included), so a resume prepares no data of its own and
-rebuilds the same model.
+"""The config of ``resume=true``: the run's own saved config (config.resolved.yaml) with only what the
+resume command line changes on top, as Hydra's compose API composes it (presets and swapped group options
+included), so a resume prepares no data of its own and rebuilds the same model.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ import contextlib
 import os
 from pathlib import Path
 
-from trainer.checkpoint import RECORD, ckpt_dir, list_checkpoints, load_newest
 from trainer.fields import ConfigError
 from trainer.metrics import first_line
 from trainer.rundir import RESOLVED_CONFIG, parse_overrides, read_resolved_config
@@ -90,23 +88,15 @@ def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
 
 
 def resume_config(cfg, run_dir: Path, overrides: list[str]):
-    """The run's own config.resolved.yaml (without it, its newest checkpoint's config) with only what this
-    command line changes on top, the description of those changes and of the file read (both None without
-    a run to resume: set-up says so)."""
+    """The run's own config.resolved.yaml with only what this command line changes on top, and the
+    description of those changes (None without a record)."""
     from omegaconf import DictConfig, OmegaConf
 
-    path, saved = Path(run_dir) / RESOLVED_CONFIG, None
-    if not cfg.resume:
-        return cfg, None, None
-    source = str(path)
-    if not path.is_file():
-        if not list_checkpoints(run_dir):  # no run here: set-up's message, before any data is prepared
-            return cfg, None, None
-        path, saved = checkpoint_config(run_dir)
-        source = f"{path} ({RESOLVED_CONFIG} is missing)"
+    path = Path(run_dir) / RESOLVED_CONFIG
+    if not cfg.resume or not path.is_file():
+        return cfg, None
     try:
-        if saved is None:
-            saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         if not isinstance(saved, dict):
             raise ValueError("not a mapping")
         if not saved:  # an empty file (e.g. truncated by a kill) would silently resume with the defaults
@@ -129,7 +119,7 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
         )
     if moved:
         given += f" (data.source holds the same data as the run's {_leaves(saved).get('data.source')}: moved)"
-    return merged, given, source
+    return merged, given
 
 
 def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
@@ -162,40 +152,6 @@ def _same_corpus(source, merged) -> bool:
     return recorded is not None and source_sha256(source, str(merged.data.text_field)) == recorded
 
 
-def checkpoint_config(run_dir: Path) -> tuple[Path, dict]:
-    """config.resolved.yaml gone (deleted, or left out of a copy): the config the newest loadable
-    checkpoint was trained with (its record's: what config.resolved.yaml held but ``derived``, so every
-    earlier resume's changes and init_from's shape included; .hydra/config.yaml is only the launch's
-    composition), with the launch's group options and working directory from .hydra/hydra.yaml."""
-    path, state = load_newest(run_dir, warn=lambda _: None)  # set-up warns when it loads the checkpoint
-    config = state.get("config") if state is not None else None
-    if not isinstance(config, dict) or not config:
-        raise ConfigError(
-            f"resume=true: the run's saved config {Path(run_dir) / RESOLVED_CONFIG} is missing (deleted, or "
-            f"left out of a copy), and no checkpoint in {ckpt_dir(run_dir)} has a loadable record of the "
-            f"config either, so there is no config to resume with; nothing was changed. Put "
-            f"{RESOLVED_CONFIG} back (e.g. from a copy of the run), or start a new run in another out_dir"
-        )
-    return Path(path) / RECORD, {**config, "derived": launch_derived(run_dir)}
-
-
-def launch_derived(run_dir: Path) -> dict:
-    """config.resolved.yaml's ``derived`` group options and cwd as the run's launch had them, from the
-    .hydra/hydra.yaml the trainer wrote then ({} where it is unreadable)."""
-    from omegaconf import OmegaConf
-
-    try:
-        hydra = OmegaConf.load(Path(run_dir) / ".hydra" / "hydra.yaml")
-        runtime = OmegaConf.to_container(hydra.hydra.runtime, resolve=False)
-    except Exception:  # noqa: BLE001 - absent or not Hydra's: no group options, relative paths as given
-        return {}
-    choices = runtime.get("choices") or {}
-    return {
-        "cwd": runtime.get("cwd"),
-        CHOICES_KEY: {k: v for k, v in choices.items() if v is not None and not str(k).startswith("hydra")},
-    }
-
-
 # ------------------------------------------------------------------------------------------ group choices
 def _derived(saved, key: str):
     derived = saved.get("derived") if isinstance(saved, dict) else None
@@ -218,12 +174,7 @@ def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, 
         for k, v in HydraConfig.get().runtime.choices.items()
         if v is not None and not str(k).startswith("hydra")
     }
-    # config.resolved.yaml gone: the launch's (else this composition's defaults would pass for the run's)
-    old = (
-        _saved_choices(read_resolved_config(run_dir) or {"derived": launch_derived(run_dir)})
-        if resume
-        else {}
-    )
+    old = _saved_choices(read_resolved_config(run_dir)) if resume else {}
     chosen = {o.key_or_group for o in parse_overrides(overrides)}
     return {**old, **{g: v for g, v in current.items() if g in chosen or g not in old}}
 

@@ -160,7 +160,7 @@ def test_resume_trainer_gpu_over_a_cpu_run_takes_the_gpu_keys(killed_in_ending):
     overrides = ["resume=true", f"out_dir={killed_in_ending}", "trainer=gpu"]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         fresh = compose("config", overrides=overrides)
-    merged, given, _ = resume_config(fresh, killed_in_ending, overrides)
+    merged, given = resume_config(fresh, killed_in_ending, overrides)
     assert given.startswith("trainer=gpu (") and "compile" in given  # what the start-up line says
     # the run was trainer=cpu (compile false, from configs/trainer/cpu.yaml); trainer=gpu: the default
     assert fresh.compile is not False and merged.compile == fresh.compile, merged.compile
@@ -221,7 +221,7 @@ def test_resume_refuses_another_seed(killed_in_ending, extra, refused):
         with pytest.raises(ConfigError, match=r"resume=true refused: .*seed \(\d+ -> 12345\)"):
             resume_config(fresh, killed_in_ending, overrides)
     else:
-        merged, _, _ = resume_config(fresh, killed_in_ending, overrides)
+        merged, _ = resume_config(fresh, killed_in_ending, overrides)
         assert merged.max_steps == 40
 
 
@@ -256,5 +256,5 @@ def test_resume_keeps_the_runs_values_when_configs_changed_since_its_launch(tmp_
             "config", overrides=["experiment=cpu_tiny", "resume=true", f"out_dir={run}", "max_steps=9"]
         )
     assert now.optim.lr == 5e-3 != lr  # the edit is what a fresh composition gives
-    merged, given, _ = R.resume_config(now, run, ["resume=true", f"out_dir={run}", "max_steps=9"])
+    merged, given = R.resume_config(now, run, ["resume=true", f"out_dir={run}", "max_steps=9"])
     assert merged.optim.lr == lr and merged.max_steps == 9 and given == "max_steps", (merged.optim.lr, given)
