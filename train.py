@@ -42,7 +42,7 @@ def _interrupted_at_start(signum, frame) -> None:  # noqa: ARG001 - signal API
     os._exit(128 + signum)
 
 
-# the handlers before it, put back once ``run`` takes over (not installed where train.py is imported)
+# the signals handled here (none where train.py is imported, e.g. by tests)
 _START_SIGNALS = (
     {s: signal.signal(s, _interrupted_at_start) for s in (signal.SIGINT, signal.SIGTERM)}
     if __name__ == "__main__"
@@ -67,19 +67,30 @@ _IN_JOB: list[bool] = [False]  # True while a job's task function runs (its erro
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    from trainer import rundir
+    from trainer.endings import SignalInterrupt
     from trainer.loop import run
 
-    while _START_SIGNALS:  # run() handles signals from here on (set-up, then trainer/signals.py)
-        signal.signal(*_START_SIGNALS.popitem())
+    # from here a signal outside the trainer's own handlers (set-up, then trainer/signals.py) raises, in the
+    # checks before set-up or the clean-up after the run: the except below ends the process
+    def interrupt(signum, frame):  # noqa: ARG001 - signal API
+        raise SignalInterrupt(signum)
+
+    for sig in _START_SIGNALS:
+        signal.signal(sig, interrupt)
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     out_dir = Path(hc.runtime.output_dir)
     _IN_JOB[0] = True
     try:
         outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
-    except KeyboardInterrupt:  # Ctrl-C again while run() cleans up, its handlers gone: exit now, as asked
-        print("second signal: exiting now", file=sys.stderr, flush=True)
-        os._exit(128 + signal.SIGINT)
+    except KeyboardInterrupt as e:  # before set-up (nothing of the run written yet: its lock goes), or after
+        rundir.discard_refused_run(out_dir)
+        if out_dir.name.startswith(_RANK_DIR_PREFIX):
+            shutil.rmtree(out_dir, ignore_errors=True)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("interrupted; exiting now", file=sys.stderr, flush=True)
+        os._exit(128 + getattr(e, "signum", signal.SIGINT))
     finally:
         _IN_JOB[0] = False
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir

@@ -112,8 +112,41 @@ def test_signal_while_the_run_cleans_up_exits_at_once(tiny, tmp_path):
     cmd = [sys.executable, "-c", LATE_SIGNAL, str(TRAIN), *tiny(out)]
     proc = subprocess.run(cmd, cwd=str(REPO), env=train_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 128 + signal.SIGINT, f"{proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr}"
-    assert "Traceback" not in proc.stderr and "second signal: exiting now" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "interrupted; exiting now" in proc.stderr, proc.stderr
     assert summary(out)["status"] == "ok"
+
+
+#: ``python -c`` this, train.py, ARGS: train.py whose checks before set-up (the run dir claimed, its lock
+#: taken) print "planning", then take a minute
+SLOW_CHECKS = """import runpy, sys, time
+import trainer.loop as loop
+real = loop.resolve_plan
+def resolve_plan(*args, **kwargs):
+    print("planning", flush=True)
+    time.sleep(60)
+loop.resolve_plan = resolve_plan
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_signal_during_the_checks_before_set_up_leaves_no_run_dir(tiny, tmp_path):
+    """SIGTERM while the config is checked (after the lock is taken, before set-up handles signals): exit
+    143 with one line, no traceback, and the folder this start made goes again, its lock too."""
+    out = tmp_path / "new" / "run"
+    cmd = [sys.executable, "-c", SLOW_CHECKS, str(TRAIN), *tiny(out)]
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=train_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline() == b"planning\n", proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, f"{proc.returncode}\n{stdout}\n{stderr}"
+    assert stderr.decode() == "interrupted; exiting now\n", stderr
+    assert not (tmp_path / "new").exists()
 
 
 @pytest.mark.parametrize("sig, existed", [(signal.SIGINT, False), (signal.SIGTERM, True)])
