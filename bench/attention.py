@@ -401,7 +401,7 @@ def plot(records: Sequence[dict], path: str | Path, title: str = "") -> Path:
 # ---------------------------------------------------------------------------------------- --merge
 
 INVOCATION_KEYS = ("date", "seqlens", "headdims", "providers", "modes", "torch", "triton", "gpu")
-MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run", "softcap")  # in the table header
+MERGE_MUST_MATCH = ("device", "gpu", "dtype", "tokens", "hidden", "dry_run", "softcap", "timing")  # header
 # the types of what merging reads: a record's keys, the lists of the metadata and of each invocation
 RECORD_TYPES = dict(provider=str, mode=str, N=int, d=int)
 LIST_TYPES = dict(seqlens=int, headdims=int, providers=str, modes=str)

@@ -681,7 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, RuntimeError) as e:
         msg = _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(e))
         out = Path(out_dir)
-        if isinstance(e, OSError) and e.filename and Path(e.filename) in (out, *out.parents):  # its mkdir
+        made = (FileExistsError, NotADirectoryError, FileNotFoundError)  # what its mkdir raises (not a read)
+        if isinstance(e, made) and e.filename and Path(e.filename) in (out, *out.parents):
             on_path = isinstance(e, (FileExistsError, NotADirectoryError))
             why = "a file, not a folder, is on that path" if on_path else f"{e.strerror}: {e.filename}"
             home = Path.home() / "flashgpt-data" / (out.name or "data")

@@ -166,7 +166,8 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
         # an optimizer that has not stepped has no state, and get_state_dict would make some by a zero-lr
         # step (step 1, zero moments): a resume from it would be one bias correction off, so none is saved
         if optimizer is not None and optimizer.state:
-            sd = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True))
+            msd, osd = get_state_dict(model, optimizer)
+            sd = {"model": msd, "optimizer": osd}
         else:
             sd = {"model": get_model_state_dict(model)}
         with _no_dist_quiet():

@@ -62,7 +62,8 @@ def check_fields(node, schema: type, prefix: str = "") -> None:
 
 def check_known(node, schema: type, root: type | None = None, prefix: str = "") -> None:
     """Refuse a key of ``node`` (a DictConfig) outside ``schema``: Hydra's ``+typo=1`` gets past OmegaConf,
-    and ``OmegaConf.to_object`` would drop it silently (Hydra's own ``hydra`` node is no key of ours)."""
+    and ``OmegaConf.to_object`` would drop it silently (Hydra's own ``hydra`` node is no key of ours); and a
+    schema key missing from it (``~seq_len``), which would otherwise take the schema's default unasked."""
     names = {f.name: f for f in fields(schema)}
     for k in names if hasattr(node, "keys") else ():  # ~seq_len: not the schema's default unasked
         if k not in node:

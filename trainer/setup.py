@@ -100,7 +100,8 @@ def prepare_data(st: RunState) -> None:
         except OSError as e:
             err = f"data (data.source={cfg.data.source}, data.dir={cfg.data.dir}): {e}"
             d = Path(str(cfg.data.dir))  # where the data would be prepared: its mkdir (/proc/x: ENOENT)
-            mkdir = e.filename is not None and Path(e.filename) in (d, *d.parents)
+            made = isinstance(e, (FileExistsError, NotADirectoryError, FileNotFoundError))  # not a read
+            mkdir = made and e.filename is not None and Path(e.filename) in (d, *d.parents)
             if mkdir or e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                 # no ~ in it: the shell does not expand one after data.dir= (not a variable name)
                 home = Path.home() / "flashgpt-data" / (d.name or "data")
@@ -438,11 +439,12 @@ def no_checkpoint_message(st: RunState) -> str:
     summary = rundir.read_summary(st.out_dir)
     status, last = summary.get("status"), summary.get("last_checkpoint")
     if status not in (None, "error"):  # a run was here and died before its first checkpoint
-        how = (  # or wrote some that were deleted since (ckpt/ removed to save space)
-            f"its checkpoints are gone (it wrote up to {Path(last).name}; ckpt/ holds none now)"
-            if last
-            else f"its run stopped before the first one (summary status {status!r})"
-        )
+        found = len(ckpt.list_checkpoints(st.out_dir))
+        how = f"its run stopped before the first one (summary status {status!r})"
+        if found:  # there, but none loads (load_newest said why)
+            how = f"none of its {found} checkpoints loads"
+        elif last:  # it wrote some, deleted since (ckpt/ removed to save space)
+            how = f"its checkpoints are gone (it wrote up to {Path(last).name}; ckpt/ holds none now)"
         return (
             f"resume=true but {st.out_dir} has no loadable checkpoint: {how}, so there is nothing to "
             f"continue; start it again in a new out_dir (or delete {st.out_dir} if its records are not "
@@ -535,7 +537,8 @@ def resume_checks(st: RunState, state: dict) -> None:
         metrics_lost(st, k, summary)
         return
     if last is None or last <= k:
-        if st.dist.is_main and last is not None and last <= k - int(cfg.log_interval):  # cut short
+        logged_every = int((state.get("config") or {}).get("log_interval") or cfg.log_interval)  # then
+        if st.dist.is_main and last is not None and last <= k - logged_every:  # cut short
             st.resume_notes.append(
                 f"warning: {st.out_dir / 'metrics.jsonl'} ends at step {last}, but the checkpoint is of step "
                 f"{k}: the logged curve of steps {last + 1}-{k} is not in it any more (the file was cut?); "

@@ -332,6 +332,13 @@ def test_resume_after_a_cut_metrics_file_names_the_missing_steps(tiny, tmp_path)
     assert "metrics.jsonl ends at step 2, but the checkpoint is of step 4" in resumed.stdout
     assert "steps 3-4 is not in it" in resumed.stdout, describe(resumed)
     assert [r["step"] for r in read_jsonl(out) if "train/loss" in r] == [1, 2, 5, 6, 7, 8]
+    # logged every 4 steps up to the step-6 checkpoint, resumed logging every step: nothing was cut
+    out = tmp_path / "every4"
+    base = dict(max_steps=8, checkpoint__interval=6, log_interval=4)
+    proc = run_train(tiny(out, fault__raise_oom_at_step=7, **base))
+    assert proc.returncode == 0 and summary(out)["status"] == "oom", describe(proc)
+    resumed = run_train(tiny(out, resume=True, **(base | {"log_interval": 1})))
+    assert resumed.returncode == 0 and "metrics.jsonl ends at" not in resumed.stdout, describe(resumed)
 
 
 @pytest.mark.slow

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from tests.helpers_train import compose_cfg, run_inprocess, tiny_overrides
 from trainer.checks import ConfigError, check_resume_compatible, resolve_plan
+from trainer.setup import no_checkpoint_message
 
 
 @pytest.fixture
@@ -449,6 +451,9 @@ def test_resume_of_a_run_whose_checkpoints_were_deleted_says_so(expect_error, tm
         err
     )
     assert "stopped before" not in err and json.loads((run / "summary.json").read_text()) == summary
+    (run / "ckpt" / "step_00000016").mkdir(parents=True)  # there, but nothing in it loads: not "gone"
+    msg = no_checkpoint_message(SimpleNamespace(out_dir=run))
+    assert "no loadable checkpoint: none of its 1 checkpoints loads, so there" in msg, msg
 
 
 def test_new_run_in_an_existing_run_dir_is_refused(expect_error, tmp_path):
