@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 from trainer.fields import ConfigError
@@ -93,6 +94,19 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
     from omegaconf import DictConfig, OmegaConf
 
     path = Path(run_dir) / RESOLVED_CONFIG
+    main = os.environ.get("RANK", "0") == "0"
+    if cfg.resume and main and not path.is_file() and (Path(run_dir) / "ckpt").is_dir():
+        # a run without its config (deleted, left out of a copy): said before any data is prepared
+        launch = Path(run_dir) / ".hydra" / "overrides.yaml"
+        with contextlib.suppress(Exception):
+            launch = f"{launch}: {' '.join(OmegaConf.load(launch))}"
+        print(
+            f"warning: resume=true: {path} is missing, so this resume's config is the command line's (the "
+            f"defaults and its overrides), which the checkpoint's checks then compare with the run's; the "
+            f"run's own launch overrides are in {launch}",
+            file=sys.stderr,
+            flush=True,
+        )
     if not cfg.resume or not path.is_file():
         return cfg, None
     try:

@@ -23,7 +23,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers_train import REPO, describe, offline_train_env, run_train, summary, train_command
+from tests.helpers_train import (
+    REPO,
+    compose_cfg,
+    describe,
+    offline_train_env,
+    run_train,
+    summary,
+    train_command,
+)
 from trainer.checkpoint import list_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -258,3 +266,19 @@ def test_resume_keeps_the_runs_values_when_configs_changed_since_its_launch(tmp_
     assert now.optim.lr == 5e-3 != lr  # the edit is what a fresh composition gives
     merged, given = R.resume_config(now, run, ["resume=true", f"out_dir={run}", "max_steps=9"])
     assert merged.optim.lr == lr and merged.max_steps == 9 and given == "max_steps", (merged.optim.lr, given)
+
+
+def test_resume_without_its_config_says_so_before_anything(tmp_path, capsys):
+    """config.resolved.yaml gone (deleted, left out of a copy): the command line is the config, which the
+    warning says first (before any data is prepared), naming the run's launch overrides."""
+    from trainer import resume_config as R
+
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "overrides.yaml").write_text("- experiment=cpu_tiny\n- max_steps=6\n")
+    overrides = ["resume=true", f"out_dir={run}"]
+    cfg, given = R.resume_config(compose_cfg(overrides), run, overrides)
+    err = capsys.readouterr().err
+    assert given is None and f"{run / 'config.resolved.yaml'} is missing" in err, err
+    assert "launch overrides are in " in err and "overrides.yaml: experiment=cpu_tiny max_steps=6" in err
