@@ -294,6 +294,25 @@ def test_single_file_checkpoint_resumes_into_fsdp(tiny, tmp_path, reference):
     assert ckpt.ckpt_path(out, 6).is_dir()
 
 
+def _sigterm_once_logged(cmd, env, log: Path, text: str) -> tuple[str, str]:
+    """Start ``cmd``, send it SIGTERM once ``log`` holds ``text``; its (stdout, stderr)."""
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if log.is_file() and text in log.read_text():
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before the signal"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 @pytest.mark.slow
 def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_path):
     """SIGTERM to torchrun: it forwards SIGTERM to both ranks, which agree to stop after the current
@@ -302,22 +321,7 @@ def test_sigterm_under_fsdp_saves_one_checkpoint_and_every_rank_exits(tiny, tmp_
     out = tmp_path / "run"
     args = _args(tiny, out, parallel="fsdp", max_steps=40, eval__interval=0, checkpoint__interval=0)
     cmd, env = train_command([*args, "fault.step_sleep_s=0.3"], TORCHRUN)
-    proc = subprocess.Popen(
-        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    log = out / "train.log"
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if log.is_file() and "step      2/40 | loss" in log.read_text():
-            break
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before the signal"
-    proc.send_signal(signal.SIGTERM)
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    stdout, stderr = _sigterm_once_logged(cmd, env, out / "train.log", "step      2/40 | loss")
     assert "SIGKILL" not in stderr, stderr[-3000:]  # torchrun kills ranks that outlive its 30 s grace
     s = summary(out)
     assert s["status"] == "interrupted" and s["signal"] == "SIGTERM", s
@@ -337,21 +341,7 @@ def test_fsdp_resume_from_step_0_matches_one_process(tiny, tmp_path, reference):
     loaded DCP's placeholder optimizer state before: Adam's bias correction one step off)."""
     out = tmp_path / "run"
     cmd, env = train_command([*_args(tiny, out, parallel="fsdp"), "fault.eval_sleep_s=1"], TORCHRUN)
-    proc = subprocess.Popen(
-        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    log = out / "train.log"
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and time.monotonic() < deadline:
-        if log.is_file() and "flashgpt:" in log.read_text():  # the start-up line: evaluation next
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        stdout, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    stdout, stderr = _sigterm_once_logged(cmd, env, out / "train.log", "flashgpt:")  # evaluation next
     assert "stopped after step 0" in stdout, stdout + stderr[-3000:]
     resumed = run_train(_args(tiny, out, parallel="fsdp", resume="true"), launcher=TORCHRUN)
     assert resumed.returncode == 0, describe(resumed)
