@@ -192,6 +192,11 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
             return ConfigError(
                 f"~{k}: {k} cannot be removed; set it instead, e.g. {_example(_field_of(k, schema), k)}"
             )
+        if isinstance(e, ValueError) and "Config group override must be" in str(e):  # attention=null
+            return ConfigError(
+                "a config group cannot be null (e.g. attention=null): name one of its options, e.g. "
+                "attention=sdpa or model=gpt2 (`--help` lists every group's options)"
+            )
         if isinstance(e, OverrideParseException):
             return ConfigError(
                 f"{str(e).splitlines()[0]} (overrides are key=value, e.g. seq_len=1024; quote a value "

@@ -996,6 +996,11 @@ def test_a_crash_in_set_up_records_error_and_the_folder_is_not_reused(
             "seq_len has no value (removed with ~seq_len?); give it one, e.g. seq_len=1024",
         ),
         (["~optim.lr"], "~optim.lr: optim.lr cannot be removed; set it instead, e.g. optim.lr=0.0006"),
+        (
+            ["attention=null"],
+            "a config group cannot be null (e.g. attention=null): name one of its options, e.g. "
+            "attention=sdpa or model=gpt2 (`--help` lists every group's options)",
+        ),
     ],
 )
 def test_a_null_or_removed_key_names_a_value_that_works(overrides, expected):
