@@ -211,7 +211,8 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
 
 def _removed(key: str, schema: type, why: str = "") -> str:
     example = _example(_field_of(key, schema), key)
-    return f"{key} has no value (removed with ~{key}?){why}; give it one, e.g. {example}"
+    example = "" if example.endswith("=null") else f", e.g. {example}"  # ~run: null is no value that works
+    return f"{key} has no value (removed with ~{key}?){why}; give it one{example}"
 
 
 def _example(f, key: str) -> str:

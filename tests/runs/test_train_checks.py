@@ -1041,3 +1041,12 @@ def test_an_interpolation_of_a_removed_key_names_a_value_that_works():
         cfg = compose(config_name="sample", overrides=["run=x", "~temperature"])
     with pytest.raises(ConfigError, match=r"^temperature has no value \(removed with ~temperature\?\); give"):
         check_config(cfg, SampleConfig)
+
+
+def test_a_removed_key_without_a_working_default_names_no_null():
+    """sample.py '~run': run's default (null) is refused itself, so the message suggests no value."""
+    from trainer.fields import _removed
+    from trainer.infer_config import SampleConfig
+
+    assert _removed("run", SampleConfig) == "run has no value (removed with ~run?); give it one"
+    assert _removed("seed", SampleConfig).endswith("give it one, e.g. seed=1337")
