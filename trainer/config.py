@@ -15,24 +15,22 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from model.config import ATTENTION_KEYS, NOT_KEYS, PRESETS, GPTConfig
-from model.config import field_docs as gpt_docs
-from trainer.fields import (
+from model.config import (
+    ATTENTION_KEYS,
     BOOL,
     FINITE,
     NONNEG,
     NONNEG_INT,
+    NOT_KEYS,
     OPEN_UNIT,
     POS_INT,
+    PRESETS,
     SEED,
     UNIT,
-    ConfigError,
-    check_fields,
-    check_known,
-    print_keys,
-    spec,
-    step_span,
+    GPTConfig,
 )
+from model.config import field_docs as gpt_docs
+from trainer.fields import ConfigError, check_fields, check_known, print_keys, spec, step_span
 
 __all__ = ["ConfigError", "TrainConfig", "gpt_config_for", "typed", "validate"]
 

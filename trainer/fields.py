@@ -7,20 +7,7 @@ import difflib
 import re
 from dataclasses import MISSING, field, fields, is_dataclass
 
-from model.config import (
-    BOOL,
-    FINITE,
-    NONNEG,
-    NONNEG_INT,
-    OPEN_UNIT,
-    POS_INT,
-    SEED,
-    UNIT,
-    problem,
-    problem_with,
-)
-
-__all__ = ["BOOL", "FINITE", "NONNEG", "NONNEG_INT", "OPEN_UNIT", "POS_INT", "SEED", "UNIT", "ConfigError"]
+from model.config import BOOL, FINITE, NONNEG_INT, problem, problem_with
 
 
 class ConfigError(Exception):

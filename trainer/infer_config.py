@@ -14,10 +14,8 @@ from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
 
+from model.config import BOOL, POS_INT, SEED
 from trainer.fields import (
-    BOOL,
-    POS_INT,
-    SEED,
     ConfigError,
     check_fields,
     check_known,
