@@ -179,6 +179,14 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
             return ConfigError(
                 f"~{k}: {k} cannot be removed; set it instead, e.g. {_example(_field_of(k, schema), k)}"
             )
+        gone = re.match(r"Could not delete from config. '([^']+)' does not exist", str(e))
+        if gone and _field_of(gone.group(1), schema) is not None:  # ~data.max_tokens: null already
+            k = gone.group(1)
+            ex = _example(_field_of(k, schema), k)
+            return ConfigError(
+                f"~{k}: {k} is null already, nothing to remove; drop ~{k}"
+                + ("" if ex.endswith("=null") else f", or set it, e.g. {ex}")
+            )
         if isinstance(e, ValueError) and "Config group override must be" in str(e):  # attention=null
             return ConfigError(
                 "a config group cannot be null (e.g. attention=null): name one of its options, e.g. "

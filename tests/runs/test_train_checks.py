@@ -997,6 +997,11 @@ def test_a_crash_in_set_up_records_error_and_the_folder_is_not_reused(
         ),
         (["~optim.lr"], "~optim.lr: optim.lr cannot be removed; set it instead, e.g. optim.lr=0.0006"),
         (
+            ["~data.max_tokens"],
+            "~data.max_tokens: data.max_tokens is null already, nothing to remove; drop ~data.max_tokens, "
+            "or set it, e.g. data.max_tokens=1000000000",
+        ),
+        (
             ["attention=null"],
             "a config group cannot be null (e.g. attention=null): name one of its options, e.g. "
             "attention=sdpa or model=gpt2 (`--help` lists every group's options)",
@@ -1029,7 +1034,7 @@ def test_an_interpolation_of_a_removed_key_names_a_value_that_works():
     from tests.helpers_train import CONFIGS
     from trainer.config import TrainConfig
     from trainer.fields import config_error_from
-    from trainer.infer_config import SampleConfig, check_config
+    from trainer.infer_config import EvalConfig, SampleConfig, check_config
 
     with pytest.raises(Exception) as e:
         OmegaConf.to_container(OmegaConf.create({"run_name": "n${seq_len}"}), resolve=True)
@@ -1041,6 +1046,11 @@ def test_an_interpolation_of_a_removed_key_names_a_value_that_works():
         cfg = compose(config_name="sample", overrides=["run=x", "~temperature"])
     with pytest.raises(ConfigError, match=r"^temperature has no value \(removed with ~temperature\?\); give"):
         check_config(cfg, SampleConfig)
+    with pytest.raises(Exception) as e, initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        compose(config_name="eval", overrides=["run=x", "~seed"])  # eval.py: seed's default is null
+    assert str(config_error_from(e.value, EvalConfig)) == (
+        "~seed: seed is null already, nothing to remove; drop ~seed, or set it, e.g. seed=1337"
+    )
 
 
 def test_a_removed_key_without_a_working_default_names_no_null():
