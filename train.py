@@ -42,6 +42,23 @@ def _interrupted_at_start(signum, frame) -> None:  # noqa: ARG001 - signal API
     os._exit(128 + signum)
 
 
+def _after_the_end(status: str, exit_code: int):
+    """The handler once a single run has recorded its ending (summary.json, W&B closed): a signal during
+    the teardown that follows exits with the run's own status and one line, not 128 + signal unannounced."""
+
+    def handler(signum, frame) -> None:  # noqa: ARG001 - signal API
+        if int(os.environ.get("RANK", "0")) == 0:
+            name = signal.Signals(signum).name
+            print(
+                f"{name} after the run ended ({status}): nothing lost; exiting", file=sys.stderr, flush=True
+            )
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(exit_code)
+
+    return handler
+
+
 # the signals handled here (none where train.py is imported, e.g. by tests)
 _START_SIGNALS = (
     {s: signal.signal(s, _interrupted_at_start) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -93,6 +110,9 @@ def main(cfg: DictConfig) -> None:
         os._exit(128 + getattr(e, "signum", signal.SIGINT))
     finally:
         _IN_JOB[0] = False
+    if not multirun:  # a sweep's next job installs its own handlers
+        for sig in _START_SIGNALS:
+            signal.signal(sig, _after_the_end(outcome.status, outcome.exit_code))
     if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
         shutil.rmtree(out_dir, ignore_errors=True)
     if multirun and int(os.environ.get("RANK", "0")) == 0:

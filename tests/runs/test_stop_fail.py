@@ -116,6 +116,28 @@ def test_signal_while_the_run_cleans_up_exits_at_once(tiny, tmp_path):
     assert summary(out)["status"] == "ok"
 
 
+#: ``python -c`` this, train.py, ARGS: train.py that signals itself at interpreter exit, after the run ended
+AFTER_THE_END = """import atexit, os, runpy, signal, sys, time
+atexit.register(lambda: (os.kill(os.getpid(), int(os.environ["SIG"])), time.sleep(10)))  # runs last
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_after_the_run_ended_keeps_its_exit_status(tiny, tmp_path, sig):
+    """A signal once the run has recorded its ending (here at interpreter exit): the run's own exit status
+    and one line, no traceback, not 128 + signal for a complete run."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", AFTER_THE_END, str(TRAIN), *tiny(out)]
+    env = {**train_env(), "SIG": str(int(sig))}
+    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"{sig.name} after the run ended (ok): nothing lost; exiting" in proc.stderr, proc.stderr
+    assert summary(out)["status"] == "ok"
+
+
 #: ``python -c`` this, train.py, ARGS: train.py whose checks before set-up (the run dir claimed, its lock
 #: taken) print "planning", then take a minute
 SLOW_CHECKS = """import runpy, sys, time
