@@ -109,35 +109,30 @@ def split_shards(data_dir: str | os.PathLike, meta: dict, split: str) -> list[tu
 
 
 def check_shards(data_dir, meta: dict, splits=SPLITS, check_ids: bool = True) -> list[tuple[Path, int, Path]]:
-    """``split_shards`` of ``splits``, each token file checked by ``check_bin_file`` (ids: ``check_ids``)."""
+    """``split_shards`` of ``splits``, each token file checked: it exists, is exactly its tokens * itemsize
+    bytes and (``check_ids``) holds no id >= vocab_size (``_max_id``), else FileNotFoundError / ValueError
+    saying what is wrong."""
     shards = [s for split in splits for s in split_shards(data_dir, meta, split)]
+    dtype = DTYPES[meta["dtype"]]
     for path, n, _ in shards:
-        check_bin_file(path, n, DTYPES[meta["dtype"]], meta["vocab_size"] if check_ids else None)
+        where = path.parent / META_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found although {where} exists")
+        st = path.stat()
+        if st.st_size != n * dtype.itemsize:
+            raise ValueError(
+                f"{path} is {st.st_size} bytes, but {where} says it holds {n} {dtype.name} tokens = "
+                f"{n * dtype.itemsize} bytes: the file is truncated or was written by another prepare run"
+            )
+        if not check_ids:
+            continue
+        top = _max_id(os.path.realpath(path), n, dtype.str, st.st_size, st.st_mtime_ns, st.st_ino)
+        if top >= meta["vocab_size"]:
+            raise ValueError(
+                f"{path} holds token id {top}, but {where} says vocab_size={meta['vocab_size']}: the file is "
+                "corrupt or was written by another prepare run"
+            )
     return shards
-
-
-def check_bin_file(path: str | os.PathLike, num_tokens: int, dtype: np.dtype, vocab_size: int | None = None):
-    """The token file ``path`` exists, is exactly ``num_tokens * itemsize`` bytes and (``vocab_size``) holds
-    no id >= ``vocab_size`` (``_max_id``), else FileNotFoundError / ValueError saying what is wrong."""
-    path = Path(path)
-    meta = path.parent / META_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found although {meta} exists")
-    st = path.stat()
-    size, expected = st.st_size, num_tokens * dtype.itemsize
-    if size != expected:
-        raise ValueError(
-            f"{path} is {size} bytes, but {meta} says it holds {num_tokens} {dtype.name} tokens = {expected} "
-            "bytes: the file is truncated or was written by another prepare run"
-        )
-    if vocab_size is None:
-        return
-    top = _max_id(os.path.realpath(path), int(num_tokens), dtype.str, size, st.st_mtime_ns, st.st_ino)
-    if top >= vocab_size:
-        raise ValueError(
-            f"{path} holds token id {top}, but {meta} says vocab_size={vocab_size}: the file is corrupt or "
-            "was written by another prepare run"
-        )
 
 
 @functools.lru_cache(maxsize=256)
