@@ -434,13 +434,11 @@ def _prepare_stream(
         )
     # what the ids mean (a resume compares it): the characters, or the BPE's name and vocabulary
     vocab = {"itos": tok.itos} if char else {"encoding": tok.encoding, "vocab_sha256": tok.vocab_sha256()}
-    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **vocab, "shards": {}}
-    for split, w in writers.items():
-        body["shards"][split] = w.shards
-        body[f"{split}_tokens"] = w.tokens
-        if sep_ids is not None:
-            body[f"{split}_docs"] = w.docs
-    if sep_ids is not None:
+    body = {"vocab_size": int(tok.vocab_size), "dtype": dt, **vocab}
+    body["shards"] = {split: w.shards for split, w in writers.items()}
+    body |= {f"{split}_tokens": w.tokens for split, w in writers.items()}
+    if sep_ids is not None:  # a corpus of documents: their counts and the separator
+        body |= {f"{split}_docs": w.docs for split, w in writers.items()}
         body.update(doc_separator=sep, doc_separator_ids=sep_ids)
     return body
 
