@@ -27,40 +27,16 @@ Keys: ``trainer/infer_config.py`` ``EvalConfig``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from model.pretrained import PretrainedError, inference_record
 from trainer.infer import InferError
-from trainer.infer_config import (
-    ConfigError,
-    EvalConfig,
-    check_config,
-    in_job,
-    main_reporting_config_errors,
-    not_written,
-)
-
-
-def eval_main(cfg: DictConfig) -> int:
-    """Evaluate for ``cfg`` (``EvalConfig``, configs/eval.yaml); returns the exit status (0 or 2)."""
-    try:
-        check_config(cfg, EvalConfig)  # +typo=1 and the field checks, before any checkpoint load
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _eval(cfg)
-    except (InferError, PretrainedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+from trainer.infer_config import EvalConfig, main_reporting_config_errors, run_job
 
 
 def _pick(value, run_value, key: str, low: int = 1) -> int:
@@ -115,28 +91,26 @@ def check_same_data(state: dict, data_dir: str, meta: dict) -> None:
         )
 
 
-def _eval(cfg: DictConfig) -> int:
+def _eval(cfg: DictConfig) -> None:
+    """Evaluate for ``cfg`` (``EvalConfig``, configs/eval.yaml); a user error raises ``InferError``."""
     import torch
 
     from data.loader import BinDataset
     from trainer.checkpoint import tokenizer_difference
     from trainer.infer import (
         build_model,
-        claim_new_file,
-        find_checkpoint,
+        checkpoint_of,
         resolve_device,
         resolve_dtype,
         run_data_dir,
+        write_results,
     )
     from trainer.resume_config import anchored, run_cwd
 
     split = str(cfg.data.split)  # val | train (check_config)
     device = resolve_device(str(cfg.device))
     dtype = resolve_dtype(str(cfg.dtype), device)
-    if cfg.init_from:  # released weights, no run: nothing is written without out=
-        path, state, run_dir = Path(cfg.init_from), inference_record(cfg.init_from, cfg.run, cfg.ckpt), None
-    else:
-        path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    path, state, run_dir = checkpoint_of(cfg)  # init_from: no run, nothing is written without out=
     rc = state.get("config") or {}
     run_eval, run_batch = rc.get("eval") or {}, rc.get("batch") or {}
     block = int(state["model_args"]["block_size"])
@@ -220,31 +194,17 @@ def _eval(cfg: DictConfig) -> int:
         print("note: init_from has no run directory: printed only (out=PATH.json writes it)", file=sys.stderr)
     elif cfg.write:
         stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}_{split}_{model.attention_backend}"
-        out = None
-        try:
-            if cfg.out:
-                out = Path(str(cfg.out)).expanduser()
-                out.parent.mkdir(parents=True, exist_ok=True)
-            else:
-                out = claim_new_file(run_dir / "evals", stem, ".json")  # never another evaluation's file
-            out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        except OSError as e:  # a read-only run directory (a colleague's runs), a full disk
-            if out is not None and not cfg.out:
-                with contextlib.suppress(OSError):
-                    out.unlink()  # the empty file claim_new_file made
-            where = out if out is not None else (Path(str(cfg.out)) if cfg.out else run_dir / "evals")
-            print(not_written("the result file", where, e, "out=PATH.json"), file=sys.stderr)
-            return 0
-        print(f"written to {out}")
-    return 0
+        text = json.dumps(result, indent=1) + "\n"
+        out = write_results(
+            cfg.out, run_dir, "evals", stem, {".json": text}, "the result file", "out=PATH.json"
+        )
+        if out is not None:
+            print(f"written to {out}")
 
 
 @hydra.main(config_path="configs", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with in_job():
-        code = eval_main(cfg)
-    if code:
-        sys.exit(code)
+    run_job(cfg, EvalConfig, _eval)
 
 
 if __name__ == "__main__":

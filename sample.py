@@ -22,57 +22,34 @@ Keys: ``trainer/infer_config.py`` ``SampleConfig``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from model.pretrained import PretrainedError, inference_record
 from trainer.infer import InferError
-from trainer.infer_config import (
-    ConfigError,
-    SampleConfig,
-    check_config,
-    in_job,
-    main_reporting_config_errors,
-    not_written,
-)
+from trainer.infer_config import SampleConfig, main_reporting_config_errors, run_job
 
 
-def sample_main(cfg: DictConfig) -> int:
-    """Run sampling for ``cfg`` (``SampleConfig``, configs/sample.yaml); returns the exit status (0 or 2)."""
-    try:
-        check_config(cfg, SampleConfig)  # +typo=1 and the field checks, before any checkpoint load
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return _sample(cfg)
-    except (InferError, PretrainedError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-def _sample(cfg: DictConfig) -> int:
+def _sample(cfg: DictConfig) -> None:
+    """Sample for ``cfg`` (``SampleConfig``, configs/sample.yaml); a user error raises ``InferError``."""
     import torch
 
     from model.sampling import check_sampling_args
     from trainer.checkpoint import tokenizer_from_checkpoint
     from trainer.infer import (
         build_model,
-        claim_new_file,
-        find_checkpoint,
+        checkpoint_of,
         read_prompt,
         resolve_device,
         resolve_dtype,
+        write_results,
     )
 
     # settings first: a bad key costs no checkpoint load
-    top_k = None if cfg.top_k is None else cfg.top_k
+    top_k = cfg.top_k
     top_p = None if cfg.top_p is None else float(cfg.top_p)
     try:
         check_sampling_args(float(cfg.temperature), top_k, top_p)
@@ -96,10 +73,7 @@ def _sample(cfg: DictConfig) -> int:
             "prompt=file:nl.txt)"
         )
 
-    if cfg.init_from:  # released weights, no run: nothing is written without out=
-        path, state, run_dir = Path(cfg.init_from), inference_record(cfg.init_from, cfg.run, cfg.ckpt), None
-    else:
-        path, state, run_dir = find_checkpoint(cfg.run, cfg.ckpt)
+    path, state, run_dir = checkpoint_of(cfg)  # init_from: no run, nothing is written without out=
     try:
         tok = tokenizer_from_checkpoint(state)
     except (ValueError, RuntimeError) as e:
@@ -192,38 +166,19 @@ def _sample(cfg: DictConfig) -> int:
         "token_ids": new,
     }
     if not cfg.write:
-        return 0
+        return
     if run_dir is None and not cfg.out:  # init_from: no run directory to write into
         print(
-            "note: init_from has no run directory: printed only (out=PATH.txt writes them)",
-            file=sys.stderr,
+            "note: init_from has no run directory: printed only (out=PATH.txt writes them)", file=sys.stderr
         )
-        return 0
+        return
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}_{path.stem}"
-    txt = None
-    try:
-        if cfg.out:
-            txt = Path(cfg.out)
-            txt.parent.mkdir(parents=True, exist_ok=True)
-        else:  # a new name even for two runs in the same second (never another run's samples)
-            txt = claim_new_file(run_dir / "samples", stem, ".txt", siblings=(".json",))
-        txt.write_text(
-            "".join(
-                f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)
-            ),
-            encoding="utf-8",
-        )
-        txt.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    except OSError as e:  # a read-only run directory (a colleague's runs), a full disk
-        if txt is not None and not cfg.out:
-            for p in (txt, txt.with_suffix(".json")):
-                with contextlib.suppress(OSError):
-                    p.unlink()  # what claim_new_file made
-        where = txt if txt is not None else (Path(cfg.out) if cfg.out else run_dir / "samples")
-        print(not_written("samples", where, e, "out=PATH.txt"), file=sys.stderr)
-        return 0
-    print(f"samples written to {txt}")
-    return 0
+    text = "".join(
+        f"---------- sample {i + 1}/{len(samples)}\n{prompt_text}{s}\n" for i, s in enumerate(samples)
+    )
+    texts = {".txt": text, ".json": json.dumps(record, indent=1) + "\n"}
+    if txt := write_results(cfg.out, run_dir, "samples", stem, texts, "samples", "out=PATH.txt"):
+        print(f"samples written to {txt}")
 
 
 def check_generation_backend(name: str, use_cache: bool, static: bool) -> None:
@@ -246,10 +201,7 @@ def check_generation_backend(name: str, use_cache: bool, static: bool) -> None:
 
 @hydra.main(config_path="configs", config_name="sample", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    with in_job():
-        code = sample_main(cfg)
-    if code:
-        sys.exit(code)
+    run_job(cfg, SampleConfig, _sample)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -232,3 +234,46 @@ def claim_new_file(folder: Path, stem: str, suffix: str, siblings: tuple[str, ..
         except FileExistsError:
             continue
     raise InferError(f"{folder} holds 10,000 files named {stem}*{suffix}; clean it up or pass out=PATH")
+
+
+def checkpoint_of(cfg) -> tuple[Path, dict, Path | None]:
+    """(path, record, run directory) of sample.py's / eval.py's ``init_from`` (released weights, no run:
+    None), else of ``ckpt`` / ``run`` (``find_checkpoint``)."""
+    if cfg.init_from:
+        from model.pretrained import inference_record
+
+        return Path(cfg.init_from), inference_record(cfg.init_from, cfg.run, cfg.ckpt), None
+    return find_checkpoint(cfg.run, cfg.ckpt)
+
+
+def write_results(
+    out, run_dir: Path | None, folder: str, stem: str, texts: dict[str, str], what: str, option: str
+) -> Path | None:
+    """Write ``texts`` ({suffix: text}, the first the main file) to ``out`` (``out=``; the others beside it
+    by suffix), else to new files ``<run_dir>/<folder>/<stem>*`` (``claim_new_file``: never another
+    result's). Where they cannot be written (a read-only run directory, a colleague's runs, a full disk) a
+    note says where, why and the ``option`` that writes them elsewhere; None (the result is printed
+    already, the exit status stays 0)."""
+    suffixes = list(texts)
+    path = None
+    try:
+        if out:
+            path = Path(str(out)).expanduser()
+            path.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            path = claim_new_file(run_dir / folder, stem, suffixes[0], siblings=tuple(suffixes[1:]))
+        for i, (suffix, text) in enumerate(texts.items()):
+            (path.with_suffix(suffix) if i else path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        if path is not None and not out:
+            for suffix in suffixes:
+                with contextlib.suppress(OSError):
+                    path.with_suffix(suffix).unlink()  # what claim_new_file made
+        where = path if path is not None else (Path(str(out)) if out else run_dir / folder)
+        print(
+            f"note: {what} not written: {where} ({e.strerror or type(e).__name__}); the result is printed "
+            f"above. Pass {option} to write it elsewhere",
+            file=sys.stderr,
+        )
+        return None
+    return path

@@ -6,10 +6,9 @@ their config errors reported as train.py reports its own (``config error: ...``,
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
@@ -29,8 +28,8 @@ __all__ = [
     "EvalConfig",
     "SampleConfig",
     "check_config",
-    "in_job",
     "main_reporting_config_errors",
+    "run_job",
 ]
 
 
@@ -118,16 +117,6 @@ class EvalConfig:  # the whole eval.py config (configs/eval.yaml)
     )
 
 
-def not_written(what: str, where, e: OSError, option: str) -> str:
-    """The note for a result that is printed but cannot be written (a read-only run directory, a
-    colleague's runs, a full disk): where, why, and the option that writes it elsewhere."""
-    why = e.strerror or type(e).__name__
-    return (
-        f"note: {what} not written: {where} ({why}); the result is printed above. Pass {option} to "
-        "write it elsewhere"
-    )
-
-
 def check_config(cfg, schema: type) -> None:
     """Every field check of ``schema`` on the composed ``cfg``, and no key outside it (``+typo=1``)."""
     check_known(cfg, schema)
@@ -137,15 +126,31 @@ def check_config(cfg, schema: type) -> None:
 _IN_JOB = [False]  # True while sample.py's / eval.py's task function runs (its errors are no config errors)
 
 
-@contextlib.contextmanager
-def in_job() -> Iterator[None]:
-    """Mark the body of a Hydra task function: an exception raised there is a bug (traceback), never
-    reported as a composition error by ``main_reporting_config_errors``."""
+def run_job(cfg, schema: type, body: Callable[[object], None]) -> None:
+    """The Hydra task function of sample.py / eval.py: ``schema``'s checks (``check_config``) before any
+    checkpoint load, then ``body(cfg)``. A user error is one line (``config error: ...`` or ``error: ...``)
+    and exit status 2; any other exception raised here is a bug (traceback), never reported as a
+    composition error by ``main_reporting_config_errors``."""
+    from model.pretrained import PretrainedError
+    from trainer.infer import InferError
+
     _IN_JOB[0] = True
+    error = None
     try:
-        yield
+        try:
+            check_config(cfg, schema)
+        except ConfigError as e:
+            error = f"config error: {e}"
+        else:
+            try:
+                body(cfg)
+            except (InferError, PretrainedError) as e:
+                error = f"error: {e}"
     finally:
         _IN_JOB[0] = False
+    if error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
 
 
 def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
