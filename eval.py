@@ -35,8 +35,9 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+from trainer.fields import report_config_errors
 from trainer.infer import InferError
-from trainer.infer_config import EvalConfig, main_reporting_config_errors, run_job
+from trainer.infer_config import EvalConfig, run_job
 
 
 def _pick(value, run_value, key: str, low: int = 1) -> int:
@@ -208,4 +209,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main_reporting_config_errors(main, EvalConfig))
+    sys.exit(report_config_errors(main, EvalConfig))

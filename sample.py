@@ -29,8 +29,9 @@ import time
 import hydra
 from omegaconf import DictConfig
 
+from trainer.fields import report_config_errors
 from trainer.infer import InferError
-from trainer.infer_config import SampleConfig, main_reporting_config_errors, run_job
+from trainer.infer_config import SampleConfig, run_job
 
 
 def _sample(cfg: DictConfig) -> None:
@@ -205,4 +206,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main_reporting_config_errors(main, SampleConfig))
+    sys.exit(report_config_errors(main, SampleConfig))

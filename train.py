@@ -79,13 +79,13 @@ _RANK_DIR_PREFIX = "flashgpt-rank"
 _SWEEP_JOBS: list[tuple[str, str, int]] = []
 REFUSED = "refused"
 _SWEEP_DIR: list[str] = []  # the sweep folder (hydra.sweep.dir), once known
-_IN_JOB: list[bool] = [False]  # True while a job's task function runs (its errors are not config errors)
 
 
 @hydra.main(config_path="configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from trainer import rundir
     from trainer.endings import SignalInterrupt
+    from trainer.fields import in_job
     from trainer.loop import run
 
     # from here a signal outside the trainer's own handlers (set-up, then trainer/signals.py) raises, in the
@@ -98,9 +98,9 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     out_dir = Path(hc.runtime.output_dir)
-    _IN_JOB[0] = True
     try:
-        outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
+        with in_job():  # its exceptions are no config errors
+            outcome = run(cfg, out_dir=out_dir, multirun=multirun, overrides=list(hc.overrides.task))
     except KeyboardInterrupt as e:  # before set-up (nothing of the run written yet: its lock goes), or after
         rundir.discard_refused_run(out_dir)
         if out_dir.name.startswith(_RANK_DIR_PREFIX):
@@ -108,8 +108,6 @@ def main(cfg: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print("interrupted; exiting now", file=sys.stderr, flush=True)
         os._exit(128 + getattr(e, "signum", signal.SIGINT))
-    finally:
-        _IN_JOB[0] = False
     if not multirun:  # a sweep's next job installs its own handlers
         for sig in _START_SIGNALS:
             signal.signal(sig, _after_the_end(outcome.status, outcome.exit_code))
@@ -194,35 +192,27 @@ def _quiet_non_main_ranks() -> None:
 
 
 def main_reporting_config_errors() -> int:
-    """``main()`` with every config mistake Hydra/OmegaConf find while composing (a wrong type, an unknown
-    key, also ``+typo=1``, an unknown group option, an unparsable override) printed as
-    ``config error: <key and a valid value>`` (``trainer.fields.config_error_from``), exit status 2, no
-    traceback, like the trainer's own checks. Returns the process exit status.
-
-    Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
-    is not a config error, or that a running job raised, is re-raised (a bug: full traceback)."""
+    """``main()`` with every config mistake Hydra/OmegaConf find while composing printed as ``config error:
+    <key and a valid value>``, exit status 2, no traceback (``trainer.fields.report_config_errors``), and a
+    full disk before the run could record itself said in one line. Returns the process exit status."""
     from trainer.config import TrainConfig
-    from trainer.fields import config_error_from
+    from trainer.fields import report_config_errors
     from trainer.metrics import disk_full_in
 
-    os.environ["HYDRA_FULL_ERROR"] = "1"
     empty = empty_dir_override(sys.argv[1:]) or flag_between_overrides(sys.argv[1:])
     if empty:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"config error: {empty}", file=sys.stderr, flush=True)
         return 2
-    try:
-        main()
+    try:  # under torchrun every rank finds a config error; one line says it
+        code = report_config_errors(main, TrainConfig, say=int(os.environ.get("RANK", "0")) == 0)
     except Exception as e:
         if disk_full_in(e) is not None:  # Hydra's own files, the lock: before the run could record itself
             from trainer.endings import report_disk_full
 
             return report_disk_full(e, _run_dir_known()).exit_code
-        err = None if _IN_JOB[0] else config_error_from(e, TrainConfig)
-        if err is None:
-            raise
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank finds it; one line says it
-            print(f"config error: {err}", file=sys.stderr, flush=True)
+        raise
+    if code:
         if not _SWEEP_JOBS:  # a -m command refused before its first job: no sweep folder left behind
             from trainer.rundir import put_back_sweep
 

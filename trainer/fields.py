@@ -3,8 +3,12 @@ the bad value and a valid value (``ConfigError``; ``config_error_from`` for Hydr
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import os
 import re
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, field, fields, is_dataclass
 
 from model.config import BOOL, FINITE, NONNEG_INT, problem, problem_with
@@ -202,6 +206,41 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
             return ConfigError(str(e).splitlines()[0])
         e = nxt
     return None
+
+
+_IN_JOB = [False]  # True while a Hydra task function runs: its exceptions are no config errors
+
+
+@contextlib.contextmanager
+def in_job() -> Iterator[None]:
+    """Mark the body of a Hydra task function: an exception raised there is a bug (traceback), never
+    reported as a composition error by ``report_config_errors``."""
+    _IN_JOB[0] = True
+    try:
+        yield
+    finally:
+        _IN_JOB[0] = False
+
+
+def report_config_errors(main: Callable[[], None], schema: type, say: bool = True) -> int:
+    """Run the Hydra entry ``main`` (train.py's, sample.py's or eval.py's) with every mistake Hydra/OmegaConf
+    find while composing on ``schema`` (a misspelt key, also ``+typo=1``, a wrong type, an unknown group
+    option, an unparsable override) printed as ``config error: <key and a valid value>`` (``say``: false on
+    all torchrun ranks but one), no traceback, like the trainer's own checks: exit status 2, else 0.
+
+    Hydra is asked to raise instead of printing its own report (``HYDRA_FULL_ERROR=1``); an exception that
+    is not a config error, or that a running job raised (``in_job``), is re-raised (a bug: full traceback)."""
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except Exception as e:
+        err = None if _IN_JOB[0] else config_error_from(e, schema)
+        if err is None:
+            raise
+        if say:
+            print(f"config error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def _removed(key: str, schema: type, why: str = "") -> str:

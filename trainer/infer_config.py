@@ -6,7 +6,6 @@ their config errors reported as train.py reports its own (``config error: ...``,
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,21 +13,13 @@ from dataclasses import dataclass, field
 from hydra.core.config_store import ConfigStore
 
 from model.config import BOOL, POS_INT, SEED
-from trainer.fields import (
-    ConfigError,
-    check_fields,
-    check_known,
-    config_error_from,
-    print_keys,
-    spec,
-)
+from trainer.fields import ConfigError, check_fields, check_known, in_job, print_keys, spec
 
 __all__ = [
     "ConfigError",
     "EvalConfig",
     "SampleConfig",
     "check_config",
-    "main_reporting_config_errors",
     "run_job",
 ]
 
@@ -123,20 +114,16 @@ def check_config(cfg, schema: type) -> None:
     check_fields(cfg, schema)
 
 
-_IN_JOB = [False]  # True while sample.py's / eval.py's task function runs (its errors are no config errors)
-
-
 def run_job(cfg, schema: type, body: Callable[[object], None]) -> None:
     """The Hydra task function of sample.py / eval.py: ``schema``'s checks (``check_config``) before any
     checkpoint load, then ``body(cfg)``. A user error is one line (``config error: ...`` or ``error: ...``)
     and exit status 2; any other exception raised here is a bug (traceback), never reported as a
-    composition error by ``main_reporting_config_errors``."""
+    composition error by ``trainer.fields.report_config_errors``."""
     from model.pretrained import PretrainedError
     from trainer.infer import InferError
 
-    _IN_JOB[0] = True
     error = None
-    try:
+    with in_job():
         try:
             check_config(cfg, schema)
         except ConfigError as e:
@@ -146,27 +133,9 @@ def run_job(cfg, schema: type, body: Callable[[object], None]) -> None:
                 body(cfg)
             except (InferError, PretrainedError) as e:
                 error = f"error: {e}"
-    finally:
-        _IN_JOB[0] = False
     if error:
         print(error, file=sys.stderr)
         sys.exit(2)
-
-
-def main_reporting_config_errors(main: Callable[[], None], schema: type) -> int:
-    """Run the Hydra entry ``main`` (sample.py's or eval.py's) with every mistake Hydra/OmegaConf find while
-    composing on ``schema`` (a misspelt key, a wrong type, an unknown group option, an unparsable override)
-    printed as ``config error: ...``, exit status 2, no traceback: train.py's behaviour."""
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
-    try:
-        main()
-    except Exception as e:
-        err = None if _IN_JOB[0] else config_error_from(e, schema)
-        if err is None:
-            raise
-        print(f"config error: {err}", file=sys.stderr, flush=True)
-        return 2
-    return 0
 
 
 ConfigStore.instance().store(name="flashgpt_sample_schema", node=SampleConfig)  # on import
