@@ -22,12 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from data.prepare import atomic_write
 from trainer.dist import broadcast_obj
@@ -165,14 +160,10 @@ def save_checkpoint(model, optimizer, record: dict | None, out_dir, step: int, k
     try:
         # an optimizer that has not stepped has no state, and get_state_dict would make some by a zero-lr
         # step (step 1, zero moments): a resume from it would be one bias correction off, so none is saved
-        if optimizer is not None and optimizer.state:
-            msd, osd = get_state_dict(model, optimizer)
-            sd = {"model": msd, "optimizer": osd}
-        else:
-            sd = {"model": get_model_state_dict(model)}
+        msd, osd = get_state_dict(model, optimizer if optimizer is not None and optimizer.state else ())
         with _no_dist_quiet():
-            dcp.save(sd, checkpoint_id=str(tmp), no_dist=not _dist())
-        del sd
+            dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp), no_dist=not _dist())
+        del msd, osd
         if main:
             if record is not None:
                 record = {**record, "files": _file_table(tmp)}
@@ -205,18 +196,12 @@ def _has_optimizer_state(path) -> bool:
 def load_weights(path, model: torch.nn.Module, optimizer=None) -> None:
     """Load a checkpoint into ``model`` (the unwrapped module, sharded or not) and ``optimizer`` in place, at
     any world size; collective under a process group."""
-    no_dist = not _dist()
-    if optimizer is not None and not _has_optimizer_state(path):
-        optimizer = None  # it had not stepped: the fresh optimizer is the one saved
+    # no optimizer state saved: it had not stepped, so the fresh optimizer is the one saved (``()``: none)
+    optims = optimizer if optimizer is not None and _has_optimizer_state(path) else ()
+    msd, osd = get_state_dict(model, optims)
     with _no_dist_quiet():
-        if optimizer is None:
-            msd = get_model_state_dict(model)
-            dcp.load({"model": msd}, checkpoint_id=str(path), no_dist=no_dist)
-            set_model_state_dict(model, msd)
-            return
-        msd, osd = get_state_dict(model, optimizer)
-        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path), no_dist=no_dist)
-        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=str(path), no_dist=not _dist())
+        set_state_dict(model, optims, model_state_dict=msd, optim_state_dict=osd)
 
 
 def load_checkpoint(path) -> dict:
