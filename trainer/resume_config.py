@@ -22,19 +22,16 @@ _DATA_KEYS_FREE = ("data.workers",)  # data keys a resume may change: how many p
 _CWD_PATHS = ("data.dir", "data.source")  # saved path keys relative to the working directory of the run
 
 
-@contextlib.contextmanager
 def _hydra():
     """Hydra's compose API: the running app's (train.py), else one on configs/ for this block."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
-        yield
-        return
+        return contextlib.nullcontext()
     import trainer.config  # noqa: F401 - the schema and the model presets in the ConfigStore
 
-    with initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base="1.3"):
-        yield
+    return initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base="1.3")
 
 
 def _leaves(node, prefix: str = "") -> dict:
