@@ -24,7 +24,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from data.prepare import atomic_write
+from data.meta import atomic_write
 from trainer.dist import broadcast_obj
 from trainer.metrics import DISK_FULL_ERRNOS, first_line, os_error_in
 
