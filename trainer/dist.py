@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+import torch.distributed as tdist
 
 
 @dataclass
@@ -33,21 +34,17 @@ def init_distributed(device_type: str) -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 or "RANK" not in os.environ:
         return DistInfo()
-    import torch.distributed as dist
-
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return DistInfo(True, dist.get_rank(), local_rank, dist.get_world_size())
+    tdist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(True, tdist.get_rank(), local_rank, tdist.get_world_size())
 
 
 def broadcast_obj(obj):
     """``obj`` of rank 0 on every rank (a process group must exist)."""
-    import torch.distributed as dist
-
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    tdist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -92,9 +89,7 @@ def _launch_store(timeout_s: float):
     world = _launch_world()
     if not world or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
-    from torch.distributed import TCPStore
-
-    return TCPStore(
+    return tdist.TCPStore(
         os.environ.get("MASTER_ADDR", "localhost"),
         int(os.environ["MASTER_PORT"]),
         world,
