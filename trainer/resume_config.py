@@ -10,6 +10,11 @@ import os
 import sys
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
 from trainer.fields import ConfigError
 from trainer.metrics import first_line
 from trainer.rundir import RESOLVED_CONFIG, parse_overrides, read_resolved_config
@@ -24,9 +29,6 @@ _CWD_PATHS = ("data.dir", "data.source")  # saved path keys relative to the work
 
 def _hydra():
     """Hydra's compose API: the running app's (train.py), else one on configs/ for this block."""
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
     if GlobalHydra.instance().is_initialized():
         return contextlib.nullcontext()
     import trainer.config  # noqa: F401 - the schema and the model presets in the ConfigStore
@@ -48,9 +50,6 @@ def changed_keys(choices: dict[str, str], overrides: list[str]) -> tuple[set[str
     """What this command line sets over a run composed from the group options ``choices``: the dotted keys
     it names or whose composed value it changes (a preset, a swapped group option), and their description
     (``experiment=cpu_tiny (batch.micro_tokens, ..., seq_len), max_steps``; "nothing" for none)."""
-    from hydra import compose
-    from omegaconf import OmegaConf
-
     parsed = parse_overrides(overrides)
     named = {o.key_or_group for o in parsed}
     base = [f"{g}={v}" for g, v in choices.items()]
@@ -88,8 +87,6 @@ def _drop(saved: dict, composed, keys: set[str], prefix: str = "") -> dict:
 def resume_config(cfg, run_dir: Path, overrides: list[str]):
     """The run's own config.resolved.yaml with only what this command line changes on top, and the
     description of those changes (None without a record)."""
-    from omegaconf import DictConfig, OmegaConf
-
     path = Path(run_dir) / RESOLVED_CONFIG
     main = os.environ.get("RANK", "0") == "0"
     if cfg.resume and main and not path.is_file() and (Path(run_dir) / "ckpt").is_dir():
@@ -136,8 +133,6 @@ def resume_config(cfg, run_dir: Path, overrides: list[str]):
 def _data_changes(saved: dict, merged, keys: set[str]) -> tuple[list[str], bool]:
     """``key (run's value -> this command's)`` for each ``data.*`` key (and ``seed``) the command line changed
     (paths compared where they point), and whether data.source is another path of the run's corpus (moved)."""
-    from omegaconf import OmegaConf
-
     cwd, run, out, moved = saved_cwd(saved), _leaves(saved), [], False
     # seed too: it draws the training windows and picks the validation batches (one val set per run)
     for key in sorted(k for k in keys if (k.startswith("data.") or k == "seed") and k not in _DATA_KEYS_FREE):
@@ -176,8 +171,6 @@ def _saved_choices(saved: dict) -> dict:
 
 def run_choices(run_dir: Path, overrides: list[str], resume: bool) -> dict[str, str]:
     """This run's config-group options for config.resolved.yaml (Hydra's own groups left out)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return {}
     current = {
@@ -211,8 +204,6 @@ def anchored(value: str, cwd: str | None) -> str:
 def _anchor_relative_paths(merged, saved: dict, set_here: set[str]) -> None:
     """A relative data.dir / data.source from the saved config means what it meant in the run's own cwd: a
     resume from elsewhere would otherwise prepare (or download) the data again in a new place."""
-    from omegaconf import OmegaConf
-
     cwd = saved_cwd(saved)
     for key in _CWD_PATHS:
         value = OmegaConf.select(merged, key)

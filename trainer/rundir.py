@@ -19,6 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import QuotedString
 from hydra.experimental.callback import Callback as _HydraCallback
 from omegaconf import OmegaConf
 
@@ -55,8 +58,6 @@ def swept(_root_) -> str:
 
 def parse_overrides(overrides: list[str]) -> list:
     """Hydra's parse of command-line overrides, ``hydra.*`` (no run keys) left out."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     return OverridesParser.create().parse_overrides(
         [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     )
@@ -341,7 +342,6 @@ def sweep_changed(yaml: Path, given: list[str]) -> str | None:
     """Why resuming the sweep recorded in ``yaml`` (its multirun.yaml) with the overrides ``given`` would
     mix its jobs: Hydra numbers the jobs in the order of the swept values, and a resumed job continues the
     folder of its number, so the swept keys and their values must be those of the sweep, in its order."""
-    from hydra.core.override_parser.types import QuotedString
 
     def plain(v):
         if isinstance(v, QuotedString):
@@ -545,8 +545,6 @@ def mark_killed_on_resume(run_dir: Path) -> str | None:
 # ------------------------------------------------------------------------------------------ Hydra's files
 def hydra_files(cfg) -> dict[str, str]:
     """What Hydra would write into this job's ``.hydra/`` (file name -> YAML); {} outside Hydra."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return {}
     hydra = HydraConfig.instance().cfg  # {"hydra": HydraConfig.get()}, as Hydra saves it
