@@ -194,17 +194,26 @@ def prepare(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     dtype: str = "auto",
     progress: bool = True,
+    force: bool = True,
 ) -> dict:
     """Tokenize ``source`` (``data.sources``; a URL or None: a download) into ``out_dir``; returns the meta
     dict written to its ``meta.json``. The split is ``val_fraction`` (default 0.1; a text file: its stream's
     end, moved to the next document start; other sources: one document in 1/val_fraction) or the first
     ``val_docs`` documents; ``doc_separator`` splits a single text file into documents (escapes \\n, \\t,
     \\\\). A prepare that fails or is interrupted leaves the data already in ``out_dir`` as it was; run
-    again, an interrupted one resumes from its last complete shard. Errors name the source and the fix."""
+    again, an interrupted one resumes from its last complete shard. Errors name the source and the fix.
+    ``force=False``: ``HeldError`` where ``out_dir`` holds data of other arguments, checked under the lock
+    (a prepare that waited for another one finds what that one wrote)."""
     opts = Options(tokenizer, val_fraction, doc_separator, val_docs, text_field, max_tokens)
     out = Path(out_dir).expanduser()
     with _locked(out):
+        if not force and (held := _held(out, source, opts)):
+            raise HeldError(held)
         return _prepare_into(out, source, opts, workers, shard_tokens, dtype, progress)
+
+
+class HeldError(ValueError):
+    """The output folder holds data of other arguments (the message: what), which runs read."""
 
 
 @contextlib.contextmanager
@@ -556,7 +565,10 @@ def ensure_prepared(
 def conflict_reason(source, out_dir, tokenizer: str = "gpt2", *split, **options) -> str | None:
     """What ``out_dir`` holds that preparing these arguments (as ``stale_reason`` takes them) there would
     replace (runs read it), or None when it is not prepared or holds exactly this data."""
-    out, opts = Path(out_dir).expanduser(), Options(tokenizer, *split, **options)
+    return _held(Path(out_dir).expanduser(), source, Options(tokenizer, *split, **options))
+
+
+def _held(out: Path, source, opts: Options) -> str | None:
     try:
         meta = load_meta(out)
     except (FileNotFoundError, ValueError):
@@ -662,20 +674,19 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
     data = {f.name: getattr(args, f.name) for f in fields(Options)}  # the flags named as Options' fields
     try:
-        held = conflict_reason(args.source, out_dir, **data)
-        if held and not args.force:
-            other_tok = load_meta(Path(out_dir)).get("tokenizer") != args.tokenizer
-            suffix = args.tokenizer if other_tok else sources.source_stem(args.source)  # what differs
-            other = Path(out_dir).parent / f"{Path(out_dir).name}_{suffix}"
-            print(
-                f"error: {out_dir} already holds {held}; preparing there would replace the token files and "
-                f"meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "
-                "or add --force to replace it",
-                file=sys.stderr,
-            )
-            return 1
         run = {"workers": args.workers, "shard_tokens": args.shard_tokens, "dtype": args.dtype}
-        meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress)
+        meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress, force=args.force)
+    except HeldError as e:  # found under the lock: also what a prepare that ran meanwhile wrote
+        other_tok = load_meta(Path(out_dir)).get("tokenizer") != args.tokenizer
+        suffix = args.tokenizer if other_tok else sources.source_stem(args.source)  # what differs
+        other = Path(out_dir).parent / f"{Path(out_dir).name}_{suffix}"
+        print(
+            f"error: {out_dir} already holds {e}; preparing there would replace the token files and "
+            f"meta.json that runs of it read. Use another --out-dir (e.g. --out-dir {other}), "
+            "or add --force to replace it",
+            file=sys.stderr,
+        )
+        return 1
     except (OSError, ValueError, RuntimeError) as e:
         msg = _ARG.sub(lambda m: f"--{m[1].replace('_', '-')} ", str(e))
         out = Path(out_dir)

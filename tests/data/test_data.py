@@ -14,6 +14,7 @@ import pickle
 import re
 import subprocess
 import sys
+import time
 import urllib.error
 from pathlib import Path
 
@@ -240,6 +241,34 @@ def test_cli_refuses_a_dir_prepared_otherwise_unless_forced(tmp_path, capsys):
     assert _files(out) == before
     assert prep.main([*base, "--tokenizer", "char", "--val-fraction", "0.2", "--force"]) == 0
     assert load_meta(out)["val_fraction"] == 0.2 and load_meta(out)["train_tokens"] == 240
+
+
+def test_cli_that_waited_for_another_prepare_refuses_what_that_one_wrote(tmp_path, capsys):
+    """Two `python -m data.prepare` of other sources into one --out-dir at once: the second waits for the
+    first's lock, then finds its data and refuses (exit 1, nothing replaced), as it would run after it."""
+    import threading
+
+    src = _distinct_corpus(tmp_path, 300)
+    other = _write(tmp_path / "other.txt", "another text entirely\n" * 20)
+    out = tmp_path / "data"
+    codes = []
+    with prep._locked(out):  # the first prepare, holding the folder
+        waiter = threading.Thread(
+            target=lambda: codes.append(
+                prep.main(
+                    ["--source", str(other), "--out-dir", str(out), "--tokenizer", "char", "--no-progress"]
+                )
+            )
+        )
+        waiter.start()
+        time.sleep(1.0)  # the second has started and waits on the lock
+        opts = prep.Options("char", None, None, None, "text", None)
+        prep._prepare_into(out, str(src), opts, 1, prep.DEFAULT_SHARD_TOKENS, "auto", False)
+        before = _files(out)
+    waiter.join(timeout=60)
+    assert codes == [1], capsys.readouterr().err
+    assert f"{out} already holds data prepared from {src}" in capsys.readouterr().err
+    assert _files(out) == before and load_meta(out)["source"] == str(src)
 
 
 def test_interrupted_prepare_leaves_the_prepared_data_as_it_was(tmp_path, monkeypatch):
