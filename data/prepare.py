@@ -673,6 +673,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = args.out_dir if args.out_dir is not None else DEFAULT_OUT_DIRS[args.tokenizer]
     data = {f.name: getattr(args, f.name) for f in fields(Options)}  # the flags named as Options' fields
+    if (inside := sources.prepared_inside_source(args.source, Path(out_dir))) is not None:
+        print(
+            f"error: --out-dir {out_dir} is inside --source {args.source}: its token files would join the "
+            f"corpus; pass a folder outside it, e.g. --out-dir {inside}",
+            file=sys.stderr,
+        )
+        return 1
     try:
         run = {"workers": args.workers, "shard_tokens": args.shard_tokens, "dtype": args.dtype}
         meta = prepare(args.source, out_dir, **data, **run, progress=not args.no_progress, force=args.force)

@@ -400,6 +400,17 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
     return Source(str(path), kind, [path], path.parent, text_field=text_field)
 
 
+def prepared_inside_source(source, out: Path) -> Path | None:
+    """A folder beside a directory ``source`` when ``out`` is it or inside it (its token files and meta.json
+    would become documents of the corpus), else None."""
+    if source is None or is_url(source) or is_hf(source) or _is_glob(str(source)):
+        return None
+    src = Path(str(source)).expanduser().resolve()
+    if not src.is_dir() or not out.expanduser().resolve().is_relative_to(src):
+        return None
+    return src.parent / f"{src.name}_tokens"
+
+
 def source_stem(source) -> str:
     """A folder-name part for a source (suggested ``data.dir`` names): its file or folder name without
     the record / text suffixes, a glob's folder, a dataset's name ("corpus" when none is left)."""

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from data.sources import _is_glob, has_files, is_document_source, is_hf, is_url, source_stem
+from data.sources import (
+    _is_glob,
+    has_files,
+    is_document_source,
+    is_hf,
+    is_url,
+    prepared_inside_source,
+    source_stem,
+)
 from trainer import config as C
 from trainer.config import ConfigError
 
@@ -406,6 +414,11 @@ def check_data_source(cfg) -> None:
                     f"data.source={src} is not readable ({e.strerror}); fix its permissions"
                 ) from e
     d = Path(str(cfg.data.dir)).expanduser()
+    if (inside := prepared_inside_source(src, d)) is not None:
+        raise ConfigError(
+            f"data.dir={cfg.data.dir} is inside data.source={src}: its token files would join the corpus "
+            f"(the next run finds the source changed); pass a folder outside it, e.g. data.dir={inside}"
+        )
     if is_document_source(src) and cfg.data.tokenizer == "char":
         from data.prepare import document_fixes
 

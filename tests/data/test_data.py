@@ -243,6 +243,18 @@ def test_cli_refuses_a_dir_prepared_otherwise_unless_forced(tmp_path, capsys):
     assert load_meta(out)["val_fraction"] == 0.2 and load_meta(out)["train_tokens"] == 240
 
 
+def test_cli_refuses_an_out_dir_inside_its_folder_source(tmp_path, capsys):
+    """--out-dir in (or equal to) a folder --source: exit 1 naming a folder outside it, nothing written."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    _write(src / "a.txt", "some text of a document\n" * 50)
+    for out in (src, src / "tok"):
+        assert prep.main(["--source", str(src), "--out-dir", str(out), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert f"--out-dir {out} is inside --source {src}" in err and f"--out-dir {tmp_path}/corpus_" in err
+    assert sorted(p.name for p in src.iterdir()) == ["a.txt"]
+
+
 def test_cli_that_waited_for_another_prepare_refuses_what_that_one_wrote(tmp_path, capsys):
     """Two `python -m data.prepare` of other sources into one --out-dir at once: the second waits for the
     first's lock, then finds its data and refuses (exit 1, nothing replaced), as it would run after it."""

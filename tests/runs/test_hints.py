@@ -218,6 +218,21 @@ def test_data_hints_are_accepted(char_data, tmp_path, shakespeare_path):
     check_data_source(compose_cfg([*TINY, "data.source=null", f"data.dir={tmp_path / 'd'}"]))
 
 
+@pytest.mark.parametrize("inside", [".", "tok", "a/b"])
+def test_a_data_dir_inside_a_folder_source_is_refused_with_one_outside(tmp_path, shakespeare_path, inside):
+    """data.dir in (or equal to) a folder data.source: its token files would join the corpus, and every later
+    run would find the source changed; the error names a folder outside it, which is accepted."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text(shakespeare_path.read_text()[:5000])
+    base = [*TINY, "data.tokenizer=gpt2", f"data.source={src}"]
+    with pytest.raises(ConfigError, match=r"is inside data.source=") as e:
+        check_data_source(compose_cfg([*base, f"data.dir={src / inside}"]))
+    (new_dir,) = hints(str(e.value), "data.dir", src / inside)
+    assert not Path(new_dir).resolve().is_relative_to(src.resolve()), new_dir
+    check_data_source(compose_cfg([*base, f"data.dir={new_dir}"]))
+
+
 @pytest.mark.parametrize("empty", ["data.source=", "data.source=''", "data.dir=", "data.dir=' '"])
 def test_empty_data_paths_are_refused_naming_the_key(shakespeare_path, tmp_path, empty):
     """An empty data.source / data.dir (an unset shell variable) would make the working directory the corpus
