@@ -1,7 +1,7 @@
 r"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
 
 - a UTF-8 text file: kind ``"text"``, one document or documents split on ``data.doc_separator``;
-- a directory (its non-hidden files, sorted), a glob, or one ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` /
+- a directory (its non-hidden files, sorted), a glob, or one ``.jsonl`` / ``.json`` / ``.json.gz`` /
   ``.parquet`` file: kind ``"docs"``; a text file is one document, a record file one per line / row (its
   ``text_field``). Identified by the files' names, sizes and mtimes (hashing 50 GB per launch costs minutes);
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split (``datasets``, streaming; a folder written
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")  # .json: datasets' to_json
 HF_PREFIX = "hf:"
 _GLOB_CHARS = "*?["
 BLOCK_BYTES = 1 << 20  # a text file is read in blocks of 1 MB
@@ -201,8 +201,8 @@ class Source:
 
     def _documents(self, records: Iterable[tuple[object, str]]) -> Iterator[Piece]:
         """The pieces of each record's text field; ``records`` are (record, where it is) pairs."""
-        for record, where in records:
-            yield from text_pieces([self._field(record, where)])
+        for i, (record, where) in enumerate(records):
+            yield from text_pieces([self._field(record, where, i)])
 
     def characters(self) -> set[str]:
         """The distinct characters of the text files (the char tokenizer's vocabulary)."""
@@ -225,7 +225,7 @@ class Source:
             return 0  # the prepare reports a bad record
         return int(size * text / len(head)) if head else 0
 
-    def _field(self, record, where: str) -> str:
+    def _field(self, record, where: str, index: int = 0) -> str:
         if not isinstance(record, dict):
             raise SourceError(f"{where} holds a {type(record).__name__}, not a JSON object with a text field")
         text = record.get(self.text_field, 0)  # 0: no such field
@@ -238,6 +238,11 @@ class Source:
         advice, fix = _field_fix(texts, "field")
         if self.text_field not in record:
             fields = ", ".join(sorted(map(str, record))[:8]) or "none"
+            if index:  # the records before it have the field: this one is broken, not the choice of field
+                raise SourceError(
+                    f"{where} has no field {self.text_field!r} (its fields: {fields}), which the {index} "
+                    "records before it have; fix or drop this record"
+                )
             raise SourceError(
                 f"{where} has no field {self.text_field!r} (its fields: {fields}); {advice}", fix
             )
@@ -261,7 +266,8 @@ def _json_records(path: Path) -> Iterator[tuple[object, str]]:
                     raise _not_utf8(where, e, e.start) from e
                 except json.JSONDecodeError as e:
                     raise SourceError(
-                        f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files"
+                        f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files (a "
+                        "JSON array: one record per line, e.g. Dataset.to_json's default)"
                     ) from e
     except (gzip.BadGzipFile, EOFError) as e:
         raise SourceError(f"{path} is not a readable gzip file ({e})") from e

@@ -149,6 +149,19 @@ def test_document_fixes(tmp_path):
     assert prep.document_fixes(str(tmp_path / "s.txt")) == []  # not a source of documents
 
 
+def test_a_record_missing_the_field_its_predecessors_have_suggests_no_other_field(tmp_path):
+    """Line 5 of a JSON Lines file lacks "text", which lines 1-4 have: that record is broken, and naming its
+    other field (which lines 1-4 lack) as text_field would send the user to a second error."""
+    jl = tmp_path / "r.jsonl"
+    rows = [{"text": f"document {i} " * 20} for i in range(4)] + [{"other": "x " * 40}]
+    jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(
+        ValueError, match=r"r\.jsonl:5 has no field 'text' \(its fields: other\), which the 4 "
+    ) as e:
+        prepare(str(jl), tmp_path / "o", "gpt2", workers=1, progress=False)
+    assert "text_field=other" not in str(e.value)
+
+
 def test_missing_text_field_names_the_records_field(tmp_path, char_data, shakespeare_path, capsys):
     """Records without the text field: the field that holds their text is named as a value, as the CLI's
     flag under python -m data.prepare and as the train.py key under train.py, and it prepares."""
