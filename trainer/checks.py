@@ -599,7 +599,8 @@ def check_data_fits(cfg, meta: dict, world_size: int = 1) -> None:
         rest = seq_len_too_long(cfg, what, largest, world_size).split("; use ", 1)[1]
         raise ConfigError(
             f"data.val_fraction={fraction:g} is too small for seq_len={cfg.seq_len}: {what}, and one "
-            f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} (or {rest})"
+            f"validation window needs seq_len + 1 tokens; use data.val_fraction={default:g} "
+            f"data.dir={_own_folder(cfg)} ({cfg.data.dir} holds this split now), or {rest}"
         )
     raise ConfigError(seq_len_too_long(cfg, what, largest, world_size))
 

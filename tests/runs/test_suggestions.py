@@ -79,14 +79,16 @@ def test_val_fraction_field_doc_and_check_agree():
 
 def test_tiny_val_fraction_is_named_not_seq_len(data_args, shakespeare_path, tmp_path):
     """A validation share too small for one window: the error names data.val_fraction first, and its
-    suggestion passes (with a data.dir of its own: the prepared one holds the other split)."""
+    suggestion, with a data.dir of its own (the prepared one holds the tiny split now), passes as typed."""
     from data.prepare import ensure_prepared
 
     ensure_prepared(str(shakespeare_path), str(tmp_path / "data"), "char", 0.00001)
     args = [*data_args, "data.val_fraction=0.00001", f"data.dir={tmp_path / 'data'}", "seq_len=64"]
     err = _first_error(args)
     assert err.startswith("data.val_fraction=1e-05 is too small for seq_len=64"), err
-    _config_check([*args, *_suggestion(err), f"data.dir={tmp_path / 'other'}"])
+    fix = _suggestion(err)
+    assert fix[0] == "data.val_fraction=0.1" and fix[1].startswith(f"data.dir={tmp_path}/"), err
+    _config_check([*args, *fix])
 
 
 @pytest.mark.parametrize(("seq_len", "tokens"), [(127, 2048), (131, 2048), (113, 1000), (251, 65536)])
