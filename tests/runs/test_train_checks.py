@@ -135,10 +135,10 @@ def test_pinned_sdpa_backend_that_cannot_run(expect_error):
 def test_missing_data_file(expect_error, tmp_path):
     err = expect_error(**{"data.source": tmp_path / "nope.txt", "data.dir": tmp_path / "d"})
     assert f"data.source={tmp_path / 'nope.txt'} does not exist" in err
-    err = expect_error(**{"data.source": tmp_path, "data.dir": tmp_path / "d"})
-    assert (
-        "is a list of documents: use data.tokenizer=gpt2" in err
-    )  # a directory is a corpus of documents now
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.txt").write_text("one document")
+    err = expect_error(**{"data.source": tmp_path / "corpus", "data.dir": tmp_path / "d"})
+    assert "is a list of documents: use data.tokenizer=gpt2" in err  # a directory is a corpus of documents
 
 
 def test_documents_with_the_char_tokenizer_get_one_fix(expect_error, char_data, tmp_path):
