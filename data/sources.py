@@ -1,7 +1,7 @@
 r"""Corpus sources of the prepare step: what ``data.source`` / ``--source`` names, read as documents.
 
 - a UTF-8 text file: kind ``"text"``, one document or documents split on ``data.doc_separator``;
-- a directory (its non-hidden files, sorted), a glob, or one ``.jsonl`` / ``.json`` / ``.json.gz`` /
+- a directory (its non-hidden files, sorted), a glob, or one ``.jsonl`` / ``.jsonl.gz`` / ``.json.gz`` /
   ``.parquet`` file: kind ``"docs"``; a text file is one document, a record file one per line / row (its
   ``text_field``). Identified by the files' names, sizes and mtimes (hashing 50 GB per launch costs minutes);
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset's ``train`` split (``datasets``, streaming; a folder written
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")  # .json: datasets' to_json
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json.gz", ".parquet")
 HF_PREFIX = "hf:"
 _GLOB_CHARS = "*?["
 BLOCK_BYTES = 1 << 20  # a text file is read in blocks of 1 MB
@@ -266,8 +266,7 @@ def _json_records(path: Path) -> Iterator[tuple[object, str]]:
                     raise _not_utf8(where, e, e.start) from e
                 except json.JSONDecodeError as e:
                     raise SourceError(
-                        f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files (a "
-                        "JSON array: one record per line, e.g. Dataset.to_json's default)"
+                        f"{where} is not a JSON object per line ({e.msg}); pass JSON Lines files"
                     ) from e
     except (gzip.BadGzipFile, EOFError) as e:
         raise SourceError(f"{path} is not a readable gzip file ({e})") from e
@@ -407,12 +406,18 @@ def open_source(source: str | os.PathLike, text_field: str = "text") -> Source:
 
 
 def prepared_inside_source(source, out: Path) -> Path | None:
-    """A folder beside a directory ``source`` when ``out`` is it or inside it (its token files and meta.json
-    would become documents of the corpus), else None."""
+    """A folder beside a directory ``source`` when ``out`` is it or inside it, in a part that is read (its
+    token files and meta.json would become documents of the corpus; a hidden folder is never read), else
+    None."""
     if source is None or is_url(source) or is_hf(source) or _is_glob(str(source)):
         return None
-    src = Path(str(source)).expanduser().resolve()
-    if not src.is_dir() or not out.expanduser().resolve().is_relative_to(src):
+    try:
+        src = Path(str(source)).expanduser().resolve()
+        inside = src.is_dir() and out.expanduser().resolve().is_relative_to(src)
+    except (OSError, RuntimeError):  # a symlink loop: the source's own checks say what is wrong
+        return None
+    rel = out.expanduser().resolve().relative_to(src).parts if inside else ()
+    if not inside or any(part.startswith(".") for part in rel):
         return None
     return src.parent / f"{src.name}_tokens"
 

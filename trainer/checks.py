@@ -414,7 +414,7 @@ def check_data_source(cfg) -> None:
                     f"data.source={src} is not readable ({e.strerror}); fix its permissions"
                 ) from e
     d = Path(str(cfg.data.dir)).expanduser()
-    if (inside := prepared_inside_source(src, d)) is not None:
+    if not cfg.resume and (inside := prepared_inside_source(src, d)) is not None:  # a resume keeps its own
         raise ConfigError(
             f"data.dir={cfg.data.dir} is inside data.source={src}: its token files would join the corpus "
             f"(the next run finds the source changed); pass a folder outside it, e.g. data.dir={inside}"

@@ -57,10 +57,6 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
     if kind == "jsonl":
         _write_jsonl(tmp_path / "c.jsonl", docs)
         return str(tmp_path / "c.jsonl")
-    if kind == "json":  # JSON Lines named .json, as datasets' Dataset.to_json writes them
-        (tmp_path / "exported").mkdir()
-        _write_jsonl(tmp_path / "exported" / "c.json", docs)
-        return str(tmp_path / "exported")
     if kind == "json_gz":  # gzip-compressed JSON Lines
         import gzip
 
@@ -95,7 +91,7 @@ def _corpus(tmp_path, kind: str, docs: list[str]) -> str:
 
 
 @pytest.mark.parametrize(
-    "kind", ["dir", "jsonl", "json", "json_gz", "glob", "parquet", "hf", "hf_saved", "hf_saved_dict"]
+    "kind", ["dir", "jsonl", "json_gz", "glob", "parquet", "hf", "hf_saved", "hf_saved_dict"]
 )
 def test_sources_prepare_every_document_with_eot(tmp_path, gpt2_bpe, seed, kind):
     docs = _docs(40, seed)

@@ -231,6 +231,8 @@ def test_a_data_dir_inside_a_folder_source_is_refused_with_one_outside(tmp_path,
     (new_dir,) = hints(str(e.value), "data.dir", src / inside)
     assert not Path(new_dir).resolve().is_relative_to(src.resolve()), new_dir
     check_data_source(compose_cfg([*base, f"data.dir={new_dir}"]))
+    check_data_source(compose_cfg([*base, f"data.dir={src / '.tok'}"]))  # hidden: never read as corpus
+    check_data_source(compose_cfg([*base, f"data.dir={src / inside}", "resume=true"]))  # a run's own
 
 
 @pytest.mark.parametrize("empty", ["data.source=", "data.source=''", "data.dir=", "data.dir=' '"])
