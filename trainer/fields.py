@@ -208,18 +208,29 @@ def config_error_from(exc: BaseException, schema: type) -> ConfigError | None:
     return None
 
 
-_IN_JOB = [False]  # True while a Hydra task function runs: its exceptions are no config errors
+_RAISED_IN_JOB: list[BaseException] = []  # what Hydra task functions raised (bugs, not config errors)
 
 
 @contextlib.contextmanager
 def in_job() -> Iterator[None]:
     """Mark the body of a Hydra task function: an exception raised there is a bug (traceback), never
-    reported as a composition error by ``report_config_errors``."""
-    _IN_JOB[0] = True
+    reported as a composition error by ``report_config_errors`` (recorded here: Hydra re-raises it after
+    the body has left, so a flag set while the body runs would be down again)."""
     try:
         yield
-    finally:
-        _IN_JOB[0] = False
+    except Exception as e:
+        _RAISED_IN_JOB.append(e)
+        raise
+
+
+def _raised_in_job(e: BaseException | None) -> bool:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if any(e is x for x in _RAISED_IN_JOB):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def report_config_errors(main: Callable[[], None], schema: type, say: bool = True) -> int:
@@ -234,7 +245,8 @@ def report_config_errors(main: Callable[[], None], schema: type, say: bool = Tru
     try:
         main()
     except Exception as e:
-        err = None if _IN_JOB[0] else config_error_from(e, schema)
+        err = None if _raised_in_job(e) else config_error_from(e, schema)
+        _RAISED_IN_JOB.clear()
         if err is None:
             raise
         if say:

@@ -1025,6 +1025,26 @@ def test_a_null_or_removed_key_names_a_value_that_works(overrides, expected):
     assert str(err) == expected
 
 
+def test_a_bug_inside_a_job_is_a_traceback_not_a_config_error():
+    """A config key misread by the trainer's own code (inside the task function) re-raises with its
+    traceback; the same error while composing (outside any job) is one config error line, exit 2."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigAttributeError
+
+    from trainer.config import TrainConfig
+    from trainer.fields import in_job, report_config_errors
+
+    cfg = OmegaConf.structured(TrainConfig)
+
+    def job():
+        with in_job():
+            return cfg.seq_lenn  # a misspelt key in the code, not in the user's config
+
+    with pytest.raises(ConfigAttributeError):
+        report_config_errors(job, TrainConfig)
+    assert report_config_errors(lambda: cfg.seq_lenn, TrainConfig, say=False) == 2
+
+
 def test_an_interpolation_of_a_removed_key_names_a_value_that_works():
     """~seq_len without out_dir: Hydra's run dir ${out_dir} -> runs/${run_name} cannot be resolved;
     sample.py's ~temperature: the same check as train.py's."""
