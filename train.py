@@ -50,7 +50,7 @@ def _after_the_end(status: str, exit_code: int):
         if int(os.environ.get("RANK", "0")) == 0:
             name = signal.Signals(signum).name
             print(
-                f"{name} after the run ended ({status}): nothing lost; exiting", file=sys.stderr, flush=True
+                f"{name} after the run ended ({status}): exiting with its status", file=sys.stderr, flush=True
             )
         with contextlib.suppress(Exception):
             sys.stdout.flush()
@@ -108,11 +108,11 @@ def main(cfg: DictConfig) -> None:
         if int(os.environ.get("RANK", "0")) == 0:
             print("interrupted; exiting now", file=sys.stderr, flush=True)
         os._exit(128 + getattr(e, "signum", signal.SIGINT))
+    if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
+        shutil.rmtree(out_dir, ignore_errors=True)
     if not multirun:  # a sweep's next job installs its own handlers
         for sig in _START_SIGNALS:
             signal.signal(sig, _after_the_end(outcome.status, outcome.exit_code))
-    if out_dir.name.startswith(_RANK_DIR_PREFIX):  # a non-main rank's throwaway Hydra dir
-        shutil.rmtree(out_dir, ignore_errors=True)
     if multirun and int(os.environ.get("RANK", "0")) == 0:
         status = REFUSED if outcome.taken_dir else outcome.status
         _SWEEP_JOBS.append((str(out_dir), status, outcome.exit_code))
