@@ -413,11 +413,10 @@ def prepared_inside_source(source, out: Path) -> Path | None:
         return None
     try:
         src = Path(str(source)).expanduser().resolve()
-        inside = src.is_dir() and out.expanduser().resolve().is_relative_to(src)
-    except (OSError, RuntimeError):  # a symlink loop: the source's own checks say what is wrong
+        rel = out.expanduser().resolve().relative_to(src).parts
+    except (ValueError, OSError, RuntimeError):  # not inside; a symlink loop (the source's checks say so)
         return None
-    rel = out.expanduser().resolve().relative_to(src).parts if inside else ()
-    if not inside or any(part.startswith(".") for part in rel):
+    if not src.is_dir() or any(part.startswith(".") for part in rel):
         return None
     return src.parent / f"{src.name}_tokens"
 
